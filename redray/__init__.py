@@ -1,0 +1,28 @@
+"""redray: distributed training and inference of JAX models in three functions.
+
+The user writes::
+
+    def collate(examples):               # list of raw examples -> dict of numpy arrays
+    def loss(model, batch, rng, train):  # -> scalar, or (scalar, dict of metrics)
+    def predict(model, batch, rng):      # -> per-example outputs (batch-major pytree)
+
+and redray does the rest. Public API:
+
+* ``Trainer(model, collate, loss, optimizer, predict=None, batch_size=..., model_axis=...,
+  fsdp_axis=..., micro_batch_size=..., compute_dtype=..., rules=...)``: ``init``,
+  ``fit``, ``evaluate``, ``train_step``, ``plan``, ``predictor``, ``model``.
+* ``Predictor(model, collate, predict, params=..., batch_size=...)``: ``predict``.
+* ``LinenModel(module, *example_inputs)``: use a Linen module as ``model``.
+* ``make_mesh(data_axis, fsdp_axis, model_axis)``: the device mesh.
+* ``derive_specs``, ``plan``, ``format_plan``: automatic sharding and its plan.
+* ``PipelineError``: what a user function returned that cannot be used, and the fix.
+"""
+
+from redray.engine import LinenModel, Predictor, Trainer
+from redray.pipeline import Pipeline, PipelineError
+from redray.sharding import derive_specs, format_plan, make_mesh, plan
+
+__version__ = "0.1.0"
+
+__all__ = ["LinenModel", "Pipeline", "PipelineError", "Predictor", "Trainer", "derive_specs",
+           "format_plan", "make_mesh", "plan"]

@@ -1,0 +1,108 @@
+"""The Predictor: batched, sharded prediction that returns one output per input, in order."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from redray.engine.batches import collate_checked, pad_examples, to_global
+from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
+from redray.pipeline import PipelineError, check_predict_output
+from redray.sharding import batch_sharding, data_parallel_size
+
+
+class Predictor:
+    """Runs the user's ``predict`` over a list of examples on every local device.
+
+    The last batch is padded (by repeating its last example) to the batch size and the
+    padded rows are dropped, so every input gets exactly one output, in input order.
+
+    Args:
+      model: a function building a ``flax.nnx.Module`` or a ``redray.LinenModel``.
+      collate: list of examples -> dict of numpy arrays, one row per example.
+      predict: (model, batch, rng) -> pytree of arrays, each with the batch first.
+      params, extra: trained parameters (and other model state, e.g. batch statistics)
+        in the model's structure; None initializes fresh ones (directly sharded).
+      batch_size: examples per prediction step (a multiple of the data-parallel size).
+      mesh, data_axis, fsdp_axis, model_axis, compute_dtype, rules, seed: as for Trainer.
+    """
+
+    def __init__(self, model: Any, collate: Callable, predict: Callable, *, params=None,
+                 extra=None, batch_size: int, mesh: Mesh | None = None, data_axis="auto",
+                 fsdp_axis=1, model_axis=1, compute_dtype=None, rules=(), seed: int = 0):
+        mesh = resolve_mesh(mesh, data_axis, fsdp_axis, model_axis)
+        self._setup(ModelRuntime(model, mesh, compute_dtype, rules, seed), collate, predict,
+                    batch_size, seed)
+        self._given = (params, extra)
+
+    @classmethod
+    def _from_runtime(cls, runtime, collate, predict, params, extra, batch_size, seed):
+        self = cls.__new__(cls)
+        self._setup(runtime, collate, predict, batch_size, seed)
+        self._given = None
+        self.params, self.extra = params, extra
+        return self
+
+    def _setup(self, runtime, collate, predict, batch_size, seed):
+        if not callable(predict):
+            raise PipelineError(f"predict must be a function, got {predict!r}")
+        dp = data_parallel_size(runtime.mesh)
+        if not isinstance(batch_size, int) or batch_size < 1 or batch_size % dp:
+            raise ValueError(f"batch_size={batch_size!r} must be a positive multiple of the "
+                             f"{dp} data-parallel devices")
+        self.runtime, self.collate, self.predict_fn = runtime, collate, predict
+        self.batch_size, self.seed = batch_size, seed
+        self._step = None
+
+    def _prepare(self, sample: dict) -> None:
+        rt, predict = self.runtime, self.predict_fn
+        abstract = abstract_batch(sample, self.batch_size)
+        out = jax.eval_shape(
+            lambda p, e, b: rt.apply(lambda m, bb: predict(m, bb, jax.random.key(0)), p, e,
+                                     jax.random.key(0), b)[0], *rt.abstract, abstract)
+        check_predict_output(out, self.batch_size)
+        if rt.specs is None:
+            rt.derive(lambda m, b: predict(m, b, jax.random.key(0)), abstract)
+        if self._given is not None:
+            params, extra = self._given
+            if params is None:
+                self.params, self.extra = rt.init()
+            else:
+                if extra is None:
+                    extra = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), rt.abstract[1])
+                self.params, self.extra = rt.place(params, extra)
+            self._given = None
+
+        def step(params, extra, batch, rng):
+            out, _ = rt.apply(lambda m, b: predict(m, b, rng), params, extra, rng, batch)
+            return out
+
+        self._step = jax.jit(step, out_shardings=rt.replicated())
+
+    def predict(self, examples: Sequence) -> list:
+        """One output per example, in order: a list of per-example pytrees of numpy."""
+        examples = list(examples)
+        if not examples:
+            return []
+        size = self.batch_size
+        rng = jax.random.fold_in(jax.random.key(self.seed), 3)
+        sharding = batch_sharding(self.runtime.mesh)
+        pending = []
+        for start in range(0, len(examples), size):
+            chunk = examples[start:start + size]
+            batch = collate_checked(self.collate, pad_examples(chunk, size), exact=True)
+            if self._step is None:
+                self._prepare(batch)
+            out = self._step(self.params, self.extra, to_global(batch, sharding),
+                             jax.random.fold_in(rng, start))
+            pending.append((len(chunk), out))
+        results = []
+        for n, out in pending:
+            host = jax.device_get(out)
+            leaves, treedef = jax.tree.flatten(host)
+            for i in range(n):
+                results.append(jax.tree.unflatten(treedef, [np.asarray(l[i]) for l in leaves]))
+        return results

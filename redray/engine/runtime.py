@@ -1,0 +1,84 @@
+"""What Trainer and Predictor share: the model, its mesh, its specs and its placement."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from redray.engine.model import abstract_state, adapter, cast_floating
+from redray.sharding import derive_specs, format_plan, make_mesh, plan, shardings
+
+
+def resolve_mesh(mesh: Mesh | None, data_axis, fsdp_axis, model_axis) -> Mesh:
+    if mesh is not None:
+        return mesh
+    return make_mesh(data_axis=data_axis, fsdp_axis=fsdp_axis, model_axis=model_axis)
+
+
+class ModelRuntime:
+    """A model on a mesh: abstract shapes, derived specs, sharded init and binding.
+
+    Args:
+      model: a function building an ``nnx.Module`` (optionally taking ``nnx.Rngs``), or
+        a ``redray.LinenModel``.
+      mesh: the device mesh.
+      compute_dtype: dtype the model computes in (parameters stay float32); None keeps
+        the parameters' dtype.
+      rules: ordered (regex on parameter path, PartitionSpec) overrides.
+      seed: initialization seed.
+    """
+
+    def __init__(self, model: Any, mesh: Mesh, compute_dtype=None, rules=(), seed: int = 0):
+        self.adapter = adapter(model)
+        self.mesh = mesh
+        self.compute_dtype = compute_dtype
+        self.rules = rules
+        self.init_key = jax.random.fold_in(jax.random.key(seed), 0)
+        self.abstract = abstract_state(self.adapter, self.init_key)
+        self.specs = None
+
+    def apply(self, fn: Callable, params, extra, rng, *args):
+        """Runs ``fn(model, *args)`` on the bound model; returns (output, new extra)."""
+        model = self.adapter.bind(cast_floating(params, self.compute_dtype), extra, rng)
+        out = fn(model, *args)
+        return out, self.adapter.extra_of(model, extra)
+
+    def derive(self, fn: Callable, *abstract_args):
+        """Derives (params, extra) specs by tracing ``fn(model, *abstract_args)`` once."""
+        rng = jax.random.key(0)
+
+        def run(state, *args):
+            out, _ = self.apply(fn, state[0], state[1], rng, *args)
+            return out
+
+        self.specs = derive_specs(self.abstract, self.mesh, run, abstract_args, self.rules)
+        return self.specs
+
+    @property
+    def shardings(self):
+        return shardings(self.mesh, self.specs)
+
+    def init(self):
+        """(params, extra) created directly on their shards: no full copy on one device."""
+        return jax.jit(self.adapter.init, out_shardings=self.shardings)(self.init_key)
+
+    def place(self, params, extra):
+        """Puts given (params, extra) onto this runtime's shardings."""
+        return jax.device_put((params, extra), self.shardings)
+
+    def bound(self, params, extra, rng=None):
+        """The user's model object, bound to concrete parameters (for inspection)."""
+        return self.adapter.bind(params, extra, jax.random.key(0) if rng is None else rng)
+
+    def plan_text(self) -> str:
+        return format_plan(plan(self.abstract, self.specs, self.mesh), self.mesh)
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+
+def abstract_batch(batch: dict, rows: int) -> dict:
+    """ShapeDtypeStructs of ``batch`` with ``rows`` rows."""
+    return {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in batch.items()}

@@ -1,0 +1,353 @@
+"""The Trainer: one jitted, sharded, donated train step over all of a process's devices."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from redray.engine.batches import collate_checked, epoch_order, to_global
+from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
+from redray.pipeline import Pipeline, PipelineError, split_loss_output
+from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size, follow_specs
+
+
+class Trainer:
+    """Trains a model with the user's ``collate`` and ``loss`` on every local device.
+
+    Parameters are created directly sharded, every step is one ``jax.jit`` program
+    with explicit in/out shardings and donated state, micro-batches accumulate into
+    the global batch inside that program, and learning-rate schedules count optimizer
+    updates (one per global batch), never micro-batches.
+
+    Args:
+      model: a function building a ``flax.nnx.Module`` (it may take an ``nnx.Rngs``),
+        or a ``redray.LinenModel``.
+      collate: list of examples -> dict of numpy arrays.
+      loss: (model, batch, rng, train) -> scalar or (scalar, dict of metrics).
+      optimizer: an ``optax.GradientTransformation``.
+      predict: optional (model, batch, rng) -> batch-major pytree.
+      batch_size: examples per optimizer update (the global batch).
+      micro_batch_size: examples per device per forward/backward; the rest of the
+        global batch is gradient accumulation. Default: no accumulation.
+      eval_batch_size: examples per evaluation step (default: ``batch_size``).
+      mesh: a mesh from ``redray.make_mesh``; or give the axis sizes below.
+      data_axis, fsdp_axis, model_axis: mesh sizes (ints or "auto").
+      compute_dtype: dtype of the forward/backward (e.g. ``jnp.bfloat16``); parameters
+        and optimizer state stay float32.
+      rules: ordered (regex on parameter path, PartitionSpec) overriding automatic specs.
+      learning_rate: the schedule (or float) given to the optimizer, to log it.
+      seed: seeds initialization, data order and the ``rng`` given to ``loss``.
+      log_every: steps between metric fetches from the devices (no sync in between).
+      progress: show a progress bar.
+    """
+
+    def __init__(self, model: Any, collate: Callable, loss: Callable,
+                 optimizer: optax.GradientTransformation, predict: Callable | None = None, *,
+                 batch_size: int, micro_batch_size: int | None = None,
+                 eval_batch_size: int | None = None, mesh: Mesh | None = None,
+                 data_axis="auto", fsdp_axis=1, model_axis=1, compute_dtype=None, rules=(),
+                 learning_rate=None, seed: int = 0, log_every: int = 10, progress: bool = True):
+        self.pipeline = Pipeline(collate, loss, predict)
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(f"optimizer must be an optax.GradientTransformation "
+                            f"(e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.mesh = resolve_mesh(mesh, data_axis, fsdp_axis, model_axis)
+        self.dp = data_parallel_size(self.mesh)
+        self.batch_size, self.accum, self.micro = _batch_layout(batch_size, micro_batch_size, self.dp)
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.runtime = ModelRuntime(model, self.mesh, compute_dtype, rules, seed)
+        self.learning_rate = learning_rate
+        self.seed = seed
+        self.log_every = max(1, int(log_every))
+        self.progress = progress
+        self.state = None
+        self._steps: dict = {}
+
+    # ---------------------------------------------------------------- set-up
+    def init(self, examples: Sequence) -> None:
+        """Validates the pipeline on the first batch, derives specs and creates the state.
+
+        Called by ``fit`` and ``evaluate`` when needed; call it yourself to inspect
+        ``plan()`` before training.
+        """
+        if self.state is not None:
+            return
+        if len(examples) < self.batch_size:
+            raise ValueError(f"{len(examples)} training examples are fewer than batch_size="
+                             f"{self.batch_size}: lower batch_size or add data")
+        sample = collate_checked(self.pipeline.collate, examples[:self.batch_size])
+        micro_global = self.micro * self.dp
+        abstract = abstract_batch(sample, micro_global)
+        self._check_loss(abstract)
+        loss = self.pipeline.loss
+        self.runtime.derive(lambda model, batch: _loss_value(loss(model, batch, jax.random.key(0), True)),
+                            abstract)
+        params_sh, extra_sh = self.runtime.shardings
+        param_specs = self.runtime.specs[0]
+        abstract_params = self.runtime.abstract[0]
+        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
+        opt_specs = follow_specs(abstract_opt, abstract_params, param_specs)
+        repl = self.runtime.replicated()
+        self.state_shardings = {
+            "step": repl, "rng": repl, "params": params_sh, "extra": extra_sh,
+            "opt_state": jax.tree.map(lambda s: NamedSharding(self.mesh, s), opt_specs,
+                                      is_leaf=lambda x: isinstance(x, P)),
+        }
+
+        def init_state(key):
+            params, extra = self.runtime.adapter.init(self.runtime.init_key)
+            return {"step": jnp.zeros((), jnp.int32), "rng": key, "params": params,
+                    "extra": extra, "opt_state": self.optimizer.init(params)}
+
+        self.state = jax.jit(init_state, out_shardings=self.state_shardings)(
+            jax.random.fold_in(jax.random.key(self.seed), 1))
+
+    def _check_loss(self, abstract):
+        rt, loss = self.runtime, self.pipeline.loss
+        out, _ = jax.eval_shape(
+            lambda p, e, b: rt.apply(lambda m, bb: loss(m, bb, jax.random.key(0), True), p, e,
+                                     jax.random.key(0), b),
+            *rt.abstract, abstract)
+        split_loss_output(out)
+
+    def plan(self) -> str:
+        """The sharding plan (path, shape, spec, bytes per device); after ``init``."""
+        self._require_init("plan")
+        return self.runtime.plan_text()
+
+    @property
+    def model(self):
+        """The trained model as the user's object (NNX module or bound Linen module)."""
+        self._require_init("model")
+        return self.runtime.bound(self.state["params"], self.state["extra"])
+
+    def _require_init(self, what):
+        if self.state is None:
+            raise RuntimeError(f"Trainer.{what} needs the model: call trainer.init(examples) "
+                               "or trainer.fit(...) first")
+
+    # ---------------------------------------------------------------- steps
+    def _train_step_fn(self):
+        rt, loss, tx = self.runtime, self.pipeline.loss, self.optimizer
+        accum, micro_global = self.accum, self.micro * self.dp
+        micro_sharding = NamedSharding(self.mesh, P(None, BATCH_AXES))
+
+        def loss_of(params, extra, batch, rng):
+            out, new_extra = rt.apply(lambda m, b: loss(m, b, rng, True), params, extra, rng, batch)
+            value, metrics = split_loss_output(out)
+            return value, (metrics, new_extra)
+
+        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+
+        def step(state, batch):
+            rng, step_rng = jax.random.split(state["rng"])
+            params = state["params"]
+            if accum == 1:
+                (value, (metrics, extra)), grads = grad_fn(params, state["extra"], batch, step_rng)
+            else:
+                # Row m*accum + a of the global batch goes to micro-batch a: every
+                # micro-batch keeps the batch's split over devices, no data moves.
+                micro = jax.tree.map(
+                    lambda x: jax.lax.with_sharding_constraint(
+                        x.reshape(micro_global, accum, *x.shape[1:]).swapaxes(0, 1),
+                        micro_sharding), batch)
+
+                def body(carry, xs):
+                    g_sum, v_sum, m_sum, extra = carry
+                    mb, i = xs
+                    (v, (m, extra)), g = grad_fn(params, extra, mb, jax.random.fold_in(step_rng, i))
+                    g_sum = jax.tree.map(jnp.add, g_sum, g)
+                    m_sum = jax.tree.map(jnp.add, m_sum, m)
+                    return (g_sum, v_sum + v, m_sum, extra), None
+
+                zeros = jax.tree.map(jnp.zeros_like, params)
+                m_zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                      jax.eval_shape(lambda: grad_fn(params, state["extra"],
+                                                                     jax.tree.map(lambda x: x[0], micro),
+                                                                     step_rng)[0][1][0]))
+                (g_sum, v_sum, m_sum, extra), _ = jax.lax.scan(
+                    body, (zeros, jnp.zeros((), jnp.float32), m_zero, state["extra"]),
+                    (micro, jnp.arange(accum)))
+                grads = jax.tree.map(lambda g: g / accum, g_sum)
+                value = v_sum / accum
+                metrics = jax.tree.map(lambda m: m / accum, m_sum)
+            updates, opt_state = tx.update(grads, state["opt_state"], params)
+            new_params = optax.apply_updates(params, updates)
+            out = {"loss": value.astype(jnp.float32), "grad_norm": optax.tree.norm(grads)}
+            out.update({k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()})
+            new_state = {"step": state["step"] + 1, "rng": rng, "params": new_params,
+                         "extra": extra, "opt_state": opt_state}
+            return new_state, out
+
+        return jax.jit(step, in_shardings=(self.state_shardings, batch_sharding(self.mesh)),
+                       out_shardings=(self.state_shardings, self.runtime.replicated()),
+                       donate_argnums=0)
+
+    def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """One optimizer update on a collated global batch; metrics stay on device."""
+        self._require_init("train_step")
+        if "train" not in self._steps:
+            self._steps["train"] = self._train_step_fn()
+        rows = next(iter(batch.values())).shape[0]
+        if rows != self.batch_size:
+            raise PipelineError(f"the batch has {rows} rows but batch_size={self.batch_size}: "
+                                "collate must return one row per example")
+        self.state, metrics = self._steps["train"](self.state, to_global(batch, batch_sharding(self.mesh)))
+        return metrics
+
+    def _eval_step_fn(self):
+        rt, loss = self.runtime, self.pipeline.loss
+
+        def step(params, extra, batch, rng):
+            out, _ = rt.apply(lambda m, b: loss(m, b, rng, False), params, extra, rng, batch)
+            value, metrics = split_loss_output(out)
+            return {"loss": value.astype(jnp.float32),
+                    **{k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}}
+
+        return jax.jit(step, out_shardings=self.runtime.replicated())
+
+    # ---------------------------------------------------------------- loops
+    def evaluate(self, examples: Sequence) -> dict[str, float]:
+        """Mean loss and metrics over every example exactly once.
+
+        Full batches run split over the devices; a final partial batch runs at its
+        exact size (split if it divides, replicated otherwise), so no padding enters
+        the mean.
+        """
+        if not len(examples):
+            raise ValueError("evaluate got no examples")
+        self.init(examples)
+        if "eval" not in self._steps:
+            self._steps["eval"] = self._eval_step_fn()
+        size = self.eval_batch_size
+        rng = jax.random.fold_in(jax.random.key(self.seed), 2)
+        totals: dict[str, float] = {}
+        pending = []
+        for start in range(0, len(examples), size):
+            chunk = examples[start:start + size]
+            batch = collate_checked(self.pipeline.collate, chunk)
+            sharding = batch_sharding(self.mesh) if len(chunk) % self.dp == 0 \
+                else self.runtime.replicated()
+            placed = {k: jax.device_put(v, sharding) for k, v in batch.items()}
+            pending.append((len(chunk), self._steps["eval"](self.state["params"],
+                                                            self.state["extra"], placed, rng)))
+        for n, metrics in pending:
+            for k, v in jax.device_get(metrics).items():
+                totals[k] = totals.get(k, 0.0) + float(v) * n
+        return {k: v / len(examples) for k, v in totals.items()}
+
+    def fit(self, train: Sequence, epochs: int = 1, eval_data: Sequence | None = None,
+            eval_metric: Callable | None = None, max_steps: int | None = None,
+            shuffle: bool = True) -> list[dict]:
+        """Trains for ``epochs`` passes over ``train`` (a list of examples).
+
+        Args:
+          train: the training examples (anything ``collate`` accepts, in a list).
+          epochs: passes over the data; each drops its last partial batch.
+          eval_data: examples evaluated (loss and metrics) after every epoch.
+          eval_metric: ``fn(examples, predictions) -> dict``; with ``predict`` given,
+            runs the Predictor on ``eval_data`` after every epoch and logs the result.
+          max_steps: stop after this many optimizer updates in total.
+          shuffle: shuffle each epoch by (seed, epoch).
+
+        Returns:
+          The logged history: one dict per ``log_every`` window (``step``, ``epoch``,
+          mean ``loss`` and metrics, ``learning_rate`` when known, ``steps_per_s``,
+          ``examples_per_s``) and one per evaluation (keys prefixed ``eval_``).
+        """
+        from tqdm.auto import tqdm
+
+        train = list(train)
+        self.init(train)
+        steps_per_epoch = len(train) // self.batch_size
+        history: list[dict] = []
+        done = int(jax.device_get(self.state["step"]))
+        for epoch in range(epochs):
+            order = epoch_order(len(train), self.seed, epoch, shuffle)
+            total = steps_per_epoch if max_steps is None else min(steps_per_epoch, max_steps - done)
+            bar = tqdm(total=total, desc=f"epoch {epoch}", disable=not self.progress, leave=False)
+            window, t0 = [], time.perf_counter()
+            for i in range(steps_per_epoch):
+                if max_steps is not None and done >= max_steps:
+                    break
+                idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+                batch = collate_checked(self.pipeline.collate, [train[j] for j in idx])
+                window.append(self.train_step(batch))
+                done += 1
+                bar.update(1)
+                if len(window) == self.log_every or i == steps_per_epoch - 1:
+                    row = self._summarize(window, done, epoch, time.perf_counter() - t0)
+                    history.append(row)
+                    bar.set_postfix(loss=f"{row['loss']:.4f}", steps_s=f"{row['steps_per_s']:.2f}",
+                                    ex_s=f"{row['examples_per_s']:.0f}")
+                    window, t0 = [], time.perf_counter()
+            if window:
+                history.append(self._summarize(window, done, epoch, time.perf_counter() - t0))
+            bar.close()
+            if eval_data is not None:
+                row = {"step": done, "epoch": epoch,
+                       **{f"eval_{k}": v for k, v in self.evaluate(list(eval_data)).items()}}
+                if eval_metric is not None and self.pipeline.predict is not None:
+                    preds = self.predictor().predict(list(eval_data))
+                    row.update({f"eval_{k}": float(v)
+                                for k, v in eval_metric(list(eval_data), preds).items()})
+                history.append(row)
+                if self.progress:
+                    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in row.items()))
+            if max_steps is not None and done >= max_steps:
+                break
+        return history
+
+    def _summarize(self, window, step, epoch, seconds) -> dict:
+        fetched = jax.device_get(window)
+        row = {"step": step, "epoch": epoch}
+        for k in fetched[0]:
+            row[k] = float(np.mean([m[k] for m in fetched]))
+        if self.learning_rate is not None:
+            lr = self.learning_rate
+            row["learning_rate"] = float(lr(step - 1) if callable(lr) else lr)
+        row["steps_per_s"] = len(window) / max(seconds, 1e-9)
+        row["examples_per_s"] = row["steps_per_s"] * self.batch_size
+        return row
+
+    def predictor(self, batch_size: int | None = None):
+        """A Predictor over this trainer's current parameters (no copy)."""
+        from redray.engine.predictor import Predictor
+
+        self._require_init("predictor")
+        if self.pipeline.predict is None:
+            raise PipelineError("this Trainer has no predict function: pass predict=... to Trainer")
+        return Predictor._from_runtime(self.runtime, self.pipeline.collate, self.pipeline.predict,
+                                       self.state["params"], self.state["extra"],
+                                       batch_size or self.eval_batch_size, self.seed)
+
+
+def _loss_value(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _batch_layout(batch_size: int, micro_batch_size: int | None, dp: int) -> tuple[int, int, int]:
+    """(global batch, accumulation steps, per-device micro batch), validated."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if batch_size % dp:
+        raise ValueError(f"batch_size={batch_size} does not split over the {dp} data-parallel "
+                         f"devices (data x fsdp axes): use a multiple of {dp}")
+    if micro_batch_size is None:
+        return batch_size, 1, batch_size // dp
+    if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    if batch_size % (micro_batch_size * dp):
+        raise ValueError(
+            f"batch_size={batch_size} is not a multiple of micro_batch_size={micro_batch_size} x "
+            f"{dp} data-parallel devices = {micro_batch_size * dp}: gradient accumulation needs "
+            "whole micro-batches")
+    return batch_size, batch_size // (micro_batch_size * dp), micro_batch_size

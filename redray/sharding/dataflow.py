@@ -1,0 +1,287 @@
+"""Which parameter feeds which: the model's real dataflow, read from one trace.
+
+The model (or the user's loss) is traced once on abstract inputs with
+``jax.make_jaxpr``. Walking the jaxpr, every value carries two facts:
+
+* ``view``: the value is a parameter seen through layout-only operations (dtype casts,
+  transposes, reshapes, slices), with the parameter dimensions each of its dimensions
+  comes from;
+* ``src``: the parameters whose matmul (or embedding lookup) output reaches the value
+  without passing through another parameter's matmul.
+
+A matmul between an activation and a parameter view records a *use*: which parameter
+dimensions it contracts (the layer's input) and which it keeps (its output), and the
+``src`` of the activation (the layers that feed it). The rules in ``rules.py`` turn
+these uses into tensor-parallel splits; nothing here depends on parameter names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.extend import core as jcore
+
+_EMPTY: frozenset = frozenset()
+
+# Operations that change only the layout or dtype of their first operand.
+_IDENTITY_VIEW = {
+    "convert_element_type", "copy", "copy_p", "reduce_precision", "sharding_constraint",
+    "mesh_cast", "pvary", "slice", "dynamic_slice", "device_put",
+}
+_ELEMENTWISE = {"add", "sub", "mul", "div", "max", "min", "add_any", "pow", "atan2", "rem"}
+_CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "remat2",
+          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """One use of a parameter found in the trace.
+
+    Attributes:
+      kind: "dot" (matmul or convolution), "gather" (embedding lookup) or
+        "elementwise" (added to or multiplied with an activation, like a bias).
+      in_dims: parameter dimensions the use contracts (dot) or indexes (gather).
+      out_dims: parameter dimensions that survive into the output, in order.
+      preds: parameters whose matmul output reaches the other operand.
+      order: position of the use in the trace (a topological order).
+    """
+    kind: str
+    in_dims: tuple[int, ...]
+    out_dims: tuple[int, ...]
+    preds: frozenset
+    order: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Info:
+    view: tuple[int, tuple[frozenset, ...]] | None = None  # (param index, dims per value dim)
+    src: frozenset = _EMPTY
+
+
+class Trace:
+    """Uses of every parameter, in trace order."""
+
+    def __init__(self, n_params: int):
+        self.n_params = n_params
+        self.uses: dict[int, list[Use]] = {}
+        self._counter = itertools.count()
+
+    def add(self, param: int, kind: str, in_dims, out_dims, preds) -> None:
+        self.uses.setdefault(param, []).append(
+            Use(kind, tuple(sorted(in_dims)), tuple(sorted(out_dims)), frozenset(preds),
+                next(self._counter)))
+
+    def consumers(self, param: int) -> list[int]:
+        """Parameters whose matmul or lookup takes this parameter's output as input."""
+        return [q for q, uses in self.uses.items()
+                if any(param in u.preds for u in uses if u.kind in ("dot", "gather"))]
+
+
+def trace(fn: Callable, leaves: Sequence[Any], *args) -> Trace:
+    """Traces ``fn(leaves, *args)`` on abstract values and records parameter uses.
+
+    Args:
+      fn: called as ``fn(list_of_param_leaves, *args)``.
+      leaves: the parameters (arrays or ``jax.ShapeDtypeStruct``), one per index.
+      *args: the other inputs, arrays or ``jax.ShapeDtypeStruct``.
+    """
+    closed = jax.make_jaxpr(fn)(list(leaves), *args)
+    n = len(leaves)
+    result = Trace(n)
+    infos = []
+    for i, var in enumerate(closed.jaxpr.invars):
+        if i < n and _shape(var):
+            infos.append(_Info(view=(i, tuple(frozenset({d}) for d in range(len(_shape(var)))))))
+        else:
+            infos.append(_Info())
+    _walk(closed.jaxpr, infos, result)
+    return result
+
+
+def _shape(var) -> tuple[int, ...]:
+    return tuple(getattr(var.aval, "shape", ()))
+
+
+def _walk(jaxpr, in_infos: Sequence[_Info], out: Trace) -> list[_Info]:
+    env: dict[Any, _Info] = {}
+
+    def read(v) -> _Info:
+        if isinstance(v, jcore.Literal):
+            return _Info()
+        return env.get(v, _Info())
+
+    for var, info in zip(jaxpr.invars, in_infos):
+        env[var] = info
+    for var in jaxpr.constvars:
+        env[var] = _Info()
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs = _eqn(eqn, ins, out)
+        for var, info in zip(eqn.outvars, outs):
+            env[var] = info
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _union_src(infos: Sequence[_Info]) -> frozenset:
+    return frozenset().union(*(i.src for i in infos)) if infos else _EMPTY
+
+
+def _generic(eqn, ins) -> list[_Info]:
+    src = _union_src(ins)
+    return [_Info(src=src) for _ in eqn.outvars]
+
+
+def _eqn(eqn, ins: list[_Info], out: Trace) -> list[_Info]:
+    name = eqn.primitive.name
+    p = eqn.params
+    if name == "dot_general":
+        return [_dot(eqn, ins, out)]
+    if name == "conv_general_dilated":
+        return [_conv(eqn, ins, out)]
+    if name == "gather" and ins[0].view is not None:
+        pidx, dims = ins[0].view
+        indexed = frozenset().union(*(dims[d] for d in p["dimension_numbers"].start_index_map))
+        all_dims = frozenset().union(*dims) if dims else _EMPTY
+        out.add(pidx, "gather", indexed, all_dims - indexed, _EMPTY)
+        return [_Info(src=frozenset({pidx}))]
+    if name in _CALLS:
+        inner = _inner_jaxpr(p)
+        if inner is not None and len(inner.invars) == len(ins):
+            return _walk(inner, ins, out)
+    if name == "scan":
+        return _scan(eqn, ins, out)
+    if name == "while":
+        return _while(eqn, ins, out)
+    if name == "cond":
+        branch_outs = [_walk(b.jaxpr, ins[1:], out) for b in p["branches"]]
+        return [_Info(src=_union_src(group)) for group in zip(*branch_outs)]
+    view = ins[0].view if ins else None
+    if view is not None and all(i.view is None for i in ins[1:]):
+        mapped = _map_view(eqn, view[1])
+        if mapped is not None:
+            return [_Info(view=(view[0], mapped), src=_union_src(ins))]
+    if name in _ELEMENTWISE and len(ins) == 2:
+        for a, b in ((ins[0], ins[1]), (ins[1], ins[0])):
+            if a.view is not None and b.view is None:
+                pidx, dims = a.view
+                all_dims = frozenset().union(*dims) if dims else _EMPTY
+                out.add(pidx, "elementwise", _EMPTY, all_dims, b.src)
+    return _generic(eqn, ins)
+
+
+def _inner_jaxpr(params):
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = params.get(key)
+        if j is None:
+            continue
+        return j.jaxpr if hasattr(j, "jaxpr") and not isinstance(j, jcore.Jaxpr) else j
+    return None
+
+
+def _dot(eqn, ins, out: Trace) -> _Info:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = ins
+    if (lhs.view is None) == (rhs.view is None):
+        if lhs.view is not None:  # parameter times parameter (e.g. a low-rank product)
+            srcs = frozenset({lhs.view[0], rhs.view[0]})
+            for info, contract in ((lhs, lc), (rhs, rc)):
+                _record_dot(out, info, contract, (), _EMPTY)
+            return _Info(src=srcs)
+        return _Info(src=lhs.src | rhs.src)
+    param, contract, batch, act = (lhs, lc, lb, rhs) if lhs.view is not None else (rhs, rc, rb, lhs)
+    _record_dot(out, param, contract, batch, act.src)
+    return _Info(src=frozenset({param.view[0]}))
+
+
+def _record_dot(out: Trace, info: _Info, contract, batch, preds) -> None:
+    pidx, dims = info.view
+    contracted = frozenset().union(*(dims[d] for d in contract)) if contract else _EMPTY
+    batched = frozenset().union(*(dims[d] for d in batch)) if batch else _EMPTY
+    all_dims = frozenset().union(*dims) if dims else _EMPTY
+    out.add(pidx, "dot", contracted, all_dims - contracted - batched, preds)
+
+
+def _conv(eqn, ins, out: Trace) -> _Info:
+    lhs, rhs = ins
+    if rhs.view is None:
+        return _Info(src=lhs.src | rhs.src)
+    pidx, dims = rhs.view
+    rhs_spec = eqn.params["dimension_numbers"].rhs_spec  # (out feature, in feature, spatial...)
+    out.add(pidx, "dot", dims[rhs_spec[1]], dims[rhs_spec[0]], lhs.src)
+    return _Info(src=frozenset({pidx}))
+
+
+def _map_view(eqn, dims: tuple[frozenset, ...]) -> tuple[frozenset, ...] | None:
+    """How a layout-only operation maps a parameter view's dimensions, or None."""
+    name = eqn.primitive.name
+    p = eqn.params
+    out_shape = _shape(eqn.outvars[0])
+    if name in _IDENTITY_VIEW:
+        return dims if len(out_shape) == len(dims) else None
+    if name == "transpose":
+        return tuple(dims[i] for i in p["permutation"])
+    if name == "squeeze":
+        drop = {d % len(dims) for d in p["dimensions"]}
+        return tuple(d for i, d in enumerate(dims) if i not in drop)
+    if name == "broadcast_in_dim":
+        in_shape = _shape(eqn.invars[0])
+        mapped = [_EMPTY] * len(out_shape)
+        for i, o in enumerate(p["broadcast_dimensions"]):
+            if in_shape[i] == out_shape[o]:
+                mapped[o] = dims[i]
+        return tuple(mapped)
+    if name == "reshape":
+        return _reshape_dims(_shape(eqn.invars[0]), out_shape, dims)
+    return None
+
+
+def _reshape_dims(in_shape, out_shape, dims) -> tuple[frozenset, ...]:
+    """Maps dimensions through a reshape by grouping runs whose sizes multiply equal."""
+    mapped = [_EMPTY] * len(out_shape)
+    ins = [i for i, s in enumerate(in_shape) if s != 1]
+    outs = [o for o, s in enumerate(out_shape) if s != 1]
+    i = o = 0
+    while i < len(ins) and o < len(outs):
+        group_in, group_out = [ins[i]], [outs[o]]
+        a, b = in_shape[ins[i]], out_shape[outs[o]]
+        i, o = i + 1, o + 1
+        while a != b:
+            if a < b:
+                a *= in_shape[ins[i]]
+                group_in.append(ins[i])
+                i += 1
+            else:
+                b *= out_shape[outs[o]]
+                group_out.append(outs[o])
+                o += 1
+        union = frozenset().union(*(dims[k] for k in group_in))
+        for k in group_out:
+            mapped[k] = union
+    return tuple(mapped)
+
+
+def _scan(eqn, ins, out: Trace) -> list[_Info]:
+    p = eqn.params
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    body = p["jaxpr"].jaxpr
+    consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
+    # A scanned-over parameter (layers stacked on axis 0) is seen one slice at a time.
+    xs_inner = [_Info(view=(x.view[0], x.view[1][1:]), src=x.src) if x.view else x for x in xs]
+    results = _walk(body, [*consts, *carry, *xs_inner], out)
+    # Second pass: what the carry holds after one iteration feeds the next.
+    carry2 = [_Info(src=c.src | r.src) for c, r in zip(carry, results[:ncarry])]
+    results = _walk(body, [*consts, *carry2, *xs_inner], out)
+    return [_Info(src=r.src) for r in results]
+
+
+def _while(eqn, ins, out: Trace) -> list[_Info]:
+    p = eqn.params
+    nb, ncond = p["body_nconsts"], p["cond_nconsts"]
+    body_consts, carry = ins[ncond:ncond + nb], ins[ncond + nb:]
+    results = _walk(p["body_jaxpr"].jaxpr, [*body_consts, *carry], out)
+    carry2 = [_Info(src=c.src | r.src) for c, r in zip(carry, results)]
+    results = _walk(p["body_jaxpr"].jaxpr, [*body_consts, *carry2], out)
+    return [_Info(src=r.src | c.src) for r, c in zip(results, carry2)]

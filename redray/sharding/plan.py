@@ -1,0 +1,68 @@
+"""The sharding plan: what every device holds, computed without allocating anything."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from redray.sharding.specs import flatten
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: P
+    bytes_per_device: int
+
+
+def _shards(spec: P, mesh_shape: dict) -> int:
+    n = 1
+    for entry in spec:
+        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+            if axis is not None:
+                n *= mesh_shape[axis]
+    return n
+
+
+def plan(tree, specs, mesh: Mesh) -> list[PlanRow]:
+    """One row per array: path, shape, dtype, spec and bytes held by each device.
+
+    Args:
+      tree: arrays or ``jax.ShapeDtypeStruct`` (e.g. from ``jax.eval_shape``).
+      specs: the matching tree of PartitionSpecs.
+      mesh: the mesh the specs refer to.
+    """
+    paths, leaves, _ = flatten(tree)
+    spec_leaves = _spec_leaves(specs)
+    rows = []
+    for path, leaf, spec in zip(paths, leaves, spec_leaves):
+        size = math.prod(leaf.shape) * leaf.dtype.itemsize
+        rows.append(PlanRow(path, tuple(leaf.shape), str(leaf.dtype), spec,
+                            size // _shards(spec, dict(mesh.shape))))
+    return rows
+
+
+def _spec_leaves(specs):
+    return jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def format_plan(rows: list[PlanRow], mesh: Mesh) -> str:
+    """A readable table of a plan, with totals per device."""
+    axes = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    width = max([len(r.path) for r in rows] + [9])
+    lines = [f"mesh {axes} ({mesh.size} devices)",
+             f"{'parameter':<{width}}  {'shape':<20} {'spec':<28} {'bytes/device':>14}"]
+    for r in rows:
+        lines.append(f"{r.path:<{width}}  {str(r.shape):<20} {str(tuple(r.spec)):<28} "
+                     f"{r.bytes_per_device:>14,}")
+    total = sum(r.bytes_per_device for r in rows)
+    full = sum(r.bytes_per_device * _shards(r.spec, dict(mesh.shape)) for r in rows)
+    lines.append(f"{'total':<{width}}  {'':<20} {'':<28} {total:>14,}  "
+                 f"(unsharded {full:,})")
+    return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""PartitionSpecs for every parameter: the paper's two rules, from the real dataflow.
+
+Rule 1 (dense layers): a layer fed by nothing split is *column* parallel (its output
+dimension is split over ``model``); a layer fed only by column-parallel layers is
+*row* parallel (its input dimension is split), so each column/row pair costs one
+all-reduce. A layer fed by a column layer is row even when replicated values were added
+on the way (a position bias added to attention scores): adding them keeps the split. Rule 2 (attention) follows from the same dataflow: Q, K and V read the
+(replicated) residual stream, so they are column parallel along their output (head)
+dimension; the output projection reads only what Q, K and V produced, so it is row
+parallel along its input dimension. Embedding tables (parameters indexed by a lookup)
+and LM heads (column layers at the end of the graph) split along the vocabulary.
+
+Which dimension: the first one that divides by the axis size, in the parameter's own
+order (heads before head_dim); if none divides, the parameter is replicated and the
+layers after it see an unsplit input. A column layer at the end of the graph whose
+output is smaller than its input (a classifier head) stays replicated: splitting it
+would only add an all-reduce of its input gradient.
+
+Biases and norm scales that are added to or multiply a column layer's output split
+with that output. The ``fsdp`` axis then shards the largest remaining divisible
+dimension of every floating-point array (ZeRO-3). User rules, an ordered list of
+(regex on the parameter path, spec), win over all of this.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from typing import Any, Iterable, Sequence
+
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from redray.sharding.dataflow import Trace
+
+# Only used for parameters the trace never reached (or when no trace is possible).
+_EMBED_NAME = re.compile(r"(^|/)(embed\w*|wte|wpe|shared|embedding|word_embeddings)(/|$)", re.I)
+
+
+def _first_divisible(dims: Iterable[int], shape: Sequence[int], n: int) -> int | None:
+    for d in sorted(dims):
+        if shape[d] % n == 0 and shape[d] >= n:
+            return d
+    return None
+
+
+def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
+                         model_size: int, paths: Sequence[str] = ()) -> list[int | None]:
+    """For each parameter, the dimension split over ``model`` (or None).
+
+    Args:
+      shapes: parameter shapes, indexed like the trace.
+      trace: the model's dataflow (``dataflow.trace``); None falls back to names.
+      model_size: size of the ``model`` axis.
+      paths: parameter paths, for the name fallback.
+    """
+    n = len(shapes)
+    split: list[int | None] = [None] * n
+    if model_size <= 1:
+        return split
+    role: dict[int, str] = {}
+    uses = trace.uses if trace is not None else {}
+    structural = sorted((p for p in uses if any(u.kind != "elementwise" for u in uses[p])),
+                        key=lambda p: uses[p][0].order)
+    for p in structural:
+        shape = shapes[p]
+        gathers = [u for u in uses[p] if u.kind == "gather"]
+        dots = [u for u in uses[p] if u.kind == "dot"]
+        if gathers:  # an embedding table: split the vocabulary, or replicate
+            split[p] = _first_divisible(gathers[0].in_dims, shape, model_size)
+            role[p] = "lookup"
+            continue
+        preds = frozenset().union(*(u.preds for u in dots))
+        # A split activation stays split when replicated values (a position bias,
+        # the residual stream) are added to it, so one column predecessor makes a row.
+        if any(role.get(q) == "column" for q in preds):
+            split[p] = _first_divisible(dots[0].in_dims, shape, model_size)
+            role[p] = "row" if split[p] is not None else "replicated"
+            continue
+        out_size = math.prod(shape[d] for d in dots[0].out_dims)
+        in_size = math.prod(shape[d] for d in dots[0].in_dims)
+        if not trace.consumers(p) and out_size < in_size:
+            role[p] = "replicated"
+            continue
+        split[p] = _first_divisible(dots[0].out_dims, shape, model_size)
+        role[p] = "column" if split[p] is not None else "replicated"
+    for p, pu in uses.items():
+        if p in role:
+            continue
+        split[p] = _follow_column_output(shapes, p, pu, role, split, uses)
+        role[p] = "follows"
+    for p, path in enumerate(paths):
+        if p not in role and len(shapes[p]) == 2 and _EMBED_NAME.search(path):
+            split[p] = _first_divisible([0], shapes[p], model_size)
+    return split
+
+
+def _follow_column_output(shapes, p, pu, role, split, uses) -> int | None:
+    """A bias or scale applied to exactly one column layer's output splits with it."""
+    for u in pu:
+        if len(u.preds) != 1:
+            continue
+        (k,) = u.preds
+        if role.get(k) != "column":
+            continue
+        out_dims = uses[k][0].out_dims if uses[k][0].kind == "dot" else ()
+        kernel_out = tuple(shapes[k][d] for d in out_dims)
+        squeezed = tuple(s for s in shapes[p] if s != 1)
+        if squeezed == kernel_out and split[k] in out_dims:
+            position = out_dims.index(split[k])
+            real = [d for d, s in enumerate(shapes[p]) if s != 1]
+            return real[position]
+    return None
+
+
+def fsdp_dim(shape: Sequence[int], taken: int | None, fsdp_size: int) -> int | None:
+    """The largest dimension (first on ties) not already split that divides by fsdp."""
+    best = None
+    for d, s in enumerate(shape):
+        if d != taken and s % fsdp_size == 0 and s >= fsdp_size:
+            if best is None or s > shape[best]:
+                best = d
+    return best
+
+
+def compile_rules(rules) -> list[tuple[re.Pattern, P]]:
+    """Validates user rules: an ordered list of (regex on the parameter path, spec)."""
+    compiled = []
+    for i, rule in enumerate(rules or ()):
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ValueError(
+                f"sharding rule #{i} is {rule!r}: each rule must be a pair "
+                f"(regex on the parameter path, PartitionSpec), e.g. (r'.*/wte/.*', P('model', None))")
+        pattern, spec = rule
+        try:
+            regex = re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"sharding rule #{i}: {pattern!r} is not a valid regex ({e})") from None
+        if spec is None:
+            spec = P()
+        if not isinstance(spec, P):
+            spec = P(*spec)
+        compiled.append((regex, spec))
+    return compiled
+
+
+def _check_user_spec(path: str, shape, spec: P, mesh_shape: dict, pattern: str) -> None:
+    if len(spec) > len(shape):
+        raise ValueError(f"sharding rule {pattern!r} gives {path} (shape {tuple(shape)}) the spec "
+                         f"{spec}, which has more entries than the array has dimensions")
+    for d, entry in enumerate(spec):
+        names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        size = 1
+        for a in names:
+            if a not in mesh_shape:
+                raise ValueError(f"sharding rule {pattern!r}: axis {a!r} is not a mesh axis "
+                                 f"(axes: {', '.join(mesh_shape)})")
+            size *= mesh_shape[a]
+        if shape[d] % size:
+            raise ValueError(f"sharding rule {pattern!r} splits dimension {d} of {path} "
+                             f"(size {shape[d]}) over {size} devices, which does not divide it")
+
+
+def partition_specs(paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                    dtypes: Sequence[Any], mesh_shape: dict, trace: Trace | None = None,
+                    rules=()) -> list[P]:
+    """The PartitionSpec of every array, from user rules, the dataflow and fsdp.
+
+    Args:
+      paths: "/"-joined parameter paths (what user regexes match).
+      shapes, dtypes: of each array.
+      mesh_shape: axis name -> size (``mesh.shape``).
+      trace: the dataflow of the model; None uses the name fallback only.
+      rules: ordered (regex, spec) pairs; the first match wins over the automatic spec.
+    """
+    compiled = compile_rules(rules)
+    model_size, fsdp_size = mesh_shape.get("model", 1), mesh_shape.get("fsdp", 1)
+    tp = tensor_parallel_dims(shapes, trace, model_size, paths)
+    used_rules = set()
+    specs = []
+    for i, (path, shape, dtype) in enumerate(zip(paths, shapes, dtypes)):
+        match = next(((k, spec) for k, (rx, spec) in enumerate(compiled) if rx.search(path)), None)
+        if match is not None:
+            used_rules.add(match[0])
+            _check_user_spec(path, shape, match[1], mesh_shape, compiled[match[0]][0].pattern)
+            specs.append(match[1])
+            continue
+        entries: list = [None] * len(shape)
+        floating = jnp.issubdtype(dtype, jnp.floating)
+        if floating and tp[i] is not None:
+            entries[tp[i]] = "model"
+        if floating and fsdp_size > 1:
+            d = fsdp_dim(shape, tp[i], fsdp_size)
+            if d is not None:
+                entries[d] = "fsdp"
+        while entries and entries[-1] is None:
+            entries.pop()
+        specs.append(P(*entries))
+    for k, (rx, _) in enumerate(compiled):
+        if k not in used_rules:
+            warnings.warn(f"sharding rule {rx.pattern!r} matched no parameter path "
+                          f"(paths look like {paths[0] if paths else '<none>'!r})", stacklevel=3)
+    return specs

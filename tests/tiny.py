@@ -1,0 +1,59 @@
+"""Tiny models shared by the engine tests."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+
+class TinyLM(nnx.Module):
+    """Embedding, one pre-norm attention + MLP block, tied LM head."""
+
+    def __init__(self, rngs, vocab=64, dim=32, heads=4, dropout=0.0):
+        self.heads = heads
+        self.wte = nnx.Embed(vocab, dim, rngs=rngs)
+        self.ln1 = nnx.LayerNorm(dim, rngs=rngs)
+        self.q, self.k, self.v = (nnx.Linear(dim, dim, rngs=rngs) for _ in range(3))
+        self.o = nnx.Linear(dim, dim, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(dim, rngs=rngs)
+        self.fc1 = nnx.Linear(dim, 4 * dim, rngs=rngs)
+        self.fc2 = nnx.Linear(4 * dim, dim, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, ids, train=False):
+        x = self.wte(ids)
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (f(h).reshape(b, t, self.heads, d // self.heads) for f in (self.q, self.k, self.v))
+        att = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d // self.heads)
+        att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
+        a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(att, -1), v).reshape(b, t, d)
+        x = x + self.drop(self.o(a), deterministic=not train)
+        x = x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
+        return self.wte.attend(x)
+
+
+def token_data(n, seq=16, vocab=64, seed=0):
+    """Sequences with a learnable pattern: next token = (token + 1) mod vocab, with noise."""
+    rs = np.random.default_rng(seed)
+    starts = rs.integers(0, vocab, n)
+    seqs = (starts[:, None] + np.arange(seq)[None]) % vocab
+    noise = rs.random((n, seq)) < 0.1
+    seqs = np.where(noise, rs.integers(0, vocab, (n, seq)), seqs)
+    return [{"ids": s.astype(np.int32)} for s in seqs]
+
+
+def lm_collate(examples):
+    return {"ids": np.stack([e["ids"] for e in examples])}
+
+
+def lm_loss(model, batch, rng, train):
+    logits = model(batch["ids"][:, :-1], train=train)
+    labels = batch["ids"][:, 1:]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    return loss.mean(), {"accuracy": (logits.argmax(-1) == labels).mean()}
+
+
+def lm_predict(model, batch, rng):
+    return model(batch["ids"]).argmax(-1)
