@@ -72,7 +72,7 @@ def check_batch(batch: Any, n_examples: int | None = None) -> dict[str, np.ndarr
         if not isinstance(value, np.ndarray):
             raise PipelineError(
                 f"collate returned batch[{key!r}] of type {type(value).__name__}: return a "
-                "numpy array (np.asarray(...))")
+                "numpy array with one row per example, e.g. np.full(len(examples), value)")
         if value.dtype == object:
             raise PipelineError(
                 f"collate returned batch[{key!r}] with dtype object (ragged or mixed rows): "
@@ -128,12 +128,19 @@ def split_loss_output(out: Any) -> tuple[Any, dict]:
             f"loss returned shape {tuple(shape)}, expected a scalar: reduce it, e.g. with .mean()")
     if not jax.numpy.issubdtype(out.dtype, jax.numpy.floating):
         raise PipelineError(f"loss returned dtype {out.dtype}, expected a floating-point scalar")
+    checked = {}
     for name, value in metrics.items():
-        if tuple(getattr(value, "shape", (None,))) != ():
+        try:
+            shape = tuple(jax.numpy.shape(value))
+        except TypeError:
+            raise PipelineError(f"loss metric {name!r} is a {type(value).__name__}, expected a "
+                                "scalar number or array") from None
+        if shape != ():
             raise PipelineError(
-                f"loss metric {name!r} has shape {tuple(getattr(value, 'shape', ()))}, expected "
-                "a scalar: reduce it, e.g. with .mean()")
-    return out, dict(metrics)
+                f"loss metric {name!r} has shape {shape}, expected a scalar: reduce it, "
+                "e.g. with .mean()")
+        checked[name] = value
+    return out, checked
 
 
 def check_predict_output(out: Any, batch_size: int) -> None:

@@ -69,12 +69,12 @@ def test_parameters_are_created_sharded():
     t = make_trainer(model_axis=2, fsdp_axis=2, data_axis=1)
     t.init(DATA)
     params = t.state["params"]
-    q = params["q"]["kernel"].value
+    q = params["q"]["kernel"][...]
     assert q.sharding.spec == P("fsdp", "model")
     assert {s.data.shape for s in q.addressable_shards} == {(16, 16)}
-    emb = params["wte"]["embedding"].value
+    emb = params["wte"]["embedding"][...]
     assert emb.sharding.spec == P("model", "fsdp")
-    mu = t.state["opt_state"][0].mu["q"]["kernel"].value
+    mu = t.state["opt_state"][0].mu["q"]["kernel"][...]
     assert mu.sharding.spec == q.sharding.spec  # optimizer state follows its parameter
     plan = t.plan()
     assert "q/kernel" in plan and "('fsdp', 'model')" in plan
@@ -83,8 +83,8 @@ def test_parameters_are_created_sharded():
 def test_user_rule_overrides_automatic_spec():
     t = make_trainer(model_axis=2, rules=[(r"^q/kernel$", P("model", None))])
     t.init(DATA)
-    assert t.state["params"]["q"]["kernel"].value.sharding.spec == P("model", None)
-    assert t.state["params"]["k"]["kernel"].value.sharding.spec == P(None, "model")
+    assert t.state["params"]["q"]["kernel"][...].sharding.spec == P("model", None)
+    assert t.state["params"]["k"]["kernel"][...].sharding.spec == P(None, "model")
 
 
 def test_mixed_precision_keeps_float32_parameters(one_device):
@@ -137,7 +137,7 @@ def test_model_state_besides_parameters_is_updated():
     t = redray.Trainer(lambda rngs: BNNet(rngs), collate, loss, optax.adam(1e-2), batch_size=16,
                        model_axis=2, progress=False)
     t.fit(data, epochs=1)
-    mean = np.asarray(t.state["extra"]["bn"]["mean"].value)
+    mean = np.asarray(t.state["extra"]["bn"]["mean"][...])
     assert np.all(mean != 0.0)  # the running mean moved away from its zero init
     assert t.plan().count("bn/") == 4
 
@@ -152,3 +152,28 @@ def test_dropout_runs_in_train_only():
     assert a == b  # deterministic in eval
     m1 = float(t.train_step(batch)["loss"])
     assert m1 != pytest.approx(a, rel=1e-6)  # dropout changed the training forward
+
+
+def test_fit_runs_eval_loss_and_predict_metric_each_epoch():
+    from tiny import lm_predict
+
+    def metric(examples, predictions):
+        hits = [np.mean(p[:-1] == e["ids"][1:]) for e, p in zip(examples, predictions)]
+        return {"next_token_accuracy": float(np.mean(hits))}
+
+    t = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+                       predict=lm_predict, batch_size=8, model_axis=2, progress=False)
+    history = t.fit(DATA[:64], epochs=2, eval_data=DATA[64:83], eval_metric=metric)
+    evals = [row for row in history if "eval_loss" in row]
+    assert [row["epoch"] for row in evals] == [0, 1]
+    assert {"eval_loss", "eval_accuracy", "eval_next_token_accuracy"} <= set(evals[0])
+    assert evals[1]["eval_loss"] < evals[0]["eval_loss"]
+    # eval accuracy from the loss and from the Predictor measure the same thing
+    assert evals[1]["eval_next_token_accuracy"] == pytest.approx(evals[1]["eval_accuracy"], rel=1e-5)
+
+
+def test_evaluate_before_fit_with_fewer_examples_than_a_batch():
+    t = make_trainer(model_axis=2)
+    assert np.isfinite(t.evaluate(DATA[:3])["loss"])
+    with pytest.raises(ValueError, match="fewer than batch_size=8"):
+        t.fit(DATA[:5])

@@ -1,4 +1,4 @@
-"""Tiny models shared by the engine tests."""
+"""Tiny models and helpers shared by the tests."""
 
 import jax
 import jax.numpy as jnp
@@ -57,3 +57,14 @@ def lm_loss(model, batch, rng, train):
 
 def lm_predict(model, batch, rng):
     return model(batch["ids"]).argmax(-1)
+
+
+class Counting:
+    """Wraps a collate function and counts its calls (to prove errors come early)."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, examples):
+        self.calls += 1
+        return self.fn(examples)

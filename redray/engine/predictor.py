@@ -39,11 +39,16 @@ class Predictor:
         self._given = (params, extra)
 
     @classmethod
-    def _from_runtime(cls, runtime, collate, predict, params, extra, batch_size, seed):
+    def _from_runtime(cls, runtime, collate, predict, source: Callable, batch_size, seed):
+        """A Predictor reading (params, extra) from ``source()`` at every call.
+
+        Used by ``Trainer.predictor``: the trainer's step donates its state, so holding
+        the arrays themselves would leave deleted buffers after the next update.
+        """
         self = cls.__new__(cls)
         self._setup(runtime, collate, predict, batch_size, seed)
         self._given = None
-        self.params, self.extra = params, extra
+        self._source = source
         return self
 
     def _setup(self, runtime, collate, predict, batch_size, seed):
@@ -56,6 +61,7 @@ class Predictor:
         self.runtime, self.collate, self.predict_fn = runtime, collate, predict
         self.batch_size, self.seed = batch_size, seed
         self._step = None
+        self._source = lambda: (self.params, self.extra)
 
     def _prepare(self, sample: dict) -> None:
         rt, predict = self.runtime, self.predict_fn
@@ -71,8 +77,9 @@ class Predictor:
             if params is None:
                 self.params, self.extra = rt.init()
             else:
-                if extra is None:
-                    extra = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), rt.abstract[1])
+                if extra is None:  # fresh model state (e.g. batch statistics), not zeros
+                    extra = jax.jit(lambda k: rt.adapter.init(k)[1],
+                                    out_shardings=rt.shardings[1])(rt.init_key)
                 self.params, self.extra = rt.place(params, extra)
             self._given = None
 
@@ -96,7 +103,8 @@ class Predictor:
             batch = collate_checked(self.collate, pad_examples(chunk, size), exact=True)
             if self._step is None:
                 self._prepare(batch)
-            out = self._step(self.params, self.extra, to_global(batch, sharding),
+            params, extra = self._source()
+            out = self._step(params, extra, to_global(batch, sharding),
                              jax.random.fold_in(rng, start))
             pending.append((len(chunk), out))
         results = []

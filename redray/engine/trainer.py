@@ -79,13 +79,12 @@ class Trainer:
         """
         if self.state is not None:
             return
-        if len(examples) < self.batch_size:
-            raise ValueError(f"{len(examples)} training examples are fewer than batch_size="
-                             f"{self.batch_size}: lower batch_size or add data")
+        if not len(examples):
+            raise ValueError("init needs at least one example to learn the batch's shapes")
         sample = collate_checked(self.pipeline.collate, examples[:self.batch_size])
         micro_global = self.micro * self.dp
         abstract = abstract_batch(sample, micro_global)
-        self._check_loss(abstract)
+        self._metric_names = self._check_loss(abstract)
         loss = self.pipeline.loss
         self.runtime.derive(lambda model, batch: _loss_value(loss(model, batch, jax.random.key(0), True)),
                             abstract)
@@ -115,7 +114,7 @@ class Trainer:
             lambda p, e, b: rt.apply(lambda m, bb: loss(m, bb, jax.random.key(0), True), p, e,
                                      jax.random.key(0), b),
             *rt.abstract, abstract)
-        split_loss_output(out)
+        return sorted(split_loss_output(out)[1])
 
     def plan(self) -> str:
         """The sharding plan (path, shape, spec, bytes per device); after ``init``."""
@@ -164,14 +163,11 @@ class Trainer:
                     mb, i = xs
                     (v, (m, extra)), g = grad_fn(params, extra, mb, jax.random.fold_in(step_rng, i))
                     g_sum = jax.tree.map(jnp.add, g_sum, g)
-                    m_sum = jax.tree.map(jnp.add, m_sum, m)
+                    m_sum = {k: m_sum[k] + jnp.asarray(m[k], jnp.float32) for k in m_sum}
                     return (g_sum, v_sum + v, m_sum, extra), None
 
                 zeros = jax.tree.map(jnp.zeros_like, params)
-                m_zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                      jax.eval_shape(lambda: grad_fn(params, state["extra"],
-                                                                     jax.tree.map(lambda x: x[0], micro),
-                                                                     step_rng)[0][1][0]))
+                m_zero = {k: jnp.zeros((), jnp.float32) for k in self._metric_names}
                 (g_sum, v_sum, m_sum, extra), _ = jax.lax.scan(
                     body, (zeros, jnp.zeros((), jnp.float32), m_zero, state["extra"]),
                     (micro, jnp.arange(accum)))
@@ -265,6 +261,9 @@ class Trainer:
         from tqdm.auto import tqdm
 
         train = list(train)
+        if len(train) < self.batch_size:
+            raise ValueError(f"{len(train)} training examples are fewer than batch_size="
+                             f"{self.batch_size}: lower batch_size or add data")
         self.init(train)
         steps_per_epoch = len(train) // self.batch_size
         history: list[dict] = []
@@ -319,14 +318,14 @@ class Trainer:
         return row
 
     def predictor(self, batch_size: int | None = None):
-        """A Predictor over this trainer's current parameters (no copy)."""
+        """A Predictor that always uses this trainer's latest parameters (no copy)."""
         from redray.engine.predictor import Predictor
 
         self._require_init("predictor")
         if self.pipeline.predict is None:
             raise PipelineError("this Trainer has no predict function: pass predict=... to Trainer")
         return Predictor._from_runtime(self.runtime, self.pipeline.collate, self.pipeline.predict,
-                                       self.state["params"], self.state["extra"],
+                                       lambda: (self.state["params"], self.state["extra"]),
                                        batch_size or self.eval_batch_size, self.seed)
 
 
