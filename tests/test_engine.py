@@ -177,3 +177,5 @@ def test_evaluate_before_fit_with_fewer_examples_than_a_batch():
     assert np.isfinite(t.evaluate(DATA[:3])["loss"])
     with pytest.raises(ValueError, match="fewer than batch_size=8"):
         t.fit(DATA[:5])
+    with pytest.raises(ValueError, match="eval_metric needs eval_data and a predict function"):
+        t.fit(DATA, eval_data=DATA[:8], eval_metric=lambda examples, predictions: {})

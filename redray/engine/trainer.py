@@ -261,6 +261,9 @@ class Trainer:
         from tqdm.auto import tqdm
 
         train = list(train)
+        if eval_metric is not None and (eval_data is None or self.pipeline.predict is None):
+            raise ValueError("eval_metric needs eval_data and a predict function: pass "
+                             "predict=... to Trainer and eval_data=... to fit")
         if len(train) < self.batch_size:
             raise ValueError(f"{len(train)} training examples are fewer than batch_size="
                              f"{self.batch_size}: lower batch_size or add data")
@@ -293,7 +296,7 @@ class Trainer:
             if eval_data is not None:
                 row = {"step": done, "epoch": epoch,
                        **{f"eval_{k}": v for k, v in self.evaluate(list(eval_data)).items()}}
-                if eval_metric is not None and self.pipeline.predict is not None:
+                if eval_metric is not None:
                     preds = self.predictor().predict(list(eval_data))
                     row.update({f"eval_{k}": float(v)
                                 for k, v in eval_metric(list(eval_data), preds).items()})
