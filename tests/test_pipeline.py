@@ -428,11 +428,17 @@ def test_model_axis_must_divide_devices():
         trainer(model_axis=3)
 
 
-def test_built_nnx_module_instead_of_factory():
-    with pytest.raises(TypeError, match=m("already-built NNX module", "pass a function",
-                                          "lambda rngs")):
-        redray.Trainer(Linear(nnx.Rngs(0)), collate, mse, optax.adam(1e-3), batch_size=8,
+def test_built_nnx_module_is_the_starting_point():
+    built = Linear(nnx.Rngs(7))
+    start = np.asarray(built.dense.kernel[...]).copy()
+    t = redray.Trainer(built, collate, mse, optax.adam(1e-2), batch_size=8, model_axis=2,
                        progress=False)
+    t.init(EXAMPLES)
+    np.testing.assert_array_equal(np.asarray(t.state["params"]["dense"]["kernel"][...]), start)
+    first = t.evaluate(EXAMPLES)["loss"]
+    t.fit(EXAMPLES, epochs=3)
+    assert t.evaluate(EXAMPLES)["loss"] < first
+    np.testing.assert_array_equal(np.asarray(built.dense.kernel[...]), start)  # the user's copy is untouched
 
 
 def test_bare_linen_module():

@@ -54,13 +54,18 @@ class _Linen:
 
 
 class _NNX:
-    def __init__(self, factory: Callable):
+    def __init__(self, factory: Callable | None, module: nnx.Module | None = None):
         self.factory = factory
         try:
-            self.takes_rngs = len(inspect.signature(factory).parameters) > 0
+            self.takes_rngs = factory is not None and len(inspect.signature(factory).parameters) > 0
         except (TypeError, ValueError):
             self.takes_rngs = True
         self.graphdef = None
+        # A module built by the user (e.g. from_pretrained): its arrays are the start.
+        self.values = None
+        if module is not None:
+            self.graphdef, params, extra = nnx.split(module, nnx.Param, ...)
+            self.values = (params, extra)
 
     def _make(self, key):
         module = self.factory(nnx.Rngs(key)) if self.takes_rngs else self.factory()
@@ -75,6 +80,8 @@ class _NNX:
         return params, extra
 
     def abstract(self, key):
+        if self.values is not None:
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.values)
         abstract = nnx.eval_shape(lambda: self._make(key))
         self.graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
         return params, extra
@@ -91,7 +98,12 @@ class _NNX:
 
 
 def adapter(model: Any):
-    """Wraps what the user passed as ``model`` (an NNX factory or a ``LinenModel``)."""
+    """Wraps what the user passed as ``model``.
+
+    An NNX factory (``lambda rngs: MyModel(..., rngs=rngs)``) is the default: the
+    parameters are then created directly on their shards. A built ``nnx.Module``
+    (e.g. from ``redray.models.from_pretrained``) is the starting point as it is.
+    """
     if isinstance(model, LinenModel):
         return _Linen(model)
     if isinstance(model, nn.Module):
@@ -99,10 +111,7 @@ def adapter(model: Any):
             "got a bare Linen module: wrap it as redray.LinenModel(module, example_input) so "
             "redray can initialize it directly sharded")
     if isinstance(model, nnx.Module):
-        raise TypeError(
-            "got an already-built NNX module: pass a function that builds it, e.g. "
-            "model=lambda rngs: MyModel(..., rngs=rngs), so redray can create the parameters "
-            "directly on their shards instead of on one device")
+        return _NNX(None, module=model)
     if not callable(model):
         raise TypeError(f"model must be a function returning an nnx.Module or a LinenModel, "
                         f"got {type(model).__name__}")

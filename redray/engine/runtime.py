@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.engine.model import abstract_state, adapter, cast_floating
@@ -21,8 +22,8 @@ class ModelRuntime:
     """A model on a mesh: abstract shapes, derived specs, sharded init and binding.
 
     Args:
-      model: a function building an ``nnx.Module`` (optionally taking ``nnx.Rngs``), or
-        a ``redray.LinenModel``.
+      model: a function building an ``nnx.Module`` (optionally taking ``nnx.Rngs``), a
+        built ``nnx.Module`` (its arrays are the starting point), or a ``redray.LinenModel``.
       mesh: the device mesh.
       compute_dtype: dtype the model computes in (parameters stay float32); None keeps
         the parameters' dtype.
@@ -61,12 +62,22 @@ class ModelRuntime:
         return shardings(self.mesh, self.specs)
 
     def init(self):
-        """(params, extra) created directly on their shards: no full copy on one device."""
+        """(params, extra) on their shards: created there from a factory (no full copy on
+        one device), or copied there from a built module's arrays."""
+        values = getattr(self.adapter, "values", None)
+        if values is not None:
+            return self.place(*values)
         return jax.jit(self.adapter.init, out_shardings=self.shardings)(self.init_key)
 
     def place(self, params, extra):
-        """Puts given (params, extra) onto this runtime's shardings."""
-        return jax.device_put((params, extra), self.shardings)
+        """Copies given (params, extra) onto this runtime's shardings.
+
+        Always a copy, never an alias: the train step donates its state, and the
+        caller's arrays (a user's module, a Predictor's params) must survive it.
+        ``device_put(..., may_alias=False)`` still aliases one shard on CPU (jax 0.10),
+        so the arrays are copied where they are first (fresh buffers, ours to alias).
+        """
+        return jax.device_put(jax.tree.map(jnp.copy, (params, extra)), self.shardings)
 
     def bound(self, params, extra, rng=None):
         """The user's model object, bound to concrete parameters (for inspection)."""

@@ -26,7 +26,9 @@ class Trainer:
     updates (one per global batch), never micro-batches.
 
     Args:
-      model: a function building a ``flax.nnx.Module`` (it may take an ``nnx.Rngs``),
+      model: a function building a ``flax.nnx.Module`` (it may take an ``nnx.Rngs``);
+        a built ``nnx.Module`` to start from its weights (e.g. ``from_pretrained``;
+        they are copied onto the derived shardings, the module stays usable);
         or a ``redray.LinenModel``.
       collate: list of examples -> dict of numpy arrays.
       loss: (model, batch, rng, train) -> scalar or (scalar, dict of metrics).
@@ -100,13 +102,14 @@ class Trainer:
                                       is_leaf=lambda x: isinstance(x, P)),
         }
 
-        def init_state(key):
-            params, extra = self.runtime.adapter.init(self.runtime.init_key)
-            return {"step": jnp.zeros((), jnp.int32), "rng": key, "params": params,
-                    "extra": extra, "opt_state": self.optimizer.init(params)}
-
-        self.state = jax.jit(init_state, out_shardings=self.state_shardings)(
-            jax.random.fold_in(jax.random.key(self.seed), 1))
+        params, extra = self.runtime.init()
+        self.state = {
+            "step": jax.device_put(jnp.zeros((), jnp.int32), repl),
+            "rng": jax.device_put(jax.random.fold_in(jax.random.key(self.seed), 1), repl),
+            "params": params, "extra": extra,
+            "opt_state": jax.jit(self.optimizer.init,
+                                 out_shardings=self.state_shardings["opt_state"])(params),
+        }
 
     def _check_loss(self, abstract):
         rt, loss = self.runtime, self.pipeline.loss

@@ -1,0 +1,14 @@
+"""Flax NNX models (GPT-2, LLaMA/Mistral/Qwen2, OPT, GPT-J, T5) with Hugging Face I/O.
+
+* ``from_pretrained(path, model_axis=...)``: a local HF checkpoint folder, sharded by
+  the automatic rules as it loads.
+* ``save_pretrained(model, path)``: config.json + safetensors that ``transformers`` loads.
+* ``build(config)``: a random model from a ``transformers`` config.
+* ``generate(model, input_ids, attention_mask, max_new_tokens=...)``: KV-cache decoding.
+"""
+
+from redray.models.generate import generate, sample_token
+from redray.models.hub import FAMILIES, build, from_pretrained, load_config, save_pretrained
+
+__all__ = ["FAMILIES", "build", "from_pretrained", "generate", "load_config", "sample_token",
+           "save_pretrained"]

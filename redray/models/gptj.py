@@ -1,0 +1,157 @@
+"""GPT-J: parallel attention and MLP blocks with partial, interleaved rotary embeddings.
+
+Each block reads one LayerNorm output twice, x + attn(ln_1(x)) + mlp(ln_1(x)).
+Q/K/V/out have no bias; fc_in/fc_out and the (untied) LM head do. Rotary embeddings
+rotate the first ``rotary_dim`` dimensions of each head, pairing 2i with 2i+1.
+Q/K/V kernels are laid out (hidden, heads, head_dim) so the automatic rules split
+whole heads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redray.models import layers
+from redray.models.hub import HFConfig, linear, plain
+
+MODEL_TYPES = ("gptj",)
+# Non-persistent buffers: the causal mask and the sinusoid table are rebuilt, not loaded.
+IGNORED = (r"\.attn\.bias$", r"\.attn\.masked_bias$", r"\.attn\.embed_positions$")
+
+
+def _dims(c) -> tuple[int, int, int]:
+    """(heads, head_dim, rotary_dim)."""
+    heads = c.num_attention_heads
+    d = c.hidden_size // heads
+    # rotary_dim None means the whole head is rotated.
+    return heads, d, min(c.rotary_dim or d, d)
+
+
+def _rate(c, name: str) -> float:
+    return float(getattr(c, name, 0.0) or 0.0)
+
+
+class Attention(nnx.Module):
+    def __init__(self, c, *, rngs, dtype):
+        heads, d, _ = _dims(c)
+        hidden = c.hidden_size
+        dense = dict(use_bias=False, dtype=dtype, rngs=rngs)
+        self.q_proj = nnx.LinearGeneral(hidden, (heads, d), **dense)
+        self.k_proj = nnx.LinearGeneral(hidden, (heads, d), **dense)
+        self.v_proj = nnx.LinearGeneral(hidden, (heads, d), **dense)
+        self.out_proj = nnx.LinearGeneral((heads, d), hidden, axis=(-2, -1), **dense)
+        self.attn_dropout = nnx.Dropout(_rate(c, "attn_pdrop"), rngs=rngs)
+        self.resid_dropout = nnx.Dropout(_rate(c, "resid_pdrop"), rngs=rngs)
+        self.scale = d ** -0.5
+
+    def __call__(self, x, cos, sin, mask, cache, cache_index, train):
+        q = layers.rotate_interleaved(self.q_proj(x), cos, sin)
+        k = layers.rotate_interleaved(self.k_proj(x), cos, sin)
+        v = self.v_proj(x)
+        new_cache = None
+        if cache is not None:
+            k, v, new_cache = layers.update_cache(cache, k, v, cache_index)
+        drop = (lambda p: self.attn_dropout(p, deterministic=False)) if train else None
+        out = layers.dot_attention(q, k, v, mask, self.scale, dropout=drop)
+        return self.resid_dropout(self.out_proj(out), deterministic=not train), new_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, c, *, rngs, dtype):
+        inner = getattr(c, "n_inner", None) or 4 * c.hidden_size
+        dense = dict(dtype=dtype, rngs=rngs)
+        self.fc_in = nnx.Linear(c.hidden_size, inner, **dense)
+        self.fc_out = nnx.Linear(inner, c.hidden_size, **dense)
+        self.act = layers.activation(c.activation_function)
+        self.dropout = nnx.Dropout(_rate(c, "resid_pdrop"), rngs=rngs)
+
+    def __call__(self, x, train):
+        return self.dropout(self.fc_out(self.act(self.fc_in(x))), deterministic=not train)
+
+
+class Block(nnx.Module):
+    def __init__(self, c, *, rngs, dtype):
+        self.ln_1 = nnx.LayerNorm(c.hidden_size, epsilon=c.layer_norm_epsilon, dtype=dtype,
+                                  rngs=rngs)
+        self.attn = Attention(c, rngs=rngs, dtype=dtype)
+        self.mlp = MLP(c, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x, cos, sin, mask, cache, cache_index, train):
+        h = self.ln_1(x)
+        attn, new_cache = self.attn(h, cos, sin, mask, cache, cache_index, train)
+        return x + attn + self.mlp(h, train), new_cache
+
+
+class Model(nnx.Module):
+    """A GPT-J causal LM built from a ``transformers`` config.
+
+    Call as ``model(input_ids)`` for logits (batch, seq, vocab); with an attention mask
+    over key slots for padding; with ``cache=model.init_cache(...)`` and
+    ``cache_index`` for incremental decoding, which returns (logits, cache).
+    """
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+        c = config.hf if isinstance(config, HFConfig) else config
+        self.config = HFConfig(c)
+        self.dtype = dtype
+        self.remat = remat
+        self.wte = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
+        self.drop = nnx.Dropout(_rate(c, "embd_pdrop"), rngs=rngs)
+        self.h = nnx.List([Block(c, rngs=rngs, dtype=dtype) for _ in range(c.num_hidden_layers)])
+        self.ln_f = nnx.LayerNorm(c.hidden_size, epsilon=c.layer_norm_epsilon, dtype=dtype,
+                                  rngs=rngs)
+        self.tied = bool(getattr(c, "tie_word_embeddings", False))
+        if self.tied:
+            # HF ties only lm_head.weight to wte; the head keeps its own bias.
+            self.lm_head_bias = nnx.Param(jnp.zeros((c.vocab_size,), jnp.float32))
+        else:
+            self.lm_head = nnx.Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs)
+        _, _, rotary = _dims(c)
+        self.inv_freq = tuple(float(f) for f in layers.rope_inv_freq(None, rotary))
+
+    def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
+                 train: bool = False):
+        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index)
+        cos, sin = layers.rope_angles(positions, self.inv_freq)
+        x = self.drop(self.wte(input_ids), deterministic=not train)
+        x, new_cache = layers.run_blocks(self.h, x, (cos, sin, mask), cache, cache_index, train,
+                                        self.remat)
+        x = self.ln_f(x)
+        if self.tied:
+            logits = self.wte.attend(x) + self.lm_head_bias[...].astype(x.dtype)
+        else:
+            logits = self.lm_head(x)
+        return logits if cache is None else (logits, new_cache)
+
+    def init_cache(self, batch: int, length: int, dtype=None):
+        """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
+        heads, d, _ = _dims(self.config)
+        return layers.empty_cache(len(self.h), batch, length, heads, d, dtype or self.dtype)
+
+
+trace_inputs = layers.causal_lm_inputs
+
+
+def weight_table(config) -> list:
+    """Hugging Face tensor names <-> redray parameter paths."""
+    c = config.hf if isinstance(config, HFConfig) else config
+    rows = [plain("transformer.wte.weight", "wte/embedding"),
+            plain("transformer.ln_f.weight", "ln_f/scale"),
+            plain("transformer.ln_f.bias", "ln_f/bias")]
+    if getattr(c, "tie_word_embeddings", False):
+        rows.append(plain("lm_head.bias", "lm_head_bias"))
+    else:
+        rows += [linear("lm_head.weight", "lm_head/kernel"), plain("lm_head.bias", "lm_head/bias")]
+    for i in range(c.num_hidden_layers):
+        hf, me = f"transformer.h.{i}", f"h/{i}"
+        rows += [plain(f"{hf}.ln_1.weight", f"{me}/ln_1/scale"),
+                 plain(f"{hf}.ln_1.bias", f"{me}/ln_1/bias")]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            rows.append(linear(f"{hf}.attn.{name}.weight", f"{me}/attn/{name}/kernel"))
+        rows.append(linear(f"{hf}.attn.out_proj.weight", f"{me}/attn/out_proj/kernel", in_dims=2))
+        for name in ("fc_in", "fc_out"):
+            rows += [linear(f"{hf}.mlp.{name}.weight", f"{me}/mlp/{name}/kernel"),
+                     plain(f"{hf}.mlp.{name}.bias", f"{me}/mlp/{name}/bias")]
+    return rows

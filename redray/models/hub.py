@@ -1,0 +1,294 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors, no torch.
+
+Each family describes its weights as one table of ``Tensor`` rows (the HF name, the
+redray parameter path, and how the layout changes). Loading builds the model
+abstractly (``nnx.eval_shape``), derives every parameter's sharding with the automatic
+rules, and places each tensor straight onto its shards: no device ever holds more than
+its share, and the host holds one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import os
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from redray.sharding import derive_specs, flatten, make_mesh
+
+# model_type -> module implementing the family (Model, weight_table, trace_inputs).
+FAMILIES = {
+    "llama": "redray.models.llama", "mistral": "redray.models.llama",
+    "qwen2": "redray.models.llama",
+    "gpt2": "redray.models.gpt2", "opt": "redray.models.opt", "gptj": "redray.models.gptj",
+    "t5": "redray.models.t5",
+}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One weight: its Hugging Face name, its redray path, and the layout change.
+
+    ``load(array, shape)`` turns the HF array into redray's layout of ``shape``;
+    ``save(array)`` turns it back.
+    """
+    hf: str
+    path: str
+    load: Callable[[np.ndarray, tuple], np.ndarray]
+    save: Callable[[np.ndarray], np.ndarray]
+
+
+def linear(hf: str, path: str, in_dims: int = 1) -> Tensor:
+    """A torch ``nn.Linear`` weight (out, in) as a kernel (in..., out...)."""
+    return Tensor(hf, path, lambda w, shape: w.T.reshape(shape),
+                  lambda k: k.reshape(math.prod(k.shape[:in_dims]), -1).T)
+
+
+def conv1d(hf: str, path: str, in_dims: int = 1) -> Tensor:
+    """A GPT-2 style ``Conv1D`` weight (in, out) as a kernel (in..., out...)."""
+    return Tensor(hf, path, lambda w, shape: w.reshape(shape),
+                  lambda k: k.reshape(math.prod(k.shape[:in_dims]), -1))
+
+
+def plain(hf: str, path: str, flat: bool = False) -> Tensor:
+    """Same values, maybe reshaped (``flat``: HF stores it 1-D, e.g. a per-head bias)."""
+    return Tensor(hf, path, lambda w, shape: w.reshape(shape),
+                  lambda k: k.reshape(-1) if flat else k)
+
+
+def family(model_type: str):
+    """The module implementing a Hugging Face ``model_type``."""
+    try:
+        return importlib.import_module(FAMILIES[model_type])
+    except KeyError:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: "
+                         f"{', '.join(sorted(FAMILIES))}") from None
+
+
+def load_config(path: str):
+    """The ``transformers`` config of a local checkpoint folder (or a config.json path)."""
+    from transformers import AutoConfig
+
+    folder = os.path.dirname(path) if path.endswith(".json") else path
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        raise FileNotFoundError(f"no config.json in {folder!r}: from_pretrained needs a local "
+                                "folder written by save_pretrained (the Hub is not reachable)")
+    return AutoConfig.from_pretrained(folder, local_files_only=True)
+
+
+def build(config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, remat: bool = False,
+          seed: int = 0):
+    """A randomly initialized redray model for a ``transformers`` config."""
+    fam = family(config.model_type)
+    return fam.Model(config, rngs=rngs or nnx.Rngs(seed), dtype=dtype, remat=remat)
+
+
+class _Weights:
+    """Tensors of a checkpoint folder, read lazily (one at a time, memory-mapped)."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+
+        index = os.path.join(folder, INDEX_FILE)
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif os.path.exists(os.path.join(folder, SINGLE_FILE)):
+            files = [SINGLE_FILE]
+            weight_map = None
+        else:
+            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder!r}")
+        self.handles = {f: safe_open(os.path.join(folder, f), framework="np") for f in files}
+        self.where = weight_map or {k: SINGLE_FILE for k in self.handles[SINGLE_FILE].keys()}
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+    def get(self, name: str) -> np.ndarray:
+        return self.handles[self.where[name]].get_tensor(name)
+
+
+def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fsdp_axis=1,
+                    model_axis=1, dtype=jnp.float32, remat: bool = False, rules=(),
+                    seed: int = 0, **config_overrides):
+    """Loads a Hugging Face checkpoint folder into a redray model, sharded on a mesh.
+
+    Args:
+      path: a local folder with ``config.json`` and ``model.safetensors`` (or sharded
+        ``model-0000x-of-0000y.safetensors`` with ``model.safetensors.index.json``).
+      mesh / data_axis, fsdp_axis, model_axis: where to place it (default: every
+        device, data parallel). Specs come from the automatic rules.
+      dtype: compute dtype of the model (parameters stay float32).
+      remat: rematerialize each block in the backward pass.
+      rules: (regex, PartitionSpec) overrides, as for ``Trainer``.
+      seed: seeds what the checkpoint does not hold (dropout RNG state).
+      **config_overrides: set on the config before building (e.g. ``attention_dropout``).
+
+    Returns:
+      The ``nnx.Module`` with every parameter placed on its sharding.
+
+    Raises:
+      ValueError: listing every missing, unexpected and mis-shaped tensor at once.
+    """
+    config = load_config(path)
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    fam = family(config.model_type)
+    mesh = mesh or make_mesh(data_axis=data_axis, fsdp_axis=fsdp_axis, model_axis=model_axis)
+    make = lambda: fam.Model(config, rngs=nnx.Rngs(seed), dtype=dtype, remat=remat)  # noqa: E731
+    graphdef, params_abs, extra_abs = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+    specs = model_specs(graphdef, (params_abs, extra_abs), mesh, fam.trace_inputs(config), rules)
+    param_specs, extra_specs = specs
+    paths, leaves, treedef = flatten(params_abs)
+    spec_leaves = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    by_path = {p: (leaf, s) for p, leaf, s in zip(paths, leaves, spec_leaves)}
+
+    weights = _Weights(path if not path.endswith(".json") else os.path.dirname(path))
+    table = fam.weight_table(config)
+    available = weights.names()
+    missing, misshaped, loaded = [], [], {}
+    for row in table:
+        if row.path not in by_path:
+            raise AssertionError(f"{fam.__name__}: table path {row.path!r} is not a parameter")
+        if row.hf not in available:
+            missing.append(row.hf)
+            continue
+        leaf, spec = by_path[row.path]
+        raw = weights.get(row.hf)
+        try:
+            value = row.load(raw, tuple(leaf.shape))
+            if tuple(value.shape) != tuple(leaf.shape):
+                raise ValueError
+        except ValueError:
+            misshaped.append(f"{row.hf}: checkpoint {tuple(raw.shape)}, model {row.path} "
+                             f"expects {tuple(leaf.shape)}")
+            continue
+        value = np.asarray(value, dtype=leaf.dtype)
+        loaded[row.path] = jax.make_array_from_callback(
+            value.shape, NamedSharding(mesh, spec), lambda idx, v=value: v[idx])
+    ignore = re.compile("|".join(getattr(fam, "IGNORED", ())) or r"(?!)")
+    used = {row.hf for row in table}
+    unexpected = sorted(n for n in available - used if not ignore.search(n))
+    not_loaded = sorted(set(by_path) - set(loaded) - {r.path for r in table})
+    if missing or misshaped or unexpected or not_loaded:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint ({len(missing)}): {', '.join(missing)}")
+        if misshaped:
+            parts.append(f"wrong shape ({len(misshaped)}): " + "; ".join(misshaped))
+        if unexpected:
+            parts.append(f"unexpected in the checkpoint ({len(unexpected)}): {', '.join(unexpected)}")
+        if not_loaded:
+            parts.append(f"model parameters no tensor fills: {', '.join(not_loaded)}")
+        raise ValueError(f"cannot load {path!r} into a {config.model_type} model:\n  "
+                         + "\n  ".join(parts)
+                         + "\nCheck that config.json matches the weights (layers, sizes, "
+                           "tie_word_embeddings).")
+    params = jax.tree.unflatten(treedef, [loaded[p] for p in paths])
+    # What the checkpoint does not hold (RNG state) is created directly on its shards;
+    # the parameters' random init is dead code that XLA drops.
+    extra_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), extra_specs,
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    extra = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2], out_shardings=extra_sh)()
+    return nnx.merge(graphdef, params, extra)
+
+
+def model_specs(graphdef, state, mesh: Mesh, inputs: dict, rules=()):
+    """Automatic specs of a model's (params, extra), traced on ``model(**inputs)``."""
+    def forward(st, kwargs):
+        out = nnx.merge(graphdef, *jax.tree.map(lambda x: x, st))(**kwargs)
+        return out
+
+    return derive_specs(state, mesh, forward, (inputs,), rules)
+
+
+def save_pretrained(model, path: str, max_shard_bytes: int | None = None) -> None:
+    """Writes ``config.json`` and safetensors that ``transformers`` classes load.
+
+    Args:
+      model: a redray model (from ``from_pretrained`` or ``build``), sharded or not.
+      path: output folder (created).
+      max_shard_bytes: split the weights into ``model-0000x-of-0000y.safetensors``
+        files of at most this size, with an index; None writes one file.
+    """
+    from safetensors.numpy import save_file
+
+    fam = family(model.config.model_type)
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    paths, leaves, _ = flatten(params)
+    values = dict(zip(paths, leaves))
+    tensors = {}
+    for row in fam.weight_table(model.config):
+        value = np.asarray(jax.device_get(values[row.path]), dtype=np.float32)
+        tensors[row.hf] = np.ascontiguousarray(row.save(value))
+    if max_shard_bytes is None:
+        save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
+        return
+    shards, current, size = [], {}, 0
+    for name, value in tensors.items():
+        if current and size + value.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = value
+        size += value.nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+                   "weight_map": weight_map}, f, indent=2)
+
+
+class HFConfig:
+    """A ``transformers`` config kept on a model: read-through, hashable, comparable.
+
+    NNX keeps non-array attributes in the (hashed) graph definition; ``transformers``
+    configs are not hashable, so the model holds this wrapper, keyed by the JSON.
+    """
+
+    def __init__(self, config):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_key", config.to_json_string(use_diff=False))
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a model's config is frozen: set fields before building the model")
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, HFConfig) and other._key == self._key
+
+    def save_pretrained(self, path):
+        self._config.save_pretrained(path)
+
+    @property
+    def hf(self):
+        """The underlying ``transformers`` config."""
+        return self._config
+
+    def __getstate__(self):
+        return {"config": self._config}
+
+    def __setstate__(self, state):
+        self.__init__(state["config"])

@@ -1,0 +1,203 @@
+"""Pieces every model family shares: rotary embeddings, attention with a KV cache, masks."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+ACTIVATIONS: dict[str, Callable] = {
+    "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def activation(name: str) -> Callable:
+    """The activation function a Hugging Face config names (``hidden_act``)."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"activation {name!r} is not supported; supported: "
+                         f"{', '.join(sorted(ACTIVATIONS))}") from None
+
+
+# ------------------------------------------------------------------ rotary embeddings
+def rope_inv_freq(rope: dict | None, rotary_dim: int, default_theta: float = 10000.0) -> np.ndarray:
+    """Inverse frequencies of rotary embeddings, with the scaling a config asks for.
+
+    Args:
+      rope: a Hugging Face ``rope_parameters`` dict (``rope_type``, ``rope_theta``,
+        ``factor`` ...), or None for the default with ``default_theta``.
+      rotary_dim: number of rotated dimensions (even).
+    """
+    rope = dict(rope or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", default_theta))
+    inv = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / rotary_dim)
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(rope["factor"])
+    if kind == "llama3":
+        factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        old = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of position x frequency, float32, shape positions.shape + (dim/2,)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary embedding pairing dimension i with i + d/2 (LLaMA, GPT-NeoX layout).
+
+    x: (batch, seq, heads, head_dim); cos, sin: (batch, seq, rotary_dim/2). Dimensions
+    past rotary_dim pass through unrotated.
+    """
+    rot = cos.shape[-1] * 2
+    xr, rest = x[..., :rot], x[..., rot:]
+    c = jnp.concatenate([cos, cos], -1)[:, :, None].astype(x.dtype)
+    s = jnp.concatenate([sin, sin], -1)[:, :, None].astype(x.dtype)
+    x1, x2 = xr[..., :rot // 2], xr[..., rot // 2:]
+    out = xr * c + jnp.concatenate([-x2, x1], -1) * s
+    return jnp.concatenate([out, rest], -1) if rest.shape[-1] else out
+
+
+def rotate_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary embedding pairing dimensions 2i and 2i+1 (GPT-J layout)."""
+    rot = cos.shape[-1] * 2
+    xr, rest = x[..., :rot], x[..., rot:]
+    c = jnp.repeat(cos, 2, -1)[:, :, None].astype(x.dtype)
+    s = jnp.repeat(sin, 2, -1)[:, :, None].astype(x.dtype)
+    pairs = xr.reshape(*xr.shape[:-1], rot // 2, 2)
+    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], -1).reshape(xr.shape)
+    out = xr * c + rotated * s
+    return jnp.concatenate([out, rest], -1) if rest.shape[-1] else out
+
+
+# ------------------------------------------------------------------ masks and positions
+def query_slots(length: int, cache_index) -> jax.Array:
+    """Absolute slots of the queries: where they sit in the KV cache (or the sequence)."""
+    return cache_index + jnp.arange(length)
+
+
+def attention_mask_for(kv_valid: jax.Array, q_slots: jax.Array, causal: bool = True,
+                       window: int | None = None) -> jax.Array:
+    """(batch, q, kv) boolean mask: valid key slots, causal, optionally a sliding window.
+
+    Args:
+      kv_valid: (batch, kv_len) 1 where a key slot holds a real token (0 for padding).
+      q_slots: (q_len,) absolute slot of each query.
+    """
+    kv = jnp.arange(kv_valid.shape[1])
+    mask = kv_valid.astype(bool)[:, None, :]
+    if causal:
+        mask = mask & (kv[None, None, :] <= q_slots[None, :, None])
+    if window is not None:
+        mask = mask & (q_slots[None, :, None] - kv[None, None, :] < window)
+    return mask
+
+
+def positions_for(kv_valid: jax.Array, q_slots: jax.Array) -> jax.Array:
+    """Position ids of the queries: how many real tokens precede each (left padding aware)."""
+    pos = jnp.cumsum(kv_valid.astype(jnp.int32), -1) - 1
+    return jnp.maximum(jnp.take(pos, q_slots, axis=1), 0)
+
+
+# ------------------------------------------------------------------ attention
+def dot_attention(q, k, v, mask, scale: float, bias=None, dropout: Callable | None = None):
+    """Scaled dot-product attention with grouped-query heads, softmax in float32.
+
+    q: (B, T, H, D); k, v: (B, S, KV, D) with H a multiple of KV (query head h reads
+    key/value head h // (H // KV)); mask: (B, T, S) bool; bias: broadcastable to
+    (B, H, T, S); dropout: applied to the attention probabilities.
+    """
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    qg = q.reshape(b, t, kv, g, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        bias = jnp.broadcast_to(bias, (bias.shape[0], h, t, k.shape[1]))
+        scores = scores + bias.reshape(bias.shape[0], kv, g, t, k.shape[1]).astype(jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, -1).astype(v.dtype)
+    if dropout is not None:
+        probs = dropout(probs)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, v.shape[-1])
+
+
+def update_cache(layer_cache: dict, k: jax.Array, v: jax.Array, index) -> tuple:
+    """Writes new keys/values at ``index``; returns (all keys, all values, new cache)."""
+    ks = jax.lax.dynamic_update_slice(layer_cache["k"], k.astype(layer_cache["k"].dtype),
+                                      (0, index, 0, 0))
+    vs = jax.lax.dynamic_update_slice(layer_cache["v"], v.astype(layer_cache["v"].dtype),
+                                      (0, index, 0, 0))
+    return ks, vs, {"k": ks, "v": vs}
+
+
+def empty_cache(layers: int, batch: int, length: int, kv_heads: int, head_dim: int,
+                dtype=jnp.float32) -> list[dict]:
+    """A zeroed KV cache: one {"k", "v"} of (batch, length, kv_heads, head_dim) per layer."""
+    shape = (batch, length, kv_heads, head_dim)
+    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(layers)]
+
+
+def maybe_remat(fn: Callable, remat: bool) -> Callable:
+    """``fn`` rematerialized in the backward pass when ``remat`` (saves activation memory)."""
+    return nnx.remat(fn) if remat else fn
+
+
+# ------------------------------------------------------------------ decoder plumbing
+def decoder_masks(input_ids, attention_mask, cache, cache_index, window: int | None = None):
+    """(attention mask, position ids) for a decoder call, with or without a KV cache.
+
+    ``attention_mask`` covers key slots: the sequence without a cache, the whole cache
+    with one (None: every slot is real).
+    """
+    t = input_ids.shape[1]
+    if attention_mask is None:
+        slots_total = t if cache is None else cache[0]["k"].shape[1]
+        attention_mask = jnp.ones((input_ids.shape[0], slots_total), jnp.int32)
+    slots = query_slots(t, cache_index)
+    return (attention_mask_for(attention_mask, slots, window=window),
+            positions_for(attention_mask, slots))
+
+
+def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat: bool):
+    """Runs ``block(x, *args, layer_cache, cache_index, train) -> (x, layer_cache)`` in turn.
+
+    Without a cache each block may be rematerialized (training); with one, the new
+    cache is collected. Returns (x, new cache or None).
+    """
+    if cache is None:
+        step = maybe_remat(lambda blk, x, *a: blk(x, *a, None, 0, train)[0], remat and train)
+        for block in blocks:
+            x = step(block, x, *args)
+        return x, None
+    new_cache = []
+    for block, layer_cache in zip(blocks, cache):
+        x, layer_cache = block(x, *args, layer_cache, cache_index, train)
+        new_cache.append(layer_cache)
+    return x, new_cache
+
+
+def causal_lm_inputs(config, batch: int = 2, seq: int = 8) -> dict:
+    """Abstract inputs of a decoder-only LM, for tracing it once (automatic sharding)."""
+    return {"input_ids": jax.ShapeDtypeStruct((batch, seq), jnp.int32)}

@@ -1,0 +1,161 @@
+"""LLaMA, and the configs that differ from it only by fields: Mistral, Qwen2.
+
+Grouped-query attention, RoPE (default, linear, llama3 scaling), RMSNorm, gated MLP,
+optional biases (Qwen2: on q/k/v), optional sliding window (Mistral), tied or untied
+LM head. Q/K/V kernels are laid out (hidden, heads, head_dim) so the automatic rules
+split whole heads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redray.models import layers
+from redray.models.hub import HFConfig, linear, plain
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+IGNORED = (r"rotary_emb\.inv_freq$",)
+
+
+def _dims(c):
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return heads, getattr(c, "num_key_value_heads", None) or heads, head_dim
+
+
+def _biases(c) -> tuple[bool, bool]:
+    """(bias on q/k/v, bias on o) for this config's model type."""
+    if c.model_type == "qwen2":
+        return True, False
+    bias = bool(getattr(c, "attention_bias", False))
+    return bias, bias
+
+
+class Attention(nnx.Module):
+    def __init__(self, c, *, rngs, dtype):
+        heads, kv, d = _dims(c)
+        hidden = c.hidden_size
+        qkv_bias, o_bias = _biases(c)
+        dense = dict(dtype=dtype, rngs=rngs)
+        self.q_proj = nnx.LinearGeneral(hidden, (heads, d), use_bias=qkv_bias, **dense)
+        self.k_proj = nnx.LinearGeneral(hidden, (kv, d), use_bias=qkv_bias, **dense)
+        self.v_proj = nnx.LinearGeneral(hidden, (kv, d), use_bias=qkv_bias, **dense)
+        self.o_proj = nnx.LinearGeneral((heads, d), hidden, axis=(-2, -1), use_bias=o_bias, **dense)
+        self.dropout = nnx.Dropout(getattr(c, "attention_dropout", 0.0) or 0.0, rngs=rngs)
+        self.scale = d ** -0.5
+
+    def __call__(self, x, cos, sin, mask, cache, cache_index, train):
+        q = layers.rotate_half(self.q_proj(x), cos, sin)
+        k = layers.rotate_half(self.k_proj(x), cos, sin)
+        v = self.v_proj(x)
+        new_cache = None
+        if cache is not None:
+            k, v, new_cache = layers.update_cache(cache, k, v, cache_index)
+        drop = (lambda p: self.dropout(p, deterministic=False)) if train else None
+        out = layers.dot_attention(q, k, v, mask, self.scale, dropout=drop)
+        return self.o_proj(out), new_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, c, *, rngs, dtype):
+        bias = bool(getattr(c, "mlp_bias", False))
+        dense = dict(use_bias=bias, dtype=dtype, rngs=rngs)
+        self.gate_proj = nnx.Linear(c.hidden_size, c.intermediate_size, **dense)
+        self.up_proj = nnx.Linear(c.hidden_size, c.intermediate_size, **dense)
+        self.down_proj = nnx.Linear(c.intermediate_size, c.hidden_size, **dense)
+        self.act = layers.activation(c.hidden_act)
+
+    def __call__(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, c, *, rngs, dtype):
+        norm = dict(epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.input_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
+        self.self_attn = Attention(c, rngs=rngs, dtype=dtype)
+        self.post_attention_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
+        self.mlp = MLP(c, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x, cos, sin, mask, cache, cache_index, train):
+        attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
+                                         cache_index, train)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), new_cache
+
+
+class Model(nnx.Module):
+    """A LLaMA-family causal LM built from a ``transformers`` config.
+
+    Call as ``model(input_ids)`` for logits (batch, seq, vocab); with an attention mask
+    over key slots for padding; with ``cache=model.init_cache(...)`` and
+    ``cache_index`` for incremental decoding, which returns (logits, cache).
+    """
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+        c = config.hf if isinstance(config, HFConfig) else config
+        self.config = HFConfig(c)
+        self.dtype = dtype
+        self.remat = remat
+        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([Block(c, rngs=rngs, dtype=dtype) for _ in range(c.num_hidden_layers)])
+        self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.tied = bool(getattr(c, "tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype,
+                                      rngs=rngs)
+        heads, kv, d = _dims(c)
+        rope = getattr(c, "rope_parameters", None) or {}
+        rotary = int(d * rope.get("partial_rotary_factor", 1.0))
+        self.inv_freq = tuple(float(f) for f in layers.rope_inv_freq(rope, rotary,
+                                                                    getattr(c, "rope_theta", 1e4)))
+        self.window = getattr(c, "sliding_window", None) if c.model_type == "mistral" else None
+
+    def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
+                 train: bool = False):
+        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
+                                               window=self.window)
+        cos, sin = layers.rope_angles(positions, self.inv_freq)
+        x = self.embed_tokens(input_ids)
+        x, new_cache = layers.run_blocks(self.layers, x, (cos, sin, mask), cache, cache_index, train,
+                                        self.remat)
+        x = self.norm(x)
+        logits = self.embed_tokens.attend(x) if self.tied else self.lm_head(x)
+        return logits if cache is None else (logits, new_cache)
+
+    def init_cache(self, batch: int, length: int, dtype=None):
+        """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
+        heads, kv, d = _dims(self.config)
+        return layers.empty_cache(len(self.layers), batch, length, kv, d, dtype or self.dtype)
+
+
+trace_inputs = layers.causal_lm_inputs
+
+
+def weight_table(config) -> list:
+    """Hugging Face tensor names <-> redray parameter paths."""
+    c = config.hf if isinstance(config, HFConfig) else config
+    qkv_bias, o_bias = _biases(c)
+    mlp_bias = bool(getattr(c, "mlp_bias", False))
+    rows = [plain("model.embed_tokens.weight", "embed_tokens/embedding"),
+            plain("model.norm.weight", "norm/scale")]
+    if not getattr(c, "tie_word_embeddings", False):
+        rows.append(linear("lm_head.weight", "lm_head/kernel"))
+    for i in range(c.num_hidden_layers):
+        hf, me = f"model.layers.{i}", f"layers/{i}"
+        rows += [plain(f"{hf}.input_layernorm.weight", f"{me}/input_layernorm/scale"),
+                 plain(f"{hf}.post_attention_layernorm.weight", f"{me}/post_attention_layernorm/scale")]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            rows.append(linear(f"{hf}.self_attn.{name}.weight", f"{me}/self_attn/{name}/kernel"))
+            if qkv_bias:
+                rows.append(plain(f"{hf}.self_attn.{name}.bias", f"{me}/self_attn/{name}/bias", flat=True))
+        rows.append(linear(f"{hf}.self_attn.o_proj.weight", f"{me}/self_attn/o_proj/kernel", in_dims=2))
+        if o_bias:
+            rows.append(plain(f"{hf}.self_attn.o_proj.bias", f"{me}/self_attn/o_proj/bias"))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            rows.append(linear(f"{hf}.mlp.{name}.weight", f"{me}/mlp/{name}/kernel"))
+            if mlp_bias:
+                rows.append(plain(f"{hf}.mlp.{name}.bias", f"{me}/mlp/{name}/bias"))
+    return rows

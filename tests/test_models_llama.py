@@ -1,0 +1,241 @@
+"""LLaMA / Mistral / Qwen2 against transformers PyTorch, loading, export, generation."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import redray
+import redray.models as rm
+from redray.models.generate import sample_token
+
+torch = pytest.importorskip("torch", reason="parity tests need torch (pip install torch==2.13.0; "
+                                            "make test installs it)")
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+               "rope_theta": 500000.0}
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL, rope_parameters=LLAMA3_ROPE),
+    "llama-tied": lambda: transformers.LlamaConfig(**SMALL, tie_word_embeddings=True,
+                                                   attention_bias=True),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=6),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=False),
+}
+
+
+def hf_model(name, path):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def hf_logits(model, ids, mask=None):
+    with torch.no_grad():
+        kwargs = {} if mask is None else {"attention_mask": torch.tensor(mask)}
+        return model(torch.tensor(ids), **kwargs).logits.numpy()
+
+
+IDS = np.random.default_rng(0).integers(0, 128, (2, 12))
+MASK = np.ones((2, 12), np.int64)
+MASK[1, :4] = 0  # second prompt left-padded
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf = hf_model(request.param, path)
+    return request.param, hf, path, rm.from_pretrained(path)
+
+
+def test_logits_match_transformers(pair):
+    name, hf, _, model = pair
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(IDS))), hf_logits(hf, IDS),
+                               atol=1e-4, rtol=0)
+
+
+def test_left_padded_logits_match_on_real_tokens(pair):
+    name, hf, _, model = pair
+    ours = np.asarray(model(jnp.asarray(IDS), jnp.asarray(MASK)))
+    ref = hf_logits(hf, IDS, MASK)
+    real = MASK.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+
+
+def test_greedy_generation_matches_transformers(pair):
+    name, hf, _, model = pair
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(IDS), attention_mask=torch.tensor(MASK), max_new_tokens=16,
+                          do_sample=False).numpy()[:, IDS.shape[1]:]
+    ours = np.asarray(nnx.jit(lambda m, i, a: rm.generate(m, i, a, max_new_tokens=16))(
+        model, jnp.asarray(IDS), jnp.asarray(MASK)))
+    assert ours.shape == (2, 16)
+    np.testing.assert_array_equal(ours[:, :ref.shape[1]], ref)
+    pad = hf.generation_config.pad_token_id or hf.config.eos_token_id
+    assert np.all(ours[:, ref.shape[1]:] == pad)
+
+
+def test_export_round_trip(pair, tmp_path):
+    name, hf, _, model = pair
+    rm.save_pretrained(model, str(tmp_path))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    np.testing.assert_allclose(hf_logits(back, IDS), hf_logits(hf, IDS), atol=1e-5, rtol=0)
+
+
+def test_sharded_load_matches_one_device(pair):
+    name, _, path, _ = pair
+    one = rm.from_pretrained(path, mesh=redray.make_mesh(devices=jax.devices()[:1]))
+    two = rm.from_pretrained(path, model_axis=2)
+    q = two.layers[0].self_attn.q_proj.kernel[...]
+    assert "model" in q.sharding.spec and "model" in two.layers[0].mlp.down_proj.kernel[...].sharding.spec
+    np.testing.assert_allclose(np.asarray(two(jnp.asarray(IDS))), np.asarray(one(jnp.asarray(IDS))),
+                               atol=1e-5, rtol=0)
+
+
+def test_sharded_index_loading(tmp_path):
+    hf = hf_model("llama", str(tmp_path / "src"))
+    model = rm.from_pretrained(str(tmp_path / "src"))
+    rm.save_pretrained(model, str(tmp_path / "split"), max_shard_bytes=200_000)
+    files = sorted(os.listdir(tmp_path / "split"))
+    shards = [f for f in files if f.startswith("model-0")]
+    assert len(shards) >= 2 and "model.safetensors.index.json" in files
+    back = rm.from_pretrained(str(tmp_path / "split"), model_axis=2)
+    np.testing.assert_allclose(np.asarray(back(jnp.asarray(IDS))), hf_logits(hf, IDS), atol=1e-4,
+                               rtol=0)
+    # transformers reads the same sharded folder
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "split")).eval()
+    np.testing.assert_allclose(hf_logits(again, IDS), hf_logits(hf, IDS), atol=1e-5, rtol=0)
+
+
+def test_bad_checkpoint_lists_every_problem_at_once(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    hf_model("llama", str(tmp_path))
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    weights["model.layers.0.self_attn.k_proj.weight"] = np.zeros((5, 64), np.float32)
+    weights["model.extra_head.weight"] = np.zeros((3,), np.float32)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError) as err:
+        rm.from_pretrained(str(tmp_path))
+    msg = str(err.value)
+    assert "missing from the checkpoint (1): model.layers.1.mlp.up_proj.weight" in msg
+    assert "model.layers.0.self_attn.k_proj.weight: checkpoint (5, 64)" in msg
+    assert "unexpected in the checkpoint (1): model.extra_head.weight" in msg
+
+
+def test_missing_folder_and_unsupported_type(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        rm.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported; supported: .*llama"):
+        rm.from_pretrained(str(tmp_path))
+
+
+def test_remat_gives_the_same_gradients():
+    config = CONFIGS["llama"]()
+
+    def grads(remat):
+        model = rm.build(config, remat=remat, seed=3)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(p):
+            m = nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest))
+            return m(jnp.asarray(IDS), train=True).astype(jnp.float32).std()
+
+        program = str(jax.make_jaxpr(jax.grad(loss))(params))
+        assert ("checkpoint" in program or "remat" in program) == remat
+        return jax.jit(jax.grad(loss))(params)
+
+    plain_g, remat_g = grads(False), grads(True)
+    for a, b in zip(jax.tree.leaves(plain_g), jax.tree.leaves(remat_g)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ sampling
+def test_top_k_only_samples_the_k_most_likely():
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(4, 50)), jnp.float32)
+    top3 = np.argsort(-np.asarray(logits), -1)[:, :3]
+    for i in range(30):
+        tok = np.asarray(sample_token(logits, jax.random.key(i), temperature=1.0, top_k=3))
+        assert all(tok[r] in top3[r] for r in range(4))
+
+
+def test_top_p_keeps_the_nucleus():
+    probs = np.array([[0.5, 0.3, 0.15, 0.05]], np.float32)
+    logits = jnp.log(jnp.asarray(probs))
+    seen = {int(sample_token(logits, jax.random.key(i), temperature=1.0, top_p=0.7)[0])
+            for i in range(200)}
+    assert seen == {0, 1}  # 0.5 alone is below 0.7; 0.5 + 0.3 reaches it
+    seen = {int(sample_token(logits, jax.random.key(i), temperature=1.0, top_p=1.0)[0])
+            for i in range(400)}
+    assert seen == {0, 1, 2, 3}
+
+
+def test_sampling_is_reproducible_and_greedy_at_zero_temperature():
+    logits = jnp.asarray(np.random.default_rng(2).normal(size=(3, 20)), jnp.float32)
+    a = sample_token(logits, jax.random.key(5), temperature=0.8)
+    b = sample_token(logits, jax.random.key(5), temperature=0.8)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(sample_token(logits, None), np.argmax(logits, -1))
+
+
+def test_sampled_generation_stops_at_eos(tmp_path):
+    hf_model("llama", str(tmp_path))
+    model = rm.from_pretrained(str(tmp_path))
+    out = np.asarray(rm.generate(model, IDS, MASK, max_new_tokens=24, rng=jax.random.key(0),
+                                 temperature=1.5, eos_token_id=[5, 7, 9], pad_token_id=0))
+    for row in out:
+        hits = np.flatnonzero(np.isin(row, [5, 7, 9]))
+        if hits.size:
+            assert np.all(row[hits[0] + 1:] == 0)
+
+
+# ------------------------------------------------------------------ with the engine
+def test_generation_in_predict_on_a_sharded_predictor(tmp_path):
+    hf = hf_model("llama", str(tmp_path))
+    loaded = rm.from_pretrained(str(tmp_path), model_axis=2)
+
+    def collate(examples):
+        return {"ids": np.stack([e["ids"] for e in examples]),
+                "mask": np.stack([e["mask"] for e in examples])}
+
+    def predict(model, batch, rng):
+        return rm.generate(model, batch["ids"], batch["mask"], max_new_tokens=8)
+
+    examples = [{"ids": IDS[i % 2], "mask": MASK[i % 2]} for i in range(5)]
+    predictor = redray.Predictor(loaded, collate, predict, batch_size=4, model_axis=2)
+    outputs = predictor.predict(examples)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(IDS), attention_mask=torch.tensor(MASK), max_new_tokens=8,
+                          do_sample=False).numpy()[:, IDS.shape[1]:]
+    assert len(outputs) == 5
+    for i, out in enumerate(outputs):
+        np.testing.assert_array_equal(out[:ref.shape[1]], ref[i % 2])
+
+
+def test_fine_tuning_a_loaded_model_with_the_trainer(tmp_path):
+    hf_model("llama-tied", str(tmp_path))
+    model = rm.from_pretrained(str(tmp_path), model_axis=2)
+    rs = np.random.default_rng(0)
+    data = [{"ids": ((rs.integers(0, 128) + np.arange(16)) % 128).astype(np.int32)} for _ in range(64)]
+
+    def loss(m, batch, rng, train):
+        logits = m(batch["ids"][:, :-1], train=train)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+    trainer = redray.Trainer(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
+                             optax.adam(3e-3), batch_size=8, model_axis=2, progress=False,
+                             compute_dtype=jnp.float32)
+    before = trainer.evaluate(data)["loss"]
+    trainer.fit(data, epochs=2)
+    assert trainer.evaluate(data)["loss"] < 0.5 * before
