@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
+from redray.rngs import rngs as fast_rngs
+
 
 class LinenModel:
     """A Linen module plus the example inputs that initialize it.
@@ -68,7 +70,7 @@ class _NNX:
             self.values = (params, extra)
 
     def _make(self, key):
-        module = self.factory(nnx.Rngs(key)) if self.takes_rngs else self.factory()
+        module = self.factory(fast_rngs(key)) if self.takes_rngs else self.factory()
         if not isinstance(module, nnx.Module):
             raise TypeError(
                 f"the model factory returned {type(module).__name__}, expected a flax.nnx.Module; "

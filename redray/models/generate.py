@@ -88,12 +88,22 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens: int, rng=
 
     Returns:
       (batch, max_new_tokens) int32 new tokens.
+
+    An encoder-decoder model (T5) is handed to its family's ``generate``, which encodes
+    the prompts once and decodes from the decoder start token.
     """
+    if getattr(model.config, "is_encoder_decoder", False):
+        from redray.models.hub import family
+
+        return family(model.config.model_type).generate(
+            model, input_ids, attention_mask, max_new_tokens=max_new_tokens, rng=rng,
+            temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id)
     input_ids = jnp.asarray(input_ids, jnp.int32)
     batch, prompt = input_ids.shape
     if attention_mask is None:
         attention_mask = jnp.ones_like(input_ids)
-    eos_token_id, pad_token_id = _special_tokens(model.config, eos_token_id, pad_token_id)
+    eos_token_id, pad_token_id = special_tokens(model.config, eos_token_id, pad_token_id)
     kv_valid = jnp.concatenate([jnp.asarray(attention_mask, jnp.int32),
                                 jnp.ones((batch, max_new_tokens), jnp.int32)], 1)
     cache = model.init_cache(batch, prompt + max_new_tokens)
@@ -108,7 +118,8 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens: int, rng=
                        eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
 
-def _special_tokens(config, eos_token_id, pad_token_id):
+def special_tokens(config, eos_token_id, pad_token_id):
+    """(eos, pad) ids: given ones, else the config's; pad falls back to EOS, then 0."""
     if eos_token_id is None:
         eos_token_id = getattr(config, "eos_token_id", None)
     if pad_token_id is None:

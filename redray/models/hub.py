@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from redray.rngs import rngs as fast_rngs
 from redray.sharding import derive_specs, flatten, make_mesh
 
 # model_type -> module implementing the family (Model, weight_table, trace_inputs).
@@ -41,18 +42,20 @@ class Tensor:
     """One weight: its Hugging Face name, its redray path, and the layout change.
 
     ``load(array, shape)`` turns the HF array into redray's layout of ``shape``;
-    ``save(array)`` turns it back.
+    ``save(array)`` turns it back. ``fallback`` names a tensor to read when ``hf`` is
+    absent (a head that a checkpoint stored only as the tied embedding).
     """
     hf: str
     path: str
     load: Callable[[np.ndarray, tuple], np.ndarray]
     save: Callable[[np.ndarray], np.ndarray]
+    fallback: str | None = None
 
 
-def linear(hf: str, path: str, in_dims: int = 1) -> Tensor:
+def linear(hf: str, path: str, in_dims: int = 1, fallback: str | None = None) -> Tensor:
     """A torch ``nn.Linear`` weight (out, in) as a kernel (in..., out...)."""
     return Tensor(hf, path, lambda w, shape: w.T.reshape(shape),
-                  lambda k: k.reshape(math.prod(k.shape[:in_dims]), -1).T)
+                  lambda k: k.reshape(math.prod(k.shape[:in_dims]), -1).T, fallback)
 
 
 def conv1d(hf: str, path: str, in_dims: int = 1) -> Tensor:
@@ -91,7 +94,7 @@ def build(config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, remat: boo
           seed: int = 0):
     """A randomly initialized redray model for a ``transformers`` config."""
     fam = family(config.model_type)
-    return fam.Model(config, rngs=rngs or nnx.Rngs(seed), dtype=dtype, remat=remat)
+    return fam.Model(config, rngs=rngs or fast_rngs(seed), dtype=dtype, remat=remat)
 
 
 class _Weights:
@@ -147,7 +150,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
         setattr(config, key, value)
     fam = family(config.model_type)
     mesh = mesh or make_mesh(data_axis=data_axis, fsdp_axis=fsdp_axis, model_axis=model_axis)
-    make = lambda: fam.Model(config, rngs=nnx.Rngs(seed), dtype=dtype, remat=remat)  # noqa: E731
+    make = lambda: fam.Model(config, rngs=fast_rngs(seed), dtype=dtype, remat=remat)  # noqa: E731
     graphdef, params_abs, extra_abs = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
     specs = model_specs(graphdef, (params_abs, extra_abs), mesh, fam.trace_inputs(config), rules)
     param_specs, extra_specs = specs
@@ -162,11 +165,12 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
     for row in table:
         if row.path not in by_path:
             raise AssertionError(f"{fam.__name__}: table path {row.path!r} is not a parameter")
-        if row.hf not in available:
+        name = row.hf if row.hf in available or row.fallback not in available else row.fallback
+        if name not in available:
             missing.append(row.hf)
             continue
         leaf, spec = by_path[row.path]
-        raw = weights.get(row.hf)
+        raw = weights.get(name)
         try:
             value = row.load(raw, tuple(leaf.shape))
             if tuple(value.shape) != tuple(leaf.shape):
@@ -179,7 +183,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
         loaded[row.path] = jax.make_array_from_callback(
             value.shape, NamedSharding(mesh, spec), lambda idx, v=value: v[idx])
     ignore = re.compile("|".join(getattr(fam, "IGNORED", ())) or r"(?!)")
-    used = {row.hf for row in table}
+    used = {row.hf for row in table} | {row.fallback for row in table if row.fallback}
     unexpected = sorted(n for n in available - used if not ignore.search(n))
     not_loaded = sorted(set(by_path) - set(loaded) - {r.path for r in table})
     if missing or misshaped or unexpected or not_loaded:

@@ -18,7 +18,9 @@ would only add an all-reduce of its input gradient.
 
 Biases and norm scales that are added to or multiply a column layer's output split
 with that output. The ``fsdp`` axis then shards the largest remaining divisible
-dimension of every floating-point array (ZeRO-3). User rules, an ordered list of
+dimension of every floating-point array (ZeRO-3). A large array that no rule split over
+``model`` (an embedding whose vocabulary divides by nothing) is sharded over ``model``
+too, as an extra FSDP axis, so no big parameter sits whole on every device. User rules, an ordered list of
 (regex on the parameter path, spec), win over all of this.
 """
 
@@ -124,6 +126,23 @@ def fsdp_dim(shape: Sequence[int], taken: int | None, fsdp_size: int) -> int | N
     return best
 
 
+# A parameter tensor parallelism cannot split (a vocabulary of 50257 rows, a position
+# table of 2050) is sharded over ``model`` too, like FSDP, once it is this large
+# (elements). Smaller ones stay replicated: gathering them would cost more than they hold.
+LARGE = 1 << 20
+
+
+def _shard_over_model(entries: list, shape, model_size: int, fsdp_size: int) -> None:
+    """Adds ``model`` to ``entries`` as an extra FSDP axis, on a dimension it divides."""
+    for d, entry in enumerate(entries):
+        if entry == "fsdp" and shape[d] % (fsdp_size * model_size) == 0:
+            entries[d] = ("fsdp", "model")
+            return
+    d = fsdp_dim(shape, next((k for k, e in enumerate(entries) if e), None), model_size)
+    if d is not None and entries[d] is None:
+        entries[d] = "model"
+
+
 def compile_rules(rules) -> list[tuple[re.Pattern, P]]:
     """Validates user rules: an ordered list of (regex on the parameter path, spec)."""
     compiled = []
@@ -194,6 +213,8 @@ def partition_specs(paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
             d = fsdp_dim(shape, tp[i], fsdp_size)
             if d is not None:
                 entries[d] = "fsdp"
+        if floating and tp[i] is None and model_size > 1 and math.prod(shape) >= LARGE:
+            _shard_over_model(entries, shape, model_size, fsdp_size)
         while entries and entries[-1] is None:
             entries.pop()
         specs.append(P(*entries))

@@ -1,0 +1,156 @@
+"""GPT-2: learned position embeddings, pre-LayerNorm blocks, fused QKV, tied LM head.
+
+Hugging Face stores GPT-2's dense layers as ``Conv1D`` weights (in, out). The fused
+``c_attn`` kernel is laid out (hidden, 3, heads, head_dim) and its bias (3, heads,
+head_dim), so the automatic rules split whole heads (the size-3 axis divides no even
+model axis); ``c_proj`` of the attention is (heads, head_dim, hidden).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redray.models import layers
+from redray.models.hub import HFConfig, conv1d, linear, plain
+
+MODEL_TYPES = ("gpt2",)
+# Causal-mask buffers that old checkpoints saved with the weights.
+IGNORED = (r"\.attn\.bias$", r"\.attn\.masked_bias$")
+
+
+def _dims(c) -> tuple[int, int]:
+    heads = c.num_attention_heads
+    if c.hidden_size % heads:
+        raise ValueError(f"hidden_size {c.hidden_size} is not a multiple of "
+                         f"num_attention_heads {heads}")
+    return heads, c.hidden_size // heads
+
+
+def _inner(c) -> int:
+    return getattr(c, "n_inner", None) or 4 * c.hidden_size
+
+
+class Attention(nnx.Module):
+    def __init__(self, c, layer_idx: int, *, rngs, dtype):
+        heads, d = _dims(c)
+        dense = dict(dtype=dtype, rngs=rngs)
+        self.c_attn = nnx.LinearGeneral(c.hidden_size, (3, heads, d), **dense)
+        self.c_proj = nnx.LinearGeneral((heads, d), c.hidden_size, axis=(-2, -1), **dense)
+        self.attn_dropout = nnx.Dropout(c.attn_pdrop or 0.0, rngs=rngs)
+        self.resid_dropout = nnx.Dropout(c.resid_pdrop or 0.0, rngs=rngs)
+        scale = d ** -0.5 if getattr(c, "scale_attn_weights", True) else 1.0
+        if getattr(c, "scale_attn_by_inverse_layer_idx", False):
+            scale /= layer_idx + 1
+        self.scale = scale
+
+    def __call__(self, x, mask, cache, cache_index, train):
+        qkv = self.c_attn(x)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        new_cache = None
+        if cache is not None:
+            k, v, new_cache = layers.update_cache(cache, k, v, cache_index)
+        drop = (lambda p: self.attn_dropout(p, deterministic=False)) if train else None
+        out = self.c_proj(layers.dot_attention(q, k, v, mask, self.scale, dropout=drop))
+        return self.resid_dropout(out, deterministic=not train), new_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, c, *, rngs, dtype):
+        dense = dict(dtype=dtype, rngs=rngs)
+        self.c_fc = nnx.Linear(c.hidden_size, _inner(c), **dense)
+        self.c_proj = nnx.Linear(_inner(c), c.hidden_size, **dense)
+        self.act = layers.activation(c.activation_function)
+        self.dropout = nnx.Dropout(c.resid_pdrop or 0.0, rngs=rngs)
+
+    def __call__(self, x, train):
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))), deterministic=not train)
+
+
+class Block(nnx.Module):
+    def __init__(self, c, layer_idx: int, *, rngs, dtype):
+        norm = dict(epsilon=c.layer_norm_epsilon, dtype=dtype, rngs=rngs)
+        self.ln_1 = nnx.LayerNorm(c.hidden_size, **norm)
+        self.attn = Attention(c, layer_idx, rngs=rngs, dtype=dtype)
+        self.ln_2 = nnx.LayerNorm(c.hidden_size, **norm)
+        self.mlp = MLP(c, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x, mask, cache, cache_index, train):
+        attn, new_cache = self.attn(self.ln_1(x), mask, cache, cache_index, train)
+        x = x + attn
+        return x + self.mlp(self.ln_2(x), train), new_cache
+
+
+class Model(nnx.Module):
+    """A GPT-2 causal LM built from a ``transformers`` config.
+
+    Call as ``model(input_ids)`` for logits (batch, seq, vocab); with an attention mask
+    over key slots for padding (positions count only real tokens, so left-padded rows
+    see the positions an unpadded prompt would); with ``cache=model.init_cache(...)``
+    and ``cache_index`` for incremental decoding, which returns (logits, cache).
+    """
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+        c = config.hf if isinstance(config, HFConfig) else config
+        if getattr(c, "add_cross_attention", False):
+            raise ValueError("GPT-2 with add_cross_attention=True (an encoder-decoder "
+                             "component) is not supported: only the causal LM is")
+        self.config = HFConfig(c)
+        self.dtype = dtype
+        self.remat = remat
+        embed = dict(dtype=dtype, rngs=rngs)
+        self.wte = nnx.Embed(c.vocab_size, c.hidden_size, **embed)
+        self.wpe = nnx.Embed(c.max_position_embeddings, c.hidden_size, **embed)
+        self.drop = nnx.Dropout(c.embd_pdrop or 0.0, rngs=rngs)
+        self.h = nnx.List([Block(c, i, rngs=rngs, dtype=dtype) for i in range(c.num_hidden_layers)])
+        self.ln_f = nnx.LayerNorm(c.hidden_size, epsilon=c.layer_norm_epsilon, dtype=dtype,
+                                  rngs=rngs)
+        self.tied = bool(getattr(c, "tie_word_embeddings", True))
+        if not self.tied:
+            self.lm_head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype,
+                                      rngs=rngs)
+
+    def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
+                 train: bool = False):
+        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index)
+        x = self.wte(input_ids) + self.wpe(positions)
+        x = self.drop(x, deterministic=not train)
+        x, new_cache = layers.run_blocks(self.h, x, (mask,), cache, cache_index, train,
+                                        self.remat)
+        x = self.ln_f(x)
+        logits = self.wte.attend(x) if self.tied else self.lm_head(x)
+        return logits if cache is None else (logits, new_cache)
+
+    def init_cache(self, batch: int, length: int, dtype=None):
+        """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
+        heads, d = _dims(self.config)
+        return layers.empty_cache(len(self.h), batch, length, heads, d, dtype or self.dtype)
+
+
+trace_inputs = layers.causal_lm_inputs
+
+
+def weight_table(config) -> list:
+    """Hugging Face tensor names <-> redray parameter paths."""
+    c = config.hf if isinstance(config, HFConfig) else config
+    rows = [plain("transformer.wte.weight", "wte/embedding"),
+            plain("transformer.wpe.weight", "wpe/embedding"),
+            plain("transformer.ln_f.weight", "ln_f/scale"),
+            plain("transformer.ln_f.bias", "ln_f/bias")]
+    if not getattr(c, "tie_word_embeddings", True):
+        rows.append(linear("lm_head.weight", "lm_head/kernel"))
+    for i in range(c.num_hidden_layers):
+        hf, me = f"transformer.h.{i}", f"h/{i}"
+        for norm in ("ln_1", "ln_2"):
+            rows += [plain(f"{hf}.{norm}.weight", f"{me}/{norm}/scale"),
+                     plain(f"{hf}.{norm}.bias", f"{me}/{norm}/bias")]
+        rows += [conv1d(f"{hf}.attn.c_attn.weight", f"{me}/attn/c_attn/kernel"),
+                 plain(f"{hf}.attn.c_attn.bias", f"{me}/attn/c_attn/bias", flat=True),
+                 conv1d(f"{hf}.attn.c_proj.weight", f"{me}/attn/c_proj/kernel", in_dims=2),
+                 plain(f"{hf}.attn.c_proj.bias", f"{me}/attn/c_proj/bias"),
+                 conv1d(f"{hf}.mlp.c_fc.weight", f"{me}/mlp/c_fc/kernel"),
+                 plain(f"{hf}.mlp.c_fc.bias", f"{me}/mlp/c_fc/bias"),
+                 conv1d(f"{hf}.mlp.c_proj.weight", f"{me}/mlp/c_proj/kernel"),
+                 plain(f"{hf}.mlp.c_proj.bias", f"{me}/mlp/c_proj/bias")]
+    return rows

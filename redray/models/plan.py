@@ -1,0 +1,291 @@
+"""How a model would be sharded on a mesh, without a device or a single allocation.
+
+``plan_model(config, devices, model_axis, fsdp_axis)`` builds the model abstractly
+(``nnx.eval_shape``: ShapeDtypeStructs only), traces its forward pass on abstract
+inputs, applies the automatic rules (tensor parallel over ``model``, ZeRO-3 over
+``fsdp``) against an ``AbstractMesh`` of the requested sizes, and reports what each
+device holds: parameters and Adam state (two float32 moments that follow their
+parameter's spec), beside the ideal ``total / (model x fsdp)``. The ``data`` axis
+replicates by design, so it is not part of the ideal.
+
+Named presets (``presets()``) are the Hugging Face ``config.json`` of well-known models,
+shipped in ``redray/models/presets``.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from redray.sharding import AXES, follow_specs, plan
+
+PRESET_DIR = "presets"
+# Parameters smaller than this (norm scales, biases) are counted, not listed, when
+# they are left replicated.
+REPLICATED_MIN_BYTES = 1 << 20
+
+
+class PlanError(ValueError):
+    """A request that cannot be planned; the message says what to change."""
+
+
+def presets() -> list[str]:
+    """Names of the shipped presets (e.g. ``llama-7b``)."""
+    root = importlib.resources.files("redray.models").joinpath(PRESET_DIR)
+    return sorted(p.name[:-len(".json")] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def preset_fields(name: str) -> dict:
+    """The config.json fields of a shipped preset."""
+    names = presets()
+    if name not in names:
+        raise PlanError(f"unknown preset {name!r}: choose one of {', '.join(names)}, "
+                        "or give the path of a config.json")
+    root = importlib.resources.files("redray.models").joinpath(PRESET_DIR)
+    return json.loads(root.joinpath(f"{name}.json").read_text())
+
+
+def load_fields(preset_or_path: str) -> tuple[str, dict]:
+    """(display name, config.json fields) of a preset name or a config path.
+
+    A path may be a config.json file or a folder holding one.
+    """
+    looks_like_path = (os.sep in preset_or_path or preset_or_path.endswith(".json")
+                       or os.path.exists(preset_or_path))
+    if not looks_like_path:
+        return preset_or_path, preset_fields(preset_or_path)
+    path = preset_or_path
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise PlanError(f"no such config file: {path!r} (give a config.json path, a folder "
+                        f"holding one, or a preset: {', '.join(presets())})")
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{path!r} is not valid JSON ({e})") from None
+    if not isinstance(fields, dict):
+        raise PlanError(f"{path!r} does not hold a JSON object (a Hugging Face config.json)")
+    return path, fields
+
+
+def make_config(fields: dict):
+    """A ``transformers`` config from config.json fields (``model_type`` required)."""
+    from transformers import AutoConfig
+
+    from redray.models.hub import FAMILIES
+
+    model_type = fields.get("model_type")
+    if model_type is None:
+        raise PlanError("the config has no 'model_type' field: it must be a Hugging Face "
+                        f"config.json (model_type one of {', '.join(sorted(FAMILIES))})")
+    if model_type not in FAMILIES:
+        raise PlanError(f"model_type {model_type!r} is not supported; supported: "
+                        f"{', '.join(sorted(FAMILIES))}")
+    rest = {k: v for k, v in fields.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(model_type, **rest)
+    except Exception as e:  # noqa: BLE001 -- transformers validates the fields its own way
+        cause = e.__cause__ or e
+        raise PlanError(f"invalid {model_type} config: "
+                        f"{' '.join(str(cause).split())}") from None
+
+
+def resolve_config(config):
+    """A ``transformers`` config from a config object, a fields dict, a preset or a path."""
+    if isinstance(config, str):
+        config = load_fields(config)[1]
+    if isinstance(config, dict):
+        return make_config(config)
+    return config
+
+
+def mesh_sizes(devices: int, model_axis: int, fsdp_axis: int) -> dict[str, int]:
+    """{data, fsdp, model} sizes; data takes what model x fsdp leave of the devices."""
+    for name, value in (("devices", devices), ("model axis", model_axis),
+                        ("fsdp axis", fsdp_axis)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} must be a positive integer, got {value!r}")
+    per_replica = model_axis * fsdp_axis
+    if devices % per_replica:
+        lower = devices // per_replica * per_replica
+        near = [d for d in (lower, lower + per_replica) if d > 0]
+        raise PlanError(
+            f"model axis {model_axis} x fsdp axis {fsdp_axis} = {per_replica} does not divide "
+            f"{devices} devices: use a device count that is a multiple of {per_replica} "
+            f"(e.g. {' or '.join(str(d) for d in sorted(near))}), or axis sizes whose product "
+            f"divides {devices}")
+    return {"data": devices // per_replica, "fsdp": fsdp_axis, "model": model_axis}
+
+
+def abstract_model(config, dtype=jnp.float32):
+    """(family module, graphdef, abstract params, abstract extra) without allocating."""
+    from flax import nnx
+
+    from redray.models.hub import FAMILIES, family
+    from redray.rngs import rngs as fast_rngs
+
+    try:
+        fam = family(config.model_type)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    except ModuleNotFoundError as e:
+        if e.name != FAMILIES[config.model_type]:
+            raise
+        raise PlanError(f"model_type {config.model_type!r} needs {e.name}, which this "
+                        "install does not have") from None
+    abstract = nnx.eval_shape(lambda: fam.Model(config, rngs=fast_rngs(0), dtype=dtype))
+    graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
+    return fam, graphdef, params, extra
+
+
+def _spec_leaves(specs) -> list[P]:
+    return jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _replicated_axes(spec: P, mesh_shape: dict) -> list[str]:
+    used = set()
+    for entry in spec:
+        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+            if axis is not None:
+                used.add(axis)
+    return [a for a in ("model", "fsdp") if mesh_shape[a] > 1 and a not in used]
+
+
+def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
+               rules=(), replicated_min_bytes: int = REPLICATED_MIN_BYTES) -> dict:
+    """What each device holds when ``config``'s model is sharded by the automatic rules.
+
+    Args:
+      config: a ``transformers`` config, a dict of config.json fields, a preset name or
+        a config.json path.
+      devices: the device count; the data axis is ``devices / (model_axis * fsdp_axis)``.
+      model_axis, fsdp_axis: tensor-parallel and ZeRO-3 axis sizes.
+      rules: (regex, PartitionSpec) overrides, as for ``Trainer``.
+      replicated_min_bytes: parameters left replicated that are smaller than this are
+        counted in ``replicated_omitted`` instead of listed.
+
+    Returns:
+      A JSON-ready dict: ``n_params``, ``devices``, ``mesh`` ({data, fsdp, model}),
+      ``param_bytes_per_device``, ``opt_bytes_per_device``, ``ideal_bytes_per_device``
+      (parameters + Adam state, total / (model x fsdp)) and its two parts
+      ``ideal_param_bytes_per_device`` / ``ideal_opt_bytes_per_device``, ``ratio``
+      ({params, opt}: actual / ideal), ``replicated`` (parameters not split over every axis of model x fsdp:
+      path, shape, spec, bytes_per_device, replicated_over) and ``replicated_omitted``
+      (how many smaller ones were left out of that list).
+
+    Raises:
+      PlanError: axis sizes that do not divide the devices, an unsupported model type.
+    """
+    import optax
+
+    from redray.models.hub import model_specs
+
+    sizes = mesh_sizes(devices, model_axis, fsdp_axis)
+    config = resolve_config(config)
+    mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
+    fam, graphdef, params, extra = abstract_model(config)
+    param_specs, _ = model_specs(graphdef, (params, extra), mesh, fam.trace_inputs(config), rules)
+    opt_abs = jax.eval_shape(optax.adam(1e-3).init, params)
+    opt_specs = follow_specs(opt_abs, params, param_specs)
+
+    shape = dict(mesh.shape)
+    param_rows = plan(params, param_specs, mesh)
+    opt_rows = plan(opt_abs, opt_specs, mesh)
+    ideal_shards = sizes["model"] * sizes["fsdp"]
+
+    def total(rows):
+        return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in rows)
+
+    param_total, opt_total = total(param_rows), total(opt_rows)
+    actual = {"params": sum(r.bytes_per_device for r in param_rows),
+              "opt": sum(r.bytes_per_device for r in opt_rows)}
+    ideal = {"params": param_total / ideal_shards, "opt": opt_total / ideal_shards}
+
+    replicated, omitted = [], 0
+    for row in param_rows:
+        axes = _replicated_axes(row.spec, shape)
+        if not axes:
+            continue
+        full = math.prod(row.shape) * jnp.dtype(row.dtype).itemsize
+        if full < replicated_min_bytes:
+            omitted += 1
+            continue
+        replicated.append({"path": row.path, "shape": list(row.shape),
+                           "spec": [e if not isinstance(e, tuple) else list(e) for e in row.spec],
+                           "bytes_per_device": row.bytes_per_device,
+                           "replicated_over": axes})
+    replicated.sort(key=lambda r: -r["bytes_per_device"])
+    return {
+        "model_type": config.model_type,
+        "n_params": int(sum(math.prod(r.shape) for r in param_rows)),
+        "devices": devices,
+        "mesh": sizes,
+        "param_bytes_per_device": int(actual["params"]),
+        "opt_bytes_per_device": int(actual["opt"]),
+        "ideal_bytes_per_device": int(math.ceil(ideal["params"] + ideal["opt"])),
+        "ideal_param_bytes_per_device": int(math.ceil(ideal["params"])),
+        "ideal_opt_bytes_per_device": int(math.ceil(ideal["opt"])),
+        "ratio": {k: (actual[k] / ideal[k] if ideal[k] else 1.0) for k in actual},
+        "replicated": replicated,
+        "replicated_omitted": omitted,
+        "replicated_min_bytes": replicated_min_bytes,
+    }
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_model_plan(result: dict, name: str | None = None) -> str:
+    """The human-readable report of ``plan_model``'s result."""
+    mesh = result["mesh"]
+    title = f"{name} ({result['model_type']})" if name else result["model_type"]
+    ratio = result["ratio"]
+    ideal = {"params": result["ideal_param_bytes_per_device"],
+             "opt": result["ideal_opt_bytes_per_device"]}
+    lines = [
+        f"{title}: {result['n_params']:,} parameters ({_size(result['n_params'] * 4)} in float32)",
+        f"mesh: data={mesh['data']} x fsdp={mesh['fsdp']} x model={mesh['model']} "
+        f"({result['devices']} devices)",
+        "",
+        f"{'per device':<24}{'actual':>14}{'ideal':>14}{'ratio':>9}",
+    ]
+    rows = (("parameters (float32)", result["param_bytes_per_device"], ideal["params"],
+             ratio["params"]),
+            ("Adam state (2 x float32)", result["opt_bytes_per_device"], ideal["opt"],
+             ratio["opt"]))
+    for label, a, i, r in rows:
+        lines.append(f"{label:<24}{_size(a):>14}{_size(i):>14}{r:>8.3f}x")
+    a = result["param_bytes_per_device"] + result["opt_bytes_per_device"]
+    i = ideal["params"] + ideal["opt"]
+    lines.append(f"{'total':<24}{_size(a):>14}{_size(i):>14}{a / i if i else 1.0:>8.3f}x")
+    lines.append(f"ideal = total / (model {mesh['model']} x fsdp {mesh['fsdp']}); the data axis "
+                 f"({mesh['data']}) replicates by design.")
+    lines.append("")
+    threshold = _size(result["replicated_min_bytes"])
+    reps, omitted = result["replicated"], result["replicated_omitted"]
+    if not reps:
+        lines.append(f"no parameter of {threshold} or more is left replicated over model or fsdp")
+    else:
+        lines.append(f"left replicated ({len(reps)} of {threshold} or more):")
+        width = max(len(r["path"]) for r in reps)
+        for r in reps:
+            spec = "P(" + ", ".join(repr(e) for e in r["spec"]) + ")"
+            lines.append(f"  {r['path']:<{width}}  {str(tuple(r['shape'])):<18} {spec:<22} "
+                         f"over {'+'.join(r['replicated_over']):<11} "
+                         f"{_size(r['bytes_per_device']):>11}/device")
+    if omitted:
+        lines.append(f"({omitted} smaller parameters left replicated are not listed: "
+                     "norm scales, biases)")
+    return "\n".join(lines)
