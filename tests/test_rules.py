@@ -859,3 +859,37 @@ def test_plan_bytes_per_device():
     assert rows["fc_out/kernel"].bytes_per_device == 512 * 16 * 4
     text = format_plan(list(rows.values()), mesh)
     assert "fc_mid/kernel" in text and "model=4" in text
+
+
+# --------------------------------------------------------------------------- residual stream
+
+class ProjectedResidual(nnx.Module):
+    """OPT-350m's shape: a projection writes the residual stream that blocks add to."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(V, 32, rngs=rngs)
+        self.proj_in = nnx.Linear(32, D, use_bias=False, rngs=rngs)
+        self.fc1 = nnx.Linear(D, F, rngs=rngs)
+        self.fc2 = nnx.Linear(F, D, rngs=rngs)
+        self.fc1b = nnx.Linear(D, F, rngs=rngs)
+        self.fc2b = nnx.Linear(F, D, rngs=rngs)
+        self.head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.proj_in(self.embed(ids))
+        x = x + self.fc2(jax.nn.relu(self.fc1(x)))
+        x = x + self.fc2b(jax.nn.relu(self.fc1b(x)))
+        return self.head(x)
+
+
+def test_a_layer_writing_the_residual_stream_stays_replicated():
+    # proj_in's output reaches fc1 and, around fc1/fc2 through the residual add, fc1b
+    # and the head: splitting it would leave the whole stream split and flip every
+    # block's roles. It stays replicated; the blocks pair up as usual.
+    got, _, _ = nnx_specs(ProjectedResidual(nnx.Rngs(0)), tokens())
+    assert_specs(got, {
+        "embed/embedding": P("model"), "proj_in/kernel": REP,
+        "fc1/kernel": COL, "fc1/bias": ROW, "fc2/kernel": ROW, "fc2/bias": REP,
+        "fc1b/kernel": COL, "fc1b/bias": ROW, "fc2b/kernel": ROW, "fc2b/bias": REP,
+        "head/kernel": COL,
+    })

@@ -16,6 +16,8 @@ from redray.models import layers
 from redray.models.hub import HFConfig, conv1d, linear, plain
 
 MODEL_TYPES = ("gpt2",)
+# Checkpoints saved from the base model (no LM head class) name tensors without it.
+BASE_PREFIX = "transformer."
 # Causal-mask buffers that old checkpoints saved with the weights.
 IGNORED = (r"\.attn\.bias$", r"\.attn\.masked_bias$")
 

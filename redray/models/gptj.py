@@ -17,6 +17,8 @@ from redray.models import layers
 from redray.models.hub import HFConfig, linear, plain
 
 MODEL_TYPES = ("gptj",)
+# Checkpoints saved from the base model (no LM head class) name tensors without it.
+BASE_PREFIX = "transformer."
 # Non-persistent buffers: the causal mask and the sinusoid table are rebuilt, not loaded.
 IGNORED = (r"\.attn\.bias$", r"\.attn\.masked_bias$", r"\.attn\.embed_positions$")
 

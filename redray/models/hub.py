@@ -165,8 +165,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
     for row in table:
         if row.path not in by_path:
             raise AssertionError(f"{fam.__name__}: table path {row.path!r} is not a parameter")
-        name = row.hf if row.hf in available or row.fallback not in available else row.fallback
-        if name not in available:
+        name = _stored_name(row, available, getattr(fam, "BASE_PREFIX", None))
+        if name is None:
             missing.append(row.hf)
             continue
         leaf, spec = by_path[row.path]
@@ -183,7 +183,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
         loaded[row.path] = jax.make_array_from_callback(
             value.shape, NamedSharding(mesh, spec), lambda idx, v=value: v[idx])
     ignore = re.compile("|".join(getattr(fam, "IGNORED", ())) or r"(?!)")
-    used = {row.hf for row in table} | {row.fallback for row in table if row.fallback}
+    used = {_stored_name(row, available, getattr(fam, "BASE_PREFIX", None)) for row in table}
     unexpected = sorted(n for n in available - used if not ignore.search(n))
     not_loaded = sorted(set(by_path) - set(loaded) - {r.path for r in table})
     if missing or misshaped or unexpected or not_loaded:
@@ -207,6 +207,15 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     extra = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2], out_shardings=extra_sh)()
     return nnx.merge(graphdef, params, extra)
+
+
+def _stored_name(row: Tensor, available: set, base_prefix: str | None) -> str | None:
+    """The name ``row``'s tensor has in this checkpoint: its own, its fallback, or its
+    own without the family's prefix (saved from the base model), else None."""
+    candidates = [row.hf, row.fallback]
+    if base_prefix and row.hf.startswith(base_prefix):
+        candidates.append(row.hf[len(base_prefix):])
+    return next((n for n in candidates if n in available), None)
 
 
 def model_specs(graphdef, state, mesh: Mesh, inputs: dict, rules=()):

@@ -16,6 +16,8 @@ from redray.models import layers
 from redray.models.hub import HFConfig, linear, plain
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Checkpoints saved from the base model (no LM head class) name tensors without it.
+BASE_PREFIX = "model."
 IGNORED = (r"rotary_emb\.inv_freq$",)
 
 

@@ -17,6 +17,8 @@ from redray.models import layers
 from redray.models.hub import HFConfig, linear, plain
 
 MODEL_TYPES = ("opt",)
+# Checkpoints saved from the base model (no LM head class) name tensors without it.
+BASE_PREFIX = "model."
 # OPT's learned position table has 2 extra rows in front (a fairseq padding legacy).
 POSITION_OFFSET = 2
 

@@ -74,11 +74,6 @@ class Trace:
             Use(kind, tuple(sorted(in_dims)), tuple(sorted(out_dims)), frozenset(preds),
                 next(self._counter)))
 
-    def consumers(self, param: int) -> list[int]:
-        """Parameters whose matmul or lookup takes this parameter's output as input."""
-        return [q for q, uses in self.uses.items()
-                if any(param in u.preds for u in uses if u.kind in ("dot", "gather"))]
-
 
 def trace(fn: Callable, leaves: Sequence[Any], *args) -> Trace:
     """Traces ``fn(leaves, *args)`` on abstract values and records parameter uses.

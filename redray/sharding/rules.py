@@ -4,7 +4,9 @@ Rule 1 (dense layers): a layer fed by nothing split is *column* parallel (its ou
 dimension is split over ``model``); a layer fed only by column-parallel layers is
 *row* parallel (its input dimension is split), so each column/row pair costs one
 all-reduce. A layer fed by a column layer is row even when replicated values were added
-on the way (a position bias added to attention scores): adding them keeps the split. Rule 2 (attention) follows from the same dataflow: Q, K and V read the
+on the way (a position bias added to attention scores): adding them keeps the split. A
+layer whose output reaches a layer and also, around it, that layer's successors writes a
+residual stream (OPT-350m's ``project_in``): it stays replicated, so the stream is whole. Rule 2 (attention) follows from the same dataflow: Q, K and V read the
 (replicated) residual stream, so they are column parallel along their output (head)
 dimension; the output projection reads only what Q, K and V produced, so it is row
 parallel along its input dimension. Embedding tables (parameters indexed by a lookup)
@@ -63,6 +65,7 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
         return split
     role: dict[int, str] = {}
     uses = trace.uses if trace is not None else {}
+    graph = _LayerGraph(uses)
     structural = sorted((p for p in uses if any(u.kind != "elementwise" for u in uses[p])),
                         key=lambda p: uses[p][0].order)
     for p in structural:
@@ -82,7 +85,7 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
             continue
         out_size = math.prod(shape[d] for d in dots[0].out_dims)
         in_size = math.prod(shape[d] for d in dots[0].in_dims)
-        if not trace.consumers(p) and out_size < in_size:
+        if (not graph.consumers(p) and out_size < in_size) or graph.writes_residual(p):
             role[p] = "replicated"
             continue
         split[p] = _first_divisible(dots[0].out_dims, shape, model_size)
@@ -96,6 +99,42 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
         if p not in role and len(shapes[p]) == 2 and _EMBED_NAME.search(path):
             split[p] = _first_divisible([0], shapes[p], model_size)
     return split
+
+
+class _LayerGraph:
+    """Which layer feeds which: the matmul/lookup uses of a trace as a graph."""
+
+    def __init__(self, uses: dict):
+        self.preds = {q: frozenset().union(*(u.preds for u in us if u.kind in ("dot", "gather")))
+                      for q, us in uses.items()}
+        self._consumers: dict[int, set] = {}
+        for q, ps in self.preds.items():
+            for p in ps:
+                self._consumers.setdefault(p, set()).add(q)
+        self._ancestors: dict[int, frozenset] = {}
+
+    def consumers(self, p) -> set:
+        """Layers that take ``p``'s output as input."""
+        return self._consumers.get(p, set())
+
+    def ancestors(self, q) -> frozenset:
+        """Every layer whose output reaches ``q``, directly or through other layers."""
+        if q not in self._ancestors:
+            self._ancestors[q] = frozenset()  # cycles (scan carries) end here
+            out = set(self.preds.get(q, ()))
+            for p in self.preds.get(q, ()):
+                out |= self.ancestors(p)
+            self._ancestors[q] = frozenset(out)
+        return self._ancestors[q]
+
+    def writes_residual(self, p) -> bool:
+        """``p``'s output reaches a layer and, around it, that layer's successors.
+
+        That is a residual stream (e.g. OPT's ``project_in``): split, it would stay
+        split through every block and flip all their roles, so it stays whole.
+        """
+        readers = self.consumers(p)
+        return any(a in self.ancestors(b) for a in readers for b in readers if a != b)
 
 
 def _follow_column_output(shapes, p, pu, role, split, uses) -> int | None:
