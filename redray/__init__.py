@@ -12,17 +12,20 @@ and redray does the rest. Public API:
   fsdp_axis=..., micro_batch_size=..., compute_dtype=..., rules=...)``: ``init``,
   ``fit``, ``evaluate``, ``train_step``, ``plan``, ``predictor``, ``model``.
 * ``Predictor(model, collate, predict, params=..., batch_size=...)``: ``predict``.
+* ``fit(model, collate, loss, optimizer, train_data=..., hosts=..., devices_per_host=...)``:
+  the same engine on every host of a Ray cluster (one worker per host).
 * ``LinenModel(module, *example_inputs)``: use a Linen module as ``model``.
 * ``make_mesh(data_axis, fsdp_axis, model_axis)``: the device mesh.
 * ``derive_specs``, ``plan``, ``format_plan``: automatic sharding and its plan.
 * ``PipelineError``: what a user function returned that cannot be used, and the fix.
 """
 
+from redray.cluster import FitResult, fit
 from redray.engine import LinenModel, Predictor, Trainer
 from redray.pipeline import Pipeline, PipelineError
 from redray.sharding import derive_specs, format_plan, make_mesh, plan
 
 __version__ = "0.1.0"
 
-__all__ = ["LinenModel", "Pipeline", "PipelineError", "Predictor", "Trainer", "derive_specs",
-           "format_plan", "make_mesh", "plan"]
+__all__ = ["FitResult", "LinenModel", "Pipeline", "PipelineError", "Predictor", "Trainer",
+           "derive_specs", "fit", "format_plan", "make_mesh", "plan"]

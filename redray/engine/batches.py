@@ -1,8 +1,15 @@
-"""From examples to global batches: order, collate, placement."""
+"""From examples to global batches: order, collate, placement, prefetch.
+
+Every process runs the same program. Global batch ``i`` of an epoch is always the rows
+``order[i*B:(i+1)*B]``; each process collates only the rows its devices hold (read from
+the batch sharding), so one host or many see the same batches.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+import queue
+import threading
+from typing import Callable, Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -23,12 +30,75 @@ def collate_checked(collate, examples: Sequence, exact: bool = False) -> dict[st
     return check_batch(collate(list(examples)), len(examples) if exact else None)
 
 
-def to_global(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Places a host's rows of a batch as global arrays split along the batch."""
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+def process_rows(sharding: NamedSharding, rows: int) -> slice:
+    """The rows of a ``rows``-long batch that this process's devices hold.
+
+    With the batch split over hosts, each host feeds its block; with it replicated
+    (a model axis spanning hosts, or a replicated remainder batch), every host feeds all.
+    """
+    index_map = sharding.addressable_devices_indices_map((rows,))
+    starts = [idx[0].start or 0 for idx in index_map.values()]
+    stops = [rows if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
+    return slice(min(starts), max(stops))
 
 
-def pad_examples(examples: Sequence, size: int) -> list:
-    """Pads a short final batch by repeating its last example (outputs are dropped)."""
-    examples = list(examples)
-    return examples + [examples[-1]] * (size - len(examples))
+def read_rows(source, indices) -> list:
+    """Examples at ``indices`` from a list or from a row source with ``take(indices)``."""
+    take = getattr(source, "take_rows", None)
+    if take is not None:
+        return take(indices)
+    return [source[int(i)] for i in indices]
+
+
+def to_global(batch: dict[str, np.ndarray], sharding: NamedSharding,
+              global_rows: int | None = None) -> dict[str, jax.Array]:
+    """Places this process's rows of a batch as global arrays split along the batch."""
+    out = {}
+    for k, v in batch.items():
+        shape = None if global_rows is None else (global_rows, *v.shape[1:])
+        out[k] = jax.make_array_from_process_local_data(sharding, v, shape)
+    return out
+
+
+def prefetch(items: Iterable, make: Callable, depth: int = 2) -> Iterator:
+    """Yields ``make(item)`` for each item, computed ``depth`` ahead in a background thread.
+
+    Collating and placing the next batches overlaps the current step. An exception in
+    ``make`` (the user's collate) is re-raised here, in the training thread.
+    """
+    if depth <= 0:
+        for item in items:
+            yield make(item)
+        return
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def work():
+        try:
+            for item in items:
+                if stop.is_set():
+                    return
+                q.put((True, make(item)))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put((False, e))
+            return
+        q.put((True, done))
+
+    thread = threading.Thread(target=work, daemon=True, name="redray-prefetch")
+    thread.start()
+    try:
+        while True:
+            ok, value = q.get()
+            if not ok:
+                raise value
+            if value is done:
+                return
+            yield value
+    finally:
+        stop.set()
+        while thread.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                thread.join(timeout=0.05)

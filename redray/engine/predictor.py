@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from redray.engine.batches import collate_checked, pad_examples, to_global
+from redray.engine.batches import collate_checked, process_rows, read_rows, to_global
 from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
 from redray.pipeline import PipelineError, check_predict_output
 from redray.sharding import batch_sharding, data_parallel_size
@@ -90,23 +90,29 @@ class Predictor:
         self._step = jax.jit(step, out_shardings=rt.replicated())
 
     def predict(self, examples: Sequence) -> list:
-        """One output per example, in order: a list of per-example pytrees of numpy."""
-        examples = list(examples)
-        if not examples:
+        """One output per example, in order: a list of per-example pytrees of numpy.
+
+        ``examples``: a list, or a row source (``len`` + ``take_rows``). On many hosts
+        each feeds its rows of every batch and every host gets all outputs.
+        """
+        if not len(examples):
             return []
         size = self.batch_size
         rng = jax.random.fold_in(jax.random.key(self.seed), 3)
         sharding = batch_sharding(self.runtime.mesh)
+        mine = process_rows(sharding, size)
         pending = []
         for start in range(0, len(examples), size):
-            chunk = examples[start:start + size]
-            batch = collate_checked(self.collate, pad_examples(chunk, size), exact=True)
+            n = min(size, len(examples) - start)
+            # the short last batch repeats its last example; those outputs are dropped
+            rows = [min(start + i, start + n - 1) for i in range(mine.start, mine.stop)]
+            batch = collate_checked(self.collate, read_rows(examples, rows), exact=True)
             if self._step is None:
                 self._prepare(batch)
             params, extra = self._source()
-            out = self._step(params, extra, to_global(batch, sharding),
+            out = self._step(params, extra, to_global(batch, sharding, size),
                              jax.random.fold_in(rng, start))
-            pending.append((len(chunk), out))
+            pending.append((n, out))
         results = []
         for n, out in pending:
             host = jax.device_get(out)

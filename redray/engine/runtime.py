@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.engine.model import abstract_state, adapter, cast_floating
@@ -76,8 +77,17 @@ class ModelRuntime:
         caller's arrays (a user's module, a Predictor's params) must survive it.
         ``device_put(..., may_alias=False)`` still aliases one shard on CPU (jax 0.10),
         so the arrays are copied where they are first (fresh buffers, ours to alias).
+        Host arrays are cut into each device's shard, so many hosts work too.
         """
-        return jax.device_put(jax.tree.map(jnp.copy, (params, extra)), self.shardings)
+        def put(value, sharding):
+            if isinstance(value, jax.Array) and sharding.is_fully_addressable:
+                return jax.device_put(jnp.copy(value), sharding)
+            if isinstance(value, jax.Array) and not value.is_fully_addressable:
+                return jax.jit(jnp.copy, out_shardings=sharding)(value)  # reshards across hosts
+            host = np.asarray(value)
+            return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+        return jax.tree.map(put, (params, extra), self.shardings)
 
     def bound(self, params, extra, rng=None):
         """The user's model object, bound to concrete parameters (for inspection)."""

@@ -11,7 +11,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from redray.engine.batches import collate_checked, epoch_order, to_global
+from redray.engine.batches import (collate_checked, epoch_order, prefetch, process_rows,
+                                   read_rows, to_global)
 from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
 from redray.pipeline import Pipeline, PipelineError, split_loss_output
 from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size, follow_specs
@@ -46,7 +47,8 @@ class Trainer:
       learning_rate: the schedule (or float) given to the optimizer, to log it.
       seed: seeds initialization, data order and the ``rng`` given to ``loss``.
       log_every: steps between metric fetches from the devices (no sync in between).
-      progress: show a progress bar.
+      progress: show a progress bar (on process 0).
+      prefetch: batches collated and placed ahead, in a background thread (0: none).
     """
 
     def __init__(self, model: Any, collate: Callable, loss: Callable,
@@ -54,7 +56,8 @@ class Trainer:
                  batch_size: int, micro_batch_size: int | None = None,
                  eval_batch_size: int | None = None, mesh: Mesh | None = None,
                  data_axis="auto", fsdp_axis=1, model_axis=1, compute_dtype=None, rules=(),
-                 learning_rate=None, seed: int = 0, log_every: int = 10, progress: bool = True):
+                 learning_rate=None, seed: int = 0, log_every: int = 10, progress: bool = True,
+                 prefetch: int = 2):
         self.pipeline = Pipeline(collate, loss, predict)
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"optimizer must be an optax.GradientTransformation "
@@ -69,6 +72,7 @@ class Trainer:
         self.seed = seed
         self.log_every = max(1, int(log_every))
         self.progress = progress
+        self.prefetch = prefetch
         self.state = None
         self._steps: dict = {}
 
@@ -83,7 +87,8 @@ class Trainer:
             return
         if not len(examples):
             raise ValueError("init needs at least one example to learn the batch's shapes")
-        sample = collate_checked(self.pipeline.collate, examples[:self.batch_size])
+        sample = collate_checked(self.pipeline.collate,
+                                 read_rows(examples, range(min(len(examples), self.batch_size))))
         micro_global = self.micro * self.dp
         abstract = abstract_batch(sample, micro_global)
         self._metric_names = self._check_loss(abstract)
@@ -103,10 +108,12 @@ class Trainer:
         }
 
         params, extra = self.runtime.init()
+        seed = self.seed
+        step, rng = jax.jit(lambda: (jnp.zeros((), jnp.int32),
+                                     jax.random.fold_in(jax.random.key(seed), 1)),
+                            out_shardings=(repl, repl))()
         self.state = {
-            "step": jax.device_put(jnp.zeros((), jnp.int32), repl),
-            "rng": jax.device_put(jax.random.fold_in(jax.random.key(self.seed), 1), repl),
-            "params": params, "extra": extra,
+            "step": step, "rng": rng, "params": params, "extra": extra,
             "opt_state": jax.jit(self.optimizer.init,
                                  out_shardings=self.state_shardings["opt_state"])(params),
         }
@@ -190,15 +197,25 @@ class Trainer:
                        donate_argnums=0)
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """One optimizer update on a collated global batch; metrics stay on device."""
+        """One optimizer update; ``batch`` is this process's rows of the global batch
+        (all of it on one host). Metrics stay on the device."""
+        return self._step(self._place(batch))
+
+    def _place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        sharding = batch_sharding(self.mesh)
+        mine = process_rows(sharding, self.batch_size)
+        rows = next(iter(batch.values())).shape[0]
+        if rows != mine.stop - mine.start:
+            raise PipelineError(
+                f"the batch has {rows} rows but this process feeds {mine.stop - mine.start} of "
+                f"batch_size={self.batch_size}: collate must return one row per example")
+        return to_global(batch, sharding, self.batch_size)
+
+    def _step(self, placed: dict[str, jax.Array]) -> dict[str, jax.Array]:
         self._require_init("train_step")
         if "train" not in self._steps:
             self._steps["train"] = self._train_step_fn()
-        rows = next(iter(batch.values())).shape[0]
-        if rows != self.batch_size:
-            raise PipelineError(f"the batch has {rows} rows but batch_size={self.batch_size}: "
-                                "collate must return one row per example")
-        self.state, metrics = self._steps["train"](self.state, to_global(batch, batch_sharding(self.mesh)))
+        self.state, metrics = self._steps["train"](self.state, placed)
         return metrics
 
     def _eval_step_fn(self):
@@ -218,7 +235,7 @@ class Trainer:
 
         Full batches run split over the devices; a final partial batch runs at its
         exact size (split if it divides, replicated otherwise), so no padding enters
-        the mean.
+        the mean. ``examples``: a list, or a row source (``len`` + ``take_rows``).
         """
         if not len(examples):
             raise ValueError("evaluate got no examples")
@@ -230,13 +247,13 @@ class Trainer:
         totals: dict[str, float] = {}
         pending = []
         for start in range(0, len(examples), size):
-            chunk = examples[start:start + size]
-            batch = collate_checked(self.pipeline.collate, chunk)
-            sharding = batch_sharding(self.mesh) if len(chunk) % self.dp == 0 \
-                else self.runtime.replicated()
-            placed = {k: jax.device_put(v, sharding) for k, v in batch.items()}
-            pending.append((len(chunk), self._steps["eval"](self.state["params"],
-                                                            self.state["extra"], placed, rng)))
+            n = min(size, len(examples) - start)
+            sharding = batch_sharding(self.mesh) if n % self.dp == 0 else self.runtime.replicated()
+            mine = process_rows(sharding, n)
+            rows = read_rows(examples, range(start + mine.start, start + mine.stop))
+            placed = to_global(collate_checked(self.pipeline.collate, rows), sharding, n)
+            pending.append((n, self._steps["eval"](self.state["params"], self.state["extra"],
+                                                   placed, rng)))
         for n, metrics in pending:
             for k, v in jax.device_get(metrics).items():
                 totals[k] = totals.get(k, 0.0) + float(v) * n
@@ -248,7 +265,8 @@ class Trainer:
         """Trains for ``epochs`` passes over ``train`` (a list of examples).
 
         Args:
-          train: the training examples (anything ``collate`` accepts, in a list).
+          train: the training examples (anything ``collate`` accepts), in a list or a
+            row source (``len`` + ``take_rows(indices)``, e.g. from a Ray Dataset).
           epochs: passes over the data; each drops its last partial batch.
           eval_data: examples evaluated (loss and metrics) after every epoch.
           eval_metric: ``fn(examples, predictions) -> dict``; with ``predict`` given,
@@ -263,7 +281,6 @@ class Trainer:
         """
         from tqdm.auto import tqdm
 
-        train = list(train)
         if eval_metric is not None and (eval_data is None or self.pipeline.predict is None):
             raise ValueError("eval_metric needs eval_data and a predict function: pass "
                              "predict=... to Trainer and eval_data=... to fit")
@@ -274,17 +291,22 @@ class Trainer:
         steps_per_epoch = len(train) // self.batch_size
         history: list[dict] = []
         done = int(jax.device_get(self.state["step"]))
+        sharding = batch_sharding(self.mesh)
+        mine = process_rows(sharding, self.batch_size)
         for epoch in range(epochs):
             order = epoch_order(len(train), self.seed, epoch, shuffle)
             total = steps_per_epoch if max_steps is None else min(steps_per_epoch, max_steps - done)
-            bar = tqdm(total=total, desc=f"epoch {epoch}", disable=not self.progress, leave=False)
+            bar = tqdm(total=total, desc=f"epoch {epoch}", leave=False,
+                       disable=not self.progress or jax.process_index() != 0)
             window, t0 = [], time.perf_counter()
-            for i in range(steps_per_epoch):
-                if max_steps is not None and done >= max_steps:
-                    break
-                idx = order[i * self.batch_size:(i + 1) * self.batch_size]
-                batch = collate_checked(self.pipeline.collate, [train[j] for j in idx])
-                window.append(self.train_step(batch))
+
+            def make(i, order=order):
+                rows = order[i * self.batch_size:(i + 1) * self.batch_size][mine]
+                batch = collate_checked(self.pipeline.collate, read_rows(train, rows))
+                return to_global(batch, sharding, self.batch_size)
+
+            for i, placed in enumerate(prefetch(range(max(total, 0)), make, self.prefetch)):
+                window.append(self._step(placed))
                 done += 1
                 bar.update(1)
                 if len(window) == self.log_every or i == steps_per_epoch - 1:
@@ -298,13 +320,13 @@ class Trainer:
             bar.close()
             if eval_data is not None:
                 row = {"step": done, "epoch": epoch,
-                       **{f"eval_{k}": v for k, v in self.evaluate(list(eval_data)).items()}}
+                       **{f"eval_{k}": v for k, v in self.evaluate(eval_data).items()}}
                 if eval_metric is not None:
-                    preds = self.predictor().predict(list(eval_data))
-                    row.update({f"eval_{k}": float(v)
-                                for k, v in eval_metric(list(eval_data), preds).items()})
+                    preds = self.predictor().predict(eval_data)
+                    row.update({f"eval_{k}": float(v) for k, v in eval_metric(
+                        read_rows(eval_data, range(len(eval_data))), preds).items()})
                 history.append(row)
-                if self.progress:
+                if self.progress and jax.process_index() == 0:
                     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                    for k, v in row.items()))
             if max_steps is not None and done >= max_steps:

@@ -1,0 +1,188 @@
+"""``redray.fit``: the Core engine on every host of a Ray cluster, one worker per host."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What a cluster run returns to the driver.
+
+    Attributes:
+      history: the logged rows (as ``Trainer.fit`` returns them, from host 0).
+      predictions: one output per ``predict_data`` example, in order (or None).
+      name, storage_path: the Ray Train run.
+      seconds: wall-clock time of the run.
+    """
+    history: list
+    predictions: list | None
+    name: str
+    storage_path: str
+    seconds: float
+
+
+def _results_actor():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Results:
+        def __init__(self):
+            self.value = None
+
+        def put(self, value):
+            self.value = value
+
+        def get(self):
+            return self.value
+
+    return Results.remote()
+
+
+def connect(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Connects to ``address`` (or ``RAY_ADDRESS``), else starts a local Ray cluster.
+
+    A ``ray://host:10001`` address connects through Ray Client (e.g. from a laptop).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+
+
+def _local_paths() -> str:
+    """The driver's own import paths (not site-packages), for workers on this machine."""
+    keep = [p for p in sys.path if p and os.path.isdir(p) and "site-packages" not in p
+            and "dist-packages" not in p and not p.startswith(sys.base_prefix)]
+    current = os.environ.get("PYTHONPATH")
+    return os.pathsep.join(dict.fromkeys(keep + ([current] if current else [])))
+
+
+def _pickle_user_code_by_value() -> None:
+    """Ships the user's own modules (not installed packages) with the pipeline.
+
+    Ray's controller and workers unpickle the pipeline; a function from a module only
+    the driver can import (a script's helper module, a test file) travels by value.
+    """
+    from ray import cloudpickle  # Ray serializes with its own vendored copy
+
+    roots = [os.path.abspath(p) for p in _local_paths().split(os.pathsep) if p]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not path or name == "__main__" or name.split(".")[0] == "redray":
+            continue
+        path = os.path.abspath(path)
+        if path.startswith(package + os.sep) or not any(path.startswith(r + os.sep) for r in roots):
+            continue
+        try:
+            cloudpickle.register_pickle_by_value(module)
+        except ValueError:  # not importable by name: already pickled by value
+            pass
+
+
+def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
+        batch_size: int, epochs: int = 1, eval_data=None, predict: Callable | None = None,
+        eval_metric: Callable | None = None, predict_data=None, max_steps: int | None = None,
+        hosts: int = 1, devices_per_host: int | None = None, use_gpu: bool = False,
+        use_tpu: bool = False, address: str | None = None, name: str | None = None,
+        storage_path: str | None = None, max_failures: int = 0, progress: bool = True,
+        **trainer_options) -> FitResult:
+    """Trains on a Ray cluster: one worker per host, one ``jax.distributed`` runtime.
+
+    Args:
+      model, collate, loss, optimizer, predict: as for ``redray.Trainer``.
+      train_data, eval_data, predict_data: a list of dicts, a ``datasets.Dataset``, a
+        parquet/json/jsonl path or glob, or a ``ray.data.Dataset``.
+      batch_size: examples per optimizer update, over all hosts.
+      epochs, max_steps, eval_metric: as for ``Trainer.fit``.
+      hosts: worker processes, one per host (on one machine: simulated hosts).
+      devices_per_host: CPU devices each host simulates (CPU only; default 1), or the
+        GPUs/TPU chips each host takes.
+      use_gpu, use_tpu: run on GPUs / TPUs (devices assigned by Ray).
+      address: a Ray cluster (``ray://host:10001`` for Ray Client); default
+        ``RAY_ADDRESS``, else a local cluster started here.
+      name, storage_path: the run's name and where Ray Train keeps it (an absolute path
+        or a URI); defaults: a timestamped name under ``~/redray_runs``.
+      max_failures: worker-group restarts Ray Train allows before giving up.
+      progress: progress bar on host 0.
+      **trainer_options: ``Trainer`` keywords (model_axis, fsdp_axis, micro_batch_size,
+        compute_dtype, rules, seed, log_every, learning_rate, ...).
+
+    Returns:
+      A ``FitResult`` with the history and the predictions, if asked.
+    """
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.jax import JaxTrainer
+
+    from redray.data import RowSource, to_dataset
+    from redray.pipeline import Pipeline
+
+    Pipeline(collate, loss, predict)  # cheap checks on the driver, before any worker
+    if hosts < 1:
+        raise ValueError(f"hosts={hosts}: need at least one host")
+    if use_gpu and use_tpu:
+        raise ValueError("use_gpu and use_tpu are exclusive")
+    connect(address, num_cpus=None if address else max(os.cpu_count() or 1, hosts))
+    name = name or time.strftime("redray-%Y%m%d-%H%M%S")
+    storage_path = os.path.abspath(os.path.expanduser(storage_path or "~/redray_runs")) \
+        if not (storage_path and "://" in storage_path) else storage_path
+
+    rows = {key: None if data is None else RowSource(to_dataset(data))
+            for key, data in (("train", train_data), ("eval", eval_data),
+                              ("predict", predict_data))}
+    results = _results_actor()
+    _pickle_user_code_by_value()
+    job = {"model": model, "collate": collate, "loss": loss, "optimizer": optimizer,
+           "predict": predict, "eval_metric": eval_metric, "epochs": epochs,
+           "max_steps": max_steps, "progress": progress, "trainer": dict(batch_size=batch_size,
+                                                                          **trainer_options),
+           "train": rows["train"], "eval": rows["eval"], "predict_data": rows["predict"],
+           "results": results}
+
+    env = {"PYTHONPATH": _local_paths()}
+    resources: dict[str, float] = {}
+    if use_gpu:
+        resources["GPU"] = devices_per_host or 1
+    elif use_tpu:
+        resources["TPU"] = devices_per_host or 4
+    else:
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = " ".join(
+            [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+            + [f"--xla_force_host_platform_device_count={devices_per_host or 1}"])
+        resources["CPU"] = 1
+    nodes = len([n for n in ray.nodes() if n.get("Alive")])
+    scaling = ScalingConfig(num_workers=hosts, use_gpu=use_gpu, use_tpu=use_tpu,
+                            resources_per_worker=resources,
+                            placement_strategy="STRICT_SPREAD" if nodes >= hosts > 1 else "SPREAD")
+    trainer = JaxTrainer(
+        # Ray's own serializer (cloudpickle plus object-ref and actor-handle ownership):
+        # the row sources' block references must stay valid on the workers.
+        _entry, train_loop_config=job, scaling_config=scaling,
+        run_config=RunConfig(name=name, storage_path=storage_path,
+                             failure_config=FailureConfig(max_failures=max_failures),
+                             worker_runtime_env={"env_vars": env}))
+    start = time.perf_counter()
+    trainer.fit()
+    out = ray.get(results.get.remote())
+    return FitResult(out["history"], out["predictions"], name, storage_path,
+                     time.perf_counter() - start)
+
+
+def _entry(config):
+    from redray.cluster.worker import train_loop
+
+    train_loop(config)
