@@ -27,19 +27,26 @@ class FitResult:
     seconds: float
 
 
+class HostError(RuntimeError):
+    """User code failed on a host; the message holds that host's traceback."""
+
+
 def _results_actor():
     import ray
 
     @ray.remote(num_cpus=0)
     class Results:
         def __init__(self):
-            self.value = None
+            self.value, self.failures = None, []
 
         def put(self, value):
             self.value = value
 
+        def fail(self, rank, text):
+            self.failures.append((rank, text))
+
         def get(self):
-            return self.value
+            return self.value, self.failures
 
     return Results.remote()
 
@@ -60,10 +67,15 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
+def _installed(path: str) -> bool:
+    """Whether ``path`` belongs to an installed package or the Python installation."""
+    return ("site-packages" in path or "dist-packages" in path
+            or path.startswith((sys.base_prefix, sys.prefix)))
+
+
 def _local_paths() -> str:
     """The driver's own import paths (not site-packages), for workers on this machine."""
-    keep = [p for p in sys.path if p and os.path.isdir(p) and "site-packages" not in p
-            and "dist-packages" not in p and not p.startswith(sys.base_prefix)]
+    keep = [p for p in sys.path if p and os.path.isdir(p) and not _installed(os.path.abspath(p))]
     current = os.environ.get("PYTHONPATH")
     return os.pathsep.join(dict.fromkeys(keep + ([current] if current else [])))
 
@@ -83,7 +95,8 @@ def _pickle_user_code_by_value() -> None:
         if not path or name == "__main__" or name.split(".")[0] == "redray":
             continue
         path = os.path.abspath(path)
-        if path.startswith(package + os.sep) or not any(path.startswith(r + os.sep) for r in roots):
+        if (_installed(path) or path.startswith(package + os.sep)
+                or not any(path.startswith(r + os.sep) for r in roots)):
             continue
         try:
             cloudpickle.register_pickle_by_value(module)
@@ -176,8 +189,15 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
                              failure_config=FailureConfig(max_failures=max_failures),
                              worker_runtime_env={"env_vars": env}))
     start = time.perf_counter()
-    trainer.fit()
-    out = ray.get(results.get.remote())
+    try:
+        trainer.fit()
+    except Exception as error:
+        _, failures = ray.get(results.get.remote())
+        if failures:
+            rank, text = failures[0]
+            raise HostError(f"host {rank} failed:\n{text}") from error
+        raise
+    out, _ = ray.get(results.get.remote())
     return FitResult(out["history"], out["predictions"], name, storage_path,
                      time.perf_counter() - start)
 

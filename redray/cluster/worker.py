@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 
 def train_loop(job: dict) -> None:
     """Ray Train's ``train_loop_per_worker``: one call per host."""
@@ -14,6 +16,11 @@ def train_loop(job: dict) -> None:
         result = _run(job, rank)
         if rank == 0:
             ray.get(job["results"].put.remote(result))
+    except BaseException:
+        # First thing: tell the driver what failed here. The other hosts die next (their
+        # collectives lose a peer) and Ray may report one of them instead.
+        ray.get(job["results"].fail.remote(rank, traceback.format_exc()))
+        raise
     finally:
         distributed.shutdown()
 

@@ -94,7 +94,16 @@ class RowSource:
     """
 
     def __init__(self, dataset):
-        materialized = dataset.materialize()
+        from ray.data import DataContext
+
+        # Row positions must mean the same rows in every run (the order is built on
+        # them), so the read keeps the source's order.
+        options = DataContext.get_current().execution_options
+        before, options.preserve_order = options.preserve_order, True
+        try:
+            materialized = dataset.materialize()
+        finally:
+            options.preserve_order = before
         bundles = list(materialized.iter_internal_ref_bundles())
         self._refs, self._starts = [], []
         count = 0

@@ -1,0 +1,157 @@
+"""redray.fit on a real local Ray cluster: 2 simulated hosts x 2 CPU devices.
+
+Each host is a separate Ray worker process; together they form one jax.distributed
+runtime over gloo. These tests share one local Ray instance (started here).
+"""
+
+import glob
+import json
+import os
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import redray
+from redray.engine.batches import epoch_order
+from tiny import TinyLM, lm_collate, lm_loss, lm_predict, token_data
+
+ray = pytest.importorskip("ray")
+
+DATA = token_data(96)
+OPTIONS = dict(batch_size=8, model_axis=2, log_every=1, seed=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def cluster_fit(tmp_path, **kw):
+    kw = {"hosts": 2, "devices_per_host": 2, "storage_path": str(tmp_path / "runs"),
+          "progress": False, **OPTIONS, **kw}
+    return redray.fit(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2), **kw)
+
+
+def test_two_hosts_train_like_one_process(tmp_path):
+    def metric(examples, predictions):
+        return {"next_ok": float(np.mean([np.mean(p[:-1] == e["ids"][1:])
+                                          for e, p in zip(examples, predictions)]))}
+
+    result = cluster_fit(tmp_path, train_data=DATA, eval_data=DATA[:21], predict=lm_predict,
+                         eval_metric=metric, predict_data=DATA[:13], epochs=2, max_steps=16)
+    local = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+                           predict=lm_predict, progress=False, **OPTIONS)
+    expected = local.fit(DATA, epochs=2, max_steps=16, eval_data=DATA[:21], eval_metric=metric)
+    train = [r["loss"] for r in result.history if "loss" in r]
+    assert len(train) == 16
+    np.testing.assert_allclose(train, [r["loss"] for r in expected if "loss" in r], rtol=1e-5)
+    evals = [r for r in result.history if "eval_loss" in r]
+    assert [r["epoch"] for r in evals] == [0, 1]
+    for got, want in zip(evals, [r for r in expected if "eval_loss" in r]):
+        assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
+        assert got["eval_next_ok"] == pytest.approx(want["eval_next_ok"], rel=1e-5)
+    # predictions come back in input order, every example once (13 = 8 + a padded 5)
+    want = local.predictor().predict(DATA[:13])
+    assert len(result.predictions) == 13
+    for got, ref in zip(result.predictions, want):
+        np.testing.assert_array_equal(got, ref)
+
+
+def recording_collate(folder):
+    def collate(examples):
+        ids = [int(e["id"]) for e in examples]
+        with open(os.path.join(folder, f"host{jax.process_index()}.jsonl"), "a") as f:
+            f.write(json.dumps(ids) + "\n")
+        return {"ids": np.stack([np.asarray(e["ids"], np.int32) for e in examples])}
+    return collate
+
+
+def seen(folder, host, local_batch):
+    """Training batches a host collated (init's one full-batch call left out)."""
+    with open(os.path.join(folder, f"host{host}.jsonl")) as f:
+        calls = [json.loads(line) for line in f]
+    return [c for c in calls if len(c) == local_batch]
+
+
+def test_each_host_reads_an_equal_disjoint_deterministic_share(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"id": i, "ids": e["ids"].tolist()} for i, e in enumerate(token_data(50))]
+    pq.write_table(pa.Table.from_pylist(rows[:25]), tmp_path / "part0.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[25:]), tmp_path / "part1.parquet")
+    runs = []
+    for run in range(2):
+        folder = tmp_path / f"seen{run}"
+        folder.mkdir()
+        redray.fit(lambda rngs: TinyLM(rngs), recording_collate(str(folder)), lm_loss,
+                   optax.sgd(0.1), train_data=str(tmp_path / "*.parquet"), epochs=2, hosts=2,
+                   devices_per_host=2, storage_path=str(tmp_path / "runs"), progress=False,
+                   **OPTIONS)
+        runs.append([seen(folder, h, 4) for h in range(2)])
+    first, second = runs
+    assert first == second  # same seed, same batches, same hosts
+    for epoch in range(2):
+        per_host = [sum(calls[epoch * 6:(epoch + 1) * 6], []) for calls in first]
+        assert [len(h) for h in per_host] == [24, 24]  # 6 batches each, remainder of 2 dropped
+        assert not set(per_host[0]) & set(per_host[1])
+        order = epoch_order(50, 0, epoch)[:48].reshape(6, 8)
+        assert per_host[0] == order[:, :4].ravel().tolist()  # the Core engine's order
+        assert per_host[1] == order[:, 4:].ravel().tolist()
+    assert sum(first[0][:6], []) != sum(first[0][6:], [])  # epochs differ
+
+
+def test_every_source_kind_gives_the_same_rows(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from redray.data import RowSource, to_dataset
+
+    rows = [{"id": i, "ids": [i, i + 1, i + 2]} for i in range(12)]
+    with open(tmp_path / "rows.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(tmp_path / "rows.json", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    sources = [rows, datasets.Dataset.from_list(rows), str(tmp_path / "rows.jsonl"),
+               str(tmp_path / "rows.json"), str(tmp_path / "*.parquet"),
+               ray.data.from_items(rows)]
+    for source in sources:
+        got = RowSource(to_dataset(source)).take_rows(range(12))
+        assert [(int(r["id"]), [int(v) for v in r["ids"]]) for r in got] == \
+               [(r["id"], r["ids"]) for r in rows], type(source)
+    with pytest.raises(FileNotFoundError, match="no data file matches"):
+        to_dataset(str(tmp_path / "missing-*.parquet"))
+    with pytest.raises(TypeError, match="unsupported data source int"):
+        to_dataset(3)
+
+
+def failing_collate(marker):
+    def collate(examples):
+        if jax.process_index() == 1 and os.path.exists(marker + ".armed"):
+            with open(marker, "w") as f:
+                f.write(str(time.time()))
+            raise RuntimeError("collate exploded on host 1")
+        if len(examples) == 4:  # training batches (init collates the full batch first)
+            open(marker + ".armed", "w").close()
+        return lm_collate(examples)
+    return collate
+
+
+def test_an_error_on_one_host_ends_the_job_quickly_with_its_traceback(tmp_path):
+    marker = str(tmp_path / "failed_at")
+    with pytest.raises(redray.cluster.HostError) as err:
+        redray.fit(lambda rngs: TinyLM(rngs), failing_collate(marker), lm_loss, optax.adam(1e-2),
+                   train_data=DATA, epochs=3, hosts=2, devices_per_host=2,
+                   storage_path=str(tmp_path / "runs"), progress=False, **OPTIONS)
+    ended = time.time()
+    assert "host 1 failed" in str(err.value)
+    assert "RuntimeError: collate exploded on host 1" in str(err.value)  # the user's traceback
+    assert "in collate" in str(err.value)
+    assert ended - float(open(marker).read()) < 60
