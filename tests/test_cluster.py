@@ -155,3 +155,25 @@ def test_an_error_on_one_host_ends_the_job_quickly_with_its_traceback(tmp_path):
     assert "RuntimeError: collate exploded on host 1" in str(err.value)  # the user's traceback
     assert "in collate" in str(err.value)
     assert ended - float(open(marker).read()) < 60
+
+
+def killing_collate(marker):
+    def collate(examples):
+        if (jax.process_index() == 1 and len(examples) == 4 and not os.path.exists(marker)
+                and os.path.exists(marker + ".step2")):
+            open(marker, "w").close()
+            os.kill(os.getpid(), 9)  # SIGKILL: no cleanup, no Python exception
+        if jax.process_index() == 1 and len(examples) == 4:
+            open(marker + ".step2", "w").close()
+        return lm_collate(examples)
+    return collate
+
+
+def test_a_killed_host_restarts_the_worker_group(tmp_path):
+    marker = str(tmp_path / "killed")
+    result = redray.fit(lambda rngs: TinyLM(rngs), killing_collate(marker), lm_loss,
+                        optax.adam(1e-2), train_data=DATA, max_steps=6, hosts=2,
+                        devices_per_host=2, storage_path=str(tmp_path / "runs"), progress=False,
+                        max_failures=1, **OPTIONS)
+    assert os.path.exists(marker)  # host 1 really died once
+    assert [r["step"] for r in result.history] == list(range(1, 7))  # and the run completed

@@ -27,6 +27,9 @@ class FitResult:
     seconds: float
 
 
+CLIENT_ATTEMPTS = 4
+
+
 class HostError(RuntimeError):
     """User code failed on a host; the message holds that host's traceback."""
 
@@ -61,7 +64,21 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    if address:
+    if address and address.startswith("ray://"):
+        # The client server starts a process per client; on a busy head that can outlast
+        # Ray Client's own few quick retries.
+        for attempt in range(CLIENT_ATTEMPTS):
+            try:
+                ray.init(address=address, log_to_driver=True)
+                return
+            except ConnectionError as error:
+                if attempt == CLIENT_ATTEMPTS - 1:
+                    raise ConnectionError(
+                        f"cannot reach the Ray client server at {address} ({error}): check that "
+                        "the cluster is up and its client port (default 10001) is reachable"
+                    ) from None
+                time.sleep(5)
+    elif address:
         ray.init(address=address, log_to_driver=True)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)

@@ -72,10 +72,16 @@ def _read_files(patterns: list[str]):
     if len(readers) > 1:
         raise ValueError("mixing parquet and json files in one source is not supported")
     reader = getattr(ray.data, readers.pop())
-    if reader is ray.data.read_json:
-        lines = all(f.endswith(".jsonl") or _is_json_lines(f) for f in files)
-        return reader(files, lines=lines) if lines else reader(files)
-    return reader(files)
+
+    def read(path):
+        if reader is ray.data.read_json and (path.endswith(".jsonl") or _is_json_lines(path)):
+            return reader(path, lines=True)
+        return reader(path)
+
+    # One read per file, joined in sorted order: a multi-file read may list them in any
+    # order, and row positions must mean the same rows in every run.
+    parts = [read(f) for f in files]
+    return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
 
 
 def _is_json_lines(path: str) -> bool:
@@ -94,16 +100,11 @@ class RowSource:
     """
 
     def __init__(self, dataset):
-        from ray.data import DataContext
-
         # Row positions must mean the same rows in every run (the order is built on
-        # them), so the read keeps the source's order.
-        options = DataContext.get_current().execution_options
-        before, options.preserve_order = options.preserve_order, True
-        try:
-            materialized = dataset.materialize()
-        finally:
-            options.preserve_order = before
+        # them), so execution keeps the source's order. A dataset carries its own copy
+        # of the context from when it was made: set it there.
+        dataset.context.execution_options.preserve_order = True
+        materialized = dataset.materialize()
         bundles = list(materialized.iter_internal_ref_bundles())
         self._refs, self._starts = [], []
         count = 0

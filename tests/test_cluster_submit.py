@@ -1,0 +1,140 @@
+"""Against a real `ray start --head` cluster on 127.0.0.1: `ray job submit` and `ray://`.
+
+The cluster is this test's own (a private temp dir and free ports); teardown kills
+only the processes whose command line names that temp dir.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import optax
+import pytest
+
+import redray
+from tiny import TinyLM, lm_collate, lm_loss, token_data
+
+ray = pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+OPTIONS = dict(batch_size=8, model_axis=2, log_every=1, seed=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def token_env() -> dict:
+    return dict(os.environ, RAY_AUTH_MODE="token")
+
+
+@pytest.fixture(scope="module")
+def head():
+    if ray.is_initialized():
+        ray.shutdown()
+    temp = tempfile.mkdtemp(prefix="rr", dir="/tmp")  # short: Unix socket paths are limited
+    before = set(psutil.pids())
+    gcs, dash, client = free_port(), free_port(), free_port()
+    started = subprocess.run(
+        [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+         f"--ray-client-server-port={client}", "--num-cpus=4", f"--temp-dir={temp}",
+         "--disable-usage-stats"], env=token_env(), capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, started.stdout + started.stderr
+    try:
+        wait_until_ready(f"http://127.0.0.1:{dash}", client)
+        yield {"dashboard": f"http://127.0.0.1:{dash}", "client": f"ray://127.0.0.1:{client}"}
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        for proc in psutil.process_iter(["cmdline"]):
+            if proc.pid in before:  # only what this cluster started
+                continue
+            try:
+                cmdline = proc.info["cmdline"] or ()
+                # Ray's agents retitle themselves ("ray::DashboardAgent"): no temp dir left
+                if any(temp in part for part in cmdline) or (cmdline and cmdline[0].startswith("ray::")):
+                    proc.send_signal(signal.SIGKILL)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        time.sleep(1)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def wait_until_ready(dashboard: str, client_port: int, seconds: float = 120) -> None:
+    """`ray start` returns before the job agent and the client server answer."""
+    deadline = time.time() + seconds
+    while True:
+        listed = subprocess.run([RAY, "job", "list", "--address", dashboard], env=token_env(),
+                                capture_output=True, text=True, timeout=60)
+        try:
+            socket.create_connection(("127.0.0.1", client_port), timeout=2).close()
+            client_up = True
+        except OSError:
+            client_up = False
+        if listed.returncode == 0 and client_up:
+            return
+        if time.time() > deadline:
+            raise TimeoutError(f"the test cluster did not come up: {listed.stderr[-2000:]}")
+        time.sleep(2)
+
+
+def expected_losses(steps):
+    t = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+                       progress=False, **OPTIONS)
+    return [r["loss"] for r in t.fit(token_data(96), epochs=1, max_steps=steps)]
+
+
+JOB = '''
+import json, sys
+import optax
+import redray
+from tiny import TinyLM, lm_collate, lm_loss, token_data
+
+result = redray.fit(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+                    train_data=token_data(96), max_steps=6, hosts=2, devices_per_host=2,
+                    storage_path=sys.argv[2], progress=False, **{options})
+with open(sys.argv[1], "w") as f:
+    json.dump([r["loss"] for r in result.history], f)
+'''
+
+
+def test_ray_job_submit_with_token_auth(head, tmp_path):
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    shutil.copy(os.path.join(HERE, "tiny.py"), job_dir)
+    (job_dir / "train_job.py").write_text(JOB.format(options=repr(OPTIONS)))
+    out = tmp_path / "losses.json"
+    done = subprocess.run(
+        [RAY, "job", "submit", "--address", head["dashboard"], "--working-dir", str(job_dir),
+         "--", sys.executable, "train_job.py", str(out), str(tmp_path / "runs")],
+        env=token_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    np.testing.assert_allclose(json.loads(out.read_text()), expected_losses(6), rtol=1e-5)
+
+
+def test_ray_client_address(head, tmp_path):
+    # A laptop script connecting with ray://: the same training through Ray Client.
+    script_dir = tmp_path / "client"
+    script_dir.mkdir()
+    shutil.copy(os.path.join(HERE, "tiny.py"), script_dir)
+    (script_dir / "train_client.py").write_text(
+        JOB.format(options=repr(OPTIONS)).replace("storage_path=sys.argv[2],",
+                                                  "storage_path=sys.argv[2], address=sys.argv[3],"))
+    out = tmp_path / "losses.json"
+    done = subprocess.run([sys.executable, "train_client.py", str(out), str(tmp_path / "runs"),
+                           head["client"]], cwd=script_dir, env=token_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    np.testing.assert_allclose(json.loads(out.read_text()), expected_losses(6), rtol=1e-5)
