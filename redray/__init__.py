@@ -14,12 +14,16 @@ and redray does the rest. Public API:
 * ``Predictor(model, collate, predict, params=..., batch_size=...)``: ``predict``.
 * ``fit(model, collate, loss, optimizer, train_data=..., hosts=..., devices_per_host=...)``:
   the same engine on every host of a Ray cluster (one worker per host).
+* ``CheckpointConfig(directory, save_every=..., keep=..., best_metric=...)``: when and
+  where the state is saved; runs resume from it. ``load_params(run, model)`` /
+  ``load_model(run, model)``: a trained checkpoint's weights in one call.
 * ``LinenModel(module, *example_inputs)``: use a Linen module as ``model``.
 * ``make_mesh(data_axis, fsdp_axis, model_axis)``: the device mesh.
 * ``derive_specs``, ``plan``, ``format_plan``: automatic sharding and its plan.
 * ``PipelineError``: what a user function returned that cannot be used, and the fix.
 """
 
+from redray.checkpoint import CheckpointConfig, CheckpointMismatch, load_model, load_params
 from redray.cluster import FitResult, fit
 from redray.engine import LinenModel, Predictor, Trainer
 from redray.pipeline import Pipeline, PipelineError
@@ -27,5 +31,5 @@ from redray.sharding import derive_specs, format_plan, make_mesh, plan
 
 __version__ = "0.1.0"
 
-__all__ = ["FitResult", "LinenModel", "Pipeline", "PipelineError", "Predictor", "Trainer",
-           "derive_specs", "fit", "format_plan", "make_mesh", "plan"]
+__all__ = ["CheckpointConfig", "CheckpointMismatch", "FitResult", "LinenModel", "Pipeline", "PipelineError", "Predictor", "Trainer",
+           "derive_specs", "fit", "format_plan", "load_model", "load_params", "make_mesh", "plan"]

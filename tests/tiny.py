@@ -68,3 +68,12 @@ class Counting:
     def __call__(self, examples):
         self.calls += 1
         return self.fn(examples)
+
+
+def assert_same(a, b):
+    """Two pytrees hold bitwise-equal arrays (PRNG keys compared by their data)."""
+    def host(x):
+        is_key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        return np.asarray(jax.random.key_data(x) if is_key else x)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(host(x), host(y))

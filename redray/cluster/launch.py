@@ -19,12 +19,17 @@ class FitResult:
       predictions: one output per ``predict_data`` example, in order (or None).
       name, storage_path: the Ray Train run.
       seconds: wall-clock time of the run.
+      resumed_from_step: the checkpoint step the (last) worker group started from, or
+        None for a run that started fresh.
+      checkpoint: the newest checkpoint written (its folder), or None.
     """
     history: list
     predictions: list | None
     name: str
     storage_path: str
     seconds: float
+    resumed_from_step: int | None = None
+    checkpoint: str | None = None
 
 
 CLIENT_ATTEMPTS = 4
@@ -127,7 +132,7 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         hosts: int = 1, devices_per_host: int | None = None, use_gpu: bool = False,
         use_tpu: bool = False, address: str | None = None, name: str | None = None,
         storage_path: str | None = None, max_failures: int = 0, progress: bool = True,
-        **trainer_options) -> FitResult:
+        checkpoint=None, resume: bool = True, **trainer_options) -> FitResult:
     """Trains on a Ray cluster: one worker per host, one ``jax.distributed`` runtime.
 
     Args:
@@ -144,8 +149,14 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         ``RAY_ADDRESS``, else a local cluster started here.
       name, storage_path: the run's name and where Ray Train keeps it (an absolute path
         or a URI); defaults: a timestamped name under ``~/redray_runs``.
-      max_failures: worker-group restarts Ray Train allows before giving up.
+      max_failures: worker-group restarts Ray Train allows before giving up; the
+        restarted group resumes from the last complete checkpoint.
       progress: progress bar on host 0.
+      checkpoint: a ``redray.CheckpointConfig`` (when and what to save); its directory
+        defaults to ``<storage_path>/<name>/checkpoints``. Default: save at the end of
+        every epoch and of the run, keep the last 3. ``False``: no checkpoints.
+      resume: continue from the last complete checkpoint of the run ``name`` in
+        ``storage_path`` (the same step, epoch, position inside it and RNG).
       **trainer_options: ``Trainer`` keywords (model_axis, fsdp_axis, micro_batch_size,
         compute_dtype, rules, seed, log_every, learning_rate, ...).
 
@@ -169,6 +180,14 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
     storage_path = os.path.abspath(os.path.expanduser(storage_path or "~/redray_runs")) \
         if not (storage_path and "://" in storage_path) else storage_path
 
+    from redray.checkpoint import CheckpointConfig
+
+    ckpt = None
+    if checkpoint is not False:
+        ckpt = CheckpointConfig.of(checkpoint) or CheckpointConfig()
+        ckpt = dataclasses.replace(ckpt, directory=ckpt.directory
+                                   or f"{storage_path.rstrip('/')}/{name}/checkpoints",
+                                   resume=resume and ckpt.resume)
     rows = {key: None if data is None else RowSource(to_dataset(data))
             for key, data in (("train", train_data), ("eval", eval_data),
                               ("predict", predict_data))}
@@ -176,8 +195,12 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
     _pickle_user_code_by_value()
     job = {"model": model, "collate": collate, "loss": loss, "optimizer": optimizer,
            "predict": predict, "eval_metric": eval_metric, "epochs": epochs,
-           "max_steps": max_steps, "progress": progress, "trainer": dict(batch_size=batch_size,
-                                                                          **trainer_options),
+           "max_steps": max_steps, "progress": progress,
+           "trainer": dict(batch_size=batch_size, checkpoint=ckpt, config=dict(
+               name=name, storage_path=storage_path, hosts=hosts,
+               devices_per_host=devices_per_host, use_gpu=use_gpu, use_tpu=use_tpu,
+               epochs=epochs, max_steps=max_steps, batch_size=batch_size, **trainer_options),
+                            **trainer_options),
            "train": rows["train"], "eval": rows["eval"], "predict_data": rows["predict"],
            "results": results}
 
@@ -216,7 +239,7 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         raise
     out, _ = ray.get(results.get.remote())
     return FitResult(out["history"], out["predictions"], name, storage_path,
-                     time.perf_counter() - start)
+                     time.perf_counter() - start, out["resumed_from_step"], out["checkpoint"])
 
 
 def _entry(config):

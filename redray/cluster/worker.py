@@ -30,9 +30,40 @@ def _run(job: dict, rank: int) -> dict:
 
     trainer = Trainer(job["model"], job["collate"], job["loss"], job["optimizer"], job["predict"],
                       progress=job["progress"] and rank == 0, **job["trainer"])
+    trainer.on_checkpoint = _register_checkpoint
     history = trainer.fit(job["train"], epochs=job["epochs"], eval_data=job["eval"],
                           eval_metric=job["eval_metric"], max_steps=job["max_steps"])
     predictions = None
     if job["predict_data"] is not None:
         predictions = trainer.predictor().predict(job["predict_data"])
-    return {"history": history, "predictions": predictions}
+    return {"history": history, "predictions": predictions,
+            "resumed_from_step": (trainer.resumed_from or {}).get("step"),
+            "checkpoint": trainer.checkpointer.last_saved if trainer.checkpointer else None}
+
+
+def _register_checkpoint(step: int, path: str, meta: dict) -> None:
+    """Tells Ray Train about a complete checkpoint (already written to the run's storage).
+
+    Ray gets a pointer (a small JSON naming the Orbax folder), not the checkpoint:
+    Ray's run snapshot must only reference folders that stay, while redray's retention
+    deletes old checkpoints. ``ray.train.report`` is a barrier: every host calls this
+    for every checkpoint.
+    """
+    import json
+    import tempfile
+
+    import ray.train
+    from ray.train import Checkpoint
+
+    metrics = {"step": step, "epoch": meta["epoch"],
+               **{k: v for k, v in meta.get("metrics", {}).items() if isinstance(v, (int, float))}}
+    if ray.train.get_context().get_world_rank() != 0:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        with open(f"{folder}/{POINTER}", "w") as f:
+            json.dump({"path": path, "step": step, "epoch": meta["epoch"]}, f)
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
+
+
+POINTER = "redray_checkpoint.json"

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from redray.checkpoint import CheckpointConfig, CheckpointMismatch
 from redray.engine.batches import (collate_checked, epoch_order, prefetch, process_rows,
                                    read_rows, to_global)
 from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
@@ -49,6 +50,10 @@ class Trainer:
       log_every: steps between metric fetches from the devices (no sync in between).
       progress: show a progress bar (on process 0).
       prefetch: batches collated and placed ahead, in a background thread (0: none).
+      checkpoint: a folder (or URI), or a ``redray.CheckpointConfig``: save the full
+        state there (per epoch, every ``save_every`` steps, at the end) and, by default,
+        resume from the last complete checkpoint found there. None: no checkpoints.
+      config: the run's settings (JSON-able) stored in every checkpoint.
     """
 
     def __init__(self, model: Any, collate: Callable, loss: Callable,
@@ -57,7 +62,7 @@ class Trainer:
                  eval_batch_size: int | None = None, mesh: Mesh | None = None,
                  data_axis="auto", fsdp_axis=1, model_axis=1, compute_dtype=None, rules=(),
                  learning_rate=None, seed: int = 0, log_every: int = 10, progress: bool = True,
-                 prefetch: int = 2):
+                 prefetch: int = 2, checkpoint=None, config: dict | None = None):
         self.pipeline = Pipeline(collate, loss, predict)
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"optimizer must be an optax.GradientTransformation "
@@ -75,6 +80,17 @@ class Trainer:
         self.prefetch = prefetch
         self.state = None
         self._steps: dict = {}
+        self.checkpoint_config = CheckpointConfig.of(checkpoint)
+        self.checkpointer = None
+        self.config = dict(config or {})
+        # Kept in every checkpoint and restored with it (e.g. the tracker's run id).
+        self.run_meta: dict = {}
+        # (epoch, batches done in it, whether the epoch's end (eval, save) is done)
+        self.position = (0, 0, False)
+        self.resumed_from: dict | None = None
+        # Called on every process as on_checkpoint(step, path, meta) once a checkpoint
+        # is complete (redray.fit registers it with Ray Train there).
+        self.on_checkpoint: Callable | None = None
 
     # ---------------------------------------------------------------- set-up
     def init(self, examples: Sequence) -> None:
@@ -107,16 +123,39 @@ class Trainer:
                                       is_leaf=lambda x: isinstance(x, P)),
         }
 
-        params, extra = self.runtime.init()
         seed = self.seed
-        step, rng = jax.jit(lambda: (jnp.zeros((), jnp.int32),
-                                     jax.random.fold_in(jax.random.key(seed), 1)),
-                            out_shardings=(repl, repl))()
+        start = lambda: (jnp.zeros((), jnp.int32), jax.random.fold_in(jax.random.key(seed), 1))
+        if self.checkpoint_config is not None and self._restore(start, abstract_opt):
+            return
+        params, extra = self.runtime.init()
+        step, rng = jax.jit(start, out_shardings=(repl, repl))()
         self.state = {
             "step": step, "rng": rng, "params": params, "extra": extra,
             "opt_state": jax.jit(self.optimizer.init,
                                  out_shardings=self.state_shardings["opt_state"])(params),
         }
+
+    def _restore(self, start, abstract_opt) -> bool:
+        """Loads the last complete checkpoint onto this mesh, if resuming and one exists."""
+        from redray.checkpoint import Checkpointer
+
+        self.checkpointer = Checkpointer(self.checkpoint_config)
+        if not self.checkpoint_config.resume:
+            return False
+        step, rng = jax.eval_shape(start)
+        abstract = {"step": step, "rng": rng, "params": self.runtime.abstract[0],
+                    "extra": self.runtime.abstract[1], "opt_state": abstract_opt}
+        found = self.checkpointer.restore_latest(abstract, self.state_shardings)
+        if found is None:
+            return False
+        self.state, meta = found
+        self.resumed_from = meta
+        self.run_meta = dict(meta.get("run", {}))
+        self.position = (meta["epoch"], meta["batch"], meta["epoch_done"])
+        if self.progress and jax.process_index() == 0:
+            print(f"resumed from {self.checkpointer.step_path(meta['step'])} (step "
+                  f"{meta['step']}, epoch {meta['epoch']}, batch {meta['batch']})")
+        return True
 
     def _check_loss(self, abstract):
         rt, loss = self.runtime, self.pipeline.loss
@@ -262,7 +301,11 @@ class Trainer:
     def fit(self, train: Sequence, epochs: int = 1, eval_data: Sequence | None = None,
             eval_metric: Callable | None = None, max_steps: int | None = None,
             shuffle: bool = True) -> list[dict]:
-        """Trains for ``epochs`` passes over ``train`` (a list of examples).
+        """Trains until ``epochs`` passes over ``train`` (or ``max_steps`` updates) are done.
+
+        Both counts are totals for the run: a trainer resumed from a checkpoint, or
+        called again, continues from where it stands (its epoch, its position inside
+        the epoch, its step) and trains only what is left.
 
         Args:
           train: the training examples (anything ``collate`` accepts), in a list or a
@@ -275,9 +318,10 @@ class Trainer:
           shuffle: shuffle each epoch by (seed, epoch).
 
         Returns:
-          The logged history: one dict per ``log_every`` window (``step``, ``epoch``,
-          mean ``loss`` and metrics, ``learning_rate`` when known, ``steps_per_s``,
-          ``examples_per_s``) and one per evaluation (keys prefixed ``eval_``).
+          The rows logged by this call: one dict per ``log_every`` window (``step``,
+          ``epoch``, mean ``loss`` and metrics, ``learning_rate`` when known,
+          ``steps_per_s``, ``examples_per_s``) and one per evaluation (keys prefixed
+          ``eval_``).
         """
         from tqdm.auto import tqdm
 
@@ -287,16 +331,39 @@ class Trainer:
         if len(train) < self.batch_size:
             raise ValueError(f"{len(train)} training examples are fewer than batch_size="
                              f"{self.batch_size}: lower batch_size or add data")
+        ckpt = self.checkpoint_config
+        if ckpt is not None and ckpt.best_metric and eval_data is None:
+            raise ValueError(f"best_metric={ckpt.best_metric!r} needs eval_data: the best "
+                             "checkpoint is chosen by the evaluation after each epoch")
         self.init(train)
+        self._check_resume(train, shuffle)
         steps_per_epoch = len(train) // self.batch_size
         history: list[dict] = []
         done = int(jax.device_get(self.state["step"]))
+        saved = done if self.resumed_from is not None else None
         sharding = batch_sharding(self.mesh)
         mine = process_rows(sharding, self.batch_size)
-        for epoch in range(epochs):
+        first_epoch, first_batch, epoch_done = self.position
+        if epoch_done:
+            first_epoch, first_batch = first_epoch + 1, 0
+
+        def save(epoch, batch, end_of_epoch, metrics=None):
+            nonlocal saved
+            if self.checkpointer is None or saved == done:
+                return
+            self.position = (epoch, batch, end_of_epoch)
+            self.checkpointer.save(self.state, self._meta(done, train, shuffle, metrics),
+                                   on_commit=self.on_checkpoint)
+            saved = done
+
+        for epoch in range(first_epoch, epochs):
+            if max_steps is not None and done >= max_steps:
+                break
             order = epoch_order(len(train), self.seed, epoch, shuffle)
-            total = steps_per_epoch if max_steps is None else min(steps_per_epoch, max_steps - done)
-            bar = tqdm(total=total, desc=f"epoch {epoch}", leave=False,
+            start = first_batch if epoch == first_epoch else 0
+            stop = steps_per_epoch if max_steps is None else \
+                min(steps_per_epoch, start + max_steps - done)
+            bar = tqdm(total=steps_per_epoch, initial=start, desc=f"epoch {epoch}", leave=False,
                        disable=not self.progress or jax.process_index() != 0)
             window, t0 = [], time.perf_counter()
 
@@ -305,9 +372,11 @@ class Trainer:
                 batch = collate_checked(self.pipeline.collate, read_rows(train, rows))
                 return to_global(batch, sharding, self.batch_size)
 
-            for i, placed in enumerate(prefetch(range(max(total, 0)), make, self.prefetch)):
+            for i, placed in zip(range(start, stop), prefetch(range(start, stop), make,
+                                                             self.prefetch)):
                 window.append(self._step(placed))
                 done += 1
+                self.position = (epoch, i + 1, False)
                 bar.update(1)
                 if len(window) == self.log_every or i == steps_per_epoch - 1:
                     row = self._summarize(window, done, epoch, time.perf_counter() - t0)
@@ -315,9 +384,13 @@ class Trainer:
                     bar.set_postfix(loss=f"{row['loss']:.4f}", steps_s=f"{row['steps_per_s']:.2f}",
                                     ex_s=f"{row['examples_per_s']:.0f}")
                     window, t0 = [], time.perf_counter()
+                if (ckpt is not None and ckpt.save_every and done % ckpt.save_every == 0
+                        and not (ckpt.every_epoch and i == steps_per_epoch - 1)):
+                    save(epoch, i + 1, False)
             if window:
                 history.append(self._summarize(window, done, epoch, time.perf_counter() - t0))
             bar.close()
+            row = None
             if eval_data is not None:
                 row = {"step": done, "epoch": epoch,
                        **{f"eval_{k}": v for k, v in self.evaluate(eval_data).items()}}
@@ -329,9 +402,48 @@ class Trainer:
                 if self.progress and jax.process_index() == 0:
                     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                    for k, v in row.items()))
-            if max_steps is not None and done >= max_steps:
+            if stop < steps_per_epoch:  # max_steps ended the run inside this epoch
                 break
+            self.position = (epoch, steps_per_epoch, True)
+            if ckpt is not None and ckpt.every_epoch:
+                save(epoch, steps_per_epoch, True, self._best_metrics(row))
+        if ckpt is not None:
+            save(*self.position)
+            self.checkpointer.wait()
         return history
+
+    def _check_resume(self, train, shuffle) -> None:
+        """Refuses to resume a run on other data or another order: that would silently
+        train on different batches than the run it continues."""
+        meta = self.resumed_from
+        if meta is None:
+            return
+        now = {"examples": len(train), "seed": self.seed, "batch_size": self.batch_size,
+               "shuffle": shuffle}
+        changed = [f"{k}: checkpoint {meta.get(k)!r}, now {v!r}" for k, v in now.items()
+                   if meta.get(k) != v]
+        if changed:
+            raise CheckpointMismatch(
+                f"the checkpoint in {self.checkpointer.directory} was written by a run with "
+                f"other data settings ({'; '.join(changed)}): resuming would train on "
+                "different batches. Use the same settings, or start a new run (another "
+                "name or directory, or resume=False)")
+
+    def _meta(self, step, train, shuffle, metrics) -> dict:
+        epoch, batch, epoch_done = self.position
+        return {"step": step, "epoch": epoch, "batch": batch, "epoch_done": epoch_done,
+                "examples": len(train), "seed": self.seed, "batch_size": self.batch_size,
+                "shuffle": shuffle, "metrics": metrics or {}, "config": self.config,
+                "run": self.run_meta, "time": time.time()}
+
+    def _best_metrics(self, row) -> dict:
+        metric = self.checkpoint_config.best_metric
+        if row is None or not metric:
+            return row or {}
+        if metric not in row:
+            raise ValueError(f"best_metric={metric!r} is not among the evaluation's metrics "
+                             f"{sorted(k for k in row if k.startswith('eval_'))}: use one of these")
+        return row
 
     def _summarize(self, window, step, epoch, seconds) -> dict:
         fetched = jax.device_get(window)

@@ -1,0 +1,404 @@
+"""Checkpoints: Orbax, sharded, asynchronous, atomic; resume with fallback; reshard on load.
+
+A checkpoint is a folder ``<directory>/<step>`` with three items:
+
+* ``model``: the parameters and the rest of the model's state (``params``, ``extra``),
+* ``train``: optimizer state, step counter and the training RNG,
+* ``meta``: JSON: step, epoch, position inside the epoch, the run's config, metrics,
+  and whatever the run keeps there (e.g. its MLflow run id).
+
+Every host writes its own shards in parallel, in the background (``save`` returns once
+the arrays are copied off the devices). Orbax writes into a temporary folder and
+renames it when every host is done, so a step folder exists only once complete; old
+checkpoints are deleted only after a newer one is complete. A checkpoint that cannot
+be read is moved aside (renamed, never deleted) and the previous one is used.
+
+Arrays are stored under their parameter paths, independent of the mesh, so a
+checkpoint restores onto any mesh and any number of hosts (each host reads the
+pieces its devices hold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+log = logging.getLogger("redray.checkpoint")
+
+ITEMS = ("model", "train", "meta")
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """When and where checkpoints are written, and what resumes from them.
+
+    Attributes:
+      directory: where checkpoints go (an absolute path, or a URI Orbax supports such as
+        ``gs://bucket/run``). ``redray.fit`` defaults it to ``<storage>/<name>/checkpoints``.
+      save_every: also save every this many optimizer steps (None: only per epoch/end).
+      every_epoch: save at the end of every epoch (after its evaluation).
+      keep: how many of the latest checkpoints to keep (plus the best one).
+      best_metric: a key of the evaluation rows (e.g. ``"eval_loss"``): the best
+        checkpoint by it is kept even when older than the last ``keep``.
+      best_mode: ``"min"`` or ``"max"`` for ``best_metric``.
+      resume: continue from the last complete checkpoint in ``directory`` if there is one.
+    """
+    directory: str | None = None
+    save_every: int | None = None
+    every_epoch: bool = True
+    keep: int = 3
+    best_metric: str | None = None
+    best_mode: str = "min"
+    resume: bool = True
+
+    def __post_init__(self):
+        if self.save_every is not None and (not isinstance(self.save_every, int)
+                                            or self.save_every < 1):
+            raise ValueError(f"save_every={self.save_every!r}: give a positive number of steps "
+                             "or None")
+        if not isinstance(self.keep, int) or self.keep < 1:
+            raise ValueError(f"keep={self.keep!r}: keep at least the latest checkpoint (keep>=1)")
+        if self.best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode={self.best_mode!r}: use 'min' or 'max'")
+
+    @classmethod
+    def of(cls, value) -> "CheckpointConfig | None":
+        """A config from what a user passed: None/False, a directory, or a config."""
+        if value is None or value is False:
+            return None
+        if isinstance(value, (str, os.PathLike)):
+            return cls(directory=os.fspath(value))
+        if isinstance(value, cls):
+            return value
+        raise TypeError(f"checkpoint must be a directory or a redray.CheckpointConfig, got "
+                        f"{type(value).__name__}")
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint does not fit the model or data it is restored for."""
+
+
+# ---------------------------------------------------------------- pytrees <-> storage
+def _segment(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def to_storage(tree) -> dict:
+    """Nested dict of arrays keyed by the tree's path names; PRNG keys as their data."""
+    out: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        node = out
+        names = [_segment(k) for k in path] or ["value"]
+        for name in names[:-1]:
+            node = node.setdefault(name, {})
+        node[names[-1]] = jax.random.key_data(leaf) if _is_key(leaf) else leaf
+    return out
+
+
+def _stored(abstract):
+    """Shape and dtype of a leaf as stored (a PRNG key as its data)."""
+    return jax.eval_shape(jax.random.key_data, abstract) if _is_key(abstract) else abstract
+
+
+def _storage_target(abstract, shardings) -> dict:
+    """``to_storage`` of ShapeDtypeStructs carrying their target shardings."""
+    return to_storage(jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(_stored(a).shape, _stored(a).dtype, sharding=s),
+        abstract, shardings))
+
+
+def from_storage(stored: dict, like):
+    """The inverse of ``to_storage``: arrays back into the structure of ``like``."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+    values = []
+    for path, ref in leaves:
+        node = stored
+        for name in [_segment(k) for k in path] or ["value"]:
+            node = node[name]
+        if _is_key(ref):
+            node = jax.random.wrap_key_data(node, impl=ref.dtype._impl)  # works for abstract refs too
+        values.append(node)
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+# ---------------------------------------------------------------- the manager
+class Checkpointer:
+    """Saves and restores a Trainer's state under ``config.directory``.
+
+    Every process creates one with the same arguments and calls the same methods in
+    the same order (saves and restores are collective).
+    """
+
+    def __init__(self, config: CheckpointConfig):
+        import orbax.checkpoint as ocp
+
+        if not config.directory:
+            raise ValueError("CheckpointConfig.directory is not set: give the folder (an "
+                             "absolute path or a URI) checkpoints are written to")
+        self.config = config
+        self.directory = _absolute(config.directory)
+        self._ocp = ocp
+        self._pending: tuple | None = None
+        self.last_saved: str | None = None  # the newest checkpoint this run completed
+        self._open()
+
+    def _open(self):
+        ocp = self._ocp
+        policies = [ocp.checkpoint_managers.LatestN(n=self.config.keep)]
+        if self.config.best_metric:
+            # BestN keeps the last n after an ascending sort: reverse it for "min".
+            policies.append(ocp.checkpoint_managers.BestN(
+                get_metric_fn=lambda m: m["value"], reverse=self.config.best_mode == "min",
+                n=1, keep_checkpoints_without_metrics=False))
+        self.manager = ocp.CheckpointManager(
+            self.directory, item_names=ITEMS,
+            options=ocp.CheckpointManagerOptions(
+                enable_async_checkpointing=True, create=True,
+                preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies)))
+
+    # ------------------------------------------------------------ writing
+    def save(self, state: dict, meta: dict, on_commit: Callable | None = None) -> None:
+        """Starts writing ``state`` (a Trainer state) with ``meta``; returns when the
+        arrays are off the devices. ``on_commit(step, path, meta)`` runs on every process
+        once this checkpoint is complete (at a later ``save``, ``wait`` or ``close``)."""
+        ocp = self._ocp
+        self.wait()  # the previous one is complete before a new one starts
+        step = int(meta["step"])
+        metric = meta.get("metrics", {}).get(self.config.best_metric) \
+            if self.config.best_metric else None
+        self.manager.save(step, args=ocp.args.Composite(
+            model=ocp.args.StandardSave(to_storage({"params": state["params"],
+                                                    "extra": state["extra"]})),
+            train=ocp.args.StandardSave(to_storage({"opt_state": state["opt_state"],
+                                                    "step": state["step"], "rng": state["rng"]})),
+            meta=ocp.args.JsonSave(_jsonable(meta))),
+            metrics=None if metric is None else {"value": float(metric)})
+        self._pending = (step, meta, on_commit)
+
+    def wait(self) -> None:
+        """Blocks until the checkpoint in flight is complete; runs its ``on_commit``."""
+        self.manager.wait_until_finished()
+        if self._pending is not None:
+            step, meta, on_commit = self._pending
+            self._pending = None
+            self.last_saved = self.step_path(step)
+            if on_commit is not None:
+                on_commit(step, self.step_path(step), meta)
+
+    def close(self) -> None:
+        self.wait()
+        self.manager.close()
+
+    # ------------------------------------------------------------ reading
+    def steps(self) -> list[int]:
+        """Complete checkpoints, oldest first."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def step_path(self, step: int) -> str:
+        return f"{self.directory}/{step}"
+
+    def read_meta(self, step: int) -> dict:
+        return self.manager.restore(step, args=self._ocp.args.Composite(
+            meta=self._ocp.args.JsonRestore()))["meta"]
+
+    def restore_latest(self, abstract: dict, shardings: dict,
+                       check: Callable[[dict], None] | None = None):
+        """(state, meta) of the newest checkpoint that reads back, or None if none.
+
+        ``abstract``/``shardings``: the Trainer's state shapes and target shardings (the
+        current mesh: a checkpoint written on another mesh is resharded here).
+        ``check(meta)`` may raise ``CheckpointMismatch`` to refuse a checkpoint for
+        this run (e.g. other data): that error reaches the caller as is.
+        An unreadable checkpoint (truncated, half-deleted) is moved aside with a
+        warning and the one before it is tried.
+        """
+        ocp = self._ocp
+        model_keys, train_keys = ("params", "extra"), ("opt_state", "step", "rng")
+        target = {
+            "model": _storage_target({k: abstract[k] for k in model_keys},
+                                     {k: shardings[k] for k in model_keys}),
+            "train": _storage_target({k: abstract[k] for k in train_keys},
+                                     {k: shardings[k] for k in train_keys}),
+        }
+        for step in reversed(self.steps()):
+            error = None
+            try:
+                meta = self.read_meta(step)
+                if check is not None:
+                    check(meta)
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    model=ocp.args.StandardRestore(target["model"]),
+                    train=ocp.args.StandardRestore(target["train"])))
+                state = from_storage({**restored["model"], **restored["train"]},
+                                     {k: abstract[k] for k in model_keys + train_keys})
+            except CheckpointMismatch:
+                raise
+            except Exception as e:  # noqa: BLE001 - any read failure means: not usable
+                error, state = e, None
+            if _all_processes_ok(error is None):
+                return state, meta
+            self._set_aside(step, error)
+        return None
+
+    def _set_aside(self, step: int, error: Exception | None) -> None:
+        from etils import epath
+
+        path = epath.Path(self.step_path(step))
+        aside = epath.Path(f"{self.step_path(step)}.unreadable-{int(time.time())}")
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}" \
+            if error is not None else "another host could not read it"
+        log.warning("checkpoint %s cannot be restored (%s); it is moved to %s and the "
+                    "previous checkpoint is used", path, reason, aside)
+        if jax.process_index() == 0 and path.exists():
+            path.rename(aside)
+        _barrier(f"redray_set_aside_{step}")
+        self.manager.close()
+        self._open()
+
+
+def _all_processes_ok(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok, np.int32))))
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _absolute(directory: str) -> str:
+    directory = os.fspath(directory)
+    if "://" in directory:
+        return directory.rstrip("/")
+    return os.path.abspath(os.path.expanduser(directory))
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.generic,)):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+# ---------------------------------------------------------------- parameters only
+def find_checkpoints(path: str) -> tuple[str, int | None]:
+    """(checkpoints folder, step or None) for a run folder, a checkpoints folder or
+    one checkpoint's folder."""
+    from etils import epath
+
+    path = _absolute(path)
+    p = epath.Path(path)
+    if (p / "checkpoints").is_dir():
+        return f"{path}/checkpoints", None
+    if p.name.isdigit() and (p / "meta").exists():
+        return str(p.parent), int(p.name)
+    if p.is_dir():
+        return path, None
+    raise FileNotFoundError(f"no checkpoints at {path}: give a run folder "
+                            "(<storage>/<name>), its checkpoints folder, or one checkpoint")
+
+
+def select_step(checkpointer: Checkpointer, step: int | None, best: str | None) -> int:
+    steps = checkpointer.steps()
+    if not steps:
+        raise FileNotFoundError(f"no complete checkpoint in {checkpointer.directory}")
+    if step is not None:
+        if step not in steps:
+            raise FileNotFoundError(f"no checkpoint of step {step} in {checkpointer.directory}; "
+                                    f"there are steps {steps}")
+        return step
+    if best is None:
+        return steps[-1]
+    mode, _, metric = best.partition(":")
+    scored = [(checkpointer.read_meta(s).get("metrics", {}).get(metric), s) for s in steps]
+    scored = [(v, s) for v, s in scored if v is not None]
+    if mode not in ("min", "max") or not metric:
+        raise ValueError(f"best={best!r}: write 'min:<metric>' or 'max:<metric>', "
+                         "e.g. 'min:eval_loss'")
+    if not scored:
+        raise FileNotFoundError(f"no checkpoint in {checkpointer.directory} has the metric "
+                                f"{metric!r}")
+    return (min if mode == "min" else max)(scored)[1]
+
+
+def load_params(path: str, model: Any, *, step: int | None = None, best: str | None = None):
+    """The trained (params, extra) of a checkpoint, as host arrays in ``model``'s structure.
+
+    One call for fine-tuning from a trained run or for prediction::
+
+        params, extra = redray.load_params("/runs/my-run", model)
+        Predictor(model, collate, predict, params=params, extra=extra, batch_size=32)
+
+    Args:
+      path: a run folder (``<storage>/<name>``), its ``checkpoints`` folder, or one
+        checkpoint's folder.
+      model: what built the run's model (the same factory, module or LinenModel).
+      step: a step to load; default the newest (or see ``best``).
+      best: ``"min:<metric>"`` / ``"max:<metric>"``: the best checkpoint by that metric.
+    """
+    from redray.engine.model import adapter
+
+    return _load(path, adapter(model), step, best)
+
+
+def _load(path, wrapped, step, best):
+    from redray.engine.model import abstract_state
+
+    directory, found = find_checkpoints(path)
+    checkpointer = Checkpointer(CheckpointConfig(directory=directory))
+    try:
+        chosen = select_step(checkpointer, step if step is not None else found, best)
+        abstract = abstract_state(wrapped, jax.random.key(0))
+        like = {"params": abstract[0], "extra": abstract[1]}
+        # numpy targets restore to host memory (np.empty reserves, it does not fill)
+        target = to_storage(jax.tree.map(lambda a: np.empty(_stored(a).shape, _stored(a).dtype),
+                                         like))
+        ocp = checkpointer._ocp
+        try:
+            restored = checkpointer.manager.restore(chosen, args=ocp.args.Composite(
+                model=ocp.args.StandardRestore(target)))["model"]
+            values = from_storage(restored, like)
+        except (KeyError, ValueError) as error:
+            raise CheckpointMismatch(
+                f"checkpoint {checkpointer.step_path(chosen)} does not match this model "
+                f"({type(error).__name__}: {error}): pass the model the run trained") from None
+        return values["params"], values["extra"]
+    finally:
+        checkpointer.manager.close()
+
+
+def load_model(path: str, model: Any, *, step: int | None = None, best: str | None = None):
+    """An NNX model with a checkpoint's weights (``model``: the run's factory or module)."""
+    from flax import nnx
+
+    from redray.engine.model import _NNX, adapter
+
+    wrapped = adapter(model)
+    if not isinstance(wrapped, _NNX):
+        raise TypeError("load_model builds NNX models; for a LinenModel use load_params")
+    params, extra = _load(path, wrapped, step, best)
+    return nnx.merge(wrapped.graphdef, params, extra)

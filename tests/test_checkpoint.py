@@ -1,0 +1,173 @@
+"""Checkpoints in one process (4 simulated devices): exact resume, fallback past an
+unreadable checkpoint, retention of the best, parameters-only loading, clear refusals.
+The multi-host cases (SIGKILL, resubmission, resharding across host counts) are in
+test_resume_cluster.py."""
+
+import glob
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+
+import redray
+from redray.checkpoint import CheckpointConfig, CheckpointMismatch, load_model, load_params
+from tiny import TinyLM, assert_same, lm_collate, lm_loss, lm_predict, token_data
+
+DATA = token_data(96)  # 12 steps per epoch at batch 8
+
+
+def dropout_model(rngs):
+    return TinyLM(rngs, dropout=0.2)  # the RNG stream matters: resume must restore it
+
+
+def trainer(directory=None, model=dropout_model, **kw):
+    options = dict(batch_size=8, model_axis=2, log_every=1, progress=False, seed=3)
+    options.update(kw)
+    return redray.Trainer(model, lm_collate, lm_loss, optax.adam(1e-2), lm_predict,
+                          checkpoint=directory, **options)
+
+
+def losses(history):
+    return {row["step"]: row["loss"] for row in history if "loss" in row}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    t = trainer()
+    history = t.fit(DATA, epochs=2)
+    return losses(history), jax.device_get(t.state["params"])
+
+
+def test_resuming_mid_epoch_continues_bitwise_exactly(tmp_path, reference):
+    expected, params = reference
+    config = CheckpointConfig(str(tmp_path), save_every=5)
+    first = trainer(config)
+    first.fit(DATA, epochs=2, max_steps=7)  # stops inside epoch 0
+    assert first.checkpointer.steps() == [5, 7]
+    second = trainer(config)
+    history = second.fit(DATA, epochs=2)
+    meta = second.resumed_from
+    assert (meta["step"], meta["epoch"], meta["batch"], meta["epoch_done"]) == (7, 0, 7, False)
+    assert losses(history) == {s: v for s, v in expected.items() if s > 7}
+    assert_same(second.state["params"], params)
+    # a step-12 epoch checkpoint, save_every's 15 and 20, the end (24); the last 3 stay
+    assert second.checkpointer.steps() == [15, 20, 24]
+
+
+def test_an_unreadable_latest_checkpoint_is_set_aside_and_the_previous_used(tmp_path, caplog):
+    config = CheckpointConfig(str(tmp_path), save_every=4)
+    first = trainer(config)
+    first.fit(DATA, max_steps=8)
+    assert first.checkpointer.steps() == [4, 8]
+    # the optimizer state's data file, as written last by the merge of all hosts' parts
+    largest = max(glob.glob(f"{tmp_path}/8/train/d/*"), key=os.path.getsize)
+    with open(largest, "r+b") as f:  # a write cut short
+        f.truncate(os.path.getsize(largest) // 2)
+    second = trainer(config)
+    with caplog.at_level(logging.WARNING, logger="redray.checkpoint"):
+        second.init(DATA)
+    assert second.resumed_from["step"] == 4
+    assert f"{tmp_path}/8" in caplog.text and "cannot be restored" in caplog.text
+    aside = glob.glob(f"{tmp_path}/8.unreadable-*")
+    assert len(aside) == 1 and os.path.exists(os.path.join(aside[0], os.path.relpath(
+        largest, f"{tmp_path}/8")))  # moved, nothing deleted
+    second.fit(DATA, max_steps=8)  # and step 8 is written again, cleanly
+    assert second.checkpointer.steps() == [4, 8]
+
+
+def test_the_best_checkpoint_outlives_the_last_n(tmp_path):
+    # eval loss falls while training, so "max" makes the oldest epoch the best one
+    config = CheckpointConfig(str(tmp_path), keep=1, best_metric="eval_loss", best_mode="max")
+    t = trainer(config)
+    history = t.fit(DATA[:64], epochs=3, eval_data=DATA[64:])
+    evals = {row["step"]: row["eval_loss"] for row in history if "eval_loss" in row}
+    worst = max(evals, key=evals.get)
+    assert worst == 8 and t.checkpointer.steps() == [8, 24]
+    best, _ = load_params(str(tmp_path), dropout_model, best="max:eval_loss")
+    latest, _ = load_params(str(tmp_path), dropout_model)
+    assert_same(latest, t.state["params"])
+    assert not np.array_equal(np.asarray(jax.tree.leaves(best)[0]),
+                              np.asarray(jax.tree.leaves(latest)[0]))
+
+
+def test_load_params_is_one_call_for_prediction_and_fine_tuning(tmp_path):
+    t = trainer(str(tmp_path))
+    t.fit(DATA, max_steps=6)
+    expected = t.predictor().predict(DATA[:10])
+    params, extra = load_params(f"{tmp_path}/6", dropout_model)  # a single checkpoint
+    predictor = redray.Predictor(dropout_model, lm_collate, lm_predict, params=params,
+                                 extra=extra, batch_size=8)
+    assert [p.tolist() for p in predictor.predict(DATA[:10])] == [p.tolist() for p in expected]
+    module = load_model(str(tmp_path), dropout_model)
+    assert_same(jax.tree.leaves(nnx_params(module)), jax.tree.leaves(t.state["params"]))
+    fine = trainer(None, model=module)  # fine-tuning starts from the trained weights
+    fine.init(DATA)
+    assert_same(fine.state["params"], t.state["params"])
+
+
+def nnx_params(module):
+    from flax import nnx
+    return nnx.state(module, nnx.Param)
+
+
+class LinenLM(nn.Module):
+    @nn.compact
+    def __call__(self, ids, train=False):
+        x = nn.Embed(64, 16)(ids)
+        x = nn.BatchNorm(use_running_average=True)(x)
+        return nn.Dense(64)(nn.Dropout(0.1, deterministic=not train)(x))
+
+
+def test_a_linen_model_with_batch_stats_resumes_exactly(tmp_path):
+    model = redray.LinenModel(LinenLM(), jnp.zeros((1, 15), jnp.int32))
+    reference = trainer(model=model, model_axis=1)
+    expected = losses(reference.fit(DATA, max_steps=10))
+    trainer(str(tmp_path), model=model, model_axis=1).fit(DATA, max_steps=4)
+    resumed = trainer(str(tmp_path), model=model, model_axis=1)
+    assert losses(resumed.fit(DATA, max_steps=10)) == {s: v for s, v in expected.items() if s > 4}
+    assert_same(resumed.state, reference.state)
+    params, extra = load_params(str(tmp_path), model)
+    assert set(extra) == {"batch_stats"}
+    assert_same(params, reference.state["params"])
+
+
+def test_resuming_on_other_data_is_refused(tmp_path):
+    trainer(str(tmp_path)).fit(DATA, max_steps=3)
+    with pytest.raises(CheckpointMismatch, match=r"examples: checkpoint 96, now 80.*new run"):
+        trainer(str(tmp_path)).fit(DATA[:80], max_steps=6)
+    with pytest.raises(CheckpointMismatch, match=r"seed: checkpoint 3, now 4"):
+        trainer(str(tmp_path), seed=4).fit(DATA, max_steps=6)
+    fresh = trainer(CheckpointConfig(str(tmp_path), resume=False))
+    fresh.fit(DATA[:80], max_steps=1)  # resume=False starts over (and keeps the old steps)
+    assert fresh.resumed_from is None
+
+
+def test_checkpoint_settings_are_checked():
+    with pytest.raises(ValueError, match="save_every=0"):
+        CheckpointConfig("/tmp/x", save_every=0)
+    with pytest.raises(ValueError, match="keep=0"):
+        CheckpointConfig("/tmp/x", keep=0)
+    with pytest.raises(ValueError, match="best_mode='lowest'.*'min' or 'max'"):
+        CheckpointConfig("/tmp/x", best_mode="lowest")
+    with pytest.raises(TypeError, match="CheckpointConfig"):
+        trainer(checkpoint := 5)  # noqa: F841
+    with pytest.raises(ValueError, match="best_metric='eval_loss' needs eval_data"):
+        trainer(CheckpointConfig("/tmp/x", best_metric="eval_loss")).fit(DATA, max_steps=1)
+
+
+def test_an_unknown_best_metric_names_the_available_ones(tmp_path):
+    t = trainer(CheckpointConfig(str(tmp_path), best_metric="eval_acc"))
+    with pytest.raises(ValueError, match=r"'eval_acc' is not among.*'eval_accuracy', 'eval_loss'"):
+        t.fit(DATA[:64], epochs=1, eval_data=DATA[64:])
+
+
+def test_load_params_explains_a_wrong_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        load_params(str(tmp_path), dropout_model)
+    with pytest.raises(FileNotFoundError, match="no checkpoints at"):
+        load_params(str(tmp_path / "missing"), dropout_model)
