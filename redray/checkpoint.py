@@ -150,6 +150,7 @@ class Checkpointer:
                              "absolute path or a URI) checkpoints are written to")
         self.config = config
         self.directory = _absolute(config.directory)
+        _quiet_orbax()
         self._ocp = ocp
         self._pending: tuple | None = None
         self.last_saved: str | None = None  # the newest checkpoint this run completed
@@ -270,6 +271,14 @@ class Checkpointer:
         self._open()
 
 
+def _quiet_orbax() -> None:
+    """Orbax reports every save step at INFO through absl; keep warnings only, unless
+    the user configured absl logging themselves."""
+    absl = logging.getLogger("absl")
+    if absl.level == logging.NOTSET:
+        absl.setLevel(logging.WARNING)
+
+
 def _all_processes_ok(ok: bool) -> bool:
     if jax.process_count() == 1:
         return ok
@@ -302,6 +311,24 @@ def _jsonable(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return repr(value)
+
+
+def latest_meta(directory: str) -> dict | None:
+    """The JSON meta of the newest complete checkpoint in ``directory`` (no Orbax, no
+    devices: for a driver that only needs, e.g., the run's MLflow id)."""
+    import json
+
+    from etils import epath
+
+    root = epath.Path(_absolute(directory))
+    if not root.is_dir():
+        return None
+    for step in sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True):
+        try:
+            return json.loads((root / str(step) / "meta" / "metadata").read_text())
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 # ---------------------------------------------------------------- parameters only

@@ -19,6 +19,7 @@ class FitResult:
       predictions: one output per ``predict_data`` example, in order (or None).
       name, storage_path: the Ray Train run.
       seconds: wall-clock time of the run.
+      tracking_uri, mlflow_run_id: where the run is tracked (None without tracking).
       resumed_from_step: the checkpoint step the (last) worker group started from, or
         None for a run that started fresh.
       checkpoint: the newest checkpoint written (its folder), or None.
@@ -30,6 +31,8 @@ class FitResult:
     seconds: float
     resumed_from_step: int | None = None
     checkpoint: str | None = None
+    tracking_uri: str | None = None
+    mlflow_run_id: str | None = None
 
 
 CLIENT_ATTEMPTS = 4
@@ -132,7 +135,8 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         hosts: int = 1, devices_per_host: int | None = None, use_gpu: bool = False,
         use_tpu: bool = False, address: str | None = None, name: str | None = None,
         storage_path: str | None = None, max_failures: int = 0, progress: bool = True,
-        checkpoint=None, resume: bool = True, **trainer_options) -> FitResult:
+        checkpoint=None, resume: bool = True, tracking_uri: str | None = None,
+        experiment: str = "redray", tracking: bool = True, **trainer_options) -> FitResult:
     """Trains on a Ray cluster: one worker per host, one ``jax.distributed`` runtime.
 
     Args:
@@ -156,7 +160,11 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         defaults to ``<storage_path>/<name>/checkpoints``. Default: save at the end of
         every epoch and of the run, keep the last 3. ``False``: no checkpoints.
       resume: continue from the last complete checkpoint of the run ``name`` in
-        ``storage_path`` (the same step, epoch, position inside it and RNG).
+        ``storage_path`` (the same step, epoch, position inside it and RNG) and log
+        into the same MLflow run.
+      tracking_uri: where MLflow logs go; default ``MLFLOW_TRACKING_URI``, else
+        ``sqlite:///<storage_path>/mlflow.db``. ``tracking=False``: no MLflow.
+      experiment: the MLflow experiment.
       **trainer_options: ``Trainer`` keywords (model_axis, fsdp_axis, micro_batch_size,
         compute_dtype, rules, seed, log_every, learning_rate, ...).
 
@@ -181,6 +189,8 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         if not (storage_path and "://" in storage_path) else storage_path
 
     from redray.checkpoint import CheckpointConfig
+    from redray.cluster.tracker import MetricsToTracker, finish_tracker
+    from redray.tracking import resolve_tracking_uri
 
     ckpt = None
     if checkpoint is not False:
@@ -192,17 +202,26 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
             for key, data in (("train", train_data), ("eval", eval_data),
                               ("predict", predict_data))}
     results = _results_actor()
+    config = dict(name=name, storage_path=storage_path, hosts=hosts,
+                  devices_per_host=devices_per_host, use_gpu=use_gpu, use_tpu=use_tpu,
+                  epochs=epochs, max_steps=max_steps, batch_size=batch_size, max_failures=max_failures,
+                  checkpoint=None if ckpt is None else dataclasses.asdict(ckpt),
+                  **trainer_options)
+    tracker = None
+    if tracking:
+        from redray.cluster.tracker import start_tracker
+
+        tracker = start_tracker(resolve_tracking_uri(tracking_uri, storage_path), name,
+                                f"{storage_path.rstrip('/')}/{name}", experiment,
+                                resume, ckpt, config)
     _pickle_user_code_by_value()
     job = {"model": model, "collate": collate, "loss": loss, "optimizer": optimizer,
            "predict": predict, "eval_metric": eval_metric, "epochs": epochs,
            "max_steps": max_steps, "progress": progress,
-           "trainer": dict(batch_size=batch_size, checkpoint=ckpt, config=dict(
-               name=name, storage_path=storage_path, hosts=hosts,
-               devices_per_host=devices_per_host, use_gpu=use_gpu, use_tpu=use_tpu,
-               epochs=epochs, max_steps=max_steps, batch_size=batch_size, **trainer_options),
-                            **trainer_options),
+           "trainer": dict(batch_size=batch_size, checkpoint=ckpt, config=config,
+                           **trainer_options),
            "train": rows["train"], "eval": rows["eval"], "predict_data": rows["predict"],
-           "results": results}
+           "results": results, "tracker": tracker}
 
     env = {"PYTHONPATH": _local_paths()}
     resources: dict[str, float] = {}
@@ -227,19 +246,23 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         _entry, train_loop_config=job, scaling_config=scaling,
         run_config=RunConfig(name=name, storage_path=storage_path,
                              failure_config=FailureConfig(max_failures=max_failures),
-                             worker_runtime_env={"env_vars": env}))
+                             worker_runtime_env={"env_vars": env},
+                             callbacks=[] if tracker is None else [MetricsToTracker(tracker)]))
     start = time.perf_counter()
     try:
         trainer.fit()
     except Exception as error:
+        finish_tracker(tracker, "FAILED")
         _, failures = ray.get(results.get.remote())
         if failures:
             rank, text = failures[0]
             raise HostError(f"host {rank} failed:\n{text}") from error
         raise
     out, _ = ray.get(results.get.remote())
+    report = finish_tracker(tracker, "FINISHED", out["checkpoint"])
     return FitResult(out["history"], out["predictions"], name, storage_path,
-                     time.perf_counter() - start, out["resumed_from_step"], out["checkpoint"])
+                     time.perf_counter() - start, out["resumed_from_step"], out["checkpoint"],
+                     report and report["uri"], report and report["run_id"])
 
 
 def _entry(config):

@@ -26,11 +26,16 @@ def train_loop(job: dict) -> None:
 
 
 def _run(job: dict, rank: int) -> dict:
+    from redray.cluster.tracker import describe_run, worker_hooks
     from redray.engine import Trainer
 
     trainer = Trainer(job["model"], job["collate"], job["loss"], job["optimizer"], job["predict"],
                       progress=job["progress"] and rank == 0, **job["trainer"])
     trainer.on_checkpoint = _register_checkpoint
+    worker_hooks(trainer, job["tracker"], rank)
+    trainer.init(job["train"])
+    if rank == 0:
+        describe_run(trainer, job["tracker"])
     history = trainer.fit(job["train"], epochs=job["epochs"], eval_data=job["eval"],
                           eval_metric=job["eval_metric"], max_steps=job["max_steps"])
     predictions = None
@@ -55,8 +60,9 @@ def _register_checkpoint(step: int, path: str, meta: dict) -> None:
     import ray.train
     from ray.train import Checkpoint
 
-    metrics = {"step": step, "epoch": meta["epoch"],
-               **{k: v for k, v in meta.get("metrics", {}).items() if isinstance(v, (int, float))}}
+    from redray.cluster.tracker import CHECKPOINT_KEY
+
+    metrics = {"step": step, CHECKPOINT_KEY: path}
     if ray.train.get_context().get_world_rank() != 0:
         ray.train.report(metrics)
         return

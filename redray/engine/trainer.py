@@ -91,6 +91,8 @@ class Trainer:
         # Called on every process as on_checkpoint(step, path, meta) once a checkpoint
         # is complete (redray.fit registers it with Ray Train there).
         self.on_checkpoint: Callable | None = None
+        # Called on every process with each row fit logs (redray.fit reports it to Ray).
+        self.on_log: Callable | None = None
 
     # ---------------------------------------------------------------- set-up
     def init(self, examples: Sequence) -> None:
@@ -169,6 +171,31 @@ class Trainer:
         """The sharding plan (path, shape, spec, bytes per device); after ``init``."""
         self._require_init("plan")
         return self.runtime.plan_text()
+
+    def describe(self) -> dict:
+        """The run's shape: hosts, devices, mesh, parameter count, bytes per device,
+        batch sizes, accumulation steps (after ``init``)."""
+        from redray.sharding import plan
+
+        self._require_init("describe")
+        rows = plan(self.runtime.abstract[0], self.runtime.specs[0], self.mesh)
+        opt = sum(x.nbytes for x in jax.tree.leaves(self.state["opt_state"])
+                  if hasattr(x, "nbytes")) // max(self.mesh.size, 1)
+        return {"hosts": jax.process_count(), "devices": self.mesh.size,
+                "mesh": dict(self.mesh.shape),
+                "parameters": int(sum(np.prod(r.shape) for r in rows)),
+                "param_bytes_per_device": int(sum(r.bytes_per_device for r in rows)),
+                "optimizer_bytes_per_device_approx": int(opt),
+                "batch_size": self.batch_size, "micro_batch_size": self.micro,
+                "accumulation_steps": self.accum}
+
+    def _print_summary(self) -> None:
+        d = self.describe()
+        mesh = " x ".join(f"{k}={v}" for k, v in d["mesh"].items())
+        print(f"redray: {d['hosts']} host(s), {d['devices']} devices, mesh {mesh}; "
+              f"{d['parameters']:,} parameters, {d['param_bytes_per_device']:,} parameter bytes "
+              f"per device; batch {d['batch_size']} (micro {d['micro_batch_size']} per device "
+              f"x {d['accumulation_steps']} accumulation steps)", flush=True)
 
     @property
     def model(self):
@@ -337,6 +364,9 @@ class Trainer:
                              "checkpoint is chosen by the evaluation after each epoch")
         self.init(train)
         self._check_resume(train, shuffle)
+        if self.progress and jax.process_index() == 0:
+            self._print_summary()
+        self._tokens = None
         steps_per_epoch = len(train) // self.batch_size
         history: list[dict] = []
         done = int(jax.device_get(self.state["step"]))
@@ -370,6 +400,8 @@ class Trainer:
             def make(i, order=order):
                 rows = order[i * self.batch_size:(i + 1) * self.batch_size][mine]
                 batch = collate_checked(self.pipeline.collate, read_rows(train, rows))
+                if self._tokens is None:
+                    self._tokens = _tokens_per_example(batch)
                 return to_global(batch, sharding, self.batch_size)
 
             for i, placed in zip(range(start, stop), prefetch(range(start, stop), make,
@@ -380,7 +412,7 @@ class Trainer:
                 bar.update(1)
                 if len(window) == self.log_every or i == steps_per_epoch - 1:
                     row = self._summarize(window, done, epoch, time.perf_counter() - t0)
-                    history.append(row)
+                    self._log(history, row)
                     bar.set_postfix(loss=f"{row['loss']:.4f}", steps_s=f"{row['steps_per_s']:.2f}",
                                     ex_s=f"{row['examples_per_s']:.0f}")
                     window, t0 = [], time.perf_counter()
@@ -388,7 +420,7 @@ class Trainer:
                         and not (ckpt.every_epoch and i == steps_per_epoch - 1)):
                     save(epoch, i + 1, False)
             if window:
-                history.append(self._summarize(window, done, epoch, time.perf_counter() - t0))
+                self._log(history, self._summarize(window, done, epoch, time.perf_counter() - t0))
             bar.close()
             row = None
             if eval_data is not None:
@@ -398,7 +430,7 @@ class Trainer:
                     preds = self.predictor().predict(eval_data)
                     row.update({f"eval_{k}": float(v) for k, v in eval_metric(
                         read_rows(eval_data, range(len(eval_data))), preds).items()})
-                history.append(row)
+                self._log(history, row)
                 if self.progress and jax.process_index() == 0:
                     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                    for k, v in row.items()))
@@ -445,6 +477,11 @@ class Trainer:
                              f"{sorted(k for k in row if k.startswith('eval_'))}: use one of these")
         return row
 
+    def _log(self, history: list, row: dict) -> None:
+        history.append(row)
+        if self.on_log is not None:
+            self.on_log(row)
+
     def _summarize(self, window, step, epoch, seconds) -> dict:
         fetched = jax.device_get(window)
         row = {"step": step, "epoch": epoch}
@@ -455,6 +492,12 @@ class Trainer:
             row["learning_rate"] = float(lr(step - 1) if callable(lr) else lr)
         row["steps_per_s"] = len(window) / max(seconds, 1e-9)
         row["examples_per_s"] = row["steps_per_s"] * self.batch_size
+        row["step_time_s"] = seconds / len(window)
+        if getattr(self, "_tokens", None):
+            row["tokens_per_s"] = row["examples_per_s"] * self._tokens
+        memory = _device_memory()
+        if memory is not None:
+            row["device_memory_bytes"] = memory
         return row
 
     def predictor(self, batch_size: int | None = None):
@@ -467,6 +510,25 @@ class Trainer:
         return Predictor._from_runtime(self.runtime, self.pipeline.collate, self.pipeline.predict,
                                        lambda: (self.state["params"], self.state["extra"]),
                                        batch_size or self.eval_batch_size, self.seed)
+
+
+def _tokens_per_example(batch) -> int:
+    """Tokens in one example: the width of the batch's first 2-D integer array (e.g.
+    ``input_ids``), or 0 when the batch has no tokens."""
+    for key in sorted(batch):
+        value = np.asarray(batch[key])
+        if value.ndim == 2 and np.issubdtype(value.dtype, np.integer):
+            return int(value.shape[1])
+    return 0
+
+
+def _device_memory() -> int | None:
+    """Bytes in use on this process's first device, where the backend reports it."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend has it
+        return None
+    return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
 
 
 def _loss_value(out):

@@ -1,0 +1,287 @@
+"""MLflow tracking from one place, in the background, never in the training step's way.
+
+``MlflowLogger`` owns one MLflow run. Every call only queues; a thread talks to the
+store. A store that fails (server down, disk full, bad URI) produces ONE warning
+naming the URI and the reason; what could not be logged is retried while the run goes
+on and counted as dropped if it still cannot be logged at the end (or if the queue
+overflows). Training never waits on MLflow and never fails because of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("redray.tracking")
+
+DEFAULT_EXPERIMENT = "redray"
+RUN_PATH_TAG = "redray.run_path"
+MAX_QUEUED = 100_000
+
+
+class TrackingWarning(UserWarning):
+    """The tracking store failed; training went on."""
+
+
+def default_tracking_uri(storage_path: str) -> str:
+    """``sqlite:///<storage>/mlflow.db`` for a local storage folder."""
+    if "://" in storage_path:
+        # a bucket cannot hold a SQLite file: keep the store next to the default runs
+        storage_path = os.path.expanduser("~/redray_runs")
+    os.makedirs(storage_path, exist_ok=True)
+    return f"sqlite:///{os.path.abspath(storage_path)}/mlflow.db"
+
+
+def resolve_tracking_uri(given: str | None, storage_path: str) -> str:
+    return given or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(storage_path)
+
+
+def ui_command(uri: str) -> str:
+    """The command that opens the MLflow UI on ``uri``."""
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri} in a browser"
+    return f"mlflow ui --backend-store-uri {uri}"
+
+
+class MlflowLogger:
+    """One MLflow run, logged from a background thread.
+
+    Args:
+      uri: the tracking URI.
+      run_name: the run's name in MLflow (redray's run name).
+      run_path: identifies the run across restarts (``<storage>/<name>``); stored as the
+        tag ``redray.run_path``.
+      experiment: MLflow experiment name.
+      resume: continue the MLflow run of ``run_path`` (or ``run_id``) if there is one.
+      run_id: the run to continue (e.g. read from a checkpoint), tried first.
+    """
+
+    def __init__(self, uri: str, run_name: str, run_path: str,
+                 experiment: str = DEFAULT_EXPERIMENT, resume: bool = True,
+                 run_id: str | None = None):
+        # MLflow's HTTP client retries for minutes by default; the queue retries instead.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        self.uri, self.run_name, self.run_path = uri, run_name, run_path
+        self.experiment, self.resume = experiment, resume
+        self._wanted_run_id = run_id
+        self.run_id = None
+        self.failure: str | None = None
+        self.dropped = 0
+        self.logged_metrics = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="redray-mlflow", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ what callers use
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        values = {k: float(v) for k, v in metrics.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        if values:
+            self._put(("metrics", int(step), values, int(time.time() * 1000)))
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self._put(("params", _flat(params)))
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self._put(("tags", {k: str(v) for k, v in tags.items()}))
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self._put(("text", text, artifact_file))
+
+    def finish(self, status: str = "FINISHED", timeout: float = 60.0) -> dict:
+        """Ends the run; waits up to ``timeout`` s for the queue. Returns a report:
+        ``run_id``, ``failure`` (the first error, or None), ``dropped`` (values lost)."""
+        self._put(("end", status))
+        self._done.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.dropped += self._queue.qsize()
+        return {"run_id": self.run_id, "failure": self.failure, "dropped": self.dropped,
+                "uri": self.uri}
+
+    # ------------------------------------------------------------ the thread
+    def _put(self, item) -> None:
+        if self._queue.qsize() >= MAX_QUEUED:
+            self.dropped += 1
+            return
+        self._queue.put(item)
+
+    def _work(self) -> None:
+        client, backlog, delay = None, [], 1.0
+        while True:
+            ending = self._done.is_set()
+            try:
+                while True:
+                    backlog.append(self._queue.get(timeout=0.2 if not backlog else 0.0))
+            except queue.Empty:
+                pass
+            if not backlog:
+                if ending:
+                    return
+                continue
+            try:
+                if client is None:
+                    client = self._open()
+                backlog = self._send(client, backlog)
+                delay = 1.0
+            except Exception as error:  # noqa: BLE001 - the store's fault, never training's
+                if self.failure is None:
+                    self.failure = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}" \
+                        if str(error) else type(error).__name__
+                    log.warning("MLflow tracking at %s failed (%s); training goes on and "
+                                "logging is retried", self.uri, self.failure)
+                if ending:  # one last try failed: what is left is lost
+                    self.dropped += sum(_values(item) for item in backlog)
+                    return
+                self._done.wait(delay)
+                delay = min(delay * 2, 30.0)
+
+    def _open(self):
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(self.uri)
+        experiment = client.get_experiment_by_name(self.experiment)
+        experiment_id = experiment.experiment_id if experiment else \
+            client.create_experiment(self.experiment)
+        run = None
+        if self.resume and self._wanted_run_id:
+            try:
+                run = client.get_run(self._wanted_run_id)
+            except Exception:  # noqa: BLE001 - not in this store: look it up by path
+                run = None
+        if self.resume and run is None:
+            found = client.search_runs([experiment_id],
+                                       filter_string=f"tags.`{RUN_PATH_TAG}` = '{self.run_path}'",
+                                       order_by=["attributes.start_time DESC"], max_results=1)
+            run = found[0] if found else None
+        if run is None:
+            run = client.create_run(experiment_id, run_name=self.run_name,
+                                    tags={RUN_PATH_TAG: self.run_path})
+        else:
+            client.update_run(run.info.run_id, status="RUNNING")
+        self._existing_params = dict(run.data.params)
+        self.run_id = run.info.run_id
+        return client
+
+    def _send(self, client, backlog: list) -> list:
+        """Sends queued items in order; returns what is left (nothing, or raises)."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        while backlog:
+            kind = backlog[0][0]
+            if kind == "metrics":
+                batch = []
+                while backlog and backlog[0][0] == "metrics" and len(batch) < 900:
+                    _, step, values, stamp = backlog[0]
+                    batch += [Metric(k, v, stamp, step) for k, v in values.items()]
+                    backlog.pop(0)
+                client.log_batch(self.run_id, metrics=batch)
+                self.logged_metrics += len(batch)
+                continue
+            item = backlog[0]
+            if kind == "params":
+                # MLflow params never change: a resumed run adds only new ones
+                new = {k: v for k, v in item[1].items() if k not in self._existing_params}
+                if new:
+                    client.log_batch(self.run_id, params=[Param(k, v) for k, v in new.items()])
+                    self._existing_params.update(new)
+            elif kind == "tags":
+                client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in item[1].items()])
+            elif kind == "text":
+                client.log_text(self.run_id, item[1], item[2])
+            elif kind == "end":
+                client.set_terminated(self.run_id, status=item[1])
+            backlog.pop(0)
+        return backlog
+
+
+def _values(item) -> int:
+    return {"metrics": len(item[2]) if item[0] == "metrics" else 0, "end": 0}.get(item[0], 1)
+
+
+def _flat(params: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in params.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v)[:6000]
+    return out
+
+
+def git_commit(path: str = ".") -> str | None:
+    """The git commit of ``path``'s working tree (with ``-dirty`` if modified), or None."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=5)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", path, "status", "--porcelain"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ---------------------------------------------------------------- plots
+def find_run(client, run: str, experiment: str = DEFAULT_EXPERIMENT):
+    """A run by id, or the newest run of that name (or ``redray.run_path``)."""
+    try:
+        return client.get_run(run)
+    except Exception:  # noqa: BLE001 - not an id: look it up by name
+        pass
+    exp = client.get_experiment_by_name(experiment)
+    ids = [exp.experiment_id] if exp else [e.experiment_id for e in client.search_experiments()]
+    for filt in (f"attributes.run_name = '{run}'", f"tags.`{RUN_PATH_TAG}` = '{run}'"):
+        found = client.search_runs(ids, filter_string=filt,
+                                   order_by=["attributes.start_time DESC"], max_results=1)
+        if found:
+            return found[0]
+    raise LookupError(f"no MLflow run {run!r} in {client.tracking_uri}: give a run id, a run "
+                      "name, or the tracking URI the run logged to (--tracking-uri)")
+
+
+def plot(run: str, out: str, tracking_uri: str | None = None, storage_path: str | None = None,
+         metrics=("loss", "eval_loss", "learning_rate")) -> str:
+    """Writes a PNG of a run's loss and learning-rate curves; returns its path.
+
+    ``run``: an MLflow run id or a redray run name; ``tracking_uri``: default
+    ``MLFLOW_TRACKING_URI``, else the SQLite store of ``storage_path`` (default
+    ``~/redray_runs``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mlflow.tracking import MlflowClient
+
+    uri = resolve_tracking_uri(tracking_uri, os.path.expanduser(storage_path or "~/redray_runs"))
+    client = MlflowClient(uri)
+    found = find_run(client, run)
+    curves = {m: client.get_metric_history(found.info.run_id, m) for m in metrics}
+    curves = {m: sorted((p.step, p.value) for p in h) for m, h in curves.items() if h}
+    if not curves:
+        raise LookupError(f"run {run!r} has none of the metrics {list(metrics)}")
+    losses = [m for m in curves if m != "learning_rate"]
+    panels = [p for p in (losses, ["learning_rate"] if "learning_rate" in curves else []) if p]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3.2 * len(panels)), squeeze=False)
+    for ax, names in zip(axes[:, 0], panels):
+        for name in names:
+            steps, values = zip(*curves[name])
+            ax.plot(steps, values, label=name, marker="o" if len(steps) < 30 else None)
+        ax.set_xlabel("step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_title(f"{found.info.run_name} ({found.info.run_id[:8]})")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,137 @@
+"""MLflow tracking of 2-host runs (2 simulated hosts x 2 CPU devices on a local Ray
+cluster): the SQLite default, a real `mlflow server`, a resumed run, a dead store."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import warnings
+
+import optax
+import pytest
+from mlflow.tracking import MlflowClient
+
+import redray
+from redray.checkpoint import latest_meta
+from redray.tracking import MlflowLogger, TrackingWarning, plot
+from tiny import TinyLM, lm_collate, lm_loss, token_data
+
+ray = pytest.importorskip("ray")
+
+DATA, EVAL = token_data(96), token_data(16, seed=1)  # 12 steps per epoch at batch 8
+OPTIONS = dict(batch_size=8, model_axis=2, log_every=2, seed=0, progress=False, hosts=2,
+               devices_per_host=2, learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def run(storage, epochs, **kw):
+    return redray.fit(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+                      train_data=DATA, eval_data=EVAL, epochs=epochs, name="lm",
+                      storage_path=str(storage), **OPTIONS, **kw)
+
+
+def steps(client, run_id, key):
+    return [m.step for m in client.get_metric_history(run_id, key)]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_resumed_run_logs_once_per_step_into_the_same_sqlite_run(tmp_path):
+    first = run(tmp_path, epochs=1)
+    assert first.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"  # the embedded default
+    second = run(tmp_path, epochs=2)  # resumes at step 12
+    assert second.resumed_from_step == 12
+    assert second.mlflow_run_id == first.mlflow_run_id  # the same MLflow run, continued
+    assert latest_meta(f"{tmp_path}/lm/checkpoints")["run"]["mlflow_run_id"] == first.mlflow_run_id
+
+    client = MlflowClient(second.tracking_uri)
+    found = client.get_run(second.mlflow_run_id)
+    train_steps = list(range(2, 25, 2))
+    for key in ("loss", "accuracy", "grad_norm", "learning_rate", "steps_per_s",
+                "examples_per_s", "tokens_per_s", "step_time_s", "epoch"):
+        assert steps(client, found.info.run_id, key) == train_steps, key  # once each: no host twice
+    assert steps(client, found.info.run_id, "eval_loss") == [12, 24]
+    assert [m.value for m in client.get_metric_history(found.info.run_id, "epoch")] == \
+        [0.0] * 6 + [1.0] * 6
+    assert {"batch_size": "8", "hosts": "2", "model_axis": "2", "epochs": "1",
+            "checkpoint.keep": "3"}.items() <= found.data.params.items()  # first run's params
+    tags = found.data.tags
+    assert tags["redray.version"] == redray.__version__
+    assert tags["redray.mesh"] == "data=2 x fsdp=1 x model=2"
+    assert (tags["redray.hosts"], tags["redray.devices"]) == ("2", "4")
+    assert int(tags["redray.parameters"]) == 14752
+    assert tags["redray.last_checkpoint"] == f"{tmp_path}/lm/checkpoints/24"
+    assert found.info.status == "FINISHED"
+    plan = client.download_artifacts(found.info.run_id, "sharding_plan.txt", str(tmp_path))
+    assert "mesh data=2 x fsdp=1 x model=2" in open(plan).read()
+
+    png = plot("lm", str(tmp_path / "curves.png"), storage_path=str(tmp_path))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    cli = subprocess.run([sys.executable, "-m", "redray.cli", "plot", "nope", "--storage",
+                          str(tmp_path)], capture_output=True, text=True)
+    assert cli.returncode == 2 and "no MLflow run 'nope'" in cli.stderr
+    assert len(cli.stderr.strip().splitlines()) == 1
+
+
+def test_a_real_mlflow_server_receives_every_metric_once(tmp_path):
+    port = free_port()
+    server = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--host",
+         "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+         "--default-artifact-root", str(tmp_path / "artifacts")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2)
+                break
+            except OSError:
+                assert time.time() < deadline, "mlflow server did not start"
+                time.sleep(1)
+        result = run(tmp_path, epochs=1, tracking_uri=uri)
+        client = MlflowClient(uri)
+        assert steps(client, result.mlflow_run_id, "loss") == list(range(2, 13, 2))
+        assert steps(client, result.mlflow_run_id, "eval_loss") == [12]
+        found = client.get_run(result.mlflow_run_id)
+        assert found.data.tags["redray.mesh"] == "data=2 x fsdp=1 x model=2"
+        assert [a.path for a in client.list_artifacts(result.mlflow_run_id)] == \
+            ["sharding_plan.txt"]
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait()
+
+
+def test_a_dead_tracking_store_warns_once_and_training_completes(tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run(tmp_path, epochs=1, tracking_uri=uri)
+    assert max(r["step"] for r in result.history) == 12  # trained to the end
+    assert os.path.isdir(f"{tmp_path}/lm/checkpoints/12")
+    ours = [w for w in caught if issubclass(w.category, TrackingWarning)]
+    assert len(ours) == 1 and uri in str(ours[0].message)
+    assert result.mlflow_run_id is None
+
+
+def test_the_logger_counts_what_it_could_not_log():
+    uri = f"http://127.0.0.1:{free_port()}"
+    logger = MlflowLogger(uri, "x", "/nowhere/x")
+    for step in range(5):
+        logger.log_metrics({"loss": 1.0, "accuracy": 0.5, "note": "text is skipped"}, step)
+    report = logger.finish(timeout=60)
+    assert report["failure"] and report["dropped"] == 10 and report["run_id"] is None
