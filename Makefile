@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 demo: install
-	$(PY) examples/quickstart/train.py $(DEMO_ARGS)
+	$(PY) examples/language_modeling/train.py $(DEMO_ARGS)
 
 test: install-test
 	$(PY) -m pytest -q

@@ -5,6 +5,15 @@ Subcommands:
 * ``redray plan PRESET_OR_CONFIG --devices N --model-axis M [--fsdp-axis K] [--json]``:
   how the automatic rules would shard a model on N devices, computed abstractly
   (no device, no allocation).
+* ``redray run SCRIPT [ARGS]``: runs a training script against the current Ray cluster
+  (``--address``, else ``RAY_ADDRESS``, else a local one the script starts).
+* ``redray submit SCRIPT [ARGS] --address http://HEAD:8265``: submits it as a Ray job
+  with the working directory, handles Ray's token auth, streams the logs and exits
+  with the job's status (``--no-wait``: prints the job id).
+* ``redray export RUN --to DIR``: the run's last (or best) checkpoint as Hugging Face
+  safetensors, for a run of a redray.models model (its config.json in the run folder).
+* ``redray runs [STORAGE] [--json]``: the runs in a storage folder with their status,
+  last step, last checkpoint and best metric.
 * ``redray plot RUN [--out PNG] [--storage DIR | --tracking-uri URI]``: a PNG of a
   run's loss and learning-rate curves from its MLflow run.
 
@@ -42,16 +51,261 @@ def _plot(args) -> int:
     return 0
 
 
+class UsageError(Exception):
+    """A mistake the user can fix; printed as one line."""
+
+
+def _script(path: str) -> str:
+    if not os.path.isfile(path):
+        raise UsageError(f"no script {path!r}: give the path of a Python training script")
+    return path
+
+
+def _run(args) -> int:
+    import subprocess
+
+    env = dict(os.environ)
+    if args.address:
+        env["RAY_ADDRESS"] = args.address
+    return subprocess.call([sys.executable, _script(args.script), *args.args], env=env)
+
+
+def _token() -> str | None:
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    if token:
+        return token.strip()
+    path = os.path.expanduser("~/.ray/auth_token")
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read().strip() or None
+    return None
+
+
+TOKEN_HELP = ("copy the head node's ~/.ray/auth_token to this machine's ~/.ray/auth_token, "
+              "or export RAY_AUTH_TOKEN=<that token>")
+
+
+def _submit(args) -> int:
+    import asyncio
+
+    script = _script(args.script)
+    if not args.address:
+        raise UsageError("--address is required: the head's job server, e.g. "
+                         "--address http://HEAD:8265")
+    if not args.address.startswith(("http://", "https://")):
+        raise UsageError(f"--address {args.address!r}: give the head's job server, e.g. "
+                         "http://HEAD:8265 (a ray:// address is for redray.fit(address=...))")
+    token = _token()
+    if token:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        os.environ.setdefault("RAY_AUTH_TOKEN", token)
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        client = JobSubmissionClient(args.address)
+        env_vars = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI",) if k in os.environ}
+        job = client.submit_job(
+            entrypoint=" ".join([_quote(args.python), _quote(os.path.relpath(script, args.working_dir)),
+                                 *map(_quote, args.args)]),
+            runtime_env={"working_dir": args.working_dir, "env_vars": env_vars})
+    except Exception as error:  # noqa: BLE001 - turned into one line below
+        raise UsageError(_submit_error(args.address, error, token)) from None
+    if args.no_wait:
+        print(job)
+        return 0
+
+    async def tail():
+        async for lines in client.tail_job_logs(job):
+            print(lines, end="", flush=True)
+
+    asyncio.run(tail())
+    status = str(client.get_job_status(job))
+    print(f"redray submit: job {job} {status.split('.')[-1]}", file=sys.stderr)
+    return 0 if status.endswith("SUCCEEDED") else 1
+
+
+def _quote(part: str) -> str:
+    import shlex
+
+    return shlex.quote(part)
+
+
+def _submit_error(address: str, error: Exception, token: str | None) -> str:
+    text = " ".join(str(error).split())
+    if any(k in text.lower() for k in ("401", "403", "unauthorized", "unauthenticated",
+                                       "authentication", "token")):
+        if token is None:
+            return f"the cluster at {address} requires a token and none was found: {TOKEN_HELP}"
+        return (f"the cluster at {address} rejected the token (from RAY_AUTH_TOKEN or "
+                f"~/.ray/auth_token): {TOKEN_HELP}")
+    if isinstance(error, ConnectionError) or "connect" in text.lower():
+        return (f"cannot reach the Ray job server at {address}: check the address (the head's "
+                "dashboard port, default 8265) and that it is reachable (e.g. `ray dashboard "
+                "cluster.yaml` forwards it)")
+    return f"submitting to {address} failed: {text[:300]}"
+
+
+# redray's own options of run/submit, also accepted after SCRIPT (before a literal --)
+OWN_OPTIONS = {"--address": 1, "--working-dir": 1, "--no-wait": 0, "--python": 1}
+
+
+def _own_options_after_script(args) -> None:
+    """Moves ``--address X`` etc. written after SCRIPT from the script's arguments to
+    redray's; everything after a literal ``--`` stays the script's."""
+    rest, script_args = list(args.args), []
+    while rest:
+        part = rest.pop(0)
+        if part == "--":
+            script_args += rest
+            break
+        name = part.split("=", 1)[0]
+        if name in OWN_OPTIONS and hasattr(args, name[2:].replace("-", "_")):
+            if OWN_OPTIONS[name] == 0:
+                value = True
+            elif "=" in part:
+                value = part.split("=", 1)[1]
+            elif rest:
+                value = rest.pop(0)
+            else:
+                raise UsageError(f"{name} needs a value")
+            setattr(args, name[2:].replace("-", "_"), value)
+        else:
+            script_args.append(part)
+    args.args = script_args
+
+
+def _run_folder(run: str, storage: str | None) -> str:
+    if os.path.isdir(run) and os.path.isdir(os.path.join(run, "checkpoints")):
+        return os.path.abspath(run)
+    folder = os.path.join(os.path.abspath(os.path.expanduser(storage or "~/redray_runs")), run)
+    if not os.path.isdir(os.path.join(folder, "checkpoints")):
+        raise UsageError(f"no run {run!r}: give a run folder (<storage>/<name>) or a run name "
+                         f"with --storage (looked in {folder})")
+    return folder
+
+
+def _export(args) -> int:
+    from redray.checkpoint import load_model
+    from redray.models import build, load_config, save_pretrained
+
+    run = _run_folder(args.run, args.storage)
+    config_path = args.config or os.path.join(run, "config.json")
+    if not os.path.exists(config_path):
+        raise UsageError(f"no model config at {config_path}: pass --config, the Hugging Face "
+                         "config.json of the redray.models model the run trained")
+    config = load_config(config_path)
+    model = load_model(run, lambda rngs: build(config, rngs=rngs), best=args.best)
+    save_pretrained(model, args.to)
+    print(args.to)
+    return 0
+
+
+def list_runs(storage: str) -> list[dict]:
+    """One dict per run folder of ``storage`` that holds checkpoints: ``name``,
+    ``status`` (from MLflow when the run is tracked there), ``last_step``,
+    ``last_checkpoint``, ``best`` (``{"metric", "value", "step"}`` or None)."""
+    from redray.checkpoint import CheckpointConfig, latest_meta
+
+    storage = os.path.abspath(os.path.expanduser(storage))
+    if not os.path.isdir(storage):
+        raise FileNotFoundError(f"no storage folder {storage}: give the storage_path runs "
+                                "were written to (default ~/redray_runs)")
+    statuses = _mlflow_statuses(storage)
+    runs = []
+    for name in sorted(os.listdir(storage)):
+        folder = os.path.join(storage, name, "checkpoints")
+        if not os.path.isdir(folder):
+            continue
+        meta = latest_meta(folder)
+        best = None
+        if meta:
+            config = CheckpointConfig(**{k: v for k, v in (meta.get("config", {}).get(
+                "checkpoint") or {}).items() if k in CheckpointConfig.__dataclass_fields__})
+            best = _best(folder, config.best_metric or "eval_loss",
+                         config.best_mode if config.best_metric else "min")
+        runs.append({"name": name,
+                     "status": statuses.get(os.path.join(storage, name),
+                                            "UNTRACKED" if meta else "NO_CHECKPOINT"),
+                     "last_step": meta["step"] if meta else None,
+                     "last_checkpoint": os.path.join(folder, str(meta["step"])) if meta else None,
+                     "best": best})
+    return runs
+
+
+def _best(folder: str, metric: str, mode: str) -> dict | None:
+    import json as _json
+
+    scored = []
+    for step in (int(n) for n in os.listdir(folder) if n.isdigit()):
+        try:
+            with open(os.path.join(folder, str(step), "meta", "metadata")) as f:
+                value = _json.load(f).get("metrics", {}).get(metric)
+        except (OSError, ValueError):
+            continue
+        if isinstance(value, (int, float)):
+            scored.append((value, step))
+    if not scored:
+        return None
+    value, step = (min if mode == "min" else max)(scored)
+    return {"metric": metric, "value": value, "step": step}
+
+
+def _mlflow_statuses(storage: str) -> dict:
+    """run path -> MLflow status, from the storage's own SQLite store (if any)."""
+    db = os.path.join(storage, "mlflow.db")
+    if not os.path.exists(db):
+        return {}
+    try:
+        from mlflow.tracking import MlflowClient
+
+        from redray.tracking import RUN_PATH_TAG
+
+        client = MlflowClient(f"sqlite:///{db}")
+        ids = [e.experiment_id for e in client.search_experiments()]
+        out = {}
+        for run in client.search_runs(ids, order_by=["attributes.start_time ASC"]):
+            path = run.data.tags.get(RUN_PATH_TAG)
+            if path:
+                out[path] = run.info.status
+        return out
+    except Exception:  # noqa: BLE001 - a listing never fails on the tracker
+        return {}
+
+
+def _runs(args) -> int:
+    runs = list_runs(args.storage)
+    if args.json:
+        print(json.dumps(runs, indent=2))
+        return 0
+    if not runs:
+        print(f"no runs in {os.path.abspath(args.storage)}")
+        return 0
+    print(f"{'name':<24} {'status':<13} {'last step':>9}  {'best':<24} last checkpoint")
+    for r in runs:
+        best = "-" if not r["best"] else \
+            f"{r['best']['metric']}={r['best']['value']:.4g}@{r['best']['step']}"
+        print(f"{r['name']:<24} {r['status']:<13} {r['last_step'] or '-':>9}  {best:<24} "
+              f"{r['last_checkpoint'] or '-'}")
+    return 0
+
+
+def _command(sub, name: str, help: str, description: str, epilog: str):
+    """A subcommand whose --help ends with usage examples."""
+    return sub.add_parser(name, help=help, description=description, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="redray", description="redray: distributed training and inference of JAX models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser(
-        "plan", help="show how a model would be sharded, without devices",
-        description="Builds the model abstractly, applies the automatic sharding rules on a "
-                    "(data, fsdp, model) mesh and prints the parameter and Adam-state bytes "
-                    "per device beside the ideal total / (model x fsdp).")
+    p = _command(sub, "plan", "show how a model would be sharded, without devices",
+                 "Builds the model abstractly, applies the automatic sharding rules on a "
+                 "(data, fsdp, model) mesh and prints the parameter and Adam-state bytes "
+                 "per device beside the ideal total / (model x fsdp).",
+                 "examples:\n  redray plan llama-7b --devices 8 --model-axis 8\n"
+                 "  redray plan path/to/config.json --devices 16 --model-axis 4 --fsdp-axis 4")
     p.add_argument("config", metavar="PRESET_OR_CONFIG",
                    help="a preset (gpt2-xl, gpt-j-6b, llama-7b, llama-13b, t5-11b, opt-13b, "
                         "opt-66b) or the path of a Hugging Face config.json")
@@ -62,13 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run_command=_plan)
 
-    p = sub.add_parser(
-        "plot", help="write a PNG of a run's loss and learning-rate curves",
-        description="Reads the run's metrics from MLflow and plots loss (and eval loss) and "
-                    "learning rate against the step.",
-        epilog="examples:\n  redray plot my-run --storage /abs/path/runs\n"
-               "  redray plot 7f1dc9ae4e4a45 --tracking-uri http://mlflow:5000 --out curves.png",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _command(sub, "plot", "write a PNG of a run's loss and learning-rate curves",
+                 "Reads the run's metrics from MLflow and plots loss (and eval loss) and "
+                 "learning rate against the step.",
+                 "examples:\n  redray plot my-run --storage /abs/path/runs\n"
+                 "  redray plot 7f1dc9ae4e4a45 --tracking-uri http://mlflow:5000 --out c.png")
     p.add_argument("run", metavar="RUN", help="a redray run name or an MLflow run id")
     p.add_argument("--out", help="the PNG to write (default RUN.png)")
     p.add_argument("--storage", help="the runs' storage folder, whose mlflow.db is read "
@@ -76,18 +328,69 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", help="an MLflow tracking URI (default "
                                           "MLFLOW_TRACKING_URI, else the storage's mlflow.db)")
     p.set_defaults(run_command=_plot)
+
+    p = _command(sub, "run", "run a training script on the current Ray cluster",
+                 "Runs SCRIPT with this Python. redray.fit in it connects to --address "
+                 "(or RAY_ADDRESS), else starts a local Ray cluster.",
+                 "examples:\n  redray run examples/language_modeling/train.py --steps 50\n"
+                 "  redray run --address ray://head:10001 train.py")
+    p.add_argument("--address", help="a Ray cluster address (ray://HOST:10001 or HOST:6379)")
+    p.add_argument("script", metavar="SCRIPT", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(run_command=_run)
+
+    p = _command(sub, "submit", "submit a training script as a Ray job",
+                 "Submits SCRIPT as a Ray job with the working directory, streams its logs "
+                 "and exits with its status. Ray 2.60 token auth: the token is read from "
+                 "RAY_AUTH_TOKEN or ~/.ray/auth_token. Storage paths in the script must be "
+                 "absolute (a job runs in a temporary copy of the working directory).",
+                 "examples:\n  redray submit train.py --address http://127.0.0.1:8265 -- --steps 500\n"
+                 "  redray submit train.py --address http://head:8265 --no-wait")
+    p.add_argument("--address", help="the head's job server, http://HEAD:8265 (required)")
+    p.add_argument("--working-dir", default=".", help="uploaded with the job (default .)")
+    p.add_argument("--no-wait", action="store_true", help="print the job id and return")
+    p.add_argument("--python", default="python",
+                   help="the cluster's Python that runs SCRIPT (default: python)")
+    p.add_argument("script", metavar="SCRIPT", help="the training script (in the working dir)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(run_command=_submit)
+
+    p = _command(sub, "export", "write a run's checkpoint as Hugging Face safetensors",
+                 "Loads the run's newest (or best) checkpoint into its redray.models model "
+                 "and writes config.json + safetensors that transformers loads.",
+                 "examples:\n  redray export demo --storage runs --to exported/\n"
+                 "  redray export /abs/runs/lm --best min:eval_loss --to best/")
+    p.add_argument("run", metavar="RUN", help="a run folder, or a run name with --storage")
+    p.add_argument("--to", required=True, help="the folder to write")
+    p.add_argument("--storage", help="the storage folder of RUN (default ~/redray_runs)")
+    p.add_argument("--config", help="the model's config.json (default RUN/config.json)")
+    p.add_argument("--best", help="min:<metric> or max:<metric>: the best checkpoint by it")
+    p.set_defaults(run_command=_export)
+
+    p = _command(sub, "runs", "list the runs in a storage folder",
+                 "Lists the runs under a storage folder: MLflow status, last step, last "
+                 "complete checkpoint and best eval metric.",
+                 "examples:\n  redray runs\n  redray runs /abs/path/runs --json")
+    p.add_argument("storage", nargs="?", default="~/redray_runs",
+                   help="the storage folder (default ~/redray_runs)")
+    p.add_argument("--json", action="store_true",
+                   help="a JSON list of {name, status, last_step, last_checkpoint, best}")
+    p.set_defaults(run_command=_runs)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    # Planning is abstract: keep JAX off any accelerator unless the user chose one.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.run_command not in (_run, _submit):
+        # Planning and listing are abstract: keep JAX off any accelerator.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from redray.models.plan import PlanError
 
     try:
+        if args.run_command in (_run, _submit):
+            _own_options_after_script(args)
         return args.run_command(args)
-    except (PlanError, FileNotFoundError, LookupError) as e:
+    except (PlanError, FileNotFoundError, LookupError, UsageError) as e:
         message = " ".join(str(e).split())  # one line, always
         print(f"redray {args.command}: error: {message}", file=sys.stderr)
         return EXIT_USAGE

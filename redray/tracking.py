@@ -32,7 +32,6 @@ def default_tracking_uri(storage_path: str) -> str:
     if "://" in storage_path:
         # a bucket cannot hold a SQLite file: keep the store next to the default runs
         storage_path = os.path.expanduser("~/redray_runs")
-    os.makedirs(storage_path, exist_ok=True)
     return f"sqlite:///{os.path.abspath(storage_path)}/mlflow.db"
 
 
@@ -145,6 +144,8 @@ class MlflowLogger:
     def _open(self):
         from mlflow.tracking import MlflowClient
 
+        if self.uri.startswith("sqlite:///"):
+            os.makedirs(os.path.dirname(self.uri[len("sqlite:///"):]), exist_ok=True)
         client = MlflowClient(self.uri)
         experiment = client.get_experiment_by_name(self.experiment)
         experiment_id = experiment.experiment_id if experiment else \
@@ -264,6 +265,9 @@ def plot(run: str, out: str, tracking_uri: str | None = None, storage_path: str 
     from mlflow.tracking import MlflowClient
 
     uri = resolve_tracking_uri(tracking_uri, os.path.expanduser(storage_path or "~/redray_runs"))
+    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///"):]):
+        raise LookupError(f"no MLflow store at {uri}: give the storage folder the run was "
+                          "written to (--storage) or its tracking URI (--tracking-uri)")
     client = MlflowClient(uri)
     found = find_run(client, run)
     curves = {m: client.get_metric_history(found.info.run_id, m) for m in metrics}

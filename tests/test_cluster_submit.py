@@ -138,3 +138,56 @@ def test_ray_client_address(head, tmp_path):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     np.testing.assert_allclose(json.loads(out.read_text()), expected_losses(6), rtol=1e-5)
+
+
+def redray_cli(*args, env=None, cwd=None):
+    if args[0] == "submit":  # the test cluster's Python is this venv's
+        args = (*args, "--python", sys.executable)
+    return subprocess.run([sys.executable, "-m", "redray.cli", *args], env=env or token_env(),
+                          cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_redray_submit_streams_the_job_and_returns_its_status(head, tmp_path):
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    shutil.copy(os.path.join(HERE, "tiny.py"), job_dir)
+    (job_dir / "train_job.py").write_text(JOB.format(options=repr(OPTIONS)))
+    (job_dir / "fails.py").write_text("raise SystemExit('this job fails')\n")
+    out = tmp_path / "losses.json"
+    done = redray_cli("submit", "train_job.py", str(out), str(tmp_path / "runs"),
+                      "--address", head["dashboard"], cwd=job_dir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "SUCCEEDED" in done.stderr
+    np.testing.assert_allclose(json.loads(out.read_text()), expected_losses(6), rtol=1e-5)
+
+    failed = redray_cli("submit", "fails.py", "--address", head["dashboard"], cwd=job_dir)
+    assert failed.returncode == 1 and "this job fails" in failed.stdout
+    queued = redray_cli("submit", "fails.py", "--address", head["dashboard"], "--no-wait",
+                        cwd=job_dir)
+    assert queued.returncode == 0 and queued.stdout.strip().startswith("raysubmit_")
+
+
+def one_line_error(done, *words):
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("redray submit: error:"), done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_redray_submit_errors_are_one_line_with_the_fix(head, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("print('hi')\n")
+    home = tmp_path / "home"  # no ~/.ray/auth_token there
+    home.mkdir()
+    no_token = {k: v for k, v in token_env().items() if k != "RAY_AUTH_TOKEN"}
+    one_line_error(redray_cli("submit", str(script), "--address", head["dashboard"],
+                              env=dict(no_token, HOME=str(home))),
+                   "requires a token", "RAY_AUTH_TOKEN")
+    one_line_error(redray_cli("submit", str(script), "--address", head["dashboard"],
+                              env=dict(token_env(), RAY_AUTH_TOKEN="0" * 32)),
+                   "rejected the token", "~/.ray/auth_token")
+    one_line_error(redray_cli("submit", str(script), "--address",
+                              f"http://127.0.0.1:{free_port()}"), "cannot reach", "8265")
+    one_line_error(redray_cli("submit", str(tmp_path / "missing.py"), "--address",
+                              head["dashboard"]), "no script")

@@ -1,6 +1,7 @@
 """MLflow tracking of 2-host runs (2 simulated hosts x 2 CPU devices on a local Ray
 cluster): the SQLite default, a real `mlflow server`, a resumed run, a dead store."""
 
+import json
 import os
 import socket
 import subprocess
@@ -76,6 +77,16 @@ def test_a_resumed_run_logs_once_per_step_into_the_same_sqlite_run(tmp_path):
     assert found.info.status == "FINISHED"
     plan = client.download_artifacts(found.info.run_id, "sharding_plan.txt", str(tmp_path))
     assert "mesh data=2 x fsdp=1 x model=2" in open(plan).read()
+
+    listed = subprocess.run([sys.executable, "-m", "redray.cli", "runs", str(tmp_path), "--json"],
+                            capture_output=True, text=True)
+    evals = {r["step"]: r["eval_loss"] for r in first.history + second.history
+             if "eval_loss" in r}
+    best_step = min(evals, key=evals.get)
+    assert json.loads(listed.stdout) == [{
+        "name": "lm", "status": "FINISHED", "last_step": 24,
+        "last_checkpoint": f"{tmp_path}/lm/checkpoints/24",
+        "best": {"metric": "eval_loss", "value": evals[best_step], "step": best_step}}]
 
     png = plot("lm", str(tmp_path / "curves.png"), storage_path=str(tmp_path))
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -132,6 +132,7 @@ def _pickle_user_code_by_value() -> None:
 def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         batch_size: int, epochs: int = 1, eval_data=None, predict: Callable | None = None,
         eval_metric: Callable | None = None, predict_data=None, max_steps: int | None = None,
+        eval_at_start: bool = False,
         hosts: int = 1, devices_per_host: int | None = None, use_gpu: bool = False,
         use_tpu: bool = False, address: str | None = None, name: str | None = None,
         storage_path: str | None = None, max_failures: int = 0, progress: bool = True,
@@ -144,7 +145,7 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
       train_data, eval_data, predict_data: a list of dicts, a ``datasets.Dataset``, a
         parquet/json/jsonl path or glob, or a ``ray.data.Dataset``.
       batch_size: examples per optimizer update, over all hosts.
-      epochs, max_steps, eval_metric: as for ``Trainer.fit``.
+      epochs, max_steps, eval_metric, eval_at_start: as for ``Trainer.fit``.
       hosts: worker processes, one per host (on one machine: simulated hosts).
       devices_per_host: CPU devices each host simulates (CPU only; default 1), or the
         GPUs/TPU chips each host takes.
@@ -217,7 +218,7 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
     _pickle_user_code_by_value()
     job = {"model": model, "collate": collate, "loss": loss, "optimizer": optimizer,
            "predict": predict, "eval_metric": eval_metric, "epochs": epochs,
-           "max_steps": max_steps, "progress": progress,
+           "max_steps": max_steps, "progress": progress, "eval_at_start": eval_at_start,
            "trainer": dict(batch_size=batch_size, checkpoint=ckpt, config=config,
                            **trainer_options),
            "train": rows["train"], "eval": rows["eval"], "predict_data": rows["predict"],

@@ -11,6 +11,9 @@ def train_loop(job: dict) -> None:
 
     from redray.cluster import distributed
 
+    import logging
+
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # a line per report is noise
     rank, _ = distributed.initialize()
     try:
         result = _run(job, rank)
@@ -37,7 +40,8 @@ def _run(job: dict, rank: int) -> dict:
     if rank == 0:
         describe_run(trainer, job["tracker"])
     history = trainer.fit(job["train"], epochs=job["epochs"], eval_data=job["eval"],
-                          eval_metric=job["eval_metric"], max_steps=job["max_steps"])
+                          eval_metric=job["eval_metric"], max_steps=job["max_steps"],
+                          eval_at_start=job["eval_at_start"])
     predictions = None
     if job["predict_data"] is not None:
         predictions = trainer.predictor().predict(job["predict_data"])

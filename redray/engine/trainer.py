@@ -327,7 +327,7 @@ class Trainer:
 
     def fit(self, train: Sequence, epochs: int = 1, eval_data: Sequence | None = None,
             eval_metric: Callable | None = None, max_steps: int | None = None,
-            shuffle: bool = True) -> list[dict]:
+            shuffle: bool = True, eval_at_start: bool = False) -> list[dict]:
         """Trains until ``epochs`` passes over ``train`` (or ``max_steps`` updates) are done.
 
         Both counts are totals for the run: a trainer resumed from a checkpoint, or
@@ -343,6 +343,8 @@ class Trainer:
             runs the Predictor on ``eval_data`` after every epoch and logs the result.
           max_steps: stop after this many optimizer updates in total.
           shuffle: shuffle each epoch by (seed, epoch).
+          eval_at_start: also evaluate ``eval_data`` before training (when there is
+            training left to do), e.g. to show the perplexity before and after.
 
         Returns:
           The rows logged by this call: one dict per ``log_every`` window (``step``,
@@ -386,6 +388,10 @@ class Trainer:
                                    on_commit=self.on_checkpoint)
             saved = done
 
+        left = first_epoch < epochs and (max_steps is None or done < max_steps)
+        if eval_at_start and eval_data is not None and left:
+            self._log(history, {"step": done, "epoch": first_epoch, **{
+                f"eval_{k}": v for k, v in self.evaluate(eval_data).items()}})
         for epoch in range(first_epoch, epochs):
             if max_steps is not None and done >= max_steps:
                 break
@@ -440,7 +446,9 @@ class Trainer:
             if ckpt is not None and ckpt.every_epoch:
                 save(epoch, steps_per_epoch, True, self._best_metrics(row))
         if ckpt is not None:
-            save(*self.position)
+            last = next((r for r in reversed(history) if "eval_loss" in r), None)
+            save(*self.position, self._best_metrics(last) if last and last["step"] == done
+                 else None)
             self.checkpointer.wait()
         return history
 

@@ -1,0 +1,39 @@
+"""The `redray` command's local subcommands: run (argument passing) and clear errors."""
+
+import json
+import subprocess
+import sys
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "redray.cli", *args], capture_output=True,
+                          text=True, timeout=120, **kw)
+
+
+def test_run_passes_the_script_its_arguments_and_the_address(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import json, os, sys\n"
+                      "print(json.dumps([sys.argv[1:], os.environ.get('RAY_ADDRESS')]))\n"
+                      "sys.exit(3)\n")
+    done = cli("run", str(script), "--steps", "5", "--address", "ray://head:10001", "--",
+               "--address", "mine")
+    assert done.returncode == 3  # the script's own exit status
+    assert json.loads(done.stdout) == [["--steps", "5", "--address", "mine"], "ray://head:10001"]
+
+
+def test_errors_are_one_line_with_the_fix(tmp_path):
+    for args, words in [(["run", str(tmp_path / "nope.py")], "no script"),
+                        (["submit", str(tmp_path)], "no script"),
+                        (["runs", str(tmp_path / "none")], "no storage folder"),
+                        (["export", "nope", "--storage", str(tmp_path), "--to", "x"], "no run"),
+                        (["plot", "nope", "--storage", str(tmp_path)], "no MLflow store")]:
+        done = cli(*args)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and words in lines[0], (args, done.stderr)
+
+
+def test_every_subcommand_has_help_with_examples():
+    for command in ("run", "submit", "plan", "plot", "export", "runs"):
+        done = cli(command, "--help")
+        assert done.returncode == 0 and "usage: redray " + command in done.stdout
+        assert "examples:" in done.stdout
