@@ -148,8 +148,15 @@ class MlflowLogger:
             os.makedirs(os.path.dirname(self.uri[len("sqlite:///"):]), exist_ok=True)
         client = MlflowClient(self.uri)
         experiment = client.get_experiment_by_name(self.experiment)
-        experiment_id = experiment.experiment_id if experiment else \
-            client.create_experiment(self.experiment)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        elif self.uri.startswith("sqlite:///"):
+            # artifacts next to the database, not in the process's working directory
+            folder = os.path.dirname(self.uri[len("sqlite:///"):])
+            experiment_id = client.create_experiment(
+                self.experiment, artifact_location=f"{folder}/mlartifacts")
+        else:
+            experiment_id = client.create_experiment(self.experiment)
         run = None
         if self.resume and self._wanted_run_id:
             try:

@@ -75,6 +75,7 @@ def test_a_resumed_run_logs_once_per_step_into_the_same_sqlite_run(tmp_path):
     assert int(tags["redray.parameters"]) == 14752
     assert tags["redray.last_checkpoint"] == f"{tmp_path}/lm/checkpoints/24"
     assert found.info.status == "FINISHED"
+    assert found.info.artifact_uri.startswith(f"{tmp_path}/mlartifacts/")  # beside the db
     plan = client.download_artifacts(found.info.run_id, "sharding_plan.txt", str(tmp_path))
     assert "mesh data=2 x fsdp=1 x model=2" in open(plan).read()
 
