@@ -313,22 +313,39 @@ def _jsonable(value):
     return repr(value)
 
 
-def latest_meta(directory: str) -> dict | None:
-    """The JSON meta of the newest complete checkpoint in ``directory`` (no Orbax, no
-    devices: for a driver that only needs, e.g., the run's MLflow id)."""
+def _step_metas(directory: str):
+    """(step, meta) of the complete checkpoints in ``directory``, newest first, read as
+    plain JSON (no Orbax, no devices); unreadable metas are skipped."""
     import json
 
     from etils import epath
 
     root = epath.Path(_absolute(directory))
     if not root.is_dir():
-        return None
+        return
     for step in sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True):
         try:
-            return json.loads((root / str(step) / "meta" / "metadata").read_text())
+            yield step, json.loads((root / str(step) / "meta" / "metadata").read_text())
         except (OSError, ValueError):
             continue
-    return None
+
+
+def latest_meta(directory: str) -> dict | None:
+    """The meta of the newest complete checkpoint in ``directory`` (for a driver that
+    only needs, e.g., the run's MLflow id)."""
+    return next((meta for _, meta in _step_metas(directory)), None)
+
+
+def best_checkpoint(directory: str, metric: str, mode: str) -> dict | None:
+    """``{"metric", "value", "step"}`` of the checkpoint with the min/max ``metric``, or
+    None when no checkpoint in ``directory`` has it."""
+    scored = [(meta.get("metrics", {}).get(metric), step)
+              for step, meta in _step_metas(directory)]
+    scored = [(v, s) for v, s in scored if isinstance(v, (int, float))]
+    if not scored:
+        return None
+    value, step = (min if mode == "min" else max)(scored)
+    return {"metric": metric, "value": value, "step": step}
 
 
 # ---------------------------------------------------------------- parameters only
@@ -361,15 +378,14 @@ def select_step(checkpointer: Checkpointer, step: int | None, best: str | None) 
     if best is None:
         return steps[-1]
     mode, _, metric = best.partition(":")
-    scored = [(checkpointer.read_meta(s).get("metrics", {}).get(metric), s) for s in steps]
-    scored = [(v, s) for v, s in scored if v is not None]
     if mode not in ("min", "max") or not metric:
         raise ValueError(f"best={best!r}: write 'min:<metric>' or 'max:<metric>', "
                          "e.g. 'min:eval_loss'")
-    if not scored:
+    found = best_checkpoint(checkpointer.directory, metric, mode)
+    if found is None:
         raise FileNotFoundError(f"no checkpoint in {checkpointer.directory} has the metric "
                                 f"{metric!r}")
-    return (min if mode == "min" else max)(scored)[1]
+    return found["step"]
 
 
 def load_params(path: str, model: Any, *, step: int | None = None, best: str | None = None):

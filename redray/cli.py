@@ -204,7 +204,7 @@ def list_runs(storage: str) -> list[dict]:
     """One dict per run folder of ``storage`` that holds checkpoints: ``name``,
     ``status`` (from MLflow when the run is tracked there), ``last_step``,
     ``last_checkpoint``, ``best`` (``{"metric", "value", "step"}`` or None)."""
-    from redray.checkpoint import CheckpointConfig, latest_meta
+    from redray.checkpoint import CheckpointConfig, best_checkpoint, latest_meta
 
     storage = os.path.abspath(os.path.expanduser(storage))
     if not os.path.isdir(storage):
@@ -221,7 +221,7 @@ def list_runs(storage: str) -> list[dict]:
         if meta:
             config = CheckpointConfig(**{k: v for k, v in (meta.get("config", {}).get(
                 "checkpoint") or {}).items() if k in CheckpointConfig.__dataclass_fields__})
-            best = _best(folder, config.best_metric or "eval_loss",
+            best = best_checkpoint(folder, config.best_metric or "eval_loss",
                          config.best_mode if config.best_metric else "min")
         runs.append({"name": name,
                      "status": statuses.get(os.path.join(storage, name),
@@ -230,24 +230,6 @@ def list_runs(storage: str) -> list[dict]:
                      "last_checkpoint": os.path.join(folder, str(meta["step"])) if meta else None,
                      "best": best})
     return runs
-
-
-def _best(folder: str, metric: str, mode: str) -> dict | None:
-    import json as _json
-
-    scored = []
-    for step in (int(n) for n in os.listdir(folder) if n.isdigit()):
-        try:
-            with open(os.path.join(folder, str(step), "meta", "metadata")) as f:
-                value = _json.load(f).get("metrics", {}).get(metric)
-        except (OSError, ValueError):
-            continue
-        if isinstance(value, (int, float)):
-            scored.append((value, step))
-    if not scored:
-        return None
-    value, step = (min if mode == "min" else max)(scored)
-    return {"metric": metric, "value": value, "step": step}
 
 
 def _mlflow_statuses(storage: str) -> dict:

@@ -33,7 +33,6 @@ def _actor_class():
             self.logger = MlflowLogger(uri, run_name, run_path, experiment, resume, run_id)
             self.logger.log_params(params)
             self.logger.set_tags(tags)
-            self.last_checkpoint = None
 
         def log(self, row: dict) -> None:
             if any(k.startswith("eval_") for k in row):  # its epoch is the train rows'
@@ -45,7 +44,6 @@ def _actor_class():
             self.logger.log_text(plan, "sharding_plan.txt")
 
         def checkpoint(self, path: str) -> None:
-            self.last_checkpoint = path
             self.logger.set_tags({"redray.last_checkpoint": path})
 
         def run_id(self):
