@@ -1,0 +1,75 @@
+"""Lines of each example pipeline's code, next to redco 0.4.23's count for the same pipeline.
+
+A line counts if it holds any Python token other than a comment: blank lines and
+comment-only lines do not count, docstrings do (the method of
+../shared/redco_examples_loc.md, which gives redco's counts). A token spanning several
+lines (a docstring, a bracketed expression's continuation) counts on every line it covers.
+
+    python benchmarks/lines_of_code.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tokenize
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# pipeline -> (redray example files, redco 0.4.23's count from redco_examples_loc.md)
+PIPELINES = {
+    "language modeling (causal LM)": (["examples/language_modeling/train.py"], 113),
+    "text to text (seq2seq)": (["examples/text_to_text/train.py"], 170),
+    "classification / regression": (["examples/classification/train.py"], 154),
+    "meta learning (MAML)": (["examples/meta_learning/train.py"], 165),
+    "reinforcement learning (PPO)": (["examples/reinforcement_learning/train.py"], 218),
+    "differentially private training": (["examples/differential_privacy/train.py"], 165),
+    "LoRA fine-tuning": (["examples/lora/train.py"], 220),
+}
+
+SKIPPED = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+           tokenize.ENCODING, tokenize.ENDMARKER}
+
+
+def count_lines(path: str) -> int:
+    """Lines of ``path`` that hold a Python token other than a comment."""
+    lines: set[int] = set()
+    with open(path, "rb") as f:
+        for token in tokenize.tokenize(f.readline):
+            if token.type not in SKIPPED:
+                lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines)
+
+
+def measure() -> list[dict]:
+    """One row per pipeline whose example exists: redray's and redco's counts."""
+    rows = []
+    for pipeline, (files, redco) in PIPELINES.items():
+        paths = [os.path.join(ROOT, f) for f in files]
+        if not all(os.path.exists(p) for p in paths):
+            continue
+        rows.append({"pipeline": pipeline, "files": files,
+                     "redray": sum(count_lines(p) for p in paths), "redco": redco})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| pipeline | redray files | redray lines | redco 0.4.23 lines | redray / redco |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['pipeline']} | {' + '.join(f'`{f}`' for f in r['files'])} | "
+                   f"{r['redray']} | {r['redco']} | {r['redray'] / r['redco']:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = ap.parse_args(argv)
+    rows = measure()
+    print(json.dumps(rows, indent=1) if args.json else table(rows))
+
+
+if __name__ == "__main__":
+    main()
