@@ -1,0 +1,367 @@
+"""Every code block of README.md runs, or names the test that covers it.
+
+* ``python`` blocks run in README order as one program (like a notebook's cells), in a
+  subprocess with 4 simulated CPU devices so that Ray and JAX state stay out of pytest.
+* ``bash`` blocks: every command line runs, in the same working folder, after the
+  Python blocks (whose runs the commands inspect), unless COVERED_ELSEWHERE names the
+  test that runs it (a remote cluster, the whole suite).
+* ``text`` blocks (the layout) may only name paths that exist.
+
+Any other block, or a changed line the tables no longer know, fails, so the README
+cannot drift from the code. The only edits to the README's text before it runs are the
+placeholders in SUBSTITUTIONS.
+"""
+
+import ast
+import dataclasses
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+
+# (placeholder in the README, what the test puts there, why)
+SUBSTITUTIONS = [
+    ("/abs/path/runs", "{work}/runs", "the reader's absolute storage folder"),
+    ("/path/to/checkpoint", "{work}/tiny-llama",
+     "a Hugging Face checkpoint: a tiny random LLaMA written by transformers + torch"),
+    ("/path/to/out", "{work}/exported", "the folder save_pretrained writes"),
+    ("--port 5000", "--port {port}", "a free port rather than MLflow's default"),
+]
+
+# Command lines that cannot run here, exactly as the README writes them -> the test
+# that runs them.
+COVERED_ELSEWHERE = {
+    "make demo   # creates .venv if missing, installs, runs the main job":
+        "tests/test_demo.py::test_make_demo_trains_then_says_complete_then_resumes",
+    "make test   # same set-up, then the whole test suite (CPU only, ~26 minutes on 2 cores)":
+        "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
+    "redray submit train.py --address http://HEAD:8265 -- --steps 500  # as a Ray job; "
+    "streams logs":
+        "tests/test_cluster_submit.py::test_redray_submit_streams_the_job_and_returns_its_status",
+}
+
+# What the README's program computed, read back from its namespace at the end: name ->
+# a Python expression in the README's own names.
+PROBES = {
+    "evals": "[r for r in history if 'eval_loss' in r]",
+    "outputs": "[int(o) for o in outputs]",
+    "labels": "[e['label'] for e in test]",
+    "cluster_evals": "[r for r in result.history if 'eval_loss' in r]",
+    "cluster_predictions": "[int(p) for p in result.predictions]",
+    "resumed_from_step": "resumed.resumed_from_step",
+    "resumed_checkpoint": "resumed.checkpoint",
+    "resumed_eval_loss": "[r for r in resumed.history if 'eval_loss' in r][-1]['eval_loss']",
+    "loaded_eval_loss": "tuned.evaluate(test)['loss']",
+    "loaded_predictions": "[int(p) for p in predictor.predict(test)]",
+    "tuned_predictions": "[int(p) for p in tuned.predictor().predict(test)]",
+    "override_plan": "trainer.plan()",
+    "generated_shape": "list(np.asarray(tokens).shape)",
+    "loss_before_tuning": "float(lm_loss(model, {'ids': np.stack([r['ids'] for r in counting])},"
+                          " None, False))",
+    "loss_after_tuning": "tuner.evaluate(counting)['loss']",
+}
+
+KNOWN_LANGUAGES = {"python", "bash", "text"}
+FENCE = re.compile(r"^( *)```(\S*)\s*$")
+
+
+@dataclasses.dataclass
+class Block:
+    language: str
+    line: int            # README line number of the block's first code line
+    indent: int
+    lines: list
+
+
+def readme_blocks(text: str) -> list[Block]:
+    blocks, current = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        fence = FENCE.match(line)
+        if current is None:
+            if fence:
+                current = Block(fence[2], number + 1, len(fence[1]), [])
+        elif fence and not fence[2] and len(fence[1]) == current.indent:
+            blocks.append(current)
+            current = None
+        else:
+            current.lines.append(line[current.indent:])
+    assert current is None, f"README.md:{current.line - 1}: a code block is never closed"
+    return blocks
+
+
+def readme():
+    with open(README) as f:
+        text = f.read()
+    return text, readme_blocks(text)
+
+
+def command_lines(blocks) -> list[tuple[int, str]]:
+    """(README line number, line) of every command in the bash blocks, in order."""
+    out = []
+    for block in blocks:
+        if block.language != "bash":
+            continue
+        for i, line in enumerate(block.lines):
+            if line.strip() and not line.lstrip().startswith("#"):
+                assert not line.rstrip().endswith("\\"), \
+                    f"README.md:{block.line + i}: write each command on one line"
+                out.append((block.line + i, line.strip()))
+    return out
+
+
+def substitute(line: str, work: dict) -> str:
+    for placeholder, replacement, _ in SUBSTITUTIONS:
+        line = line.replace(placeholder, replacement.format(**work))
+    return line
+
+
+# ------------------------------------------------------------------ fast checks
+def test_every_block_is_run_or_covered():
+    text, blocks = readme()
+    for block in blocks:
+        assert block.language in KNOWN_LANGUAGES, (
+            f"README.md:{block.line - 1}: a ```{block.language or '(no language)'} block: "
+            f"tests/test_readme.py runs {sorted(KNOWN_LANGUAGES)} blocks only")
+    lines = [line for _, line in command_lines(blocks)]
+    for line, test in COVERED_ELSEWHERE.items():
+        assert line in lines, f"COVERED_ELSEWHERE names a line the README no longer has: {line!r}"
+        path, name = test.split("::")
+        with open(os.path.join(ROOT, path)) as f:
+            functions = {n.name for n in ast.walk(ast.parse(f.read()))
+                         if isinstance(n, ast.FunctionDef)}
+        assert name in functions, f"{line!r} is said to be covered by {test}, which does not exist"
+    for placeholder, _, _ in SUBSTITUTIONS:
+        assert placeholder in text, f"SUBSTITUTIONS names {placeholder!r}, which the README lacks"
+    assert any(b.language == "python" for b in blocks)
+
+
+def test_the_layout_names_only_paths_that_exist():
+    _, blocks = readme()
+    for block in (b for b in blocks if b.language == "text"):
+        for i, line in enumerate(block.lines):
+            if not line.strip() or line.startswith(" "):
+                continue  # a description's continuation
+            paths = []
+            for word in line.split():
+                if "/" not in word:
+                    break
+                paths.append(word)
+            assert paths, f"README.md:{block.line + i}: a layout line must start with a path"
+            for path in paths:
+                assert os.path.exists(os.path.join(ROOT, path)), \
+                    f"README.md:{block.line + i}: {path} does not exist"
+
+
+def test_make_test_installs_then_runs_the_whole_suite():
+    """`make test` (the whole suite, ~26 minutes) cannot run inside the suite: its recipe
+    is checked with `make -n -B`, which prints every command without running any."""
+    done = subprocess.run(["make", "-n", "-B", "test"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    commands = done.stdout.splitlines()
+    install = next(i for i, c in enumerate(commands) if 'pip install -q -e ".[test]"' in c)
+    suite = next(i for i, c in enumerate(commands) if c.endswith("-m pytest -q"))
+    assert install < suite
+
+
+# ------------------------------------------------------------------ running it
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    from hf_tiny import llama_folder
+
+    folder = tmp_path_factory.mktemp("readme")
+    os.symlink(os.path.join(ROOT, "examples"), folder / "examples")  # commands name them
+    llama_folder(folder / "tiny-llama")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    return {"work": str(folder), "port": free_port(), "env": env}
+
+
+RUNNER = """
+import json, sys
+source, readme, probes, out = sys.argv[1:]
+namespace = {"__name__": "__main__"}
+exec(compile(open(source).read(), readme, "exec"), namespace)
+with open(out, "w") as f:
+    json.dump({k: eval(v, namespace) for k, v in json.loads(probes).items()}, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def program(work):
+    """Runs the Python blocks as one program whose line numbers are the README's (a
+    traceback names the README line)."""
+    text, blocks = readme()
+    lines = [""] * len(text.splitlines())
+    for block in (b for b in blocks if b.language == "python"):
+        for i, line in enumerate(block.lines):
+            lines[block.line - 1 + i] = substitute(line, work)
+    source = os.path.join(work["work"], "readme_program.py")
+    with open(source, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    out = os.path.join(work["work"], "probes.json")
+    done = subprocess.run([sys.executable, "-c", RUNNER, source, README, json.dumps(PROBES), out],
+                          cwd=work["work"], env=work["env"], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.mark.slow
+def test_the_python_blocks_run_and_do_what_they_say(program, work):
+    labels = np.array(program["labels"])
+    evals = {r["step"]: r for r in program["evals"]}
+    assert sorted(evals) == [14, 28, 42, 56, 70] and evals[70]["eval_accuracy"] > 0.95
+    outputs = np.array(program["outputs"])
+    assert len(outputs) == len(labels)
+    np.testing.assert_allclose(np.mean(outputs == labels), evals[70]["eval_accuracy"])
+
+    # redray.fit on 2 simulated hosts x 2 devices: the same batches, so the same eval as
+    # the one process after 2 epochs; predictions come back one per input, in order
+    cluster = program["cluster_evals"][-1]
+    assert cluster["step"] == 28
+    np.testing.assert_allclose(cluster["eval_loss"], evals[28]["eval_loss"], rtol=1e-5)
+    predictions = np.array(program["cluster_predictions"])
+    assert len(predictions) == len(labels)
+    np.testing.assert_allclose(np.mean(predictions == labels), cluster["eval_accuracy"])
+    # asking the finished run for a third epoch resumes it and trains only that epoch
+    assert program["resumed_from_step"] == 28
+    assert program["resumed_checkpoint"] == f"{work['work']}/runs/points/checkpoints/42"
+    # load_params and load_model read that last checkpoint
+    np.testing.assert_allclose(program["loaded_eval_loss"], program["resumed_eval_loss"],
+                               rtol=1e-5)
+    assert program["loaded_predictions"] == program["tuned_predictions"]
+
+    specs = {row[0]: row[2] for row in (re.split(r"\s{2,}", line)
+                                         for line in program["override_plan"].splitlines())
+             if len(row) == 4}
+    assert specs["out/kernel"] == "()"  # the override
+    assert specs["hidden/kernel"] == "(None, 'model')"  # the automatic spec stays elsewhere
+
+    assert program["generated_shape"] == [2, 8]
+    assert program["loss_after_tuning"] < program["loss_before_tuning"]
+    from safetensors.numpy import load_file
+
+    written = load_file(os.path.join(work["work"], "exported", "model.safetensors"))
+    original = load_file(os.path.join(work["work"], "tiny-llama", "model.safetensors"))
+    assert written.keys() == original.keys()
+    for name, value in original.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+
+
+def check_demo(work, out):
+    numbers = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    assert numbers["step"] == 20 and numbers["perplexity_after"] < numbers["perplexity_before"]
+
+
+def check_plan(work, out):
+    if out.lstrip().startswith("{"):
+        ratio = json.loads(out)["ratio"]
+    else:
+        total = next(r for r in out.splitlines() if r.startswith("total"))
+        ratio = {"total": float(total.split()[-1].rstrip("x"))}
+    assert all(r <= 1.01 for r in ratio.values()), out
+
+
+def check_runs(work, out):
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:]}
+    assert rows == {"demo": "FINISHED", "points": "FINISHED"}, out
+
+
+def check_plot(work, out):
+    with open(os.path.join(work["work"], "demo.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def check_export(work, out):
+    pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(os.path.join(work["work"], "hf"),
+                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+# command prefix -> what its run must have done, beyond exiting with status 0
+CHECKS = {
+    "redray run examples/language_modeling/train.py": check_demo,
+    "redray plan": check_plan,
+    "redray runs": check_runs,
+    "redray plot": check_plot,
+    "redray export": check_export,
+}
+
+
+def serve_and_ask(command: str, work: dict) -> None:
+    """Starts a server command, waits until MLflow answers with the README's run on it,
+    then stops it (its whole process group)."""
+    log = open(os.path.join(work["work"], "server.log"), "w+")
+    server = subprocess.Popen(["bash", "-c", command], cwd=work["work"], env=work["env"],
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    api = f"http://127.0.0.1:{work['port']}/api/2.0/mlflow"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(
+                        f"{api}/experiments/get-by-name?experiment_name=redray", timeout=10) as r:
+                    experiment = json.load(r)["experiment"]["experiment_id"]
+                break
+            except (urllib.error.URLError, OSError):
+                log.seek(0)
+                assert server.poll() is None, f"{command!r} exited: {log.read()[-3000:]}"
+                assert time.monotonic() < deadline, f"{command!r} never answered on {api}"
+                time.sleep(2)
+        request = urllib.request.Request(
+            f"{api}/runs/search", data=json.dumps({"experiment_ids": [experiment]}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            names = {run["info"]["run_name"] for run in json.load(r)["runs"]}
+        assert "points" in names, names
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+@pytest.mark.slow
+def test_the_command_lines_run(program, work):
+    _, blocks = readme()
+    for number, line in command_lines(blocks):
+        if line in COVERED_ELSEWHERE:
+            continue
+        command = substitute(line, work)
+        if command.startswith("mlflow ui"):
+            serve_and_ask(command, work)
+            continue
+        done = subprocess.run(["bash", "-c", command], cwd=work["work"], env=work["env"],
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, \
+            f"README.md:{number}: {line}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        for prefix, check in CHECKS.items():
+            if command.startswith(prefix):
+                check(work, done.stdout)
