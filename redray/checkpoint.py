@@ -396,6 +396,10 @@ def load_params(path: str, model: Any, *, step: int | None = None, best: str | N
         params, extra = redray.load_params("/runs/my-run", model)
         Predictor(model, collate, predict, params=params, extra=extra, batch_size=32)
 
+    A run that trained only some parameters (``trainable=``) saved only those: the
+    others are taken from ``model`` as it builds them (the same base weights the run
+    started from).
+
     Args:
       path: a run folder (``<storage>/<name>``), its ``checkpoints`` folder, or one
         checkpoint's folder.
@@ -409,14 +413,17 @@ def load_params(path: str, model: Any, *, step: int | None = None, best: str | N
 
 
 def _load(path, wrapped, step, best):
-    from redray.engine.model import abstract_state
+    from redray.engine.model import abstract_state, init_key, merge_trainable, split_trainable
 
     directory, found = find_checkpoints(path)
     checkpointer = Checkpointer(CheckpointConfig(directory=directory))
     try:
         chosen = select_step(checkpointer, step if step is not None else found, best)
+        meta = checkpointer.read_meta(chosen)
         abstract = abstract_state(wrapped, jax.random.key(0))
-        like = {"params": abstract[0], "extra": abstract[1]}
+        pattern = meta.get("trainable")
+        saved = abstract[0] if pattern is None else split_trainable(abstract[0], pattern)[0]
+        like = {"params": saved, "extra": abstract[1]}
         # numpy targets restore to host memory (np.empty reserves, it does not fill)
         target = to_storage(jax.tree.map(lambda a: np.empty(_stored(a).shape, _stored(a).dtype),
                                          like))
@@ -429,7 +436,16 @@ def _load(path, wrapped, step, best):
             raise CheckpointMismatch(
                 f"checkpoint {checkpointer.step_path(chosen)} does not match this model "
                 f"({type(error).__name__}: {error}): pass the model the run trained") from None
-        return values["params"], values["extra"]
+        params = values["params"]
+        if pattern is not None:
+            # Only the trained parameters were saved; the rest are the model's as built
+            # (a built module's weights, or a factory's initialization with the run's seed).
+            base = getattr(wrapped, "values", None)
+            if base is None:
+                base = jax.jit(wrapped.init)(init_key(meta.get("seed", 0)))
+            frozen = split_trainable(jax.device_get(base[0]), pattern)[1]
+            params = merge_trainable(params, frozen)
+        return params, values["extra"]
     finally:
         checkpointer.manager.close()
 

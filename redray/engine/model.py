@@ -120,6 +120,11 @@ def adapter(model: Any):
     return _NNX(model)
 
 
+def init_key(seed: int):
+    """The key a model's parameters are initialized with, for a run's ``seed``."""
+    return jax.random.fold_in(jax.random.key(seed), 0)
+
+
 def abstract_state(model_adapter, key):
     """(params, extra) as ShapeDtypeStructs, without allocating."""
     if isinstance(model_adapter, _NNX):
@@ -133,3 +138,39 @@ def cast_floating(tree, dtype):
         return tree
     return jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def split_trainable(params, pattern: str):
+    """(trainable, frozen): ``params`` twice, with the other part's leaves set to None.
+
+    A leaf is trainable when ``re.search(pattern, path)`` matches its "/"-joined path
+    (the paths ``Trainer.plan()`` shows). None leaves are empty subtrees to JAX, so
+    each part flattens to its own arrays only (optimizer state, gradients and
+    checkpoints then hold the trainable part alone).
+
+    Raises:
+      ValueError: when the pattern is not a valid regex or matches no parameter.
+    """
+    import re
+
+    from redray.sharding import path_str
+
+    try:
+        rx = re.compile(pattern)
+    except (re.error, TypeError) as error:
+        raise ValueError(f"trainable={pattern!r} is not a regular expression ({error}): give a "
+                         r"regex on parameter paths, e.g. trainable=r'lora_'") from None
+    keep = lambda path: bool(rx.search(path_str(path)))  # noqa: E731
+    trainable = jax.tree_util.tree_map_with_path(lambda p, x: x if keep(p) else None, params)
+    frozen = jax.tree_util.tree_map_with_path(lambda p, x: None if keep(p) else x, params)
+    if not jax.tree.leaves(trainable):
+        paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        raise ValueError(f"trainable={pattern!r} matches no parameter; the paths are e.g. "
+                         f"{paths[:10]}: match some of them (re.search on the path)")
+    return trainable, frozen
+
+
+def merge_trainable(trainable, frozen):
+    """The whole parameter tree again from ``split_trainable``'s two parts."""
+    return jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen,
+                        is_leaf=lambda x: x is None)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from redray.engine.model import abstract_state, adapter, cast_floating
+from redray.engine.model import abstract_state, adapter, cast_floating, init_key
 from redray.sharding import derive_specs, format_plan, make_mesh, plan, shardings
 
 
@@ -37,7 +37,7 @@ class ModelRuntime:
         self.mesh = mesh
         self.compute_dtype = compute_dtype
         self.rules = rules
-        self.init_key = jax.random.fold_in(jax.random.key(seed), 0)
+        self.init_key = init_key(seed)
         self.abstract = abstract_state(self.adapter, self.init_key)
         self.specs = None
 

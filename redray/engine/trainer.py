@@ -14,9 +14,24 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from redray.checkpoint import CheckpointConfig, CheckpointMismatch
 from redray.engine.batches import (collate_checked, epoch_order, prefetch, process_rows,
                                    read_rows, to_global)
+from redray.engine.model import merge_trainable, split_trainable
 from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
 from redray.pipeline import Pipeline, PipelineError, split_loss_output
 from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size, follow_specs
+
+
+# Set on every host of a cluster run (``redray.run``/``redray.fit``) by the cluster
+# layer: ``claim(trainer)`` fills a new Trainer's defaults and wires it to the run
+# (metrics to MLflow, checkpoints registered), without the engine importing Ray.
+# ``claim(trainer, default_checkpoint)`` may set ``trainer.checkpoint_config`` when the
+# user left ``checkpoint`` at its default.
+_host_run = None
+
+
+def set_host_run(host_run) -> None:
+    """Installs (or, with None, removes) this process's cluster-run context."""
+    global _host_run
+    _host_run = host_run
 
 
 class Trainer:
@@ -52,8 +67,23 @@ class Trainer:
       prefetch: batches collated and placed ahead, in a background thread (0: none).
       checkpoint: a folder (or URI), or a ``redray.CheckpointConfig``: save the full
         state there (per epoch, every ``save_every`` steps, at the end) and, by default,
-        resume from the last complete checkpoint found there. None: no checkpoints.
+        resume from the last complete checkpoint found there. False: no checkpoints.
+        None (default): none, except inside ``redray.run``, where the first Trainer
+        made uses the run's checkpoint folder.
       config: the run's settings (JSON-able) stored in every checkpoint.
+      trainable: a regex on parameter paths (as ``plan()`` shows them, ``re.search``):
+        only matching parameters are trained, hold optimizer state and are saved in
+        checkpoints; the rest stay as the model built them (e.g. LoRA adapters on a
+        frozen base: ``trainable=r"lora_"``). None: every parameter is trained.
+      grad_fn: a custom gradient step, for algorithms that change how a batch's
+        gradient is formed (per-example clipping and noise for DP-SGD, ...):
+        ``grad_fn(loss_fn, params, batch, rng) -> (loss, metrics, grads)``, where
+        ``loss_fn(params, batch, rng) -> (loss, metrics)`` runs the user's ``loss``
+        on the model bound to ``params`` (the trainable ones), for a batch of any
+        size, and ``grads`` has the structure of ``params``. It runs once per
+        micro-batch, inside the jitted step; the optimizer then applies ``grads``.
+        The model's other state (e.g. batch statistics) is not updated under it.
+        Default: ``jax.value_and_grad`` of the loss.
     """
 
     def __init__(self, model: Any, collate: Callable, loss: Callable,
@@ -62,8 +92,13 @@ class Trainer:
                  eval_batch_size: int | None = None, mesh: Mesh | None = None,
                  data_axis="auto", fsdp_axis=1, model_axis=1, compute_dtype=None, rules=(),
                  learning_rate=None, seed: int = 0, log_every: int = 10, progress: bool = True,
-                 prefetch: int = 2, checkpoint=None, config: dict | None = None):
+                 prefetch: int = 2, checkpoint=None, config: dict | None = None,
+                 trainable: str | None = None, grad_fn: Callable | None = None):
         self.pipeline = Pipeline(collate, loss, predict)
+        if grad_fn is not None and not callable(grad_fn):
+            raise TypeError(f"grad_fn must be a function (loss_fn, params, batch, rng) -> "
+                            f"(loss, metrics, grads), got {grad_fn!r}")
+        self.grad_fn, self.trainable = grad_fn, trainable
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"optimizer must be an optax.GradientTransformation "
                             f"(e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}")
@@ -93,6 +128,11 @@ class Trainer:
         self.on_checkpoint: Callable | None = None
         # Called on every process with each row fit logs (redray.fit reports it to Ray).
         self.on_log: Callable | None = None
+        self._summarized = False
+        # Called on every process once the state exists (fresh or restored).
+        self.on_init: Callable | None = None
+        if _host_run is not None:
+            _host_run.claim(self, default_checkpoint=checkpoint is None)
 
     # ---------------------------------------------------------------- set-up
     def init(self, examples: Sequence) -> None:
@@ -103,6 +143,11 @@ class Trainer:
         """
         if self.state is not None:
             return
+        self._init(examples)
+        if self.on_init is not None:
+            self.on_init()
+
+    def _init(self, examples: Sequence) -> None:
         if not len(examples):
             raise ValueError("init needs at least one example to learn the batch's shapes")
         sample = collate_checked(self.pipeline.collate,
@@ -116,6 +161,13 @@ class Trainer:
         params_sh, extra_sh = self.runtime.shardings
         param_specs = self.runtime.specs[0]
         abstract_params = self.runtime.abstract[0]
+        frozen_sh = None
+        if self.trainable is not None:
+            abstract_params, _ = split_trainable(abstract_params, self.trainable)
+            param_specs, _ = split_trainable(param_specs, self.trainable)
+            params_sh, frozen_sh = split_trainable(params_sh, self.trainable)
+        if self.grad_fn is not None:
+            self._check_grad_fn(abstract)
         abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
         opt_specs = follow_specs(abstract_opt, abstract_params, param_specs)
         repl = self.runtime.replicated()
@@ -124,20 +176,33 @@ class Trainer:
             "opt_state": jax.tree.map(lambda s: NamedSharding(self.mesh, s), opt_specs,
                                       is_leaf=lambda x: isinstance(x, P)),
         }
+        if frozen_sh is not None:
+            self.state_shardings["frozen"] = frozen_sh
 
         seed = self.seed
         start = lambda: (jnp.zeros((), jnp.int32), jax.random.fold_in(jax.random.key(seed), 1))
-        if self.checkpoint_config is not None and self._restore(start, abstract_opt):
+        # Frozen parameters are never saved: they always come from the model as built.
+        params, extra = self.runtime.init() if frozen_sh is not None else (None, None)
+        frozen = None
+        if frozen_sh is not None:
+            params, frozen = split_trainable(params, self.trainable)
+        if self.checkpoint_config is not None and self._restore(start, abstract_params,
+                                                                abstract_opt):
+            if frozen is not None:
+                self.state["frozen"] = frozen
             return
-        params, extra = self.runtime.init()
+        if params is None:
+            params, extra = self.runtime.init()
         step, rng = jax.jit(start, out_shardings=(repl, repl))()
         self.state = {
             "step": step, "rng": rng, "params": params, "extra": extra,
             "opt_state": jax.jit(self.optimizer.init,
                                  out_shardings=self.state_shardings["opt_state"])(params),
         }
+        if frozen is not None:
+            self.state["frozen"] = frozen
 
-    def _restore(self, start, abstract_opt) -> bool:
+    def _restore(self, start, abstract_params, abstract_opt) -> bool:
         """Loads the last complete checkpoint onto this mesh, if resuming and one exists."""
         from redray.checkpoint import Checkpointer
 
@@ -145,9 +210,10 @@ class Trainer:
         if not self.checkpoint_config.resume:
             return False
         step, rng = jax.eval_shape(start)
-        abstract = {"step": step, "rng": rng, "params": self.runtime.abstract[0],
+        abstract = {"step": step, "rng": rng, "params": abstract_params,
                     "extra": self.runtime.abstract[1], "opt_state": abstract_opt}
-        found = self.checkpointer.restore_latest(abstract, self.state_shardings)
+        found = self.checkpointer.restore_latest(abstract, self.state_shardings,
+                                                 check=self._check_trainable)
         if found is None:
             return False
         self.state, meta = found
@@ -158,6 +224,41 @@ class Trainer:
             print(f"resumed from {self.checkpointer.step_path(meta['step'])} (step "
                   f"{meta['step']}, epoch {meta['epoch']}, batch {meta['batch']})")
         return True
+
+    def _check_trainable(self, meta: dict) -> None:
+        if meta.get("trainable") != self.trainable:
+            raise CheckpointMismatch(
+                f"the checkpoint in {self.checkpointer.directory} trained "
+                f"trainable={meta.get('trainable')!r}, this run trains "
+                f"trainable={self.trainable!r}: its saved parameters do not fit. Use the same "
+                "trainable, or start a new run (another name or directory, or resume=False)")
+
+    def _check_grad_fn(self, abstract_batch_) -> None:
+        """Runs ``grad_fn`` on abstract values: its output must be (loss, metrics, grads)
+        with grads shaped like the trained parameters."""
+        rt, loss, grad_fn = self.runtime, self.pipeline.loss, self.grad_fn
+        abstract_params = rt.abstract[0]
+        params, frozen = abstract_params, None
+        if self.trainable is not None:
+            params, frozen = split_trainable(abstract_params, self.trainable)
+
+        def run(params, extra, batch):
+            loss_fn = _user_loss_fn(_loss_of(rt, loss, frozen), extra)
+            return grad_fn(loss_fn, params, batch, jax.random.key(0))
+
+        out = jax.eval_shape(run, params, rt.abstract[1], abstract_batch_)
+        if not isinstance(out, tuple) or len(out) != 3:
+            raise PipelineError(f"grad_fn returned {type(out).__name__}"
+                                f"{' of ' + str(len(out)) if isinstance(out, tuple) else ''}: "
+                                "return (loss, metrics, grads)")
+        split_loss_output((out[0], out[1]))
+        want = jax.tree.map(lambda a: (a.shape, a.dtype), params)
+        got = jax.tree.map(lambda a: (a.shape, a.dtype), out[2])
+        if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
+            raise PipelineError(
+                "grad_fn returned grads that do not match the trained parameters (structure, "
+                "shapes or dtypes differ): return the gradient of loss_fn with respect to the "
+                "params it was given, e.g. jax.grad(lambda p: loss_fn(p, batch, rng)[0])(params)")
 
     def _check_loss(self, abstract):
         rt, loss = self.runtime, self.pipeline.loss
@@ -184,6 +285,8 @@ class Trainer:
         return {"hosts": jax.process_count(), "devices": self.mesh.size,
                 "mesh": dict(self.mesh.shape),
                 "parameters": int(sum(np.prod(r.shape) for r in rows)),
+                "trainable_parameters": int(sum(np.prod(x.shape) for x in
+                                                jax.tree.leaves(self.state["params"]))),
                 "param_bytes_per_device": int(sum(r.bytes_per_device for r in rows)),
                 "optimizer_bytes_per_device_approx": int(opt),
                 "batch_size": self.batch_size, "micro_batch_size": self.micro,
@@ -192,16 +295,30 @@ class Trainer:
     def _print_summary(self) -> None:
         d = self.describe()
         mesh = " x ".join(f"{k}={v}" for k, v in d["mesh"].items())
+        trained = "" if d["trainable_parameters"] == d["parameters"] else \
+            f" ({d['trainable_parameters']:,} trained)"
         print(f"redray: {d['hosts']} host(s), {d['devices']} devices, mesh {mesh}; "
-              f"{d['parameters']:,} parameters, {d['param_bytes_per_device']:,} parameter bytes "
-              f"per device; batch {d['batch_size']} (micro {d['micro_batch_size']} per device "
+              f"{d['parameters']:,} parameters{trained}, {d['param_bytes_per_device']:,} "
+              f"parameter bytes per device; batch {d['batch_size']} (micro {d['micro_batch_size']} per device "
               f"x {d['accumulation_steps']} accumulation steps)", flush=True)
 
     @property
     def model(self):
         """The trained model as the user's object (NNX module or bound Linen module)."""
         self._require_init("model")
-        return self.runtime.bound(self.state["params"], self.state["extra"])
+        return self.runtime.bound(self._whole_params(), self.state["extra"])
+
+    def _whole_params(self):
+        """Every parameter: the trained ones merged with the frozen ones (if any)."""
+        params, frozen = self.state["params"], self.state.get("frozen")
+        return params if frozen is None else merge_trainable(params, frozen)
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates done so far (after ``init``; a resumed run counts from its
+        checkpoint), e.g. to continue a custom loop where it stopped."""
+        self._require_init("step")
+        return int(jax.device_get(self.state["step"]))
 
     def _require_init(self, what):
         if self.state is None:
@@ -210,22 +327,24 @@ class Trainer:
 
     # ---------------------------------------------------------------- steps
     def _train_step_fn(self):
-        rt, loss, tx = self.runtime, self.pipeline.loss, self.optimizer
+        rt, loss, tx, custom = self.runtime, self.pipeline.loss, self.optimizer, self.grad_fn
         accum, micro_global = self.accum, self.micro * self.dp
         micro_sharding = NamedSharding(self.mesh, P(None, BATCH_AXES))
 
-        def loss_of(params, extra, batch, rng):
-            out, new_extra = rt.apply(lambda m, b: loss(m, b, rng, True), params, extra, rng, batch)
-            value, metrics = split_loss_output(out)
-            return value, (metrics, new_extra)
-
-        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+        def grads_of(params, extra, frozen, batch, rng):
+            """((loss, (metrics, new extra)), grads) of one (micro-)batch."""
+            loss_of = _loss_of(rt, loss, frozen)
+            if custom is None:
+                return jax.value_and_grad(loss_of, has_aux=True)(params, extra, batch, rng)
+            value, metrics, grads = custom(_user_loss_fn(loss_of, extra), params, batch, rng)
+            return (value, (metrics, extra)), grads
 
         def step(state, batch):
             rng, step_rng = jax.random.split(state["rng"])
-            params = state["params"]
+            params, frozen = state["params"], state.get("frozen")
             if accum == 1:
-                (value, (metrics, extra)), grads = grad_fn(params, state["extra"], batch, step_rng)
+                (value, (metrics, extra)), grads = grads_of(params, state["extra"], frozen, batch,
+                                                            step_rng)
             else:
                 # Row m*accum + a of the global batch goes to micro-batch a: every
                 # micro-batch keeps the batch's split over devices, no data moves.
@@ -237,7 +356,8 @@ class Trainer:
                 def body(carry, xs):
                     g_sum, v_sum, m_sum, extra = carry
                     mb, i = xs
-                    (v, (m, extra)), g = grad_fn(params, extra, mb, jax.random.fold_in(step_rng, i))
+                    (v, (m, extra)), g = grads_of(params, extra, frozen, mb,
+                                                  jax.random.fold_in(step_rng, i))
                     g_sum = jax.tree.map(jnp.add, g_sum, g)
                     m_sum = {k: m_sum[k] + jnp.asarray(m[k], jnp.float32) for k in m_sum}
                     return (g_sum, v_sum + v, m_sum, extra), None
@@ -256,6 +376,8 @@ class Trainer:
             out.update({k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()})
             new_state = {"step": state["step"] + 1, "rng": rng, "params": new_params,
                          "extra": extra, "opt_state": opt_state}
+            if frozen is not None:
+                new_state["frozen"] = frozen
             return new_state, out
 
         return jax.jit(step, in_shardings=(self.state_shardings, batch_sharding(self.mesh)),
@@ -318,7 +440,7 @@ class Trainer:
             mine = process_rows(sharding, n)
             rows = read_rows(examples, range(start + mine.start, start + mine.stop))
             placed = to_global(collate_checked(self.pipeline.collate, rows), sharding, n)
-            pending.append((n, self._steps["eval"](self.state["params"], self.state["extra"],
+            pending.append((n, self._steps["eval"](self._whole_params(), self.state["extra"],
                                                    placed, rng)))
         for n, metrics in pending:
             for k, v in jax.device_get(metrics).items():
@@ -366,8 +488,9 @@ class Trainer:
                              "checkpoint is chosen by the evaluation after each epoch")
         self.init(train)
         self._check_resume(train, shuffle)
-        if self.progress and jax.process_index() == 0:
-            self._print_summary()
+        if self.progress and jax.process_index() == 0 and not self._summarized:
+            self._print_summary()  # once: a custom loop may call fit many times
+            self._summarized = True
         self._tokens = None
         steps_per_epoch = len(train) // self.batch_size
         history: list[dict] = []
@@ -474,6 +597,7 @@ class Trainer:
         return {"step": step, "epoch": epoch, "batch": batch, "epoch_done": epoch_done,
                 "examples": len(train), "seed": self.seed, "batch_size": self.batch_size,
                 "shuffle": shuffle, "metrics": metrics or {}, "config": self.config,
+                "trainable": self.trainable,
                 "run": self.run_meta, "time": time.time()}
 
     def _best_metrics(self, row) -> dict:
@@ -483,6 +607,18 @@ class Trainer:
         if metric not in row:
             raise ValueError(f"best_metric={metric!r} is not among the evaluation's metrics "
                              f"{sorted(k for k in row if k.startswith('eval_'))}: use one of these")
+        return row
+
+    def log(self, metrics: dict) -> dict:
+        """Logs your own metrics (e.g. an RL return) at the current step.
+
+        They reach MLflow like ``fit``'s rows when the Trainer runs inside ``redray.run``
+        or ``redray.fit``; there every host must call ``log`` alike (it is a collective
+        report). Returns the logged row.
+        """
+        self._require_init("log")
+        row = {"step": self.step, **{k: float(v) for k, v in metrics.items()}}
+        self._log([], row)
         return row
 
     def _log(self, history: list, row: dict) -> None:
@@ -516,7 +652,7 @@ class Trainer:
         if self.pipeline.predict is None:
             raise PipelineError("this Trainer has no predict function: pass predict=... to Trainer")
         return Predictor._from_runtime(self.runtime, self.pipeline.collate, self.pipeline.predict,
-                                       lambda: (self.state["params"], self.state["extra"]),
+                                       lambda: (self._whole_params(), self.state["extra"]),
                                        batch_size or self.eval_batch_size, self.seed)
 
 
@@ -537,6 +673,28 @@ def _device_memory() -> int | None:
     except Exception:  # noqa: BLE001 - not every backend has it
         return None
     return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
+
+
+def _loss_of(runtime, loss, frozen):
+    """``(params, extra, batch, rng) -> (loss, (metrics, new extra))``: the user's loss on
+    the model bound to the trained ``params`` (merged with the frozen ones, if any)."""
+    def loss_of(params, extra, batch, rng):
+        whole = params if frozen is None else merge_trainable(params, frozen)
+        out, new_extra = runtime.apply(lambda m, b: loss(m, b, rng, True), whole, extra, rng,
+                                       batch)
+        value, metrics = split_loss_output(out)
+        return value, (metrics, new_extra)
+
+    return loss_of
+
+
+def _user_loss_fn(loss_of, extra):
+    """What a custom ``grad_fn`` gets: ``loss_fn(params, batch, rng) -> (loss, metrics)``."""
+    def loss_fn(params, batch, rng):
+        value, (metrics, _) = loss_of(params, extra, batch, rng)
+        return value, metrics
+
+    return loss_fn
 
 
 def _loss_value(out):
