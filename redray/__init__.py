@@ -9,11 +9,14 @@ The user writes::
 and redray does the rest. Public API:
 
 * ``Trainer(model, collate, loss, optimizer, predict=None, batch_size=..., model_axis=...,
-  fsdp_axis=..., micro_batch_size=..., compute_dtype=..., rules=...)``: ``init``,
-  ``fit``, ``evaluate``, ``train_step``, ``plan``, ``predictor``, ``model``.
+  fsdp_axis=..., micro_batch_size=..., compute_dtype=..., rules=..., trainable=...,
+  grad_fn=...)``: ``init``, ``fit``, ``evaluate``, ``train_step``, ``log``, ``plan``,
+  ``predictor``, ``model``, ``step``.
 * ``Predictor(model, collate, predict, params=..., batch_size=...)``: ``predict``.
 * ``fit(model, collate, loss, optimizer, train_data=..., hosts=..., devices_per_host=...)``:
   the same engine on every host of a Ray cluster (one worker per host).
+* ``run(fn, *args, hosts=..., ...)``: your own loop (e.g. reinforcement learning) on
+  every host; Trainers made inside are tracked, checkpointed and resumed like ``fit``'s.
 * ``CheckpointConfig(directory, save_every=..., keep=..., best_metric=...)``: when and
   where the state is saved; runs resume from it. ``load_params(run, model)`` /
   ``load_model(run, model)``: a trained checkpoint's weights in one call.
@@ -24,12 +27,13 @@ and redray does the rest. Public API:
 """
 
 from redray.checkpoint import CheckpointConfig, CheckpointMismatch, load_model, load_params
-from redray.cluster import FitResult, fit
+from redray.cluster import FitResult, RunResult, fit, run
 from redray.engine import LinenModel, Predictor, Trainer
 from redray.pipeline import Pipeline, PipelineError
 from redray.sharding import derive_specs, format_plan, make_mesh, plan
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointConfig", "CheckpointMismatch", "FitResult", "LinenModel", "Pipeline", "PipelineError", "Predictor", "Trainer",
-           "derive_specs", "fit", "format_plan", "load_model", "load_params", "make_mesh", "plan"]
+__all__ = ["CheckpointConfig", "CheckpointMismatch", "FitResult", "LinenModel", "Pipeline",
+           "PipelineError", "Predictor", "RunResult", "Trainer", "derive_specs", "fit",
+           "format_plan", "load_model", "load_params", "make_mesh", "plan", "run"]

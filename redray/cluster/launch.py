@@ -1,4 +1,4 @@
-"""``redray.fit``: the Core engine on every host of a Ray cluster, one worker per host."""
+"""``redray.fit`` and ``redray.run``: work on every host of a Ray cluster, one worker per host."""
 
 from __future__ import annotations
 
@@ -10,22 +10,21 @@ from typing import Any, Callable, Sequence
 
 
 
-@dataclasses.dataclass
-class FitResult:
-    """What a cluster run returns to the driver.
+@dataclasses.dataclass(kw_only=True)
+class RunResult:
+    """What ``redray.run`` returns to the driver (``redray.fit``'s ``FitResult`` too).
 
     Attributes:
-      history: the logged rows (as ``Trainer.fit`` returns them, from host 0).
-      predictions: one output per ``predict_data`` example, in order (or None).
+      value: what the function returned on host 0 (``redray.run``).
       name, storage_path: the Ray Train run.
       seconds: wall-clock time of the run.
-      tracking_uri, mlflow_run_id: where the run is tracked (None without tracking).
       resumed_from_step: the checkpoint step the (last) worker group started from, or
-        None for a run that started fresh.
+        None for a run that started fresh (of the run's main Trainer: the first one
+        made with the default checkpoint).
       checkpoint: the newest checkpoint written (its folder), or None.
+      tracking_uri, mlflow_run_id: where the run is tracked (None without tracking).
     """
-    history: list
-    predictions: list | None
+    value: Any = None
     name: str
     storage_path: str
     seconds: float
@@ -33,6 +32,18 @@ class FitResult:
     checkpoint: str | None = None
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class FitResult(RunResult):
+    """What ``redray.fit`` returns: a ``RunResult`` plus
+
+    Attributes:
+      history: the logged rows (as ``Trainer.fit`` returns them, from host 0).
+      predictions: one output per ``predict_data`` example, in order (or None).
+    """
+    history: list
+    predictions: list | None = None
 
 
 CLIENT_ATTEMPTS = 4
@@ -129,6 +140,52 @@ def _pickle_user_code_by_value() -> None:
             pass
 
 
+def run(fn: Callable, *args, hosts: int = 1, devices_per_host: int | None = None,
+        use_gpu: bool = False, use_tpu: bool = False, address: str | None = None,
+        name: str | None = None, storage_path: str | None = None, max_failures: int = 0,
+        checkpoint=None, resume: bool = True, tracking_uri: str | None = None,
+        experiment: str = "redray", tracking: bool = True, **kwargs) -> RunResult:
+    """Runs ``fn(*args, **kwargs)`` on every host of a Ray cluster, for loops of your own.
+
+    Every host joins one ``jax.distributed`` runtime first, so a ``redray.Trainer`` made
+    inside ``fn`` spans all hosts' devices, exactly as in ``redray.fit``; it is wired to
+    the run: its metrics (and ``Trainer.log``) reach MLflow once, and the first Trainer
+    made with the default ``checkpoint`` saves into the run's checkpoint folder and
+    resumes from it when the run is started again (``Trainer.step`` tells a loop where
+    it stands). Every host must run the same steps in the same order (the collectives
+    and ``Trainer.log`` are collective), e.g. a reinforcement-learning loop that
+    collects rollouts with the Predictor and trains on them::
+
+        def main(iterations):
+            trainer = redray.Trainer(policy, collate, loss, optax.adam(3e-4), ...)
+            ...
+            return returns
+
+        redray.run(main, 20, hosts=2, devices_per_host=2, name="ppo", storage_path=...)
+
+    Args:
+      fn: the function every host runs; it and its arguments must pickle.
+      *args, **kwargs: its arguments.
+      hosts, devices_per_host, use_gpu, use_tpu, address, name, storage_path,
+      max_failures, resume, tracking_uri, experiment, tracking: as for ``redray.fit``.
+      checkpoint: a ``redray.CheckpointConfig`` for the main Trainer (its directory
+        defaults to ``<storage_path>/<name>/checkpoints``); ``False``: none.
+
+    Returns:
+      A ``RunResult``: host 0's return value, where the run is tracked and checkpointed.
+
+    Raises:
+      HostError: ``fn`` raised on a host; the message holds that host's traceback.
+    """
+    if not callable(fn):
+        raise TypeError(f"redray.run needs a function to run on every host, got {fn!r}")
+    launch = _Launch(hosts, devices_per_host, use_gpu, use_tpu, address, name, storage_path,
+                     max_failures, checkpoint, resume, tracking_uri, experiment, tracking)
+    out = launch.start("call_on_host", {"fn": fn, "args": args, "kwargs": kwargs},
+                       {"function": getattr(fn, "__qualname__", repr(fn))})
+    return RunResult(**out)
+
+
 def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         batch_size: int, epochs: int = 1, eval_data=None, predict: Callable | None = None,
         eval_metric: Callable | None = None, predict_data=None, max_steps: int | None = None,
@@ -167,103 +224,139 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         ``sqlite:///<storage_path>/mlflow.db``. ``tracking=False``: no MLflow.
       experiment: the MLflow experiment.
       **trainer_options: ``Trainer`` keywords (model_axis, fsdp_axis, micro_batch_size,
-        compute_dtype, rules, seed, log_every, learning_rate, ...).
+        compute_dtype, rules, seed, log_every, learning_rate, trainable, grad_fn, ...).
 
     Returns:
       A ``FitResult`` with the history and the predictions, if asked.
-    """
-    import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.v2.jax import JaxTrainer
 
+    Raises:
+      HostError: user code raised on a host; the message holds that host's traceback.
+    """
     from redray.data import RowSource, to_dataset
     from redray.pipeline import Pipeline
 
     Pipeline(collate, loss, predict)  # cheap checks on the driver, before any worker
-    if hosts < 1:
-        raise ValueError(f"hosts={hosts}: need at least one host")
-    if use_gpu and use_tpu:
-        raise ValueError("use_gpu and use_tpu are exclusive")
-    connect(address, num_cpus=None if address else max(os.cpu_count() or 1, hosts))
-    name = name or time.strftime("redray-%Y%m%d-%H%M%S")
-    storage_path = os.path.abspath(os.path.expanduser(storage_path or "~/redray_runs")) \
-        if not (storage_path and "://" in storage_path) else storage_path
-
-    from redray.checkpoint import CheckpointConfig
-    from redray.cluster.tracker import MetricsToTracker, finish_tracker
-    from redray.tracking import resolve_tracking_uri
-
-    ckpt = None
-    if checkpoint is not False:
-        ckpt = CheckpointConfig.of(checkpoint) or CheckpointConfig()
-        ckpt = dataclasses.replace(ckpt, directory=ckpt.directory
-                                   or f"{storage_path.rstrip('/')}/{name}/checkpoints",
-                                   resume=resume and ckpt.resume)
+    launch = _Launch(hosts, devices_per_host, use_gpu, use_tpu, address, name, storage_path,
+                     max_failures, checkpoint, resume, tracking_uri, experiment, tracking)
     rows = {key: None if data is None else RowSource(to_dataset(data))
             for key, data in (("train", train_data), ("eval", eval_data),
                               ("predict", predict_data))}
-    results = _results_actor()
-    config = dict(name=name, storage_path=storage_path, hosts=hosts,
-                  devices_per_host=devices_per_host, use_gpu=use_gpu, use_tpu=use_tpu,
-                  epochs=epochs, max_steps=max_steps, batch_size=batch_size, max_failures=max_failures,
-                  checkpoint=None if ckpt is None else dataclasses.asdict(ckpt),
-                  **trainer_options)
-    tracker = None
-    if tracking:
-        from redray.cluster.tracker import start_tracker
-
-        tracker = start_tracker(resolve_tracking_uri(tracking_uri, storage_path), name,
-                                f"{storage_path.rstrip('/')}/{name}", experiment,
-                                resume, ckpt, config)
-    _pickle_user_code_by_value()
     job = {"model": model, "collate": collate, "loss": loss, "optimizer": optimizer,
            "predict": predict, "eval_metric": eval_metric, "epochs": epochs,
            "max_steps": max_steps, "progress": progress, "eval_at_start": eval_at_start,
-           "trainer": dict(batch_size=batch_size, checkpoint=ckpt, config=config,
-                           **trainer_options),
-           "train": rows["train"], "eval": rows["eval"], "predict_data": rows["predict"],
-           "results": results, "tracker": tracker}
+           "trainer": dict(batch_size=batch_size, **trainer_options),
+           "train": rows["train"], "eval": rows["eval"], "predict_data": rows["predict"]}
+    out = launch.start("fit_on_host", job, dict(epochs=epochs, max_steps=max_steps,
+                                                batch_size=batch_size, **trainer_options))
+    value = out.pop("value")
+    return FitResult(history=value["history"], predictions=value["predictions"], **out)
 
-    env = {"PYTHONPATH": _local_paths()}
-    resources: dict[str, float] = {}
-    if use_gpu:
-        resources["GPU"] = devices_per_host or 1
-    elif use_tpu:
-        resources["TPU"] = devices_per_host or 4
-    else:
-        env["JAX_PLATFORMS"] = "cpu"
-        env["XLA_FLAGS"] = " ".join(
-            [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-            + [f"--xla_force_host_platform_device_count={devices_per_host or 1}"])
-        resources["CPU"] = 1
-    nodes = len([n for n in ray.nodes() if n.get("Alive")])
-    scaling = ScalingConfig(num_workers=hosts, use_gpu=use_gpu, use_tpu=use_tpu,
-                            resources_per_worker=resources,
-                            placement_strategy="STRICT_SPREAD" if nodes >= hosts > 1 else "SPREAD")
-    trainer = JaxTrainer(
-        # Ray's own serializer (cloudpickle plus object-ref and actor-handle ownership):
-        # the row sources' block references must stay valid on the workers.
-        _entry, train_loop_config=job, scaling_config=scaling,
-        run_config=RunConfig(name=name, storage_path=storage_path,
-                             failure_config=FailureConfig(max_failures=max_failures),
-                             worker_runtime_env={"env_vars": env},
-                             callbacks=[] if tracker is None else [MetricsToTracker(tracker)]))
-    start = time.perf_counter()
-    try:
-        trainer.fit()
-    except Exception as error:
-        finish_tracker(tracker, "FAILED")
-        _, failures = ray.get(results.get.remote())
-        if failures:
-            rank, text = failures[0]
-            raise HostError(f"host {rank} failed:\n{text}") from error
-        raise
-    out, _ = ray.get(results.get.remote())
-    report = finish_tracker(tracker, "FINISHED", out["checkpoint"])
-    return FitResult(out["history"], out["predictions"], name, storage_path,
-                     time.perf_counter() - start, out["resumed_from_step"], out["checkpoint"],
-                     report and report["uri"], report and report["run_id"])
+
+class _Launch:
+    """One Ray Train worker group for ``run`` and ``fit``: settings checked, the Ray
+    cluster reached, the run's checkpoint folder and MLflow tracker set up."""
+
+    def __init__(self, hosts, devices_per_host, use_gpu, use_tpu, address, name,
+                 storage_path, max_failures, checkpoint, resume, tracking_uri, experiment,
+                 tracking):
+        from redray.checkpoint import CheckpointConfig
+
+        if hosts < 1:
+            raise ValueError(f"hosts={hosts}: need at least one host")
+        if use_gpu and use_tpu:
+            raise ValueError("use_gpu and use_tpu are exclusive")
+        connect(address, num_cpus=None if address else max(os.cpu_count() or 1, hosts))
+        self.hosts, self.devices_per_host = hosts, devices_per_host
+        self.use_gpu, self.use_tpu, self.max_failures = use_gpu, use_tpu, max_failures
+        self.name = name or time.strftime("redray-%Y%m%d-%H%M%S")
+        self.storage_path = os.path.abspath(os.path.expanduser(storage_path or "~/redray_runs")) \
+            if not (storage_path and "://" in storage_path) else storage_path
+        self.checkpoint = None
+        if checkpoint is not False:
+            ckpt = CheckpointConfig.of(checkpoint) or CheckpointConfig()
+            self.checkpoint = dataclasses.replace(
+                ckpt, directory=ckpt.directory
+                or f"{self.storage_path.rstrip('/')}/{self.name}/checkpoints",
+                resume=resume and ckpt.resume)
+        self.resume = resume
+        self.tracking = (tracking_uri, experiment) if tracking else None
+
+    def start(self, host_fn: str, job: dict, settings: dict) -> dict:
+        """Runs ``worker.<host_fn>(job, rank)`` on every host; returns ``RunResult``'s
+        fields (``value``: host 0's return value)."""
+        import ray
+        from ray.train import FailureConfig, RunConfig
+        from ray.train.v2.jax import JaxTrainer
+
+        from redray.cluster import worker
+        from redray.cluster.tracker import MetricsToTracker, finish_tracker, start_tracker
+        from redray.tracking import resolve_tracking_uri
+
+        config = dict(name=self.name, storage_path=self.storage_path, hosts=self.hosts,
+                      devices_per_host=self.devices_per_host, use_gpu=self.use_gpu,
+                      use_tpu=self.use_tpu, max_failures=self.max_failures,
+                      checkpoint=None if self.checkpoint is None
+                      else dataclasses.asdict(self.checkpoint), **settings)
+        results = _results_actor()
+        tracker = None
+        if self.tracking is not None:
+            uri, experiment = self.tracking
+            tracker = start_tracker(resolve_tracking_uri(uri, self.storage_path), self.name,
+                                    f"{self.storage_path.rstrip('/')}/{self.name}", experiment,
+                                    self.resume, self.checkpoint, config)
+        _pickle_user_code_by_value()
+        job = {**job, "host_fn": getattr(worker, host_fn), "results": results,
+               "tracker": tracker, "checkpoint": self.checkpoint, "config": config}
+        trainer = JaxTrainer(
+            # Ray's own serializer (cloudpickle plus object-ref and actor-handle
+            # ownership): the row sources' block references must stay valid on workers.
+            _entry, train_loop_config=job, scaling_config=self._scaling(),
+            run_config=RunConfig(name=self.name, storage_path=self.storage_path,
+                                 failure_config=FailureConfig(max_failures=self.max_failures),
+                                 worker_runtime_env={"env_vars": self._env()},
+                                 callbacks=[] if tracker is None else [MetricsToTracker(tracker)]))
+        start = time.perf_counter()
+        try:
+            trainer.fit()
+        except Exception as error:
+            finish_tracker(tracker, "FAILED")
+            _, failures = ray.get(results.get.remote())
+            if failures:
+                rank, text = failures[0]
+                raise HostError(f"host {rank} failed:\n{text}") from error
+            raise
+        out, _ = ray.get(results.get.remote())
+        report = finish_tracker(tracker, "FINISHED", out["checkpoint"])
+        return {**out, "name": self.name, "storage_path": self.storage_path,
+                "seconds": time.perf_counter() - start,
+                "tracking_uri": report and report["uri"],
+                "mlflow_run_id": report and report["run_id"]}
+
+    def _env(self) -> dict:
+        env = {"PYTHONPATH": _local_paths()}
+        if not (self.use_gpu or self.use_tpu):
+            env["JAX_PLATFORMS"] = "cpu"
+            env["XLA_FLAGS"] = " ".join(
+                [f for f in os.environ.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+                + [f"--xla_force_host_platform_device_count={self.devices_per_host or 1}"])
+        return env
+
+    def _scaling(self):
+        import ray
+        from ray.train import ScalingConfig
+
+        if self.use_gpu:
+            resources = {"GPU": self.devices_per_host or 1}
+        elif self.use_tpu:
+            resources = {"TPU": self.devices_per_host or 4}
+        else:
+            resources = {"CPU": 1}
+        nodes = len([n for n in ray.nodes() if n.get("Alive")])
+        return ScalingConfig(num_workers=self.hosts, use_gpu=self.use_gpu, use_tpu=self.use_tpu,
+                             resources_per_worker=resources,
+                             placement_strategy="STRICT_SPREAD" if nodes >= self.hosts > 1
+                             else "SPREAD")
 
 
 def _entry(config):

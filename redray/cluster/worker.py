@@ -1,4 +1,4 @@
-"""What every host runs: join the runtime, train with the Core engine, report."""
+"""What every host runs: join the runtime, run the job's function, report to the driver."""
 
 from __future__ import annotations
 
@@ -10,44 +10,90 @@ def train_loop(job: dict) -> None:
     import ray
 
     from redray.cluster import distributed
+    from redray.engine.trainer import set_host_run
 
     import logging
 
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # a line per report is noise
     rank, _ = distributed.initialize()
+    host_run = HostRun(job, rank)
+    set_host_run(host_run)
     try:
-        result = _run(job, rank)
+        value = job["host_fn"](job, rank)
         if rank == 0:
-            ray.get(job["results"].put.remote(result))
+            ray.get(job["results"].put.remote(host_run.result(value)))
     except BaseException:
         # First thing: tell the driver what failed here. The other hosts die next (their
         # collectives lose a peer) and Ray may report one of them instead.
         ray.get(job["results"].fail.remote(rank, traceback.format_exc()))
         raise
     finally:
+        set_host_run(None)
         distributed.shutdown()
 
 
-def _run(job: dict, rank: int) -> dict:
-    from redray.cluster.tracker import describe_run, worker_hooks
+class HostRun:
+    """Wires every Trainer made on this host into the cluster run.
+
+    Each Trainer's logged rows go to Ray Train (and from there to MLflow), its
+    checkpoints are registered with Ray Train, and host 0 describes it to the tracker.
+    The first Trainer that leaves ``checkpoint`` at its default saves into (and resumes
+    from) the run's checkpoint folder; that Trainer is the run's "main" one, whose
+    resume step and last checkpoint the driver gets back.
+    """
+
+    def __init__(self, job: dict, rank: int):
+        self.job, self.rank = job, rank
+        self.main = None
+
+    def claim(self, trainer, default_checkpoint: bool) -> None:
+        from redray.cluster.tracker import describe_run, worker_hooks
+
+        if default_checkpoint and self.job["checkpoint"] is not None:
+            if self.main is not None:
+                raise ValueError(
+                    "a second Trainer in this run would share the run's checkpoint folder "
+                    f"({self.job['checkpoint'].directory}) with the first: give it its own, "
+                    "Trainer(..., checkpoint='/abs/other/folder'), or checkpoint=False")
+            trainer.checkpoint_config = self.job["checkpoint"]
+        if self.main is None:
+            self.main = trainer
+        trainer.config = {**self.job["config"], **trainer.config}
+        trainer.on_checkpoint = _register_checkpoint
+        worker_hooks(trainer, self.job["tracker"], self.rank)
+        if self.rank == 0:
+            trainer.on_init = lambda: describe_run(trainer, self.job["tracker"])
+
+    def result(self, value) -> dict:
+        """What host 0 sends the driver: the function's value and the main Trainer's
+        resume step and newest checkpoint."""
+        main = self.main
+        return {"value": value,
+                "resumed_from_step": None if main is None else
+                (main.resumed_from or {}).get("step"),
+                "checkpoint": main.checkpointer.last_saved
+                if main is not None and main.checkpointer else None}
+
+
+def fit_on_host(job: dict, rank: int) -> dict:
+    """``redray.fit``'s work on one host: the Core engine's Trainer over the row sources."""
     from redray.engine import Trainer
 
     trainer = Trainer(job["model"], job["collate"], job["loss"], job["optimizer"], job["predict"],
                       progress=job["progress"] and rank == 0, **job["trainer"])
-    trainer.on_checkpoint = _register_checkpoint
-    worker_hooks(trainer, job["tracker"], rank)
     trainer.init(job["train"])
-    if rank == 0:
-        describe_run(trainer, job["tracker"])
     history = trainer.fit(job["train"], epochs=job["epochs"], eval_data=job["eval"],
                           eval_metric=job["eval_metric"], max_steps=job["max_steps"],
                           eval_at_start=job["eval_at_start"])
     predictions = None
     if job["predict_data"] is not None:
         predictions = trainer.predictor().predict(job["predict_data"])
-    return {"history": history, "predictions": predictions,
-            "resumed_from_step": (trainer.resumed_from or {}).get("step"),
-            "checkpoint": trainer.checkpointer.last_saved if trainer.checkpointer else None}
+    return {"history": history, "predictions": predictions}
+
+
+def call_on_host(job: dict, rank: int):
+    """``redray.run``'s work on one host: the user's function."""
+    return job["fn"](*job["args"], **job["kwargs"])
 
 
 def _register_checkpoint(step: int, path: str, meta: dict) -> None:
