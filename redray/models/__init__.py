@@ -5,10 +5,13 @@
 * ``save_pretrained(model, path)``: config.json + safetensors that ``transformers`` loads.
 * ``build(config)``: a random model from a ``transformers`` config.
 * ``generate(model, input_ids, attention_mask, max_new_tokens=...)``: KV-cache decoding.
+* ``add_lora(model, rank, targets=...)`` / ``merge_lora(model)``: LoRA adapters (train
+  them alone with ``Trainer(..., trainable=r"lora_")``) and folding them back.
 """
 
 from redray.models.generate import generate, sample_token
 from redray.models.hub import FAMILIES, build, from_pretrained, load_config, save_pretrained
+from redray.models.lora import LoRA, add_lora, merge_lora
 
-__all__ = ["FAMILIES", "build", "from_pretrained", "generate", "load_config", "sample_token",
-           "save_pretrained"]
+__all__ = ["FAMILIES", "LoRA", "add_lora", "build", "from_pretrained", "generate", "load_config",
+           "merge_lora", "sample_token", "save_pretrained"]
