@@ -14,7 +14,6 @@ import pytest
 from hf_tiny import ROOT, demo_module, gpt2_tokenizer, llama_folder
 
 torch = pytest.importorskip("torch")
-KNOWN_BUG = "jax.distributed.initialize() must be called before any JAX calls"
 
 
 def perplexity(model, windows) -> float:
@@ -36,10 +35,6 @@ def test_fine_tuning_a_local_checkpoint_lowers_its_perplexity_and_exports(tmp_pa
          "--steps", "8", "--storage", str(tmp_path / "runs"), "--name", "ft"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
         env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    if done.returncode and KNOWN_BUG in done.stdout + done.stderr:
-        pytest.xfail("redray.fit pickles a built module (from_pretrained) with its device "
-                     "arrays; each Ray worker unpickles them before jax.distributed.initialize, "
-                     "which then refuses to start")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     numbers = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     assert numbers["step"] == 8

@@ -181,8 +181,8 @@ def run(fn: Callable, *args, hosts: int = 1, devices_per_host: int | None = None
         raise TypeError(f"redray.run needs a function to run on every host, got {fn!r}")
     launch = _Launch(hosts, devices_per_host, use_gpu, use_tpu, address, name, storage_path,
                      max_failures, checkpoint, resume, tracking_uri, experiment, tracking)
-    out = launch.start("call_on_host", {"fn": fn, "args": args, "kwargs": kwargs},
-                       {"function": getattr(fn, "__qualname__", repr(fn))})
+    out = launch.start("call_on_host", {}, {"function": getattr(fn, "__qualname__", repr(fn))},
+                       user={"fn": fn, "args": args, "kwargs": kwargs})
     return RunResult(**out)
 
 
@@ -241,13 +241,15 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
     rows = {key: None if data is None else RowSource(to_dataset(data))
             for key, data in (("train", train_data), ("eval", eval_data),
                               ("predict", predict_data))}
-    job = {"model": model, "collate": collate, "loss": loss, "optimizer": optimizer,
-           "predict": predict, "eval_metric": eval_metric, "epochs": epochs,
-           "max_steps": max_steps, "progress": progress, "eval_at_start": eval_at_start,
-           "trainer": dict(batch_size=batch_size, **trainer_options),
+    job = {"epochs": epochs, "max_steps": max_steps, "progress": progress,
+           "eval_at_start": eval_at_start,
            "train": rows["train"], "eval": rows["eval"], "predict_data": rows["predict"]}
+    user = {"model": model, "collate": collate, "loss": loss, "optimizer": optimizer,
+            "predict": predict, "eval_metric": eval_metric,
+            "trainer": dict(batch_size=batch_size, **trainer_options)}
     out = launch.start("fit_on_host", job, dict(epochs=epochs, max_steps=max_steps,
-                                                batch_size=batch_size, **trainer_options))
+                                                batch_size=batch_size, **trainer_options),
+                       user=user)
     value = out.pop("value")
     return FitResult(history=value["history"], predictions=value["predictions"], **out)
 
@@ -281,9 +283,16 @@ class _Launch:
         self.resume = resume
         self.tracking = (tracking_uri, experiment) if tracking else None
 
-    def start(self, host_fn: str, job: dict, settings: dict) -> dict:
+    def start(self, host_fn: str, job: dict, settings: dict, user: dict) -> dict:
         """Runs ``worker.<host_fn>(job, rank)`` on every host; returns ``RunResult``'s
-        fields (``value``: host 0's return value)."""
+        fields (``value``: host 0's return value).
+
+        ``user`` (the user's functions, model and arguments) travels as bytes that each
+        host unpickles only after joining the JAX runtime: a built model's device
+        arrays, unpickled earlier, would start JAX's backend before
+        ``jax.distributed.initialize``, which then refuses to run. ``job`` travels
+        through Ray's own serializer (the row sources' object references need it).
+        """
         import ray
         from ray.train import FailureConfig, RunConfig
         from ray.train.v2.jax import JaxTrainer
@@ -304,8 +313,8 @@ class _Launch:
             tracker = start_tracker(resolve_tracking_uri(uri, self.storage_path), self.name,
                                     f"{self.storage_path.rstrip('/')}/{self.name}", experiment,
                                     self.resume, self.checkpoint, config)
-        _pickle_user_code_by_value()
-        job = {**job, "host_fn": getattr(worker, host_fn), "results": results,
+        job = {**job, "user": _user_bytes(user), "host_fn": getattr(worker, host_fn),
+               "results": results,
                "tracker": tracker, "checkpoint": self.checkpoint, "config": config}
         trainer = JaxTrainer(
             # Ray's own serializer (cloudpickle plus object-ref and actor-handle
@@ -357,6 +366,19 @@ class _Launch:
                              resources_per_worker=resources,
                              placement_strategy="STRICT_SPREAD" if nodes >= self.hosts > 1
                              else "SPREAD")
+
+
+def _user_bytes(user: dict) -> bytes:
+    """The user's objects, pickled for the hosts (their own modules by value)."""
+    from ray import cloudpickle
+
+    _pickle_user_code_by_value()
+    try:
+        return cloudpickle.dumps(user)
+    except Exception as error:  # noqa: BLE001 - any pickling failure: say what to change
+        raise TypeError(f"cannot send the model, functions or arguments to the hosts "
+                        f"({type(error).__name__}: {error}): they must pickle; define them at "
+                        "module level or close over picklable values only") from None
 
 
 def _entry(config):

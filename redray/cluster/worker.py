@@ -7,18 +7,20 @@ import traceback
 
 def train_loop(job: dict) -> None:
     """Ray Train's ``train_loop_per_worker``: one call per host."""
+    import logging
+
     import ray
+    from ray import cloudpickle
 
     from redray.cluster import distributed
     from redray.engine.trainer import set_host_run
 
-    import logging
-
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # a line per report is noise
     rank, _ = distributed.initialize()
-    host_run = HostRun(job, rank)
-    set_host_run(host_run)
     try:
+        job = {**job, **cloudpickle.loads(job["user"])}  # after JAX's runtime is up
+        host_run = HostRun(job, rank)
+        set_host_run(host_run)
         value = job["host_fn"](job, rank)
         if rank == 0:
             ray.get(job["results"].put.remote(host_run.result(value)))

@@ -77,13 +77,17 @@ class ModelRuntime:
         caller's arrays (a user's module, a Predictor's params) must survive it.
         ``device_put(..., may_alias=False)`` still aliases one shard on CPU (jax 0.10),
         so the arrays are copied where they are first (fresh buffers, ours to alias).
-        Host arrays are cut into each device's shard, so many hosts work too.
+        Host arrays, and one host's own arrays when the mesh spans hosts (a built model
+        that every host received), are cut into each device's shard.
         """
         def put(value, sharding):
             if isinstance(value, jax.Array) and sharding.is_fully_addressable:
                 return jax.device_put(jnp.copy(value), sharding)
             if isinstance(value, jax.Array) and not value.is_fully_addressable:
                 return jax.jit(jnp.copy, out_shardings=sharding)(value)  # reshards across hosts
+            if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
+                return jax.random.wrap_key_data(put(jax.random.key_data(value), sharding),
+                                                impl=jax.random.key_impl(value))
             host = np.asarray(value)
             return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
