@@ -1,5 +1,6 @@
 """Ray Train worker group: one worker per host, one jax.distributed runtime."""
 
+from redray.cluster.flags import add_cluster_args, cluster_options
 from redray.cluster.launch import FitResult, HostError, RunResult, connect, fit, run
 
-__all__ = ["FitResult", "HostError", "RunResult", "connect", "fit", "run"]
+__all__ = ["add_cluster_args", "cluster_options", "FitResult", "HostError", "RunResult", "connect", "fit", "run"]

@@ -33,6 +33,19 @@ class RunResult:
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
 
+    def summary(self) -> str:
+        """Where the run's outputs are (checkpoint, MLflow store, the UI command) and
+        how to continue it, in a few lines for the end of a script."""
+        from redray.tracking import ui_command
+
+        lines = [f"checkpoint:    {self.checkpoint or 'none'}"]
+        if self.tracking_uri:
+            lines += [f"MLflow store:  {self.tracking_uri} (run {self.mlflow_run_id})",
+                      f"MLflow UI:     {ui_command(self.tracking_uri)}"]
+        lines.append(f"resume / more: the same command (run {self.name!r} in "
+                     f"{self.storage_path}) resumes; raise its steps or epochs to train on")
+        return "\n".join(lines)
+
 
 @dataclasses.dataclass(kw_only=True)
 class FitResult(RunResult):
@@ -44,6 +57,12 @@ class FitResult(RunResult):
     """
     history: list
     predictions: list | None = None
+
+    def summary(self) -> str:
+        if self.history:
+            return super().summary()
+        return (f"run {self.name!r} was already complete at step {self.resumed_from_step}; "
+                "nothing to train.\n" + super().summary())
 
 
 CLIENT_ATTEMPTS = 4

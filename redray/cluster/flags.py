@@ -1,0 +1,40 @@
+"""The command-line flags that run one script on a laptop and on a cluster unchanged."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_cluster_args(parser: argparse.ArgumentParser, *, name: str, hosts: int = 2,
+                     devices_per_host: int = 2, storage: str = "runs") -> argparse.ArgumentParser:
+    """Adds ``--hosts``, ``--devices-per-host``, ``--gpu``, ``--storage`` and ``--name``.
+
+    On one machine the hosts are simulated (separate processes, each with its own CPU
+    devices); on a Ray cluster (``RAY_ADDRESS``, ``redray run --address``, ``ray job
+    submit``) they are the cluster's machines. Pass ``**cluster_options(args)`` to
+    ``redray.fit`` or ``redray.run``.
+
+    Args:
+      parser: the script's parser; returned.
+      name: the default run name (the same name resumes the run).
+      hosts, devices_per_host, storage: defaults of the flags.
+    """
+    group = parser.add_argument_group("cluster")
+    group.add_argument("--hosts", type=int, default=hosts,
+                       help=f"hosts, simulated on one machine (default {hosts})")
+    group.add_argument("--devices-per-host", type=int, default=devices_per_host,
+                       help=f"devices per host (default {devices_per_host})")
+    group.add_argument("--gpu", action="store_true", help="use the hosts' GPUs")
+    group.add_argument("--storage", default=storage,
+                       help=f"runs folder: checkpoints, mlflow.db (default {storage})")
+    group.add_argument("--name", default=name,
+                       help=f"run name; the same name resumes (default {name})")
+    return parser
+
+
+def cluster_options(args: argparse.Namespace) -> dict:
+    """``redray.fit``/``redray.run`` keywords from ``add_cluster_args``'s flags (the
+    storage folder made absolute: a Ray job runs in a temporary copy of its directory)."""
+    return dict(hosts=args.hosts, devices_per_host=args.devices_per_host, use_gpu=args.gpu,
+                name=args.name, storage_path=os.path.abspath(os.path.expanduser(args.storage)))
