@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_ARGS ?=
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test bench install install-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ demo: install
 
 test: install-test
 	$(PY) -m pytest -q
+
+bench: install-test
+	$(PY) benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -8,15 +8,15 @@ reported. Target <= 1.05 (issue: Cluster).
     python benchmarks/input_pipeline.py [--steps 60] [--rounds 3]
 """
 
-import argparse
-import json
 import os
 import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, figure, parser, save, simulate_devices  # noqa: E402
+
+simulate_devices(4)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -54,12 +54,13 @@ def run(feed, steps, seed):
     return np.median(timer.times), (time.perf_counter() - start) / steps
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None):
+    ap = parser(__doc__)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=None, help="append the figure (JSON) to this file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.steps, args.rounds = 2, 1
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     data = token_data(32 * (args.steps + 4), seq=64, vocab=256)
     rows = RowSource(to_dataset(data))
@@ -71,15 +72,12 @@ def main():
             per_step[name].append(step)
             wall[name].append(total)
     ratio = float(np.median(wall["ray_data"]) / np.median(wall["memory"]))
-    figure = {"name": "input_pipeline", "value": round(ratio, 4), "unit": "x",
-              "reference": "Trainer.fit fed from an in-memory list, same model/mesh/steps",
-              "target": "<= 1.05", "command": "python benchmarks/input_pipeline.py",
-              "detail": {"wall_per_step_s": {k: float(np.median(v)) for k, v in wall.items()},
-                         "device_step_s": {k: float(np.median(v)) for k, v in per_step.items()}}}
-    print(json.dumps(figure, indent=2))
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(figure) + "\n")
+    save([figure("input_pipeline", ratio, "x",
+                 "Trainer.fit fed from an in-memory list, same model/mesh/steps", "<= 1.05",
+                 "python benchmarks/input_pipeline.py",
+                 wall_per_step_s={k: float(np.median(v)) for k, v in wall.items()},
+                 device_step_s={k: float(np.median(v)) for k, v in per_step.items()},
+                 rounds=args.rounds, steps=args.steps)], args.out)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ lines (a docstring, a bracketed expression's continuation) counts on every line 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import sys
 import tokenize
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import ROOT, figure, parser, save  # noqa: E402
 
 # pipeline -> (redray example files, redco 0.4.23's count from redco_examples_loc.md)
 PIPELINES = {
@@ -64,11 +66,15 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
     rows = measure()
     print(json.dumps(rows, indent=1) if args.json else table(rows))
+    save([figure(f"lines_of_code/{r['pipeline']}", r["redray"], "lines",
+                 f"redco 0.4.23's example: {r['redco']} lines", f"<= {r['redco']}",
+                 "python benchmarks/lines_of_code.py", files=r["files"]) for r in rows],
+         args.out)
 
 
 if __name__ == "__main__":

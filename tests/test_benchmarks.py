@@ -1,0 +1,51 @@
+"""Every benchmark script runs at a tiny size and writes valid result objects; the
+report turns results into BENCHMARKS.md's table. (No timing is asserted anywhere.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from common import KEYS, figure, met  # noqa: E402
+from report import END, START, render  # noqa: E402
+from run_all import scripts  # noqa: E402
+
+
+def check(fig):
+    assert set(KEYS) <= set(fig), fig
+    assert isinstance(fig["value"], float) and fig["value"] == fig["value"], fig  # not NaN
+    assert all(isinstance(fig[k], str) and fig[k] for k in ("name", "reference", "command"))
+    assert fig["command"].startswith(("python benchmarks/", "make ")), fig
+    assert fig["target"] is None or met(fig) in (True, False), fig
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", scripts())
+def test_benchmark_runs_tiny_and_writes_valid_figures(script, tmp_path):
+    out = tmp_path / "results.json"
+    done = subprocess.run([sys.executable, f"benchmarks/{script}", "--tiny", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures, f"{script} wrote no figure"
+    for fig in figures:
+        check(fig)
+
+
+def test_targets_and_the_generated_table():
+    good = figure("overhead", 1.01, "x", "hand-written jax.jit step", "<= 1.03",
+                  "python benchmarks/overhead.py")
+    bad = figure("fsdp", 0.8, "x", "PyTorch FSDP", ">= 1.0", "python benchmarks/fsdp.py")
+    assert met(good) is True and met(bad) is False
+    assert met(figure("hosts", 0.5, "x", "1 host", None, "python benchmarks/hosts.py")) is None
+    text = render(f"# B\n\nintro\n{START}\nold\n{END}\nnotes\n", [bad, good])
+    assert text.startswith("# B\n\nintro\n") and text.endswith("\nnotes\n")
+    assert "| fsdp | 0.8 x | >= 1.0 | **no** |" in text and "| overhead | 1.01 x |" in text
+    assert "old" not in text
+    with pytest.raises(ValueError, match="markers"):
+        render("no markers", [good])
