@@ -1,7 +1,8 @@
 """`make bench`: every CPU benchmark, one after another, then BENCHMARKS.md's table.
 
 Every ``benchmarks/*.py`` that is a benchmark (all but this file, ``common.py``,
-``report.py`` and the GPU-only ``gpu_*.py``) runs as its own process (each sets its own
+``report.py``, helper modules named ``_*.py`` and the GPU-only ``gpu_*.py``) runs as
+its own process (each sets its own
 simulated devices) and updates benchmarks/results.json.
 
     python benchmarks/run_all.py [--tiny] [--only NAME ...]
@@ -24,7 +25,7 @@ def scripts() -> list[str]:
     """The CPU benchmark scripts, by name."""
     return sorted(os.path.basename(p) for p in glob.glob(os.path.join(HERE, "*.py"))
                   if os.path.basename(p) not in NOT_BENCHMARKS
-                  and not os.path.basename(p).startswith("gpu_"))
+                  and not os.path.basename(p).startswith(("gpu_", "_")))
 
 
 def main(argv=None) -> int:
