@@ -86,6 +86,26 @@ def test_relative_position_buckets_match_transformers():
             np.testing.assert_array_equal(table[index], ref)
 
 
+@pytest.mark.parametrize("config", [dict(), dict(feed_forward_proj="gated-gelu",
+                                                 tie_word_embeddings=False)])
+def test_random_init_follows_transformers(config):
+    """A T5 built from a config starts where T5 does (each tensor's mean and std equal
+    transformers' within sampling error), so it trains from scratch as T5 does."""
+    from redray.models import build
+
+    c = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, num_heads=4, d_ff=128,
+                              num_layers=2, initializer_factor=0.5, **config)
+    torch.manual_seed(0)
+    hf = transformers.T5ForConditionalGeneration(c).state_dict()
+    params = nnx.to_flat_state(nnx.state(build(c, rngs=nnx.Rngs(0)), nnx.Param))
+    params = {"/".join(map(str, path)): np.asarray(v.get_value()) for path, v in params}
+    for row in t5.weight_table(c):
+        mine, theirs = params[row.path], hf[row.hf].numpy()
+        tolerance = 5 / np.sqrt(mine.size)  # five standard errors of the ratio of two stds
+        assert mine.mean() == pytest.approx(theirs.mean(), abs=tolerance * theirs.std() + 1e-6), row
+        assert mine.std() == pytest.approx(theirs.std(), rel=tolerance, abs=1e-6), row
+
+
 @pytest.mark.parametrize("which", ["relu", "gated"])
 def test_logits_match_transformers(which, request):
     hf, _, model = request.getfixturevalue(which)

@@ -59,6 +59,20 @@ def _head(c) -> tuple[bool, bool]:
     return tie and scale, scale
 
 
+def _normal(c, std: float):
+    """T5's initializer: a normal of ``std`` times the config's ``initializer_factor``.
+
+    The stds are those of Mesh TensorFlow and transformers (e.g. queries
+    (d_model * d_kv)**-0.5, which stands in for the missing 1/sqrt(head_dim), and the
+    shared embedding 1.0): a T5 built from a config trains from scratch as T5 does.
+    """
+    return nnx.initializers.normal(getattr(c, "initializer_factor", 1.0) * std)
+
+
+def _norm_init(c):
+    return nnx.initializers.constant(getattr(c, "initializer_factor", 1.0))
+
+
 def relative_position_buckets(bidirectional: bool, num_buckets: int,
                               max_distance: int) -> np.ndarray:
     """Bucket of every relative position (key - query) in [-max_distance, max_distance].
@@ -91,13 +105,17 @@ class Attention(nnx.Module):
     def __init__(self, c, *, relative_bias: bool, rngs, dtype):
         heads, d = c.num_heads, c.d_kv
         dense = dict(use_bias=False, dtype=dtype, rngs=rngs)
-        self.q = nnx.LinearGeneral(c.d_model, (heads, d), **dense)
-        self.k = nnx.LinearGeneral(c.d_model, (heads, d), **dense)
-        self.v = nnx.LinearGeneral(c.d_model, (heads, d), **dense)
-        self.o = nnx.LinearGeneral((heads, d), c.d_model, axis=(-2, -1), **dense)
+        inputs = _normal(c, c.d_model ** -0.5)
+        self.q = nnx.LinearGeneral(c.d_model, (heads, d), kernel_init=_normal(
+            c, (c.d_model * d) ** -0.5), **dense)
+        self.k = nnx.LinearGeneral(c.d_model, (heads, d), kernel_init=inputs, **dense)
+        self.v = nnx.LinearGeneral(c.d_model, (heads, d), kernel_init=inputs, **dense)
+        self.o = nnx.LinearGeneral((heads, d), c.d_model, axis=(-2, -1),
+                                   kernel_init=_normal(c, (heads * d) ** -0.5), **dense)
         if relative_bias:
             self.relative_attention_bias = nnx.Embed(c.relative_attention_num_buckets, heads,
-                                                     dtype=dtype, rngs=rngs)
+                                                     embedding_init=inputs, dtype=dtype,
+                                                     rngs=rngs)
         self.dropout = nnx.Dropout(c.dropout_rate, rngs=rngs)
 
     def keys_values(self, source):
@@ -115,12 +133,13 @@ class MLP(nnx.Module):
     def __init__(self, c, *, rngs, dtype):
         self.gated, act = _feed_forward(c)
         dense = dict(use_bias=False, dtype=dtype, rngs=rngs)
+        wi = dict(kernel_init=_normal(c, c.d_model ** -0.5), **dense)
         if self.gated:
-            self.wi_0 = nnx.Linear(c.d_model, c.d_ff, **dense)
-            self.wi_1 = nnx.Linear(c.d_model, c.d_ff, **dense)
+            self.wi_0 = nnx.Linear(c.d_model, c.d_ff, **wi)
+            self.wi_1 = nnx.Linear(c.d_model, c.d_ff, **wi)
         else:
-            self.wi = nnx.Linear(c.d_model, c.d_ff, **dense)
-        self.wo = nnx.Linear(c.d_ff, c.d_model, **dense)
+            self.wi = nnx.Linear(c.d_model, c.d_ff, **wi)
+        self.wo = nnx.Linear(c.d_ff, c.d_model, kernel_init=_normal(c, c.d_ff ** -0.5), **dense)
         self.act = layers.activation(act)
         self.dropout = nnx.Dropout(c.dropout_rate, rngs=rngs)
 
@@ -133,7 +152,7 @@ class Block(nnx.Module):
     """Pre-norm self-attention, cross-attention (decoder only) and feed-forward."""
 
     def __init__(self, c, *, relative_bias: bool, cross: bool, rngs, dtype):
-        norm = dict(epsilon=c.layer_norm_epsilon, dtype=dtype, rngs=rngs)
+        norm = dict(epsilon=c.layer_norm_epsilon, scale_init=_norm_init(c), dtype=dtype, rngs=rngs)
         self.self_attn_norm = nnx.RMSNorm(c.d_model, **norm)
         self.self_attn = Attention(c, relative_bias=relative_bias, rngs=rngs, dtype=dtype)
         if cross:
@@ -168,7 +187,7 @@ class Stack(nnx.Module):
         self.layers = nnx.List([Block(c, relative_bias=i == 0, cross=decoder, rngs=rngs,
                                       dtype=dtype) for i in range(num_layers)])
         self.final_layer_norm = nnx.RMSNorm(c.d_model, epsilon=c.layer_norm_epsilon,
-                                            dtype=dtype, rngs=rngs)
+                                            scale_init=_norm_init(c), dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(c.dropout_rate, rngs=rngs)
         self.max_distance = c.relative_attention_max_distance
         self.buckets = tuple(int(b) for b in relative_position_buckets(
@@ -208,15 +227,16 @@ class Model(nnx.Module):
         self.config = HFConfig(c)
         self.dtype = dtype
         self.remat = remat
-        self.shared = nnx.Embed(c.vocab_size, c.d_model, dtype=dtype, rngs=rngs)
+        self.shared = nnx.Embed(c.vocab_size, c.d_model, embedding_init=_normal(c, 1.0),
+                                dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(c.dropout_rate, rngs=rngs)
         self.encoder = Stack(c, c.num_layers, decoder=False, rngs=rngs, dtype=dtype)
         decoder_layers = getattr(c, "num_decoder_layers", None) or c.num_layers
         self.decoder = Stack(c, decoder_layers, decoder=True, rngs=rngs, dtype=dtype)
         self.tied, self.scale = _head(c)
         if not self.tied:
-            self.lm_head = nnx.Linear(c.d_model, c.vocab_size, use_bias=False, dtype=dtype,
-                                      rngs=rngs)
+            self.lm_head = nnx.Linear(c.d_model, c.vocab_size, use_bias=False,
+                                      kernel_init=_normal(c, 1.0), dtype=dtype, rngs=rngs)
 
     def __call__(self, input_ids, attention_mask=None, *, decoder_input_ids,
                  decoder_attention_mask=None, train: bool = False):
