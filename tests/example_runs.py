@@ -1,0 +1,21 @@
+"""Running an example script the way a user does, for the example tests."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_example(name: str, *args: str) -> tuple[str, dict | None]:
+    """Runs ``examples/<name>/train.py`` with ``args`` from the repository root.
+
+    Returns its stdout and the last line that is a JSON object (the learning signal
+    before and after), or None when it printed none (e.g. a run already complete).
+    """
+    done = subprocess.run([sys.executable, f"examples/{name}/train.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return done.stdout, json.loads(lines[-1]) if lines else None
