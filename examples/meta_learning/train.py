@@ -11,7 +11,7 @@ before adaptation as a metric. By default 2 simulated hosts x 2 CPU devices; MLf
 tracking and checkpoints go to ``--storage``, and running the same command again
 resumes the run (or says it is complete).
 
-    python examples/meta_learning/train.py [--steps 2000] [--hosts 2]
+    python examples/meta_learning/train.py [--steps 1000] [--hosts 2]
         [--devices-per-host 2] [--storage DIR] [--name RUN] [--first-order]
 """
 
@@ -30,21 +30,21 @@ from flax import nnx
 import redray
 from redray.tracking import ui_command
 
-STEPS_PER_EPOCH = 500  # meta-updates per pass over the training tasks (then an evaluation)
+TRAIN_TASKS, HELD_OUT_TASKS = 32000, 1000
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=2000, help="meta-updates in total")
+    ap.add_argument("--steps", type=int, default=1000, help="meta-updates in total")
     ap.add_argument("--hosts", type=int, default=2, help="hosts (simulated on one machine)")
     ap.add_argument("--devices-per-host", type=int, default=2, help="devices per host")
     ap.add_argument("--storage", default="runs", help="runs folder (checkpoints, mlflow.db)")
     ap.add_argument("--name", default="maml", help="run name; the same name resumes")
-    ap.add_argument("--batch-size", type=int, default=32, help="tasks per meta-update")
+    ap.add_argument("--batch-size", type=int, default=128, help="tasks per meta-update")
     ap.add_argument("--shots", type=int, default=10, help="support (and query) points per task")
     ap.add_argument("--inner-steps", type=int, default=1, help="SGD steps on the support set")
     ap.add_argument("--inner-lr", type=float, default=0.01, help="inner-loop step size")
-    ap.add_argument("--lr", type=float, default=3e-3, help="meta learning rate (Adam)")
+    ap.add_argument("--lr", type=float, default=1e-2, help="meta learning rate (Adam)")
     ap.add_argument("--first-order", action="store_true", help="first-order MAML")
     ap.add_argument("--gpu", action="store_true", help="use the hosts' GPUs")
     return ap.parse_args(argv)
@@ -103,16 +103,19 @@ def loss(model, batch, rng, train, inner_steps=1, inner_lr=0.01, first_order=Fal
 def main(argv=None):
     args = parse(argv)
     storage = os.path.abspath(args.storage)
-    train = sinusoid_tasks(STEPS_PER_EPOCH * args.batch_size, args.shots, seed=0)
-    held_out = sinusoid_tasks(1000, args.shots, seed=1)
+    train = sinusoid_tasks(TRAIN_TASKS, args.shots, seed=0)
+    held_out = sinusoid_tasks(HELD_OUT_TASKS, args.shots, seed=1)
     maml = functools.partial(loss, inner_steps=args.inner_steps, inner_lr=args.inner_lr,
                              first_order=args.first_order)
     result = redray.fit(
         Regressor, collate, maml, optax.adam(args.lr), train_data=train, eval_data=held_out,
-        batch_size=args.batch_size, epochs=math.ceil(args.steps / STEPS_PER_EPOCH),
-        max_steps=args.steps, eval_at_start=True, hosts=args.hosts,
-        devices_per_host=args.devices_per_host, use_gpu=args.gpu, name=args.name,
-        storage_path=storage, log_every=50, checkpoint=redray.CheckpointConfig(save_every=100))
+        batch_size=args.batch_size, max_steps=args.steps,
+        epochs=math.ceil(args.steps / (TRAIN_TASKS // args.batch_size)), eval_at_start=True,
+        hosts=args.hosts, devices_per_host=args.devices_per_host, use_gpu=args.gpu,
+        name=args.name, storage_path=storage, checkpoint=redray.CheckpointConfig(save_every=100),
+        # a report is a barrier across hosts; and more than 32 steps queued on a simulated
+        # CPU device can deadlock XLA (its per-device launch limit), so every 20
+        log_every=20)
     evals = [r for r in result.history if "eval_loss" in r]
     more = f"the same command with --steps {args.steps * 2}"
     if not evals:
