@@ -1,5 +1,9 @@
 """Trainer on 4 simulated CPU devices: sharded training equals one device."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,13 +167,15 @@ def test_fit_runs_eval_loss_and_predict_metric_each_epoch():
 
     t = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                        predict=lm_predict, batch_size=8, model_axis=2, progress=False)
-    history = t.fit(DATA[:64], epochs=2, eval_data=DATA[64:83], eval_metric=metric)
+    history = t.fit(DATA[:64], epochs=2, eval_data=DATA[64:83], eval_metric=metric,
+                    eval_at_start=True)
     evals = [row for row in history if "eval_loss" in row]
-    assert [row["epoch"] for row in evals] == [0, 1]
-    assert {"eval_loss", "eval_accuracy", "eval_next_token_accuracy"} <= set(evals[0])
-    assert evals[1]["eval_loss"] < evals[0]["eval_loss"]
-    # eval accuracy from the loss and from the Predictor measure the same thing
-    assert evals[1]["eval_next_token_accuracy"] == pytest.approx(evals[1]["eval_accuracy"], rel=1e-5)
+    assert [(row["step"], row["epoch"]) for row in evals] == [(0, 0), (8, 0), (16, 1)]
+    for row in evals:  # the evaluation before training has the Predictor's metric too
+        assert {"eval_loss", "eval_accuracy", "eval_next_token_accuracy"} <= set(row)
+        # eval accuracy from the loss and from the Predictor measure the same thing
+        assert row["eval_next_token_accuracy"] == pytest.approx(row["eval_accuracy"], rel=1e-5)
+    assert evals[2]["eval_loss"] < evals[1]["eval_loss"] < evals[0]["eval_loss"]
 
 
 def test_evaluate_before_fit_with_fewer_examples_than_a_batch():
@@ -179,3 +185,21 @@ def test_evaluate_before_fit_with_fewer_examples_than_a_batch():
         t.fit(DATA[:5])
     with pytest.raises(ValueError, match="eval_metric needs eval_data and a predict function"):
         t.fit(DATA, eval_data=DATA[:8], eval_metric=lambda examples, predictions: {})
+
+
+def test_many_steps_between_metric_fetches_do_not_deadlock_cpu_collectives(tmp_path):
+    # XLA:CPU deadlocks when ~32+ programs with collectives queue up on 2 cores (the
+    # launch pool fills with one device's launches); fit bounds what is in flight. Run
+    # in a subprocess: the deadlock ends in an abort that would take pytest down too.
+    script = tmp_path / "long_window.py"
+    script.write_text(
+        "import optax, redray\n"
+        "from tiny import TinyLM, lm_collate, lm_loss, token_data\n"
+        "t = redray.Trainer(lambda rngs: TinyLM(rngs, dim=16), lm_collate, lm_loss,\n"
+        "                   optax.adam(1e-3), batch_size=8, model_axis=2, log_every=200,\n"
+        "                   progress=False, prefetch=0)\n"
+        "print(len(t.fit(token_data(8 * 200, seq=8), epochs=1)))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ,
+                                            "PYTHONPATH": os.path.dirname(__file__)})
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr[-2000:]

@@ -47,6 +47,7 @@ class HostRun:
     def __init__(self, job: dict, rank: int):
         self.job, self.rank = job, rank
         self.main = None
+        self.flushes: list = []
 
     def claim(self, trainer, default_checkpoint: bool) -> None:
         from redray.cluster.tracker import describe_run, worker_hooks
@@ -62,19 +63,24 @@ class HostRun:
             self.main = trainer
         trainer.config = {**self.job["config"], **trainer.config}
         trainer.on_checkpoint = _register_checkpoint
-        worker_hooks(trainer, self.job["tracker"], self.rank)
+        self.flushes.append(worker_hooks(trainer, self.job["tracker"], self.rank))
         if self.rank == 0:
             trainer.on_init = lambda: describe_run(trainer, self.job["tracker"])
 
     def result(self, value) -> dict:
         """What host 0 sends the driver: the function's value and the main Trainer's
-        resume step and newest checkpoint."""
+        resume step and newest checkpoint (once every logged row reached the tracker)."""
+        for flush in self.flushes:
+            flush()
         main = self.main
-        return {"value": value,
-                "resumed_from_step": None if main is None else
-                (main.resumed_from or {}).get("step"),
-                "checkpoint": main.checkpointer.last_saved
-                if main is not None and main.checkpointer else None}
+        resumed = None if main is None else (main.resumed_from or {}).get("step")
+        checkpoint = None
+        if main is not None and main.checkpointer is not None:
+            # a run resumed with nothing left to train wrote none: its newest is the one
+            # it resumed from
+            checkpoint = main.checkpointer.last_saved or (
+                None if resumed is None else main.checkpointer.step_path(resumed))
+        return {"value": value, "resumed_from_step": resumed, "checkpoint": checkpoint}
 
 
 def fit_on_host(job: dict, rank: int) -> dict:

@@ -7,6 +7,7 @@ the batch sharding), so one host or many see the same batches.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from typing import Callable, Iterable, Iterator, Sequence
@@ -102,3 +103,24 @@ def prefetch(items: Iterable, make: Callable, depth: int = 2) -> Iterator:
                 q.get_nowait()
             except queue.Empty:
                 thread.join(timeout=0.05)
+
+
+class InFlight:
+    """Keeps at most ``limit`` dispatched device programs unfinished.
+
+    JAX dispatches asynchronously. On XLA:CPU with few cores, a long queue of programs
+    that hold collectives can deadlock: launches waiting for one device fill XLA's small
+    launch thread pool (max(cores, devices) threads), so another device never reaches
+    the all-reduce (seen with more than ~32 queued steps on 2 cores). Waiting for the
+    program ``limit`` back keeps the devices fed without that risk.
+    """
+
+    def __init__(self, limit: int = 8):
+        self.limit = limit
+        self.queue: collections.deque = collections.deque()
+
+    def add(self, outputs) -> None:
+        """Records a dispatched program's outputs; blocks on the oldest beyond the limit."""
+        self.queue.append(outputs)
+        if len(self.queue) > self.limit:
+            jax.block_until_ready(self.queue.popleft())

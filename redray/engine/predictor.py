@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from redray.engine.batches import collate_checked, process_rows, read_rows, to_global
+from redray.engine.batches import InFlight, collate_checked, process_rows, read_rows, to_global
 from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
 from redray.pipeline import PipelineError, check_predict_output
 from redray.sharding import batch_sharding, data_parallel_size
@@ -101,7 +101,7 @@ class Predictor:
         rng = jax.random.fold_in(jax.random.key(self.seed), 3)
         sharding = batch_sharding(self.runtime.mesh)
         mine = process_rows(sharding, size)
-        pending = []
+        pending, in_flight = [], InFlight()
         for start in range(0, len(examples), size):
             n = min(size, len(examples) - start)
             # the short last batch repeats its last example; those outputs are dropped
@@ -113,6 +113,7 @@ class Predictor:
             out = self._step(params, extra, to_global(batch, sharding, size),
                              jax.random.fold_in(rng, start))
             pending.append((n, out))
+            in_flight.add(out)
         results = []
         for n, out in pending:
             host = jax.device_get(out)

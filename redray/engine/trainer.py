@@ -12,8 +12,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.checkpoint import CheckpointConfig, CheckpointMismatch
-from redray.engine.batches import (collate_checked, epoch_order, prefetch, process_rows,
-                                   read_rows, to_global)
+from redray.engine.batches import (InFlight, collate_checked, epoch_order, prefetch,
+                                   process_rows, read_rows, to_global)
 from redray.engine.model import merge_trainable, split_trainable
 from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
 from redray.pipeline import Pipeline, PipelineError, split_loss_output
@@ -433,7 +433,7 @@ class Trainer:
         size = self.eval_batch_size
         rng = jax.random.fold_in(jax.random.key(self.seed), 2)
         totals: dict[str, float] = {}
-        pending = []
+        pending, in_flight = [], InFlight()
         for start in range(0, len(examples), size):
             n = min(size, len(examples) - start)
             sharding = batch_sharding(self.mesh) if n % self.dp == 0 else self.runtime.replicated()
@@ -442,6 +442,7 @@ class Trainer:
             placed = to_global(collate_checked(self.pipeline.collate, rows), sharding, n)
             pending.append((n, self._steps["eval"](self._whole_params(), self.state["extra"],
                                                    placed, rng)))
+            in_flight.add(pending[-1][1])
         for n, metrics in pending:
             for k, v in jax.device_get(metrics).items():
                 totals[k] = totals.get(k, 0.0) + float(v) * n
@@ -513,8 +514,7 @@ class Trainer:
 
         left = first_epoch < epochs and (max_steps is None or done < max_steps)
         if eval_at_start and eval_data is not None and left:
-            self._log(history, {"step": done, "epoch": first_epoch, **{
-                f"eval_{k}": v for k, v in self.evaluate(eval_data).items()}})
+            self._eval_row(history, done, first_epoch, eval_data, eval_metric)
         for epoch in range(first_epoch, epochs):
             if max_steps is not None and done >= max_steps:
                 break
@@ -524,7 +524,7 @@ class Trainer:
                 min(steps_per_epoch, start + max_steps - done)
             bar = tqdm(total=steps_per_epoch, initial=start, desc=f"epoch {epoch}", leave=False,
                        disable=not self.progress or jax.process_index() != 0)
-            window, t0 = [], time.perf_counter()
+            window, t0, in_flight = [], time.perf_counter(), InFlight()
 
             def make(i, order=order):
                 rows = order[i * self.batch_size:(i + 1) * self.batch_size][mine]
@@ -536,6 +536,7 @@ class Trainer:
             for i, placed in zip(range(start, stop), prefetch(range(start, stop), make,
                                                              self.prefetch)):
                 window.append(self._step(placed))
+                in_flight.add(window[-1])
                 done += 1
                 self.position = (epoch, i + 1, False)
                 bar.update(1)
@@ -553,16 +554,7 @@ class Trainer:
             bar.close()
             row = None
             if eval_data is not None:
-                row = {"step": done, "epoch": epoch,
-                       **{f"eval_{k}": v for k, v in self.evaluate(eval_data).items()}}
-                if eval_metric is not None:
-                    preds = self.predictor().predict(eval_data)
-                    row.update({f"eval_{k}": float(v) for k, v in eval_metric(
-                        read_rows(eval_data, range(len(eval_data))), preds).items()})
-                self._log(history, row)
-                if self.progress and jax.process_index() == 0:
-                    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                   for k, v in row.items()))
+                row = self._eval_row(history, done, epoch, eval_data, eval_metric)
             if stop < steps_per_epoch:  # max_steps ended the run inside this epoch
                 break
             self.position = (epoch, steps_per_epoch, True)
@@ -574,6 +566,21 @@ class Trainer:
                  else None)
             self.checkpointer.wait()
         return history
+
+    def _eval_row(self, history, step, epoch, eval_data, eval_metric) -> dict:
+        """Evaluates (loss, metrics and, with ``eval_metric``, the Predictor's metric),
+        logs the row and prints it."""
+        row = {"step": step, "epoch": epoch,
+               **{f"eval_{k}": v for k, v in self.evaluate(eval_data).items()}}
+        if eval_metric is not None:
+            preds = self.predictor().predict(eval_data)
+            row.update({f"eval_{k}": float(v) for k, v in eval_metric(
+                read_rows(eval_data, range(len(eval_data))), preds).items()})
+        self._log(history, row)
+        if self.progress and jax.process_index() == 0:
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in row.items()))
+        return row
 
     def _check_resume(self, train, shuffle) -> None:
         """Refuses to resume a run on other data or another order: that would silently
