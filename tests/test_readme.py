@@ -71,6 +71,19 @@ PROBES = {
     "loss_before_tuning": "float(lm_loss(model, {'ids': np.stack([r['ids'] for r in counting])},"
                           " None, False))",
     "loss_after_tuning": "tuner.evaluate(counting)['loss']",
+    "private_accuracy": "private_history[-1]['eval_accuracy']",
+    "lora_sizes": "[adapted.describe()[k] for k in ('trainable_parameters', 'parameters')]",
+    "lora_state": "sorted({p.rsplit('/', 1)[-1] for p in redray.sharding.flatten("
+                  "adapted.state['params'])[0]})",
+    "lora_loss": "adapted.evaluate(counting)['loss']",
+    "merged_loss": "float(lm_loss(merged, {'ids': np.stack([r['ids'] for r in counting])},"
+                   " None, False))",
+    "merged_names": "sorted({p for p in redray.sharding.flatten(nnx.state(merged))[0]"
+                    " if 'lora' in p})",
+    "looped": "[looped.value, looped.checkpoint, looped.resumed_from_step]",
+    "looped_logged": "[(m.step, round(m.value, 6)) for m in __import__('mlflow').MlflowClient("
+                     "looped.tracking_uri).get_metric_history(looped.mlflow_run_id,"
+                     " 'test_accuracy')]",
 }
 
 KNOWN_LANGUAGES = {"python", "bash", "text"}
@@ -262,6 +275,20 @@ def test_the_python_blocks_run_and_do_what_they_say(program, work):
     assert program["loss_after_tuning"] < program["loss_before_tuning"]
     from safetensors.numpy import load_file
 
+    # DP-SGD still learns the quadrants under clipping and noise
+    assert program["private_accuracy"] > 0.9
+    # LoRA: only the adapters train (A and B of q and v in each of the 2 layers), the
+    # loss falls below the base model's, and merging keeps what the adapters learned
+    trained, total = program["lora_sizes"]
+    assert program["lora_state"] == ["lora_a", "lora_b"] and 0 < trained < total / 10
+    assert program["lora_loss"] < program["loss_before_tuning"]
+    np.testing.assert_allclose(program["merged_loss"], program["lora_loss"], rtol=1e-4)
+    assert program["merged_names"] == []
+    # redray.run: 4 rounds of 7 steps on 2 hosts, each round's metric logged once
+    assert program["looped"] == [28, f"{work['work']}/runs/rounds/checkpoints/28", None]
+    assert [step for step, _ in program["looped_logged"]] == [7, 14, 21, 28]
+    assert all(0.5 < value <= 1.0 for _, value in program["looped_logged"])
+
     written = load_file(os.path.join(work["work"], "exported", "model.safetensors"))
     original = load_file(os.path.join(work["work"], "tiny-llama", "model.safetensors"))
     assert written.keys() == original.keys()
@@ -285,7 +312,7 @@ def check_plan(work, out):
 
 def check_runs(work, out):
     rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:]}
-    assert rows == {"demo": "FINISHED", "points": "FINISHED"}, out
+    assert rows == {"demo": "FINISHED", "points": "FINISHED", "rounds": "FINISHED"}, out
 
 
 def check_plot(work, out):
