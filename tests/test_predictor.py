@@ -362,3 +362,22 @@ def test_params_without_extra_use_fresh_model_state():
     p = redray.Predictor(BNModel, collate, bn_predict, params=base.params, batch_size=8)
     np.testing.assert_allclose(np.stack(p.predict(EXAMPLES[:8])), expected, rtol=1e-4,
                                atol=1e-5)
+
+
+def test_sampling_predict_gets_a_new_rng_each_call_unless_given():
+    from tiny import TinyLM, lm_collate, lm_loss, token_data
+
+    data = token_data(16)
+
+    def sample(model, batch, rng):
+        return jax.random.uniform(rng, (batch["ids"].shape[0],))
+
+    t = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+                       predict=sample, batch_size=8, progress=False)
+    t.init(data)
+    assert t.predictor() is t.predictor()  # one compiled predictor per batch size
+    first, second = (np.stack(t.predictor().predict(data[:8])) for _ in range(2))
+    assert not np.allclose(first, second)
+    key = jax.random.key(7)
+    again = [np.stack(t.predictor().predict(data[:8], rng=key)) for _ in range(2)]
+    np.testing.assert_array_equal(*again)

@@ -43,7 +43,8 @@ class RunResult:
             lines += [f"MLflow store:  {self.tracking_uri} (run {self.mlflow_run_id})",
                       f"MLflow UI:     {ui_command(self.tracking_uri)}"]
         lines.append(f"resume / more: the same command (run {self.name!r} in "
-                     f"{self.storage_path}) resumes; raise its steps or epochs to train on")
+                     f"{self.storage_path}) resumes; raise its budget (steps, epochs, "
+                     "iterations) to train on")
         return "\n".join(lines)
 
 
@@ -313,7 +314,7 @@ class _Launch:
         through Ray's own serializer (the row sources' object references need it).
         """
         import ray
-        from ray.train import FailureConfig, RunConfig
+        from ray.train import FailureConfig, LoggingConfig, RunConfig
         from ray.train.v2.jax import JaxTrainer
 
         from redray.cluster import worker
@@ -332,6 +333,10 @@ class _Launch:
             tracker = start_tracker(resolve_tracking_uri(uri, self.storage_path), self.name,
                                     f"{self.storage_path.rstrip('/')}/{self.name}", experiment,
                                     self.resume, self.checkpoint, config)
+        # Ray Train's controller collects reports (checkpoint registrations, a barrier on
+        # every host) only at this interval, 2 s by default: a loop that checkpoints
+        # often would stall that long each time. Ray passes it on to the controller.
+        os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
         job = {**job, "user": _user_bytes(user), "host_fn": getattr(worker, host_fn),
                "results": results,
                "tracker": tracker, "checkpoint": self.checkpoint, "config": config}
@@ -342,6 +347,7 @@ class _Launch:
             run_config=RunConfig(name=self.name, storage_path=self.storage_path,
                                  failure_config=FailureConfig(max_failures=self.max_failures),
                                  worker_runtime_env={"env_vars": self._env()},
+                                 logging_config=LoggingConfig(log_level="WARNING"),
                                  callbacks=[] if tracker is None else [MetricsToTracker(tracker)]))
         start = time.perf_counter()
         try:

@@ -61,6 +61,7 @@ class Predictor:
         self.runtime, self.collate, self.predict_fn = runtime, collate, predict
         self.batch_size, self.seed = batch_size, seed
         self._step = None
+        self._calls = 0
         self._source = lambda: (self.params, self.extra)
 
     def _prepare(self, sample: dict) -> None:
@@ -89,16 +90,23 @@ class Predictor:
 
         self._step = jax.jit(step, out_shardings=rt.replicated())
 
-    def predict(self, examples: Sequence) -> list:
+    def predict(self, examples: Sequence, rng=None) -> list:
         """One output per example, in order: a list of per-example pytrees of numpy.
 
-        ``examples``: a list, or a row source (``len`` + ``take_rows``). On many hosts
-        each feeds its rows of every batch and every host gets all outputs.
+        Args:
+          examples: a list, or a row source (``len`` + ``take_rows``). On many hosts
+            each feeds its rows of every batch and every host gets all outputs.
+          rng: the key ``predict`` functions get (each batch folds in its position);
+            default: from the seed and a count of calls, so sampling differs between
+            calls and is the same on every host.
         """
         if not len(examples):
             return []
         size = self.batch_size
-        rng = jax.random.fold_in(jax.random.key(self.seed), 3)
+        if rng is None:
+            rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), 3),
+                                     self._calls)
+        self._calls += 1
         sharding = batch_sharding(self.runtime.mesh)
         mine = process_rows(sharding, size)
         pending, in_flight = [], InFlight()

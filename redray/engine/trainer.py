@@ -129,6 +129,7 @@ class Trainer:
         # Called on every process with each row fit logs (redray.fit reports it to Ray).
         self.on_log: Callable | None = None
         self._summarized = False
+        self._predictors: dict = {}
         # Called on every process once the state exists (fresh or restored).
         self.on_init: Callable | None = None
         if _host_run is not None:
@@ -652,15 +653,22 @@ class Trainer:
         return row
 
     def predictor(self, batch_size: int | None = None):
-        """A Predictor that always uses this trainer's latest parameters (no copy)."""
+        """A Predictor that always uses this trainer's latest parameters (no copy).
+
+        The same one for the same batch size: a loop that predicts every iteration
+        compiles once, and its default ``rng`` keeps changing between calls.
+        """
         from redray.engine.predictor import Predictor
 
         self._require_init("predictor")
         if self.pipeline.predict is None:
             raise PipelineError("this Trainer has no predict function: pass predict=... to Trainer")
-        return Predictor._from_runtime(self.runtime, self.pipeline.collate, self.pipeline.predict,
-                                       lambda: (self._whole_params(), self.state["extra"]),
-                                       batch_size or self.eval_batch_size, self.seed)
+        size = batch_size or self.eval_batch_size
+        if size not in self._predictors:
+            self._predictors[size] = Predictor._from_runtime(
+                self.runtime, self.pipeline.collate, self.pipeline.predict,
+                lambda: (self._whole_params(), self.state["extra"]), size, self.seed)
+        return self._predictors[size]
 
 
 def _tokens_per_example(batch) -> int:
