@@ -8,7 +8,10 @@ following the rules in ``redray/sharding/rules.py``:
 * column (output dim split) for a layer fed by nothing split; row (input dim split)
   for a layer fed only by column layers;
 * attention: Q/K/V column along heads, output projection row;
-* lookups (embeddings) split along the vocabulary (indexed) dim;
+* lookups (embeddings) split along the vocabulary (indexed) dim; one added to a larger
+  lookup (positions) stays whole; one added to head-split scores splits its heads;
+* a dimension the layer's output is sliced along (the Q/K/V axis of a fused kernel) is
+  never split;
 * column layer at the end of the graph with out < in (classifier head): replicated;
 * biases / scales on a column layer's output split with it, everything else replicated;
 * first divisible dim in the parameter's own order, else replicated;
@@ -172,7 +175,7 @@ def test_gpt2(fused):
     got, _, _ = nnx_specs(GPT2(fused), tokens())
     expected = {
         "wte/embedding": P("model"),        # vocab rows (lookup, and the tied head's output)
-        "wpe/embedding": P("model"),        # 64 position rows divide by 4
+        "wpe/embedding": REP,               # added to wte's rows: whole (one all-reduce)
         "ln_f/scale": REP, "ln_f/bias": REP,
     }
     for i in range(2):
@@ -190,6 +193,43 @@ def test_gpt2(fused):
             f"h/{i}/mlp/c_proj/bias": REP,
         })
     assert_specs(got, expected)
+
+
+class FusedBlock(nnx.Module):
+    """Fused Q/K/V (hidden, 3, heads, head_dim) and gated MLP (hidden, 2, 48) kernels
+    whose part axes a model axis of 3 or 2 divides: the rules must split heads and the
+    MLP width instead."""
+
+    def __init__(self, heads, rngs):
+        self.heads = heads
+        self.qkv = nnx.LinearGeneral(D, (3, heads, 8), use_bias=False, rngs=rngs)
+        self.o = nnx.LinearGeneral((heads, 8), D, axis=(-2, -1), use_bias=False, rngs=rngs)
+        self.gate_up = nnx.LinearGeneral(D, (2, 48), use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(48, D, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        qkv = self.qkv(x)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        x = x + self.o(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(causal(s)), v))
+        gate_up = self.gate_up(x)
+        return x + self.down(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1])
+
+
+@pytest.mark.parametrize("model_axis", [2, 3])
+def test_fused_kernels_split_heads_not_their_parts(model_axis):
+    mesh = make_mesh(model_axis=model_axis, devices=jax.devices()[:model_axis])
+    got, _, _ = nnx_specs(FusedBlock(6, nnx.Rngs(0)), jnp.ones((B, T, D)), mesh=mesh)
+    assert_specs(got, {"qkv/kernel": P(None, None, "model"), "o/kernel": ROW,
+                       "gate_up/kernel": P(None, None, "model"), "down/kernel": ROW})
+
+
+def test_fused_kernel_replicated_when_only_its_parts_divide():
+    # 4 heads of 8 over a model axis of 3: only the Q/K/V axis divides, and splitting it
+    # would put a head's Q, K and V on different devices; whole is the honest answer
+    got, _, _ = nnx_specs(FusedBlock(4, nnx.Rngs(0)), jnp.ones((B, T, D)),
+                          mesh=make_mesh(model_axis=3, devices=jax.devices()[:3]))
+    assert got["qkv/kernel"] == REP, got
 
 
 # --------------------------------------------------------------------------- 2. LLaMA
@@ -522,9 +562,9 @@ def t5_expected():
                               ("decoder", 3, ("SelfAttention", "EncDecAttention"))):
         for a in attns:
             expected.update({f"{blk}/{a}/{k}": s for k, s in attn.items()})
-        # (32 buckets, 4 heads) table indexed by bucket: a lookup, split along the
-        # indexed dim (32 divides by 4) per the docstring's embedding rule.
-        expected[f"{blk}/SelfAttention/relative_attention_bias/embedding"] = P("model")
+        # (32 buckets, 4 heads) table indexed by bucket, added to head-split scores: it
+        # splits its heads, so adding it is local (a bucket split would be partial sums)
+        expected[f"{blk}/SelfAttention/relative_attention_bias/embedding"] = P(None, "model")
         expected.update({f"{blk}/layer_norm_{j}/scale": REP for j in range(norms)})
         expected[f"{blk}/DenseReluDense/wi/kernel"] = COL
         expected[f"{blk}/DenseReluDense/wo/kernel"] = ROW

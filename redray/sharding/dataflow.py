@@ -1,18 +1,24 @@
 """Which parameter feeds which: the model's real dataflow, read from one trace.
 
 The model (or the user's loss) is traced once on abstract inputs with
-``jax.make_jaxpr``. Walking the jaxpr, every value carries two facts:
+``jax.make_jaxpr``. Walking the jaxpr, every value carries three facts:
 
 * ``view``: the value is a parameter seen through layout-only operations (dtype casts,
   transposes, reshapes, slices), with the parameter dimensions each of its dimensions
   comes from;
 * ``src``: the parameters whose matmul (or embedding lookup) output reaches the value
-  without passing through another parameter's matmul.
+  without passing through another parameter's matmul;
+* ``out``: the value is a parameter's layer output (the matmul's result, through
+  layout-only operations and elementwise ones with a bias or a scale), with the
+  parameter dimensions each of its dimensions comes from.
 
 A matmul between an activation and a parameter view records a *use*: which parameter
 dimensions it contracts (the layer's input) and which it keeps (its output), and the
-``src`` of the activation (the layers that feed it). The rules in ``rules.py`` turn
-these uses into tensor-parallel splits; nothing here depends on parameter names.
+``src`` of the activation (the layers that feed it). A layer output sliced along a
+dimension (a fused QKV kernel's output cut into Q, K and V) records that the parameter
+dimension behind it is *cut*: splitting it would put Q, K and V on different devices.
+The rules in ``rules.py`` turn these uses into tensor-parallel splits; nothing here
+depends on parameter names.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Use:
 class _Info:
     view: tuple[int, tuple[frozenset, ...]] | None = None  # (param index, dims per value dim)
     src: frozenset = _EMPTY
+    out: tuple[int, tuple[frozenset, ...]] | None = None  # (param index, dims per value dim)
 
 
 class Trace:
@@ -67,6 +74,8 @@ class Trace:
     def __init__(self, n_params: int):
         self.n_params = n_params
         self.uses: dict[int, list[Use]] = {}
+        # parameter -> output dimensions its layer's output is sliced along
+        self.cut: dict[int, set[int]] = {}
         self._counter = itertools.count()
 
     def add(self, param: int, kind: str, in_dims, out_dims, preds) -> None:
@@ -164,7 +173,40 @@ def _eqn(eqn, ins: list[_Info], out: Trace) -> list[_Info]:
                 pidx, dims = a.view
                 all_dims = frozenset().union(*dims) if dims else _EMPTY
                 out.add(pidx, "elementwise", _EMPTY, all_dims, b.src)
-    return _generic(eqn, ins)
+    layer_out = _layer_output(eqn, ins, out)
+    return layer_out if layer_out is not None else _generic(eqn, ins)
+
+
+def _layer_output(eqn, ins, out: Trace) -> list[_Info] | None:
+    """Follows a layer's output through layout and bias/scale operations, recording the
+    dimensions it is sliced along; None when ``eqn`` is not such an operation."""
+    if not ins or ins[0].out is None:  # a bias added in front: bias + x W
+        if eqn.primitive.name in _ELEMENTWISE and len(ins) == 2 and ins[1].out is not None \
+                and _shape(eqn.outvars[0]) == _shape(eqn.invars[1]):
+            return [_Info(src=_union_src(ins), out=ins[1].out)]
+        return None
+    name = eqn.primitive.name
+    pidx, dims = ins[0].out
+    in_shape, src = _shape(eqn.invars[0]), _union_src(ins)
+    if name in ("slice", "dynamic_slice", "split"):
+        shapes = [_shape(v) for v in eqn.outvars]
+        cut = {d for d in range(len(in_shape)) if any(s[d] < in_shape[d] for s in shapes)}
+        for d in cut:
+            # A parameter dimension reshaped into several (hidden -> heads, head_dim) is
+            # split along its major part: slicing a minor part (half of each head for
+            # rotary embeddings) cuts nothing a split would separate.
+            major = dims[d] - frozenset().union(*dims[:d])
+            out.cut.setdefault(pidx, set()).update(major)
+        return [_Info(src=src, out=(pidx, dims)) for _ in eqn.outvars]
+    if name in _ELEMENTWISE and len(ins) == 2:
+        if ins[1].out is None and _shape(eqn.outvars[0]) == in_shape:
+            return [_Info(src=src, out=(pidx, dims))]
+        return None
+    if len(ins) == 1:
+        mapped = _map_view(eqn, dims)
+        if mapped is not None:
+            return [_Info(src=src, out=(pidx, mapped))]
+    return None
 
 
 def _inner_jaxpr(params):
@@ -186,9 +228,17 @@ def _dot(eqn, ins, out: Trace) -> _Info:
                 _record_dot(out, info, contract, (), _EMPTY)
             return _Info(src=srcs)
         return _Info(src=lhs.src | rhs.src)
-    param, contract, batch, act = (lhs, lc, lb, rhs) if lhs.view is not None else (rhs, rc, rb, lhs)
+    param_is_lhs = lhs.view is not None
+    param, contract, batch, act = (lhs, lc, lb, rhs) if param_is_lhs else (rhs, rc, rb, lhs)
     _record_dot(out, param, contract, batch, act.src)
-    return _Info(src=frozenset({param.view[0]}))
+    pidx, dims = param.view
+    free = [dims[d] for d in range(len(dims)) if d not in contract and d not in batch]
+    n_act_free = len(_shape(eqn.invars[1 if param_is_lhs else 0])) - len(contract) - len(batch)
+    if param_is_lhs:  # output: batch dims, the parameter's free dims, the activation's
+        out_dims = [_EMPTY] * len(batch) + free + [_EMPTY] * n_act_free
+    else:
+        out_dims = [_EMPTY] * (len(batch) + n_act_free) + free
+    return _Info(src=frozenset({pidx}), out=(pidx, tuple(out_dims)))
 
 
 def _record_dot(out: Trace, info: _Info, contract, batch, preds) -> None:

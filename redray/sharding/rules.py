@@ -10,13 +10,18 @@ residual stream (OPT-350m's ``project_in``): it stays replicated, so the stream 
 (replicated) residual stream, so they are column parallel along their output (head)
 dimension; the output projection reads only what Q, K and V produced, so it is row
 parallel along its input dimension. Embedding tables (parameters indexed by a lookup)
-and LM heads (column layers at the end of the graph) split along the vocabulary.
+and LM heads (column layers at the end of the graph) split along the vocabulary; a
+lookup added to a larger one (position embeddings added to token embeddings) stays
+whole, as in Megatron-LM; a lookup whose rows are added to split values (T5's relative
+position bias per head, added to head-split scores) splits its entries (heads) instead.
 
 Which dimension: the first one that divides by the axis size, in the parameter's own
-order (heads before head_dim); if none divides, the parameter is replicated and the
-layers after it see an unsplit input. A column layer at the end of the graph whose
-output is smaller than its input (a classifier head) stays replicated: splitting it
-would only add an all-reduce of its input gradient.
+order (heads before head_dim), skipping the dimensions the layer's output is sliced
+along (a fused QKV kernel (hidden, 3, heads, head_dim) keeps its size-3 axis whole, so
+Q, K and V of a head stay on one device); if none divides, the parameter is replicated
+and the layers after it see an unsplit input. A column layer at the end of the graph
+whose output is smaller than its input (a classifier head) stays replicated: splitting
+it would only add an all-reduce of its input gradient.
 
 Biases and norm scales that are added to or multiply a column layer's output split
 with that output. The ``fsdp`` axis then shards the largest remaining divisible
@@ -65,22 +70,26 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
         return split
     role: dict[int, str] = {}
     uses = trace.uses if trace is not None else {}
+    cut = trace.cut if trace is not None else {}
     graph = _LayerGraph(uses)
     structural = sorted((p for p in uses if any(u.kind != "elementwise" for u in uses[p])),
                         key=lambda p: uses[p][0].order)
+    added = _added_lookups(uses, shapes)
     for p in structural:
         shape = shapes[p]
         gathers = [u for u in uses[p] if u.kind == "gather"]
         dots = [u for u in uses[p] if u.kind == "dot"]
         if gathers:  # an embedding table: split the vocabulary, or replicate
-            split[p] = _first_divisible(gathers[0].in_dims, shape, model_size)
+            split[p] = None if p in added else _first_divisible(gathers[0].in_dims, shape,
+                                                                model_size)
             role[p] = "lookup"
             continue
         preds = frozenset().union(*(u.preds for u in dots))
         # A split activation stays split when replicated values (a position bias,
         # the residual stream) are added to it, so one column predecessor makes a row.
+        whole = cut.get(p, set())
         if any(role.get(q) == "column" for q in preds):
-            split[p] = _first_divisible(dots[0].in_dims, shape, model_size)
+            split[p] = _first_divisible(set(dots[0].in_dims) - whole, shape, model_size)
             role[p] = "row" if split[p] is not None else "replicated"
             continue
         out_size = math.prod(shape[d] for d in dots[0].out_dims)
@@ -88,8 +97,14 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
         if (not graph.consumers(p) and out_size < in_size) or graph.writes_residual(p):
             role[p] = "replicated"
             continue
-        split[p] = _first_divisible(dots[0].out_dims, shape, model_size)
+        split[p] = _first_divisible(set(dots[0].out_dims) - whole, shape, model_size)
         role[p] = "column" if split[p] is not None else "replicated"
+    for p in _lookups_beside_columns(uses, role):
+        # A table of biases for split values (T5's relative position bias per head, added
+        # to head-split attention scores) splits its entries, not its rows: a row split
+        # would leave partial sums to all-reduce.
+        gather = next(u for u in uses[p] if u.kind == "gather")
+        split[p] = _first_divisible(gather.out_dims, shapes[p], model_size)
     for p, pu in uses.items():
         if p in role:
             continue
@@ -99,6 +114,36 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
         if p not in role and len(shapes[p]) == 2 and _EMBED_NAME.search(path):
             split[p] = _first_divisible([0], shapes[p], model_size)
     return split
+
+
+def _added_lookups(uses: dict, shapes) -> set[int]:
+    """Lookup tables whose rows are added to a larger table's (GPT-2's positions to its
+    tokens): they stay whole, as in Megatron-LM.
+
+    A vocabulary-split lookup yields partial sums that cost one all-reduce; XLA reduces
+    each table's partial sums on its own rather than adding them first, so every split
+    table beside the largest would cost another activation-sized all-reduce per step.
+    """
+    lookups = {p for p, us in uses.items() if any(u.kind == "gather" for u in us)}
+    whole: set[int] = set()
+    for us in uses.values():
+        for u in us:
+            together = sorted(u.preds & lookups, key=lambda q: (-math.prod(shapes[q]), q))
+            whole.update(together[1:])
+    return whole
+
+
+def _lookups_beside_columns(uses: dict, role: dict) -> list[int]:
+    """Lookup tables whose rows meet a column layer's (split) output before any layer
+    reads them: the layer reading them has a column layer among its inputs too."""
+    found = []
+    for p, us in uses.items():
+        if role.get(p) != "lookup" or any(u.kind == "dot" for u in us):
+            continue
+        readers = [u for q in uses for u in uses[q] if u.kind == "dot" and p in u.preds]
+        if any(role.get(q) == "column" for u in readers for q in u.preds):
+            found.append(p)
+    return found
 
 
 class _LayerGraph:
