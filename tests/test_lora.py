@@ -28,20 +28,20 @@ def loss(model, batch, rng, train):
 
 @pytest.mark.parametrize("config", [LLAMA, GPT2Config(vocab_size=64, n_embd=32, n_layer=2,
                                                       n_head=4, n_positions=16)])
-def test_adapters_start_exact_and_sit_on_queries_and_values(config):
+def test_adapters_start_exact_and_sit_on_the_qkv_projection(config):
     model = build(config, rngs=nnx.Rngs(0))
     want = model(IDS)
     add_lora(model, rank=4)
     np.testing.assert_array_equal(model(IDS), want)  # B starts at zero
     paths = flatten(nnx.state(model, nnx.Param))[0]
     adapted = {p.rsplit("/", 1)[0] for p in paths if "lora_" in p}
-    expected = {"q_proj", "v_proj"} if config.model_type == "llama" else {"c_attn"}
+    expected = {"qkv_proj"} if config.model_type == "llama" else {"c_attn"}  # fused Q/K/V
     assert {p.rsplit("/", 1)[1] for p in adapted} == expected
     assert len(adapted) == len(expected) * 2  # both layers
 
 
 def test_targets_matching_nothing_lists_the_linear_layers():
-    with pytest.raises(ValueError, match=r"matches no linear layer.*self_attn/k_proj"):
+    with pytest.raises(ValueError, match=r"matches no linear layer.*self_attn/qkv_proj"):
         add_lora(build(LLAMA, rngs=nnx.Rngs(0)), targets="attention_out")
 
 
@@ -60,8 +60,8 @@ def test_only_adapters_train_and_merging_keeps_the_outputs(tmp_path):
     for path, leaf in zip(paths, leaves):
         if "lora_" not in path:  # base weights untouched
             np.testing.assert_array_equal(np.asarray(leaf), frozen_before[path.replace("/base", "")])
-    # the checkpoint holds the adapters alone: 2 layers x (q, v) x (A, B)
-    assert len(jax.tree.leaves(trainer.state["params"])) == 8
+    # the checkpoint holds the adapters alone: 2 layers x qkv_proj x (A, B)
+    assert len(jax.tree.leaves(trainer.state["params"])) == 4
     adapted = np.asarray(trained(IDS))
     merged = merge_lora(trained)
     assert not any("lora_" in p for p in flatten(nnx.state(merged, nnx.Param))[0])

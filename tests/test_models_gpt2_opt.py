@@ -174,6 +174,7 @@ def test_export_round_trip(name, checkpoints, loaded, tmp_path):
 # Kernels that must be split over 'model' under tensor parallelism, and along which dim.
 SPLIT = {
     "gpt2": {"wte/embedding": P("model"),
+             "wpe/embedding": P(),  # added to the token rows: whole, one all-reduce for both
              "h/0/attn/c_attn/kernel": P(None, None, "model"),
              "h/0/attn/c_attn/bias": P(None, "model"),
              "h/0/attn/c_proj/kernel": P("model"),
@@ -181,10 +182,9 @@ SPLIT = {
              "h/0/mlp/c_fc/bias": P("model"),
              "h/0/mlp/c_proj/kernel": P("model")},
     "opt": {"embed_tokens/embedding": P("model"),
-            "layers/0/self_attn/q_proj/kernel": P(None, "model"),
-            "layers/0/self_attn/k_proj/kernel": P(None, "model"),
-            "layers/0/self_attn/v_proj/kernel": P(None, "model"),
-            "layers/0/self_attn/q_proj/bias": P("model"),
+            # fused (hidden, heads, 3, head_dim): heads split, Q/K/V of a head together
+            "layers/0/self_attn/qkv_proj/kernel": P(None, "model"),
+            "layers/0/self_attn/qkv_proj/bias": P("model"),
             "layers/0/self_attn/out_proj/kernel": P("model"),
             "layers/0/fc1/kernel": P(None, "model"),
             "layers/0/fc2/kernel": P("model")},

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 torch = pytest.importorskip(
     "torch", reason="parity tests need torch (pip install torch==2.13.0; make test installs it)")
@@ -128,8 +129,8 @@ def test_model_parallel_matches_one_device(checkpoint):
     sharded = from_pretrained(path, model_axis=2)
     assert len(jax.devices()) == 4
     block = sharded.h[0]
-    for kernel in (block.attn.q_proj.kernel, block.attn.k_proj.kernel, block.attn.v_proj.kernel,
-                   block.attn.out_proj.kernel, block.mlp.fc_in.kernel, block.mlp.fc_out.kernel):
+    assert block.attn.qkv_proj.kernel[...].sharding.spec == P(None, "model")  # heads
+    for kernel in (block.attn.out_proj.kernel, block.mlp.fc_in.kernel, block.mlp.fc_out.kernel):
         assert "model" in kernel[...].sharding.spec
     np.testing.assert_allclose(np.asarray(forward(sharded, ids, mask)),
                                np.asarray(forward(single, ids, mask)), atol=1e-5, rtol=0)

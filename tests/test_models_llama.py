@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import redray
 import redray.models as rm
@@ -95,8 +96,11 @@ def test_sharded_load_matches_one_device(pair):
     name, _, path, _ = pair
     one = rm.from_pretrained(path, mesh=redray.make_mesh(devices=jax.devices()[:1]))
     two = rm.from_pretrained(path, model_axis=2)
-    q = two.layers[0].self_attn.q_proj.kernel[...]
-    assert "model" in q.sharding.spec and "model" in two.layers[0].mlp.down_proj.kernel[...].sharding.spec
+    layer = two.layers[0]
+    # whole key/value groups (the kv axis) and the intermediate axis, never the part axes
+    assert layer.self_attn.qkv_proj.kernel[...].sharding.spec == P(None, "model")
+    assert layer.mlp.gate_up_proj.kernel[...].sharding.spec == P(None, None, "model")
+    assert layer.mlp.down_proj.kernel[...].sharding.spec == P("model")
     np.testing.assert_allclose(np.asarray(two(jnp.asarray(IDS))), np.asarray(one(jnp.asarray(IDS))),
                                atol=1e-5, rtol=0)
 

@@ -3,8 +3,8 @@
 Each block reads one LayerNorm output twice, x + attn(ln_1(x)) + mlp(ln_1(x)).
 Q/K/V/out have no bias; fc_in/fc_out and the (untied) LM head do. Rotary embeddings
 rotate the first ``rotary_dim`` dimensions of each head, pairing 2i with 2i+1.
-Q/K/V kernels are laid out (hidden, heads, head_dim) so the automatic rules split
-whole heads.
+Q, K and V share one kernel (hidden, heads, 3, head_dim) (``layers.qkv_projection``), so
+the automatic rules split whole heads and their input gradients reach one all-reduce.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redray.models import layers
-from redray.models.hub import HFConfig, linear, plain
+from redray.models.hub import HFConfig, linear, plain, qkv
 
 MODEL_TYPES = ("gptj",)
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
@@ -40,18 +40,15 @@ class Attention(nnx.Module):
         heads, d, _ = _dims(c)
         hidden = c.hidden_size
         dense = dict(use_bias=False, dtype=dtype, rngs=rngs)
-        self.q_proj = nnx.LinearGeneral(hidden, (heads, d), **dense)
-        self.k_proj = nnx.LinearGeneral(hidden, (heads, d), **dense)
-        self.v_proj = nnx.LinearGeneral(hidden, (heads, d), **dense)
+        self.qkv_proj = layers.qkv_projection(hidden, heads, heads, d, **dense)
         self.out_proj = nnx.LinearGeneral((heads, d), hidden, axis=(-2, -1), **dense)
         self.attn_dropout = nnx.Dropout(_rate(c, "attn_pdrop"), rngs=rngs)
         self.resid_dropout = nnx.Dropout(_rate(c, "resid_pdrop"), rngs=rngs)
         self.scale = d ** -0.5
 
     def __call__(self, x, cos, sin, mask, cache, cache_index, train):
-        q = layers.rotate_interleaved(self.q_proj(x), cos, sin)
-        k = layers.rotate_interleaved(self.k_proj(x), cos, sin)
-        v = self.v_proj(x)
+        q, k, v = layers.split_qkv(self.qkv_proj(x))
+        q, k = layers.rotate_interleaved(q, cos, sin), layers.rotate_interleaved(k, cos, sin)
         new_cache = None
         if cache is not None:
             k, v, new_cache = layers.update_cache(cache, k, v, cache_index)
@@ -139,6 +136,7 @@ trace_inputs = layers.causal_lm_inputs
 def weight_table(config) -> list:
     """Hugging Face tensor names <-> redray parameter paths."""
     c = config.hf if isinstance(config, HFConfig) else config
+    heads, _, _ = _dims(c)
     rows = [plain("transformer.wte.weight", "wte/embedding"),
             plain("transformer.ln_f.weight", "ln_f/scale"),
             plain("transformer.ln_f.bias", "ln_f/bias")]
@@ -150,8 +148,8 @@ def weight_table(config) -> list:
         hf, me = f"transformer.h.{i}", f"h/{i}"
         rows += [plain(f"{hf}.ln_1.weight", f"{me}/ln_1/scale"),
                  plain(f"{hf}.ln_1.bias", f"{me}/ln_1/bias")]
-        for name in ("q_proj", "k_proj", "v_proj"):
-            rows.append(linear(f"{hf}.attn.{name}.weight", f"{me}/attn/{name}/kernel"))
+        rows += qkv(tuple(f"{hf}.attn.{n}" for n in ("q_proj", "k_proj", "v_proj")),
+                    f"{me}/attn/qkv_proj", heads, heads)
         rows.append(linear(f"{hf}.attn.out_proj.weight", f"{me}/attn/out_proj/kernel", in_dims=2))
         for name in ("fc_in", "fc_out"):
             rows += [linear(f"{hf}.mlp.{name}.weight", f"{me}/mlp/{name}/kernel"),

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out: config.json + safetensors, no torch.
 
 Each family describes its weights as one table of ``Tensor`` rows (the HF name, the
-redray parameter path, and how the layout changes). Loading builds the model
+redray parameter path, and how the layout changes), and ``Fused`` rows for arrays that
+hold several HF tensors (a fused QKV kernel). Loading builds the model
 abstractly (``nnx.eval_shape``), derives every parameter's sharding with the automatic
 rules, and places each tensor straight onto its shards: no device ever holds more than
 its share, and the host holds one tensor at a time.
@@ -51,6 +52,59 @@ class Tensor:
     save: Callable[[np.ndarray], np.ndarray]
     fallback: str | None = None
 
+    @property
+    def parts(self) -> tuple[Tensor, ...]:
+        """The Hugging Face tensors this array holds: itself."""
+        return (self,)
+
+    def part_shapes(self, shape: tuple) -> list[tuple]:
+        """The shape each part takes in redray's layout, for the array's ``shape``."""
+        return [shape]
+
+    def combine(self, pieces: list[np.ndarray]) -> np.ndarray:
+        """redray's array from its parts, each already in redray's layout."""
+        return pieces[0]
+
+    def write(self, array: np.ndarray) -> list[np.ndarray]:
+        """The HF arrays of ``parts`` from redray's array."""
+        return [self.save(array)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """Several Hugging Face tensors held side by side in one redray array.
+
+    A fused projection (Q, K and V in one kernel, so their input gradients add up before
+    the one all-reduce tensor parallelism needs) stores its parts along ``axis``:
+    part i takes ``sizes[i]`` entries there and converts as its own ``Tensor`` row.
+    """
+    parts: tuple[Tensor, ...]
+    axis: int
+    sizes: tuple[int, ...]
+
+    @property
+    def path(self) -> str:
+        return self.parts[0].path
+
+    def part_shapes(self, shape: tuple) -> list[tuple]:
+        return [shape[:self.axis] + (size,) + shape[self.axis + 1:] for size in self.sizes]
+
+    def combine(self, pieces: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(pieces, self.axis)
+
+    def write(self, array: np.ndarray) -> list[np.ndarray]:
+        bounds = np.cumsum(self.sizes)[:-1]
+        return [part.save(piece) for part, piece in
+                zip(self.parts, np.split(array, bounds, self.axis))]
+
+
+def fused(path: str, axis: int, sizes: tuple[int, ...], *parts: Tensor) -> Fused:
+    """One array at ``path`` holding ``parts`` (rows made by ``linear``/``plain`` with
+    the same ``path``) along ``axis``, ``sizes[i]`` entries each."""
+    if len(parts) != len(sizes) or any(p.path != path for p in parts):
+        raise ValueError(f"fused {path}: give one size per part, every part at {path}")
+    return Fused(tuple(parts), axis, tuple(sizes))
+
 
 def linear(hf: str, path: str, in_dims: int = 1, fallback: str | None = None) -> Tensor:
     """A torch ``nn.Linear`` weight (out, in) as a kernel (in..., out...)."""
@@ -68,6 +122,31 @@ def plain(hf: str, path: str, flat: bool = False) -> Tensor:
     """Same values, maybe reshaped (``flat``: HF stores it 1-D, e.g. a per-head bias)."""
     return Tensor(hf, path, lambda w, shape: w.reshape(shape),
                   lambda k: k.reshape(-1) if flat else k)
+
+
+def qkv(modules: tuple[str, str, str], path: str, heads: int, kv_heads: int,
+        bias: bool = False) -> list[Fused]:
+    """Hugging Face's separate Q, K and V ``nn.Linear`` modules (their names, without
+    ``.weight``) as the kernel, and with ``bias`` the bias, of one
+    ``layers.qkv_projection`` at ``path`` (e.g. ".../self_attn/qkv_proj")."""
+    sizes = (heads // kv_heads, 1, 1)
+    rows = [fused(f"{path}/kernel", 2, sizes, *(linear(f"{m}.weight", f"{path}/kernel")
+                                                for m in modules))]
+    if bias:
+        rows.append(fused(f"{path}/bias", 1, sizes, *(plain(f"{m}.bias", f"{path}/bias", flat=True)
+                                                      for m in modules)))
+    return rows
+
+
+def gated(modules: tuple[str, str], path: str, bias: bool = False) -> list[Fused]:
+    """Hugging Face's separate gate and up ``nn.Linear`` modules as one
+    ``layers.gated_projection`` at ``path`` (kernel, and bias with ``bias``)."""
+    rows = [fused(f"{path}/kernel", 1, (1, 1), *(linear(f"{m}.weight", f"{path}/kernel")
+                                                 for m in modules))]
+    if bias:
+        rows.append(fused(f"{path}/bias", 0, (1, 1), *(plain(f"{m}.bias", f"{path}/bias", flat=True)
+                                                       for m in modules)))
+    return rows
 
 
 def family(model_type: str):
@@ -162,28 +241,34 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
     table = fam.weight_table(config)
     available = weights.names()
     missing, misshaped, loaded = [], [], {}
+    prefix = getattr(fam, "BASE_PREFIX", None)
     for row in table:
         if row.path not in by_path:
             raise AssertionError(f"{fam.__name__}: table path {row.path!r} is not a parameter")
-        name = _stored_name(row, available, getattr(fam, "BASE_PREFIX", None))
-        if name is None:
-            missing.append(row.hf)
+        names = [_stored_name(part, available, prefix) for part in row.parts]
+        if None in names:
+            missing += [part.hf for part, name in zip(row.parts, names) if name is None]
             continue
         leaf, spec = by_path[row.path]
-        raw = weights.get(name)
-        try:
-            value = row.load(raw, tuple(leaf.shape))
-            if tuple(value.shape) != tuple(leaf.shape):
-                raise ValueError
-        except ValueError:
-            misshaped.append(f"{row.hf}: checkpoint {tuple(raw.shape)}, model {row.path} "
-                             f"expects {tuple(leaf.shape)}")
+        pieces = []
+        for part, name, shape in zip(row.parts, names, row.part_shapes(tuple(leaf.shape))):
+            raw = weights.get(name)
+            try:
+                piece = part.load(raw, shape)
+                if tuple(piece.shape) != shape:
+                    raise ValueError
+                pieces.append(piece)
+            except ValueError:
+                misshaped.append(f"{part.hf}: checkpoint {tuple(raw.shape)}, model {row.path} "
+                                 f"expects {shape}")
+        if len(pieces) < len(row.parts):
             continue
+        value = row.combine(pieces)
         value = np.asarray(value, dtype=leaf.dtype)
         loaded[row.path] = jax.make_array_from_callback(
             value.shape, NamedSharding(mesh, spec), lambda idx, v=value: v[idx])
     ignore = re.compile("|".join(getattr(fam, "IGNORED", ())) or r"(?!)")
-    used = {_stored_name(row, available, getattr(fam, "BASE_PREFIX", None)) for row in table}
+    used = {_stored_name(part, available, prefix) for row in table for part in row.parts}
     unexpected = sorted(n for n in available - used if not ignore.search(n))
     not_loaded = sorted(set(by_path) - set(loaded) - {r.path for r in table})
     if missing or misshaped or unexpected or not_loaded:
@@ -247,7 +332,8 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None) -> Non
     tensors = {}
     for row in fam.weight_table(model.config):
         value = np.asarray(jax.device_get(values[row.path]), dtype=np.float32)
-        tensors[row.hf] = np.ascontiguousarray(row.save(value))
+        for part, array in zip(row.parts, row.write(value)):
+            tensors[part.hf] = np.ascontiguousarray(array)
     if max_shard_bytes is None:
         save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
         return

@@ -119,6 +119,42 @@ def positions_for(kv_valid: jax.Array, q_slots: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.take(pos, q_slots, axis=1), 0)
 
 
+# ------------------------------------------------------------------ fused projections
+# Tensor parallelism splits Q, K and V (and a gated MLP's gate and up) by their outputs,
+# so each one's input gradient is a partial sum that must be all-reduced. Computed by
+# one kernel, the partial sums add up inside one matmul and one all-reduce does; XLA
+# does not add separately computed ones before reducing them. The part axis sits
+# behind the head axis and is sliced after the matmul, so the automatic rules split
+# heads and keep the parts of a head together.
+def qkv_projection(hidden: int, heads: int, kv_heads: int, head_dim: int,
+                   **linear) -> nnx.LinearGeneral:
+    """Q, K and V in one kernel (hidden, kv_heads, heads // kv_heads + 2, head_dim).
+
+    Key/value head j is stored with the query heads that read it (j * g ... j * g + g - 1
+    for g = heads // kv_heads), then its key, then its value: a split over key/value
+    heads keeps every group whole. Read the output with ``split_qkv``. ``linear``:
+    ``nnx.LinearGeneral``'s other arguments (``use_bias``, ``dtype``, ``rngs`` ...).
+    """
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                         f"{kv_heads}")
+    return nnx.LinearGeneral(hidden, (kv_heads, heads // kv_heads + 2, head_dim), **linear)
+
+
+def split_qkv(y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q (..., heads, head_dim), k, v (..., kv_heads, head_dim)) of a ``qkv_projection``
+    output (..., kv_heads, g + 2, head_dim)."""
+    g = y.shape[-2] - 2
+    q = y[..., :g, :]
+    return q.reshape(*q.shape[:-3], -1, q.shape[-1]), y[..., g, :], y[..., g + 1, :]
+
+
+def gated_projection(hidden: int, intermediate: int, **linear) -> nnx.LinearGeneral:
+    """A gated MLP's gate and up projections in one kernel (hidden, 2, intermediate);
+    ``linear``: ``nnx.LinearGeneral``'s other arguments."""
+    return nnx.LinearGeneral(hidden, (2, intermediate), **linear)
+
+
 # ------------------------------------------------------------------ attention
 def dot_attention(q, k, v, mask, scale: float, bias=None, dropout: Callable | None = None):
     """Scaled dot-product attention with grouped-query heads, softmax in float32.

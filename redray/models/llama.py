@@ -2,8 +2,10 @@
 
 Grouped-query attention, RoPE (default, linear, llama3 scaling), RMSNorm, gated MLP,
 optional biases (Qwen2: on q/k/v), optional sliding window (Mistral), tied or untied
-LM head. Q/K/V kernels are laid out (hidden, heads, head_dim) so the automatic rules
-split whole heads.
+LM head. Q, K and V share one kernel (hidden, kv_heads, group + 2, head_dim), gate and
+up one (hidden, 2, intermediate) (``layers.qkv_projection``): the automatic rules split
+whole key/value groups, and tensor parallelism costs one all-reduce per sublayer and
+direction.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redray.models import layers
-from redray.models.hub import HFConfig, linear, plain
+from redray.models.hub import HFConfig, gated, linear, plain, qkv
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
@@ -41,17 +43,14 @@ class Attention(nnx.Module):
         hidden = c.hidden_size
         qkv_bias, o_bias = _biases(c)
         dense = dict(dtype=dtype, rngs=rngs)
-        self.q_proj = nnx.LinearGeneral(hidden, (heads, d), use_bias=qkv_bias, **dense)
-        self.k_proj = nnx.LinearGeneral(hidden, (kv, d), use_bias=qkv_bias, **dense)
-        self.v_proj = nnx.LinearGeneral(hidden, (kv, d), use_bias=qkv_bias, **dense)
+        self.qkv_proj = layers.qkv_projection(hidden, heads, kv, d, use_bias=qkv_bias, **dense)
         self.o_proj = nnx.LinearGeneral((heads, d), hidden, axis=(-2, -1), use_bias=o_bias, **dense)
         self.dropout = nnx.Dropout(getattr(c, "attention_dropout", 0.0) or 0.0, rngs=rngs)
         self.scale = d ** -0.5
 
     def __call__(self, x, cos, sin, mask, cache, cache_index, train):
-        q = layers.rotate_half(self.q_proj(x), cos, sin)
-        k = layers.rotate_half(self.k_proj(x), cos, sin)
-        v = self.v_proj(x)
+        q, k, v = layers.split_qkv(self.qkv_proj(x))
+        q, k = layers.rotate_half(q, cos, sin), layers.rotate_half(k, cos, sin)
         new_cache = None
         if cache is not None:
             k, v, new_cache = layers.update_cache(cache, k, v, cache_index)
@@ -64,13 +63,13 @@ class MLP(nnx.Module):
     def __init__(self, c, *, rngs, dtype):
         bias = bool(getattr(c, "mlp_bias", False))
         dense = dict(use_bias=bias, dtype=dtype, rngs=rngs)
-        self.gate_proj = nnx.Linear(c.hidden_size, c.intermediate_size, **dense)
-        self.up_proj = nnx.Linear(c.hidden_size, c.intermediate_size, **dense)
+        self.gate_up_proj = layers.gated_projection(c.hidden_size, c.intermediate_size, **dense)
         self.down_proj = nnx.Linear(c.intermediate_size, c.hidden_size, **dense)
         self.act = layers.activation(c.hidden_act)
 
     def __call__(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self.act(gate_up[..., 0, :]) * gate_up[..., 1, :])
 
 
 class Block(nnx.Module):
@@ -140,6 +139,7 @@ def weight_table(config) -> list:
     """Hugging Face tensor names <-> redray parameter paths."""
     c = config.hf if isinstance(config, HFConfig) else config
     qkv_bias, o_bias = _biases(c)
+    heads, kv, _ = _dims(c)
     mlp_bias = bool(getattr(c, "mlp_bias", False))
     rows = [plain("model.embed_tokens.weight", "embed_tokens/embedding"),
             plain("model.norm.weight", "norm/scale")]
@@ -149,15 +149,14 @@ def weight_table(config) -> list:
         hf, me = f"model.layers.{i}", f"layers/{i}"
         rows += [plain(f"{hf}.input_layernorm.weight", f"{me}/input_layernorm/scale"),
                  plain(f"{hf}.post_attention_layernorm.weight", f"{me}/post_attention_layernorm/scale")]
-        for name in ("q_proj", "k_proj", "v_proj"):
-            rows.append(linear(f"{hf}.self_attn.{name}.weight", f"{me}/self_attn/{name}/kernel"))
-            if qkv_bias:
-                rows.append(plain(f"{hf}.self_attn.{name}.bias", f"{me}/self_attn/{name}/bias", flat=True))
+        rows += qkv(tuple(f"{hf}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")),
+                    f"{me}/self_attn/qkv_proj", heads, kv, bias=qkv_bias)
         rows.append(linear(f"{hf}.self_attn.o_proj.weight", f"{me}/self_attn/o_proj/kernel", in_dims=2))
         if o_bias:
             rows.append(plain(f"{hf}.self_attn.o_proj.bias", f"{me}/self_attn/o_proj/bias"))
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            rows.append(linear(f"{hf}.mlp.{name}.weight", f"{me}/mlp/{name}/kernel"))
-            if mlp_bias:
-                rows.append(plain(f"{hf}.mlp.{name}.bias", f"{me}/mlp/{name}/bias"))
+        rows += gated((f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"), f"{me}/mlp/gate_up_proj",
+                      bias=mlp_bias)
+        rows.append(linear(f"{hf}.mlp.down_proj.weight", f"{me}/mlp/down_proj/kernel"))
+        if mlp_bias:
+            rows.append(plain(f"{hf}.mlp.down_proj.bias", f"{me}/mlp/down_proj/bias"))
     return rows

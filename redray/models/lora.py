@@ -16,8 +16,11 @@ import re
 import jax.numpy as jnp
 from flax import nnx
 
-# The attention query and value projections of every family in redray.models.
-DEFAULT_TARGETS = r"(^|/)(q_proj|v_proj|c_attn|q|v)$"
+# The layers computing the attention queries and values in every family of
+# redray.models: the fused Q/K/V projections (``qkv_proj``, GPT-2's ``c_attn``, T5's
+# ``qkv``) and T5's cross-attention ``q`` and ``kv``. A fused layer's adapter updates
+# the keys too.
+DEFAULT_TARGETS = r"(^|/)(qkv_proj|c_attn|qkv|q|kv)$"
 
 
 class LoRA(nnx.Module):
@@ -92,7 +95,8 @@ def add_lora(model: nnx.Module, rank: int = 8, *, alpha: float | None = None,
       rank: the adapters' rank.
       alpha: scale numerator (the update is scaled by ``alpha / rank``); default ``rank``.
       targets: regex (``re.search``) on the layers' "/"-joined paths, such as
-        ``layers/0/self_attn/q_proj``; default: attention queries and values.
+        ``layers/0/self_attn/qkv_proj``; default: the layers computing attention
+        queries and values.
       seed: initializes the ``A`` matrices.
 
     Returns:

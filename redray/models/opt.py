@@ -1,10 +1,11 @@
 """OPT: learned positions (offset 2), pre- or post-LayerNorm blocks, ReLU MLP.
 
-Q/K/V are laid out (hidden, heads, head_dim) and ``out_proj`` (heads, head_dim, hidden)
-so the automatic rules split whole heads. Configs whose ``word_embed_proj_dim``
-differs from ``hidden_size`` (opt-350m) embed in the smaller width and go through
-``project_in`` / ``project_out`` around the decoder; the LM head is tied to the
-embedding unless the config says otherwise.
+Q, K and V share one kernel (hidden, heads, 3, head_dim) (``layers.qkv_projection``) and
+``out_proj`` is (heads, head_dim, hidden), so the automatic rules split whole heads and
+the attention costs tensor parallelism one all-reduce each way. Configs whose
+``word_embed_proj_dim`` differs from ``hidden_size`` (opt-350m) embed in the smaller
+width and go through ``project_in`` / ``project_out`` around the decoder; the LM head
+is tied to the embedding unless the config says otherwise.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redray.models import layers
-from redray.models.hub import HFConfig, linear, plain
+from redray.models.hub import HFConfig, linear, plain, qkv
 
 MODEL_TYPES = ("opt",)
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
@@ -50,18 +51,15 @@ class Attention(nnx.Module):
         heads, d = _dims(c)
         hidden = c.hidden_size
         dense = dict(use_bias=bool(c.enable_bias), dtype=dtype, rngs=rngs)
-        self.q_proj = nnx.LinearGeneral(hidden, (heads, d), **dense)
-        self.k_proj = nnx.LinearGeneral(hidden, (heads, d), **dense)
-        self.v_proj = nnx.LinearGeneral(hidden, (heads, d), **dense)
+        self.qkv_proj = layers.qkv_projection(hidden, heads, heads, d, **dense)
         self.out_proj = nnx.LinearGeneral((heads, d), hidden, axis=(-2, -1), **dense)
         self.dropout = nnx.Dropout(c.attention_dropout or 0.0, rngs=rngs)
         self.scale = d ** -0.5
 
     def __call__(self, x, mask, cache, cache_index, train):
         # OPT scales the queries, not the scores (the same up to rounding).
-        q = self.q_proj(x) * jnp.asarray(self.scale, x.dtype)
-        k = self.k_proj(x)
-        v = self.v_proj(x)
+        q, k, v = layers.split_qkv(self.qkv_proj(x))
+        q = q * jnp.asarray(self.scale, x.dtype)
         new_cache = None
         if cache is not None:
             k, v, new_cache = layers.update_cache(cache, k, v, cache_index)
@@ -157,6 +155,7 @@ def weight_table(config) -> list:
     """Hugging Face tensor names <-> redray parameter paths."""
     c = config.hf if isinstance(config, HFConfig) else config
     bias = bool(c.enable_bias)
+    heads, _ = _dims(c)
     affine = bool(getattr(c, "layer_norm_elementwise_affine", True))
     dec = "model.decoder"
 
@@ -178,11 +177,8 @@ def weight_table(config) -> list:
         hf, me = f"{dec}.layers.{i}", f"layers/{i}"
         rows += norm(f"{hf}.self_attn_layer_norm", f"{me}/self_attn_layer_norm")
         rows += norm(f"{hf}.final_layer_norm", f"{me}/final_layer_norm")
-        for name in ("q_proj", "k_proj", "v_proj"):
-            rows.append(linear(f"{hf}.self_attn.{name}.weight", f"{me}/self_attn/{name}/kernel"))
-            if bias:
-                rows.append(plain(f"{hf}.self_attn.{name}.bias", f"{me}/self_attn/{name}/bias",
-                                  flat=True))
+        rows += qkv(tuple(f"{hf}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")),
+                    f"{me}/self_attn/qkv_proj", heads, heads, bias=bias)
         rows.append(linear(f"{hf}.self_attn.out_proj.weight", f"{me}/self_attn/out_proj/kernel",
                            in_dims=2))
         for name in ("fc1", "fc2"):

@@ -24,7 +24,7 @@ from flax import nnx
 
 from redray.models import layers
 from redray.models.generate import special_tokens, decode_loop
-from redray.models.hub import HFConfig, linear, plain
+from redray.models.hub import HFConfig, fused, gated, linear, plain, qkv
 
 MODEL_TYPES = ("t5",)
 # v4 checkpoints may hold the stacks' aliases of the shared embedding, and old ones a
@@ -99,44 +99,72 @@ def relative_position_buckets(bidirectional: bool, num_buckets: int,
     return buckets + np.where(dist < exact, dist, large)
 
 
-class Attention(nnx.Module):
-    """Multi-head attention without score scaling; optionally owns the bias table."""
+def _parts_init(c, stds: tuple[float, ...], shape: tuple[int, ...], axis: int):
+    """An initializer for a fused kernel of ``shape`` whose parts, side by side along
+    ``axis``, each start with T5's own std (queries smaller than keys and values).
+    ``nnx.LinearGeneral`` asks for it flattened to (inputs, outputs)."""
+    def init(key, flat_shape, dtype=jnp.float32):
+        piece = shape[:axis] + (1,) + shape[axis + 1:]
+        keys = jax.random.split(key, len(stds))
+        parts = [_normal(c, std)(k, piece, dtype) for std, k in zip(stds, keys)]
+        return jnp.concatenate(parts, axis).reshape(flat_shape)
 
-    def __init__(self, c, *, relative_bias: bool, rngs, dtype):
+    return init
+
+
+class Attention(nnx.Module):
+    """Multi-head attention without score scaling; optionally owns the bias table.
+
+    Self-attention computes Q, K and V with one kernel (d_model, heads, 3, d_kv);
+    cross-attention its queries with ``q`` and the encoder's keys and values with one
+    kernel ``kv`` (d_model, heads, 2, d_kv): under tensor parallelism each input's
+    gradient then reaches one all-reduce.
+    """
+
+    def __init__(self, c, *, cross: bool, relative_bias: bool, rngs, dtype):
         heads, d = c.num_heads, c.d_kv
         dense = dict(use_bias=False, dtype=dtype, rngs=rngs)
-        inputs = _normal(c, c.d_model ** -0.5)
-        self.q = nnx.LinearGeneral(c.d_model, (heads, d), kernel_init=_normal(
-            c, (c.d_model * d) ** -0.5), **dense)
-        self.k = nnx.LinearGeneral(c.d_model, (heads, d), kernel_init=inputs, **dense)
-        self.v = nnx.LinearGeneral(c.d_model, (heads, d), kernel_init=inputs, **dense)
+        inputs, queries = c.d_model ** -0.5, (c.d_model * d) ** -0.5
+        if cross:
+            self.q = nnx.LinearGeneral(c.d_model, (heads, d), kernel_init=_normal(c, queries),
+                                       **dense)
+            self.kv = nnx.LinearGeneral(c.d_model, (heads, 2, d), kernel_init=_normal(c, inputs),
+                                        **dense)
+        else:
+            self.qkv = layers.qkv_projection(c.d_model, heads, heads, d, kernel_init=_parts_init(
+                c, (queries, inputs, inputs), (c.d_model, heads, 3, d), 2), **dense)
         self.o = nnx.LinearGeneral((heads, d), c.d_model, axis=(-2, -1),
                                    kernel_init=_normal(c, (heads * d) ** -0.5), **dense)
         if relative_bias:
             self.relative_attention_bias = nnx.Embed(c.relative_attention_num_buckets, heads,
-                                                     embedding_init=inputs, dtype=dtype,
-                                                     rngs=rngs)
+                                                     embedding_init=_normal(c, inputs),
+                                                     dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(c.dropout_rate, rngs=rngs)
 
-    def keys_values(self, source):
-        return self.k(source), self.v(source)
+    def queries_keys_values(self, x):
+        """(q, k, v) of self-attention over ``x``."""
+        return layers.split_qkv(self.qkv(x))
 
-    def __call__(self, x, k, v, mask, bias, train):
+    def keys_values(self, source):
+        """(k, v) of cross-attention over the encoder output ``source``."""
+        kv = self.kv(source)
+        return kv[..., 0, :], kv[..., 1, :]
+
+    def __call__(self, q, k, v, mask, bias, train):
         drop = (lambda p: self.dropout(p, deterministic=False)) if train else None
-        out = layers.dot_attention(self.q(x), k, v, mask, 1.0, bias=bias, dropout=drop)
-        return self.o(out)
+        return self.o(layers.dot_attention(q, k, v, mask, 1.0, bias=bias, dropout=drop))
 
 
 class MLP(nnx.Module):
-    """T5's DenseReluDense: wi -> act -> wo, or gated wi_0 / wi_1."""
+    """T5's DenseReluDense: wi -> act -> wo, or gated: act(x wi_0) * (x wi_1), with wi_0
+    and wi_1 in one kernel ``wi_gated`` (d_model, 2, d_ff)."""
 
     def __init__(self, c, *, rngs, dtype):
         self.gated, act = _feed_forward(c)
         dense = dict(use_bias=False, dtype=dtype, rngs=rngs)
         wi = dict(kernel_init=_normal(c, c.d_model ** -0.5), **dense)
         if self.gated:
-            self.wi_0 = nnx.Linear(c.d_model, c.d_ff, **wi)
-            self.wi_1 = nnx.Linear(c.d_model, c.d_ff, **wi)
+            self.wi_gated = layers.gated_projection(c.d_model, c.d_ff, **wi)
         else:
             self.wi = nnx.Linear(c.d_model, c.d_ff, **wi)
         self.wo = nnx.Linear(c.d_ff, c.d_model, kernel_init=_normal(c, c.d_ff ** -0.5), **dense)
@@ -144,7 +172,11 @@ class MLP(nnx.Module):
         self.dropout = nnx.Dropout(c.dropout_rate, rngs=rngs)
 
     def __call__(self, x, train):
-        h = self.act(self.wi_0(x)) * self.wi_1(x) if self.gated else self.act(self.wi(x))
+        if self.gated:
+            h = self.wi_gated(x)
+            h = self.act(h[..., 0, :]) * h[..., 1, :]
+        else:
+            h = self.act(self.wi(x))
         return self.wo(self.dropout(h, deterministic=not train))
 
 
@@ -154,29 +186,31 @@ class Block(nnx.Module):
     def __init__(self, c, *, relative_bias: bool, cross: bool, rngs, dtype):
         norm = dict(epsilon=c.layer_norm_epsilon, scale_init=_norm_init(c), dtype=dtype, rngs=rngs)
         self.self_attn_norm = nnx.RMSNorm(c.d_model, **norm)
-        self.self_attn = Attention(c, relative_bias=relative_bias, rngs=rngs, dtype=dtype)
+        self.self_attn = Attention(c, cross=False, relative_bias=relative_bias, rngs=rngs,
+                                   dtype=dtype)
         if cross:
             self.cross_attn_norm = nnx.RMSNorm(c.d_model, **norm)
-            self.cross_attn = Attention(c, relative_bias=False, rngs=rngs, dtype=dtype)
+            self.cross_attn = Attention(c, cross=True, relative_bias=False, rngs=rngs,
+                                        dtype=dtype)
         self.mlp_norm = nnx.RMSNorm(c.d_model, **norm)
         self.mlp = MLP(c, rngs=rngs, dtype=dtype)
         self.dropout = nnx.Dropout(c.dropout_rate, rngs=rngs)
 
     def __call__(self, x, mask, bias, encoder_out, cross_mask, cache, cache_index, train):
         drop = lambda h: self.dropout(h, deterministic=not train)  # noqa: E731
-        h = self.self_attn_norm(x)
-        k, v = self.self_attn.keys_values(h)
+        q, k, v = self.self_attn.queries_keys_values(self.self_attn_norm(x))
         new_cache = None
         if cache is not None:
             k, v, written = layers.update_cache(cache, k, v, cache_index)
             new_cache = {**cache, **written}
-        x = x + drop(self.self_attn(h, k, v, mask, bias, train))
+        x = x + drop(self.self_attn(q, k, v, mask, bias, train))
         if encoder_out is not None:
             if cache is not None and "cross_k" in cache:
                 k, v = cache["cross_k"], cache["cross_v"]
             else:
                 k, v = self.cross_attn.keys_values(encoder_out)
-            x = x + drop(self.cross_attn(self.cross_attn_norm(x), k, v, cross_mask, None, train))
+            q = self.cross_attn.q(self.cross_attn_norm(x))
+            x = x + drop(self.cross_attn(q, k, v, cross_mask, None, train))
         return x + drop(self.mlp(self.mlp_norm(x), train)), new_cache
 
 
@@ -359,7 +393,7 @@ def trace_inputs(config, batch: int = 2, seq: int = 8) -> dict:
 def weight_table(config) -> list:
     """Hugging Face tensor names <-> redray parameter paths."""
     c = _config(config)
-    gated, _ = _feed_forward(c)
+    gated_mlp, _ = _feed_forward(c)
     tied, _ = _head(c)
     rows = [plain("shared.weight", "shared/embedding")]
     if not tied:
@@ -375,17 +409,25 @@ def weight_table(config) -> list:
                 sublayers.append(("1", "EncDecAttention", "cross_attn"))
             for j, hf_name, name in sublayers:
                 rows.append(plain(f"{hf}.{j}.layer_norm.weight", f"{me}/{name}_norm/scale"))
-                for proj in ("q", "k", "v"):
-                    rows.append(linear(f"{hf}.{j}.{hf_name}.{proj}.weight",
-                                       f"{me}/{name}/{proj}/kernel"))
-                rows.append(linear(f"{hf}.{j}.{hf_name}.o.weight", f"{me}/{name}/o/kernel",
-                                   in_dims=2))
+                module = lambda proj: f"{hf}.{j}.{hf_name}.{proj}"  # noqa: E731
+                if name == "self_attn":
+                    rows += qkv(tuple(map(module, "qkv")), f"{me}/self_attn/qkv", c.num_heads,
+                                c.num_heads)
+                else:  # keys and values of the encoder output: the Q/K/V layout without Q
+                    path = f"{me}/cross_attn/kv/kernel"
+                    rows += [linear(f"{module('q')}.weight", f"{me}/cross_attn/q/kernel"),
+                             fused(path, 2, (1, 1), *(linear(f"{module(p)}.weight", path)
+                                                      for p in "kv"))]
+                rows.append(linear(f"{module('o')}.weight", f"{me}/{name}/o/kernel", in_dims=2))
             if i == 0:
                 rows.append(plain(f"{hf}.0.SelfAttention.relative_attention_bias.weight",
                                   f"{me}/self_attn/relative_attention_bias/embedding"))
             ff = "2" if stack == "decoder" else "1"
             rows.append(plain(f"{hf}.{ff}.layer_norm.weight", f"{me}/mlp_norm/scale"))
-            for proj in (("wi_0", "wi_1") if gated else ("wi",)) + ("wo",):
-                rows.append(linear(f"{hf}.{ff}.DenseReluDense.{proj}.weight",
-                                   f"{me}/mlp/{proj}/kernel"))
+            dense = f"{hf}.{ff}.DenseReluDense"
+            if gated_mlp:
+                rows += gated((f"{dense}.wi_0", f"{dense}.wi_1"), f"{me}/mlp/wi_gated")
+            else:
+                rows.append(linear(f"{dense}.wi.weight", f"{me}/mlp/wi/kernel"))
+            rows.append(linear(f"{dense}.wo.weight", f"{me}/mlp/wo/kernel"))
     return rows
