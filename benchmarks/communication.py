@@ -167,9 +167,7 @@ def trainer_for(family: str, s: Sizes, rules=()) -> redray.Trainer:
 def step_collectives(trainer: redray.Trainer, data: list[dict]):
     """Collectives of the trainer's compiled training step on a batch of ``data``."""
     trainer.init(data)
-    placed = trainer._place(collate(data[:trainer.batch_size]))
-    hlo = trainer._train_step_fn().lower(trainer.state, placed).compile().as_text()
-    return collectives(hlo)
+    return collectives(trainer.compiled_step().as_text())
 
 
 def redco_rules(trainer: redray.Trainer, redco_python: str) -> list[tuple[str, P]]:

@@ -16,12 +16,10 @@ def demo_module():
 
 
 def gpt2_tokenizer():
-    """GPT-2's real BPE as a transformers tokenizer, offline (the demo's own files)."""
-    from transformers import PreTrainedTokenizerFast
+    """GPT-2's real BPE as a transformers tokenizer, offline."""
+    from redray.models import gpt2_tokenizer as gpt2
 
-    return PreTrainedTokenizerFast(tokenizer_object=demo_module().gpt2_bpe(),
-                                   bos_token="<|endoftext|>",
-                                   eos_token="<|endoftext|>")
+    return gpt2(hf=True)
 
 
 def llama_folder(folder, vocab_size=128, tokenizer=None):

