@@ -53,11 +53,11 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _lm import FAMILIES, FULL, TINY, Sizes, collate, config, loss, seq2seq_loss  # noqa: E402
 from common import HERE, figure, parser, save, simulate_devices  # noqa: E402
 
 simulate_devices(4)
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -67,72 +67,8 @@ from redray.models import build  # noqa: E402
 from redray.sharding import flatten  # noqa: E402
 from redray.sharding.collectives import collectives, summarize, total_bytes  # noqa: E402
 
-FAMILIES = ("gpt2", "llama", "opt", "gptj", "t5")
 MODEL_AXIS = 4
 COMMAND = "python benchmarks/communication.py"
-
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    layers: int = 2
-    hidden: int = 256
-    heads: int = 4
-    intermediate: int = 1024
-    vocab: int = 1024
-    batch: int = 8
-    seq: int = 128
-
-
-FULL = Sizes()
-TINY = Sizes(layers=1, hidden=64, heads=4, intermediate=128, vocab=128, batch=4, seq=16)
-
-
-def config(family: str, s: Sizes):
-    """The ``transformers`` config of a tiny model of ``family`` (no dropout)."""
-    import transformers as hf
-
-    gpt = dict(n_layer=s.layers, n_embd=s.hidden, n_head=s.heads, n_inner=s.intermediate,
-               vocab_size=s.vocab, n_positions=s.seq, resid_pdrop=0.0, embd_pdrop=0.0,
-               attn_pdrop=0.0, bos_token_id=s.vocab - 1, eos_token_id=s.vocab - 1)
-    if family == "gpt2":
-        return hf.GPT2Config(**gpt)
-    if family == "gptj":
-        return hf.GPTJConfig(rotary_dim=s.hidden // s.heads // 4, **gpt)
-    if family == "llama":
-        return hf.LlamaConfig(num_hidden_layers=s.layers, hidden_size=s.hidden,
-                              num_attention_heads=s.heads, num_key_value_heads=s.heads,
-                              intermediate_size=s.intermediate, vocab_size=s.vocab,
-                              max_position_embeddings=s.seq)
-    if family == "opt":
-        return hf.OPTConfig(num_hidden_layers=s.layers, hidden_size=s.hidden,
-                            num_attention_heads=s.heads, ffn_dim=s.intermediate,
-                            vocab_size=s.vocab, max_position_embeddings=s.seq,
-                            word_embed_proj_dim=s.hidden, dropout=0.0, attention_dropout=0.0)
-    if family == "t5":
-        return hf.T5Config(vocab_size=s.vocab, d_model=s.hidden, d_kv=s.hidden // s.heads,
-                           num_heads=s.heads, d_ff=s.intermediate, num_layers=s.layers,
-                           num_decoder_layers=s.layers, dropout_rate=0.0,
-                           feed_forward_proj="relu")
-    raise ValueError(f"family {family!r}: choose from {', '.join(FAMILIES)}")
-
-
-def collate(examples):
-    return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
-
-
-def causal_lm_loss(model, batch, rng, train):
-    logits = model(batch["ids"][:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype("float32"), batch["ids"][:, 1:]).mean()
-
-
-def seq2seq_loss(model, batch, rng, train):
-    labels = batch["labels"]
-    # T5 decodes from the pad token, 0: the decoder reads the labels shifted right
-    decoder_input_ids = jnp.concatenate([jnp.zeros_like(labels[:, :1]), labels[:, :-1]], 1)
-    logits = model(batch["input_ids"], decoder_input_ids=decoder_input_ids)
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype("float32"), labels).mean()
 
 
 def examples(family: str, s: Sizes) -> list[dict]:
@@ -158,8 +94,8 @@ def ideal(family: str, s: Sizes) -> dict:
 
 def trainer_for(family: str, s: Sizes, rules=()) -> redray.Trainer:
     c = config(family, s)
-    loss = seq2seq_loss if family == "t5" else causal_lm_loss
-    return redray.Trainer(lambda rngs: build(c, rngs=rngs), collate, loss, optax.adam(1e-3),
+    loss_fn = seq2seq_loss if family == "t5" else loss
+    return redray.Trainer(lambda rngs: build(c, rngs=rngs), collate, loss_fn, optax.adam(1e-3),
                           batch_size=s.batch, model_axis=MODEL_AXIS, rules=rules,
                           progress=False)
 

@@ -25,7 +25,8 @@ def check(fig):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", scripts())
+# run_all skips the GPU benchmark; its --tiny run works on any backend
+@pytest.mark.parametrize("script", scripts() + ["gpu_mfu.py"])
 def test_benchmark_runs_tiny_and_writes_valid_figures(script, tmp_path):
     out = tmp_path / "results.json"
     done = subprocess.run([sys.executable, f"benchmarks/{script}", "--tiny", "--out", str(out)],
