@@ -4,6 +4,7 @@ Kept apart from the benchmark so that neither imports the other's framework.
 
     python benchmarks/_torch_fsdp.py init JOB.json          # writes the initial weights
     python benchmarks/_torch_fsdp.py train JOB.json RANK    # one of the processes
+    python benchmarks/_torch_fsdp.py single JOB.json        # one process, no FSDP: ms/step
 
 The job (JSON) names ``config`` (GPT2Config fields), ``seed``, ``init`` (a folder),
 ``train``/``eval`` (.npy windows of seq + 1 token ids), ``order`` (.npy, the global batch
@@ -91,10 +92,31 @@ def evaluate(model, windows: torch.Tensor, batch: int, rank: int, world: int) ->
     return float(total[0] / total[1])
 
 
+def single(job: dict) -> None:
+    """Median ms per update of the plain model (no FSDP, no collectives) on one
+    process's share of a global batch, 1 thread: PyTorch's kernels alone. Prints JSON."""
+    torch.set_num_threads(1)
+    model = GPT2LMHeadModel.from_pretrained(job["init"], dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=job["lr"], eps=job["eps"],
+                            weight_decay=job["weight_decay"])
+    data = torch.from_numpy(np.load(job["train"]).astype(np.int64))
+    rows = data[:job["batch"] // job["world"]]
+    times = []
+    for _ in range(job["single_steps"]):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss_of(model, rows).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"ms": 1000 * float(np.median(times[2:]))}))
+
+
 if __name__ == "__main__":
     with open(sys.argv[2]) as f:
         spec = json.load(f)
     if sys.argv[1] == "init":
         init(spec)
+    elif sys.argv[1] == "single":
+        single(spec)
     else:
         train(spec, int(sys.argv[3]))

@@ -26,11 +26,17 @@ Throughput: examples/s of each window of ``--window`` steps (the windows redray'
 (target >= 1.0); ``fsdp_torch/perplexity`` = the larger over the smaller of the two
 held-out perplexities after the last step (target <= 1.02).
 
+Beside them, in ``detail.single_core``: each framework's step alone, without FSDP or
+collectives, on one process's share of a global batch (8 windows), in a fresh process
+pinned to one core (PyTorch with 1 thread): how fast the kernels are (XLA:CPU's against
+PyTorch's), apart from everything distributed.
+
     python benchmarks/fsdp_torch.py [--steps 150] [--window 10] [--rounds 2] [--threads 2]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -139,6 +145,39 @@ def run_redray(module, train, held_out, spec: dict, steps: int, window: int, fol
     return {"rates": [r["examples_per_s"] for r in rows[1:]], "eval_loss": evals[-1]["eval_loss"]}
 
 
+def single_core(job_path: str, job: dict) -> dict:
+    """ms per update of each framework's plain step on one core (see the docstring)."""
+    pin = lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # noqa: E731
+    out = {}
+    for side, command in (("torch", [os.path.join(HERE, "_torch_fsdp.py"), "single"]),
+                          ("redray", [os.path.abspath(__file__), "--single-redray"])):
+        done = subprocess.run([sys.executable, *command, job_path], preexec_fn=pin,
+                              capture_output=True, text=True, check=True)
+        out[side] = json.loads(done.stdout.strip().splitlines()[-1])["ms"]
+    return out
+
+
+def single_redray(job_path: str) -> None:
+    """redray's side of ``single_core``: a Trainer on one CPU device, same model and rows."""
+    import jax
+    import time
+
+    with open(job_path) as f:
+        job = json.load(f)
+    per_process = job["batch"] // job["world"]
+    trainer = redray.Trainer(from_pretrained(job["init"]), collate, loss, optax.adamw(
+        job["lr"], eps=job["eps"], weight_decay=job["weight_decay"]), batch_size=per_process,
+        mesh=redray.make_mesh(devices=jax.devices()[:1]), progress=False)
+    batch = collate([{"ids": w} for w in np.load(job["train"])[:per_process]])
+    trainer.init([{"ids": w} for w in batch["ids"]])
+    times = []
+    for _ in range(job["single_steps"]):
+        start = time.perf_counter()
+        jax.block_until_ready(trainer.train_step(batch))
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"ms": 1000 * float(np.median(times[2:]))}))
+
+
 def main(argv=None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--steps", type=int, default=150, help="optimizer updates per run")
@@ -146,7 +185,10 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=2, help="runs per framework, alternating")
     ap.add_argument("--threads", type=int, default=2,
                     help="torch.set_num_threads in each PyTorch process")
+    ap.add_argument("--single-redray", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.single_redray:
+        return single_redray(args.single_redray)
     spec = TINY if args.tiny else FULL
     if args.tiny:
         args.steps, args.window, args.rounds = 4, 2, 1
@@ -176,6 +218,10 @@ def main(argv=None) -> None:
                 json.dump(job, f)
             subprocess.run([sys.executable, os.path.join(HERE, "_torch_fsdp.py"), "init",
                             init_path], check=True)
+            job["single_steps"] = 5 if args.tiny else 30
+            with open(init_path, "w") as f:
+                json.dump(job, f)
+            kernels = single_core(init_path, job)
             module = from_pretrained(job["init"])
             for r in range(args.rounds):
                 results["torch"].append(run_torch(job, folder, r))
@@ -189,7 +235,9 @@ def main(argv=None) -> None:
     setting = (f"GPT-2 {spec['n_layer']} layers x {spec['n_embd']} hidden, vocab {VOCAB}, "
                f"batch {spec['batch']} x {spec['seq']}, {args.steps} steps")
     detail = dict(setting=setting, steps=args.steps, window=args.window, rounds=args.rounds,
-                  torch_threads=args.threads)
+                  torch_threads=args.threads,
+                  single_core={"step_ms": kernels, "redray_speed_over_torch":
+                               kernels["torch"] / kernels["redray"]})
     save([
         figure("fsdp_torch/throughput", ratio, "x",
                f"PyTorch 2.13 FSDP2, 2 processes over gloo; {setting}", ">= 1.0", COMMAND,

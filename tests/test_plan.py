@@ -83,7 +83,7 @@ def test_paper_setting_fits(name):
 def test_llama_plan_lists_nothing_big_replicated():
     result = plan_model("llama-7b", 16, 8, 2)
     assert result["replicated"] == []
-    # Norm scales (4096 floats) are split over fsdp only: counted, not listed.
+    # Norm scales (4096 floats) stay whole (vectors are not split over fsdp): counted, not listed.
     assert result["replicated_omitted"] == 2 * 32 + 1
     text = format_model_plan(result, "llama-7b")
     assert "6,738,415,616 parameters" in text

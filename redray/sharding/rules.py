@@ -25,7 +25,10 @@ it would only add an all-reduce of its input gradient.
 
 Biases and norm scales that are added to or multiply a column layer's output split
 with that output. The ``fsdp`` axis then shards the largest remaining divisible
-dimension of every floating-point array (ZeRO-3). A large array that no rule split over
+dimension of every floating-point matrix (ZeRO-3); vectors (biases, norm scales) stay
+whole unless they are large: each sharded array costs an all-gather of its own in the
+forward and the backward pass, and a vector's bytes are too few to pay that latency
+(DeepSpeed keeps small parameters whole for the same reason). A large array that no rule split over
 ``model`` (an embedding whose vocabulary divides by nothing) is sharded over ``model``
 too, as an extra FSDP axis, so no big parameter sits whole on every device. User rules, an ordered list of
 (regex on the parameter path, spec), win over all of this.
@@ -293,7 +296,7 @@ def partition_specs(paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
         floating = jnp.issubdtype(dtype, jnp.floating)
         if floating and tp[i] is not None:
             entries[tp[i]] = "model"
-        if floating and fsdp_size > 1:
+        if floating and fsdp_size > 1 and (len(shape) >= 2 or math.prod(shape) >= LARGE):
             d = fsdp_dim(shape, tp[i], fsdp_size)
             if d is not None:
                 entries[d] = "fsdp"
