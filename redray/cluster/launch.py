@@ -120,7 +120,9 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
     elif address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        # With the dashboard: Ray Train's placement-group cleaner asks its state API
+        # whether the controller lives, and warns every second when it cannot.
+        ray.init(num_cpus=num_cpus, include_dashboard=True, log_to_driver=True)
 
 
 def _installed(path: str) -> bool:
@@ -367,7 +369,9 @@ class _Launch:
                 "mlflow_run_id": report and report["run_id"]}
 
     def _env(self) -> dict:
-        env = {"PYTHONPATH": _local_paths()}
+        # Ray Train's print patch logs every print again after teeing it to the console:
+        # each line a host prints would show twice.
+        env = {"PYTHONPATH": _local_paths(), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
         if not (self.use_gpu or self.use_tpu):
             env["JAX_PLATFORMS"] = "cpu"
             env["XLA_FLAGS"] = " ".join(

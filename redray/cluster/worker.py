@@ -15,7 +15,7 @@ def train_loop(job: dict) -> None:
     from redray.cluster import distributed
     from redray.engine.trainer import set_host_run
 
-    logging.getLogger("ray.train").setLevel(logging.WARNING)  # a line per report is noise
+    _quiet_ray_train(logging)
     rank, _ = distributed.initialize()
     try:
         job = {**job, **cloudpickle.loads(job["user"])}  # after JAX's runtime is up
@@ -32,6 +32,17 @@ def train_loop(job: dict) -> None:
     finally:
         set_host_run(None)
         distributed.shutdown()
+
+
+def _quiet_ray_train(logging) -> None:
+    """Ray Train logs a line per report (a checkpoint) on every host: noise to a user.
+    Its execution context names its logger by file path, not by module."""
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray layout: its lines stay
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 class HostRun:
