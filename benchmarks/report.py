@@ -24,7 +24,9 @@ def table(figures: list[dict]) -> str:
     rows = ["| figure | value | target | met | reference | command |", "|---|---|---|---|---|---|"]
     for f in sorted(figures, key=lambda f: f["name"]):
         ok = {True: "yes", False: "**no**", None: ""}[met(f)]
-        value = f"{f['value']:.4g} {f['unit']}".strip()
+        # ratios to 4 decimals: 1.00001 and 1.0015 must not both read "1"
+        number = f"{f['value']:.4f}" if f["unit"] == "x" else f"{f['value']:.4g}"
+        value = f"{number} {f['unit']}".strip()
         rows.append(f"| {f['name']} | {value} | {f['target'] or ''} | {ok} | {f['reference']} "
                     f"| `{f['command']}` |")
     return "\n".join(rows)

@@ -46,7 +46,9 @@ def test_targets_and_the_generated_table():
     assert met(figure("hosts", 0.5, "x", "1 host", None, "python benchmarks/hosts.py")) is None
     text = render(f"# B\n\nintro\n{START}\nold\n{END}\nnotes\n", [bad, good])
     assert text.startswith("# B\n\nintro\n") and text.endswith("\nnotes\n")
-    assert "| fsdp | 0.8 x | >= 1.0 | **no** |" in text and "| overhead | 1.01 x |" in text
+    assert "| fsdp | 0.8000 x | >= 1.0 | **no** |" in text and "| overhead | 1.0100 x |" in text
+    lines = figure("lines_of_code/lm", 92, "lines", "redco: 113", "<= 113", "python x.py")
+    assert "| lines_of_code/lm | 92 lines | <= 113 | yes |" in render(f"{START}\n{END}", [lines])
     assert "old" not in text
     with pytest.raises(ValueError, match="markers"):
         render("no markers", [good])
