@@ -146,7 +146,7 @@ def ppo(args):
             ("return", target))}
         transitions = [{k: v[i] for k, v in flat.items()} for i in range(size)]
         # The --ppo-epochs passes, each in its own order, make one epoch of the Trainer:
-        # one row of metrics per iteration (each row is a report to Ray Train)
+        # one row of metrics per iteration
         order = np.concatenate([sample.permutation(size) for _ in range(args.ppo_epochs)])
         trainer.fit([transitions[i] for i in order], epochs=it + 1, shuffle=False)
         if returns:  # a round where no episode ended has no return to log

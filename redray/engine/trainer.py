@@ -631,8 +631,8 @@ class Trainer:
         """Logs your own metrics (e.g. an RL return) at the current step.
 
         They reach MLflow like ``fit``'s rows when the Trainer runs inside ``redray.run``
-        or ``redray.fit``; there every host must call ``log`` alike (it is a collective
-        report). Returns the logged row.
+        or ``redray.fit``: host 0 sends them (no collective; the other hosts' calls send
+        nothing, so one loop on every host is fine). Returns the logged row.
         """
         self._require_init("log")
         row = {"step": self.step, **{k: float(v) for k, v in metrics.items()}}
