@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _lm import collate, loss  # noqa: E402
+from _lm import Sizes, collate, config, loss  # noqa: E402
 from common import ROOT, figure, parser, save, stats  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -42,21 +42,16 @@ MODEL_AXIS = 2
 SEQ = 64
 
 
-def llama_config(tiny: bool):
-    from transformers import LlamaConfig
-
-    size = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1) if tiny else \
-        dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2)
-    return LlamaConfig(vocab_size=256, num_attention_heads=4, max_position_embeddings=SEQ,
-                       tie_word_embeddings=False, **size)
+# the small LLaMA, and the tiny one that checks the script
+FULL = Sizes(layers=2, hidden=128, heads=4, intermediate=344, vocab=256, batch=32, seq=SEQ)
+TINY = Sizes(layers=1, hidden=32, heads=4, intermediate=64, vocab=256, batch=8, seq=SEQ)
 
 
-
-def throughput(layout: str, config, data, batch_size: int, steps: int, window: int,
+def throughput(layout: str, model_config, data, batch_size: int, steps: int, window: int,
                storage: str, run: int) -> list[float]:
     """examples/s of every logged window after the first, for one fit on ``layout``."""
     hosts, per_host = LAYOUTS[layout]
-    result = redray.fit(lambda rngs: build(config, rngs=rngs), collate, loss,
+    result = redray.fit(lambda rngs: build(model_config, rngs=rngs), collate, loss,
                         optax.adamw(1e-3), train_data=data, batch_size=batch_size,
                         max_steps=steps, hosts=hosts, devices_per_host=per_host,
                         model_axis=MODEL_AXIS, log_every=window, progress=False,
@@ -78,7 +73,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.tiny:
         args.steps, args.window, args.rounds, args.batch_size = 4, 2, 1, 8
-    config = llama_config(args.tiny)
+    llama = config("llama", TINY if args.tiny else FULL)
     data = token_data(args.batch_size * args.steps, seq=SEQ + 1, vocab=256)
     ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
              log_to_driver=False)
@@ -88,7 +83,7 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory() as storage:
             for r in range(args.rounds):
                 for name in LAYOUTS:
-                    rates = throughput(name, config, data, args.batch_size, args.steps,
+                    rates = throughput(name, llama, data, args.batch_size, args.steps,
                                        args.window, storage, r)
                     windows[name] += rates
                     per_round[name].append(statistics.median(rates))

@@ -391,9 +391,7 @@ class Trainer:
         ``.as_text()`` shows its collectives, ``.memory_analysis()`` its bytes per
         device, ``.cost_analysis()`` its FLOPs. The same program ``fit`` runs."""
         self._require_init("compiled_step")
-        if "train" not in self._steps:
-            self._steps["train"] = self._train_step_fn()
-        return self._steps["train"].lower(self.state, self._global_batch).compile()
+        return self._train_program().lower(self.state, self._global_batch).compile()
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """One optimizer update; ``batch`` is this process's rows of the global batch
@@ -412,10 +410,14 @@ class Trainer:
 
     def _step(self, placed: dict[str, jax.Array]) -> dict[str, jax.Array]:
         self._require_init("train_step")
+        self.state, metrics = self._train_program()(self.state, placed)
+        return metrics
+
+    def _train_program(self):
+        """The jitted training step, built once."""
         if "train" not in self._steps:
             self._steps["train"] = self._train_step_fn()
-        self.state, metrics = self._steps["train"](self.state, placed)
-        return metrics
+        return self._steps["train"]
 
     def _eval_step_fn(self):
         rt, loss = self.runtime, self.pipeline.loss
