@@ -45,7 +45,7 @@ SUBSTITUTIONS = [
 COVERED_ELSEWHERE = {
     "make demo   # creates .venv if missing, installs, runs the main job":
         "tests/test_demo.py::test_make_demo_trains_then_says_complete_then_resumes",
-    "make test   # same set-up, then the whole test suite (CPU only, ~26 minutes on 2 cores)":
+    "make test   # same set-up, then the whole test suite (CPU only, ~40 minutes on 2 cores)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
     "redray submit train.py --address http://HEAD:8265 -- --steps 500  # as a Ray job; "
     "streams logs":
@@ -178,7 +178,7 @@ def test_the_layout_names_only_paths_that_exist():
 
 
 def test_make_test_installs_then_runs_the_whole_suite():
-    """`make test` (the whole suite, ~26 minutes) cannot run inside the suite: its recipe
+    """`make test` (the whole suite, ~40 minutes) cannot run inside the suite: its recipe
     is checked with `make -n -B`, which prints every command without running any."""
     done = subprocess.run(["make", "-n", "-B", "test"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
