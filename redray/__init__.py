@@ -15,8 +15,10 @@ and redray does the rest. Public API:
 * ``Predictor(model, collate, predict, params=..., batch_size=...)``: ``predict``.
 * ``fit(model, collate, loss, optimizer, train_data=..., hosts=..., devices_per_host=...)``:
   the same engine on every host of a Ray cluster (one worker per host).
+* ``ClusterConfig(hosts=..., name=..., storage_path=..., ...)``: the cluster side of a
+  run, given to ``fit``/``run`` as ``cluster=`` or as keywords.
 * ``add_cluster_args(parser, name=...)`` / ``cluster_options(args)``: a script's
-  ``--hosts --devices-per-host --gpu --storage --name`` flags for ``fit``/``run``;
+  ``--hosts --devices-per-host --gpu --storage --name`` flags, as a ``ClusterConfig``;
   ``result.summary()``: where a run's checkpoint and MLflow store are.
 * ``run(fn, *args, hosts=..., ...)``: your own loop (e.g. reinforcement learning) on
   every host; Trainers made inside are tracked, checkpointed and resumed like ``fit``'s.
@@ -29,15 +31,16 @@ and redray does the rest. Public API:
 * ``PipelineError``: what a user function returned that cannot be used, and the fix.
 """
 
-from redray.checkpoint import CheckpointConfig, CheckpointMismatch, load_model, load_params
-from redray.cluster import FitResult, RunResult, add_cluster_args, cluster_options, fit, run
-from redray.engine import LinenModel, Predictor, Trainer
+from redray.checkpoint import CheckpointConfig, CheckpointMismatch
+from redray.cluster import (ClusterConfig, FitResult, RunResult, add_cluster_args,
+                            cluster_options, fit, run)
+from redray.engine import LinenModel, Predictor, Trainer, load_model, load_params
 from redray.pipeline import Pipeline, PipelineError
 from redray.sharding import derive_specs, format_plan, make_mesh, plan
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointConfig", "CheckpointMismatch", "FitResult", "LinenModel", "Pipeline",
+__all__ = ["CheckpointConfig", "CheckpointMismatch", "ClusterConfig", "FitResult", "LinenModel", "Pipeline",
            "PipelineError", "Predictor", "RunResult", "Trainer", "add_cluster_args",
            "cluster_options", "derive_specs", "fit",
            "format_plan", "load_model", "load_params", "make_mesh", "plan", "run"]

@@ -1,11 +1,10 @@
 """Checkpoints: Orbax, sharded, asynchronous, atomic; resume with fallback; reshard on load.
 
-A checkpoint is a folder ``<directory>/<step>`` with three items:
-
-* ``model``: the parameters and the rest of the model's state (``params``, ``extra``),
-* ``train``: optimizer state, step counter and the training RNG,
-* ``meta``: JSON: step, epoch, position inside the epoch, the run's config, metrics,
-  and whatever the run keeps there (e.g. its MLflow run id).
+A checkpoint is a folder ``<directory>/<step>`` holding the named items its owner
+saves (pytrees of arrays; the Trainer's are ``model`` and ``train``, see
+``redray/engine/state.py``) and ``meta``: JSON with at least the ``step`` (the Trainer
+adds the position in the data, the run's config, metrics, its MLflow run id). This
+module knows nothing of what the items mean: it never imports the engine.
 
 Every host writes its own shards in parallel, in the background (``save`` returns once
 the arrays are copied off the devices). Orbax writes into a temporary folder and
@@ -24,14 +23,16 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
+from redray.storage import CHECKPOINTS, absolute
+
 log = logging.getLogger("redray.checkpoint")
 
-ITEMS = ("model", "train", "meta")
+META = "meta"
 
 
 @dataclasses.dataclass
@@ -113,11 +114,18 @@ def _stored(abstract):
     return jax.eval_shape(jax.random.key_data, abstract) if _is_key(abstract) else abstract
 
 
-def _storage_target(abstract, shardings) -> dict:
-    """``to_storage`` of ShapeDtypeStructs carrying their target shardings."""
-    return to_storage(jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(_stored(a).shape, _stored(a).dtype, sharding=s),
-        abstract, shardings))
+def _storage_target(tree) -> dict:
+    """What Orbax restores into, from a tree of ``jax.ShapeDtypeStruct``: device arrays
+    on a leaf's sharding, or host numpy arrays for a leaf without one (``np.empty``
+    reserves, it does not fill); a PRNG key as its data."""
+    def target(leaf):
+        data = _stored(leaf)
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:
+            return np.empty(data.shape, data.dtype)
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
+
+    return to_storage(jax.tree.map(target, tree))
 
 
 def from_storage(stored: dict, like):
@@ -140,16 +148,21 @@ class Checkpointer:
 
     Every process creates one with the same arguments and calls the same methods in
     the same order (saves and restores are collective).
+
+    Args:
+      config: where and how often; ``config.directory`` must be set.
+      items: the names of the items saved beside ``meta``.
     """
 
-    def __init__(self, config: CheckpointConfig):
+    def __init__(self, config: CheckpointConfig, items: Sequence[str]):
         import orbax.checkpoint as ocp
 
         if not config.directory:
             raise ValueError("CheckpointConfig.directory is not set: give the folder (an "
                              "absolute path or a URI) checkpoints are written to")
         self.config = config
-        self.directory = _absolute(config.directory)
+        self.items = tuple(items)
+        self.directory = absolute(config.directory)
         _quiet_orbax()
         self._ocp = ocp
         self._pending: tuple | None = None
@@ -165,27 +178,25 @@ class Checkpointer:
                 get_metric_fn=lambda m: m["value"], reverse=self.config.best_mode == "min",
                 n=1, keep_checkpoints_without_metrics=False))
         self.manager = ocp.CheckpointManager(
-            self.directory, item_names=ITEMS,
+            self.directory, item_names=(*self.items, META),
             options=ocp.CheckpointManagerOptions(
                 enable_async_checkpointing=True, create=True,
                 preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies)))
 
     # ------------------------------------------------------------ writing
-    def save(self, state: dict, meta: dict, on_commit: Callable | None = None) -> None:
-        """Starts writing ``state`` (a Trainer state) with ``meta``; returns when the
-        arrays are off the devices. ``on_commit(step, path, meta)`` runs on every process
-        once this checkpoint is complete (at a later ``save``, ``wait`` or ``close``)."""
+    def save(self, items: dict[str, Any], meta: dict, on_commit: Callable | None = None) -> None:
+        """Starts writing ``items`` (item name -> pytree of arrays) with ``meta`` (which
+        holds the ``step``); returns when the arrays are off the devices.
+        ``on_commit(step, path, meta)`` runs on every process once this checkpoint is
+        complete (at a later ``save``, ``wait`` or ``close``)."""
         ocp = self._ocp
         self.wait()  # the previous one is complete before a new one starts
         step = int(meta["step"])
         metric = meta.get("metrics", {}).get(self.config.best_metric) \
             if self.config.best_metric else None
         self.manager.save(step, args=ocp.args.Composite(
-            model=ocp.args.StandardSave(to_storage({"params": state["params"],
-                                                    "extra": state["extra"]})),
-            train=ocp.args.StandardSave(to_storage({"opt_state": state["opt_state"],
-                                                    "step": state["step"], "rng": state["rng"]})),
-            meta=ocp.args.JsonSave(_jsonable(meta))),
+            **{name: ocp.args.StandardSave(to_storage(tree)) for name, tree in items.items()},
+            **{META: ocp.args.JsonSave(_jsonable(meta))}),
             metrics=None if metric is None else {"value": float(metric)})
         self._pending = (step, meta, on_commit)
 
@@ -214,44 +225,43 @@ class Checkpointer:
 
     def read_meta(self, step: int) -> dict:
         return self.manager.restore(step, args=self._ocp.args.Composite(
-            meta=self._ocp.args.JsonRestore()))["meta"]
+            **{META: self._ocp.args.JsonRestore()}))[META]
 
-    def restore_latest(self, abstract: dict, shardings: dict,
+    def restore(self, step: int, targets: dict[str, Any]) -> dict[str, Any]:
+        """The items of checkpoint ``step`` named in ``targets``: item name -> a tree of
+        ``jax.ShapeDtypeStruct`` to restore into (with a sharding: onto the devices,
+        resharded if the checkpoint was written on another mesh; without one: into host
+        numpy arrays). PRNG keys come back as keys."""
+        ocp = self._ocp
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            **{name: ocp.args.StandardRestore(_storage_target(tree))
+               for name, tree in targets.items()}))
+        return {name: from_storage(restored[name], tree) for name, tree in targets.items()}
+
+    def restore_latest(self, targets: dict[str, Any],
                        check: Callable[[dict], None] | None = None):
-        """(state, meta) of the newest checkpoint that reads back, or None if none.
+        """(items, meta) of the newest checkpoint that reads back, or None if none.
 
-        ``abstract``/``shardings``: the Trainer's state shapes and target shardings (the
-        current mesh: a checkpoint written on another mesh is resharded here).
+        ``targets``: as for ``restore``, e.g. the state's shapes with the current
+        mesh's shardings (a checkpoint written on another mesh is resharded here).
         ``check(meta)`` may raise ``CheckpointMismatch`` to refuse a checkpoint for
         this run (e.g. other data): that error reaches the caller as is.
         An unreadable checkpoint (truncated, half-deleted) is moved aside with a
         warning and the one before it is tried.
         """
-        ocp = self._ocp
-        model_keys, train_keys = ("params", "extra"), ("opt_state", "step", "rng")
-        target = {
-            "model": _storage_target({k: abstract[k] for k in model_keys},
-                                     {k: shardings[k] for k in model_keys}),
-            "train": _storage_target({k: abstract[k] for k in train_keys},
-                                     {k: shardings[k] for k in train_keys}),
-        }
         for step in reversed(self.steps()):
             error = None
             try:
                 meta = self.read_meta(step)
                 if check is not None:
                     check(meta)
-                restored = self.manager.restore(step, args=ocp.args.Composite(
-                    model=ocp.args.StandardRestore(target["model"]),
-                    train=ocp.args.StandardRestore(target["train"])))
-                state = from_storage({**restored["model"], **restored["train"]},
-                                     {k: abstract[k] for k in model_keys + train_keys})
+                items = self.restore(step, targets)
             except CheckpointMismatch:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure means: not usable
-                error, state = e, None
+                error, items = e, None
             if _all_processes_ok(error is None):
-                return state, meta
+                return items, meta
             self._set_aside(step, error)
         return None
 
@@ -294,13 +304,6 @@ def _barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def _absolute(directory: str) -> str:
-    directory = os.fspath(directory)
-    if "://" in directory:
-        return directory.rstrip("/")
-    return os.path.abspath(os.path.expanduser(directory))
-
-
 def _jsonable(value):
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
@@ -320,12 +323,12 @@ def _step_metas(directory: str):
 
     from etils import epath
 
-    root = epath.Path(_absolute(directory))
+    root = epath.Path(absolute(directory))
     if not root.is_dir():
         return
     for step in sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True):
         try:
-            yield step, json.loads((root / str(step) / "meta" / "metadata").read_text())
+            yield step, json.loads((root / str(step) / META / "metadata").read_text())
         except (OSError, ValueError):
             continue
 
@@ -348,17 +351,17 @@ def best_checkpoint(directory: str, metric: str, mode: str) -> dict | None:
     return {"metric": metric, "value": value, "step": step}
 
 
-# ---------------------------------------------------------------- parameters only
+# ---------------------------------------------------------------- choosing a checkpoint
 def find_checkpoints(path: str) -> tuple[str, int | None]:
     """(checkpoints folder, step or None) for a run folder, a checkpoints folder or
     one checkpoint's folder."""
     from etils import epath
 
-    path = _absolute(path)
+    path = absolute(path)
     p = epath.Path(path)
-    if (p / "checkpoints").is_dir():
-        return f"{path}/checkpoints", None
-    if p.name.isdigit() and (p / "meta").exists():
+    if (p / CHECKPOINTS).is_dir():
+        return f"{path}/{CHECKPOINTS}", None
+    if p.name.isdigit() and (p / META).exists():
         return str(p.parent), int(p.name)
     if p.is_dir():
         return path, None
@@ -367,6 +370,8 @@ def find_checkpoints(path: str) -> tuple[str, int | None]:
 
 
 def select_step(checkpointer: Checkpointer, step: int | None, best: str | None) -> int:
+    """The checkpoint to read: ``step`` if given, else the best by ``best``
+    (``"min:<metric>"``/``"max:<metric>"``) if given, else the newest."""
     steps = checkpointer.steps()
     if not steps:
         raise FileNotFoundError(f"no complete checkpoint in {checkpointer.directory}")
@@ -386,78 +391,3 @@ def select_step(checkpointer: Checkpointer, step: int | None, best: str | None) 
         raise FileNotFoundError(f"no checkpoint in {checkpointer.directory} has the metric "
                                 f"{metric!r}")
     return found["step"]
-
-
-def load_params(path: str, model: Any, *, step: int | None = None, best: str | None = None):
-    """The trained (params, extra) of a checkpoint, as host arrays in ``model``'s structure.
-
-    One call for fine-tuning from a trained run or for prediction::
-
-        params, extra = redray.load_params("/runs/my-run", model)
-        Predictor(model, collate, predict, params=params, extra=extra, batch_size=32)
-
-    A run that trained only some parameters (``trainable=``) saved only those: the
-    others are taken from ``model`` as it builds them (the same base weights the run
-    started from).
-
-    Args:
-      path: a run folder (``<storage>/<name>``), its ``checkpoints`` folder, or one
-        checkpoint's folder.
-      model: what built the run's model (the same factory, module or LinenModel).
-      step: a step to load; default the newest (or see ``best``).
-      best: ``"min:<metric>"`` / ``"max:<metric>"``: the best checkpoint by that metric.
-    """
-    from redray.engine.model import adapter
-
-    return _load(path, adapter(model), step, best)
-
-
-def _load(path, wrapped, step, best):
-    from redray.engine.model import abstract_state, init_key, merge_trainable, split_trainable
-
-    directory, found = find_checkpoints(path)
-    checkpointer = Checkpointer(CheckpointConfig(directory=directory))
-    try:
-        chosen = select_step(checkpointer, step if step is not None else found, best)
-        meta = checkpointer.read_meta(chosen)
-        abstract = abstract_state(wrapped, jax.random.key(0))
-        pattern = meta.get("trainable")
-        saved = abstract[0] if pattern is None else split_trainable(abstract[0], pattern)[0]
-        like = {"params": saved, "extra": abstract[1]}
-        # numpy targets restore to host memory (np.empty reserves, it does not fill)
-        target = to_storage(jax.tree.map(lambda a: np.empty(_stored(a).shape, _stored(a).dtype),
-                                         like))
-        ocp = checkpointer._ocp
-        try:
-            restored = checkpointer.manager.restore(chosen, args=ocp.args.Composite(
-                model=ocp.args.StandardRestore(target)))["model"]
-            values = from_storage(restored, like)
-        except (KeyError, ValueError) as error:
-            raise CheckpointMismatch(
-                f"checkpoint {checkpointer.step_path(chosen)} does not match this model "
-                f"({type(error).__name__}: {error}): pass the model the run trained") from None
-        params = values["params"]
-        if pattern is not None:
-            # Only the trained parameters were saved; the rest are the model's as built
-            # (a built module's weights, or a factory's initialization with the run's seed).
-            base = getattr(wrapped, "values", None)
-            if base is None:
-                base = jax.jit(wrapped.init)(init_key(meta.get("seed", 0)))
-            frozen = split_trainable(jax.device_get(base[0]), pattern)[1]
-            params = merge_trainable(params, frozen)
-        return params, values["extra"]
-    finally:
-        checkpointer.manager.close()
-
-
-def load_model(path: str, model: Any, *, step: int | None = None, best: str | None = None):
-    """An NNX model with a checkpoint's weights (``model``: the run's factory or module)."""
-    from flax import nnx
-
-    from redray.engine.model import _NNX, adapter
-
-    wrapped = adapter(model)
-    if not isinstance(wrapped, _NNX):
-        raise TypeError("load_model builds NNX models; for a LinenModel use load_params")
-    params, extra = _load(path, wrapped, step, best)
-    return nnx.merge(wrapped.graphdef, params, extra)

@@ -27,6 +27,8 @@ import json
 import os
 import sys
 
+from redray import storage as storage_module
+
 EXIT_USAGE = 2
 
 
@@ -175,17 +177,17 @@ def _own_options_after_script(args) -> None:
 
 
 def _run_folder(run: str, storage: str | None) -> str:
-    if os.path.isdir(run) and os.path.isdir(os.path.join(run, "checkpoints")):
+    if os.path.isdir(run) and os.path.isdir(os.path.join(run, storage_module.CHECKPOINTS)):
         return os.path.abspath(run)
-    folder = os.path.join(os.path.abspath(os.path.expanduser(storage or "~/redray_runs")), run)
-    if not os.path.isdir(os.path.join(folder, "checkpoints")):
+    folder = storage_module.run_folder(storage, run)
+    if not os.path.isdir(storage_module.checkpoint_folder(storage, run)):
         raise UsageError(f"no run {run!r}: give a run folder (<storage>/<name>) or a run name "
                          f"with --storage (looked in {folder})")
     return folder
 
 
 def _export(args) -> int:
-    from redray.checkpoint import load_model
+    from redray.engine.load import load_model
     from redray.models import build, load_config, save_pretrained
 
     run = _run_folder(args.run, args.storage)
@@ -206,14 +208,14 @@ def list_runs(storage: str) -> list[dict]:
     ``last_checkpoint``, ``best`` (``{"metric", "value", "step"}`` or None)."""
     from redray.checkpoint import CheckpointConfig, best_checkpoint, latest_meta
 
-    storage = os.path.abspath(os.path.expanduser(storage))
+    storage = storage_module.storage_folder(storage)
     if not os.path.isdir(storage):
         raise FileNotFoundError(f"no storage folder {storage}: give the storage_path runs "
-                                "were written to (default ~/redray_runs)")
+                                f"were written to (default {storage_module.DEFAULT_STORAGE})")
     statuses = _mlflow_statuses(storage)
     runs = []
     for name in sorted(os.listdir(storage)):
-        folder = os.path.join(storage, name, "checkpoints")
+        folder = storage_module.checkpoint_folder(storage, name)
         if not os.path.isdir(folder):
             continue
         meta = latest_meta(folder)
@@ -234,15 +236,15 @@ def list_runs(storage: str) -> list[dict]:
 
 def _mlflow_statuses(storage: str) -> dict:
     """run path -> MLflow status, from the storage's own SQLite store (if any)."""
-    db = os.path.join(storage, "mlflow.db")
-    if not os.path.exists(db):
+    uri = storage_module.default_tracking_uri(storage)
+    if not os.path.exists(storage_module.sqlite_file(uri)):
         return {}
     try:
         from mlflow.tracking import MlflowClient
 
         from redray.tracking import RUN_PATH_TAG
 
-        client = MlflowClient(f"sqlite:///{db}")
+        client = MlflowClient(uri)
         ids = [e.experiment_id for e in client.search_experiments()]
         out = {}
         for run in client.search_runs(ids, order_by=["attributes.start_time ASC"]):
@@ -260,7 +262,7 @@ def _runs(args) -> int:
         print(json.dumps(runs, indent=2))
         return 0
     if not runs:
-        print(f"no runs in {os.path.abspath(args.storage)}")
+        print(f"no runs in {storage_module.storage_folder(args.storage)}")
         return 0
     print(f"{'name':<24} {'status':<13} {'last step':>9}  {'best':<24} last checkpoint")
     for r in runs:
@@ -306,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN", help="a redray run name or an MLflow run id")
     p.add_argument("--out", help="the PNG to write (default RUN.png)")
     p.add_argument("--storage", help="the runs' storage folder, whose mlflow.db is read "
-                                     "(default ~/redray_runs)")
+                                     f"(default {storage_module.DEFAULT_STORAGE})")
     p.add_argument("--tracking-uri", help="an MLflow tracking URI (default "
                                           "MLFLOW_TRACKING_URI, else the storage's mlflow.db)")
     p.set_defaults(run_command=_plot)
@@ -344,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "  redray export /abs/runs/lm --best min:eval_loss --to best/")
     p.add_argument("run", metavar="RUN", help="a run folder, or a run name with --storage")
     p.add_argument("--to", required=True, help="the folder to write")
-    p.add_argument("--storage", help="the storage folder of RUN (default ~/redray_runs)")
+    p.add_argument("--storage", help=f"the storage folder of RUN (default "
+                                     f"{storage_module.DEFAULT_STORAGE})")
     p.add_argument("--config", help="the model's config.json (default RUN/config.json)")
     p.add_argument("--best", help="min:<metric> or max:<metric>: the best checkpoint by it")
     p.set_defaults(run_command=_export)
@@ -353,8 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "Lists the runs under a storage folder: MLflow status, last step, last "
                  "complete checkpoint and best eval metric.",
                  "examples:\n  redray runs\n  redray runs /abs/path/runs --json")
-    p.add_argument("storage", nargs="?", default="~/redray_runs",
-                   help="the storage folder (default ~/redray_runs)")
+    p.add_argument("storage", nargs="?", default=storage_module.DEFAULT_STORAGE,
+                   help=f"the storage folder (default {storage_module.DEFAULT_STORAGE})")
     p.add_argument("--json", action="store_true",
                    help="a JSON list of {name, status, last_step, last_checkpoint, best}")
     p.set_defaults(run_command=_runs)

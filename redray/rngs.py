@@ -1,4 +1,8 @@
-"""``nnx.Rngs`` whose streams trace in linear time.
+"""Randomness: a run's named key streams, and ``nnx.Rngs`` that trace in linear time.
+
+Every random key of a run comes from its ``seed`` through one of the ``Stream``s below
+(``stream_key(seed, Stream.TRAIN)``), so initialization, training, evaluation and
+prediction never share a key, and each is reproducible from the seed alone.
 
 ``nnx.RngStream.__call__`` bumps its counter with ``count[...] += 1``. Under a trace
 (``nnx.eval_shape``, ``jax.jit`` of an init) that update compares the tracers'
@@ -10,8 +14,23 @@ directly, which is what the ``+=`` ends up doing anyway: same keys, same values.
 
 from __future__ import annotations
 
+import enum
+
 import jax
 from flax import nnx
+
+
+class Stream(enum.IntEnum):
+    """The independent key streams of a run; the value is folded into ``key(seed)``."""
+    INIT = 0     # parameter initialization (the model factory's nnx.Rngs)
+    TRAIN = 1    # the training state's key: split once per step, folded per micro-batch
+    EVAL = 2     # the rng an evaluation's loss receives
+    PREDICT = 3  # the Predictor's default: folded with its call count, then batch start
+
+
+def stream_key(seed: int, stream: Stream) -> jax.Array:
+    """The first key of ``stream`` for a run's ``seed``."""
+    return jax.random.fold_in(jax.random.key(seed), int(stream))
 
 
 class LinearRngStream(nnx.RngStream):

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+from redray.storage import resolve_tracking_uri, sqlite_file
+
 log = logging.getLogger("redray.tracking")
 
 DEFAULT_EXPERIMENT = "redray"
@@ -25,18 +27,6 @@ MAX_QUEUED = 100_000
 
 class TrackingWarning(UserWarning):
     """The tracking store failed; training went on."""
-
-
-def default_tracking_uri(storage_path: str) -> str:
-    """``sqlite:///<storage>/mlflow.db`` for a local storage folder."""
-    if "://" in storage_path:
-        # a bucket cannot hold a SQLite file: keep the store next to the default runs
-        storage_path = os.path.expanduser("~/redray_runs")
-    return f"sqlite:///{os.path.abspath(storage_path)}/mlflow.db"
-
-
-def resolve_tracking_uri(given: str | None, storage_path: str) -> str:
-    return given or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(storage_path)
 
 
 def ui_command(uri: str) -> str:
@@ -144,15 +134,16 @@ class MlflowLogger:
     def _open(self):
         from mlflow.tracking import MlflowClient
 
-        if self.uri.startswith("sqlite:///"):
-            os.makedirs(os.path.dirname(self.uri[len("sqlite:///"):]), exist_ok=True)
+        database = sqlite_file(self.uri)
+        if database is not None:
+            os.makedirs(os.path.dirname(database), exist_ok=True)
         client = MlflowClient(self.uri)
         experiment = client.get_experiment_by_name(self.experiment)
         if experiment is not None:
             experiment_id = experiment.experiment_id
-        elif self.uri.startswith("sqlite:///"):
+        elif database is not None:
             # artifacts next to the database, not in the process's working directory
-            folder = os.path.dirname(self.uri[len("sqlite:///"):])
+            folder = os.path.dirname(database)
             experiment_id = client.create_experiment(
                 self.experiment, artifact_location=f"{folder}/mlartifacts")
         else:
@@ -271,8 +262,9 @@ def plot(run: str, out: str, tracking_uri: str | None = None, storage_path: str 
     import matplotlib.pyplot as plt
     from mlflow.tracking import MlflowClient
 
-    uri = resolve_tracking_uri(tracking_uri, os.path.expanduser(storage_path or "~/redray_runs"))
-    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///"):]):
+    uri = resolve_tracking_uri(tracking_uri, storage_path)
+    database = sqlite_file(uri)
+    if database is not None and not os.path.exists(database):
         raise LookupError(f"no MLflow store at {uri}: give the storage folder the run was "
                           "written to (--storage) or its tracking URI (--tracking-uri)")
     client = MlflowClient(uri)

@@ -15,7 +15,7 @@ import pytest
 from flax import linen as nn
 
 import redray
-from redray.checkpoint import CheckpointConfig, CheckpointMismatch, load_model, load_params
+from redray import CheckpointConfig, CheckpointMismatch, load_model, load_params
 from tiny import TinyLM, assert_same, lm_collate, lm_loss, lm_predict, token_data
 
 DATA = token_data(96)  # 12 steps per epoch at batch 8
@@ -40,7 +40,7 @@ def losses(history):
 def reference():
     t = trainer()
     history = t.fit(DATA, epochs=2)
-    return losses(history), jax.device_get(t.state["params"])
+    return losses(history), jax.device_get(t.state.params)
 
 
 def test_resuming_mid_epoch_continues_bitwise_exactly(tmp_path, reference):
@@ -54,7 +54,7 @@ def test_resuming_mid_epoch_continues_bitwise_exactly(tmp_path, reference):
     meta = second.resumed_from
     assert (meta["step"], meta["epoch"], meta["batch"], meta["epoch_done"]) == (7, 0, 7, False)
     assert losses(history) == {s: v for s, v in expected.items() if s > 7}
-    assert_same(second.state["params"], params)
+    assert_same(second.state.params, params)
     # a step-12 epoch checkpoint, save_every's 15 and 20, the end (24); the last 3 stay
     assert second.checkpointer.steps() == [15, 20, 24]
 
@@ -90,7 +90,7 @@ def test_the_best_checkpoint_outlives_the_last_n(tmp_path):
     assert worst == 8 and t.checkpointer.steps() == [8, 24]
     best, _ = load_params(str(tmp_path), dropout_model, best="max:eval_loss")
     latest, _ = load_params(str(tmp_path), dropout_model)
-    assert_same(latest, t.state["params"])
+    assert_same(latest, t.state.params)
     assert not np.array_equal(np.asarray(jax.tree.leaves(best)[0]),
                               np.asarray(jax.tree.leaves(latest)[0]))
 
@@ -104,10 +104,10 @@ def test_load_params_is_one_call_for_prediction_and_fine_tuning(tmp_path):
                                  extra=extra, batch_size=8)
     assert [p.tolist() for p in predictor.predict(DATA[:10])] == [p.tolist() for p in expected]
     module = load_model(str(tmp_path), dropout_model)
-    assert_same(jax.tree.leaves(nnx_params(module)), jax.tree.leaves(t.state["params"]))
+    assert_same(jax.tree.leaves(nnx_params(module)), jax.tree.leaves(t.state.params))
     fine = trainer(None, model=module)  # fine-tuning starts from the trained weights
     fine.init(DATA)
-    assert_same(fine.state["params"], t.state["params"])
+    assert_same(fine.state.params, t.state.params)
 
 
 def nnx_params(module):
@@ -133,7 +133,7 @@ def test_a_linen_model_with_batch_stats_resumes_exactly(tmp_path):
     assert_same(resumed.state, reference.state)
     params, extra = load_params(str(tmp_path), model)
     assert set(extra) == {"batch_stats"}
-    assert_same(params, reference.state["params"])
+    assert_same(params, reference.state.params)
 
 
 def test_resuming_on_other_data_is_refused(tmp_path):

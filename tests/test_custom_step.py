@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import redray
+from redray.engine.hooks import Hook
 from redray.engine.model import split_trainable
 from tiny import TinyLM, assert_same, lm_collate, lm_loss, token_data
 
@@ -29,14 +30,14 @@ def leaves_by_path(params):
 def test_only_trainable_parameters_change_and_hold_optimizer_state():
     t = trainer(trainable=r"^(fc1|fc2)/")
     t.init(DATA)
-    before = leaves_by_path(t._whole_params())
+    before = leaves_by_path(t.state.whole_params)
     history = t.fit(DATA, epochs=2)
-    after = leaves_by_path(t._whole_params())
+    after = leaves_by_path(t.state.whole_params)
     assert history[-1]["loss"] < history[0]["loss"]
     changed = {p for p in before if not np.array_equal(before[p], after[p])}
     assert changed == {"fc1/kernel", "fc1/bias", "fc2/kernel", "fc2/bias"}
     # Adam's two moments for the 4 trained arrays only, plus its step count
-    assert len(jax.tree.leaves(t.state["opt_state"])) == 2 * 4 + 1
+    assert len(jax.tree.leaves(t.state.opt_state)) == 2 * 4 + 1
     assert t.describe()["trainable_parameters"] == sum(before[p].size for p in changed)
 
 
@@ -47,7 +48,7 @@ def test_trainable_checkpoint_holds_only_the_trained_parameters(tmp_path):
     assert stored.is_dir()
     # load_params puts the trained parameters back on the model's own base weights
     params, _ = redray.load_params(str(tmp_path), lambda rngs: TinyLM(rngs))
-    got, want = leaves_by_path(params), leaves_by_path(t._whole_params())
+    got, want = leaves_by_path(params), leaves_by_path(t.state.whole_params)
     assert got.keys() == want.keys()
     for path in want:
         np.testing.assert_array_equal(got[path], want[path], err_msg=path)
@@ -57,7 +58,7 @@ def test_trainable_checkpoint_holds_only_the_trained_parameters(tmp_path):
     resumed = trainer(trainable=r"^fc", checkpoint=str(tmp_path))
     resumed.init(DATA)
     assert resumed.step == 8
-    assert_same(resumed.state["params"], t.state["params"])
+    assert_same(resumed.state.params, t.state.params)
     with pytest.raises(redray.CheckpointMismatch, match=r"trainable='\^fc'.*trainable=None"):
         trainer(checkpoint=str(tmp_path)).init(DATA)
 
@@ -119,9 +120,13 @@ def test_grad_fn_with_wrong_output_is_named_with_the_fix():
 
 
 def test_log_reports_own_metrics_at_the_current_step():
-    t = trainer()
     seen = []
-    t.on_log = seen.append
+
+    class Seen(Hook):
+        def on_log(self, trainer, row):
+            seen.append(row)
+
+    t = trainer(hooks=[Seen()])
     t.fit(DATA, epochs=1)
     row = t.log({"return": np.float32(3.5)})
     assert row == {"step": 8, "return": 3.5} and seen[-1] == row

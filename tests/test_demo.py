@@ -48,7 +48,7 @@ def test_make_demo_trains_then_says_complete_then_resumes(tmp_path):
 
     model, info = AutoModelForCausalLM.from_pretrained(str(exported), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    from redray.checkpoint import load_params
+    from redray import load_params
     from redray.models import build, load_config
 
     config = load_config(str(exported))

@@ -63,22 +63,22 @@ def test_schedule_counts_optimizer_updates_not_micro_batches():
     t = make_trainer(tx, model_axis=2, micro_batch_size=1, learning_rate=schedule)  # 4 micro-batches
     assert t.accum == 4
     history = t.fit(DATA, epochs=1, max_steps=7)
-    assert int(t.state["step"]) == 7
+    assert int(t.state.step) == 7
     # The rate of the 7th update (count 6); counting micro-batches would give schedule(27).
-    assert float(t.state["opt_state"].hyperparams["learning_rate"]) == pytest.approx(schedule(6))
+    assert float(t.state.opt_state.hyperparams["learning_rate"]) == pytest.approx(schedule(6))
     assert [row["learning_rate"] for row in history] == pytest.approx([float(schedule(i)) for i in range(7)])
 
 
 def test_parameters_are_created_sharded():
     t = make_trainer(model_axis=2, fsdp_axis=2, data_axis=1)
     t.init(DATA)
-    params = t.state["params"]
+    params = t.state.params
     q = params["q"]["kernel"][...]
     assert q.sharding.spec == P("fsdp", "model")
     assert {s.data.shape for s in q.addressable_shards} == {(16, 16)}
     emb = params["wte"]["embedding"][...]
     assert emb.sharding.spec == P("model", "fsdp")
-    mu = t.state["opt_state"][0].mu["q"]["kernel"][...]
+    mu = t.state.opt_state[0].mu["q"]["kernel"][...]
     assert mu.sharding.spec == q.sharding.spec  # optimizer state follows its parameter
     plan = t.plan()
     assert "q/kernel" in plan and "('fsdp', 'model')" in plan
@@ -87,14 +87,14 @@ def test_parameters_are_created_sharded():
 def test_user_rule_overrides_automatic_spec():
     t = make_trainer(model_axis=2, rules=[(r"^q/kernel$", P("model", None))])
     t.init(DATA)
-    assert t.state["params"]["q"]["kernel"][...].sharding.spec == P("model", None)
-    assert t.state["params"]["k"]["kernel"][...].sharding.spec == P(None, "model")
+    assert t.state.params["q"]["kernel"][...].sharding.spec == P("model", None)
+    assert t.state.params["k"]["kernel"][...].sharding.spec == P(None, "model")
 
 
 def test_mixed_precision_keeps_float32_parameters(one_device):
     t = make_trainer(model_axis=2, compute_dtype=jnp.bfloat16)
     bf16 = losses(t, steps=5)
-    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(t.state["params"]))
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(t.state.params))
     np.testing.assert_allclose(bf16, one_device[:5], rtol=5e-2)  # bf16 compute, not fp32
     assert not np.allclose(bf16, one_device[:5], rtol=1e-6)
 
@@ -141,7 +141,7 @@ def test_model_state_besides_parameters_is_updated():
     t = redray.Trainer(lambda rngs: BNNet(rngs), collate, loss, optax.adam(1e-2), batch_size=16,
                        model_axis=2, progress=False)
     t.fit(data, epochs=1)
-    mean = np.asarray(t.state["extra"]["bn"]["mean"][...])
+    mean = np.asarray(t.state.extra["bn"]["mean"][...])
     assert np.all(mean != 0.0)  # the running mean moved away from its zero init
     assert t.plan().count("bn/") == 4
 

@@ -10,9 +10,9 @@ def test_cluster_flags_become_fit_keywords_with_an_absolute_storage(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     parser = redray.add_cluster_args(argparse.ArgumentParser(), name="digits", hosts=1)
     args = parser.parse_args(["--devices-per-host", "4", "--storage", "out", "--gpu"])
-    assert redray.cluster_options(args) == {
-        "hosts": 1, "devices_per_host": 4, "use_gpu": True, "name": "digits",
-        "storage_path": os.path.join(str(tmp_path), "out")}
+    assert redray.cluster_options(args) == redray.ClusterConfig(
+        hosts=1, devices_per_host=4, use_gpu=True, name="digits",
+        storage_path=os.path.join(str(tmp_path), "out"))
     assert "--hosts HOSTS" in parser.format_help()
 
 

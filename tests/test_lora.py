@@ -61,7 +61,7 @@ def test_only_adapters_train_and_merging_keeps_the_outputs(tmp_path):
         if "lora_" not in path:  # base weights untouched
             np.testing.assert_array_equal(np.asarray(leaf), frozen_before[path.replace("/base", "")])
     # the checkpoint holds the adapters alone: 2 layers x qkv_proj x (A, B)
-    assert len(jax.tree.leaves(trainer.state["params"])) == 4
+    assert len(jax.tree.leaves(trainer.state.params)) == 4
     adapted = np.asarray(trained(IDS))
     merged = merge_lora(trained)
     assert not any("lora_" in p for p in flatten(nnx.state(merged, nnx.Param))[0])

@@ -434,7 +434,7 @@ def test_built_nnx_module_is_the_starting_point():
     t = redray.Trainer(built, collate, mse, optax.adam(1e-2), batch_size=8, model_axis=2,
                        progress=False)
     t.init(EXAMPLES)
-    np.testing.assert_array_equal(np.asarray(t.state["params"]["dense"]["kernel"][...]), start)
+    np.testing.assert_array_equal(np.asarray(t.state.params["dense"]["kernel"][...]), start)
     first = t.evaluate(EXAMPLES)["loss"]
     t.fit(EXAMPLES, epochs=3)
     assert t.evaluate(EXAMPLES)["loss"] < first
@@ -527,5 +527,5 @@ def test_linen_model_learns_linear_regression():
     assert history[-1]["loss"] < 0.5 * history[0]["loss"]
     assert last < 0.5 * first
     assert last < 0.05 * first
-    assert set(t.state["params"]) == {"Dense_0"}
-    assert t.state["params"]["Dense_0"]["kernel"].shape == (D_IN, 1)
+    assert set(t.state.params) == {"Dense_0"}
+    assert t.state.params["Dense_0"]["kernel"].shape == (D_IN, 1)

@@ -129,7 +129,7 @@ def trained():
     t = redray.Trainer(nnx_factory, collate, loss, optax.adam(5e-2), predict=predict,
                        batch_size=8, model_axis=2, progress=False, log_every=1, seed=0)
     t.init(EXAMPLES)
-    init_params = pure(t.state["params"])
+    init_params = pure(t.state.params)
     t.fit(make_examples(32, seed=1), epochs=2)
     return t, init_params
 
@@ -201,7 +201,7 @@ def test_accepts_any_sequence_and_nested_outputs():
 
 def test_predictions_equal_across_meshes(trained):
     t, _ = trained
-    params, extra = t.state["params"], t.state["extra"]
+    params, extra = t.state.params, t.state.extra
     assert model_sharded(params)
     host = pure(params)
 
@@ -223,13 +223,13 @@ def test_predictions_equal_across_meshes(trained):
 
 def test_given_params_are_not_replaced_by_init(trained):
     t, init_params = trained
-    trained_params = pure(t.state["params"])
+    trained_params = pure(t.state.params)
     # training moved the parameters: the comparison below can tell them apart
     diff = max(np.abs(trained_params[k]["kernel"] - init_params[k]["kernel"]).max()
                for k in ("a", "b"))
     assert diff > 1e-2
-    p = redray.Predictor(nnx_factory, collate, predict, params=t.state["params"],
-                         extra=t.state["extra"], batch_size=8, model_axis=2)
+    p = redray.Predictor(nnx_factory, collate, predict, params=t.state.params,
+                         extra=t.state.extra, batch_size=8, model_axis=2)
     check_outputs(p.predict(EXAMPLES), EXAMPLES, trained_params)
 
 
@@ -244,7 +244,7 @@ def test_fresh_predictor_matches_trainer_init_with_same_seed(trained):
 def test_trainer_predictor_uses_trained_params(trained):
     t, init_params = trained
     outputs = t.predictor(batch_size=8).predict(EXAMPLES)
-    check_outputs(outputs, EXAMPLES, pure(t.state["params"]))
+    check_outputs(outputs, EXAMPLES, pure(t.state.params))
 
     # the same as calling the trained model (the user's NNX module) directly
     direct = np.asarray(t.model(np.stack([e["x"] for e in EXAMPLES])))
@@ -258,7 +258,7 @@ def test_trainer_predictor_uses_trained_params(trained):
 
 def test_trainer_predictor_default_and_other_batch_sizes(trained):
     t, _ = trained
-    host = pure(t.state["params"])
+    host = pure(t.state.params)
     for batch_size in (None, 2, 16):
         check_outputs(t.predictor(batch_size=batch_size).predict(EXAMPLES[:11]), EXAMPLES[:11],
                       host)
@@ -277,10 +277,10 @@ def test_predictor_survives_further_training():
     t.fit(train, max_steps=1)
     p = t.predictor(batch_size=8)
     before = p.predict(EXAMPLES[:5])
-    check_outputs(before, EXAMPLES[:5], pure(t.state["params"]))
+    check_outputs(before, EXAMPLES[:5], pure(t.state.params))
     t.fit(train, epochs=1)
     after = p.predict(EXAMPLES[:5])
-    check_outputs(after, EXAMPLES[:5], pure(t.state["params"]))
+    check_outputs(after, EXAMPLES[:5], pure(t.state.params))
     assert not np.allclose(np.stack([o["y"] for o in after]), np.stack([o["y"] for o in before]))
 
 
@@ -299,19 +299,19 @@ def test_linen_trained_params_across_meshes():
     t = redray.Trainer(linen_model(), collate, loss, optax.adam(5e-2), predict=predict,
                        batch_size=8, model_axis=2, progress=False, log_every=1)
     t.init(EXAMPLES)
-    init_params = pure(t.state["params"])
+    init_params = pure(t.state.params)
     t.fit(make_examples(32, seed=1), epochs=2)
-    host = pure(t.state["params"])
+    host = pure(t.state.params)
     assert max(np.abs(host[k]["kernel"] - init_params[k]["kernel"]).max()
                for k in ("a", "b")) > 1e-2
 
     via_trainer = t.predictor().predict(EXAMPLES)
     check_outputs(via_trainer, EXAMPLES, host)
-    single = redray.Predictor(linen_model(), collate, predict, params=t.state["params"],
-                              extra=t.state["extra"], batch_size=8,
+    single = redray.Predictor(linen_model(), collate, predict, params=t.state.params,
+                              extra=t.state.extra, batch_size=8,
                               mesh=redray.make_mesh(devices=jax.devices()[:1]))
     assert_same_predictions(single.predict(EXAMPLES), via_trainer)
-    spread = redray.Predictor(linen_model(), collate, predict, params=t.state["params"],
+    spread = redray.Predictor(linen_model(), collate, predict, params=t.state.params,
                               batch_size=4, data_axis=4)
     assert_same_predictions(spread.predict(EXAMPLES), via_trainer)
 

@@ -74,7 +74,7 @@ PROBES = {
     "private_accuracy": "private_history[-1]['eval_accuracy']",
     "lora_sizes": "[adapted.describe()[k] for k in ('trainable_parameters', 'parameters')]",
     "lora_state": "sorted({p.rsplit('/', 1)[-1] for p in redray.sharding.flatten("
-                  "adapted.state['params'])[0]})",
+                  "adapted.state.params)[0]})",
     "lora_loss": "adapted.evaluate(counting)['loss']",
     "merged_loss": "float(lm_loss(merged, {'ids': np.stack([r['ids'] for r in counting])},"
                    " None, False))",

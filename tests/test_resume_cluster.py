@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import redray
-from redray.checkpoint import CheckpointConfig, load_params
+from redray import CheckpointConfig, load_params
 from tiny import TinyLM, assert_same, lm_collate, lm_loss, token_data
 
 ray = pytest.importorskip("ray")
@@ -105,9 +105,9 @@ def test_a_checkpoint_from_two_hosts_reshards_onto_one_host_with_fsdp(tmp_path, 
     trainer.init(DATA)
     assert trainer.resumed_from["step"] == 24
     assert dict(trainer.mesh.shape) == {"data": 1, "fsdp": 4, "model": 1}
-    sharded = [x for x in jax.tree.leaves(trainer.state["params"]) if x.ndim == 2]
+    sharded = [x for x in jax.tree.leaves(trainer.state.params) if x.ndim == 2]
     assert any(x.sharding.spec != jax.sharding.PartitionSpec() for x in sharded)
-    assert_same(trainer.state["params"], reference_params[0])
+    assert_same(trainer.state.params, reference_params[0])
 
 
 def test_killing_a_host_while_a_save_is_in_flight_keeps_the_previous_checkpoint(tmp_path,

@@ -76,7 +76,7 @@ def main(argv=None):
         lambda rngs: MLP(args.hidden, rngs), collate, loss, optax.adam(args.lr), predict=predict,
         eval_metric=accuracy, train_data=train, eval_data=test, batch_size=args.batch_size,
         epochs=args.epochs, eval_at_start=True, model_axis=args.model_axis,
-        **redray.cluster_options(args))
+        cluster=redray.cluster_options(args))
     print("\n" + result.summary())
     evals = [r for r in result.history if "eval_loss" in r]
     if evals:

@@ -117,7 +117,7 @@ def main(argv=None):
     result = redray.fit(
         MLP, collate, loss, optax.adam(args.lr), train_data=train, eval_data=test,
         batch_size=args.batch_size, epochs=args.epochs, eval_at_start=True,
-        grad_fn=dp_sgd(args.clip, args.noise), **redray.cluster_options(args))
+        grad_fn=dp_sgd(args.clip, args.noise), cluster=redray.cluster_options(args))
     print()
     print(result.summary())
     evals = [r for r in result.history if "eval_loss" in r]

@@ -77,8 +77,8 @@ def main(argv=None):
 
     from redray.models import build, from_pretrained, load_config
 
-    options = redray.cluster_options(args)
-    storage = options["storage_path"]
+    cluster = redray.cluster_options(args)
+    storage = cluster.storage_path
     train, evaluation, vocab = corpus(args.seq, args.model)
     if args.model:
         config, model = load_config(args.model), from_pretrained(args.model)
@@ -95,7 +95,7 @@ def main(argv=None):
         train_data=train, eval_data=evaluation, batch_size=args.batch_size,
         epochs=math.ceil(args.steps / (len(train) // args.batch_size)), max_steps=args.steps,
         eval_at_start=True, model_axis=args.model_axis, learning_rate=schedule, log_every=10,
-        checkpoint=redray.CheckpointConfig(save_every=100), **options)
+        checkpoint=redray.CheckpointConfig(save_every=100), cluster=cluster)
     evals = [r for r in result.history if "eval_loss" in r]
     if evals:
         before, after = evals[0], evals[-1]

@@ -16,6 +16,7 @@ again resumes both runs (or says they are complete).
 """
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import json
@@ -95,20 +96,20 @@ def main(argv=None):
                          tie_word_embeddings=False)
     base_model = lambda rngs: build(config, rngs=rngs)  # noqa: E731 - built on each host
     cluster = redray.cluster_options(args)
-    base_run = dict(cluster, name=f"{args.name}-base")
+    base_run = dataclasses.replace(cluster, name=f"{args.name}-base")
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, args.base_steps)
     fit_steps(base_model, docs, args.base_steps, optax.adamw(schedule, weight_decay=0.01),
-              args, **base_run)
-    base = redray.load_model(f"{base_run['storage_path']}/{base_run['name']}", base_model)
+              args, cluster=base_run)
+    base = redray.load_model(f"{base_run.storage_path}/{base_run.name}", base_model)
 
     model = add_lora(base, args.rank, targets=args.targets)
     decay = optax.cosine_decay_schedule(args.lr, args.steps)
     result = fit_steps(model, code, args.steps, optax.adamw(decay), args, trainable=r"lora_",
-                       **cluster)
+                       cluster=cluster)
     print()
     print(result.summary())
     if args.export:
-        trained = redray.load_model(f"{cluster['storage_path']}/{args.name}", model)
+        trained = redray.load_model(f"{cluster.storage_path}/{args.name}", model)
         save_pretrained(merge_lora(trained), args.export)
         print(f"merged model (Hugging Face format): {args.export}")
     evals = [r for r in result.history if "eval_loss" in r]

@@ -104,7 +104,7 @@ def main(argv=None):
         batch_size=args.batch_size, max_steps=args.steps,
         epochs=math.ceil(args.steps / (TRAIN_TASKS // args.batch_size)), eval_at_start=True,
         checkpoint=redray.CheckpointConfig(save_every=100), log_every=20,
-        **redray.cluster_options(args))
+        cluster=redray.cluster_options(args))
     evals = [r for r in result.history if "eval_loss" in r]
     for row in evals:
         print(f"step {row['step']:>5}: held-out query MSE {row['eval_loss']:.3f} after "

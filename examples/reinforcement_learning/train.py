@@ -156,7 +156,7 @@ def ppo(args):
 
 def main(argv=None):
     args = parse(argv)
-    result = redray.run(ppo, args, **redray.cluster_options(args))
+    result = redray.run(ppo, args, cluster=redray.cluster_options(args))
     first = result.value["first_iteration"]
     if first >= args.iterations:
         print(f"\nrun {args.name!r} is already complete: {first} iterations done. Train "

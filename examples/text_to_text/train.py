@@ -102,7 +102,7 @@ def main(argv=None):
         predict=predict, eval_metric=exact_match, train_data=dates(args.examples, seed=0),
         eval_data=dates(500, seed=1), batch_size=args.batch_size, epochs=args.epochs,
         eval_at_start=True, model_axis=args.model_axis, learning_rate=schedule,
-        **redray.cluster_options(args))
+        cluster=redray.cluster_options(args))
     print("\n" + result.summary())
     evals = [r for r in result.history if "eval_loss" in r]
     if evals:

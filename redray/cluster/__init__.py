@@ -1,6 +1,8 @@
 """Ray Train worker group: one worker per host, one jax.distributed runtime."""
 
+from redray.cluster.config import ClusterConfig
 from redray.cluster.flags import add_cluster_args, cluster_options
 from redray.cluster.launch import FitResult, HostError, RunResult, connect, fit, run
 
-__all__ = ["add_cluster_args", "cluster_options", "FitResult", "HostError", "RunResult", "connect", "fit", "run"]
+__all__ = ["ClusterConfig", "FitResult", "HostError", "RunResult", "add_cluster_args",
+           "cluster_options", "connect", "fit", "run"]

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import os
+
+from redray.cluster.config import ClusterConfig
+from redray.storage import DEFAULT_STORAGE, storage_folder
 
 
 def add_cluster_args(parser: argparse.ArgumentParser, *, name: str, hosts: int = 2,
-                     devices_per_host: int = 2, storage: str = "runs") -> argparse.ArgumentParser:
+                     devices_per_host: int = 2, storage: str = DEFAULT_STORAGE
+                     ) -> argparse.ArgumentParser:
     """Adds ``--hosts``, ``--devices-per-host``, ``--gpu``, ``--storage`` and ``--name``.
 
     On one machine the hosts are simulated (separate processes, each with its own CPU
     devices); on a Ray cluster (``RAY_ADDRESS``, ``redray run --address``, ``ray job
-    submit``) they are the cluster's machines. Pass ``**cluster_options(args)`` to
+    submit``) they are the cluster's machines. Pass ``cluster=cluster_options(args)`` to
     ``redray.fit`` or ``redray.run``.
 
     Args:
@@ -33,8 +36,10 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, name: str, hosts: int =
     return parser
 
 
-def cluster_options(args: argparse.Namespace) -> dict:
-    """``redray.fit``/``redray.run`` keywords from ``add_cluster_args``'s flags (the
-    storage folder made absolute: a Ray job runs in a temporary copy of its directory)."""
-    return dict(hosts=args.hosts, devices_per_host=args.devices_per_host, use_gpu=args.gpu,
-                name=args.name, storage_path=os.path.abspath(os.path.expanduser(args.storage)))
+def cluster_options(args: argparse.Namespace) -> ClusterConfig:
+    """The ``ClusterConfig`` of ``add_cluster_args``'s flags, for ``redray.fit(...,
+    cluster=...)``/``redray.run`` (the storage folder made absolute: a Ray job runs in a
+    temporary copy of its directory)."""
+    return ClusterConfig(hosts=args.hosts, devices_per_host=args.devices_per_host,
+                         use_gpu=args.gpu, name=args.name,
+                         storage_path=storage_folder(args.storage))

@@ -6,8 +6,11 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
+from redray import storage
+from redray.cluster.config import ClusterConfig
+from redray.cluster.job import CallCode, CallTask, FitCode, FitTask, HostJob
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -162,11 +165,7 @@ def _pickle_user_code_by_value() -> None:
             pass
 
 
-def run(fn: Callable, *args, hosts: int = 1, devices_per_host: int | None = None,
-        use_gpu: bool = False, use_tpu: bool = False, address: str | None = None,
-        name: str | None = None, storage_path: str | None = None, max_failures: int = 0,
-        checkpoint=None, resume: bool = True, tracking_uri: str | None = None,
-        experiment: str = "redray", tracking: bool = True, **kwargs) -> RunResult:
+def run(fn: Callable, *args, cluster: ClusterConfig | None = None, **kwargs) -> RunResult:
     """Runs ``fn(*args, **kwargs)`` on every host of a Ray cluster, for loops of your own.
 
     Every host joins one ``jax.distributed`` runtime first, so a ``redray.Trainer`` made
@@ -187,11 +186,13 @@ def run(fn: Callable, *args, hosts: int = 1, devices_per_host: int | None = None
 
     Args:
       fn: the function every host runs; it and its arguments must pickle.
-      *args, **kwargs: its arguments.
-      hosts, devices_per_host, use_gpu, use_tpu, address, name, storage_path,
-      max_failures, resume, tracking_uri, experiment, tracking: as for ``redray.fit``.
-      checkpoint: a ``redray.CheckpointConfig`` for the main Trainer (its directory
+      *args, **kwargs: its arguments; keywords that name a ``ClusterConfig`` field
+        (``hosts``, ``devices_per_host``, ``use_gpu``, ``use_tpu``, ``address``, ``name``,
+        ``storage_path``, ``max_failures``, ``checkpoint``, ``resume``,
+        ``tracking_uri``, ``experiment``, ``tracking``) configure the run instead.
+        ``checkpoint`` is the main Trainer's ``redray.CheckpointConfig`` (its directory
         defaults to ``<storage_path>/<name>/checkpoints``); ``False``: none.
+      cluster: a ``redray.ClusterConfig`` (keywords above override its fields).
 
     Returns:
       A ``RunResult``: host 0's return value, where the run is tracked and checkpointed.
@@ -201,22 +202,17 @@ def run(fn: Callable, *args, hosts: int = 1, devices_per_host: int | None = None
     """
     if not callable(fn):
         raise TypeError(f"redray.run needs a function to run on every host, got {fn!r}")
-    launch = _Launch(hosts, devices_per_host, use_gpu, use_tpu, address, name, storage_path,
-                     max_failures, checkpoint, resume, tracking_uri, experiment, tracking)
-    out = launch.start("call_on_host", {}, {"function": getattr(fn, "__qualname__", repr(fn))},
-                       user={"fn": fn, "args": args, "kwargs": kwargs})
+    config, kwargs = ClusterConfig.split(kwargs, cluster)
+    out = _launch(config, CallTask(), {"function": getattr(fn, "__qualname__", repr(fn))},
+                  CallCode(fn=fn, args=args, kwargs=kwargs))
     return RunResult(**out)
 
 
 def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         batch_size: int, epochs: int = 1, eval_data=None, predict: Callable | None = None,
         eval_metric: Callable | None = None, predict_data=None, max_steps: int | None = None,
-        eval_at_start: bool = False,
-        hosts: int = 1, devices_per_host: int | None = None, use_gpu: bool = False,
-        use_tpu: bool = False, address: str | None = None, name: str | None = None,
-        storage_path: str | None = None, max_failures: int = 0, progress: bool = True,
-        checkpoint=None, resume: bool = True, tracking_uri: str | None = None,
-        experiment: str = "redray", tracking: bool = True, **trainer_options) -> FitResult:
+        eval_at_start: bool = False, progress: bool = True,
+        cluster: ClusterConfig | None = None, **options) -> FitResult:
     """Trains on a Ray cluster: one worker per host, one ``jax.distributed`` runtime.
 
     Args:
@@ -225,28 +221,17 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         parquet/json/jsonl path or glob, or a ``ray.data.Dataset``.
       batch_size: examples per optimizer update, over all hosts.
       epochs, max_steps, eval_metric, eval_at_start: as for ``Trainer.fit``.
-      hosts: worker processes, one per host (on one machine: simulated hosts).
-      devices_per_host: CPU devices each host simulates (CPU only; default 1), or the
-        GPUs/TPU chips each host takes.
-      use_gpu, use_tpu: run on GPUs / TPUs (devices assigned by Ray).
-      address: a Ray cluster (``ray://host:10001`` for Ray Client); default
-        ``RAY_ADDRESS``, else a local cluster started here.
-      name, storage_path: the run's name and where Ray Train keeps it (an absolute path
-        or a URI); defaults: a timestamped name under ``~/redray_runs``.
-      max_failures: worker-group restarts Ray Train allows before giving up; the
-        restarted group resumes from the last complete checkpoint.
       progress: progress bar on host 0.
-      checkpoint: a ``redray.CheckpointConfig`` (when and what to save); its directory
-        defaults to ``<storage_path>/<name>/checkpoints``. Default: save at the end of
-        every epoch and of the run, keep the last 3. ``False``: no checkpoints.
-      resume: continue from the last complete checkpoint of the run ``name`` in
-        ``storage_path`` (the same step, epoch, position inside it and RNG) and log
-        into the same MLflow run.
-      tracking_uri: where MLflow logs go; default ``MLFLOW_TRACKING_URI``, else
-        ``sqlite:///<storage_path>/mlflow.db``. ``tracking=False``: no MLflow.
-      experiment: the MLflow experiment.
-      **trainer_options: ``Trainer`` keywords (model_axis, fsdp_axis, micro_batch_size,
-        compute_dtype, rules, seed, log_every, learning_rate, trainable, grad_fn, ...).
+      cluster: a ``redray.ClusterConfig``; its fields may also be given as keywords
+        here (``hosts``, ``devices_per_host``, ``use_gpu``, ``use_tpu``, ``address``,
+        ``name``, ``storage_path``, ``max_failures``, ``checkpoint``, ``resume``,
+        ``tracking_uri``, ``experiment``, ``tracking``), which override its fields.
+        Defaults: one host, a timestamped run under ``~/redray_runs``, a checkpoint at
+        the end of every epoch and of the run (the last 3 kept), resumed when the
+        same name runs again, tracked in ``<storage_path>/mlflow.db``.
+      **options: the cluster keywords above, and ``Trainer`` keywords (model_axis,
+        fsdp_axis, micro_batch_size, compute_dtype, rules, seed, log_every,
+        learning_rate, trainable, grad_fn, hooks, ...).
 
     Returns:
       A ``FitResult`` with the history and the predictions, if asked.
@@ -258,159 +243,136 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
     from redray.pipeline import Pipeline
 
     Pipeline(collate, loss, predict)  # cheap checks on the driver, before any worker
-    launch = _Launch(hosts, devices_per_host, use_gpu, use_tpu, address, name, storage_path,
-                     max_failures, checkpoint, resume, tracking_uri, experiment, tracking)
+    config, trainer_options = ClusterConfig.split(options, cluster)
+    _check_trainer_options(trainer_options)
     rows = {key: None if data is None else RowSource(to_dataset(data))
             for key, data in (("train", train_data), ("eval", eval_data),
                               ("predict", predict_data))}
-    job = {"epochs": epochs, "max_steps": max_steps, "progress": progress,
-           "eval_at_start": eval_at_start,
-           "train": rows["train"], "eval": rows["eval"], "predict_data": rows["predict"]}
-    user = {"model": model, "collate": collate, "loss": loss, "optimizer": optimizer,
-            "predict": predict, "eval_metric": eval_metric,
-            "trainer": dict(batch_size=batch_size, **trainer_options)}
-    out = launch.start("fit_on_host", job, dict(epochs=epochs, max_steps=max_steps,
-                                                batch_size=batch_size, **trainer_options),
-                       user=user)
+    task = FitTask(epochs=epochs, max_steps=max_steps, progress=progress,
+                   eval_at_start=eval_at_start, train=rows["train"], eval=rows["eval"],
+                   predict=rows["predict"])
+    code = FitCode(model=model, collate=collate, loss=loss, optimizer=optimizer,
+                   predict=predict, eval_metric=eval_metric,
+                   trainer_options=dict(batch_size=batch_size, **trainer_options))
+    out = _launch(config, task, dict(epochs=epochs, max_steps=max_steps, batch_size=batch_size,
+                                     **trainer_options), code)
     value = out.pop("value")
     return FitResult(history=value["history"], predictions=value["predictions"], **out)
 
 
-class _Launch:
-    """One Ray Train worker group for ``run`` and ``fit``: settings checked, the Ray
-    cluster reached, the run's checkpoint folder and MLflow tracker set up."""
+def _check_trainer_options(options: dict) -> None:
+    """Unknown keywords fail on the driver, before any host starts."""
+    import inspect
 
-    def __init__(self, hosts, devices_per_host, use_gpu, use_tpu, address, name,
-                 storage_path, max_failures, checkpoint, resume, tracking_uri, experiment,
-                 tracking):
-        from redray.checkpoint import CheckpointConfig
+    from redray.engine import Trainer
 
-        if hosts < 1:
-            raise ValueError(f"hosts={hosts}: need at least one host")
-        if use_gpu and use_tpu:
-            raise ValueError("use_gpu and use_tpu are exclusive")
-        connect(address, num_cpus=None if address else max(os.cpu_count() or 1, hosts))
-        self.hosts, self.devices_per_host = hosts, devices_per_host
-        self.use_gpu, self.use_tpu, self.max_failures = use_gpu, use_tpu, max_failures
-        self.name = name or time.strftime("redray-%Y%m%d-%H%M%S")
-        self.storage_path = os.path.abspath(os.path.expanduser(storage_path or "~/redray_runs")) \
-            if not (storage_path and "://" in storage_path) else storage_path
-        self.checkpoint = None
-        if checkpoint is not False:
-            ckpt = CheckpointConfig.of(checkpoint) or CheckpointConfig()
-            self.checkpoint = dataclasses.replace(
-                ckpt, directory=ckpt.directory
-                or f"{self.storage_path.rstrip('/')}/{self.name}/checkpoints",
-                resume=resume and ckpt.resume)
-        self.resume = resume
-        self.tracking = (tracking_uri, experiment) if tracking else None
-
-    def start(self, host_fn: str, job: dict, settings: dict, user: dict) -> dict:
-        """Runs ``worker.<host_fn>(job, rank)`` on every host; returns ``RunResult``'s
-        fields (``value``: host 0's return value).
-
-        ``user`` (the user's functions, model and arguments) travels as bytes that each
-        host unpickles only after joining the JAX runtime: a built model's device
-        arrays, unpickled earlier, would start JAX's backend before
-        ``jax.distributed.initialize``, which then refuses to run. ``job`` travels
-        through Ray's own serializer (the row sources' object references need it).
-        """
-        import ray
-        from ray.train import FailureConfig, LoggingConfig, RunConfig
-        from ray.train.v2.jax import JaxTrainer
-
-        from redray.cluster import worker
-        from redray.cluster.tracker import MetricsToTracker, finish_tracker, start_tracker
-        from redray.tracking import resolve_tracking_uri
-
-        config = dict(name=self.name, storage_path=self.storage_path, hosts=self.hosts,
-                      devices_per_host=self.devices_per_host, use_gpu=self.use_gpu,
-                      use_tpu=self.use_tpu, max_failures=self.max_failures,
-                      checkpoint=None if self.checkpoint is None
-                      else dataclasses.asdict(self.checkpoint), **settings)
-        results = _results_actor()
-        tracker = None
-        if self.tracking is not None:
-            uri, experiment = self.tracking
-            tracker = start_tracker(resolve_tracking_uri(uri, self.storage_path), self.name,
-                                    f"{self.storage_path.rstrip('/')}/{self.name}", experiment,
-                                    self.resume, self.checkpoint, config)
-        # Ray Train's controller collects reports (checkpoint registrations, a barrier on
-        # every host) only at this interval, 2 s by default: a loop that checkpoints
-        # often would stall that long each time. Ray passes it on to the controller.
-        os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-        job = {**job, "user": _user_bytes(user), "host_fn": getattr(worker, host_fn),
-               "results": results,
-               "tracker": tracker, "checkpoint": self.checkpoint, "config": config}
-        trainer = JaxTrainer(
-            # Ray's own serializer (cloudpickle plus object-ref and actor-handle
-            # ownership): the row sources' block references must stay valid on workers.
-            _entry, train_loop_config=job, scaling_config=self._scaling(),
-            run_config=RunConfig(name=self.name, storage_path=self.storage_path,
-                                 failure_config=FailureConfig(max_failures=self.max_failures),
-                                 worker_runtime_env={"env_vars": self._env()},
-                                 logging_config=LoggingConfig(log_level="WARNING"),
-                                 callbacks=[] if tracker is None else [MetricsToTracker(tracker)]))
-        start = time.perf_counter()
-        try:
-            trainer.fit()
-        except Exception as error:
-            finish_tracker(tracker, "FAILED")
-            _, failures = ray.get(results.get.remote())
-            if failures:
-                rank, text = failures[0]
-                raise HostError(f"host {rank} failed:\n{text}") from error
-            raise
-        out, _ = ray.get(results.get.remote())
-        report = finish_tracker(tracker, "FINISHED", out["checkpoint"])
-        return {**out, "name": self.name, "storage_path": self.storage_path,
-                "seconds": time.perf_counter() - start,
-                "tracking_uri": report and report["uri"],
-                "mlflow_run_id": report and report["run_id"]}
-
-    def _env(self) -> dict:
-        # Ray Train's print patch logs every print again after teeing it to the console:
-        # each line a host prints would show twice.
-        env = {"PYTHONPATH": _local_paths(), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
-        if not (self.use_gpu or self.use_tpu):
-            env["JAX_PLATFORMS"] = "cpu"
-            env["XLA_FLAGS"] = " ".join(
-                [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-                + [f"--xla_force_host_platform_device_count={self.devices_per_host or 1}"])
-        return env
-
-    def _scaling(self):
-        import ray
-        from ray.train import ScalingConfig
-
-        if self.use_gpu:
-            resources = {"GPU": self.devices_per_host or 1}
-        elif self.use_tpu:
-            resources = {"TPU": self.devices_per_host or 4}
-        else:
-            resources = {"CPU": 1}
-        nodes = len([n for n in ray.nodes() if n.get("Alive")])
-        return ScalingConfig(num_workers=self.hosts, use_gpu=self.use_gpu, use_tpu=self.use_tpu,
-                             resources_per_worker=resources,
-                             placement_strategy="STRICT_SPREAD" if nodes >= self.hosts > 1
-                             else "SPREAD")
+    known = [n for n, p in inspect.signature(Trainer).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        cluster = [f.name for f in dataclasses.fields(ClusterConfig)]
+        raise TypeError(f"redray.fit got unknown keyword(s) {unknown}: use Trainer keywords "
+                        f"({', '.join(k for k in known if k != 'batch_size')}) or cluster "
+                        f"keywords ({', '.join(cluster)})")
 
 
-def _user_bytes(user: dict) -> bytes:
+def _launch(config: ClusterConfig, task, settings: dict, code) -> dict:
+    """Runs ``task`` on every host of one Ray Train worker group; returns ``RunResult``'s
+    fields (``value``: host 0's return value)."""
+    import ray
+    from ray.train import FailureConfig, LoggingConfig, RunConfig
+    from ray.train.v2.jax import JaxTrainer
+
+    from redray.cluster.tracker import CheckpointsToTracker, finish_tracker, start_tracker
+
+    config = config.resolved()
+    connect(config.address,
+            num_cpus=None if config.address else max(os.cpu_count() or 1, config.hosts))
+    recorded = {**config.settings(), **settings}
+    results = _results_actor()
+    tracker = None
+    if config.tracking:
+        tracker = start_tracker(storage.resolve_tracking_uri(config.tracking_uri,
+                                                             config.storage_path),
+                                config.name, storage.run_folder(config.storage_path, config.name),
+                                config.experiment, config.resume, config.checkpoint, recorded)
+    # Ray Train's controller collects reports (checkpoint registrations, a barrier on
+    # every host) only at this interval, 2 s by default: a loop that checkpoints
+    # often would stall that long each time. Ray passes it on to the controller.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    job = HostJob(task=task, code=_user_bytes(code), results=results, tracker=tracker,
+                  checkpoint=config.checkpoint, config=recorded)
+    trainer = JaxTrainer(
+        # Ray's own serializer (cloudpickle plus object-ref and actor-handle ownership):
+        # the row sources' block references must stay valid on workers.
+        _entry, train_loop_config={"job": job}, scaling_config=_scaling(config),
+        run_config=RunConfig(name=config.name, storage_path=config.storage_path,
+                             failure_config=FailureConfig(max_failures=config.max_failures),
+                             worker_runtime_env={"env_vars": _worker_env(config)},
+                             logging_config=LoggingConfig(log_level="WARNING"),
+                             callbacks=[] if tracker is None else [CheckpointsToTracker(tracker)]))
+    start = time.perf_counter()
+    try:
+        trainer.fit()
+    except Exception as error:
+        finish_tracker(tracker, "FAILED")
+        _, failures = ray.get(results.get.remote())
+        if failures:
+            rank, text = failures[0]
+            raise HostError(f"host {rank} failed:\n{text}") from error
+        raise
+    out, _ = ray.get(results.get.remote())
+    report = finish_tracker(tracker, "FINISHED", out["checkpoint"])
+    return {**out, "name": config.name, "storage_path": config.storage_path,
+            "seconds": time.perf_counter() - start,
+            "tracking_uri": report and report["uri"],
+            "mlflow_run_id": report and report["run_id"]}
+
+
+def _worker_env(config: ClusterConfig) -> dict:
+    # Ray Train's print patch logs every print again after teeing it to the console:
+    # each line a host prints would show twice.
+    env = {"PYTHONPATH": _local_paths(), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+    if not (config.use_gpu or config.use_tpu):
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = " ".join(
+            [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+            + [f"--xla_force_host_platform_device_count={config.devices_per_host or 1}"])
+    return env
+
+
+def _scaling(config: ClusterConfig):
+    import ray
+    from ray.train import ScalingConfig
+
+    if config.use_gpu:
+        resources = {"GPU": config.devices_per_host or 1}
+    elif config.use_tpu:
+        resources = {"TPU": config.devices_per_host or 4}
+    else:
+        resources = {"CPU": 1}
+    nodes = len([n for n in ray.nodes() if n.get("Alive")])
+    return ScalingConfig(num_workers=config.hosts, use_gpu=config.use_gpu,
+                         use_tpu=config.use_tpu, resources_per_worker=resources,
+                         placement_strategy="STRICT_SPREAD" if nodes >= config.hosts > 1
+                         else "SPREAD")
+
+
+def _user_bytes(code) -> bytes:
     """The user's objects, pickled for the hosts (their own modules by value)."""
     from ray import cloudpickle
 
     _pickle_user_code_by_value()
     try:
-        return cloudpickle.dumps(user)
+        return cloudpickle.dumps(code)
     except Exception as error:  # noqa: BLE001 - any pickling failure: say what to change
         raise TypeError(f"cannot send the model, functions or arguments to the hosts "
                         f"({type(error).__name__}: {error}): they must pickle; define them at "
                         "module level or close over picklable values only") from None
 
 
-def _entry(config):
+def _entry(config: dict):
     from redray.cluster.worker import train_loop
 
-    train_loop(config)
+    train_loop(config["job"])

@@ -6,7 +6,7 @@ MLflow once, whatever the number of hosts, and the training step never waits on 
 Rows do not go through ``ray.train.report``: that is a barrier across hosts and its
 results reach the controller only at its polling interval (measured 1.3-2 s per
 report on 2 cores), which made every logged row stall training. Checkpoints are still
-reported to Ray Train (all hosts alike); the controller's ``MetricsToTracker``
+reported to Ray Train (all hosts alike); the controller's ``CheckpointsToTracker``
 callback tells the tracker the newest one.
 """
 
@@ -17,6 +17,7 @@ import warnings
 
 from ray.train.v2.api.callback import UserCallback
 
+from redray.engine.hooks import Hook
 from redray.tracking import MlflowLogger, TrackingWarning, git_commit
 
 log = logging.getLogger("redray.tracking")
@@ -107,9 +108,9 @@ def finish_tracker(tracker, status: str, checkpoint: str | None = None) -> dict 
     return report
 
 
-class MetricsToTracker(UserCallback):
-    """Ray Train callback (on the controller): host 0's checkpoint reports go to the
-    tracker (the run's ``redray.last_checkpoint`` tag)."""
+class CheckpointsToTracker(UserCallback):
+    """Ray Train callback (on the controller): host 0's checkpoint reports become the
+    tracker's ``redray.last_checkpoint`` tag. Metrics never pass here (see above)."""
 
     def __init__(self, tracker):
         self.tracker = tracker
@@ -118,63 +119,62 @@ class MetricsToTracker(UserCallback):
     def after_report(self, run_context, metrics, checkpoint):
         try:
             row = metrics[0] if metrics else None
-            if not row:
-                return
-            if CHECKPOINT_KEY in row:
+            if row and CHECKPOINT_KEY in row:
                 self.tracker.checkpoint.remote(row[CHECKPOINT_KEY])
         except Exception as error:  # noqa: BLE001 - an exception here would fail the run
             if not self.failed:
                 self.failed = True
-                log.warning("could not forward metrics to the MLflow tracker: %s", error)
+                log.warning("could not tell the MLflow tracker about a checkpoint: %s", error)
 
 
-def worker_hooks(trainer, tracker, rank: int):
-    """Wires a host's Trainer: host 0's rows to the tracker, the run id into checkpoints.
+class TrackerHook(Hook):
+    """A host's Trainer hook: host 0 sends every logged row to the tracker (the other
+    hosts send nothing), describes the run there once the state exists, and keeps the
+    MLflow run id in the Trainer's checkpoints (``run_meta``) so a resume logs into
+    the same MLflow run."""
 
-    Returns ``flush()``, which waits (briefly) until the rows sent so far have reached
-    the tracker: calls still in flight when a worker exits could be lost.
-    """
-    import ray
+    def __init__(self, tracker, rank: int):
+        self.tracker = tracker if rank == 0 else None
+        self.sent: list = []
 
-    sent: list = []
+    def on_init(self, trainer) -> None:
+        if self.tracker is None:
+            return
+        d = trainer.describe()
+        tags = {"redray.hosts": d["hosts"], "redray.devices": d["devices"],
+                "redray.mesh": " x ".join(f"{k}={v}" for k, v in d["mesh"].items()),
+                "redray.parameters": d["parameters"],
+                "redray.param_bytes_per_device": d["param_bytes_per_device"],
+                "redray.accumulation_steps": d["accumulation_steps"]}
+        self.tracker.describe.remote(tags, trainer.plan())
 
-    def on_log(row: dict) -> None:
-        if rank != 0 or tracker is None:
+    def on_log(self, trainer, row: dict) -> None:
+        import ray
+
+        if self.tracker is None:
             return
         try:
-            sent.append(tracker.log.remote(row))  # no waiting: the actor queues it
-            if len(sent) > 100:
-                _, pending = ray.wait(sent, num_returns=len(sent), timeout=0)
-                sent[:] = pending
+            self.sent.append(self.tracker.log.remote(row))  # no waiting: the actor queues it
+            if len(self.sent) > 100:
+                _, pending = ray.wait(self.sent, num_returns=len(self.sent), timeout=0)
+                self.sent[:] = pending
         except Exception:  # noqa: BLE001 - tracking never fails a run
             return
         if "mlflow_run_id" not in trainer.run_meta:
             try:
-                run_id = ray.get(tracker.run_id.remote(), timeout=10)
+                run_id = ray.get(self.tracker.run_id.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - tracking never fails a run
                 run_id = None
             if run_id:
                 trainer.run_meta["mlflow_run_id"] = run_id
 
-    def flush() -> None:
+    def flush(self) -> None:
+        """Waits (briefly) until the rows sent so far have reached the tracker: calls
+        still in flight when a worker exits could be lost."""
+        import ray
+
         try:
-            if sent:
-                ray.wait(sent, num_returns=len(sent), timeout=FINISH_TIMEOUT_S)
+            if self.sent:
+                ray.wait(self.sent, num_returns=len(self.sent), timeout=FINISH_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - tracking never fails a run
             pass
-
-    trainer.on_log = on_log
-    return flush
-
-
-def describe_run(trainer, tracker) -> None:
-    """Host 0 tells the tracker the run's shape and sharding plan (once per start)."""
-    if tracker is None:
-        return
-    d = trainer.describe()
-    tags = {"redray.hosts": d["hosts"], "redray.devices": d["devices"],
-            "redray.mesh": " x ".join(f"{k}={v}" for k, v in d["mesh"].items()),
-            "redray.parameters": d["parameters"],
-            "redray.param_bytes_per_device": d["param_bytes_per_device"],
-            "redray.accumulation_steps": d["accumulation_steps"]}
-    tracker.describe.remote(tags, trainer.plan())

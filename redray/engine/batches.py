@@ -1,8 +1,9 @@
-"""From examples to global batches: order, collate, placement, prefetch.
+"""From examples to global batches: order, collate, placement, prefetch, one pass.
 
 Every process runs the same program. Global batch ``i`` of an epoch is always the rows
 ``order[i*B:(i+1)*B]``; each process collates only the rows its devices hold (read from
-the batch sharding), so one host or many see the same batches.
+the batch sharding), so one host or many see the same batches. Evaluation and
+prediction go through ``each_batch``: every example once, in order.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.pipeline import check_batch
+from redray.sharding import batch_sharding, data_parallel_size
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -124,3 +126,40 @@ class InFlight:
         self.queue.append(outputs)
         if len(self.queue) > self.limit:
             jax.block_until_ready(self.queue.popleft())
+
+
+def each_batch(examples: Sequence, size: int, mesh: Mesh, collate: Callable, run: Callable,
+               *, pad_last: bool, prepare: Callable | None = None) -> list[tuple[int, Any]]:
+    """Runs ``run(batch, start)`` over ``examples`` in batches of ``size``, every example
+    exactly once and in order; returns ``[(examples in the batch, run's output)]``.
+
+    Each process collates and places only its rows of every batch; at most
+    ``InFlight``'s limit of dispatched programs are unfinished at a time. A short last
+    batch is either padded to ``size`` by repeating its last example (``pad_last``:
+    one program for every batch; the caller drops the padded rows' outputs) or run at
+    its own size, split over the devices if it divides, replicated otherwise (so no
+    padding enters a mean).
+
+    Args:
+      examples: a list, or a row source (``len`` + ``take_rows``).
+      size: examples per batch.
+      mesh: the mesh the batches are placed on.
+      collate: the user's collate (one row per example, checked).
+      run: ``run(placed batch, start) -> device outputs``: dispatches one batch.
+      pad_last: the short last batch's policy, above.
+      prepare: called once with the first collated (host-local) batch before ``run``.
+    """
+    dp = data_parallel_size(mesh)
+    pending, in_flight = [], InFlight()
+    for start in range(0, len(examples), size):
+        n = min(size, len(examples) - start)
+        rows = size if pad_last else n
+        sharding = batch_sharding(mesh) if rows % dp == 0 else NamedSharding(mesh, P())
+        mine = process_rows(sharding, rows)
+        indices = [min(start + i, start + n - 1) for i in range(mine.start, mine.stop)]
+        batch = collate_checked(collate, read_rows(examples, indices), exact=True)
+        if prepare is not None and start == 0:
+            prepare(batch)
+        pending.append((n, run(to_global(batch, sharding, rows), start)))
+        in_flight.add(pending[-1][1])
+    return pending

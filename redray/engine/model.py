@@ -120,11 +120,6 @@ def adapter(model: Any):
     return _NNX(model)
 
 
-def init_key(seed: int):
-    """The key a model's parameters are initialized with, for a run's ``seed``."""
-    return jax.random.fold_in(jax.random.key(seed), 0)
-
-
 def abstract_state(model_adapter, key):
     """(params, extra) as ShapeDtypeStructs, without allocating."""
     if isinstance(model_adapter, _NNX):

@@ -8,10 +8,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from redray.engine.batches import InFlight, collate_checked, process_rows, read_rows, to_global
+from redray.engine.batches import each_batch
 from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
 from redray.pipeline import PipelineError, check_predict_output
-from redray.sharding import batch_sharding, data_parallel_size
+from redray.rngs import Stream, stream_key
+from redray.sharding import data_parallel_size
 
 
 class Predictor:
@@ -102,26 +103,17 @@ class Predictor:
         """
         if not len(examples):
             return []
-        size = self.batch_size
         if rng is None:
-            rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), 3),
-                                     self._calls)
+            rng = jax.random.fold_in(stream_key(self.seed, Stream.PREDICT), self._calls)
         self._calls += 1
-        sharding = batch_sharding(self.runtime.mesh)
-        mine = process_rows(sharding, size)
-        pending, in_flight = [], InFlight()
-        for start in range(0, len(examples), size):
-            n = min(size, len(examples) - start)
-            # the short last batch repeats its last example; those outputs are dropped
-            rows = [min(start + i, start + n - 1) for i in range(mine.start, mine.stop)]
-            batch = collate_checked(self.collate, read_rows(examples, rows), exact=True)
-            if self._step is None:
-                self._prepare(batch)
+
+        def run(batch, start):
             params, extra = self._source()
-            out = self._step(params, extra, to_global(batch, sharding, size),
-                             jax.random.fold_in(rng, start))
-            pending.append((n, out))
-            in_flight.add(out)
+            return self._step(params, extra, batch, jax.random.fold_in(rng, start))
+
+        # the short last batch repeats its last example; those outputs are dropped
+        pending = each_batch(examples, self.batch_size, self.runtime.mesh, self.collate, run,
+                             pad_last=True, prepare=self._prepare if self._step is None else None)
         results = []
         for n, out in pending:
             host = jax.device_get(out)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from redray.engine.model import abstract_state, adapter, cast_floating, init_key
+from redray.engine.model import abstract_state, adapter, cast_floating
+from redray.rngs import Stream, stream_key
 from redray.sharding import derive_specs, format_plan, make_mesh, plan, shardings
 
 
@@ -37,7 +38,7 @@ class ModelRuntime:
         self.mesh = mesh
         self.compute_dtype = compute_dtype
         self.rules = rules
-        self.init_key = init_key(seed)
+        self.init_key = stream_key(seed, Stream.INIT)
         self.abstract = abstract_state(self.adapter, self.init_key)
         self.specs = None
 

@@ -1,37 +1,35 @@
-"""The Trainer: one jitted, sharded, donated train step over all of a process's devices."""
+"""The Trainer: one jitted, sharded, donated train step over all of a process's devices.
+
+``fit`` is a loop over optimizer steps (``_training_steps``) whose events go to hooks
+(``redray/engine/hooks.py``): the log window, the progress bar, evaluation and
+checkpoints are hooks (``redray/engine/fit_hooks.py``), and so are the cluster's.
+The step itself is ``redray.engine.steps.train_step``, jitted here, once.
+"""
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from redray.checkpoint import CheckpointConfig, CheckpointMismatch
-from redray.engine.batches import (InFlight, collate_checked, epoch_order, prefetch,
-                                   process_rows, read_rows, to_global)
-from redray.engine.model import merge_trainable, split_trainable
+from redray.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatch
+from redray.engine.batches import (InFlight, collate_checked, each_batch, epoch_order,
+                                   prefetch, process_rows, read_rows, to_global)
+from redray.engine.fit_hooks import Checkpoints, Evaluation, LogWindow, ProgressBar, Recorder
+from redray.engine.hooks import EpochEnd, Hook, Position, StepInfo, current_scope
+from redray.engine.model import split_trainable
 from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
+from redray.engine.state import CHECKPOINT_ITEMS, StateLayout, TrainState, counters
+from redray.engine.steps import (eval_step, microbatched, model_gradients, model_loss,
+                                 train_step, user_loss_fn)
 from redray.pipeline import Pipeline, PipelineError, split_loss_output
-from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size, follow_specs
-
-
-# Set on every host of a cluster run (``redray.run``/``redray.fit``) by the cluster
-# layer: ``claim(trainer)`` fills a new Trainer's defaults and wires it to the run
-# (metrics to MLflow, checkpoints registered), without the engine importing Ray.
-# ``claim(trainer, default_checkpoint)`` may set ``trainer.checkpoint_config`` when the
-# user left ``checkpoint`` at its default.
-_host_run = None
-
-
-def set_host_run(host_run) -> None:
-    """Installs (or, with None, removes) this process's cluster-run context."""
-    global _host_run
-    _host_run = host_run
+from redray.rngs import Stream, stream_key
+from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size
 
 
 class Trainer:
@@ -84,6 +82,10 @@ class Trainer:
         micro-batch, inside the jitted step; the optimizer then applies ``grads``.
         The model's other state (e.g. batch statistics) is not updated under it.
         Default: ``jax.value_and_grad`` of the loss.
+      hooks: ``redray.engine.hooks.Hook`` objects run beside training (``on_log``
+        gets every logged row, ``on_checkpoint`` every complete checkpoint, ...).
+        Inside ``redray.run``/``redray.fit`` the cluster adds its own (MLflow, Ray
+        Train) the same way.
     """
 
     def __init__(self, model: Any, collate: Callable, loss: Callable,
@@ -93,7 +95,8 @@ class Trainer:
                  data_axis="auto", fsdp_axis=1, model_axis=1, compute_dtype=None, rules=(),
                  learning_rate=None, seed: int = 0, log_every: int = 10, progress: bool = True,
                  prefetch: int = 2, checkpoint=None, config: dict | None = None,
-                 trainable: str | None = None, grad_fn: Callable | None = None):
+                 trainable: str | None = None, grad_fn: Callable | None = None,
+                 hooks: Sequence[Hook] = ()):
         self.pipeline = Pipeline(collate, loss, predict)
         if grad_fn is not None and not callable(grad_fn):
             raise TypeError(f"grad_fn must be a function (loss_fn, params, batch, rng) -> "
@@ -113,27 +116,44 @@ class Trainer:
         self.log_every = max(1, int(log_every))
         self.progress = progress
         self.prefetch = prefetch
-        self.state = None
+        self.state: TrainState | None = None
+        self.layout: StateLayout | None = None
         self._steps: dict = {}
         self.checkpoint_config = CheckpointConfig.of(checkpoint)
-        self.checkpointer = None
+        self.checkpointer: Checkpointer | None = None
         self.config = dict(config or {})
         # Kept in every checkpoint and restored with it (e.g. the tracker's run id).
         self.run_meta: dict = {}
-        # (epoch, batches done in it, whether the epoch's end (eval, save) is done)
-        self.position = (0, 0, False)
+        self.position = Position()
         self.resumed_from: dict | None = None
-        # Called on every process as on_checkpoint(step, path, meta) once a checkpoint
-        # is complete (redray.fit registers it with Ray Train there).
-        self.on_checkpoint: Callable | None = None
-        # Called on every process with each row fit logs (redray.fit reports it to Ray).
-        self.on_log: Callable | None = None
+        # Tokens in one example (the width of the batch's first 2-D integer array, e.g.
+        # input_ids), learned from fit's first batch; 0: the batch has no tokens.
+        self.tokens_per_example = 0
+        self.hooks: list[Hook] = []
+        for hook in hooks:
+            self.add_hook(hook)
+        self._fit_hooks: list[Hook] = []
         self._summarized = False
         self._predictors: dict = {}
-        # Called on every process once the state exists (fresh or restored).
-        self.on_init: Callable | None = None
-        if _host_run is not None:
-            _host_run.claim(self, default_checkpoint=checkpoint is None)
+        scope = current_scope()
+        if scope is not None:  # inside redray.run/redray.fit: the run's defaults and hooks
+            adopted = scope.adopt(self, default_checkpoint=checkpoint is None)
+            if adopted.checkpoint is not None:
+                self.checkpoint_config = adopted.checkpoint
+            self.config = {**adopted.config, **self.config}
+            for hook in adopted.hooks:
+                self.add_hook(hook)
+
+    def add_hook(self, hook: Hook) -> None:
+        """Runs ``hook`` beside training from now on (see ``redray.engine.hooks.Hook``)."""
+        if not isinstance(hook, Hook):
+            raise TypeError(f"a hook must be a redray.engine.hooks.Hook (override the on_* "
+                            f"methods you need), got {type(hook).__name__}")
+        self.hooks.append(hook)
+
+    def _listening(self) -> list[Hook]:
+        """The hooks events go to: this fit call's own, then the Trainer's."""
+        return self._fit_hooks + self.hooks
 
     # ---------------------------------------------------------------- set-up
     def init(self, examples: Sequence) -> None:
@@ -145,83 +165,62 @@ class Trainer:
         if self.state is not None:
             return
         self._init(examples)
-        if self.on_init is not None:
-            self.on_init()
+        for hook in self.hooks:
+            hook.on_init(self)
 
     def _init(self, examples: Sequence) -> None:
         if not len(examples):
             raise ValueError("init needs at least one example to learn the batch's shapes")
         sample = collate_checked(self.pipeline.collate,
                                  read_rows(examples, range(min(len(examples), self.batch_size))))
-        micro_global = self.micro * self.dp
-        abstract = abstract_batch(sample, micro_global)
+        abstract = abstract_batch(sample, self.micro * self.dp)
         self._global_batch = abstract_batch(sample, self.batch_size)
         self._metric_names = self._check_loss(abstract)
         loss = self.pipeline.loss
         self.runtime.derive(lambda model, batch: _loss_value(loss(model, batch, jax.random.key(0), True)),
                             abstract)
-        params_sh, extra_sh = self.runtime.shardings
+        params, extra = self.runtime.abstract
         param_specs = self.runtime.specs[0]
-        abstract_params = self.runtime.abstract[0]
+        params_sh, extra_sh = self.runtime.shardings
         frozen_sh = None
         if self.trainable is not None:
-            abstract_params, _ = split_trainable(abstract_params, self.trainable)
+            params, _ = split_trainable(params, self.trainable)
             param_specs, _ = split_trainable(param_specs, self.trainable)
-            params_sh, frozen_sh = split_trainable(params_sh, self.trainable)
+            _, frozen_sh = split_trainable(params_sh, self.trainable)
         if self.grad_fn is not None:
             self._check_grad_fn(abstract)
-        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
-        opt_specs = follow_specs(abstract_opt, abstract_params, param_specs)
-        repl = self.runtime.replicated()
-        self.state_shardings = {
-            "step": repl, "rng": repl, "params": params_sh, "extra": extra_sh,
-            "opt_state": jax.tree.map(lambda s: NamedSharding(self.mesh, s), opt_specs,
-                                      is_leaf=lambda x: isinstance(x, P)),
-        }
-        if frozen_sh is not None:
-            self.state_shardings["frozen"] = frozen_sh
+        self.layout = StateLayout.build(self.mesh, self.seed, self.optimizer, params, param_specs,
+                                        extra, extra_sh, frozen_sh)
 
-        seed = self.seed
-        start = lambda: (jnp.zeros((), jnp.int32), jax.random.fold_in(jax.random.key(seed), 1))
         # Frozen parameters are never saved: they always come from the model as built.
-        params, extra = self.runtime.init() if frozen_sh is not None else (None, None)
-        frozen = None
+        params = extra = frozen = None
         if frozen_sh is not None:
+            params, extra = self.runtime.init()
             params, frozen = split_trainable(params, self.trainable)
-        if self.checkpoint_config is not None and self._restore(start, abstract_params,
-                                                                abstract_opt):
-            if frozen is not None:
-                self.state["frozen"] = frozen
-            return
+        if self.checkpoint_config is not None:
+            self.checkpointer = Checkpointer(self.checkpoint_config, CHECKPOINT_ITEMS)
+            if self.checkpoint_config.resume and self._restore(frozen):
+                return
         if params is None:
             params, extra = self.runtime.init()
-        step, rng = jax.jit(start, out_shardings=(repl, repl))()
-        self.state = {
-            "step": step, "rng": rng, "params": params, "extra": extra,
-            "opt_state": jax.jit(self.optimizer.init,
-                                 out_shardings=self.state_shardings["opt_state"])(params),
-        }
-        if frozen is not None:
-            self.state["frozen"] = frozen
+        shardings = self.layout.shardings
+        step, rng = jax.jit(lambda: counters(self.seed),
+                            out_shardings=(shardings.step, shardings.rng))()
+        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
+        self.state = TrainState(step=step, rng=rng, params=params, extra=extra,
+                                opt_state=opt_state, frozen=frozen)
 
-    def _restore(self, start, abstract_params, abstract_opt) -> bool:
-        """Loads the last complete checkpoint onto this mesh, if resuming and one exists."""
-        from redray.checkpoint import Checkpointer
-
-        self.checkpointer = Checkpointer(self.checkpoint_config)
-        if not self.checkpoint_config.resume:
-            return False
-        step, rng = jax.eval_shape(start)
-        abstract = {"step": step, "rng": rng, "params": abstract_params,
-                    "extra": self.runtime.abstract[1], "opt_state": abstract_opt}
-        found = self.checkpointer.restore_latest(abstract, self.state_shardings,
+    def _restore(self, frozen) -> bool:
+        """Loads the last complete checkpoint onto this mesh, if one exists."""
+        found = self.checkpointer.restore_latest(self.layout.checkpoint_targets(),
                                                  check=self._check_trainable)
         if found is None:
             return False
-        self.state, meta = found
+        items, meta = found
+        self.state = TrainState.from_checkpoint_items(items, frozen)
         self.resumed_from = meta
         self.run_meta = dict(meta.get("run", {}))
-        self.position = (meta["epoch"], meta["batch"], meta["epoch_done"])
+        self.position = Position(meta["epoch"], meta["batch"], meta["epoch_done"])
         if self.progress and jax.process_index() == 0:
             print(f"resumed from {self.checkpointer.step_path(meta['step'])} (step "
                   f"{meta['step']}, epoch {meta['epoch']}, batch {meta['batch']})")
@@ -239,13 +238,12 @@ class Trainer:
         """Runs ``grad_fn`` on abstract values: its output must be (loss, metrics, grads)
         with grads shaped like the trained parameters."""
         rt, loss, grad_fn = self.runtime, self.pipeline.loss, self.grad_fn
-        abstract_params = rt.abstract[0]
-        params, frozen = abstract_params, None
+        params, frozen = rt.abstract[0], None
         if self.trainable is not None:
-            params, frozen = split_trainable(abstract_params, self.trainable)
+            params, frozen = split_trainable(params, self.trainable)
 
         def run(params, extra, batch):
-            loss_fn = _user_loss_fn(_loss_of(rt, loss, frozen), extra)
+            loss_fn = user_loss_fn(model_loss(rt.apply, loss), frozen, extra)
             return grad_fn(loss_fn, params, batch, jax.random.key(0))
 
         out = jax.eval_shape(run, params, rt.abstract[1], abstract_batch_)
@@ -282,13 +280,13 @@ class Trainer:
 
         self._require_init("describe")
         rows = plan(self.runtime.abstract[0], self.runtime.specs[0], self.mesh)
-        opt = sum(x.nbytes for x in jax.tree.leaves(self.state["opt_state"])
+        opt = sum(x.nbytes for x in jax.tree.leaves(self.state.opt_state)
                   if hasattr(x, "nbytes")) // max(self.mesh.size, 1)
         return {"hosts": jax.process_count(), "devices": self.mesh.size,
                 "mesh": dict(self.mesh.shape),
                 "parameters": int(sum(np.prod(r.shape) for r in rows)),
                 "trainable_parameters": int(sum(np.prod(x.shape) for x in
-                                                jax.tree.leaves(self.state["params"]))),
+                                                jax.tree.leaves(self.state.params))),
                 "param_bytes_per_device": int(sum(r.bytes_per_device for r in rows)),
                 "optimizer_bytes_per_device_approx": int(opt),
                 "batch_size": self.batch_size, "micro_batch_size": self.micro,
@@ -308,19 +306,14 @@ class Trainer:
     def model(self):
         """The trained model as the user's object (NNX module or bound Linen module)."""
         self._require_init("model")
-        return self.runtime.bound(self._whole_params(), self.state["extra"])
-
-    def _whole_params(self):
-        """Every parameter: the trained ones merged with the frozen ones (if any)."""
-        params, frozen = self.state["params"], self.state.get("frozen")
-        return params if frozen is None else merge_trainable(params, frozen)
+        return self.runtime.bound(self.state.whole_params, self.state.extra)
 
     @property
     def step(self) -> int:
         """Optimizer updates done so far (after ``init``; a resumed run counts from its
         checkpoint), e.g. to continue a custom loop where it stopped."""
         self._require_init("step")
-        return int(jax.device_get(self.state["step"]))
+        return int(jax.device_get(self.state.step))
 
     def _require_init(self, what):
         if self.state is None:
@@ -328,63 +321,20 @@ class Trainer:
                                "or trainer.fit(...) first")
 
     # ---------------------------------------------------------------- steps
-    def _train_step_fn(self):
-        rt, loss, tx, custom = self.runtime, self.pipeline.loss, self.optimizer, self.grad_fn
-        accum, micro_global = self.accum, self.micro * self.dp
-        micro_sharding = NamedSharding(self.mesh, P(None, BATCH_AXES))
-
-        def grads_of(params, extra, frozen, batch, rng):
-            """((loss, (metrics, new extra)), grads) of one (micro-)batch."""
-            loss_of = _loss_of(rt, loss, frozen)
-            if custom is None:
-                return jax.value_and_grad(loss_of, has_aux=True)(params, extra, batch, rng)
-            value, metrics, grads = custom(_user_loss_fn(loss_of, extra), params, batch, rng)
-            return (value, (metrics, extra)), grads
-
-        def step(state, batch):
-            rng, step_rng = jax.random.split(state["rng"])
-            params, frozen = state["params"], state.get("frozen")
-            if accum == 1:
-                (value, (metrics, extra)), grads = grads_of(params, state["extra"], frozen, batch,
-                                                            step_rng)
-            else:
-                # Row m*accum + a of the global batch goes to micro-batch a: every
-                # micro-batch keeps the batch's split over devices, no data moves.
-                micro = jax.tree.map(
-                    lambda x: jax.lax.with_sharding_constraint(
-                        x.reshape(micro_global, accum, *x.shape[1:]).swapaxes(0, 1),
-                        micro_sharding), batch)
-
-                def body(carry, xs):
-                    g_sum, v_sum, m_sum, extra = carry
-                    mb, i = xs
-                    (v, (m, extra)), g = grads_of(params, extra, frozen, mb,
-                                                  jax.random.fold_in(step_rng, i))
-                    g_sum = jax.tree.map(jnp.add, g_sum, g)
-                    m_sum = {k: m_sum[k] + jnp.asarray(m[k], jnp.float32) for k in m_sum}
-                    return (g_sum, v_sum + v, m_sum, extra), None
-
-                zeros = jax.tree.map(jnp.zeros_like, params)
-                m_zero = {k: jnp.zeros((), jnp.float32) for k in self._metric_names}
-                (g_sum, v_sum, m_sum, extra), _ = jax.lax.scan(
-                    body, (zeros, jnp.zeros((), jnp.float32), m_zero, state["extra"]),
-                    (micro, jnp.arange(accum)))
-                grads = jax.tree.map(lambda g: g / accum, g_sum)
-                value = v_sum / accum
-                metrics = jax.tree.map(lambda m: m / accum, m_sum)
-            updates, opt_state = tx.update(grads, state["opt_state"], params)
-            new_params = optax.apply_updates(params, updates)
-            out = {"loss": value.astype(jnp.float32), "grad_norm": optax.tree.norm(grads)}
-            out.update({k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()})
-            new_state = {"step": state["step"] + 1, "rng": rng, "params": new_params,
-                         "extra": extra, "opt_state": opt_state}
-            if frozen is not None:
-                new_state["frozen"] = frozen
-            return new_state, out
-
-        return jax.jit(step, in_shardings=(self.state_shardings, batch_sharding(self.mesh)),
-                       out_shardings=(self.state_shardings, self.runtime.replicated()),
-                       donate_argnums=0)
+    def _train_program(self):
+        """The jitted training step, built once: ``steps.train_step`` bound to this
+        model, loss and optimizer, with the state's shardings and the state donated."""
+        if "train" not in self._steps:
+            gradients = microbatched(
+                model_gradients(model_loss(self.runtime.apply, self.pipeline.loss), self.grad_fn),
+                self.accum, self.micro * self.dp, NamedSharding(self.mesh, P(None, BATCH_AXES)),
+                self._metric_names)
+            self._steps["train"] = jax.jit(
+                functools.partial(train_step, gradients=gradients, optimizer=self.optimizer),
+                in_shardings=(self.layout.shardings, batch_sharding(self.mesh)),
+                out_shardings=(self.layout.shardings, self.runtime.replicated()),
+                donate_argnums=0)
+        return self._steps["train"]
 
     def compiled_step(self):
         """The training step as XLA compiled it for this mesh and batch (after ``init``):
@@ -413,23 +363,6 @@ class Trainer:
         self.state, metrics = self._train_program()(self.state, placed)
         return metrics
 
-    def _train_program(self):
-        """The jitted training step, built once."""
-        if "train" not in self._steps:
-            self._steps["train"] = self._train_step_fn()
-        return self._steps["train"]
-
-    def _eval_step_fn(self):
-        rt, loss = self.runtime, self.pipeline.loss
-
-        def step(params, extra, batch, rng):
-            out, _ = rt.apply(lambda m, b: loss(m, b, rng, False), params, extra, rng, batch)
-            value, metrics = split_loss_output(out)
-            return {"loss": value.astype(jnp.float32),
-                    **{k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}}
-
-        return jax.jit(step, out_shardings=self.runtime.replicated())
-
     # ---------------------------------------------------------------- loops
     def evaluate(self, examples: Sequence) -> dict[str, float]:
         """Mean loss and metrics over every example exactly once.
@@ -442,20 +375,15 @@ class Trainer:
             raise ValueError("evaluate got no examples")
         self.init(examples)
         if "eval" not in self._steps:
-            self._steps["eval"] = self._eval_step_fn()
-        size = self.eval_batch_size
-        rng = jax.random.fold_in(jax.random.key(self.seed), 2)
+            self._steps["eval"] = jax.jit(
+                functools.partial(eval_step, apply=self.runtime.apply, loss=self.pipeline.loss),
+                out_shardings=self.runtime.replicated())
+        program, rng = self._steps["eval"], stream_key(self.seed, Stream.EVAL)
+        pending = each_batch(
+            examples, self.eval_batch_size, self.mesh, self.pipeline.collate,
+            lambda batch, start: program(self.state.whole_params, self.state.extra, batch, rng),
+            pad_last=False)
         totals: dict[str, float] = {}
-        pending, in_flight = [], InFlight()
-        for start in range(0, len(examples), size):
-            n = min(size, len(examples) - start)
-            sharding = batch_sharding(self.mesh) if n % self.dp == 0 else self.runtime.replicated()
-            mine = process_rows(sharding, n)
-            rows = read_rows(examples, range(start + mine.start, start + mine.stop))
-            placed = to_global(collate_checked(self.pipeline.collate, rows), sharding, n)
-            pending.append((n, self._steps["eval"](self._whole_params(), self.state["extra"],
-                                                   placed, rng)))
-            in_flight.add(pending[-1][1])
         for n, metrics in pending:
             for k, v in jax.device_get(metrics).items():
                 totals[k] = totals.get(k, 0.0) + float(v) * n
@@ -488,8 +416,6 @@ class Trainer:
           ``steps_per_s``, ``examples_per_s``) and one per evaluation (keys prefixed
           ``eval_``).
         """
-        from tqdm.auto import tqdm
-
         if eval_metric is not None and (eval_data is None or self.pipeline.predict is None):
             raise ValueError("eval_metric needs eval_data and a predict function: pass "
                              "predict=... to Trainer and eval_data=... to fit")
@@ -501,109 +427,91 @@ class Trainer:
             raise ValueError(f"best_metric={ckpt.best_metric!r} needs eval_data: the best "
                              "checkpoint is chosen by the evaluation after each epoch")
         self.init(train)
-        self._check_resume(train, shuffle)
-        if self.progress and jax.process_index() == 0 and not self._summarized:
+        settings = self._data_settings(train, shuffle)
+        self._check_resume(settings)
+        shown = self.progress and jax.process_index() == 0
+        if shown and not self._summarized:
             self._print_summary()  # once: a custom loop may call fit many times
             self._summarized = True
-        self._tokens = None
+        self.tokens_per_example = 0
+        recorder = Recorder()
+        evaluation = None if eval_data is None else Evaluation(eval_data, eval_metric, shown)
+        self._fit_hooks = [hook for hook in (
+            recorder, LogWindow(self.log_every),
+            ProgressBar(len(train) // self.batch_size) if shown else None, evaluation,
+            None if ckpt is None else Checkpoints(self, settings)) if hook is not None]
+        try:
+            first_epoch, _ = self.position.resume_point()
+            if (eval_at_start and evaluation is not None and first_epoch < epochs
+                    and (max_steps is None or self.step < max_steps)):
+                evaluation.run(self, self.step, first_epoch)
+            for event in self._training_steps(train, epochs, max_steps, shuffle):
+                for hook in self._listening():
+                    if isinstance(event, StepInfo):
+                        hook.on_step(self, event)
+                    elif isinstance(event, EpochEnd):
+                        hook.on_epoch_end(self, event)
+                    else:
+                        hook.on_epoch_start(self, *event)
+            for hook in self._listening():
+                hook.on_fit_end(self)
+        finally:
+            self._fit_hooks = []
+        return recorder.rows
+
+    def _training_steps(self, train: Sequence, epochs: int, max_steps: int | None,
+                        shuffle: bool) -> Iterator:
+        """Runs the steps the budget leaves, from ``self.position``; yields
+        ``(epoch, first batch)`` as an epoch starts, a ``StepInfo`` after each step
+        and an ``EpochEnd`` after an epoch's last step."""
         steps_per_epoch = len(train) // self.batch_size
-        history: list[dict] = []
-        done = int(jax.device_get(self.state["step"]))
-        saved = done if self.resumed_from is not None else None
         sharding = batch_sharding(self.mesh)
         mine = process_rows(sharding, self.batch_size)
-        first_epoch, first_batch, epoch_done = self.position
-        if epoch_done:
-            first_epoch, first_batch = first_epoch + 1, 0
-
-        def save(epoch, batch, end_of_epoch, metrics=None):
-            nonlocal saved
-            if self.checkpointer is None or saved == done:
-                return
-            self.position = (epoch, batch, end_of_epoch)
-            self.checkpointer.save(self.state, self._meta(done, train, shuffle, metrics),
-                                   on_commit=self.on_checkpoint)
-            saved = done
-
-        left = first_epoch < epochs and (max_steps is None or done < max_steps)
-        if eval_at_start and eval_data is not None and left:
-            self._eval_row(history, done, first_epoch, eval_data, eval_metric)
+        first_epoch, first_batch = self.position.resume_point()
+        done = self.step
         for epoch in range(first_epoch, epochs):
             if max_steps is not None and done >= max_steps:
-                break
+                return
             order = epoch_order(len(train), self.seed, epoch, shuffle)
             start = first_batch if epoch == first_epoch else 0
             stop = steps_per_epoch if max_steps is None else \
                 min(steps_per_epoch, start + max_steps - done)
-            bar = tqdm(total=steps_per_epoch, initial=start, desc=f"epoch {epoch}", leave=False,
-                       disable=not self.progress or jax.process_index() != 0)
-            window, t0, in_flight = [], time.perf_counter(), InFlight()
+            yield epoch, start
 
             def make(i, order=order):
                 rows = order[i * self.batch_size:(i + 1) * self.batch_size][mine]
                 batch = collate_checked(self.pipeline.collate, read_rows(train, rows))
-                if self._tokens is None:
-                    self._tokens = _tokens_per_example(batch)
+                if not self.tokens_per_example:
+                    self.tokens_per_example = _tokens_per_example(batch)
                 return to_global(batch, sharding, self.batch_size)
 
+            in_flight = InFlight()
             for i, placed in zip(range(start, stop), prefetch(range(start, stop), make,
                                                              self.prefetch)):
-                window.append(self._step(placed))
-                in_flight.add(window[-1])
+                metrics = self._step(placed)
+                in_flight.add(metrics)
                 done += 1
-                self.position = (epoch, i + 1, False)
-                bar.update(1)
-                if len(window) == self.log_every or i == steps_per_epoch - 1:
-                    row = self._summarize(window, done, epoch, t0)
-                    self._log(history, row)
-                    bar.set_postfix(loss=f"{row['loss']:.4f}", steps_s=f"{row['steps_per_s']:.2f}",
-                                    ex_s=f"{row['examples_per_s']:.0f}")
-                    window, t0 = [], time.perf_counter()
-                if (ckpt is not None and ckpt.save_every and done % ckpt.save_every == 0
-                        and not (ckpt.every_epoch and i == steps_per_epoch - 1)):
-                    save(epoch, i + 1, False)
-            if window:
-                self._log(history, self._summarize(window, done, epoch, t0))
-            bar.close()
-            row = None
-            if eval_data is not None:
-                row = self._eval_row(history, done, epoch, eval_data, eval_metric)
-            if stop < steps_per_epoch:  # max_steps ended the run inside this epoch
-                break
-            self.position = (epoch, steps_per_epoch, True)
-            if ckpt is not None and ckpt.every_epoch:
-                save(epoch, steps_per_epoch, True, self._best_metrics(row))
-        if ckpt is not None:
-            last = next((r for r in reversed(history) if "eval_loss" in r), None)
-            save(*self.position, self._best_metrics(last) if last and last["step"] == done
-                 else None)
-            self.checkpointer.wait()
-        return history
+                self.position = Position(epoch, i + 1, False)
+                yield StepInfo(done, self.position, metrics, i == steps_per_epoch - 1)
+            complete = stop == steps_per_epoch
+            if complete:
+                self.position = Position(epoch, steps_per_epoch, True)
+            yield EpochEnd(epoch, done, complete)
+            if not complete:  # max_steps ended the run inside this epoch
+                return
 
-    def _eval_row(self, history, step, epoch, eval_data, eval_metric) -> dict:
-        """Evaluates (loss, metrics and, with ``eval_metric``, the Predictor's metric),
-        logs the row and prints it."""
-        row = {"step": step, "epoch": epoch,
-               **{f"eval_{k}": v for k, v in self.evaluate(eval_data).items()}}
-        if eval_metric is not None:
-            preds = self.predictor().predict(eval_data)
-            row.update({f"eval_{k}": float(v) for k, v in eval_metric(
-                read_rows(eval_data, range(len(eval_data))), preds).items()})
-        self._log(history, row)
-        if self.progress and jax.process_index() == 0:
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in row.items()))
-        return row
+    def _data_settings(self, train: Sequence, shuffle: bool) -> dict:
+        """What decides the batches: a run resumes only with the same (kept in meta)."""
+        return {"examples": len(train), "seed": self.seed, "batch_size": self.batch_size,
+                "shuffle": shuffle}
 
-    def _check_resume(self, train, shuffle) -> None:
+    def _check_resume(self, settings: dict) -> None:
         """Refuses to resume a run on other data or another order: that would silently
         train on different batches than the run it continues."""
         meta = self.resumed_from
         if meta is None:
             return
-        now = {"examples": len(train), "seed": self.seed, "batch_size": self.batch_size,
-               "shuffle": shuffle}
-        changed = [f"{k}: checkpoint {meta.get(k)!r}, now {v!r}" for k, v in now.items()
+        changed = [f"{k}: checkpoint {meta.get(k)!r}, now {v!r}" for k, v in settings.items()
                    if meta.get(k) != v]
         if changed:
             raise CheckpointMismatch(
@@ -612,22 +520,20 @@ class Trainer:
                 "different batches. Use the same settings, or start a new run (another "
                 "name or directory, or resume=False)")
 
-    def _meta(self, step, train, shuffle, metrics) -> dict:
-        epoch, batch, epoch_done = self.position
-        return {"step": step, "epoch": epoch, "batch": batch, "epoch_done": epoch_done,
-                "examples": len(train), "seed": self.seed, "batch_size": self.batch_size,
-                "shuffle": shuffle, "metrics": metrics or {}, "config": self.config,
-                "trainable": self.trainable,
-                "run": self.run_meta, "time": time.time()}
+    def save_checkpoint(self, data_settings: dict, metrics: dict | None = None) -> None:
+        """Starts saving the state at the current step and position (``fit``'s
+        ``Checkpoints`` hook calls it); hooks hear ``on_checkpoint`` once complete."""
+        position = self.position
+        meta = {"step": self.step, "epoch": position.epoch, "batch": position.batch,
+                "epoch_done": position.epoch_done, **data_settings, "metrics": metrics or {},
+                "config": self.config, "trainable": self.trainable, "run": self.run_meta,
+                "time": time.time()}
 
-    def _best_metrics(self, row) -> dict:
-        metric = self.checkpoint_config.best_metric
-        if row is None or not metric:
-            return row or {}
-        if metric not in row:
-            raise ValueError(f"best_metric={metric!r} is not among the evaluation's metrics "
-                             f"{sorted(k for k in row if k.startswith('eval_'))}: use one of these")
-        return row
+        def committed(step, path, meta):
+            for hook in self._listening():
+                hook.on_checkpoint(self, step, path, meta)
+
+        self.checkpointer.save(self.state.checkpoint_items(), meta, on_commit=committed)
 
     def log(self, metrics: dict) -> dict:
         """Logs your own metrics (e.g. an RL return) at the current step.
@@ -638,34 +544,12 @@ class Trainer:
         """
         self._require_init("log")
         row = {"step": self.step, **{k: float(v) for k, v in metrics.items()}}
-        self._log([], row)
+        self._log(row)
         return row
 
-    def _log(self, history: list, row: dict) -> None:
-        history.append(row)
-        if self.on_log is not None:
-            self.on_log(row)
-
-    def _summarize(self, window, step, epoch, start) -> dict:
-        fetched = jax.device_get(window)
-        # Timed once the window's results are here: its steps run asynchronously, up to
-        # InFlight's limit behind the loop, so the loop's own time misses most of them.
-        seconds = time.perf_counter() - start
-        row = {"step": step, "epoch": epoch}
-        for k in fetched[0]:
-            row[k] = float(np.mean([m[k] for m in fetched]))
-        if self.learning_rate is not None:
-            lr = self.learning_rate
-            row["learning_rate"] = float(lr(step - 1) if callable(lr) else lr)
-        row["steps_per_s"] = len(window) / max(seconds, 1e-9)
-        row["examples_per_s"] = row["steps_per_s"] * self.batch_size
-        row["step_time_s"] = seconds / len(window)
-        if getattr(self, "_tokens", None):
-            row["tokens_per_s"] = row["examples_per_s"] * self._tokens
-        memory = _device_memory()
-        if memory is not None:
-            row["device_memory_bytes"] = memory
-        return row
+    def _log(self, row: dict) -> None:
+        for hook in self._listening():
+            hook.on_log(self, row)
 
     def predictor(self, batch_size: int | None = None):
         """A Predictor that always uses this trainer's latest parameters (no copy).
@@ -682,7 +566,7 @@ class Trainer:
         if size not in self._predictors:
             self._predictors[size] = Predictor._from_runtime(
                 self.runtime, self.pipeline.collate, self.pipeline.predict,
-                lambda: (self._whole_params(), self.state["extra"]), size, self.seed)
+                lambda: (self.state.whole_params, self.state.extra), size, self.seed)
         return self._predictors[size]
 
 
@@ -694,37 +578,6 @@ def _tokens_per_example(batch) -> int:
         if value.ndim == 2 and np.issubdtype(value.dtype, np.integer):
             return int(value.shape[1])
     return 0
-
-
-def _device_memory() -> int | None:
-    """Bytes in use on this process's first device, where the backend reports it."""
-    try:
-        stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - not every backend has it
-        return None
-    return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
-
-
-def _loss_of(runtime, loss, frozen):
-    """``(params, extra, batch, rng) -> (loss, (metrics, new extra))``: the user's loss on
-    the model bound to the trained ``params`` (merged with the frozen ones, if any)."""
-    def loss_of(params, extra, batch, rng):
-        whole = params if frozen is None else merge_trainable(params, frozen)
-        out, new_extra = runtime.apply(lambda m, b: loss(m, b, rng, True), whole, extra, rng,
-                                       batch)
-        value, metrics = split_loss_output(out)
-        return value, (metrics, new_extra)
-
-    return loss_of
-
-
-def _user_loss_fn(loss_of, extra):
-    """What a custom ``grad_fn`` gets: ``loss_fn(params, batch, rng) -> (loss, metrics)``."""
-    def loss_fn(params, batch, rng):
-        value, (metrics, _) = loss_of(params, extra, batch, rng)
-        return value, metrics
-
-    return loss_fn
 
 
 def _loss_value(out):

@@ -1,0 +1,102 @@
+"""``ClusterConfig``: where and how a run executes on a Ray cluster, for ``fit`` and ``run``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from redray import storage
+from redray.checkpoint import CheckpointConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """The cluster side of a run: hosts, devices, the run's name and storage, restarts,
+    checkpoints and tracking. ``redray.fit`` and ``redray.run`` take these as keywords
+    (or one ``cluster=ClusterConfig(...)``); ``redray.cluster_options(args)`` builds one
+    from a script's flags.
+
+    Attributes:
+      hosts: worker processes, one per host (on one machine: simulated hosts).
+      devices_per_host: CPU devices each host simulates (CPU only; default 1), or the
+        GPUs/TPU chips each host takes.
+      use_gpu, use_tpu: run on GPUs / TPUs (devices assigned by Ray).
+      address: a Ray cluster (``ray://host:10001`` for Ray Client); default
+        ``RAY_ADDRESS``, else a local cluster started here.
+      name: the run's name; the same name in the same storage resumes it. Default: a
+        timestamped one.
+      storage_path: the storage folder (an absolute path, or a URI); default
+        ``~/redray_runs`` (``redray.storage``).
+      max_failures: worker-group restarts Ray Train allows before giving up; the
+        restarted group resumes from the last complete checkpoint.
+      checkpoint: a ``redray.CheckpointConfig`` (when and what to save); its directory
+        defaults to ``<storage_path>/<name>/checkpoints``. Default: save at the end of
+        every epoch and of the run, keep the last 3. ``False``: no checkpoints.
+      resume: continue from the last complete checkpoint of the run ``name`` in
+        ``storage_path`` (the same step, epoch, position inside it and RNG) and log
+        into the same MLflow run.
+      tracking_uri: where MLflow logs go; default ``MLFLOW_TRACKING_URI``, else
+        ``sqlite:///<storage_path>/mlflow.db``.
+      experiment: the MLflow experiment.
+      tracking: False: no MLflow.
+    """
+    hosts: int = 1
+    devices_per_host: int | None = None
+    use_gpu: bool = False
+    use_tpu: bool = False
+    address: str | None = None
+    name: str | None = None
+    storage_path: str | None = None
+    max_failures: int = 0
+    checkpoint: Any = None
+    resume: bool = True
+    tracking_uri: str | None = None
+    experiment: str = "redray"
+    tracking: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.hosts, int) or self.hosts < 1:
+            raise ValueError(f"hosts={self.hosts!r}: need at least one host")
+        if self.use_gpu and self.use_tpu:
+            raise ValueError("use_gpu and use_tpu are exclusive")
+        if self.checkpoint is not False:
+            CheckpointConfig.of(self.checkpoint)  # a wrong type fails here, on the driver
+
+    @classmethod
+    def split(cls, options: dict, cluster: "ClusterConfig | None" = None
+              ) -> tuple["ClusterConfig", dict]:
+        """(the config, the other options) from keywords given to ``fit``/``run``.
+
+        Keywords naming a field build the config (on top of ``cluster``, if given);
+        the rest are returned for the caller (Trainer options, the function's own).
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        mine = {k: v for k, v in options.items() if k in fields}
+        rest = {k: v for k, v in options.items() if k not in fields}
+        if cluster is None:
+            return cls(**mine), rest
+        if not isinstance(cluster, cls):
+            raise TypeError(f"cluster must be a redray.ClusterConfig, got "
+                            f"{type(cluster).__name__}")
+        return dataclasses.replace(cluster, **mine), rest
+
+    def resolved(self) -> "ClusterConfig":
+        """This config with its defaults made concrete: a name, an absolute storage
+        folder, and the checkpoint config with its directory (or None: no checkpoints)."""
+        name = storage.run_name(self.name)
+        folder = storage.storage_folder(self.storage_path)
+        checkpoint = None
+        if self.checkpoint is not False:
+            given = CheckpointConfig.of(self.checkpoint) or CheckpointConfig()
+            checkpoint = dataclasses.replace(
+                given, directory=given.directory or storage.checkpoint_folder(folder, name),
+                resume=self.resume and given.resume)
+        return dataclasses.replace(self, name=name, storage_path=folder, checkpoint=checkpoint)
+
+    def settings(self) -> dict:
+        """The settings a run records (MLflow params, every checkpoint's config)."""
+        return dict(name=self.name, storage_path=self.storage_path, hosts=self.hosts,
+                    devices_per_host=self.devices_per_host, use_gpu=self.use_gpu,
+                    use_tpu=self.use_tpu, max_failures=self.max_failures,
+                    checkpoint=dataclasses.asdict(self.checkpoint)
+                    if isinstance(self.checkpoint, CheckpointConfig) else None)

@@ -1,0 +1,181 @@
+"""The hooks every ``Trainer.fit`` call runs: metric windows, progress, evaluation, checkpoints.
+
+Each decides its own cadence from the loop's events (``redray/engine/hooks.py``).
+They run in the order ``fit`` lists them: at an epoch's end the last window is logged,
+the bar closes, the evaluation runs, and only then the epoch's checkpoint is saved
+(it records the evaluation's metrics, for ``best_metric``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from redray.engine.hooks import EpochEnd, Hook, StepInfo
+
+
+class Recorder(Hook):
+    """Keeps the rows logged during one ``fit`` call (its return value)."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def on_log(self, trainer, row: dict) -> None:
+        self.rows.append(row)
+
+
+class LogWindow(Hook):
+    """Logs the mean metrics of every ``every`` steps and of an epoch's last ones.
+
+    Metrics stay on the devices until a window is full, then the whole window is
+    fetched at once: no host sync in between.
+    """
+
+    def __init__(self, every: int):
+        self.every = every
+        self.window: list = []
+        self.start = time.perf_counter()
+
+    def on_epoch_start(self, trainer, epoch: int, batch: int) -> None:
+        self.window, self.start = [], time.perf_counter()
+
+    def on_step(self, trainer, info: StepInfo) -> None:
+        self.window.append(info.metrics)
+        if len(self.window) == self.every or info.last_of_epoch:
+            self._flush(trainer, info.step, info.position.epoch)
+
+    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
+        if self.window:
+            self._flush(trainer, end.step, end.epoch)
+
+    def _flush(self, trainer, step: int, epoch: int) -> None:
+        fetched = jax.device_get(self.window)
+        # Timed once the window's results are here: its steps run asynchronously, up to
+        # InFlight's limit behind the loop, so the loop's own time misses most of them.
+        seconds = time.perf_counter() - self.start
+        row = {"step": step, "epoch": epoch}
+        for k in fetched[0]:
+            row[k] = float(np.mean([m[k] for m in fetched]))
+        if trainer.learning_rate is not None:
+            lr = trainer.learning_rate
+            row["learning_rate"] = float(lr(step - 1) if callable(lr) else lr)
+        row["steps_per_s"] = len(self.window) / max(seconds, 1e-9)
+        row["examples_per_s"] = row["steps_per_s"] * trainer.batch_size
+        row["step_time_s"] = seconds / len(self.window)
+        if trainer.tokens_per_example:
+            row["tokens_per_s"] = row["examples_per_s"] * trainer.tokens_per_example
+        memory = _device_memory()
+        if memory is not None:
+            row["device_memory_bytes"] = memory
+        trainer._log(row)
+        self.window, self.start = [], time.perf_counter()
+
+
+class ProgressBar(Hook):
+    """A tqdm bar per epoch with the last window's loss, steps/s and examples/s."""
+
+    def __init__(self, steps_per_epoch: int):
+        self.total = steps_per_epoch
+        self.bar = None
+
+    def on_epoch_start(self, trainer, epoch: int, batch: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=self.total, initial=batch, desc=f"epoch {epoch}", leave=False)
+
+    def on_step(self, trainer, info: StepInfo) -> None:
+        self.bar.update(1)
+
+    def on_log(self, trainer, row: dict) -> None:
+        if self.bar is not None and "steps_per_s" in row:
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", steps_s=f"{row['steps_per_s']:.2f}",
+                                 ex_s=f"{row['examples_per_s']:.0f}")
+
+    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
+        self.bar.close()
+        self.bar = None
+
+
+class Evaluation(Hook):
+    """Evaluates after every epoch (loss and metrics, and with ``metric`` the
+    Predictor's outputs scored by it), logs the row and prints it on host 0."""
+
+    def __init__(self, data, metric=None, show: bool = False):
+        self.data, self.metric, self.show = data, metric, show
+
+    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
+        self.run(trainer, end.step, end.epoch)
+
+    def run(self, trainer, step: int, epoch: int) -> dict:
+        from redray.engine.batches import read_rows
+
+        row = {"step": step, "epoch": epoch,
+               **{f"eval_{k}": v for k, v in trainer.evaluate(self.data).items()}}
+        if self.metric is not None:
+            predictions = trainer.predictor().predict(self.data)
+            row.update({f"eval_{k}": float(v) for k, v in self.metric(
+                read_rows(self.data, range(len(self.data))), predictions).items()})
+        trainer._log(row)
+        if self.show:
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in row.items()))
+        return row
+
+
+class Checkpoints(Hook):
+    """Saves every ``save_every`` steps, at the end of every complete epoch (after its
+    evaluation) and at the end of ``fit``; never twice at one step, and waits for the
+    last save to complete before ``fit`` returns."""
+
+    def __init__(self, trainer, data_settings: dict):
+        self.config = trainer.checkpoint_config
+        self.data_settings = data_settings
+        # a resumed run's step is saved already; a fresh one's start is not
+        self.saved = trainer.step if trainer.resumed_from is not None else None
+        self.last_eval: dict | None = None
+
+    def on_log(self, trainer, row: dict) -> None:
+        if "eval_loss" in row:
+            self.last_eval = row
+
+    def on_step(self, trainer, info: StepInfo) -> None:
+        every = self.config.save_every
+        # an epoch's last step is saved by the epoch's end, after its evaluation
+        if every and info.step % every == 0 and not (self.config.every_epoch
+                                                     and info.last_of_epoch):
+            self._save(trainer, info.step)
+
+    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
+        if end.complete and self.config.every_epoch:
+            self._save(trainer, end.step, self._metrics(end.step) or {})
+
+    def on_fit_end(self, trainer) -> None:
+        step = trainer.step
+        self._save(trainer, step, self._metrics(step))
+        trainer.checkpointer.wait()
+
+    def _save(self, trainer, step: int, metrics: dict | None = None) -> None:
+        if self.saved == step:
+            return
+        trainer.save_checkpoint(self.data_settings, metrics)
+        self.saved = step
+
+    def _metrics(self, step: int) -> dict | None:
+        """The evaluation row of ``step`` (what ``best_metric`` is read from), or None."""
+        row = self.last_eval if self.last_eval and self.last_eval["step"] == step else None
+        metric = self.config.best_metric
+        if row is not None and metric and metric not in row:
+            raise ValueError(f"best_metric={metric!r} is not among the evaluation's metrics "
+                             f"{sorted(k for k in row if k.startswith('eval_'))}: use one of these")
+        return row
+
+
+def _device_memory() -> int | None:
+    """Bytes in use on this process's first device, where the backend reports it."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend has it
+        return None
+    return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None

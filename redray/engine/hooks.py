@@ -1,0 +1,133 @@
+"""Hooks: what runs beside the training loop, and the position the loop stands at.
+
+``Trainer.fit`` is a loop over optimizer steps; everything else it does (logging a
+window of metrics, the progress bar, evaluation after each epoch, checkpoints) is a
+``Hook`` that decides its own cadence from the events it receives. Code outside the
+engine adds its own the same way, ``Trainer(hooks=[...])`` or ``trainer.add_hook``;
+the cluster layer sends rows to MLflow and registers checkpoints with Ray Train so.
+
+Every process runs the same hooks on the same events: a hook that talks to other
+processes (a collective, ``ray.train.report``) is called equally often everywhere.
+
+A run that surrounds user code (``redray.run``) opens a ``trainer_scope``: every
+Trainer made inside it asks the scope for its run's defaults (``Adoption``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator, Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where training stands in the data.
+
+    Attributes:
+      epoch: the epoch being (or last) trained.
+      batch: batches of that epoch done.
+      epoch_done: whether the epoch's end (evaluation, its checkpoint) is done too.
+    """
+    epoch: int = 0
+    batch: int = 0
+    epoch_done: bool = False
+
+    def resume_point(self) -> tuple[int, int]:
+        """(epoch, batch) training continues from."""
+        return (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What a hook learns after each optimizer step.
+
+    Attributes:
+      step: optimizer updates done, this one included.
+      position: the position after this step.
+      metrics: the step's metrics, still on the devices (fetching them waits for the step).
+      last_of_epoch: this step ended its epoch's batches.
+    """
+    step: int
+    position: Position
+    metrics: dict
+    last_of_epoch: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochEnd:
+    """An epoch's last step is done.
+
+    Attributes:
+      epoch: the epoch.
+      step: optimizer updates done.
+      complete: every batch of the epoch trained (False: the step budget ended it).
+    """
+    epoch: int
+    step: int
+    complete: bool
+
+
+class Hook:
+    """Runs beside training; override the events you need (each gets the Trainer)."""
+
+    def on_init(self, trainer) -> None:
+        """The state exists (initialized or restored from a checkpoint)."""
+
+    def on_epoch_start(self, trainer, epoch: int, batch: int) -> None:
+        """``fit`` starts (or resumes) ``epoch`` at its batch ``batch``."""
+
+    def on_step(self, trainer, info: StepInfo) -> None:
+        """An optimizer step was dispatched (its results may still be computing)."""
+
+    def on_log(self, trainer, row: dict) -> None:
+        """A row was logged: a window of steps, an evaluation, or ``Trainer.log``."""
+
+    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
+        """An epoch's steps are done."""
+
+    def on_checkpoint(self, trainer, step: int, path: str, meta: dict) -> None:
+        """A checkpoint is complete on every host."""
+
+    def on_fit_end(self, trainer) -> None:
+        """``fit`` trained what its budget asked for."""
+
+
+@dataclasses.dataclass
+class Adoption:
+    """What a surrounding run gives a Trainer made inside it.
+
+    Attributes:
+      checkpoint: a ``CheckpointConfig`` replacing the Trainer's default (None: keep).
+      config: settings stored in every checkpoint, under the Trainer's own.
+      hooks: hooks added to the Trainer.
+    """
+    checkpoint: Any = None
+    config: dict = dataclasses.field(default_factory=dict)
+    hooks: list = dataclasses.field(default_factory=list)
+
+
+class Scope(Protocol):
+    """A run surrounding user code (e.g. ``redray.run`` on one host)."""
+
+    def adopt(self, trainer, default_checkpoint: bool) -> Adoption:
+        """Called by every Trainer made inside the scope, at the end of its ``__init__``;
+        ``default_checkpoint``: the Trainer was given no ``checkpoint``."""
+
+
+_scopes: list[Scope] = []
+
+
+@contextlib.contextmanager
+def trainer_scope(scope: Scope) -> Iterator[Scope]:
+    """Every Trainer made inside this block (in any thread) is adopted by ``scope``."""
+    _scopes.append(scope)
+    try:
+        yield scope
+    finally:
+        _scopes.remove(scope)
+
+
+def current_scope() -> Scope | None:
+    """The innermost open ``trainer_scope``, or None."""
+    return _scopes[-1] if _scopes else None

@@ -1,0 +1,113 @@
+"""The training state: one typed pytree that the step transforms and checkpoints hold.
+
+The same ``TrainState`` class carries the arrays, their abstract shapes
+(``jax.ShapeDtypeStruct``) and their shardings (``NamedSharding``): each is a
+``TrainState`` whose leaves are of that kind, so one field list serves all three.
+Adding a field (an EMA copy, a loss scale) means adding it here and to the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from redray.engine.model import merge_trainable
+from redray.rngs import Stream, stream_key
+from redray.sharding import follow_specs, shardings
+
+# What a checkpoint holds, by item: "model" is what ``load_params`` reads back (the
+# weights alone), "train" what only resuming needs. The names are the on-disk layout.
+MODEL_ITEM, TRAIN_ITEM = "model", "train"
+CHECKPOINT_ITEMS = (MODEL_ITEM, TRAIN_ITEM)
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a training step reads and writes.
+
+    Attributes:
+      step: optimizer updates done (int32 scalar).
+      rng: the training key; each step splits it (``Stream.TRAIN`` at step 0).
+      params: the trained parameters.
+      extra: the model's other state (batch statistics, NNX RNG counters).
+      opt_state: the optimizer's state for ``params``.
+      frozen: the parameters left out of training (``Trainer(trainable=...)``), or None.
+        They are never updated and never saved: they come from the model as built.
+    """
+    step: Any
+    rng: Any
+    params: Any
+    extra: Any
+    opt_state: Any
+    frozen: Any = None
+
+    @property
+    def whole_params(self):
+        """Every parameter: the trained ones merged with the frozen ones (if any)."""
+        return self.params if self.frozen is None else merge_trainable(self.params, self.frozen)
+
+    def checkpoint_items(self) -> dict[str, dict]:
+        """The parts a checkpoint stores, by item (``frozen`` is left out)."""
+        return {MODEL_ITEM: {"params": self.params, "extra": self.extra},
+                TRAIN_ITEM: {"opt_state": self.opt_state, "step": self.step, "rng": self.rng}}
+
+    @classmethod
+    def from_checkpoint_items(cls, items: dict[str, dict], frozen=None) -> "TrainState":
+        """The inverse of ``checkpoint_items``."""
+        model, train = items[MODEL_ITEM], items[TRAIN_ITEM]
+        return cls(step=train["step"], rng=train["rng"], params=model["params"],
+                   extra=model["extra"], opt_state=train["opt_state"], frozen=frozen)
+
+
+def counters(seed: int):
+    """(step, rng) of a run's start: step 0 and the training stream's first key."""
+    return jnp.zeros((), jnp.int32), stream_key(seed, Stream.TRAIN)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """A TrainState's abstract form and shardings on a mesh, computed without arrays.
+
+    Attributes:
+      abstract: ``TrainState`` of ``jax.ShapeDtypeStruct`` (``frozen``: None).
+      shardings: ``TrainState`` of ``NamedSharding`` (``frozen``: the frozen
+        parameters' shardings, or None).
+    """
+    abstract: TrainState
+    shardings: TrainState
+
+    def checkpoint_targets(self) -> dict[str, dict]:
+        """The checkpoint's items as ``jax.ShapeDtypeStruct`` on this layout's
+        shardings: what a checkpoint restores into on this mesh."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            self.abstract.checkpoint_items(), self.shardings.checkpoint_items())
+
+    @classmethod
+    def build(cls, mesh: Mesh, seed: int, optimizer, params, param_specs, extra,
+              extra_shardings, frozen_shardings=None) -> "StateLayout":
+        """The layout of a run's state.
+
+        Args:
+          mesh: the device mesh.
+          seed: the run's seed (the start key's shape and type).
+          optimizer: the ``optax.GradientTransformation`` whose state is held.
+          params, param_specs: the trained parameters (abstract) and their specs; the
+            optimizer's state follows its parameters' specs.
+          extra, extra_shardings: the model's other state (abstract) and its shardings.
+          frozen_shardings: the frozen parameters' shardings, or None.
+        """
+        step, rng = jax.eval_shape(lambda: counters(seed))
+        opt_state = jax.eval_shape(optimizer.init, params)
+        opt_specs = follow_specs(opt_state, params, param_specs)
+        replicated = NamedSharding(mesh, P())
+        return cls(
+            abstract=TrainState(step=step, rng=rng, params=params, extra=extra,
+                                opt_state=opt_state),
+            shardings=TrainState(step=replicated, rng=replicated,
+                                 params=shardings(mesh, param_specs), extra=extra_shardings,
+                                 opt_state=shardings(mesh, opt_specs), frozen=frozen_shardings))

@@ -1,0 +1,129 @@
+"""The training and evaluation steps, as plain functions of arrays.
+
+Nothing here knows about Trainers, meshes or hosts: ``Trainer`` binds these functions
+to the user's model, loss and optimizer and jits them once, with shardings and
+donation. They can be called, jitted and tested on their own.
+
+A gradient function has the signature
+``(params, frozen, extra, batch, rng) -> (loss, metrics, new extra, grads)``:
+``model_gradients`` makes one from the user's loss (or custom ``grad_fn``), and
+``microbatched`` turns one into gradient accumulation over micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from redray.engine.model import merge_trainable
+from redray.engine.state import TrainState
+from redray.pipeline import split_loss_output
+
+
+def model_loss(apply: Callable, loss: Callable, train: bool = True) -> Callable:
+    """``(params, frozen, extra, batch, rng) -> (loss, (metrics, new extra))``.
+
+    Args:
+      apply: ``apply(fn, params, extra, rng, *args) -> (fn(model, *args), new extra)``:
+        runs ``fn`` on the user's model bound to ``params`` (``ModelRuntime.apply``).
+      loss: the user's ``loss(model, batch, rng, train)``.
+      train: what ``loss`` is told.
+    """
+    def loss_of(params, frozen, extra, batch, rng):
+        whole = params if frozen is None else merge_trainable(params, frozen)
+        out, new_extra = apply(lambda m, b: loss(m, b, rng, train), whole, extra, rng, batch)
+        value, metrics = split_loss_output(out)
+        return value, (metrics, new_extra)
+
+    return loss_of
+
+
+def user_loss_fn(loss_of: Callable, frozen, extra) -> Callable:
+    """What a custom ``grad_fn`` gets: ``loss_fn(params, batch, rng) -> (loss, metrics)``."""
+    def loss_fn(params, batch, rng):
+        value, (metrics, _) = loss_of(params, frozen, extra, batch, rng)
+        return value, metrics
+
+    return loss_fn
+
+
+def model_gradients(loss_of: Callable, grad_fn: Callable | None = None) -> Callable:
+    """A gradient function of one (micro-)batch: ``jax.value_and_grad`` of ``loss_of``,
+    or the user's ``grad_fn(loss_fn, params, batch, rng) -> (loss, metrics, grads)``
+    (the model's other state is then left as it was)."""
+    def gradients(params, frozen, extra, batch, rng):
+        if grad_fn is None:
+            (value, (metrics, extra)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+                params, frozen, extra, batch, rng)
+            return value, metrics, extra, grads
+        value, metrics, grads = grad_fn(user_loss_fn(loss_of, frozen, extra), params, batch, rng)
+        return value, metrics, extra, grads
+
+    return gradients
+
+
+def microbatched(gradients: Callable, accum: int, micro_rows: int, micro_sharding,
+                 metric_names) -> Callable:
+    """``gradients`` over ``accum`` micro-batches of a batch, averaged, in one ``scan``.
+
+    Row ``m * accum + a`` of the batch goes to micro-batch ``a``: every micro-batch keeps
+    the batch's split over devices, so no data moves between devices. Micro-batch ``a``
+    gets ``fold_in(rng, a)``; the model's other state threads through them in order.
+
+    Args:
+      gradients: a gradient function of one micro-batch.
+      accum: micro-batches per batch (1: ``gradients`` itself).
+      micro_rows: rows of one micro-batch over all devices.
+      micro_sharding: the sharding of the (accum, micro_rows, ...) stack.
+      metric_names: the names of the loss's metrics.
+    """
+    if accum == 1:
+        return gradients
+
+    def accumulated(params, frozen, extra, batch, rng):
+        micro = jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(
+                x.reshape(micro_rows, accum, *x.shape[1:]).swapaxes(0, 1), micro_sharding),
+            batch)
+
+        def body(carry, xs):
+            g_sum, v_sum, m_sum, extra = carry
+            mb, i = xs
+            v, m, extra, g = gradients(params, frozen, extra, mb, jax.random.fold_in(rng, i))
+            g_sum = jax.tree.map(jnp.add, g_sum, g)
+            m_sum = {k: m_sum[k] + jnp.asarray(m[k], jnp.float32) for k in m_sum}
+            return (g_sum, v_sum + v, m_sum, extra), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        m_zero = {k: jnp.zeros((), jnp.float32) for k in metric_names}
+        (g_sum, v_sum, m_sum, extra), _ = jax.lax.scan(
+            body, (zeros, jnp.zeros((), jnp.float32), m_zero, extra), (micro, jnp.arange(accum)))
+        return (v_sum / accum, jax.tree.map(lambda m: m / accum, m_sum), extra,
+                jax.tree.map(lambda g: g / accum, g_sum))
+
+    return accumulated
+
+
+def train_step(state: TrainState, batch, *, gradients: Callable,
+               optimizer: optax.GradientTransformation) -> tuple[TrainState, dict]:
+    """One optimizer update on ``batch``; returns the new state and the step's metrics
+    (``loss``, ``grad_norm`` and the loss's own, as float32 scalars)."""
+    rng, step_rng = jax.random.split(state.rng)
+    value, metrics, extra, grads = gradients(state.params, state.frozen, state.extra, batch,
+                                             step_rng)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    out = {"loss": value.astype(jnp.float32), "grad_norm": optax.tree.norm(grads)}
+    out.update({k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()})
+    return state.replace(step=state.step + 1, rng=rng,
+                         params=optax.apply_updates(state.params, updates), extra=extra,
+                         opt_state=opt_state), out
+
+
+def eval_step(params, extra, batch, rng, *, apply: Callable, loss: Callable) -> dict:
+    """The loss and its metrics (float32 scalars) of one batch, ``train=False``."""
+    value, (metrics, _) = model_loss(apply, loss, train=False)(params, None, extra, batch, rng)
+    return {"loss": value.astype(jnp.float32),
+            **{k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}}
