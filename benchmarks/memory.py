@@ -103,7 +103,7 @@ def step_memory(name: str, s: Sizes) -> list[dict]:
     leaves = jax.tree.leaves(trainer.state)
     state_total = sum(x.nbytes for x in leaves)
     state_shards = sum(x.addressable_shards[0].data.nbytes for x in leaves)
-    params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(trainer.state["params"]))
+    params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(trainer.state.params))
     state = stats.argument_size_in_bytes - batch_per_device
     ideal_state = state_total / DEVICES
     peak = (stats.argument_size_in_bytes + stats.temp_size_in_bytes

@@ -205,7 +205,8 @@ def main(argv=None):
                   load_average=os.getloadavg()[0])
     reference = "hand-written jax.jit step and loop, same model/mesh/specs/optimizer/batches"
     save([figure("overhead", per_step["fit"]["median"] / base, "x", reference, "<= 1.03",
-                 COMMAND, loop="Trainer.fit", round_ratios=paired["fit"], cpu_ratio=cpu_ratio["fit"],
+                 COMMAND, loop="Trainer.fit", round_ratios=paired["fit"],
+                 cpu_ratio=cpu_ratio["fit"],
                  **common),
           figure("overhead/train_step", per_step["train_step"]["median"] / base, "x", reference,
                  "<= 1.03", COMMAND, loop="a user loop over Trainer.train_step",

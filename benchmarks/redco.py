@@ -81,7 +81,7 @@ def redray_side(config: dict) -> dict:
         times.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
     last = jax.jit(lambda p: loss_of(lambda x: module.apply({"params": p}, x),
-                                     collate(examples[:256])))(jax.device_get(trainer.state["params"]))
+                                     collate(examples[:256])))(jax.device_get(trainer.state.params))
     return {"first_epoch_s": first, "epoch_s": times, "epoch_cpu_s": cpu, "loss": float(last),
             "steps_per_epoch": len(examples) // trainer.batch_size}
 

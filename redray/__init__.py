@@ -10,8 +10,9 @@ and redray does the rest. Public API:
 
 * ``Trainer(model, collate, loss, optimizer, predict=None, batch_size=..., model_axis=...,
   fsdp_axis=..., micro_batch_size=..., compute_dtype=..., rules=..., trainable=...,
-  grad_fn=...)``: ``init``, ``fit``, ``evaluate``, ``train_step``, ``log``, ``plan``,
-  ``predictor``, ``model``, ``step``.
+  grad_fn=..., hooks=...)``: ``init``, ``fit``, ``evaluate``, ``train_step``, ``log``,
+  ``plan``, ``predictor``, ``model``, ``step``, ``add_hook``.
+* ``Hook``: code run beside training (``on_step``, ``on_log``, ``on_checkpoint``, ...).
 * ``Predictor(model, collate, predict, params=..., batch_size=...)``: ``predict``.
 * ``fit(model, collate, loss, optimizer, train_data=..., hosts=..., devices_per_host=...)``:
   the same engine on every host of a Ray cluster (one worker per host).
@@ -27,20 +28,21 @@ and redray does the rest. Public API:
   ``load_model(run, model)``: a trained checkpoint's weights in one call.
 * ``LinenModel(module, *example_inputs)``: use a Linen module as ``model``.
 * ``make_mesh(data_axis, fsdp_axis, model_axis)``: the device mesh.
-* ``derive_specs``, ``plan``, ``format_plan``: automatic sharding and its plan.
+* ``derive_specs``, ``placement``, ``format_placement``: automatic sharding of any
+  parameter tree, and what each device then holds (no allocation).
 * ``PipelineError``: what a user function returned that cannot be used, and the fix.
 """
 
 from redray.checkpoint import CheckpointConfig, CheckpointMismatch
 from redray.cluster import (ClusterConfig, FitResult, RunResult, add_cluster_args,
                             cluster_options, fit, run)
-from redray.engine import LinenModel, Predictor, Trainer, load_model, load_params
+from redray.engine import Hook, LinenModel, Predictor, Trainer, load_model, load_params
 from redray.pipeline import Pipeline, PipelineError
-from redray.sharding import derive_specs, format_plan, make_mesh, plan
+from redray.sharding import derive_specs, format_placement, make_mesh, placement
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointConfig", "CheckpointMismatch", "ClusterConfig", "FitResult", "LinenModel", "Pipeline",
-           "PipelineError", "Predictor", "RunResult", "Trainer", "add_cluster_args",
-           "cluster_options", "derive_specs", "fit",
-           "format_plan", "load_model", "load_params", "make_mesh", "plan", "run"]
+__all__ = ["CheckpointConfig", "CheckpointMismatch", "ClusterConfig", "FitResult", "Hook",
+           "LinenModel", "Pipeline", "PipelineError", "Predictor", "RunResult", "Trainer",
+           "add_cluster_args", "cluster_options", "derive_specs", "fit", "format_placement",
+           "load_model", "load_params", "make_mesh", "placement", "run"]

@@ -137,7 +137,8 @@ def from_storage(stored: dict, like):
         for name in [_segment(k) for k in path] or ["value"]:
             node = node[name]
         if _is_key(ref):
-            node = jax.random.wrap_key_data(node, impl=ref.dtype._impl)  # works for abstract refs too
+            # ref.dtype._impl works for abstract refs too
+            node = jax.random.wrap_key_data(node, impl=ref.dtype._impl)
         values.append(node)
     return jax.tree_util.tree_unflatten(treedef, values)
 

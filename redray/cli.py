@@ -107,7 +107,8 @@ def _submit(args) -> int:
         client = JobSubmissionClient(args.address)
         env_vars = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI",) if k in os.environ}
         job = client.submit_job(
-            entrypoint=" ".join([_quote(args.python), _quote(os.path.relpath(script, args.working_dir)),
+            entrypoint=" ".join([_quote(args.python),
+                                 _quote(os.path.relpath(script, args.working_dir)),
                                  *map(_quote, args.args)]),
             runtime_env={"working_dir": args.working_dir, "env_vars": env_vars})
     except Exception as error:  # noqa: BLE001 - turned into one line below
@@ -328,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "and exits with its status. Ray 2.60 token auth: the token is read from "
                  "RAY_AUTH_TOKEN or ~/.ray/auth_token. Storage paths in the script must be "
                  "absolute (a job runs in a temporary copy of the working directory).",
-                 "examples:\n  redray submit train.py --address http://127.0.0.1:8265 -- --steps 500\n"
+                 "examples:\n"
+                 "  redray submit train.py --address http://127.0.0.1:8265 -- --steps 500\n"
                  "  redray submit train.py --address http://head:8265 --no-wait")
     p.add_argument("--address", help="the head's job server, http://HEAD:8265 (required)")
     p.add_argument("--working-dir", default=".", help="uploaded with the job (default .)")

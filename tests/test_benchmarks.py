@@ -25,6 +25,7 @@ def check(fig):
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # several start a local Ray cluster
 # run_all skips the GPU benchmark; its --tiny run works on any backend
 @pytest.mark.parametrize("script", scripts() + ["gpu_mfu.py"])
 def test_benchmark_runs_tiny_and_writes_valid_figures(script, tmp_path):

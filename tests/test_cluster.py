@@ -4,7 +4,6 @@ Each host is a separate Ray worker process; together they form one jax.distribut
 runtime over gloo. These tests share one local Ray instance (started here).
 """
 
-import glob
 import json
 import os
 import time
@@ -17,6 +16,8 @@ import pytest
 import redray
 from redray.engine.batches import epoch_order
 from tiny import TinyLM, lm_collate, lm_loss, lm_predict, token_data
+
+pytestmark = pytest.mark.ray  # a local Ray cluster (or a Ray head)
 
 ray = pytest.importorskip("ray")
 

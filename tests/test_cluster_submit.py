@@ -21,6 +21,8 @@ import pytest
 import redray
 from tiny import TinyLM, lm_collate, lm_loss, token_data
 
+pytestmark = pytest.mark.ray  # a Ray head of its own
+
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
@@ -64,7 +66,8 @@ def head():
             try:
                 cmdline = proc.info["cmdline"] or ()
                 # Ray's agents retitle themselves ("ray::DashboardAgent"): no temp dir left
-                if any(temp in part for part in cmdline) or (cmdline and cmdline[0].startswith("ray::")):
+                if any(temp in part for part in cmdline) or (
+                        cmdline and cmdline[0].startswith("ray::")):
                     proc.send_signal(signal.SIGKILL)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass

@@ -94,7 +94,8 @@ class Block(nnx.Module):
 
     def attention(self, x):
         b, t, _ = x.shape
-        split = lambda y: y.reshape(b, t, H, D // H)
+        def split(y):
+            return y.reshape(b, t, H, D // H)
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D // H)
         s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
@@ -129,7 +130,8 @@ def test_transformer_block_forward_two_all_reduces_no_all_gather():
 def compile_train_step(model, x, mesh):
     """HLO of one SGD step (value_and_grad + update) with params placed by derived specs."""
     graphdef, state = nnx.split(model)
-    loss = lambda st, a: jnp.mean(nnx.merge(graphdef, st)(a) ** 2)
+    def loss(st, a):
+        return jnp.mean(nnx.merge(graphdef, st)(a) ** 2)
     param_shardings = shardings(mesh, derive_specs(state, mesh, loss, (x,)))
     rep = NamedSharding(mesh, P())
 

@@ -140,7 +140,8 @@ def test_split_and_merge_round_trip():
     _, params, _ = nnx.split(TinyLM(nnx.Rngs(0)), nnx.Param, ...)
     trained, frozen = split_trainable(params, "fc")
     assert len(jax.tree.leaves(trained)) == 4
-    assert len(jax.tree.leaves(trained)) + len(jax.tree.leaves(frozen)) == len(jax.tree.leaves(params))
+    assert (len(jax.tree.leaves(trained)) + len(jax.tree.leaves(frozen))
+            == len(jax.tree.leaves(params)))
     assert_same(merge_trainable(trained, frozen), params)
 
 

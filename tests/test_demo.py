@@ -22,6 +22,7 @@ def demo(*args, make=False):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_make_demo_trains_then_says_complete_then_resumes(tmp_path):
     common = ["--size", "tiny", "--storage", str(tmp_path), "--name", "demo"]
     out = demo("--steps", "6", *common, make=True)
@@ -43,7 +44,7 @@ def test_make_demo_trains_then_says_complete_then_resumes(tmp_path):
     done = subprocess.run([sys.executable, "-m", "redray.cli", "export", "demo", "--storage",
                            str(tmp_path), "--to", str(exported)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
     model, info = AutoModelForCausalLM.from_pretrained(str(exported), output_loading_info=True)

@@ -25,6 +25,7 @@ def perplexity(model, windows) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_fine_tuning_a_local_checkpoint_lowers_its_perplexity_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

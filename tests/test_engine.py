@@ -60,13 +60,15 @@ def test_accumulation_on_one_device_matches(one_device):
 def test_schedule_counts_optimizer_updates_not_micro_batches():
     schedule = optax.linear_schedule(1.0, 0.0, 100)
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
-    t = make_trainer(tx, model_axis=2, micro_batch_size=1, learning_rate=schedule)  # 4 micro-batches
+    # 4 micro-batches per update
+    t = make_trainer(tx, model_axis=2, micro_batch_size=1, learning_rate=schedule)
     assert t.accum == 4
     history = t.fit(DATA, epochs=1, max_steps=7)
     assert int(t.state.step) == 7
     # The rate of the 7th update (count 6); counting micro-batches would give schedule(27).
     assert float(t.state.opt_state.hyperparams["learning_rate"]) == pytest.approx(schedule(6))
-    assert [row["learning_rate"] for row in history] == pytest.approx([float(schedule(i)) for i in range(7)])
+    assert [row["learning_rate"] for row in history] == pytest.approx(
+        [float(schedule(i)) for i in range(7)])
 
 
 def test_parameters_are_created_sharded():

@@ -9,6 +9,7 @@ TRAIN_IMAGES = 1437  # 80% of scikit-learn's 1,797 digits
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_digits_accuracy_rises_then_the_run_is_complete(tmp_path):
     command = ["--epochs", "3", "--storage", str(tmp_path), "--name", "digits"]
     out, numbers = run_example("classification", *command)

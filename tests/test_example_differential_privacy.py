@@ -14,6 +14,7 @@ TRAIN_IMAGES = 1437  # 80% of scikit-learn's 1,797 digits
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_dp_sgd_learns_and_reports_the_accountants_epsilon(tmp_path):
     from prv_accountant import PoissonSubsampledGaussianMechanism
     from prv_accountant.dpsgd import DPSGDAccountant

@@ -35,6 +35,7 @@ def stored_params(checkpoint):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_adapters_alone_learn_are_saved_and_merge_into_a_hf_checkpoint(tmp_path):
     import torch
     from transformers import LlamaForCausalLM

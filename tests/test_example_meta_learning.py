@@ -28,6 +28,7 @@ def run(*args):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_maml_learns_to_adapt(tmp_path):
     out = run("--steps", "250", "--storage", str(tmp_path), "--name", "maml")
     numbers = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])

@@ -21,6 +21,7 @@ def run(*args):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_ppo_return_rises_across_a_resume_onto_two_hosts(tmp_path):
     common = ["--storage", str(tmp_path), "--name", "ppo", "--seed", "0"]
     _, first = run("--iterations", "5", *common)

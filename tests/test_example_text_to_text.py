@@ -11,6 +11,7 @@ from example_runs import run_example
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_t5_learns_dates_and_generates_them(tmp_path):
     _, numbers = run_example("text_to_text", "--examples", "4000", "--epochs", "2", "--hosts",
                              "1", "--devices-per-host", "2", "--model-axis", "2", "--storage",

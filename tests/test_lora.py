@@ -59,7 +59,8 @@ def test_only_adapters_train_and_merging_keeps_the_outputs(tmp_path):
     paths, leaves, _ = flatten(nnx.state(trained, nnx.Param))
     for path, leaf in zip(paths, leaves):
         if "lora_" not in path:  # base weights untouched
-            np.testing.assert_array_equal(np.asarray(leaf), frozen_before[path.replace("/base", "")])
+            np.testing.assert_array_equal(np.asarray(leaf),
+                                          frozen_before[path.replace("/base", "")])
     # the checkpoint holds the adapters alone: 2 layers x qkv_proj x (A, B)
     assert len(jax.tree.leaves(trainer.state.params)) == 4
     adapted = np.asarray(trained(IDS))

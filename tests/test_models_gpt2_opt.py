@@ -16,9 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 import redray.models as rm
 from redray.models import hub
-from redray.sharding import flatten, format_plan, make_mesh, plan
+from redray.sharding import flatten, format_placement, make_mesh, placement
 
-torch = pytest.importorskip("torch", reason="parity tests need torch (pip install torch==2.13.0; make test installs it)")
+torch = pytest.importorskip(
+    "torch", reason="parity tests need torch (pip install torch==2.13.0; make test installs it)")
 transformers = pytest.importorskip("transformers")
 
 VOCAB, HIDDEN, HEADS, LAYERS, MAX_POS = 128, 64, 4, 2, 64
@@ -235,9 +236,9 @@ def test_plan_formats(capsys):
     mesh = make_mesh(model_axis=4)
     for name, prefix in (("gpt2", "h/0/"), ("opt", "layers/0/")):
         params, specs = _specs(CONFIGS[name](), mesh)
-        rows = [r for r in plan(params, specs, mesh)
+        rows = [r for r in placement(params, specs, mesh)
                 if r.path.startswith(prefix) or "/" not in r.path.split("/", 1)[-1]]
-        text = format_plan(rows, mesh)
+        text = format_placement(rows, mesh)
         assert "model" in text
         print(text)
 

@@ -231,7 +231,8 @@ def test_fine_tuning_a_loaded_model_with_the_trainer(tmp_path):
     hf_model("llama-tied", str(tmp_path))
     model = rm.from_pretrained(str(tmp_path), model_axis=2)
     rs = np.random.default_rng(0)
-    data = [{"ids": ((rs.integers(0, 128) + np.arange(16)) % 128).astype(np.int32)} for _ in range(64)]
+    data = [{"ids": ((rs.integers(0, 128) + np.arange(16)) % 128).astype(np.int32)}
+            for _ in range(64)]
 
     def loss(m, batch, rng, train):
         logits = m(batch["ids"][:, :-1], train=train)

@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-torch = pytest.importorskip("torch", reason="parity tests need torch (pip install torch==2.13.0; make test installs it)")
+torch = pytest.importorskip(
+    "torch", reason="parity tests need torch (pip install torch==2.13.0; make test installs it)")
 transformers = pytest.importorskip("transformers")
 
 import redray  # noqa: E402
@@ -192,7 +193,8 @@ def test_model_axis_two_matches_one_device(relu):
         attns = [block.self_attn] + ([block.cross_attn] if stack == "decoder" else [])
         for attn in attns:
             # fused kernels (d_model, heads, parts, d_kv) split heads, never their parts
-            kernels = [attn.q, attn.kv] if attn is getattr(block, "cross_attn", None) else [attn.qkv]
+            cross = attn is getattr(block, "cross_attn", None)
+            kernels = [attn.q, attn.kv] if cross else [attn.qkv]
             for layer in kernels:
                 assert layer.kernel.get_value().sharding.spec == P(None, "model")
             assert attn.o.kernel.get_value().sharding.spec == P("model")

@@ -438,7 +438,8 @@ def test_built_nnx_module_is_the_starting_point():
     first = t.evaluate(EXAMPLES)["loss"]
     t.fit(EXAMPLES, epochs=3)
     assert t.evaluate(EXAMPLES)["loss"] < first
-    np.testing.assert_array_equal(np.asarray(built.dense.kernel[...]), start)  # the user's copy is untouched
+    # the user's copy is untouched
+    np.testing.assert_array_equal(np.asarray(built.dense.kernel[...]), start)
 
 
 def test_bare_linen_module():

@@ -16,7 +16,6 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 import redray
 from tiny import Counting

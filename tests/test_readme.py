@@ -47,6 +47,8 @@ COVERED_ELSEWHERE = {
         "tests/test_demo.py::test_make_demo_trains_then_says_complete_then_resumes",
     "make test   # same set-up, then the whole test suite (CPU only, ~40 minutes on 2 cores)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
+    "make test-fast   # the inner loop: lint + all but the Ray-cluster and slow tiers (~4 min)":
+        "tests/test_readme.py::test_make_test_fast_lints_then_leaves_out_the_ray_and_slow_tiers",
     "redray submit train.py --address http://HEAD:8265 -- --steps 500  # as a Ray job; "
     "streams logs":
         "tests/test_cluster_submit.py::test_redray_submit_streams_the_job_and_returns_its_status",
@@ -80,6 +82,8 @@ PROBES = {
                    " None, False))",
     "merged_names": "sorted({p for p in redray.sharding.flatten(nnx.state(merged))[0]"
                     " if 'lora' in p})",
+    "hook_best": "best.best",
+    "hook_evals": "[r['eval_loss'] for r in watched_history if 'eval_loss' in r]",
     "looped": "[looped.value, looped.checkpoint, looped.resumed_from_step]",
     "looped_logged": "[(m.step, round(m.value, 6)) for m in __import__('mlflow').MlflowClient("
                      "looped.tracking_uri).get_metric_history(looped.mlflow_run_id,"
@@ -177,16 +181,30 @@ def test_the_layout_names_only_paths_that_exist():
                     f"README.md:{block.line + i}: {path} does not exist"
 
 
-def test_make_test_installs_then_runs_the_whole_suite():
-    """`make test` (the whole suite, ~40 minutes) cannot run inside the suite: its recipe
-    is checked with `make -n -B`, which prints every command without running any."""
-    done = subprocess.run(["make", "-n", "-B", "test"], cwd=ROOT, capture_output=True,
+def recipe(target: str) -> list[str]:
+    """The commands ``make TARGET`` would run, printed by ``make -n -B`` (none run)."""
+    done = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    commands = done.stdout.splitlines()
+    return done.stdout.splitlines()
+
+
+def test_make_test_installs_then_runs_the_whole_suite():
+    """`make test` (the whole suite, ~40 minutes) cannot run inside the suite: its recipe
+    is checked instead: install, lint, then every test."""
+    commands = recipe("test")
     install = next(i for i, c in enumerate(commands) if 'pip install -q -e ".[test]"' in c)
+    lint = next(i for i, c in enumerate(commands) if c.endswith("-m ruff check ."))
     suite = next(i for i, c in enumerate(commands) if c.endswith("-m pytest -q"))
-    assert install < suite
+    assert install < lint < suite
+
+
+def test_make_test_fast_lints_then_leaves_out_the_ray_and_slow_tiers():
+    commands = recipe("test-fast")
+    lint = next(i for i, c in enumerate(commands) if c.endswith("-m ruff check ."))
+    suite = next(i for i, c in enumerate(commands)
+                 if c.endswith('-m pytest -q -n 2 -m "not slow and not ray"'))
+    assert lint < suite
 
 
 # ------------------------------------------------------------------ running it
@@ -241,6 +259,7 @@ def program(work):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_the_python_blocks_run_and_do_what_they_say(program, work):
     labels = np.array(program["labels"])
     evals = {r["step"]: r for r in program["evals"]}
@@ -284,6 +303,8 @@ def test_the_python_blocks_run_and_do_what_they_say(program, work):
     assert program["lora_loss"] < program["loss_before_tuning"]
     np.testing.assert_allclose(program["merged_loss"], program["lora_loss"], rtol=1e-4)
     assert program["merged_names"] == []
+    # a hook hears every logged row, the evaluations' too
+    assert len(program["hook_evals"]) == 2 and program["hook_best"] == min(program["hook_evals"])
     # redray.run: 4 rounds of 7 steps on 2 hosts, each round's metric logged once
     assert program["looped"] == [28, f"{work['work']}/runs/rounds/checkpoints/28", None]
     assert [step for step, _ in program["looped_logged"]] == [7, 14, 21, 28]
@@ -376,6 +397,7 @@ def serve_and_ask(command: str, work: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_the_command_lines_run(program, work):
     _, blocks = readme()
     for number, line in command_lines(blocks):

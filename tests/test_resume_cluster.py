@@ -9,13 +9,14 @@ import os
 import random
 
 import jax
-import numpy as np
 import optax
 import pytest
 
 import redray
 from redray import CheckpointConfig, load_params
 from tiny import TinyLM, assert_same, lm_collate, lm_loss, token_data
+
+pytestmark = pytest.mark.ray  # a local Ray cluster (or a Ray head)
 
 ray = pytest.importorskip("ray")
 

@@ -23,8 +23,6 @@ Specs drop trailing Nones: P(None, 'model') is a column kernel, P('model') a row
 from __future__ import annotations
 
 import math
-import re
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +32,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from redray.sharding import derive_specs, flatten, format_plan, make_mesh, plan
+from redray.sharding import derive_specs, flatten, format_placement, make_mesh, placement
 
 B, T = 2, 8          # batch, sequence
 D, H = 64, 4         # hidden, heads
@@ -72,7 +70,8 @@ def nnx_specs(model, *args, mesh=None, rules=()):
 def linen_specs(module, *args, mesh=None, rules=()):
     mesh = mesh if mesh is not None else make_mesh(model_axis=4)
     params = module.init(jax.random.key(0), *args)["params"]
-    fn = lambda p, *a: module.apply({"params": p}, *a).sum()
+    def fn(p, *a):
+        return module.apply({"params": p}, *a).sum()
     specs = derive_specs(params, mesh, fn, args, rules=rules)
     return spec_dict(params, specs), params, specs
 
@@ -834,7 +833,8 @@ class Llama66(nnx.Module):
     def __call__(self, ids):
         x = self.embed_tokens(ids)
         h = self.norm(x)
-        sh = lambda t: t.reshape(t.shape[0], t.shape[1], 6, 11)
+        def sh(t):
+            return t.reshape(t.shape[0], t.shape[1], 6, 11)
         x = x + self.o_proj(mha(sh(self.q_proj(h)), sh(self.k_proj(h)), sh(self.v_proj(h))))
         return x + self.down_proj(jax.nn.silu(self.up_proj(x)))
 
@@ -894,11 +894,11 @@ def test_make_mesh_shapes():
 def test_plan_bytes_per_device():
     mesh = make_mesh(model_axis=4)
     _, state, specs = nnx_specs(MLPHead(nnx.Rngs(0)), jnp.ones((B, 256)), mesh=mesh)
-    rows = {r.path: r for r in plan(state, specs, mesh)}
+    rows = {r.path: r for r in placement(state, specs, mesh)}
     assert rows["fc_in/kernel"].bytes_per_device == 256 * 512 * 4 // 4
     assert rows["fc_in/bias"].bytes_per_device == 512 * 4 // 4
     assert rows["fc_out/kernel"].bytes_per_device == 512 * 16 * 4
-    text = format_plan(list(rows.values()), mesh)
+    text = format_placement(list(rows.values()), mesh)
     assert "fc_mid/kernel" in text and "model=4" in text
 
 

@@ -12,6 +12,8 @@ import pytest
 import redray
 from tiny import TinyLM, lm_collate, lm_loss, lm_predict, token_data
 
+pytestmark = pytest.mark.ray  # a local Ray cluster (or a Ray head)
+
 ray = pytest.importorskip("ray")
 
 

@@ -19,6 +19,8 @@ from redray.checkpoint import latest_meta
 from redray.tracking import MlflowLogger, TrackingWarning, plot
 from tiny import TinyLM, lm_collate, lm_loss, token_data
 
+pytestmark = pytest.mark.ray  # a local Ray cluster (or a Ray head)
+
 ray = pytest.importorskip("ray")
 
 DATA, EVAL = token_data(96), token_data(16, seed=1)  # 12 steps per epoch at batch 8

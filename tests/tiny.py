@@ -25,7 +25,8 @@ class TinyLM(nnx.Module):
         x = self.wte(ids)
         b, t, d = x.shape
         h = self.ln1(x)
-        q, k, v = (f(h).reshape(b, t, self.heads, d // self.heads) for f in (self.q, self.k, self.v))
+        q, k, v = (f(h).reshape(b, t, self.heads, d // self.heads)
+                   for f in (self.q, self.k, self.v))
         att = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d // self.heads)
         att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
         a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(att, -1), v).reshape(b, t, d)

@@ -16,7 +16,6 @@ again resumes both runs (or says they are complete).
 """
 
 import argparse
-import dataclasses
 import importlib
 import inspect
 import json
@@ -96,11 +95,11 @@ def main(argv=None):
                          tie_word_embeddings=False)
     base_model = lambda rngs: build(config, rngs=rngs)  # noqa: E731 - built on each host
     cluster = redray.cluster_options(args)
-    base_run = dataclasses.replace(cluster, name=f"{args.name}-base")
+    base_run = f"{args.name}-base"  # the base model's own run, same cluster and storage
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, args.base_steps)
     fit_steps(base_model, docs, args.base_steps, optax.adamw(schedule, weight_decay=0.01),
-              args, cluster=base_run)
-    base = redray.load_model(f"{base_run.storage_path}/{base_run.name}", base_model)
+              args, cluster=cluster, name=base_run)
+    base = redray.load_model(f"{cluster.storage_path}/{base_run}", base_model)
 
     model = add_lora(base, args.rank, targets=args.targets)
     decay = optax.cosine_decay_schedule(args.lr, args.steps)

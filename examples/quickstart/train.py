@@ -84,7 +84,7 @@ def loss(model, batch, rng, train):
 
 
 def main():
-    text = "\n".join(topics[k] for k in sorted(topics)).encode("latin-1", "replace").decode("latin-1")
+    text = "\n".join(topics[k] for k in sorted(topics)).encode("latin1", "replace").decode("latin1")
     n = len(text) // args.seq
     chunks = [text[i * args.seq:(i + 1) * args.seq] for i in range(n)]
     train, evals = chunks[: int(n * 0.95)], chunks[int(n * 0.95):][:256]

@@ -29,9 +29,10 @@ def to_dataset(source: Any):
 
     if isinstance(source, ray.data.Dataset):
         return source
-    if isinstance(source, (str, os.PathLike)) or (
-            isinstance(source, (list, tuple)) and source and isinstance(source[0], (str, os.PathLike))):
-        return _read_files([os.fspath(s) for s in ([source] if isinstance(source, (str, os.PathLike))
+    path = (str, os.PathLike)
+    if isinstance(source, path) or (
+            isinstance(source, (list, tuple)) and source and isinstance(source[0], path)):
+        return _read_files([os.fspath(s) for s in ([source] if isinstance(source, path)
                                                    else source)])
     try:
         import datasets as hf_datasets
@@ -60,7 +61,8 @@ def _read_files(patterns: list[str]):
     for pattern in patterns:
         matched = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
         if os.path.isdir(pattern):
-            matched = sorted(f for ext in _READERS for f in glob.glob(os.path.join(pattern, f"*{ext}")))
+            matched = sorted(f for ext in _READERS
+                             for f in glob.glob(os.path.join(pattern, f"*{ext}")))
         if not matched or not all(os.path.exists(f) for f in matched):
             raise FileNotFoundError(f"no data file matches {pattern!r}")
         files += matched

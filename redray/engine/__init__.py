@@ -1,8 +1,9 @@
 """Trainer and Predictor: run inside one process on all its devices (no Ray needed)."""
 
+from redray.engine.hooks import Hook
 from redray.engine.load import load_model, load_params
 from redray.engine.model import LinenModel
 from redray.engine.predictor import Predictor
 from redray.engine.trainer import Trainer
 
-__all__ = ["LinenModel", "Predictor", "Trainer", "load_model", "load_params"]
+__all__ = ["Hook", "LinenModel", "Predictor", "Trainer", "load_model", "load_params"]

@@ -119,5 +119,5 @@ class Predictor:
             host = jax.device_get(out)
             leaves, treedef = jax.tree.flatten(host)
             for i in range(n):
-                results.append(jax.tree.unflatten(treedef, [np.asarray(l[i]) for l in leaves]))
+                results.append(jax.tree.unflatten(treedef, [np.asarray(x[i]) for x in leaves]))
         return results

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.engine.model import abstract_state, adapter, cast_floating
 from redray.rngs import Stream, stream_key
-from redray.sharding import derive_specs, format_plan, make_mesh, plan, shardings
+from redray.sharding import derive_specs, format_placement, make_mesh, placement, shardings
 
 
 def resolve_mesh(mesh: Mesh | None, data_axis, fsdp_axis, model_axis) -> Mesh:
@@ -98,8 +98,8 @@ class ModelRuntime:
         """The user's model object, bound to concrete parameters (for inspection)."""
         return self.adapter.bind(params, extra, jax.random.key(0) if rng is None else rng)
 
-    def plan_text(self) -> str:
-        return format_plan(plan(self.abstract, self.specs, self.mesh), self.mesh)
+    def placement_text(self) -> str:
+        return format_placement(placement(self.abstract, self.specs, self.mesh), self.mesh)
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())

@@ -29,7 +29,7 @@ from redray.engine.steps import (eval_step, microbatched, model_gradients, model
                                  train_step, user_loss_fn)
 from redray.pipeline import Pipeline, PipelineError, split_loss_output
 from redray.rngs import Stream, stream_key
-from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size
+from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size, placement
 
 
 class Trainer:
@@ -82,7 +82,7 @@ class Trainer:
         micro-batch, inside the jitted step; the optimizer then applies ``grads``.
         The model's other state (e.g. batch statistics) is not updated under it.
         Default: ``jax.value_and_grad`` of the loss.
-      hooks: ``redray.engine.hooks.Hook`` objects run beside training (``on_log``
+      hooks: ``redray.Hook`` objects run beside training (``on_log``
         gets every logged row, ``on_checkpoint`` every complete checkpoint, ...).
         Inside ``redray.run``/``redray.fit`` the cluster adds its own (MLflow, Ray
         Train) the same way.
@@ -108,7 +108,8 @@ class Trainer:
         self.optimizer = optimizer
         self.mesh = resolve_mesh(mesh, data_axis, fsdp_axis, model_axis)
         self.dp = data_parallel_size(self.mesh)
-        self.batch_size, self.accum, self.micro = _batch_layout(batch_size, micro_batch_size, self.dp)
+        self.batch_size, self.accum, self.micro = _batch_layout(batch_size, micro_batch_size,
+                                                                self.dp)
         self.eval_batch_size = eval_batch_size or batch_size
         self.runtime = ModelRuntime(model, self.mesh, compute_dtype, rules, seed)
         self.learning_rate = learning_rate
@@ -145,9 +146,9 @@ class Trainer:
                 self.add_hook(hook)
 
     def add_hook(self, hook: Hook) -> None:
-        """Runs ``hook`` beside training from now on (see ``redray.engine.hooks.Hook``)."""
+        """Runs ``hook`` beside training from now on (see ``redray.Hook``)."""
         if not isinstance(hook, Hook):
-            raise TypeError(f"a hook must be a redray.engine.hooks.Hook (override the on_* "
+            raise TypeError(f"a hook must be a redray.Hook (subclass it and override the on_* "
                             f"methods you need), got {type(hook).__name__}")
         self.hooks.append(hook)
 
@@ -177,8 +178,8 @@ class Trainer:
         self._global_batch = abstract_batch(sample, self.batch_size)
         self._metric_names = self._check_loss(abstract)
         loss = self.pipeline.loss
-        self.runtime.derive(lambda model, batch: _loss_value(loss(model, batch, jax.random.key(0), True)),
-                            abstract)
+        self.runtime.derive(
+            lambda model, batch: _loss_value(loss(model, batch, jax.random.key(0), True)), abstract)
         params, extra = self.runtime.abstract
         param_specs = self.runtime.specs[0]
         params_sh, extra_sh = self.runtime.shardings
@@ -271,15 +272,13 @@ class Trainer:
     def plan(self) -> str:
         """The sharding plan (path, shape, spec, bytes per device); after ``init``."""
         self._require_init("plan")
-        return self.runtime.plan_text()
+        return self.runtime.placement_text()
 
     def describe(self) -> dict:
         """The run's shape: hosts, devices, mesh, parameter count, bytes per device,
         batch sizes, accumulation steps (after ``init``)."""
-        from redray.sharding import plan
-
         self._require_init("describe")
-        rows = plan(self.runtime.abstract[0], self.runtime.specs[0], self.mesh)
+        rows = placement(self.runtime.abstract[0], self.runtime.specs[0], self.mesh)
         opt = sum(x.nbytes for x in jax.tree.leaves(self.state.opt_state)
                   if hasattr(x, "nbytes")) // max(self.mesh.size, 1)
         return {"hosts": jax.process_count(), "devices": self.mesh.size,
@@ -299,7 +298,8 @@ class Trainer:
             f" ({d['trainable_parameters']:,} trained)"
         print(f"redray: {d['hosts']} host(s), {d['devices']} devices, mesh {mesh}; "
               f"{d['parameters']:,} parameters{trained}, {d['param_bytes_per_device']:,} "
-              f"parameter bytes per device; batch {d['batch_size']} (micro {d['micro_batch_size']} per device "
+              f"parameter bytes per device; batch {d['batch_size']} "
+              f"(micro {d['micro_batch_size']} per device "
               f"x {d['accumulation_steps']} accumulation steps)", flush=True)
 
     @property

@@ -8,7 +8,6 @@ model axis); ``c_proj`` of the attention is (heads, head_dim, hidden).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

@@ -9,7 +9,6 @@ the automatic rules split whole heads and their input gradients reach one all-re
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

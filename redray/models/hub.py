@@ -16,7 +16,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -234,7 +234,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
     specs = model_specs(graphdef, (params_abs, extra_abs), mesh, fam.trace_inputs(config), rules)
     param_specs, extra_specs = specs
     paths, leaves, treedef = flatten(params_abs)
-    spec_leaves = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    spec_leaves = jax.tree.leaves(param_specs,
+                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     by_path = {p: (leaf, s) for p, leaf, s in zip(paths, leaves, spec_leaves)}
 
     weights = _Weights(path if not path.endswith(".json") else os.path.dirname(path))
@@ -278,7 +279,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
         if misshaped:
             parts.append(f"wrong shape ({len(misshaped)}): " + "; ".join(misshaped))
         if unexpected:
-            parts.append(f"unexpected in the checkpoint ({len(unexpected)}): {', '.join(unexpected)}")
+            parts.append(f"unexpected in the checkpoint ({len(unexpected)}): "
+                         f"{', '.join(unexpected)}")
         if not_loaded:
             parts.append(f"model parameters no tensor fills: {', '.join(not_loaded)}")
         raise ValueError(f"cannot load {path!r} into a {config.model_type} model:\n  "

@@ -40,13 +40,15 @@ def rope_inv_freq(rope: dict | None, rotary_dim: int, default_theta: float = 100
     rope = dict(rope or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
     theta = float(rope.get("rope_theta", default_theta))
-    inv = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / rotary_dim)
+    inv = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32)
+                          / rotary_dim)
     if kind == "default":
         return inv
     if kind == "linear":
         return inv / float(rope["factor"])
     if kind == "llama3":
-        factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        factor, low, high = (float(rope["factor"]), float(rope["low_freq_factor"]),
+                             float(rope["high_freq_factor"]))
         old = float(rope["original_max_position_embeddings"])
         wavelen = 2 * math.pi / inv
         scaled = np.where(wavelen > old / low, inv / factor, inv)

@@ -10,7 +10,6 @@ direction.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -101,7 +100,8 @@ class Model(nnx.Module):
         self.dtype = dtype
         self.remat = remat
         self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([Block(c, rngs=rngs, dtype=dtype) for _ in range(c.num_hidden_layers)])
+        self.layers = nnx.List([Block(c, rngs=rngs, dtype=dtype)
+                                for _ in range(c.num_hidden_layers)])
         self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.tied = bool(getattr(c, "tie_word_embeddings", False))
         if not self.tied:
@@ -120,8 +120,8 @@ class Model(nnx.Module):
                                                window=self.window)
         cos, sin = layers.rope_angles(positions, self.inv_freq)
         x = self.embed_tokens(input_ids)
-        x, new_cache = layers.run_blocks(self.layers, x, (cos, sin, mask), cache, cache_index, train,
-                                        self.remat)
+        x, new_cache = layers.run_blocks(self.layers, x, (cos, sin, mask), cache, cache_index,
+                                         train, self.remat)
         x = self.norm(x)
         logits = self.embed_tokens.attend(x) if self.tied else self.lm_head(x)
         return logits if cache is None else (logits, new_cache)
@@ -148,10 +148,12 @@ def weight_table(config) -> list:
     for i in range(c.num_hidden_layers):
         hf, me = f"model.layers.{i}", f"layers/{i}"
         rows += [plain(f"{hf}.input_layernorm.weight", f"{me}/input_layernorm/scale"),
-                 plain(f"{hf}.post_attention_layernorm.weight", f"{me}/post_attention_layernorm/scale")]
+                 plain(f"{hf}.post_attention_layernorm.weight",
+                       f"{me}/post_attention_layernorm/scale")]
         rows += qkv(tuple(f"{hf}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")),
                     f"{me}/self_attn/qkv_proj", heads, kv, bias=qkv_bias)
-        rows.append(linear(f"{hf}.self_attn.o_proj.weight", f"{me}/self_attn/o_proj/kernel", in_dims=2))
+        rows.append(linear(f"{hf}.self_attn.o_proj.weight", f"{me}/self_attn/o_proj/kernel",
+                           in_dims=2))
         if o_bias:
             rows.append(plain(f"{hf}.self_attn.o_proj.bias", f"{me}/self_attn/o_proj/bias"))
         rows += gated((f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"), f"{me}/mlp/gate_up_proj",

@@ -10,7 +10,6 @@ is tied to the embedding unless the config says otherwise.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

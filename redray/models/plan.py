@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from redray.sharding import AXES, follow_specs, plan
+from redray.sharding import AXES, follow_specs, placement
 
 PRESET_DIR = "presets"
 # Parameters smaller than this (norm scales, biases) are counted, not listed, when
@@ -177,9 +177,9 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
       ``param_bytes_per_device``, ``opt_bytes_per_device``, ``ideal_bytes_per_device``
       (parameters + Adam state, total / (model x fsdp)) and its two parts
       ``ideal_param_bytes_per_device`` / ``ideal_opt_bytes_per_device``, ``ratio``
-      ({params, opt}: actual / ideal), ``replicated`` (parameters not split over every axis of model x fsdp:
-      path, shape, spec, bytes_per_device, replicated_over) and ``replicated_omitted``
-      (how many smaller ones were left out of that list).
+      ({params, opt}: actual / ideal), ``replicated`` (parameters not split over every
+      axis of model x fsdp: path, shape, spec, bytes_per_device, replicated_over) and
+      ``replicated_omitted`` (how many smaller ones were left out of that list).
 
     Raises:
       PlanError: axis sizes that do not divide the devices, an unsupported model type.
@@ -197,8 +197,8 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
     opt_specs = follow_specs(opt_abs, params, param_specs)
 
     shape = dict(mesh.shape)
-    param_rows = plan(params, param_specs, mesh)
-    opt_rows = plan(opt_abs, opt_specs, mesh)
+    param_rows = placement(params, param_specs, mesh)
+    opt_rows = placement(opt_abs, opt_specs, mesh)
     ideal_shards = sizes["model"] * sizes["fsdp"]
 
     def total(rows):

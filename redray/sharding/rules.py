@@ -6,8 +6,9 @@ dimension is split over ``model``); a layer fed only by column-parallel layers i
 all-reduce. A layer fed by a column layer is row even when replicated values were added
 on the way (a position bias added to attention scores): adding them keeps the split. A
 layer whose output reaches a layer and also, around it, that layer's successors writes a
-residual stream (OPT-350m's ``project_in``): it stays replicated, so the stream is whole. Rule 2 (attention) follows from the same dataflow: Q, K and V read the
-(replicated) residual stream, so they are column parallel along their output (head)
+residual stream (OPT-350m's ``project_in``): it stays replicated, so the stream is whole.
+Rule 2 (attention) follows from the same dataflow: Q, K and V read the (replicated)
+residual stream, so they are column parallel along their output (head)
 dimension; the output projection reads only what Q, K and V produced, so it is row
 parallel along its input dimension. Embedding tables (parameters indexed by a lookup)
 and LM heads (column layers at the end of the graph) split along the vocabulary; a
@@ -28,10 +29,10 @@ with that output. The ``fsdp`` axis then shards the largest remaining divisible
 dimension of every floating-point matrix (ZeRO-3); vectors (biases, norm scales) stay
 whole unless they are large: each sharded array costs an all-gather of its own in the
 forward and the backward pass, and a vector's bytes are too few to pay that latency
-(DeepSpeed keeps small parameters whole for the same reason). A large array that no rule split over
-``model`` (an embedding whose vocabulary divides by nothing) is sharded over ``model``
-too, as an extra FSDP axis, so no big parameter sits whole on every device. User rules, an ordered list of
-(regex on the parameter path, spec), win over all of this.
+(DeepSpeed keeps small parameters whole for the same reason). A large array that no rule
+split over ``model`` (an embedding whose vocabulary divides by nothing) is sharded over
+``model`` too, as an extra FSDP axis, so no big parameter sits whole on every device.
+User rules, an ordered list of (regex on the parameter path, spec), win over all of this.
 """
 
 from __future__ import annotations
@@ -237,12 +238,14 @@ def compile_rules(rules) -> list[tuple[re.Pattern, P]]:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
             raise ValueError(
                 f"sharding rule #{i} is {rule!r}: each rule must be a pair "
-                f"(regex on the parameter path, PartitionSpec), e.g. (r'.*/wte/.*', P('model', None))")
+                f"(regex on the parameter path, PartitionSpec), e.g. "
+                f"(r'.*/wte/.*', P('model', None))")
         pattern, spec = rule
         try:
             regex = re.compile(pattern)
         except re.error as e:
-            raise ValueError(f"sharding rule #{i}: {pattern!r} is not a valid regex ({e})") from None
+            raise ValueError(
+                f"sharding rule #{i}: {pattern!r} is not a valid regex ({e})") from None
         if spec is None:
             spec = P()
         if not isinstance(spec, P):

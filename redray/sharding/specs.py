@@ -55,7 +55,7 @@ def derive_specs(tree, mesh: Mesh, fn: Callable | None = None, args=(), rules=()
       rules: ordered (regex on the "/"-joined path, PartitionSpec) overrides.
     """
     paths, leaves, treedef = flatten(tree)
-    abstract = [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in leaves]
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     trace = None
     if fn is not None and mesh.shape.get("model", 1) > 1:
         trace = dataflow.trace(lambda ls, *a: fn(jax.tree.unflatten(treedef, ls), *a),
@@ -74,7 +74,7 @@ def follow_specs(tree, reference, reference_specs):
     ref_paths, ref_leaves, _ = flatten(reference)
     _, ref_specs, _ = flatten(jax.tree.map(lambda s: _Box(s), reference_specs,
                                            is_leaf=lambda x: isinstance(x, P)))
-    by_path = {p: (l.shape, s.spec) for p, l, s in zip(ref_paths, ref_leaves, ref_specs)}
+    by_path = {p: (x.shape, s.spec) for p, x, s in zip(ref_paths, ref_leaves, ref_specs)}
     paths, leaves, treedef = flatten(tree)
     out = []
     for path, leaf in zip(paths, leaves):

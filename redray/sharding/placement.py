@@ -1,4 +1,7 @@
-"""The sharding plan: what every device holds, computed without allocating anything."""
+"""Placement: what every device holds of each array, computed without allocating anything.
+
+(``Trainer.plan()`` prints it; ``redray plan`` builds on it, in ``redray/models/plan.py``.)
+"""
 
 from __future__ import annotations
 
@@ -6,14 +9,14 @@ import dataclasses
 import math
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from redray.sharding.specs import flatten
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanRow:
+class Placement:
+    """One array on a mesh: its path, shape, dtype, spec and bytes on each device."""
     path: str
     shape: tuple[int, ...]
     dtype: str
@@ -30,7 +33,7 @@ def _shards(spec: P, mesh_shape: dict) -> int:
     return n
 
 
-def plan(tree, specs, mesh: Mesh) -> list[PlanRow]:
+def placement(tree, specs, mesh: Mesh) -> list[Placement]:
     """One row per array: path, shape, dtype, spec and bytes held by each device.
 
     Args:
@@ -43,7 +46,7 @@ def plan(tree, specs, mesh: Mesh) -> list[PlanRow]:
     rows = []
     for path, leaf, spec in zip(paths, leaves, spec_leaves):
         size = math.prod(leaf.shape) * leaf.dtype.itemsize
-        rows.append(PlanRow(path, tuple(leaf.shape), str(leaf.dtype), spec,
+        rows.append(Placement(path, tuple(leaf.shape), str(leaf.dtype), spec,
                             size // _shards(spec, dict(mesh.shape))))
     return rows
 
@@ -52,8 +55,8 @@ def _spec_leaves(specs):
     return jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def format_plan(rows: list[PlanRow], mesh: Mesh) -> str:
-    """A readable table of a plan, with totals per device."""
+def format_placement(rows: list[Placement], mesh: Mesh) -> str:
+    """A readable table of placements, with totals per device."""
     axes = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
     width = max([len(r.path) for r in rows] + [9])
     lines = [f"mesh {axes} ({mesh.size} devices)",

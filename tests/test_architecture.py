@@ -1,0 +1,89 @@
+"""docs/architecture.md stays true: imports follow its table, the modules it names exist."""
+
+import ast
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(ROOT, "docs", "architecture.md")
+# Third-party modules the table governs (the rest of the world is free to import).
+GOVERNED = {"ray"}
+
+
+def allowed_imports() -> dict[str, set[str]]:
+    """package -> what it may import, from the doc's table."""
+    with open(DOC) as f:
+        text = f.read()
+    rows = re.findall(r"^\| `(redray\.\w+)` \| (.+?) \|$", text, re.MULTILINE)
+    table = {package: set(re.findall(r"`([\w.]+)`", allowed)) for package, allowed in rows}
+    assert len(table) >= 10, "the import table in docs/architecture.md was not found"
+    return table
+
+
+def package_of(name: str) -> str | None:
+    """The governed package an import names: ``redray.<pkg>`` or a governed library."""
+    parts = name.split(".")
+    if parts[0] == "redray" and len(parts) > 1:
+        return ".".join(parts[:2])
+    return parts[0] if parts[0] in GOVERNED else None
+
+
+def imports_of(path: str) -> set[str]:
+    """Every module a file imports, at any depth (function-level imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            if node.module == "redray":  # from redray import storage
+                names.update(f"redray.{a.name}" for a in node.names)
+    return names
+
+
+def modules():
+    for folder, _, files in os.walk(os.path.join(ROOT, "redray")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                parts = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+                yield path, ".".join(parts[:2]) if len(parts) > 1 else "redray"
+
+
+def test_every_module_imports_only_what_the_design_allows():
+    table = allowed_imports()
+    wrong = []
+    for path, package in modules():
+        if package in ("redray", "redray.__init__"):
+            continue  # the public API gathers everything
+        assert package in table, f"{package} is not in docs/architecture.md's import table"
+        for name in imports_of(path):
+            target = package_of(name)
+            if target is None or target == package or target == "redray.__init__":
+                continue
+            if target not in table[package]:
+                wrong.append(f"{os.path.relpath(path, ROOT)} imports {name}")
+    assert not wrong, "imports against docs/architecture.md:\n" + "\n".join(wrong)
+
+
+def test_the_engine_and_sharding_never_touch_ray_or_the_cluster():
+    table = allowed_imports()
+    for package in ("redray.engine", "redray.sharding"):
+        assert not table[package] & {"ray", "redray.cluster", "redray.tracking", "redray.cli"}
+    assert "redray.engine" not in table["redray.checkpoint"]
+
+
+def test_the_table_catches_a_wrong_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from redray.engine.state import TrainState\n")
+    target = {package_of(n) for n in imports_of(str(bad))}
+    assert target == {"redray.engine"}
+    assert "redray.engine" not in allowed_imports()["redray.checkpoint"]
+
+
+def test_every_path_the_doc_names_exists():
+    with open(DOC) as f:
+        paths = re.findall(r"`(redray/[\w/.]+)`", f.read())
+    assert len(paths) > 20
+    missing = [p for p in paths if not os.path.exists(os.path.join(ROOT, p))]
+    assert not missing, f"docs/architecture.md names missing paths: {missing}"

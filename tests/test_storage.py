@@ -1,0 +1,77 @@
+"""Where runs live (redray.storage) and the cluster side of a run (ClusterConfig)."""
+
+import optax
+import pytest
+
+import redray
+from redray import storage
+from redray.cluster.config import ClusterConfig
+from tiny import TinyLM, lm_collate, lm_loss, token_data
+
+
+def test_one_default_storage_folder_made_absolute(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert storage.storage_folder() == f"{tmp_path}/redray_runs"
+    assert storage.checkpoint_folder(None, "lm") == f"{tmp_path}/redray_runs/lm/checkpoints"
+    monkeypatch.chdir(tmp_path)
+    assert storage.storage_folder("out") == f"{tmp_path}/out"
+    assert storage.run_folder("gs://bucket/runs/", "lm") == "gs://bucket/runs/lm"
+    # the CLI's and the examples' flags default to the same folder
+    assert redray.cluster_options(redray.add_cluster_args(
+        __import__("argparse").ArgumentParser(), name="x").parse_args([])).storage_path == \
+        storage.storage_folder()
+
+
+def test_the_mlflow_store_follows_the_storage_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert storage.resolve_tracking_uri(None, "/data/runs") == "sqlite:////data/runs/mlflow.db"
+    # a bucket cannot hold SQLite: the default folder's store
+    assert storage.default_tracking_uri("gs://b/runs") == \
+        f"sqlite:///{tmp_path}/redray_runs/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    assert storage.resolve_tracking_uri(None, "/data/runs") == "http://mlflow:5000"
+    assert storage.resolve_tracking_uri("sqlite:////x.db", "/data/runs") == "sqlite:////x.db"
+    assert storage.sqlite_file("sqlite:////data/runs/mlflow.db") == "/data/runs/mlflow.db"
+    assert storage.sqlite_file("http://mlflow:5000") is None
+
+
+def test_cluster_keywords_split_from_the_others_and_override_a_given_config():
+    config, rest = ClusterConfig.split({"hosts": 2, "model_axis": 2, "name": "a"})
+    assert config == ClusterConfig(hosts=2, name="a") and rest == {"model_axis": 2}
+    base = ClusterConfig(hosts=4, name="b", storage_path="/s")
+    config, rest = ClusterConfig.split({"name": "c"}, base)
+    assert config == ClusterConfig(hosts=4, name="c", storage_path="/s") and rest == {}
+    with pytest.raises(TypeError, match="must be a redray.ClusterConfig"):
+        ClusterConfig.split({}, {"hosts": 2})
+
+
+def test_a_resolved_config_names_its_run_storage_and_checkpoints(tmp_path):
+    resolved = ClusterConfig(storage_path=str(tmp_path), resume=False,
+                             checkpoint=redray.CheckpointConfig(save_every=5)).resolved()
+    assert resolved.name.startswith("redray-") and resolved.storage_path == str(tmp_path)
+    assert resolved.checkpoint.directory == f"{tmp_path}/{resolved.name}/checkpoints"
+    assert resolved.checkpoint.save_every == 5 and resolved.checkpoint.resume is False
+    assert ClusterConfig(checkpoint=False).resolved().checkpoint is None
+    assert resolved.settings()["checkpoint"]["save_every"] == 5
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(hosts=0), "need at least one host"),
+    (dict(use_gpu=True, use_tpu=True), "exclusive"),
+    (dict(checkpoint=3), "checkpoint must be a directory"),
+])
+def test_bad_cluster_settings_fail_on_the_driver(kwargs, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        ClusterConfig(**kwargs)
+
+
+def test_an_unknown_fit_keyword_fails_before_any_host_starts():
+    import ray
+
+    assert not ray.is_initialized()
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['modle_axis'\].*model_axis"):
+        redray.fit(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+                   train_data=token_data(16), batch_size=8, modle_axis=2)
+    assert not ray.is_initialized()  # no cluster was started or reached for it
