@@ -45,7 +45,7 @@ SUBSTITUTIONS = [
 COVERED_ELSEWHERE = {
     "make demo   # creates .venv if missing, installs, runs the main job":
         "tests/test_demo.py::test_make_demo_trains_then_says_complete_then_resumes",
-    "make test   # same set-up, then the whole test suite (CPU only, ~40 minutes on 2 cores)":
+    "make test   # same set-up, then the whole test suite (CPU only, ~35 minutes on 2 cores)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
     "make test-fast   # the inner loop: lint + all but the Ray-cluster and slow tiers (~4 min)":
         "tests/test_readme.py::test_make_test_fast_lints_then_leaves_out_the_ray_and_slow_tiers",
@@ -190,7 +190,7 @@ def recipe(target: str) -> list[str]:
 
 
 def test_make_test_installs_then_runs_the_whole_suite():
-    """`make test` (the whole suite, ~40 minutes) cannot run inside the suite: its recipe
+    """`make test` (the whole suite, ~35 minutes) cannot run inside the suite: its recipe
     is checked instead: install, lint, then every test."""
     commands = recipe("test")
     install = next(i for i, c in enumerate(commands) if 'pip install -q -e ".[test]"' in c)
