@@ -49,7 +49,8 @@ def check_batch(batch: Any, n_examples: int | None = None) -> dict[str, np.ndarr
     Args:
       batch: collate's output.
       n_examples: how many examples collate was given; when set, the batch size must
-        match (the Predictor maps outputs back to inputs one to one).
+        match (a training batch is placed row by row over the devices, and the
+        Predictor maps outputs back to inputs one to one).
 
     Raises:
       PipelineError: naming the key and the fix.

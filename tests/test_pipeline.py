@@ -175,6 +175,23 @@ def test_collate_scalar_value_needs_batch_dimension():
     assert t.state is None
 
 
+def test_collate_dropping_rows_in_training_names_collate_and_the_fix():
+    # Fine on the first batch (init checks it), short later: caught at the batch where it
+    # happens, not deep inside the placement of the global array.
+    calls = []
+
+    def drops_rows_later(examples):
+        calls.append(len(examples))
+        return collate(examples if len(calls) < 3 else examples[:-1])
+
+    t = trainer(drops_rows_later)
+    with pytest.raises(PipelineError, match=m("collate was given 8 examples",
+                                              "returned a batch of 7 rows",
+                                              "exactly one row per example")):
+        t.fit(EXAMPLES)
+    assert len(calls) >= 3
+
+
 def test_collate_non_array_value_names_key():
     # A Python number is neither a list nor an array: the key and the batch-major fix.
     with pytest.raises(PipelineError,

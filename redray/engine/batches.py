@@ -28,9 +28,11 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarr
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
-def collate_checked(collate, examples: Sequence, exact: bool = False) -> dict[str, np.ndarray]:
-    """Runs the user's collate and validates its output."""
-    return check_batch(collate(list(examples)), len(examples) if exact else None)
+def collate_checked(collate, examples: Sequence) -> dict[str, np.ndarray]:
+    """Runs the user's collate and validates its output: a dict of numpy arrays with
+    exactly one row per example it was given (a short batch would otherwise fail
+    deep inside the placement, far from the function at fault)."""
+    return check_batch(collate(list(examples)), len(examples))
 
 
 def process_rows(sharding: NamedSharding, rows: int) -> slice:
@@ -157,7 +159,7 @@ def each_batch(examples: Sequence, size: int, mesh: Mesh, collate: Callable, run
         sharding = batch_sharding(mesh) if rows % dp == 0 else NamedSharding(mesh, P())
         mine = process_rows(sharding, rows)
         indices = [min(start + i, start + n - 1) for i in range(mine.start, mine.stop)]
-        batch = collate_checked(collate, read_rows(examples, indices), exact=True)
+        batch = collate_checked(collate, read_rows(examples, indices))
         if prepare is not None and start == 0:
             prepare(batch)
         pending.append((n, run(to_global(batch, sharding, rows), start)))
