@@ -10,7 +10,7 @@ and redray does the rest. Public API:
 
 * ``Trainer(model, collate, loss, optimizer, predict=None, batch_size=..., model_axis=...,
   fsdp_axis=..., micro_batch_size=..., compute_dtype=..., rules=..., trainable=...,
-  grad_fn=..., hooks=...)``: ``init``, ``fit``, ``evaluate``, ``train_step``, ``log``,
+  grad_fn=..., hooks=..., on_nonfinite=...)``: ``init``, ``fit``, ``evaluate``, ``train_step``, ``log``,
   ``plan``, ``predictor``, ``model``, ``step``, ``add_hook``.
 * ``Hook``: code run beside training (``on_step``, ``on_log``, ``on_checkpoint``, ...).
 * ``Predictor(model, collate, predict, params=..., batch_size=...)``: ``predict``.
@@ -31,18 +31,20 @@ and redray does the rest. Public API:
 * ``derive_specs``, ``placement``, ``format_placement``: automatic sharding of any
   parameter tree, and what each device then holds (no allocation).
 * ``PipelineError``: what a user function returned that cannot be used, and the fix.
+* ``NonFiniteError``: a step's loss or gradient norm was NaN/inf (``on_nonfinite="stop"``).
 """
 
 from redray.checkpoint import CheckpointConfig, CheckpointMismatch
 from redray.cluster import (ClusterConfig, FitResult, RunResult, add_cluster_args,
                             cluster_options, fit, run)
-from redray.engine import Hook, LinenModel, Predictor, Trainer, load_model, load_params
+from redray.engine import (Hook, LinenModel, NonFiniteError, Predictor, Trainer, load_model,
+                           load_params)
 from redray.pipeline import Pipeline, PipelineError
 from redray.sharding import derive_specs, format_placement, make_mesh, placement
 
 __version__ = "0.1.0"
 
 __all__ = ["CheckpointConfig", "CheckpointMismatch", "ClusterConfig", "FitResult", "Hook",
-           "LinenModel", "Pipeline", "PipelineError", "Predictor", "RunResult", "Trainer",
+           "LinenModel", "NonFiniteError", "Pipeline", "PipelineError", "Predictor", "RunResult", "Trainer",
            "add_cluster_args", "cluster_options", "derive_specs", "fit", "format_placement",
            "load_model", "load_params", "make_mesh", "placement", "run"]

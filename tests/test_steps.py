@@ -31,9 +31,9 @@ def loss(model, batch, rng, train):
 
 
 def state(optimizer):
-    step, rng = counters(0)
+    step, rng, nonfinite_step = counters(0)
     return TrainState(step=step, rng=rng, params=PARAMS, extra={},
-                      opt_state=optimizer.init(PARAMS))
+                      opt_state=optimizer.init(PARAMS), nonfinite_step=nonfinite_step)
 
 
 def plain_loss(w, batch):
@@ -92,3 +92,40 @@ def test_eval_step_runs_the_loss_in_eval_mode():
     out = eval_step(PARAMS, {}, BATCH, jax.random.key(0), apply=apply, loss=loss)
     assert SEEN_TRAIN == [False]
     assert set(out) == {"loss", "mae"} and out["loss"].dtype == jnp.float32
+
+
+def poisoned(batch):
+    """The batch with a NaN label: its loss and gradient are NaN."""
+    return {**batch, "y": np.where(np.arange(len(batch["y"])) == 3, np.nan, batch["y"])}
+
+
+def run_steps(policy, batches):
+    tx = optax.adam(0.1)
+    step = jax.jit(functools.partial(train_step, gradients=model_gradients(model_loss(apply, loss)),
+                                     optimizer=tx, on_nonfinite=policy))
+    current, seen = state(tx), []
+    for batch in batches:
+        current, metrics = step(current, batch)
+        seen.append(jax.device_get(metrics))
+    return current, seen
+
+
+def test_a_nonfinite_step_never_reaches_the_state_and_is_recorded_once():
+    good = [BATCH, {**BATCH, "x": BATCH["x"][::-1], "y": BATCH["y"][::-1]}]
+    clean, _ = run_steps("stop", good[:1])
+    # stop: the first non-finite step is recorded; from then on no update is applied
+    stopped, metrics = run_steps("stop", [BATCH, poisoned(BATCH), good[1]])
+    assert int(stopped.nonfinite_step) == 2 and int(stopped.step) == 3
+    assert np.isnan(metrics[1]["loss"])
+    np.testing.assert_array_equal(stopped.params["w"], clean.params["w"])
+    np.testing.assert_array_equal(stopped.opt_state[0].mu["w"], clean.opt_state[0].mu["w"])
+    # skip: exactly the run without that batch (the optimizer's count included)
+    skipped, metrics = run_steps("skip", [BATCH, poisoned(BATCH), good[1]])
+    without, _ = run_steps("skip", good)
+    assert int(skipped.nonfinite_step) == 0
+    assert [m["skipped"] for m in metrics] == [0.0, 1.0, 0.0]
+    np.testing.assert_array_equal(skipped.params["w"], without.params["w"])
+    assert int(skipped.opt_state[0].count) == 2
+    # no policy: the NaN spreads into the parameters (what the guard prevents)
+    unguarded, _ = run_steps(None, [BATCH, poisoned(BATCH)])
+    assert np.isnan(np.asarray(unguarded.params["w"])).all()

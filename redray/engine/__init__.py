@@ -3,7 +3,9 @@
 from redray.engine.hooks import Hook
 from redray.engine.load import load_model, load_params
 from redray.engine.model import LinenModel
+from redray.engine.nonfinite import NonFiniteError
 from redray.engine.predictor import Predictor
 from redray.engine.trainer import Trainer
 
-__all__ = ["Hook", "LinenModel", "Predictor", "Trainer", "load_model", "load_params"]
+__all__ = ["Hook", "LinenModel", "NonFiniteError", "Predictor", "Trainer", "load_model",
+           "load_params"]

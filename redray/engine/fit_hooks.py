@@ -83,6 +83,8 @@ class ProgressBar(Hook):
     def on_epoch_start(self, trainer, epoch: int, batch: int) -> None:
         from tqdm.auto import tqdm
 
+        if self.bar is not None:  # a rollback restarts the epoch's loop
+            self.bar.close()
         self.bar = tqdm(total=self.total, initial=batch, desc=f"epoch {epoch}", leave=False)
 
     def on_step(self, trainer, info: StepInfo) -> None:

@@ -38,6 +38,10 @@ class TrainState:
       opt_state: the optimizer's state for ``params``.
       frozen: the parameters left out of training (``Trainer(trainable=...)``), or None.
         They are never updated and never saved: they come from the model as built.
+      nonfinite_step: the first step whose loss or gradient norm was not finite (int32
+        scalar; 0: none yet). Set inside the step, so finding a NaN needs no host sync
+        per step; read on the log cadence and before every save. Never saved: a saved
+        state is always finite.
     """
     step: Any
     rng: Any
@@ -45,6 +49,7 @@ class TrainState:
     extra: Any
     opt_state: Any
     frozen: Any = None
+    nonfinite_step: Any = None
 
     @property
     def whole_params(self):
@@ -65,8 +70,9 @@ class TrainState:
 
 
 def counters(seed: int):
-    """(step, rng) of a run's start: step 0 and the training stream's first key."""
-    return jnp.zeros((), jnp.int32), stream_key(seed, Stream.TRAIN)
+    """(step, rng, nonfinite_step) of a run's start: step 0, the training stream's first
+    key, no non-finite step."""
+    return jnp.zeros((), jnp.int32), stream_key(seed, Stream.TRAIN), jnp.zeros((), jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +107,14 @@ class StateLayout:
           extra, extra_shardings: the model's other state (abstract) and its shardings.
           frozen_shardings: the frozen parameters' shardings, or None.
         """
-        step, rng = jax.eval_shape(lambda: counters(seed))
+        step, rng, nonfinite_step = jax.eval_shape(lambda: counters(seed))
         opt_state = jax.eval_shape(optimizer.init, params)
         opt_specs = follow_specs(opt_state, params, param_specs)
         replicated = NamedSharding(mesh, P())
         return cls(
             abstract=TrainState(step=step, rng=rng, params=params, extra=extra,
-                                opt_state=opt_state),
+                                opt_state=opt_state, nonfinite_step=nonfinite_step),
             shardings=TrainState(step=replicated, rng=replicated,
                                  params=shardings(mesh, param_specs), extra=extra_shardings,
-                                 opt_state=shardings(mesh, opt_specs), frozen=frozen_shardings))
+                                 opt_state=shardings(mesh, opt_specs), frozen=frozen_shardings,
+                                 nonfinite_step=replicated))

@@ -107,19 +107,50 @@ def microbatched(gradients: Callable, accum: int, micro_rows: int, micro_shardin
     return accumulated
 
 
+NONFINITE_POLICIES = ("stop", "skip", "rollback")
+
+
 def train_step(state: TrainState, batch, *, gradients: Callable,
-               optimizer: optax.GradientTransformation) -> tuple[TrainState, dict]:
+               optimizer: optax.GradientTransformation,
+               on_nonfinite: str | None = "stop") -> tuple[TrainState, dict]:
     """One optimizer update on ``batch``; returns the new state and the step's metrics
-    (``loss``, ``grad_norm`` and the loss's own, as float32 scalars)."""
+    (``loss``, ``grad_norm`` and the loss's own, as float32 scalars).
+
+    A step whose loss or gradient norm is not finite never reaches the parameters, the
+    optimizer state or the model's other state (they are selected, on the devices,
+    between the update and the state before it):
+
+    - ``"stop"`` and ``"rollback"``: the state's ``nonfinite_step`` records the first
+      such step and from then on no update is applied, so the state stays at the last
+      finite one until the host reads the flag (on the log cadence, before a save) and
+      stops or rolls back.
+    - ``"skip"``: that update is left out and training goes on; the metric ``skipped``
+      is 1 for it (0 otherwise).
+    - ``None``: no check (the reference the guard's cost is measured against).
+    """
     rng, step_rng = jax.random.split(state.rng)
     value, metrics, extra, grads = gradients(state.params, state.frozen, state.extra, batch,
                                              step_rng)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    out = {"loss": value.astype(jnp.float32), "grad_norm": optax.tree.norm(grads)}
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)
+    step = state.step + 1
+    out = {"loss": value.astype(jnp.float32), "grad_norm": grad_norm}
     out.update({k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()})
-    return state.replace(step=state.step + 1, rng=rng,
-                         params=optax.apply_updates(state.params, updates), extra=extra,
-                         opt_state=opt_state), out
+    nonfinite_step = state.nonfinite_step
+    if on_nonfinite is not None:
+        finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
+        if on_nonfinite == "skip":
+            keep = finite
+            out["skipped"] = 1.0 - finite.astype(jnp.float32)
+        else:
+            nonfinite_step = jnp.where((nonfinite_step == 0) & ~finite, step, nonfinite_step)
+            keep = nonfinite_step == 0
+        params, opt_state, extra = jax.tree.map(
+            lambda new, old: jnp.where(keep, new, old),
+            (params, opt_state, extra), (state.params, state.opt_state, state.extra))
+    return state.replace(step=step, rng=rng, params=params, extra=extra, opt_state=opt_state,
+                         nonfinite_step=nonfinite_step), out
 
 
 def eval_step(params, extra, batch, rng, *, apply: Callable, loss: Callable) -> dict:

@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -23,10 +24,12 @@ from redray.engine.batches import (InFlight, collate_checked, each_batch, epoch_
 from redray.engine.fit_hooks import Checkpoints, Evaluation, LogWindow, ProgressBar, Recorder
 from redray.engine.hooks import EpochEnd, Hook, Position, StepInfo, current_scope
 from redray.engine.model import split_trainable
+from redray.engine.nonfinite import (NonFiniteError, NonFiniteGuard, RolledBack, zero_flag,
+                                     message as nonfinite_message)
 from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
 from redray.engine.state import CHECKPOINT_ITEMS, StateLayout, TrainState, counters
-from redray.engine.steps import (eval_step, microbatched, model_gradients, model_loss,
-                                 train_step, user_loss_fn)
+from redray.engine.steps import (NONFINITE_POLICIES, eval_step, microbatched, model_gradients,
+                                 model_loss, train_step, user_loss_fn)
 from redray.pipeline import Pipeline, PipelineError, split_loss_output
 from redray.rngs import Stream, stream_key
 from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size, placement
@@ -86,6 +89,13 @@ class Trainer:
         gets every logged row, ``on_checkpoint`` every complete checkpoint, ...).
         Inside ``redray.run``/``redray.fit`` the cluster adds its own (MLflow, Ray
         Train) the same way.
+      on_nonfinite: what a NaN or infinite loss or gradient norm does. No such update
+        ever reaches the state, and no checkpoint is saved past it. ``"stop"``
+        (default): ``redray.NonFiniteError`` naming the step and its batch;
+        ``"skip"``: leave that update out and go on (the metric ``skipped``);
+        ``"rollback"``: back to the newest checkpoint, going on after the failing
+        batch (``redray/engine/nonfinite.py``). Checked inside the step; the host
+        reads the result only on the log cadence and before saves.
     """
 
     def __init__(self, model: Any, collate: Callable, loss: Callable,
@@ -96,8 +106,13 @@ class Trainer:
                  learning_rate=None, seed: int = 0, log_every: int = 10, progress: bool = True,
                  prefetch: int = 2, checkpoint=None, config: dict | None = None,
                  trainable: str | None = None, grad_fn: Callable | None = None,
-                 hooks: Sequence[Hook] = ()):
+                 hooks: Sequence[Hook] = (), on_nonfinite: str = "stop"):
         self.pipeline = Pipeline(collate, loss, predict)
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}: use one of "
+                             f"{', '.join(map(repr, NONFINITE_POLICIES))}")
+        self.on_nonfinite = on_nonfinite
+        self._guard: NonFiniteGuard | None = None
         if grad_fn is not None and not callable(grad_fn):
             raise TypeError(f"grad_fn must be a function (loss_fn, params, batch, rng) -> "
                             f"(loss, metrics, grads), got {grad_fn!r}")
@@ -201,15 +216,19 @@ class Trainer:
         if self.checkpoint_config is not None:
             self.checkpointer = Checkpointer(self.checkpoint_config, CHECKPOINT_ITEMS)
             if self.checkpoint_config.resume and self._restore(frozen):
+                # never saved: a saved state is finite
+                self.state = self.state.replace(
+                    nonfinite_step=zero_flag(self.layout.shardings.nonfinite_step))
                 return
         if params is None:
             params, extra = self.runtime.init()
         shardings = self.layout.shardings
-        step, rng = jax.jit(lambda: counters(self.seed),
-                            out_shardings=(shardings.step, shardings.rng))()
+        step, rng, nonfinite_step = jax.jit(
+            lambda: counters(self.seed),
+            out_shardings=(shardings.step, shardings.rng, shardings.nonfinite_step))()
         opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
         self.state = TrainState(step=step, rng=rng, params=params, extra=extra,
-                                opt_state=opt_state, frozen=frozen)
+                                opt_state=opt_state, frozen=frozen, nonfinite_step=nonfinite_step)
 
     def _restore(self, frozen) -> bool:
         """Loads the last complete checkpoint onto this mesh, if one exists."""
@@ -330,7 +349,8 @@ class Trainer:
                 self.accum, self.micro * self.dp, NamedSharding(self.mesh, P(None, BATCH_AXES)),
                 self._metric_names)
             self._steps["train"] = jax.jit(
-                functools.partial(train_step, gradients=gradients, optimizer=self.optimizer),
+                functools.partial(train_step, gradients=gradients, optimizer=self.optimizer,
+                                  on_nonfinite=self.on_nonfinite),
                 in_shardings=(self.layout.shardings, batch_sharding(self.mesh)),
                 out_shardings=(self.layout.shardings, self.runtime.replicated()),
                 donate_argnums=0)
@@ -436,28 +456,62 @@ class Trainer:
         self.tokens_per_example = 0
         recorder = Recorder()
         evaluation = None if eval_data is None else Evaluation(eval_data, eval_metric, shown)
+        steps_per_epoch = len(train) // self.batch_size
+        # First: a non-finite step is caught before its window is logged or a save starts.
+        self._guard = NonFiniteGuard(self.on_nonfinite, self.log_every, steps_per_epoch)
         self._fit_hooks = [hook for hook in (
-            recorder, LogWindow(self.log_every),
-            ProgressBar(len(train) // self.batch_size) if shown else None, evaluation,
+            self._guard, recorder, LogWindow(self.log_every),
+            ProgressBar(steps_per_epoch) if shown else None, evaluation,
             None if ckpt is None else Checkpoints(self, settings)) if hook is not None]
         try:
             first_epoch, _ = self.position.resume_point()
             if (eval_at_start and evaluation is not None and first_epoch < epochs
                     and (max_steps is None or self.step < max_steps)):
                 evaluation.run(self, self.step, first_epoch)
-            for event in self._training_steps(train, epochs, max_steps, shuffle):
-                for hook in self._listening():
-                    if isinstance(event, StepInfo):
-                        hook.on_step(self, event)
-                    elif isinstance(event, EpochEnd):
-                        hook.on_epoch_end(self, event)
-                    else:
-                        hook.on_epoch_start(self, *event)
+            while True:
+                steps = self._training_steps(train, epochs, max_steps, shuffle)
+                try:
+                    for event in steps:
+                        self._dispatch(event)
+                    break
+                except RolledBack:  # the state and position are the checkpoint's: go on
+                    steps.close()
             for hook in self._listening():
                 hook.on_fit_end(self)
         finally:
-            self._fit_hooks = []
+            self._fit_hooks, self._guard = [], None
         return recorder.rows
+
+    def _dispatch(self, event) -> None:
+        for hook in self._listening():
+            if isinstance(event, StepInfo):
+                hook.on_step(self, event)
+            elif isinstance(event, EpochEnd):
+                hook.on_epoch_end(self, event)
+            else:
+                hook.on_epoch_start(self, *event)
+
+    def _roll_back(self, bad_step: int, position: Position) -> int | None:
+        """Restores the newest checkpoint's state, keeps counting steps from
+        ``bad_step`` and continues after that step's batch (``position``). Returns the
+        checkpoint's step, or None when there is no checkpoint to go back to."""
+        if self.checkpointer is None:
+            return None
+        self.checkpointer.wait()
+        found = self.checkpointer.restore_latest(self.layout.checkpoint_targets(),
+                                                 check=self._check_trainable)
+        if found is None:
+            return None
+        items, meta = found
+        shardings = self.layout.shardings
+        restored = TrainState.from_checkpoint_items(items, self.state.frozen)
+        step = jax.jit(lambda: jnp.asarray(bad_step, jnp.int32),
+                       out_shardings=shardings.step)()
+        self.state = restored.replace(step=step,
+                                      nonfinite_step=zero_flag(shardings.nonfinite_step))
+        self.position = Position(position.epoch, position.batch, False)
+        self._log({"step": bad_step, "rolled_back_to_step": int(meta["step"])})
+        return int(meta["step"])
 
     def _training_steps(self, train: Sequence, epochs: int, max_steps: int | None,
                         shuffle: bool) -> Iterator:
@@ -523,6 +577,8 @@ class Trainer:
     def save_checkpoint(self, data_settings: dict, metrics: dict | None = None) -> None:
         """Starts saving the state at the current step and position (``fit``'s
         ``Checkpoints`` hook calls it); hooks hear ``on_checkpoint`` once complete."""
+        if self._guard is not None:
+            self._guard.check(self)  # never save a state past a non-finite step
         position = self.position
         meta = {"step": self.step, "epoch": position.epoch, "batch": position.batch,
                 "epoch_done": position.epoch_done, **data_settings, "metrics": metrics or {},
@@ -543,6 +599,9 @@ class Trainer:
         nothing, so one loop on every host is fine). Returns the logged row.
         """
         self._require_init("log")
+        bad = int(jax.device_get(self.state.nonfinite_step))
+        if bad and self.on_nonfinite != "skip":  # a loop of train_step calls, outside fit
+            raise NonFiniteError(nonfinite_message(self, bad, None, None))
         row = {"step": self.step, **{k: float(v) for k, v in metrics.items()}}
         self._log(row)
         return row
