@@ -10,8 +10,10 @@ and redray does the rest. Public API:
 
 * ``Trainer(model, collate, loss, optimizer, predict=None, batch_size=..., model_axis=...,
   fsdp_axis=..., micro_batch_size=..., compute_dtype=..., rules=..., trainable=...,
-  grad_fn=..., hooks=..., on_nonfinite=...)``: ``init``, ``fit``, ``evaluate``, ``train_step``, ``log``,
-  ``plan``, ``predictor``, ``model``, ``step``, ``add_hook``.
+  grad_fn=..., hooks=..., on_nonfinite=...)``: ``init``, ``fit``, ``evaluate``,
+  ``train_step``, ``log``, ``plan``, ``predictor``, ``model``, ``step``, ``add_hook``.
+* ``Schedule(peak, warmup=..., decay=...)``: a learning rate over the run's budget, which
+  continues smoothly when a resumed run's budget grows.
 * ``Hook``: code run beside training (``on_step``, ``on_log``, ``on_checkpoint``, ...).
 * ``Predictor(model, collate, predict, params=..., batch_size=...)``: ``predict``.
 * ``fit(model, collate, loss, optimizer, train_data=..., hosts=..., devices_per_host=...)``:
@@ -37,14 +39,15 @@ and redray does the rest. Public API:
 from redray.checkpoint import CheckpointConfig, CheckpointMismatch
 from redray.cluster import (ClusterConfig, FitResult, RunResult, add_cluster_args,
                             cluster_options, fit, run)
-from redray.engine import (Hook, LinenModel, NonFiniteError, Predictor, Trainer, load_model,
-                           load_params)
+from redray.engine import (Hook, LinenModel, NonFiniteError, Predictor, Schedule, Trainer,
+                           load_model, load_params)
 from redray.pipeline import Pipeline, PipelineError
 from redray.sharding import derive_specs, format_placement, make_mesh, placement
 
 __version__ = "0.1.0"
 
 __all__ = ["CheckpointConfig", "CheckpointMismatch", "ClusterConfig", "FitResult", "Hook",
-           "LinenModel", "NonFiniteError", "Pipeline", "PipelineError", "Predictor", "RunResult", "Trainer",
+           "LinenModel", "NonFiniteError", "Pipeline", "PipelineError", "Predictor", "RunResult",
+           "Schedule", "Trainer",
            "add_cluster_args", "cluster_options", "derive_specs", "fit", "format_placement",
            "load_model", "load_params", "make_mesh", "placement", "run"]

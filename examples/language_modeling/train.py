@@ -88,8 +88,8 @@ def main(argv=None):
         model = lambda rngs: build(config, rngs=rngs)  # noqa: E731 - built on each host
     os.makedirs(f"{storage}/{args.name}", exist_ok=True)  # the model `redray export` builds
     config.to_json_file(f"{storage}/{args.name}/config.json")
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(50, args.steps // 10 + 1),
-                                                  max(args.steps, 2))
+    # over the run's budget: `--steps 300` then `--steps 600` continues the curve smoothly
+    schedule = redray.Schedule(args.lr, warmup=0.1)
     result = redray.fit(
         model, collate, loss, optax.adamw(schedule, weight_decay=0.01),
         train_data=train, eval_data=evaluation, batch_size=args.batch_size,

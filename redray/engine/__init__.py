@@ -5,7 +5,8 @@ from redray.engine.load import load_model, load_params
 from redray.engine.model import LinenModel
 from redray.engine.nonfinite import NonFiniteError
 from redray.engine.predictor import Predictor
+from redray.engine.schedule import Schedule
 from redray.engine.trainer import Trainer
 
-__all__ = ["Hook", "LinenModel", "NonFiniteError", "Predictor", "Trainer", "load_model",
-           "load_params"]
+__all__ = ["Hook", "LinenModel", "NonFiniteError", "Predictor", "Schedule", "Trainer",
+           "load_model", "load_params"]

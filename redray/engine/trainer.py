@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -27,6 +28,7 @@ from redray.engine.model import split_trainable
 from redray.engine.nonfinite import (NonFiniteError, NonFiniteGuard, RolledBack, zero_flag,
                                      message as nonfinite_message)
 from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
+from redray.engine.schedule import Schedule
 from redray.engine.state import CHECKPOINT_ITEMS, StateLayout, TrainState, counters
 from redray.engine.steps import (NONFINITE_POLICIES, eval_step, microbatched, model_gradients,
                                  model_loss, train_step, user_loss_fn)
@@ -113,6 +115,7 @@ class Trainer:
                              f"{', '.join(map(repr, NONFINITE_POLICIES))}")
         self.on_nonfinite = on_nonfinite
         self._guard: NonFiniteGuard | None = None
+        self._schedule_meta: list | None = None  # a Schedule's segments, as checkpoints keep them
         if grad_fn is not None and not callable(grad_fn):
             raise TypeError(f"grad_fn must be a function (loss_fn, params, batch, rng) -> "
                             f"(loss, metrics, grads), got {grad_fn!r}")
@@ -128,6 +131,7 @@ class Trainer:
         self.eval_batch_size = eval_batch_size or batch_size
         self.runtime = ModelRuntime(model, self.mesh, compute_dtype, rules, seed)
         self.learning_rate = learning_rate
+        self.budget: int | None = None  # the run's total steps, as the last fit asked
         self.seed = seed
         self.log_every = max(1, int(log_every))
         self.progress = progress
@@ -449,6 +453,9 @@ class Trainer:
         self.init(train)
         settings = self._data_settings(train, shuffle)
         self._check_resume(settings)
+        steps_per_epoch = len(train) // self.batch_size
+        self._set_budget(steps_per_epoch * epochs if max_steps is None
+                         else min(max_steps, steps_per_epoch * epochs))
         shown = self.progress and jax.process_index() == 0
         if shown and not self._summarized:
             self._print_summary()  # once: a custom loop may call fit many times
@@ -456,7 +463,6 @@ class Trainer:
         self.tokens_per_example = 0
         recorder = Recorder()
         evaluation = None if eval_data is None else Evaluation(eval_data, eval_metric, shown)
-        steps_per_epoch = len(train) // self.batch_size
         # First: a non-finite step is caught before its window is logged or a save starts.
         self._guard = NonFiniteGuard(self.on_nonfinite, self.log_every, steps_per_epoch)
         self._fit_hooks = [hook for hook in (
@@ -554,6 +560,33 @@ class Trainer:
             if not complete:  # max_steps ended the run inside this epoch
                 return
 
+    def _set_budget(self, budget: int) -> None:
+        """Gives a ``redray.Schedule`` the run's budget (a resumed run's schedule grows
+        as ``redray/engine/schedule.py`` defines); warns when a plain schedule function
+        cannot follow a budget that changed."""
+        before = self.budget if self.budget is not None else (self.resumed_from or {}).get(
+            "budget")
+        self.budget = budget
+        lr, step = self.learning_rate, self.step
+        if isinstance(lr, Schedule):
+            saved = None  # a fresh run: one segment
+            if step > 0:  # this Trainer's earlier fit, else the checkpoint it resumed
+                saved = self._schedule_meta if self._schedule_meta is not None else \
+                    (self.resumed_from or {}).get("schedule")
+            segments = lr.with_budget(budget, step, saved)
+            if segments != lr.segments:
+                lr.segments = segments
+                self._steps.pop("train", None)  # its schedule is traced into the step
+            self._schedule_meta = lr.as_meta()
+        elif callable(lr) and step > 0 and before is not None and before != budget \
+                and jax.process_index() == 0:
+            warnings.warn(
+                f"the run's budget changed from {before} to {budget} steps at step {step}, "
+                "but learning_rate is a plain function built for one budget: its value at "
+                f"step {step} may jump (a sawtooth). Use redray.Schedule(peak, warmup=...) for "
+                "the optimizer and learning_rate: it continues smoothly when the budget grows",
+                stacklevel=3)
+
     def _data_settings(self, train: Sequence, shuffle: bool) -> dict:
         """What decides the batches: a run resumes only with the same (kept in meta)."""
         return {"examples": len(train), "seed": self.seed, "batch_size": self.batch_size,
@@ -583,7 +616,7 @@ class Trainer:
         meta = {"step": self.step, "epoch": position.epoch, "batch": position.batch,
                 "epoch_done": position.epoch_done, **data_settings, "metrics": metrics or {},
                 "config": self.config, "trainable": self.trainable, "run": self.run_meta,
-                "time": time.time()}
+                "budget": self.budget, "schedule": self._schedule_meta, "time": time.time()}
 
         def committed(step, path, meta):
             for hook in self._listening():
