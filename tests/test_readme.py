@@ -82,6 +82,8 @@ PROBES = {
                    " None, False))",
     "merged_names": "sorted({p for p in redray.sharding.flatten(nnx.state(merged))[0]"
                     " if 'lora' in p})",
+    "schedule_text": "repr(lr)",
+    "schedule_steps": "[r['step'] for r in longer_history if 'loss' in r]",
     "hook_best": "best.best",
     "hook_evals": "[r['eval_loss'] for r in watched_history if 'eval_loss' in r]",
     "looped": "[looped.value, looped.checkpoint, looped.resumed_from_step]",
@@ -303,6 +305,9 @@ def test_the_python_blocks_run_and_do_what_they_say(program, work):
     assert program["lora_loss"] < program["loss_before_tuning"]
     np.testing.assert_allclose(program["merged_loss"], program["lora_loss"], rtol=1e-4)
     assert program["merged_names"] == []
+    # a schedule over the budget: the resumed run grew it from 20 to 40 steps
+    assert "over 40 steps; budget 40 from step 20 (reached from" in program["schedule_text"]
+    assert program["schedule_steps"] == [30, 40]
     # a hook hears every logged row, the evaluations' too
     assert len(program["hook_evals"]) == 2 and program["hook_best"] == min(program["hook_evals"])
     # redray.run: 4 rounds of 7 steps on 2 hosts, each round's metric logged once
