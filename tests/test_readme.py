@@ -307,7 +307,8 @@ def test_the_python_blocks_run_and_do_what_they_say(program, work):
     assert program["merged_names"] == []
     # a schedule over the budget: the resumed run grew it from 20 to 40 steps
     assert "over 40 steps; budget 40 from step 20 (reached from" in program["schedule_text"]
-    assert program["schedule_steps"] == [28, 38, 40]  # epoch ends at 28 (14 steps per epoch), then windows of 10
+    # the epoch (14 steps) ends at 28, then windows of 10
+    assert program["schedule_steps"] == [28, 38, 40]
     # a hook hears every logged row, the evaluations' too
     assert len(program["hook_evals"]) == 2 and program["hook_best"] == min(program["hook_evals"])
     # redray.run: 4 rounds of 7 steps on 2 hosts, each round's metric logged once
