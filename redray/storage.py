@@ -11,6 +11,8 @@ Layout of a storage folder::
     <storage>/mlartifacts/                its artifacts (the sharding plan)
     <storage>/<name>/checkpoints/<step>/  one run's checkpoints (Orbax)
     <storage>/<name>/config.json          a redray.models run's model config (export)
+    <storage>/<name>/redray.lock          held while the run is running (its driver's
+                                          host, pid and start; redray.cluster.run_lock)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 
 DEFAULT_STORAGE = "~/redray_runs"
 CHECKPOINTS = "checkpoints"  # a run folder's checkpoint folder
+LOCK = "redray.lock"  # a run folder's lock file, there while the run is running
 SQLITE = "sqlite:///"
 
 
@@ -54,6 +57,12 @@ def run_folder(storage: str, name: str) -> str:
 def checkpoint_folder(storage: str, name: str) -> str:
     """``<storage>/<name>/checkpoints``: where a run's checkpoints go by default."""
     return f"{run_folder(storage, name)}/{CHECKPOINTS}"
+
+
+def lock_file(storage: str, name: str) -> str:
+    """``<storage>/<name>/redray.lock``: the file that keeps a second run of the same name
+    out of the run folder while one is running."""
+    return f"{run_folder(storage, name)}/{LOCK}"
 
 
 def default_tracking_uri(storage: str | None = None) -> str:

@@ -5,6 +5,13 @@ store. A store that fails (server down, disk full, bad URI) produces ONE warning
 naming the URI and the reason; what could not be logged is retried while the run goes
 on and counted as dropped if it still cannot be logged at the end (or if the queue
 overflows). Training never waits on MLflow and never fails because of it.
+
+One value per metric and step, always: a resumed run trains again the steps between
+its checkpoint and the last logged step, and those replayed rows are not logged a
+second time. Each session (``new_session``: a new worker group, or a new logger on a
+resumed run, whose mark comes from the store) marks the newest step logged so far for
+every metric; rows at or below the mark are replays and are left out (counted in
+``replayed``). Rows within a session are never filtered.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ class MlflowLogger:
         self.failure: str | None = None
         self.dropped = 0
         self.logged_metrics = 0
+        self.replayed = 0  # metric values left out as replays of logged steps
+        self._newest: dict[str, int] = {}  # per metric: the newest step logged
+        self._mark: dict[str, int] = {}  # per metric: the newest step before this session
         self._queue: queue.Queue = queue.Queue()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._work, name="redray-mlflow", daemon=True)
@@ -73,6 +83,11 @@ class MlflowLogger:
                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
         if values:
             self._put(("metrics", int(step), values, int(time.time() * 1000)))
+
+    def new_session(self) -> None:
+        """A resumed part of the run starts (a restarted worker group): the steps it
+        trains again, up to the newest logged one, are not logged twice."""
+        self._put(("session",))
 
     def log_params(self, params: dict[str, Any]) -> None:
         self._put(("params", _flat(params)))
@@ -165,7 +180,13 @@ class MlflowLogger:
         else:
             client.update_run(run.info.run_id, status="RUNNING")
         self._existing_params = dict(run.data.params)
+        self._params_changed = run.data.tags.get(PARAMS_CHANGED, "")
         self.run_id = run.info.run_id
+        for key in run.data.metrics:  # a resumed run: what earlier sessions logged
+            steps = [m.step for m in client.get_metric_history(self.run_id, key)]
+            if steps:
+                self._newest[key] = max(steps)
+        self._mark = dict(self._newest)
         return client
 
     def _send(self, client, backlog: list) -> list:
@@ -176,42 +197,113 @@ class MlflowLogger:
             kind = backlog[0][0]
             if kind == "metrics":
                 batch = []
+                newest = dict(self._newest)
                 while backlog and backlog[0][0] == "metrics" and len(batch) < 900:
                     _, step, values, stamp = backlog[0]
-                    batch += [Metric(k, v, stamp, step) for k, v in values.items()]
+                    for k, v in values.items():
+                        if step <= self._mark.get(k, -1):
+                            self.replayed += 1
+                            continue
+                        batch.append(Metric(k, v, stamp, step))
+                        newest[k] = max(step, newest.get(k, step))
                     backlog.pop(0)
-                client.log_batch(self.run_id, metrics=batch)
+                if batch:
+                    client.log_batch(self.run_id, metrics=batch)
+                self._newest = newest
                 self.logged_metrics += len(batch)
                 continue
             item = backlog[0]
             if kind == "params":
-                # MLflow params never change: a resumed run adds only new ones
                 new = {k: v for k, v in item[1].items() if k not in self._existing_params}
+                changed = {k: v for k, v in item[1].items()
+                           if k in self._existing_params and self._existing_params[k] != v}
                 if new:
                     client.log_batch(self.run_id, params=[Param(k, v) for k, v in new.items()])
                     self._existing_params.update(new)
+                if changed:
+                    self._change_params(client, changed)
             elif kind == "tags":
                 client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in item[1].items()])
             elif kind == "text":
                 client.log_text(self.run_id, item[1], item[2])
+            elif kind == "session":
+                self._mark = dict(self._newest)
             elif kind == "end":
                 client.set_terminated(self.run_id, status=item[1])
             backlog.pop(0)
         return backlog
 
 
+    def _change_params(self, client, changed: dict[str, str]) -> None:
+        """A resumed run with other settings (a larger ``max_steps``): its params must
+        say what it runs with now. MLflow's API refuses to change a param; in a SQL store
+        (SQLite, the default) redray rewrites the values in place. Every change is also
+        appended to the tag ``redray.params_changed``; where the store cannot be
+        rewritten (an MLflow server), that tag holds the current values, with a warning."""
+        from mlflow.entities import RunTag
+
+        line = ", ".join(f"{k}: {self._existing_params[k]} -> {v}" for k, v in changed.items())
+        rewritten = _rewrite_params(client, self.run_id, changed)
+        if not rewritten:
+            log.warning("MLflow at %s cannot change the params of a run; the resumed run's "
+                        "new settings (%s) are in its tag %s", self.uri, line, PARAMS_CHANGED)
+        self._params_changed = "\n".join(filter(None, [
+            getattr(self, "_params_changed", ""), f"resumed with {line}"]))[-5000:]
+        client.log_batch(self.run_id, tags=[RunTag(PARAMS_CHANGED, self._params_changed)])
+        self._existing_params.update(changed)
+
+
+PARAMS_CHANGED = "redray.params_changed"
+
+
+def _rewrite_params(client, run_id: str, changed: dict[str, str]) -> bool:
+    """Rewrites params of ``run_id`` in a SQL store; False for any other store."""
+    try:
+        from mlflow.store.tracking.dbmodels.models import SqlParam
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    except ImportError:  # another MLflow layout
+        return False
+    store = getattr(getattr(client, "_tracking_client", None), "store", None)
+    if not isinstance(store, SqlAlchemyStore):
+        return False
+    with store.ManagedSessionMaker() as session:
+        for key, value in changed.items():
+            session.query(SqlParam).filter(SqlParam.run_uuid == run_id,
+                                           SqlParam.key == key).update({"value": value})
+    return True
+
+
 def _values(item) -> int:
-    return {"metrics": len(item[2]) if item[0] == "metrics" else 0, "end": 0}.get(item[0], 1)
+    return {"metrics": len(item[2]) if item[0] == "metrics" else 0, "end": 0,
+            "session": 0}.get(item[0], 1)
 
 
 def _flat(params: dict, prefix: str = "") -> dict[str, str]:
+    """Params as MLflow strings, nested dicts as dotted keys; never an address that
+    changes with every process (``<function f at 0x7f...>``): a function is its module
+    and name, an object without its own readable repr its type."""
     out = {}
     for k, v in params.items():
         if isinstance(v, dict):
             out.update(_flat(v, f"{prefix}{k}."))
         else:
-            out[f"{prefix}{k}"] = str(v)[:6000]
+            out[f"{prefix}{k}"] = readable(v)[:6000]
     return out
+
+
+def readable(value: Any) -> str:
+    """``value`` as a param: stable across processes (see ``_flat``)."""
+    import functools
+    import re
+
+    if isinstance(value, functools.partial):
+        return f"partial({readable(value.func)})"
+    if callable(value) and hasattr(value, "__qualname__") and not isinstance(value, type):
+        return f"function {getattr(value, '__module__', '?')}.{value.__qualname__}"
+    text = str(value)
+    if re.search(r" at 0x[0-9a-f]+>", text):  # the default repr of an object
+        return f"{type(value).__module__}.{type(value).__qualname__}"
+    return text
 
 
 def git_commit(path: str = ".") -> str | None:

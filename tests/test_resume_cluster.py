@@ -11,6 +11,7 @@ import random
 import jax
 import optax
 import pytest
+from mlflow.tracking import MlflowClient
 
 import redray
 from redray import CheckpointConfig, load_params
@@ -81,6 +82,13 @@ def test_a_host_killed_mid_epoch_resumes_bitwise_exactly(tmp_path, uninterrupted
     expected = losses(reference.history)
     assert {s: expected[s] for s in after} == after  # bitwise: the same floats
     assert_same(load_params(f"{tmp_path}/run", model), reference_params)
+    # MLflow: one value per step, the replayed steps (resumed+1 .. the kill) not twice
+    client = MlflowClient(result.tracking_uri)
+    for key in ("loss", "grad_norm", "epoch"):
+        logged = [m.step for m in client.get_metric_history(result.mlflow_run_id, key)]
+        assert sorted(logged) == list(range(1, 25)), key
+    logged = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, "loss")}
+    assert logged == expected
 
 
 def test_a_resubmitted_run_trains_only_what_is_left(tmp_path, uninterrupted):

@@ -68,9 +68,10 @@ def test_a_resumed_run_logs_once_per_step_into_the_same_sqlite_run(tmp_path):
     assert steps(client, found.info.run_id, "eval_loss") == [12, 24]
     assert [m.value for m in client.get_metric_history(found.info.run_id, "epoch")] == \
         [0.0] * 6 + [1.0] * 6
-    assert {"batch_size": "8", "hosts": "2", "model_axis": "2", "epochs": "1",
-            "checkpoint.keep": "3"}.items() <= found.data.params.items()  # first run's params
+    assert {"batch_size": "8", "hosts": "2", "model_axis": "2", "epochs": "2",
+            "checkpoint.keep": "3"}.items() <= found.data.params.items()  # what it runs with
     tags = found.data.tags
+    assert tags["redray.params_changed"] == "resumed with epochs: 1 -> 2"
     assert tags["redray.version"] == redray.__version__
     assert tags["redray.mesh"] == "data=2 x fsdp=1 x model=2"
     assert (tags["redray.hosts"], tags["redray.devices"]) == ("2", "4")

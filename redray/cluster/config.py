@@ -29,6 +29,13 @@ class ClusterConfig:
         ``~/redray_runs`` (``redray.storage``).
       max_failures: worker-group restarts Ray Train allows before giving up; the
         restarted group resumes from the last complete checkpoint.
+      hang_timeout: seconds a host may go without progress (a training step, an
+        evaluation or prediction batch, a checkpoint) before the job is stopped as
+        stuck (a collective whose peer never arrives, a collate that never returns),
+        with the host's last progress and where it waits; with ``max_failures`` the
+        group restarts from the last checkpoint. The clock starts after the first
+        training step (compiling and restoring are not timed). ``None``: no watchdog.
+        Default 1800 (30 minutes).
       checkpoint: a ``redray.CheckpointConfig`` (when and what to save); its directory
         defaults to ``<storage_path>/<name>/checkpoints``. Default: save at the end of
         every epoch and of the run, keep the last 3. ``False``: no checkpoints.
@@ -48,6 +55,7 @@ class ClusterConfig:
     name: str | None = None
     storage_path: str | None = None
     max_failures: int = 0
+    hang_timeout: float | None = 1800.0
     checkpoint: Any = None
     resume: bool = True
     tracking_uri: str | None = None
@@ -59,6 +67,10 @@ class ClusterConfig:
             raise ValueError(f"hosts={self.hosts!r}: need at least one host")
         if self.use_gpu and self.use_tpu:
             raise ValueError("use_gpu and use_tpu are exclusive")
+        if self.hang_timeout is not None and not (
+                isinstance(self.hang_timeout, (int, float)) and self.hang_timeout > 0):
+            raise ValueError(f"hang_timeout={self.hang_timeout!r}: give positive seconds "
+                             "(None: no watchdog)")
         if self.checkpoint is not False:
             CheckpointConfig.of(self.checkpoint)  # a wrong type fails here, on the driver
 
@@ -98,5 +110,6 @@ class ClusterConfig:
         return dict(name=self.name, storage_path=self.storage_path, hosts=self.hosts,
                     devices_per_host=self.devices_per_host, use_gpu=self.use_gpu,
                     use_tpu=self.use_tpu, max_failures=self.max_failures,
+                    hang_timeout=self.hang_timeout,
                     checkpoint=dataclasses.asdict(self.checkpoint)
                     if isinstance(self.checkpoint, CheckpointConfig) else None)

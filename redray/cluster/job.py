@@ -78,6 +78,8 @@ class HostJob:
       tracker: the run's MLflow tracker actor, or None.
       checkpoint: the run's ``CheckpointConfig`` (for its main Trainer), or None.
       config: the run's settings, stored in every checkpoint.
+      hang_timeout: seconds without progress before the host reports itself stuck
+        (``ClusterConfig.hang_timeout``), or None.
     """
     task: FitTask | CallTask
     code: bytes
@@ -85,3 +87,4 @@ class HostJob:
     tracker: Any
     checkpoint: Any
     config: dict
+    hang_timeout: float | None = None

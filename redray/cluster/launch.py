@@ -11,6 +11,7 @@ from typing import Any, Callable
 from redray import storage
 from redray.cluster.config import ClusterConfig
 from redray.cluster.job import CallCode, CallTask, FitCode, FitTask, HostJob
+from redray.cluster.run_lock import RunLock
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -73,7 +74,19 @@ CLIENT_ATTEMPTS = 4
 
 
 class HostError(RuntimeError):
-    """User code failed on a host; the message holds that host's traceback."""
+    """User code failed on a host; the message holds that host's traceback, without the
+    frames of redray's own machinery (``redray.models`` frames are kept).
+
+    Attributes:
+      host: the host that failed.
+      full_traceback: its whole traceback, redray's frames included.
+      ray_error: what Ray Train raised for the worker group (for debugging Ray itself).
+    """
+
+    def __init__(self, message: str, host: int | None = None, full_traceback: str | None = None,
+                 ray_error: BaseException | None = None):
+        super().__init__(message)
+        self.host, self.full_traceback, self.ray_error = host, full_traceback, ray_error
 
 
 def _results_actor():
@@ -82,13 +95,22 @@ def _results_actor():
     @ray.remote(num_cpus=0)
     class Results:
         def __init__(self):
-            self.value, self.failures = None, []
+            self.value, self.failures, self.hosts = None, [], {}
 
         def put(self, value):
             self.value = value
 
-        def fail(self, rank, text):
-            self.failures.append((rank, text))
+        def join(self, rank, actor):
+            self.hosts[rank] = actor
+
+        def fail(self, rank, text, full):
+            self.failures.append((rank, text, full))
+            # Every host stops now, before a peer waiting in a collective for the failed
+            # one is aborted by JAX (a C++ dump on the driver's screen). Ray Train sees
+            # its workers gone and ends (or restarts, with max_failures) the group.
+            for actor in self.hosts.values():
+                ray.kill(actor)
+            self.hosts.clear()
 
         def get(self):
             return self.value, self.failures
@@ -203,7 +225,7 @@ def run(fn: Callable, *args, cluster: ClusterConfig | None = None, **kwargs) -> 
     if not callable(fn):
         raise TypeError(f"redray.run needs a function to run on every host, got {fn!r}")
     config, kwargs = ClusterConfig.split(kwargs, cluster)
-    out = _launch(config, CallTask(), {"function": getattr(fn, "__qualname__", repr(fn))},
+    out = _launch(config, CallTask, {"function": getattr(fn, "__qualname__", repr(fn))},
                   CallCode(fn=fn, args=args, kwargs=kwargs))
     return RunResult(**out)
 
@@ -245,12 +267,15 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
     Pipeline(collate, loss, predict)  # cheap checks on the driver, before any worker
     config, trainer_options = ClusterConfig.split(options, cluster)
     _check_trainer_options(trainer_options)
-    rows = {key: None if data is None else RowSource(to_dataset(data))
-            for key, data in (("train", train_data), ("eval", eval_data),
-                              ("predict", predict_data))}
-    task = FitTask(epochs=epochs, max_steps=max_steps, progress=progress,
-                   eval_at_start=eval_at_start, train=rows["train"], eval=rows["eval"],
-                   predict=rows["predict"])
+
+    def task() -> FitTask:  # once the run is locked: the data goes into Ray's object store
+        rows = {key: None if data is None else RowSource(to_dataset(data))
+                for key, data in (("train", train_data), ("eval", eval_data),
+                                  ("predict", predict_data))}
+        return FitTask(epochs=epochs, max_steps=max_steps, progress=progress,
+                       eval_at_start=eval_at_start, train=rows["train"], eval=rows["eval"],
+                       predict=rows["predict"])
+
     code = FitCode(model=model, collate=collate, loss=loss, optimizer=optimizer,
                    predict=predict, eval_metric=eval_metric,
                    trainer_options=dict(batch_size=batch_size, **trainer_options))
@@ -276,16 +301,25 @@ def _check_trainer_options(options: dict) -> None:
                         f"keywords ({', '.join(cluster)})")
 
 
-def _launch(config: ClusterConfig, task, settings: dict, code) -> dict:
-    """Runs ``task`` on every host of one Ray Train worker group; returns ``RunResult``'s
-    fields (``value``: host 0's return value)."""
+def _launch(config: ClusterConfig, make_task: Callable, settings: dict, code) -> dict:
+    """Runs the task ``make_task()`` builds on every host of one Ray Train worker group,
+    holding the run's lock throughout; returns ``RunResult``'s fields (``value``: host 0's
+    return value)."""
+    config = config.resolved()
+    # A second run of this name and storage is refused here, before Ray or any host starts.
+    with RunLock.acquire(config.storage_path, config.name):
+        return _launch_locked(config, make_task, settings, code)
+
+
+def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, code) -> dict:
     import ray
     from ray.train import FailureConfig, LoggingConfig, RunConfig
     from ray.train.v2.jax import JaxTrainer
 
     from redray.cluster.tracker import CheckpointsToTracker, finish_tracker, start_tracker
 
-    config = config.resolved()
+    connected_here = not ray.is_initialized()
+    task = make_task()  # materializing the data may start Ray (Ray Data does)
     connect(config.address,
             num_cpus=None if config.address else max(os.cpu_count() or 1, config.hosts))
     recorded = {**config.settings(), **settings}
@@ -301,7 +335,8 @@ def _launch(config: ClusterConfig, task, settings: dict, code) -> dict:
     # often would stall that long each time. Ray passes it on to the controller.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     job = HostJob(task=task, code=_user_bytes(code), results=results, tracker=tracker,
-                  checkpoint=config.checkpoint, config=recorded)
+                  checkpoint=config.checkpoint, config=recorded,
+                  hang_timeout=config.hang_timeout)
     trainer = JaxTrainer(
         # Ray's own serializer (cloudpickle plus object-ref and actor-handle ownership):
         # the row sources' block references must stay valid on workers.
@@ -317,10 +352,17 @@ def _launch(config: ClusterConfig, task, settings: dict, code) -> dict:
     except Exception as error:
         finish_tracker(tracker, "FAILED")
         _, failures = ray.get(results.get.remote())
-        if failures:
-            rank, text = failures[0]
-            raise HostError(f"host {rank} failed:\n{text}") from error
-        raise
+        if not failures:
+            raise
+        host, text, full = failures[0]
+        if connected_here:
+            # Ray prints the hosts' streamed output from a thread, and the lines it held
+            # back to deduplicate at its shutdown: all of it must come before the error.
+            ray.shutdown()
+        sys.stdout.flush()  # a redirected stdout holds lines until exit, after the error
+        sys.stderr.flush()
+        # Ray's own error (the worker group's deaths) would only bury the user's traceback.
+        raise HostError(f"host {host} failed:\n{text}", host, full, error) from None
     out, _ = ray.get(results.get.remote())
     report = finish_tracker(tracker, "FINISHED", out["checkpoint"])
     return {**out, "name": config.name, "storage_path": config.storage_path,

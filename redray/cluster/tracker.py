@@ -38,6 +38,9 @@ def _actor_class():
             self.logger.log_params(params)
             self.logger.set_tags(tags)
 
+        def new_session(self) -> None:
+            self.logger.new_session()
+
         def log(self, row: dict) -> None:
             if any(k.startswith("eval_") for k in row):  # its epoch is the train rows'
                 row = {k: v for k, v in row.items() if k != "epoch"}

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import traceback
 
 from redray.cluster.job import HostJob
 from redray.cluster.tracker import CHECKPOINT_KEY, TrackerHook
 from redray.engine.hooks import Adoption, Hook, trainer_scope
+from redray.engine.watchdog import Stall, Watchdog
 
 
 def train_loop(job: HostJob) -> None:
@@ -20,20 +22,95 @@ def train_loop(job: HostJob) -> None:
 
     _quiet_ray_train(logging)
     rank, _ = distributed.initialize()
+    watchdog = None
     try:
+        ray.get(job.results.join.remote(rank, ray.get_runtime_context().current_actor))
+        if job.hang_timeout is not None:
+            watchdog = Watchdog(job.hang_timeout, lambda stall: _stuck(job, rank, stall)).start()
         code = cloudpickle.loads(job.code)  # after JAX's runtime is up
-        host_run = HostRun(job, rank)
+        host_run = HostRun(job, rank, watchdog)
         with trainer_scope(host_run):
             value = job.task.run(code, rank)
         if rank == 0:
             ray.get(job.results.put.remote(host_run.result(value)))
-    except BaseException:
-        # First thing: tell the driver what failed here. The other hosts die next (their
-        # collectives lose a peer) and Ray may report one of them instead.
-        ray.get(job.results.fail.remote(rank, traceback.format_exc()))
+    except BaseException as error:
+        # First thing: tell the driver what failed here; the results actor then stops every
+        # host. Left alone, the others would wait in a collective for this one until JAX's
+        # coordination service aborts them (a C++ dump), and Ray would report their deaths
+        # (suggesting the OOM killer) instead of this error.
+        _drop_ray_train_error_log(logging)
+        ray.get(job.results.fail.remote(rank, user_traceback(error), traceback.format_exc()))
         raise
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         distributed.shutdown()
+
+
+def _stuck(job: HostJob, rank: int, stall: Stall) -> None:
+    """The watchdog's verdict: this host made no progress for ``hang_timeout``. Tells
+    the driver (whose results actor stops every host; Ray Train restarts the group if
+    ``max_failures`` allows, resuming from the last checkpoint), then ends this process:
+    its training thread may be blocked inside C++, where nothing else reaches it."""
+    import sys
+
+    import ray
+
+    text = (f"host {rank} made no progress for {stall.seconds:.0f} s "
+            f"(hang_timeout={job.hang_timeout:g} s): its last progress was {stall.last}. "
+            "A stuck collective (a peer that never arrives) or user code that never "
+            "returns (collate, loss, a data read) stops a host this way. With "
+            "max_failures=N the run restarts from its last checkpoint; if a step, an "
+            "evaluation or a checkpoint legitimately takes longer, raise hang_timeout.\n"
+            f"Where this host waits:\n{stall.threads}")
+    print(f"redray: {text}", file=sys.stderr, flush=True)
+    try:
+        ray.get(job.results.fail.remote(rank, text, text), timeout=60)
+    finally:
+        os._exit(1)
+
+
+# Where a host's traceback starts to be the user's: frames in these parts of redray are
+# the machinery between a host's entry and the user's functions (redray.models is model
+# code a user calls, so its frames stay).
+_REDRAY = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_MODEL_CODE = os.path.join(_REDRAY, "models") + os.sep
+
+
+def _machinery(frame: traceback.FrameSummary) -> bool:
+    path = os.path.abspath(frame.filename)
+    return path.startswith(_REDRAY) and not path.startswith(_MODEL_CODE)
+
+
+def user_traceback(error: BaseException) -> str:
+    """``error``'s traceback (and its chained causes') without redray's own frames.
+
+    A chain link raised inside redray itself (no frame of the user's) keeps its innermost
+    frame: where redray raised it.
+    """
+    shown = traceback.TracebackException.from_exception(error)
+    seen, todo = set(), [shown]
+    while todo:
+        link = todo.pop()
+        if id(link) in seen:
+            continue
+        seen.add(id(link))
+        frames = [f for f in link.stack if not _machinery(f)] or list(link.stack)[-1:]
+        link.stack = traceback.StackSummary.from_list(frames)
+        todo += [e for e in (link.__cause__, link.__context__) if e is not None]
+        todo += getattr(link, "exceptions", None) or []  # an ExceptionGroup's members
+    return "".join(shown.format())
+
+
+def _drop_ray_train_error_log(logging) -> None:
+    """Ray Train logs a failed training function's traceback on the host, which would
+    print it a second time: the driver raises it already."""
+    try:
+        from ray.train.v2._internal import util
+    except ImportError:  # another Ray layout: the duplicate stays
+        return
+    logging.getLogger(util.__name__).addFilter(
+        lambda record: not record.getMessage().startswith("Error in training function"))
 
 
 def _quiet_ray_train(logging) -> None:
@@ -57,8 +134,17 @@ class HostRun:
     "main" one, whose resume step and last checkpoint the driver gets back.
     """
 
-    def __init__(self, job: HostJob, rank: int):
-        self.job, self.rank = job, rank
+    def __init__(self, job: HostJob, rank: int, watchdog: Watchdog | None = None):
+        self.job, self.rank, self.watchdog = job, rank, watchdog
+        if rank == 0 and job.tracker is not None:
+            # a restarted group trains again from its checkpoint: the tracker logs only
+            # the steps past those already logged (waited for: rows must come after)
+            import ray
+
+            try:
+                ray.get(job.tracker.new_session.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - tracking never fails a run
+                pass
         self.main = None
         self.trackers: list[TrackerHook] = []
 
@@ -75,8 +161,10 @@ class HostRun:
             self.main = trainer
         tracker = TrackerHook(self.job.tracker, self.rank)
         self.trackers.append(tracker)
-        return Adoption(checkpoint=checkpoint, config=self.job.config,
-                        hooks=[tracker, RayTrainCheckpoints()])
+        hooks = [tracker, RayTrainCheckpoints()]
+        if self.watchdog is not None:
+            hooks.append(self.watchdog)
+        return Adoption(checkpoint=checkpoint, config=self.job.config, hooks=hooks)
 
     def result(self, value) -> dict:
         """What host 0 sends the driver: the function's value and the main Trainer's

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from redray.engine import watchdog
 from redray.pipeline import check_batch
 from redray.sharding import batch_sharding, data_parallel_size
 
@@ -164,4 +165,5 @@ def each_batch(examples: Sequence, size: int, mesh: Mesh, collate: Callable, run
             prepare(batch)
         pending.append((n, run(to_global(batch, sharding, rows), start)))
         in_flight.add(pending[-1][1])
+        watchdog.progress(f"a batch of {len(examples)} examples from example {start}")
     return pending

@@ -1,0 +1,68 @@
+"""MlflowLogger against a real SQLite MLflow store, in one process (no Ray)."""
+
+from mlflow.tracking import MlflowClient
+
+from redray.tracking import MlflowLogger
+
+
+def history(uri, run_id, key):
+    return [(m.step, m.value) for m in
+            sorted(MlflowClient(uri).get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+def test_resumed_sessions_log_each_metric_once_per_step(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = MlflowLogger(uri, "r", f"{tmp_path}/r")
+    first.new_session()
+    for step in range(1, 11):
+        first.log_metrics({"loss": step, "lr": 0.1}, step)
+    first.log_metrics({"eval_loss": 5.0}, 10)
+    first.new_session()  # a restarted worker group, resumed from step 6
+    for step in range(7, 13):
+        first.log_metrics({"loss": step + 0.5, "lr": 0.2}, step)
+    first.log_metrics({"loss": 99.0}, 12)  # within a session nothing is filtered
+    report = first.finish("KILLED")
+    assert first.replayed == 8  # steps 7-10, loss and lr
+
+    second = MlflowLogger(uri, "r", f"{tmp_path}/r")  # a new driver: the store's mark
+    second.new_session()
+    for step in range(11, 16):
+        second.log_metrics({"loss": step + 0.25}, step)
+    second.log_metrics({"eval_loss": 4.0}, 10)  # replayed evaluation: left out
+    second.log_metrics({"eval_loss": 3.0}, 15)
+    assert second.finish()["run_id"] == report["run_id"]
+    assert second.replayed == 3
+
+    run = report["run_id"]
+    loss = history(uri, run, "loss")
+    assert [s for s, _ in loss] == [*range(1, 13), 12, 13, 14, 15]
+    assert loss[:10] == [(s, float(s)) for s in range(1, 11)]  # the first values stay
+    assert loss[10] == (11, 11.5) and loss[-1] == (15, 15.25)
+    assert [s for s, _ in history(uri, run, "lr")] == list(range(1, 13))
+    assert history(uri, run, "eval_loss") == [(10, 5.0), (15, 3.0)]
+
+
+def schedule(step):
+    return 0.1
+
+
+def test_a_resumed_run_s_params_say_what_it_runs_with_and_never_an_address(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = MlflowLogger(uri, "r", f"{tmp_path}/r")
+    first.log_params({"max_steps": 20, "learning_rate": schedule, "opt": {"b1": 0.9},
+                      "thing": object()})
+    run = first.finish()["run_id"]
+    params = MlflowClient(uri).get_run(run).data.params
+    assert params["learning_rate"] == "function test_tracking_logger.schedule"
+    assert params["thing"] == "builtins.object" and params["opt.b1"] == "0.9"
+    second = MlflowLogger(uri, "r", f"{tmp_path}/r")
+    second.log_params({"max_steps": 40, "learning_rate": schedule, "opt": {"b1": 0.95}})
+    second.finish()
+    third = MlflowLogger(uri, "r", f"{tmp_path}/r")
+    third.log_params({"max_steps": 60, "learning_rate": schedule, "opt": {"b1": 0.95}})
+    third.finish()
+    found = MlflowClient(uri).get_run(run).data
+    assert found.params["max_steps"] == "60" and found.params["opt.b1"] == "0.95"
+    assert found.tags["redray.params_changed"] == (
+        "resumed with max_steps: 20 -> 40, opt.b1: 0.9 -> 0.95\n"
+        "resumed with max_steps: 40 -> 60")
