@@ -10,7 +10,10 @@ Every host writes its own shards in parallel, in the background (``save`` return
 the arrays are copied off the devices). Orbax writes into a temporary folder and
 renames it when every host is done, so a step folder exists only once complete; old
 checkpoints are deleted only after a newer one is complete. A checkpoint that cannot
-be read is moved aside (renamed, never deleted) and the previous one is used.
+be read is moved aside (renamed, never deleted) and the previous one is used; so is
+one whose meta is valid JSON but not a checkpoint's (``check_meta``). A numeric
+folder that holds no checkpoint (no ``meta`` in it, or a file) is not one: it is
+skipped, never renamed.
 
 Arrays are stored under their parameter paths, independent of the mesh, so a
 checkpoint restores onto any mesh and any number of hosts (each host reads the
@@ -128,6 +131,21 @@ def _storage_target(tree) -> dict:
     return to_storage(jax.tree.map(target, tree))
 
 
+def _check_shapes(restored: dict, targets: dict, where: str) -> None:
+    """Orbax restores an array at its stored shape whatever the target's: another
+    model's sizes would pass silently. Raises ``CheckpointMismatch`` naming the first
+    array whose shape differs."""
+    got = jax.tree_util.tree_flatten_with_path(restored)[0]
+    for (path, value), want in zip(got, jax.tree.leaves(targets)):
+        if tuple(value.shape) != tuple(want.shape):
+            segments = [_segment(k) for k in path][1:]  # without the item's name
+            name = ".".join(segments[:-1] if segments[-1:] == ["value"] else segments)
+            raise CheckpointMismatch(
+                f"checkpoint {where} holds {name} with shape {tuple(value.shape)}, this "
+                f"model's is {tuple(want.shape)}: pass the model the run trained (the same "
+                "sizes), or start a new run (another name or directory, or resume=False)")
+
+
 def from_storage(stored: dict, like):
     """The inverse of ``to_storage``: arrays back into the structure of ``like``."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
@@ -217,9 +235,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------ reading
     def steps(self) -> list[int]:
-        """Complete checkpoints, oldest first."""
+        """Complete checkpoints, oldest first (numeric folders without a meta are not
+        checkpoints: skipped)."""
+        from etils import epath
+
         self.manager.reload()
-        return sorted(self.manager.all_steps())
+        return sorted(s for s in self.manager.all_steps()
+                      if (epath.Path(self.step_path(s)) / META).is_dir())
 
     def step_path(self, step: int) -> str:
         return f"{self.directory}/{step}"
@@ -237,23 +259,28 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             **{name: ocp.args.StandardRestore(_storage_target(tree))
                for name, tree in targets.items()}))
-        return {name: from_storage(restored[name], tree) for name, tree in targets.items()}
+        out = {name: from_storage(restored[name], tree) for name, tree in targets.items()}
+        _check_shapes(out, targets, self.step_path(step))
+        return out
 
     def restore_latest(self, targets: dict[str, Any],
-                       check: Callable[[dict], None] | None = None):
+                       check: Callable[[dict], None] | None = None,
+                       required: dict[str, type] | None = None):
         """(items, meta) of the newest checkpoint that reads back, or None if none.
 
         ``targets``: as for ``restore``, e.g. the state's shapes with the current
         mesh's shardings (a checkpoint written on another mesh is resharded here).
         ``check(meta)`` may raise ``CheckpointMismatch`` to refuse a checkpoint for
         this run (e.g. other data): that error reaches the caller as is.
-        An unreadable checkpoint (truncated, half-deleted) is moved aside with a
-        warning and the one before it is tried.
+        ``required``: meta keys (beyond ``step``) and their types the caller reads.
+        An unreadable checkpoint (truncated, half-deleted, a meta without ``required``)
+        is moved aside with a warning and the one before it is tried.
         """
         for step in reversed(self.steps()):
             error = None
             try:
                 meta = self.read_meta(step)
+                check_meta(meta, step, required)
                 if check is not None:
                     check(meta)
                 items = self.restore(step, targets)
@@ -317,9 +344,32 @@ def _jsonable(value):
     return repr(value)
 
 
+class MalformedMeta(ValueError):
+    """A checkpoint's meta is valid JSON but not what its owner wrote."""
+
+
+def check_meta(meta: Any, step: int, required: dict[str, type] | None = None) -> None:
+    """Raises ``MalformedMeta`` unless ``meta`` is a dict whose ``step`` is ``step`` and
+    whose ``required`` keys have their types (``int`` never accepts a bool); an
+    optional ``run``/``metrics``/``config`` must be a dict."""
+    if not isinstance(meta, dict):
+        raise MalformedMeta(f"its meta is a {type(meta).__name__}, not an object")
+    for key, kind in {"step": int, **(required or {})}.items():
+        value = meta.get(key)
+        if key not in meta:
+            raise MalformedMeta(f"its meta has no {key!r}")
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise MalformedMeta(f"its meta's {key!r} is {value!r}, not of type {kind.__name__}")
+    if meta["step"] != step:
+        raise MalformedMeta(f"its meta says step {meta['step']}, its folder {step}")
+    for key in ("run", "metrics", "config"):
+        if key in meta and not isinstance(meta[key], dict):
+            raise MalformedMeta(f"its meta's {key!r} is {meta[key]!r}, not an object")
+
+
 def _step_metas(directory: str):
     """(step, meta) of the complete checkpoints in ``directory``, newest first, read as
-    plain JSON (no Orbax, no devices); unreadable metas are skipped."""
+    plain JSON (no Orbax, no devices); unreadable or malformed metas are skipped."""
     import json
 
     from etils import epath
@@ -329,9 +379,11 @@ def _step_metas(directory: str):
         return
     for step in sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True):
         try:
-            yield step, json.loads((root / str(step) / META / "metadata").read_text())
+            meta = json.loads((root / str(step) / META / "metadata").read_text())
+            check_meta(meta, step)
         except (OSError, ValueError):
             continue
+        yield step, meta
 
 
 def latest_meta(directory: str) -> dict | None:

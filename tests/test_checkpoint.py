@@ -171,3 +171,67 @@ def test_load_params_explains_a_wrong_path(tmp_path):
         load_params(str(tmp_path), dropout_model)
     with pytest.raises(FileNotFoundError, match="no checkpoints at"):
         load_params(str(tmp_path / "missing"), dropout_model)
+
+
+def truncate_largest(folder):
+    largest = max(glob.glob(f"{folder}/d/*"), key=os.path.getsize)
+    with open(largest, "r+b") as f:  # a write cut short
+        f.truncate(os.path.getsize(largest) // 2)
+
+
+def test_load_params_skips_a_damaged_newest_checkpoint_and_says_which(tmp_path, caplog):
+    t = trainer(CheckpointConfig(str(tmp_path), save_every=4))
+    t.fit(DATA, max_steps=8)
+    step4, _ = load_params(str(tmp_path), dropout_model, step=4)
+    truncate_largest(f"{tmp_path}/8/model")
+    with caplog.at_level(logging.WARNING, logger="redray.checkpoint"):
+        params, _ = load_params(str(tmp_path), dropout_model)
+    assert_same(params, step4)
+    assert f"checkpoint {tmp_path}/8 cannot be restored (" in caplog.text
+    assert f"loading {tmp_path}/4, the newest readable one" in caplog.text
+    assert os.path.isdir(f"{tmp_path}/8") and not glob.glob(f"{tmp_path}/8.*")  # read only
+    with pytest.raises(CheckpointMismatch, match=r"checkpoint .*/8 could not be restored into "
+                       r"this model .*damaged.*load another \(step=\.\.\., of \[4\]\)"):
+        load_params(str(tmp_path), dropout_model, step=8)
+    # another model's sizes: Orbax alone would restore the stored shapes silently
+    with pytest.raises(CheckpointMismatch, match=r"checkpoint .*/4 holds params.fc1.bias with "
+                       r"shape \(128,\), this model's is \(192,\): pass the model the run "
+                       r"trained"):
+        load_params(str(tmp_path), lambda rngs: TinyLM(rngs, dim=48))
+    truncate_largest(f"{tmp_path}/4/model")
+    with pytest.raises(CheckpointMismatch, match=r"no checkpoint in .* could be restored into "
+                       r"this model: the newest, .*/8, fails with .*, and the 1 older ones fail "
+                       r"too \(the oldest, .*/4, with .*\): pass the model the run trained"):
+        load_params(str(tmp_path), dropout_model)
+
+
+def test_a_malformed_meta_is_unreadable_and_numeric_junk_is_skipped(tmp_path, caplog):
+    import json
+
+    from redray.checkpoint import latest_meta
+
+    t = trainer(CheckpointConfig(str(tmp_path), save_every=4))
+    t.fit(DATA, max_steps=8)
+    meta_file = f"{tmp_path}/8/meta/metadata"
+    meta = json.load(open(meta_file))
+    del meta["epoch"]  # valid JSON, not a checkpoint's meta
+    json.dump(meta, open(meta_file, "w"))
+    os.makedirs(f"{tmp_path}/30")  # numeric folders that are no checkpoints
+    os.makedirs(f"{tmp_path}/31")
+    open(f"{tmp_path}/31/notes.txt", "w").close()
+    open(f"{tmp_path}/32", "w").close()
+    with caplog.at_level(logging.WARNING, logger="redray.checkpoint"):
+        resumed = trainer(CheckpointConfig(str(tmp_path), save_every=4))
+        resumed.init(DATA)
+    assert resumed.resumed_from["step"] == 4
+    assert "its meta has no 'epoch'" in caplog.text
+    assert len(glob.glob(f"{tmp_path}/8.unreadable-*")) == 1
+    assert latest_meta(str(tmp_path))["step"] == 4  # what `redray runs` shows, the junk skipped
+    assert os.path.isdir(f"{tmp_path}/30") and os.path.isfile(f"{tmp_path}/31/notes.txt")
+    assert os.path.isfile(f"{tmp_path}/32") and not glob.glob(f"{tmp_path}/3?.unreadable-*")
+    json.dump({**meta, "epoch": 0, "batch": "7"}, open(f"{tmp_path}/4/meta/metadata", "w"))
+    with caplog.at_level(logging.WARNING, logger="redray.checkpoint"):
+        again = trainer(CheckpointConfig(str(tmp_path), save_every=4))
+        again.init(DATA)
+    assert again.resumed_from is None  # nothing readable: a fresh start, nothing lost
+    assert "its meta's 'batch' is '7', not of type int" in caplog.text

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
 
 from redray.checkpoint import (CheckpointConfig, Checkpointer, CheckpointMismatch,
-                               find_checkpoints, select_step)
+                               check_meta, find_checkpoints, select_step)
 from redray.engine.model import _NNX, abstract_state, adapter, merge_trainable, split_trainable
 from redray.engine.state import CHECKPOINT_ITEMS, MODEL_ITEM
 from redray.rngs import Stream, stream_key
+
+log = logging.getLogger("redray.checkpoint")
 
 
 def load_params(path: str, model: Any, *, step: int | None = None, best: str | None = None):
@@ -47,32 +50,79 @@ def load_model(path: str, model: Any, *, step: int | None = None, best: str | No
 
 
 def _load(path, wrapped, step, best):
+    """The (params, extra) of the checkpoint ``step``/``best`` chooses, else of the newest
+    one that reads back: a damaged newest checkpoint (a write cut short, a partial copy)
+    is skipped with a warning naming it and why, as training does; nothing is renamed."""
     directory, found = find_checkpoints(path)
     checkpointer = Checkpointer(CheckpointConfig(directory=directory), CHECKPOINT_ITEMS)
     try:
-        chosen = select_step(checkpointer, step if step is not None else found, best)
-        meta = checkpointer.read_meta(chosen)
-        params, extra = abstract_state(wrapped, jax.random.key(0))
-        pattern = meta.get("trainable")
-        saved = params if pattern is None else split_trainable(params, pattern)[0]
-        # without shardings: restored into host memory
-        like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                            {"params": saved, "extra": extra})
-        try:
-            values = checkpointer.restore(chosen, {MODEL_ITEM: like})[MODEL_ITEM]
-        except (KeyError, ValueError) as error:
-            raise CheckpointMismatch(
-                f"checkpoint {checkpointer.step_path(chosen)} does not match this model "
-                f"({type(error).__name__}: {error}): pass the model the run trained") from None
-        params = values["params"]
-        if pattern is not None:
-            # Only the trained parameters were saved; the rest are the model's as built
-            # (a built module's weights, or a factory's initialization with the run's seed).
-            base = getattr(wrapped, "values", None)
-            if base is None:
-                base = jax.jit(wrapped.init)(stream_key(meta.get("seed", 0), Stream.INIT))
-            frozen = split_trainable(jax.device_get(base[0]), pattern)[1]
-            params = merge_trainable(params, frozen)
-        return params, values["extra"]
+        wanted = step if step is not None else found
+        if wanted is not None or best is not None:
+            chosen = select_step(checkpointer, wanted, best)
+            try:
+                return _read(checkpointer, chosen, wrapped)
+            except CheckpointMismatch:
+                raise
+            except Exception as error:  # noqa: BLE001 - named in the error below
+                others = [s for s in checkpointer.steps() if s != chosen]
+                raise CheckpointMismatch(
+                    f"checkpoint {checkpointer.step_path(chosen)} could not be restored into "
+                    f"this model ({_reason(error)}). If the model is the one the run trained, "
+                    "the checkpoint is damaged (a write cut short, a partial copy): "
+                    + (f"load another (step=..., of {others}) or leave step out for the "
+                       "newest readable one" if others else "the run has no other checkpoint")
+                    + "; otherwise pass the model the run trained") from None
+        skipped = []
+        select_step(checkpointer, None, None)  # none at all: its FileNotFoundError
+        for candidate in reversed(checkpointer.steps()):
+            try:
+                values = _read(checkpointer, candidate, wrapped)
+            except CheckpointMismatch:  # readable, but another model's: older ones are too
+                raise
+            except Exception as error:  # noqa: BLE001 - any failure: try the one before
+                skipped.append((candidate, error))
+                continue
+            for bad, error in skipped:
+                log.warning("checkpoint %s cannot be restored (%s): skipped; loading %s, the "
+                            "newest readable one", checkpointer.step_path(bad), _reason(error),
+                            checkpointer.step_path(candidate))
+            return values
+        newest, error = skipped[0]
+        raise CheckpointMismatch(
+            f"no checkpoint in {directory} could be restored into this model: the newest, "
+            f"{checkpointer.step_path(newest)}, fails with {_reason(error)}"
+            + (f", and the {len(skipped) - 1} older ones fail too (the oldest, "
+               f"{checkpointer.step_path(skipped[-1][0])}, with {_reason(skipped[-1][1])})"
+               if len(skipped) > 1 else "")
+            + ": pass the model the run trained (the same factory, module or LinenModel, "
+            "with the same sizes)") from None
     finally:
         checkpointer.close()
+
+
+def _reason(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}" if str(error) \
+        else type(error).__name__
+
+
+def _read(checkpointer: Checkpointer, step: int, wrapped):
+    """Checkpoint ``step``'s (params, extra) as host arrays in ``wrapped``'s structure."""
+    meta = checkpointer.read_meta(step)
+    check_meta(meta, step)
+    params, extra = abstract_state(wrapped, jax.random.key(0))
+    pattern = meta.get("trainable")
+    saved = params if pattern is None else split_trainable(params, pattern)[0]
+    # without shardings: restored into host memory
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                        {"params": saved, "extra": extra})
+    values = checkpointer.restore(step, {MODEL_ITEM: like})[MODEL_ITEM]
+    params = values["params"]
+    if pattern is not None:
+        # Only the trained parameters were saved; the rest are the model's as built
+        # (a built module's weights, or a factory's initialization with the run's seed).
+        base = getattr(wrapped, "values", None)
+        if base is None:
+            base = jax.jit(wrapped.init)(stream_key(meta.get("seed", 0), Stream.INIT))
+        frozen = split_trainable(jax.device_get(base[0]), pattern)[1]
+        params = merge_trainable(params, frozen)
+    return params, values["extra"]

@@ -29,12 +29,17 @@ from redray.engine.nonfinite import (NonFiniteError, NonFiniteGuard, RolledBack,
                                      message as nonfinite_message)
 from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
 from redray.engine.schedule import Schedule
+from redray.engine import watchdog
 from redray.engine.state import CHECKPOINT_ITEMS, StateLayout, TrainState, counters
 from redray.engine.steps import (NONFINITE_POLICIES, eval_step, microbatched, model_gradients,
                                  model_loss, train_step, user_loss_fn)
 from redray.pipeline import Pipeline, PipelineError, split_loss_output
 from redray.rngs import Stream, stream_key
 from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size, placement
+
+# What a Trainer's checkpoint meta holds beyond the step (and reads back on resume): the
+# position in the data. A meta without them is an unreadable checkpoint.
+POSITION_META = {"epoch": int, "batch": int, "epoch_done": bool}
 
 
 class Trainer:
@@ -237,7 +242,8 @@ class Trainer:
     def _restore(self, frozen) -> bool:
         """Loads the last complete checkpoint onto this mesh, if one exists."""
         found = self.checkpointer.restore_latest(self.layout.checkpoint_targets(),
-                                                 check=self._check_trainable)
+                                                 check=self._check_trainable,
+                                                 required=POSITION_META)
         if found is None:
             return False
         items, meta = found
@@ -385,6 +391,7 @@ class Trainer:
     def _step(self, placed: dict[str, jax.Array]) -> dict[str, jax.Array]:
         self._require_init("train_step")
         self.state, metrics = self._train_program()(self.state, placed)
+        watchdog.progress("a training step", training=True)
         return metrics
 
     # ---------------------------------------------------------------- loops
@@ -505,7 +512,8 @@ class Trainer:
             return None
         self.checkpointer.wait()
         found = self.checkpointer.restore_latest(self.layout.checkpoint_targets(),
-                                                 check=self._check_trainable)
+                                                 check=self._check_trainable,
+                                                 required=POSITION_META)
         if found is None:
             return None
         items, meta = found

@@ -163,10 +163,20 @@ def load_config(path: str):
     from transformers import AutoConfig
 
     folder = os.path.dirname(path) if path.endswith(".json") else path
-    if not os.path.exists(os.path.join(folder, "config.json")):
+    file = os.path.join(folder, "config.json")
+    if not os.path.exists(file):
         raise FileNotFoundError(f"no config.json in {folder!r}: from_pretrained needs a local "
                                 "folder written by save_pretrained (the Hub is not reachable)")
-    return AutoConfig.from_pretrained(folder, local_files_only=True)
+    content = _read_json(file)
+    if not isinstance(content, dict) or not isinstance(content.get("model_type"), str):
+        raise ValueError(f"{file} has no 'model_type' (e.g. \"gpt2\", \"llama\"): it is not a "
+                         "transformers model config; redray reads "
+                         f"{', '.join(sorted(FAMILIES))}")
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - transformers' errors vary by version
+        raise ValueError(f"{file} cannot be read as a transformers config "
+                         f"({_first_line(error)})") from None
 
 
 def build(config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, remat: bool = False,
@@ -177,29 +187,87 @@ def build(config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, remat: boo
 
 
 class _Weights:
-    """Tensors of a checkpoint folder, read lazily (one at a time, memory-mapped)."""
+    """Tensors of a checkpoint folder, read lazily (one at a time, memory-mapped).
+
+    Every failure names the file (and the tensor) it comes from: a damaged or
+    half-downloaded ``.safetensors`` file, an index that is not JSON or whose
+    ``weight_map`` is not a name -> file mapping, a shard the index names but the
+    folder lacks, a tensor a file does not hold.
+    """
 
     def __init__(self, folder: str):
-        from safetensors import safe_open
-
         index = os.path.join(folder, INDEX_FILE)
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = _weight_map(index)
             files = sorted(set(weight_map.values()))
+            for name in files:
+                if not os.path.exists(os.path.join(folder, name)):
+                    raise FileNotFoundError(
+                        f"{index} maps tensors to {name!r}, which is not in {folder!r}: the "
+                        "download or copy is incomplete; fetch every shard the index names")
         elif os.path.exists(os.path.join(folder, SINGLE_FILE)):
             files = [SINGLE_FILE]
             weight_map = None
         else:
             raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder!r}")
-        self.handles = {f: safe_open(os.path.join(folder, f), framework="np") for f in files}
+        self.folder = folder
+        self.handles = {f: _open_safetensors(os.path.join(folder, f)) for f in files}
         self.where = weight_map or {k: SINGLE_FILE for k in self.handles[SINGLE_FILE].keys()}
 
     def names(self) -> set[str]:
         return set(self.where)
 
     def get(self, name: str) -> np.ndarray:
-        return self.handles[self.where[name]].get_tensor(name)
+        file = os.path.join(self.folder, self.where[name])
+        try:
+            return self.handles[self.where[name]].get_tensor(name)
+        except Exception as error:  # noqa: BLE001 - safetensors' errors name neither
+            raise ValueError(
+                f"tensor {name!r} cannot be read from {file} ({_first_line(error)}): "
+                + ("the index maps it to this file, which does not hold it; fix the "
+                   "index's weight_map or re-save the checkpoint"
+                   if name not in self.handles[self.where[name]].keys() else
+                   "the file is damaged or incomplete; download or save it again")) from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+
+
+def _read_json(file: str):
+    """``file``'s JSON, or a ValueError naming the file."""
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except ValueError as error:
+        raise ValueError(f"{file} is not valid JSON ({_first_line(error)}): the file is "
+                         "damaged or incomplete; download or save the checkpoint again") from None
+
+
+def _weight_map(index: str) -> dict:
+    """The index's ``weight_map`` (tensor name -> file), or a clear error."""
+    content = _read_json(index)
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        found = "missing" if weight_map is None else f"a {type(weight_map).__name__}"
+        raise ValueError(f"{index}: its 'weight_map' must map every tensor name to its "
+                         f".safetensors file ({{\"name\": \"model-00001-of-00002.safetensors\", "
+                         f"...}}); it is {found}. Fix the index or save the checkpoint again "
+                         "with save_pretrained")
+    return weight_map
+
+
+def _open_safetensors(file: str):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(file, framework="np")
+    except Exception as error:  # noqa: BLE001 - safetensors' errors do not name the file
+        raise ValueError(f"{file} cannot be read as safetensors ({_first_line(error)}): the "
+                         "file is damaged or incomplete (a download or copy cut short); "
+                         "download or save it again") from None
 
 
 def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fsdp_axis=1,
