@@ -144,23 +144,29 @@ def main(argv=None):
     vocab = 256
     data = token_data(args.batch * args.steps, seq=args.seq, vocab=vocab)
     build = lambda rngs=None: TinyLM(rngs or nnx.Rngs(0), vocab=vocab, dim=args.dim)  # noqa: E731
-    make = lambda: redray.Trainer(build, lm_collate, lm_loss, optax.adam(1e-3),  # noqa: E731
-                                  batch_size=args.batch, model_axis=2, progress=False,
-                                  log_every=LOG_EVERY)
+    make = lambda **kw: redray.Trainer(build, lm_collate, lm_loss, optax.adam(1e-3),  # noqa: E731
+                                       batch_size=args.batch, model_axis=2, progress=False,
+                                       log_every=LOG_EVERY, **kw)
     fit_trainer, step_trainer = make(), make()
+    # The same fit whose step has no non-finite guard (steps.train_step's
+    # on_nonfinite=None: no select between the old and the new state): what the guard's
+    # in-step part costs. Users cannot turn it off; set here, before the step compiles.
+    unguarded = make()
+    unguarded.on_nonfinite = None
     mesh = fit_trainer.mesh
     # Same devices in the same order as redray's (data, fsdp=1, model) mesh.
     hand = HandWritten(build, Mesh(mesh.devices.reshape(2, 2), ("data", "model")),
                        optax.adam(1e-3))
     fit_trainer.init(data)
     step_trainer.init(data)
+    unguarded.init(data)
     derived, written = spec_table(fit_trainer.runtime.specs[0]), spec_table(hand.specs)
     if derived != written:
         raise SystemExit(f"redray derived other specs than the hand-written Megatron ones "
                          f"({derived} vs {written}): the comparison would not be like for like")
 
     n = len(data)
-    epochs_done = {"fit": 0}
+    epochs_done = {"fit": 0, "unguarded": 0}
     order_of = lambda epoch: np.random.default_rng([0, epoch]).permutation(n)  # noqa: E731
 
     def run_hand(index):
@@ -173,10 +179,17 @@ def main(argv=None):
     def run_step(index):
         epoch(step_trainer.train_step, data, order_of(index), args.batch)
 
-    loops = {"hand_written": run_hand, "fit": run_fit, "train_step": run_step}
+    def run_unguarded(index):
+        epochs_done["unguarded"] += 1
+        unguarded.fit(data, epochs=epochs_done["unguarded"])
+
+    loops = {"hand_written": run_hand, "fit": run_fit, "train_step": run_step,
+             "fit_unguarded": run_unguarded}
+    states = lambda: (hand.state, fit_trainer.state, step_trainer.state,  # noqa: E731
+                      unguarded.state)
     for name, fn in loops.items():  # compile and warm up outside the measurement
         fn(0)
-    jax.block_until_ready((hand.state, fit_trainer.state, step_trainer.state))
+    jax.block_until_ready(states())
     times = {name: [] for name in loops}
     cpu = {name: [] for name in loops}
     names = list(loops)
@@ -184,7 +197,7 @@ def main(argv=None):
         for name in names if r % 2 == 0 else names[::-1]:
             start, start_cpu = time.perf_counter(), time.process_time()
             loops[name](r + 1)
-            jax.block_until_ready((hand.state, fit_trainer.state, step_trainer.state))
+            jax.block_until_ready(states())
             times[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - start_cpu)
     per_step = {name: stats([t / args.steps for t in ts]) for name, ts in times.items()}
@@ -211,6 +224,13 @@ def main(argv=None):
           figure("overhead/train_step", per_step["train_step"]["median"] / base, "x", reference,
                  "<= 1.03", COMMAND, loop="a user loop over Trainer.train_step",
                  round_ratios=paired["train_step"], cpu_ratio=cpu_ratio["train_step"],
+                 **common),
+          figure("overhead/nonfinite_guard",
+                 per_step["fit"]["median"] / per_step["fit_unguarded"]["median"], "x",
+                 "the same Trainer.fit, its step without the guard's select", "", COMMAND,
+                 loop="Trainer.fit, guard in the step (default) over none",
+                 round_ratios=stats([a / b for a, b in zip(times["fit"],
+                                                           times["fit_unguarded"])]),
                  **common)],
          args.out)
 
