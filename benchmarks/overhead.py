@@ -227,7 +227,7 @@ def main(argv=None):
                  **common),
           figure("overhead/nonfinite_guard",
                  per_step["fit"]["median"] / per_step["fit_unguarded"]["median"], "x",
-                 "the same Trainer.fit, its step without the guard's select", "", COMMAND,
+                 "the same Trainer.fit, its step without the guard's select", None, COMMAND,
                  loop="Trainer.fit, guard in the step (default) over none",
                  round_ratios=stats([a / b for a, b in zip(times["fit"],
                                                            times["fit_unguarded"])]),
