@@ -15,8 +15,12 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e .
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+# gemma 2.0.8 (Google's Linen Gemma, a model written by others for the sharding tests)
+# without its declared dependencies: kauldron would pull in TensorFlow, and
+# gemma.transformer needs only flax, jax and orbax.
+$(VENV)/.installed-test: pyproject.toml Makefile $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps gemma==2.0.8
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,52 +1,90 @@
 """Communication: bytes of the collectives in the compiled training step, over the ideal.
 
-For tiny GPT-2, LLaMA, OPT, GPT-J and T5 models (fp32, 2 layers, hidden 256, 4 heads,
-intermediate 1024, vocabulary 1024, batch 8 x sequence 128, Adam; causal-LM
-cross-entropy, T5 a seq2seq cross-entropy with 2 encoder + 2 decoder layers and
-encoder and decoder sequences of 128) on 4 simulated CPU devices, mesh model=4 (data 1),
-redray's real training step (``redray.Trainer`` with the family's ``redray.models``
-model, ``model_axis=4``) is compiled and every collective of ``compiled.as_text()`` is
-counted (``redray.sharding.collectives``: all-reduce, all-gather, reduce-scatter,
-all-to-all, collective-permute; an all-gather counts its gathered size, a tuple
-all-reduce every operand). Beside it, in the same run, the same step is compiled with
-the specs redco 0.4.23's rules give the same parameter tree (redco's
-``get_sharding_rules`` + ``get_params_spec``, run in redco's own venv by
-``benchmarks/_redco_rules.py``; redray places the state and Adam's moments as those
-specs say). Both are divided by the Megatron-LM ideal for tensor parallelism.
+Every case is redray's real training step (``redray.Trainer``, Adam, ``model_axis=4``,
+4 simulated CPU devices, fp32) compiled once; every collective of
+``compiled.as_text()`` is counted (``redray.sharding.collectives``: all-reduce,
+all-gather, reduce-scatter, all-to-all, collective-permute; an all-gather counts its
+gathered size, a tuple all-reduce every operand) and divided by the ideal.
+
+Cases (``communication/<case>``), language models at 2 layers, hidden 256, 4 heads,
+intermediate 1024, vocabulary 1024, batch 8 x sequence 128:
+
+* ``gpt2``, ``llama``, ``opt``, ``gptj``, ``t5``: redray's own models
+  (``redray.models``), Q/K/V and gate/up each in one kernel laid out per head.
+* ``separate_qkv``: a Linen LLaMA written plainly, auto-named (``Dense_0``...), with
+  separate Q, K, V, gate and up projections (``benchmarks/_others.py``).
+* ``parallel_residual``: a Linen GPT-J-style block (attention and MLP read one normed
+  input and are added), separate Q, K and V, auto-named.
+* ``gpt2_layout``: a Linen GPT-2 with one (hidden, 3 * hidden) q|k|v kernel cut into
+  thirds after the matmul: the rules leave it (and the projection after it) whole and
+  say so; its figure is below 1.0 because its attention communicates nothing, and
+  ``detail.param_bytes_over_ideal`` is what that costs in memory.
+* ``gemma``: Google's Gemma, the ``gemma`` package's (2.0.8) Linen ``Transformer``, with
+  4 key/value heads (Gemma 7B's per-head QKV einsum).
+* ``penzai_llama``: penzai 0.2.5's LLaMA (separate query/key/value and gate/value
+  layers on named axes) in a 15-line NNX wrapper (``benchmarks/_others.py``).
+* ``dense12``: a Linen MLP of 12 auto-named ``Dense`` layers, 256 -> 512 x 11 -> 16,
+  batch 64 (MEASURED.md's MLP, deeper).
 
 The ideal, in bytes, with A = B*S*H*4 the bytes of one fp32 activation (batch B,
-sequence S, hidden H):
+sequence S, hidden H), is the fewest all-reduces tensor parallelism needs:
 
-* decoder-only (GPT-2, LLaMA, OPT, GPT-J), L layers:
+* decoder-only, L layers (``gpt2``, ``llama``, ``opt``, ``separate_qkv``,
+  ``gpt2_layout``, ``gemma``, ``penzai_llama``): Megatron-LM's
   ``(4L + 2) * A + 3 * B*S*4 + 4``: per layer 2 all-reduces forward (after the attention
   output projection and after the MLP's row layer) and 2 backward (the input gradients
-  of the column layers QKV and MLP-in, each one partial sum); 1 forward all-reduce for
-  the vocabulary-parallel embedding lookup, 1 backward for the input gradient of the
-  vocabulary-parallel LM head; 3 of B*S floats for the vocabulary-parallel
-  cross-entropy (max, sum of exponentials, the label's logit); 1 scalar (the loss or the
-  gradient norm).
+  of the column layers reading each sublayer's input, summed into one partial sum); 1
+  forward all-reduce for the vocabulary-parallel embedding lookup, 1 backward for the
+  input gradient of the vocabulary-parallel LM head; 3 of B*S floats for the
+  vocabulary-parallel cross-entropy (max, sum of exponentials, the label's logit); 1
+  scalar (the gradient norm).
+* parallel residual (``gptj``, ``parallel_residual``): ``(2L + 2) * A + 3 * B*S*4 + 4``,
+  as GPT-J's own implementation (mesh-transformer-jax) reduces it: one forward
+  all-reduce per layer of the attention and MLP outputs added, one backward of the input
+  gradient of every column layer reading the shared normed input. (Megatron-LM's
+  per-sublayer count, ``(4L + 2) * A``, is in ``detail.megatron_bytes``.)
 * T5, L_e encoder and L_d decoder layers, encoder length S_e, decoder length S_d,
   A_e = B*S_e*H*4, A_d = B*S_d*H*4:
-  ``(4 L_e + 1 + L_d) * A_e + (6 L_d + 2) * A_d + 3 * B*S_d*4 + 4``: the encoder's
-  embedding lookup (1) and per encoder layer self-attention + MLP (2 forward, 2
-  backward); per decoder layer self-attention (2), MLP (2) and cross-attention: 1
-  forward after its output projection, 1 backward for the query's input gradient (A_d)
-  and 1 backward for the keys' and values' input gradient, which lands on the encoder
-  output (A_e); the decoder's embedding lookup and the LM head's input gradient (shared
-  embedding, vocabulary-parallel) (2 A_d); the cross-entropy and the scalar as above.
-  For L_e = L_d = L and S_e = S_d = S this is ``(11L + 3) * A + 3 * B*S*4 + 4``.
+  ``(4 L_e + 2) * A_e + (6 L_d + 2) * A_d + 3 * B*S_d*4 + 4``: the encoder's embedding
+  lookup (1) and per encoder layer self-attention + MLP (2 forward, 2 backward); per
+  decoder layer self-attention (2), MLP (2) and cross-attention: 1 forward after its
+  output projection, 1 backward for the query's input gradient (A_d); 1 backward for
+  the input gradient that the keys and values of every decoder layer give the encoder
+  output (A_e, summed over the decoder layers first: Megatron-LM reduces it once per
+  decoder layer, ``L_d * A_e``, its total is in ``detail.megatron_bytes``); the decoder's
+  embedding lookup and the LM head's input gradient (shared embedding,
+  vocabulary-parallel) (2 A_d); the cross-entropy and the scalar as above.
+* ``dense12``, width W, C classes, batch B: layers alternate column and row (Dense_0
+  column, Dense_1 row, ...), so ``6`` forward all-reduces of the row layers' outputs
+  (5 of B*W*4 bytes, the last of B*C*4) and ``5`` backward of the column layers' input
+  gradients (B*W*4; Dense_0 reads the data, which needs none), plus the scalar.
 
-Figures: ``communication/<family>`` = redray bytes / ideal (target <= 1.1) and
-``communication/<family>/redco`` = redco rules' bytes / ideal (a reference), with counts
-and bytes per collective kind in ``detail``.
+redray reaches these counts because it adds partial sums before reducing them
+(``redray/sharding/reductions.py``): all column layers that read one activation give
+one backward all-reduce, all row layers whose outputs are added one forward all-reduce,
+whatever the number of kernels. XLA:CPU reduces each partial sum separately, which is
+what the models written without redray cost before (separate Q/K/V: 1.60x).
 
-    python benchmarks/communication.py [--families gpt2 llama ...] [--no-redco]
+Beside redray, in the same run, the same step is compiled with the specs redco 0.4.23's
+rules give (``get_sharding_rules`` + ``get_params_spec``, run in redco's own venv by
+``benchmarks/_redco_rules.py``; redray places the state and Adam's moments as those
+specs say):
+
+* ``communication/<family>/redco``: redco's rules on redray's own parameter trees, with
+  their fused per-head kernels (a layout redco never sees);
+* ``communication/separate_qkv/redco``: redco's rules on the separate-Q/K/V LLaMA with
+  the parameter names of Hugging Face's Flax LLaMA, the models redco was written for
+  (``q_proj``, ``k_proj``... under ``self_attn``); same shapes, same step;
+* ``communication/dense12/redco``: redco's rules on the auto-named MLP.
+
+    python benchmarks/communication.py [--cases gpt2 separate_qkv ...] [--no-redco]
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -64,11 +102,34 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import redray  # noqa: E402
 from redray.models import build  # noqa: E402
-from redray.sharding import flatten  # noqa: E402
+from redray.sharding import flatten, placement  # noqa: E402
 from redray.sharding.collectives import collectives, summarize, total_bytes  # noqa: E402
 
 MODEL_AXIS = 4
 COMMAND = "python benchmarks/communication.py"
+
+# What each case's ideal counts (see the module docstring).
+KIND = {"gpt2": "decoder", "llama": "decoder", "opt": "decoder", "gptj": "parallel",
+        "t5": "t5", "separate_qkv": "decoder", "parallel_residual": "parallel",
+        "gpt2_layout": "decoder", "gemma": "decoder", "penzai_llama": "decoder",
+        "dense12": "mlp"}
+CASES = tuple(KIND)
+TINY_CASES = ("llama", "t5", "separate_qkv", "parallel_residual", "dense12")
+# Cases whose parameter tree redco's rules are also measured on; separate_qkv's with
+# Hugging Face Flax LLaMA names.
+REDCO_CASES = (*FAMILIES, "separate_qkv", "dense12")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpSizes:
+    inputs: int = 256
+    width: int = 512
+    classes: int = 16
+    batch: int = 64
+    depth: int = 12
+
+
+MLP_FULL, MLP_TINY = MlpSizes(), MlpSizes(inputs=32, width=64, classes=8, batch=16)
 
 
 def examples(family: str, s: Sizes) -> list[dict]:
@@ -78,26 +139,67 @@ def examples(family: str, s: Sizes) -> list[dict]:
     return [{"ids": r[0]} for r in rows]
 
 
-def ideal(family: str, s: Sizes) -> dict:
-    """The Megatron-LM ideal (see the module docstring): bytes and the terms summed."""
+def ideal(case: str, s: Sizes, m: MlpSizes = MLP_FULL) -> dict:
+    """The fewest bytes tensor parallelism moves for ``case`` (see the module docstring):
+    bytes, the activation all-reduces by kind, and Megatron-LM's per-sublayer total."""
+    kind = KIND[case]
+    if kind == "mlp":
+        pairs = m.depth // 2
+        terms = {f"forward, B x {m.width}": pairs - 1, f"forward, B x {m.classes}": 1,
+                 f"backward, B x {m.width}": pairs - 1}
+        total = (2 * (pairs - 1) * m.batch * m.width + m.batch * m.classes) * 4 + 4
+        return {"bytes": total, "activation_all_reduces": terms, "megatron_bytes": total,
+                "scalar_bytes": 4}
     act = s.batch * s.seq * s.hidden * 4
     tokens = s.batch * s.seq * 4
-    if family == "t5":
-        terms = {"encoder activations (A_e)": 4 * s.layers + 1 + s.layers,
+    if kind == "t5":
+        terms = {"encoder activations (A_e)": 4 * s.layers + 2,
                  "decoder activations (A_d)": 6 * s.layers + 2}
+        megatron = s.layers - 1  # one encoder-output reduction per decoder layer
+    elif kind == "parallel":
+        terms = {"activations (A)": 2 * s.layers + 2}
+        megatron = 2 * s.layers  # attention and MLP reduced apart, forward and backward
     else:
         terms = {"activations (A)": 4 * s.layers + 2}
+        megatron = 0
     total = sum(terms.values()) * act + 3 * tokens + 4
     return {"bytes": total, "activation_bytes": act, "activation_all_reduces": terms,
-            "cross_entropy_bytes": 3 * tokens, "scalar_bytes": 4}
+            "megatron_bytes": total + megatron * act, "cross_entropy_bytes": 3 * tokens,
+            "scalar_bytes": 4}
+
+
+def setup(case: str, s: Sizes, m: MlpSizes = MLP_FULL, rules=(),
+          hf_names: bool = False) -> tuple[redray.Trainer, list[dict]]:
+    """The Trainer of ``case`` (model_axis 4) and a batch of its examples."""
+    import _others
+
+    if case in FAMILIES:
+        c = config(case, s)
+        model, loss_fn = (lambda rngs: build(c, rngs=rngs)), \
+            (seq2seq_loss if case == "t5" else loss)
+    elif case == "dense12":
+        model, loss_fn, make = _others.dense_stack(m.width, m.classes, m.inputs, m.depth)
+        return _trainer(model, loss_fn, m.batch, rules), make(m.batch)
+    elif case == "gemma":
+        model, loss_fn = _others.gemma_lm(s)
+    elif case == "penzai_llama":
+        model, loss_fn = _others.penzai_lm(s)
+    else:
+        module = {"separate_qkv": lambda: _others.SeparateLM(s, hf_names),
+                  "parallel_residual": lambda: _others.ParallelLM(s),
+                  "gpt2_layout": lambda: _others.Gpt2LayoutLM(s)}[case]()
+        model, loss_fn = _others.linen_lm(module, s)
+    return _trainer(model, loss_fn, s.batch, rules), examples(case, s)
+
+
+def _trainer(model, loss_fn, batch: int, rules) -> redray.Trainer:
+    return redray.Trainer(model, collate, loss_fn, optax.adam(1e-3), batch_size=batch,
+                          model_axis=MODEL_AXIS, rules=rules, progress=False)
 
 
 def trainer_for(family: str, s: Sizes, rules=()) -> redray.Trainer:
-    c = config(family, s)
-    loss_fn = seq2seq_loss if family == "t5" else loss
-    return redray.Trainer(lambda rngs: build(c, rngs=rngs), collate, loss_fn, optax.adam(1e-3),
-                          batch_size=s.batch, model_axis=MODEL_AXIS, rules=rules,
-                          progress=False)
+    """The Trainer of one of redray's own families (``setup`` without the examples)."""
+    return setup(family, s, rules=rules)[0]
 
 
 def step_collectives(trainer: redray.Trainer, data: list[dict]):
@@ -118,22 +220,38 @@ def redco_rules(trainer: redray.Trainer, redco_python: str) -> list[tuple[str, P
     return [(f"^{re.escape(p)}$", P(*specs[p])) for p in paths]
 
 
-def measure(family: str, s: Sizes, redco_python: str | None) -> list[dict]:
-    data = examples(family, s)
-    want = ideal(family, s)
-    sizes = dataclasses.asdict(s)
-    found = step_collectives(trainer_for(family, s), data)
-    figures = [figure(f"communication/{family}", total_bytes(found) / want["bytes"], "x",
-                      f"Megatron-LM ideal, {want['bytes']:,} B (model axis {MODEL_AXIS})",
-                      "<= 1.1", COMMAND, bytes=total_bytes(found), ideal=want,
-                      collectives=_nonzero(summarize(found)), sizes=sizes)]
-    if redco_python is not None:
-        base = trainer_for(family, s)
-        found = step_collectives(trainer_for(family, s, redco_rules(base, redco_python)), data)
+def memory_detail(trainer: redray.Trainer) -> dict:
+    """Parameter bytes per device over the ideal (all / model axis), and what the
+    rules left whole over ``model`` with why."""
+    rows = placement(trainer.runtime.abstract[0], trainer.runtime.specs[0], trainer.mesh)
+    held = sum(r.bytes_per_device for r in rows)
+    total = sum(math.prod(r.shape) * np.dtype(r.dtype).itemsize for r in rows)
+    return {"param_bytes_over_ideal": held / (total / MODEL_AXIS),
+            "left_whole": [f"{w.path} {w.shape}: {w.reason}" for w in trainer.runtime.whole]}
+
+
+def measure(case: str, s: Sizes, m: MlpSizes, redco_python: str | None) -> list[dict]:
+    want = ideal(case, s, m)
+    sizes = dataclasses.asdict(m if KIND[case] == "mlp" else s)
+    trainer, data = setup(case, s, m)
+    found = step_collectives(trainer, data)
+    figures = [figure(f"communication/{case}", total_bytes(found) / want["bytes"], "x",
+                      f"ideal, {want['bytes']:,} B (model axis {MODEL_AXIS}; module docstring)",
+                      None if case == "gpt2_layout" else "<= 1.1", COMMAND,
+                      bytes=total_bytes(found), ideal=want,
+                      collectives=_nonzero(summarize(found)), sizes=sizes,
+                      **memory_detail(trainer))]
+    if redco_python is not None and case in REDCO_CASES:
+        rules = redco_rules(setup(case, s, m, hf_names=True)[0], redco_python)
+        redco_trainer, _ = setup(case, s, m, rules=rules, hf_names=True)
+        found = step_collectives(redco_trainer, data)
+        tree = ("redray's own fused per-head tree" if case in FAMILIES else
+                "the same model with Hugging Face Flax LLaMA names" if case == "separate_qkv"
+                else "the same auto-named tree")
         figures.append(figure(
-            f"communication/{family}/redco", total_bytes(found) / want["bytes"], "x",
-            "Megatron-LM ideal; redco 0.4.23's rules on the same parameter tree and step",
-            None, COMMAND, bytes=total_bytes(found), ideal_bytes=want["bytes"],
+            f"communication/{case}/redco", total_bytes(found) / want["bytes"], "x",
+            f"the same ideal; redco 0.4.23's rules on {tree}, the same step", None, COMMAND,
+            bytes=total_bytes(found), ideal_bytes=want["bytes"],
             collectives=_nonzero(summarize(found)), sizes=sizes))
     return figures
 
@@ -144,11 +262,11 @@ def _nonzero(summary: dict) -> dict:
 
 def main(argv=None) -> None:
     ap = parser(__doc__)
-    ap.add_argument("--families", nargs="*", choices=FAMILIES,
-                    help="default: all (with --tiny: llama and t5, one of each kind)")
+    ap.add_argument("--cases", nargs="*", choices=CASES,
+                    help=f"default: all (with --tiny: {', '.join(TINY_CASES)})")
     ap.add_argument("--no-redco", action="store_true", help="skip redco's side")
     args = ap.parse_args(argv)
-    sizes = TINY if args.tiny else FULL
+    sizes, mlp = (TINY, MLP_TINY) if args.tiny else (FULL, MLP_FULL)
     redco_python = None
     if not args.no_redco:
         from _redco_venv import VENV, python
@@ -158,8 +276,8 @@ def main(argv=None) -> None:
         redco_python = (existing if os.path.exists(existing) else None) if args.tiny \
             else python()
     figures = []
-    for family in args.families or (("llama", "t5") if args.tiny else FAMILIES):
-        figures += measure(family, sizes, redco_python)
+    for case in args.cases or (TINY_CASES if args.tiny else CASES):
+        figures += measure(case, sizes, mlp, redco_python)
     save(figures, args.out)
 
 

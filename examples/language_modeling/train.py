@@ -19,11 +19,13 @@ import optax
 
 import redray
 
-SIZES = {"tiny": dict(hidden_size=64, intermediate_size=170, num_hidden_layers=2,
+# LLaMA's MLP is ~8/3 x hidden wide, rounded up to a multiple of 8 so it splits over
+# any model axis up to 8 (341 would divide by none: every device would hold it whole).
+SIZES = {"tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                       num_attention_heads=4),
-         "small": dict(hidden_size=128, intermediate_size=341, num_hidden_layers=2,
+         "small": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                        num_attention_heads=4),
-         "base": dict(hidden_size=256, intermediate_size=682, num_hidden_layers=4,
+         "base": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                       num_attention_heads=8)}
 
 

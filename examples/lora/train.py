@@ -91,7 +91,7 @@ def main(argv=None):
     args = parse(argv)
     docs, code, vocab = texts(args.seq)
     config = LlamaConfig(vocab_size=vocab, max_position_embeddings=args.seq, hidden_size=128,
-                         intermediate_size=341, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
                          tie_word_embeddings=False)
     base_model = lambda rngs: build(config, rngs=rngs)  # noqa: E731 - built on each host
     cluster = redray.cluster_options(args)

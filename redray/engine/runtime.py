@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -11,7 +12,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.engine.model import abstract_state, adapter, cast_floating
 from redray.rngs import Stream, stream_key
-from redray.sharding import derive_specs, format_placement, make_mesh, placement, shardings
+from redray.sharding import (derive_specs, format_placement, format_whole, make_mesh, placement,
+                             shardings)
+from redray.sharding.reductions import fuse_reductions
 
 
 def resolve_mesh(mesh: Mesh | None, data_axis, fsdp_axis, model_axis) -> Mesh:
@@ -41,12 +44,26 @@ class ModelRuntime:
         self.init_key = stream_key(seed, Stream.INIT)
         self.abstract = abstract_state(self.adapter, self.init_key)
         self.specs = None
+        self.whole: list = []  # layer parameters the rules left unsplit over model
 
     def apply(self, fn: Callable, params, extra, rng, *args):
         """Runs ``fn(model, *args)`` on the bound model; returns (output, new extra)."""
         model = self.adapter.bind(cast_floating(params, self.compute_dtype), extra, rng)
         out = fn(model, *args)
         return out, self.adapter.extra_of(model, extra)
+
+    def train_apply(self, fn: Callable, params, extra, rng, *args):
+        """``apply`` for a function that is differentiated: column layers reading one
+        input are computed together, so their input gradients cost one all-reduce, and
+        so are row layers whose outputs are added (``sharding.reductions``). The same
+        values as ``apply``, up to the order of float additions."""
+        leaves, treedef = jax.tree.flatten(params)
+        specs = treedef.flatten_up_to(self.specs[0])
+
+        def flat(leaves, extra, rng, *args):
+            return self.apply(fn, treedef.unflatten(leaves), extra, rng, *args)
+
+        return fuse_reductions(flat, self.mesh, specs)(leaves, extra, rng, *args)
 
     def derive(self, fn: Callable, *abstract_args):
         """Derives (params, extra) specs by tracing ``fn(model, *abstract_args)`` once."""
@@ -56,8 +73,17 @@ class ModelRuntime:
             out, _ = self.apply(fn, state[0], state[1], rng, *args)
             return out
 
-        self.specs = derive_specs(self.abstract, self.mesh, run, abstract_args, self.rules)
+        self.whole = []
+        self.specs = derive_specs(self.abstract, self.mesh, run, abstract_args, self.rules,
+                                  self.whole)
         return self.specs
+
+    def costly_whole(self, share: float = 0.01) -> list:
+        """The layer parameters left whole over ``model`` that a split would have saved,
+        each holding at least ``share`` of the model's parameter bytes."""
+        total = sum(math.prod(a.shape) for a in jax.tree.leaves(self.abstract[0]))
+        return [w for w in self.whole
+                if not w.by_design and math.prod(w.shape) >= share * total]
 
     @property
     def shardings(self):
@@ -99,7 +125,11 @@ class ModelRuntime:
         return self.adapter.bind(params, extra, jax.random.key(0) if rng is None else rng)
 
     def placement_text(self) -> str:
-        return format_placement(placement(self.abstract, self.specs, self.mesh), self.mesh)
+        text = format_placement(placement(self.abstract, self.specs, self.mesh), self.mesh)
+        model_size = self.mesh.shape.get("model", 1)
+        if model_size > 1:
+            text += "\n" + format_whole(self.whole, model_size)
+        return text
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())

@@ -204,6 +204,7 @@ class Trainer:
         loss = self.pipeline.loss
         self.runtime.derive(
             lambda model, batch: _loss_value(loss(model, batch, jax.random.key(0), True)), abstract)
+        self._warn_whole()
         params, extra = self.runtime.abstract
         param_specs = self.runtime.specs[0]
         params_sh, extra_sh = self.runtime.shardings
@@ -238,6 +239,20 @@ class Trainer:
         opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
         self.state = TrainState(step=step, rng=rng, params=params, extra=extra,
                                 opt_state=opt_state, frozen=frozen, nonfinite_step=nonfinite_step)
+
+    def _warn_whole(self) -> None:
+        """Names the large layer parameters tensor parallelism could not split: every
+        device then holds and computes them whole, which the user should know."""
+        costly = self.runtime.costly_whole()
+        if not costly:
+            return
+        model_size = self.mesh.shape["model"]
+        lines = [f"{w.path} {w.shape}: {w.reason}; fix: {w.fix}" for w in costly]
+        warnings.warn(
+            f"{len(costly)} large layer parameter(s) are not split over the model axis "
+            f"({model_size}): every device holds and computes them whole.\n  "
+            + "\n  ".join(lines) + "\nTrainer.plan() lists every parameter and its split; "
+            "a rule (regex, PartitionSpec) in rules= sets one by hand.", stacklevel=4)
 
     def _restore(self, frozen) -> bool:
         """Loads the last complete checkpoint onto this mesh, if one exists."""
@@ -355,7 +370,8 @@ class Trainer:
         model, loss and optimizer, with the state's shardings and the state donated."""
         if "train" not in self._steps:
             gradients = microbatched(
-                model_gradients(model_loss(self.runtime.apply, self.pipeline.loss), self.grad_fn),
+                model_gradients(model_loss(self.runtime.train_apply, self.pipeline.loss),
+                                self.grad_fn),
                 self.accum, self.micro * self.dp, NamedSharding(self.mesh, P(None, BATCH_AXES)),
                 self._metric_names)
             self._steps["train"] = jax.jit(

@@ -373,13 +373,14 @@ def _stored_name(row: Tensor, available: set, base_prefix: str | None) -> str | 
     return next((n for n in candidates if n in available), None)
 
 
-def model_specs(graphdef, state, mesh: Mesh, inputs: dict, rules=()):
-    """Automatic specs of a model's (params, extra), traced on ``model(**inputs)``."""
+def model_specs(graphdef, state, mesh: Mesh, inputs: dict, rules=(), whole: list | None = None):
+    """Automatic specs of a model's (params, extra), traced on ``model(**inputs)``;
+    ``whole`` receives the layer parameters left unsplit over ``model`` (``derive_specs``)."""
     def forward(st, kwargs):
         out = nnx.merge(graphdef, *jax.tree.map(lambda x: x, st))(**kwargs)
         return out
 
-    return derive_specs(state, mesh, forward, (inputs,), rules)
+    return derive_specs(state, mesh, forward, (inputs,), rules, whole)
 
 
 def save_pretrained(model, path: str, max_shard_bytes: int | None = None) -> None:

@@ -178,7 +178,8 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
       (parameters + Adam state, total / (model x fsdp)) and its two parts
       ``ideal_param_bytes_per_device`` / ``ideal_opt_bytes_per_device``, ``ratio``
       ({params, opt}: actual / ideal), ``replicated`` (parameters not split over every
-      axis of model x fsdp: path, shape, spec, bytes_per_device, replicated_over) and
+      axis of model x fsdp: path, shape, spec, bytes_per_device, replicated_over, and
+      for a layer parameter left whole over model ``why`` and ``fix``, else None) and
       ``replicated_omitted`` (how many smaller ones were left out of that list).
 
     Raises:
@@ -192,7 +193,10 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
     config = resolve_config(config)
     mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
     fam, graphdef, params, extra = abstract_model(config)
-    param_specs, _ = model_specs(graphdef, (params, extra), mesh, fam.trace_inputs(config), rules)
+    whole: list = []
+    param_specs, _ = model_specs(graphdef, (params, extra), mesh, fam.trace_inputs(config), rules,
+                                 whole)
+    why = {w.path: w for w in whole}
     opt_abs = jax.eval_shape(optax.adam(1e-3).init, params)
     opt_specs = follow_specs(opt_abs, params, param_specs)
 
@@ -218,10 +222,12 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
         if full < replicated_min_bytes:
             omitted += 1
             continue
+        w = why.get(row.path)
         replicated.append({"path": row.path, "shape": list(row.shape),
                            "spec": [e if not isinstance(e, tuple) else list(e) for e in row.spec],
                            "bytes_per_device": row.bytes_per_device,
-                           "replicated_over": axes})
+                           "replicated_over": axes,
+                           "why": w.reason if w else None, "fix": w.fix if w else None})
     replicated.sort(key=lambda r: -r["bytes_per_device"])
     return {
         "model_type": config.model_type,
@@ -285,6 +291,9 @@ def format_model_plan(result: dict, name: str | None = None) -> str:
             lines.append(f"  {r['path']:<{width}}  {str(tuple(r['shape'])):<18} {spec:<22} "
                          f"over {'+'.join(r['replicated_over']):<11} "
                          f"{_size(r['bytes_per_device']):>11}/device")
+            if r.get("why"):
+                fix = f"; fix: {r['fix']}" if r["fix"] else " (as intended)"
+                lines.append(f"    {r['why']}{fix}")
     if omitted:
         lines.append(f"({omitted} smaller parameters left replicated are not listed: "
                      "norm scales, biases)")

@@ -164,7 +164,7 @@ def _eqn(eqn, ins: list[_Info], out: Trace) -> list[_Info]:
         return [_Info(src=_union_src(group)) for group in zip(*branch_outs)]
     view = ins[0].view if ins else None
     if view is not None and all(i.view is None for i in ins[1:]):
-        mapped = _map_view(eqn, view[1])
+        mapped = map_view(eqn, view[1])
         if mapped is not None:
             return [_Info(view=(view[0], mapped), src=_union_src(ins))]
     if name in _ELEMENTWISE and len(ins) == 2:
@@ -203,7 +203,7 @@ def _layer_output(eqn, ins, out: Trace) -> list[_Info] | None:
             return [_Info(src=src, out=(pidx, dims))]
         return None
     if len(ins) == 1:
-        mapped = _map_view(eqn, dims)
+        mapped = map_view(eqn, dims)
         if mapped is not None:
             return [_Info(src=src, out=(pidx, mapped))]
     return None
@@ -259,7 +259,7 @@ def _conv(eqn, ins, out: Trace) -> _Info:
     return _Info(src=frozenset({pidx}))
 
 
-def _map_view(eqn, dims: tuple[frozenset, ...]) -> tuple[frozenset, ...] | None:
+def map_view(eqn, dims: tuple[frozenset, ...]) -> tuple[frozenset, ...] | None:
     """How a layout-only operation maps a parameter view's dimensions, or None."""
     name = eqn.primitive.name
     p = eqn.params

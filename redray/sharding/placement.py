@@ -11,6 +11,7 @@ import math
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from redray.sharding.rules import Whole
 from redray.sharding.specs import flatten
 
 
@@ -68,4 +69,15 @@ def format_placement(rows: list[Placement], mesh: Mesh) -> str:
     full = sum(r.bytes_per_device * _shards(r.spec, dict(mesh.shape)) for r in rows)
     lines.append(f"{'total':<{width}}  {'':<20} {'':<28} {total:>14,}  "
                  f"(unsharded {full:,})")
+    return "\n".join(lines)
+
+
+def format_whole(whole: list[Whole], model_size: int) -> str:
+    """Layer parameters left whole over ``model``, each with why and the fix."""
+    if not whole:
+        return f"every layer parameter is split over the model axis ({model_size})"
+    lines = [f"left whole over the model axis ({model_size}):"]
+    for w in whole:
+        fix = f"; fix: {w.fix}" if w.fix else " (as intended)"
+        lines.append(f"  {w.path} {w.shape}: {w.reason}{fix}")
     return "\n".join(lines)

@@ -37,6 +37,7 @@ User rules, an ordered list of (regex on the parameter path, spec), win over all
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import warnings
@@ -58,8 +59,33 @@ def _first_divisible(dims: Iterable[int], shape: Sequence[int], n: int) -> int |
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Whole:
+    """A layer's parameter the rules leave whole over ``model``: why, and the fix.
+
+    Attributes:
+      path: the parameter's path.
+      shape: its shape.
+      reason: why no split was chosen.
+      fix: what would split it (empty when whole is the right layout).
+      by_design: whole is what Megatron-LM does too (a position table added to the
+        token table, a small classifier head, a layer writing the residual stream);
+        False when it costs memory and compute that a split would save.
+    """
+    path: str
+    shape: tuple[int, ...]
+    reason: str
+    fix: str
+    by_design: bool
+
+
+def _sizes(dims, shape) -> str:
+    return ", ".join(str(shape[d]) for d in sorted(dims))
+
+
 def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
-                         model_size: int, paths: Sequence[str] = ()) -> list[int | None]:
+                         model_size: int, paths: Sequence[str] = (),
+                         why: dict | None = None) -> list[int | None]:
     """For each parameter, the dimension split over ``model`` (or None).
 
     Args:
@@ -67,11 +93,15 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
       trace: the model's dataflow (``dataflow.trace``); None falls back to names.
       model_size: size of the ``model`` axis.
       paths: parameter paths, for the name fallback.
+      why: if given, filled with parameter index -> (reason, fix, by_design) for every
+        layer parameter (a matmul or lookup operand) left unsplit.
     """
     n = len(shapes)
     split: list[int | None] = [None] * n
     if model_size <= 1:
         return split
+    why = {} if why is None else why
+    name = (lambda q: paths[q]) if paths else (lambda q: f"parameter #{q}")
     role: dict[int, str] = {}
     uses = trace.uses if trace is not None else {}
     cut = trace.cut if trace is not None else {}
@@ -87,6 +117,13 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
             split[p] = None if p in added else _first_divisible(gathers[0].in_dims, shape,
                                                                 model_size)
             role[p] = "lookup"
+            if p in added:
+                why[p] = ("a lookup added to a larger one (positions beside tokens): kept "
+                          "whole, as in Megatron-LM", "", True)
+            elif split[p] is None:
+                rows = _sizes(gathers[0].in_dims, shape)
+                why[p] = (f"its rows ({rows}) do not divide by the model axis {model_size}",
+                          f"pad the table to a multiple of {model_size} rows", False)
             continue
         preds = frozenset().union(*(u.preds for u in dots))
         # A split activation stays split when replicated values (a position bias,
@@ -95,14 +132,43 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
         if any(role.get(q) == "column" for q in preds):
             split[p] = _first_divisible(set(dots[0].in_dims) - whole, shape, model_size)
             role[p] = "row" if split[p] is not None else "replicated"
+            if split[p] is None:
+                why[p] = _indivisible("input", set(dots[0].in_dims) - whole, shape,
+                                      model_size)
             continue
         out_size = math.prod(shape[d] for d in dots[0].out_dims)
         in_size = math.prod(shape[d] for d in dots[0].in_dims)
-        if (not graph.consumers(p) and out_size < in_size) or graph.writes_residual(p):
+        if not graph.consumers(p) and out_size < in_size:
             role[p] = "replicated"
+            why[p] = (f"a last layer whose output ({out_size}) is smaller than its input "
+                      f"({in_size}): a split would only add an all-reduce", "", True)
+            continue
+        if graph.writes_residual(p):
+            role[p] = "replicated"
+            failed = sorted(q for q in preds if q in why and not why[q][2])
+            if failed:
+                why[p] = (f"it reads {name(failed[0])}, which is left whole, and writes the "
+                          "residual stream", f"split {name(failed[0])} (see there)", False)
+            else:
+                why[p] = ("it writes the residual stream (its output reaches a layer and, "
+                          "around it, that layer's successors): split, it would flip every "
+                          "later layer", "", True)
             continue
         split[p] = _first_divisible(set(dots[0].out_dims) - whole, shape, model_size)
         role[p] = "column" if split[p] is not None else "replicated"
+        if split[p] is None:
+            sliced = _first_divisible(set(dots[0].out_dims) & whole, shape, model_size)
+            if sliced is not None:
+                why[p] = (f"its output is sliced along dimension {sliced} (size "
+                          f"{shape[sliced]}) into parts, as one kernel holding q|k|v side by "
+                          "side: a split there would put one head's q, k and v on different "
+                          "devices",
+                          "lay the kernel out per head, e.g. (hidden, 3, heads, head_dim) "
+                          "sliced on the 3-axis, or use separate q, k and v projections",
+                          False)
+            else:
+                why[p] = _indivisible("output", set(dots[0].out_dims) - whole, shape,
+                                      model_size)
     for p in _lookups_beside_columns(uses, role):
         # A table of biases for split values (T5's relative position bias per head, added
         # to head-split attention scores) splits its entries, not its rows: a row split
@@ -118,6 +184,21 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
         if p not in role and len(shapes[p]) == 2 and _EMBED_NAME.search(path):
             split[p] = _first_divisible([0], shapes[p], model_size)
     return split
+
+
+def _indivisible(side: str, dims, shape, model_size: int) -> tuple[str, str, bool]:
+    if not dims:
+        return f"it has no {side} dimension to split", "", True
+    big = max(dims, key=lambda d: shape[d])
+    return (f"no {side} dimension ({_sizes(dims, shape)}) divides by the model axis "
+            f"{model_size}",
+            f"make a size divisible by {model_size} (e.g. "
+            f"{_round_up(shape[big], model_size)} for {shape[big]}), or a smaller model axis",
+            False)
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
 
 
 def _added_lookups(uses: dict, shapes) -> set[int]:
@@ -273,7 +354,7 @@ def _check_user_spec(path: str, shape, spec: P, mesh_shape: dict, pattern: str) 
 
 def partition_specs(paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
                     dtypes: Sequence[Any], mesh_shape: dict, trace: Trace | None = None,
-                    rules=()) -> list[P]:
+                    rules=(), whole: list | None = None) -> list[P]:
     """The PartitionSpec of every array, from user rules, the dataflow and fsdp.
 
     Args:
@@ -282,10 +363,14 @@ def partition_specs(paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
       mesh_shape: axis name -> size (``mesh.shape``).
       trace: the dataflow of the model; None uses the name fallback only.
       rules: ordered (regex, spec) pairs; the first match wins over the automatic spec.
+      whole: if given, a list that receives a ``Whole`` for every layer matrix (a
+        parameter of two or more dimensions that a matmul or lookup reads) that ends up
+        unsplit over ``model`` (no user rule gave its spec).
     """
     compiled = compile_rules(rules)
     model_size, fsdp_size = mesh_shape.get("model", 1), mesh_shape.get("fsdp", 1)
-    tp = tensor_parallel_dims(shapes, trace, model_size, paths)
+    why: dict = {}
+    tp = tensor_parallel_dims(shapes, trace, model_size, paths, why)
     used_rules = set()
     specs = []
     for i, (path, shape, dtype) in enumerate(zip(paths, shapes, dtypes)):
@@ -308,6 +393,9 @@ def partition_specs(paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
         while entries and entries[-1] is None:
             entries.pop()
         specs.append(P(*entries))
+        if whole is not None and i in why and len(shape) >= 2 and not any(
+                e == "model" or (isinstance(e, tuple) and "model" in e) for e in entries):
+            whole.append(Whole(path, tuple(shape), *why[i]))
     for k, (rx, _) in enumerate(compiled):
         if k not in used_rules:
             warnings.warn(f"sharding rule {rx.pattern!r} matched no parameter path "

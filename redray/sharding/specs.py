@@ -41,7 +41,8 @@ def flatten(tree) -> tuple[list[str], list[Any], Any]:
             [leaf for _, leaf in with_path], treedef)
 
 
-def derive_specs(tree, mesh: Mesh, fn: Callable | None = None, args=(), rules=()):
+def derive_specs(tree, mesh: Mesh, fn: Callable | None = None, args=(), rules=(),
+                 whole: list | None = None):
     """PartitionSpecs for every array of ``tree`` (same structure as ``tree``).
 
     Args:
@@ -53,6 +54,8 @@ def derive_specs(tree, mesh: Mesh, fn: Callable | None = None, args=(), rules=()
         over ``model``.
       args: the inputs ``fn`` needs besides ``tree`` (arrays or ShapeDtypeStructs).
       rules: ordered (regex on the "/"-joined path, PartitionSpec) overrides.
+      whole: if given, a list that receives a ``rules.Whole`` (path, reason, fix) for
+        every layer parameter left unsplit over ``model``.
     """
     paths, leaves, treedef = flatten(tree)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
@@ -61,7 +64,7 @@ def derive_specs(tree, mesh: Mesh, fn: Callable | None = None, args=(), rules=()
         trace = dataflow.trace(lambda ls, *a: fn(jax.tree.unflatten(treedef, ls), *a),
                                abstract, *args)
     specs = partition_specs(paths, [a.shape for a in abstract], [a.dtype for a in abstract],
-                            dict(mesh.shape), trace, rules)
+                            dict(mesh.shape), trace, rules, whole)
     return jax.tree.unflatten(treedef, specs)
 
 
