@@ -7,9 +7,8 @@ block, GPT-2's contiguous q|k|v kernel, a 12-layer MLP, Google's own Gemma (the
 ``redray.LinenModel`` or an NNX factory plus its loss, so ``redray.Trainer`` trains it
 as a user would.
 
-``hf_names=True`` gives the separate-Q/K/V LLaMA the parameter names of Hugging Face's
-Flax LLaMA (``layers_0/self_attn/q_proj/kernel``, ``layers_0/mlp/gate_proj/kernel``...),
-the models redco 0.4.23 was written for: its rules are measured on that tree.
+The separate-Q/K/V LLaMA and the MLP live in benchmarks/_redco_models.py: redco's own
+step (in its venv) compiles them too.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from flax import linen as nn
 
 import redray
 from _lm import Sizes
+from _redco_models import DenseStack, SeparateLM, attention as _attention  # noqa: F401
 
 
 def _lm_loss(logits_of):
@@ -31,70 +31,6 @@ def _lm_loss(logits_of):
         return optax.softmax_cross_entropy_with_integer_labels(
             logits.astype(jnp.float32), ids[:, 1:]).mean()
     return loss
-
-
-def _attention(q, k, v):
-    t = q.shape[1]
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.finfo(s.dtype).min)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
-
-
-def _dense(features: int, name: str | None, hf_names: bool):
-    return nn.Dense(features, use_bias=False, name=name if hf_names else None)
-
-
-class _SeparateAttention(nn.Module):
-    heads: int
-    hf_names: bool = False
-
-    @nn.compact
-    def __call__(self, h):
-        b, t, d = h.shape
-        q, k, v = (_dense(d, n, self.hf_names)(h).reshape(b, t, self.heads, d // self.heads)
-                   for n in ("q_proj", "k_proj", "v_proj"))
-        return _dense(d, "o_proj", self.hf_names)(_attention(q, k, v).reshape(b, t, d))
-
-
-class _SeparateMlp(nn.Module):
-    intermediate: int
-    hf_names: bool = False
-
-    @nn.compact
-    def __call__(self, h):
-        gate = _dense(self.intermediate, "gate_proj", self.hf_names)(h)
-        up = _dense(self.intermediate, "up_proj", self.hf_names)(h)
-        return _dense(h.shape[-1], "down_proj", self.hf_names)(nn.silu(gate) * up)
-
-
-class _SeparateBlock(nn.Module):
-    heads: int
-    intermediate: int
-    hf_names: bool = False
-
-    @nn.compact
-    def __call__(self, x):
-        named = self.hf_names
-        h = nn.RMSNorm(name="input_layernorm" if named else None)(x)
-        x = x + _SeparateAttention(self.heads, named, name="self_attn" if named else None)(h)
-        h = nn.RMSNorm(name="post_attention_layernorm" if named else None)(x)
-        return x + _SeparateMlp(self.intermediate, named, name="mlp" if named else None)(h)
-
-
-class SeparateLM(nn.Module):
-    """A LLaMA written plainly: Q, K, V, gate and up each their own projection."""
-    s: Sizes
-    hf_names: bool = False
-
-    @nn.compact
-    def __call__(self, ids):
-        s = self.s
-        x = nn.Embed(s.vocab, s.hidden, name="embed_tokens" if self.hf_names else None)(ids)
-        for i in range(s.layers):
-            x = _SeparateBlock(s.heads, s.intermediate, self.hf_names,
-                               name=f"layers_{i}" if self.hf_names else None)(x)
-        x = nn.RMSNorm(name="norm" if self.hf_names else None)(x)
-        return _dense(s.vocab, "lm_head", self.hf_names)(x)
 
 
 class _ParallelBlock(nn.Module):
@@ -153,19 +89,6 @@ def Gpt2LayoutLM(s: Sizes) -> nn.Module:
     """GPT-2's attention layout: one (hidden, 3 * hidden) kernel, q|k|v side by side,
     cut into thirds after the matmul; tied LM head."""
     return _Stack(s, _Gpt2Block, tied=True)
-
-
-class DenseStack(nn.Module):
-    """A Linen MLP of ``depth`` auto-named layers (Dense_0 ... Dense_11)."""
-    width: int = 512
-    classes: int = 16
-    depth: int = 12
-
-    @nn.compact
-    def __call__(self, x):
-        for _ in range(self.depth - 1):
-            x = nn.relu(nn.Dense(self.width)(x))
-        return nn.Dense(self.classes)(x)
 
 
 def linen_lm(module: nn.Module, s: Sizes):

@@ -1,11 +1,14 @@
 """What both sides of the redco comparison train: Linen models, their data and loss.
 
-Imported by benchmarks/redco.py's redray side (redray's venv) and by
-benchmarks/_redco_driver.py (redco's venv), so it needs only jax, flax, optax and
-numpy. Both sides train literally the same Linen module on the same examples.
+Imported by benchmarks/redco.py's and benchmarks/communication.py's redray sides
+(redray's venv) and by benchmarks/_redco_driver.py and benchmarks/_redco_step.py
+(redco's venv), so it needs only jax, flax, optax and numpy. Both sides train
+literally the same Linen module on the same examples.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +74,86 @@ class LM(nn.Module):
         for i in range(self.layers):
             x = Block(self.heads, name=f"block_{i}")(x)
         return wte.attend(nn.LayerNorm(name="ln_f")(x))
+
+
+def attention(q, k, v):
+    t = q.shape[1]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+
+def _dense(features: int, name: str | None, hf_names: bool):
+    return nn.Dense(features, use_bias=False, name=name if hf_names else None)
+
+
+class _SeparateAttention(nn.Module):
+    heads: int
+    hf_names: bool = False
+
+    @nn.compact
+    def __call__(self, h):
+        b, t, d = h.shape
+        q, k, v = (_dense(d, n, self.hf_names)(h).reshape(b, t, self.heads, d // self.heads)
+                   for n in ("q_proj", "k_proj", "v_proj"))
+        return _dense(d, "o_proj", self.hf_names)(attention(q, k, v).reshape(b, t, d))
+
+
+class _SeparateMlp(nn.Module):
+    intermediate: int
+    hf_names: bool = False
+
+    @nn.compact
+    def __call__(self, h):
+        gate = _dense(self.intermediate, "gate_proj", self.hf_names)(h)
+        up = _dense(self.intermediate, "up_proj", self.hf_names)(h)
+        return _dense(h.shape[-1], "down_proj", self.hf_names)(nn.silu(gate) * up)
+
+
+class _SeparateBlock(nn.Module):
+    heads: int
+    intermediate: int
+    hf_names: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        named = self.hf_names
+        h = nn.RMSNorm(name="input_layernorm" if named else None)(x)
+        x = x + _SeparateAttention(self.heads, named, name="self_attn" if named else None)(h)
+        h = nn.RMSNorm(name="post_attention_layernorm" if named else None)(x)
+        return x + _SeparateMlp(self.intermediate, named, name="mlp" if named else None)(h)
+
+
+class SeparateLM(nn.Module):
+    """A LLaMA written plainly: Q, K, V, gate and up each their own projection,
+    auto-named (``Dense_0``...), or with ``hf_names`` the parameter names of Hugging
+    Face's Flax LLaMA (``layers_0/self_attn/q_proj/kernel``,
+    ``layers_0/mlp/gate_proj/kernel``...), the models redco was written for."""
+    s: Any  # benchmarks/_lm.py's Sizes: layers, hidden, heads, intermediate, vocab
+    hf_names: bool = False
+
+    @nn.compact
+    def __call__(self, ids):
+        s = self.s
+        x = nn.Embed(s.vocab, s.hidden, name="embed_tokens" if self.hf_names else None)(ids)
+        for i in range(s.layers):
+            x = _SeparateBlock(s.heads, s.intermediate, self.hf_names,
+                               name=f"layers_{i}" if self.hf_names else None)(x)
+        x = nn.RMSNorm(name="norm" if self.hf_names else None)(x)
+        return _dense(s.vocab, "lm_head", self.hf_names)(x)
+
+
+class DenseStack(nn.Module):
+    """A Linen MLP of ``depth`` auto-named layers (Dense_0 ... Dense_11)."""
+    width: int = 512
+    classes: int = 16
+    depth: int = 12
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth - 1):
+            x = nn.relu(nn.Dense(self.width)(x))
+        return nn.Dense(self.classes)(x)
 
 
 def mlp_examples(n: int, seed: int = 0) -> list[dict]:

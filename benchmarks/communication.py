@@ -65,17 +65,25 @@ one backward all-reduce, all row layers whose outputs are added one forward all-
 whatever the number of kernels. XLA:CPU reduces each partial sum separately, which is
 what the models written without redray cost before (separate Q/K/V: 1.60x).
 
+``communication/<case>/unfused`` is the same step compiled without
+``fuse_reductions`` (``ModelRuntime.train_apply`` replaced by ``apply``): what XLA
+alone makes of the same specs.
+
 Beside redray, in the same run, the same step is compiled with the specs redco 0.4.23's
 rules give (``get_sharding_rules`` + ``get_params_spec``, run in redco's own venv by
 ``benchmarks/_redco_rules.py``; redray places the state and Adam's moments as those
 specs say):
 
-* ``communication/<family>/redco``: redco's rules on redray's own parameter trees, with
-  their fused per-head kernels (a layout redco never sees);
-* ``communication/separate_qkv/redco``: redco's rules on the separate-Q/K/V LLaMA with
-  the parameter names of Hugging Face's Flax LLaMA, the models redco was written for
-  (``q_proj``, ``k_proj``... under ``self_attn``); same shapes, same step;
-* ``communication/dense12/redco``: redco's rules on the auto-named MLP.
+* ``communication/<case>/redco_rules``: redco's rules in redray's step (which adds
+  partial sums before reducing them for any specs): on redray's own families' trees,
+  with their fused per-head kernels (a layout redco never sees), on the
+  separate-Q/K/V LLaMA with the parameter names of Hugging Face's Flax LLaMA (the
+  models redco was written for: ``q_proj``, ``k_proj``... under ``self_attn``), and on
+  the auto-named MLP; this isolates the rules;
+* ``communication/separate_qkv/redco`` and ``communication/dense12/redco``: what a
+  redco user gets, redco's rules and redco's own training step (its
+  ``default_train_step`` under ``pjit``, ``benchmarks/_redco_step.py`` in its venv),
+  compiled on the same Linen module and batch.
 
     python benchmarks/communication.py [--cases gpt2 separate_qkv ...] [--no-redco]
 """
@@ -115,9 +123,10 @@ KIND = {"gpt2": "decoder", "llama": "decoder", "opt": "decoder", "gptj": "parall
         "dense12": "mlp"}
 CASES = tuple(KIND)
 TINY_CASES = ("llama", "t5", "separate_qkv", "parallel_residual", "dense12")
-# Cases whose parameter tree redco's rules are also measured on; separate_qkv's with
-# Hugging Face Flax LLaMA names.
+# Cases redco's rules are also measured on, in redray's step (separate_qkv's tree with
+# Hugging Face Flax LLaMA names), and those compiled by redco's own step too.
 REDCO_CASES = (*FAMILIES, "separate_qkv", "dense12")
+REDCO_STEP_CASES = ("separate_qkv", "dense12")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +229,21 @@ def redco_rules(trainer: redray.Trainer, redco_python: str) -> list[tuple[str, P
     return [(f"^{re.escape(p)}$", P(*specs[p])) for p in paths]
 
 
+def redco_step_collectives(case: str, s: Sizes, m: MlpSizes, data: list[dict],
+                           redco_python: str):
+    """Collectives of redco 0.4.23's own compiled training step (its rules, its
+    ``default_train_step``) on the same model and batch (``benchmarks/_redco_step.py``)."""
+    sizes = dataclasses.asdict(m if case == "dense12" else s)
+    request = {"case": case, "model_shards": MODEL_AXIS, "sizes": sizes,
+               "batch": m.batch if case == "dense12" else s.batch,
+               "examples": [{k: np.asarray(v).tolist() for k, v in e.items()} for e in data]}
+    done = subprocess.run([redco_python, "-P", os.path.join(HERE, "_redco_step.py")],
+                          input=json.dumps(request), capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"redco's step failed:\n{done.stderr[-3000:]}")
+    return collectives(done.stdout)
+
+
 def memory_detail(trainer: redray.Trainer) -> dict:
     """Parameter bytes per device over the ideal (all / model axis), and what the
     rules left whole over ``model`` with why."""
@@ -241,6 +265,14 @@ def measure(case: str, s: Sizes, m: MlpSizes, redco_python: str | None) -> list[
                       bytes=total_bytes(found), ideal=want,
                       collectives=_nonzero(summarize(found)), sizes=sizes,
                       **memory_detail(trainer))]
+    unfused, _ = setup(case, s, m)
+    unfused.runtime.train_apply = unfused.runtime.apply  # the step as XLA alone reduces it
+    found = step_collectives(unfused, data)
+    figures.append(figure(
+        f"communication/{case}/unfused", total_bytes(found) / want["bytes"], "x",
+        "the same ideal; redray's step without fuse_reductions (each partial sum reduced "
+        "where XLA makes it)", None, COMMAND, bytes=total_bytes(found),
+        ideal_bytes=want["bytes"], collectives=_nonzero(summarize(found)), sizes=sizes))
     if redco_python is not None and case in REDCO_CASES:
         rules = redco_rules(setup(case, s, m, hf_names=True)[0], redco_python)
         redco_trainer, _ = setup(case, s, m, rules=rules, hf_names=True)
@@ -249,10 +281,18 @@ def measure(case: str, s: Sizes, m: MlpSizes, redco_python: str | None) -> list[
                 "the same model with Hugging Face Flax LLaMA names" if case == "separate_qkv"
                 else "the same auto-named tree")
         figures.append(figure(
-            f"communication/{case}/redco", total_bytes(found) / want["bytes"], "x",
-            f"the same ideal; redco 0.4.23's rules on {tree}, the same step", None, COMMAND,
-            bytes=total_bytes(found), ideal_bytes=want["bytes"],
+            f"communication/{case}/redco_rules",
+            total_bytes(found) / want["bytes"], "x",
+            f"the same ideal; redco 0.4.23's rules on {tree}, in redray's step", None,
+            COMMAND, bytes=total_bytes(found), ideal_bytes=want["bytes"],
             collectives=_nonzero(summarize(found)), sizes=sizes))
+        if case in REDCO_STEP_CASES:
+            found = redco_step_collectives(case, s, m, data, redco_python)
+            figures.append(figure(
+                f"communication/{case}/redco", total_bytes(found) / want["bytes"], "x",
+                f"the same ideal; redco 0.4.23's rules and its own step on {tree}", None,
+                COMMAND, bytes=total_bytes(found), ideal_bytes=want["bytes"],
+                collectives=_nonzero(summarize(found)), sizes=sizes))
     return figures
 
 
