@@ -29,6 +29,9 @@ and redray does the rest. Public API:
   where the state is saved; runs resume from it. ``load_params(run, model)`` /
   ``load_model(run, model)``: a trained checkpoint's weights in one call.
 * ``LinenModel(module, *example_inputs)``: use a Linen module as ``model``.
+* ``Stream(paths, transform=..., shuffle_buffer=...)``: parquet or JSON-lines files
+  (local, ``s3://``, ``gs://``...) streamed through Ray Data as training, evaluation or
+  prediction data, nothing materialized, resumable at any step.
 * ``make_mesh(data_axis, fsdp_axis, model_axis)``: the device mesh.
 * ``derive_specs``, ``placement``, ``format_placement``: automatic sharding of any
   parameter tree, and what each device then holds (no allocation).
@@ -39,6 +42,7 @@ and redray does the rest. Public API:
 from redray.checkpoint import CheckpointConfig, CheckpointMismatch
 from redray.cluster import (ClusterConfig, FitResult, RunResult, add_cluster_args,
                             cluster_options, fit, run)
+from redray.data import Stream
 from redray.engine import (Hook, LinenModel, NonFiniteError, Predictor, Schedule, Trainer,
                            load_model, load_params)
 from redray.pipeline import Pipeline, PipelineError
@@ -48,6 +52,6 @@ __version__ = "0.1.0"
 
 __all__ = ["CheckpointConfig", "CheckpointMismatch", "ClusterConfig", "FitResult", "Hook",
            "LinenModel", "NonFiniteError", "Pipeline", "PipelineError", "Predictor", "RunResult",
-           "Schedule", "Trainer",
+           "Schedule", "Stream", "Trainer",
            "add_cluster_args", "cluster_options", "derive_specs", "fit", "format_placement",
            "load_model", "load_params", "make_mesh", "placement", "run"]

@@ -261,15 +261,18 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
     Raises:
       HostError: user code raised on a host; the message holds that host's traceback.
     """
-    from redray.data import RowSource, to_dataset
+    from redray.data import RowSource, Stream, to_dataset
     from redray.pipeline import Pipeline
 
     Pipeline(collate, loss, predict)  # cheap checks on the driver, before any worker
     config, trainer_options = ClusterConfig.split(options, cluster)
     _check_trainer_options(trainer_options)
 
-    def task() -> FitTask:  # once the run is locked: the data goes into Ray's object store
-        rows = {key: None if data is None else RowSource(to_dataset(data))
+    def task() -> FitTask:
+        # once the run is locked: in-memory data goes into Ray's object store; a stream
+        # travels as its list of pieces, and every host reads its own rows from the files
+        rows = {key: data if data is None or isinstance(data, Stream)
+                else RowSource(to_dataset(data))
                 for key, data in (("train", train_data), ("eval", eval_data),
                                   ("predict", predict_data))}
         return FitTask(epochs=epochs, max_steps=max_steps, progress=progress,
@@ -283,6 +286,25 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
                                      **trainer_options), code)
     value = out.pop("value")
     return FitResult(history=value["history"], predictions=value["predictions"], **out)
+
+
+def _check_data_cpus(config: ClusterConfig, task) -> None:
+    """A streamed source needs a CPU beside the hosts' for Ray Data to read it: without
+    one its reads wait forever."""
+    import ray
+
+    from redray.data import Stream
+
+    if not any(isinstance(getattr(task, k, None), Stream) for k in ("train", "eval", "predict")):
+        return
+    reserved = 0 if (config.use_gpu or config.use_tpu) else config.hosts
+    total = ray.cluster_resources().get("CPU", 0)
+    if total - reserved < 1:
+        raise ValueError(
+            f"the Ray cluster has {total:g} CPU(s) and the {config.hosts} host(s) reserve "
+            f"{reserved}: none is left for Ray Data to read the stream, which would wait "
+            f"forever. Give Ray more CPUs (ray.init(num_cpus={int(reserved) + 2}), or "
+            "`ray start --num-cpus`), or use fewer hosts")
 
 
 def _check_trainer_options(options: dict) -> None:
@@ -319,9 +341,13 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
     from redray.cluster.tracker import CheckpointsToTracker, finish_tracker, start_tracker
 
     connected_here = not ray.is_initialized()
-    task = make_task()  # materializing the data may start Ray (Ray Data does)
+    # Before the data: Ray Data would otherwise start a Ray of its own. A local cluster
+    # counts one CPU more per host: each host reserves one, and the machine's cores stay
+    # free for Ray Data's reads and transforms (which would wait forever for a CPU).
     connect(config.address,
-            num_cpus=None if config.address else max(os.cpu_count() or 1, config.hosts))
+            num_cpus=None if config.address else (os.cpu_count() or 1) + config.hosts)
+    task = make_task()
+    _check_data_cpus(config, task)
     recorded = {**config.settings(), **settings}
     results = _results_actor()
     tracker = None

@@ -1,9 +1,13 @@
 """From examples to global batches: order, collate, placement, prefetch, one pass.
 
-Every process runs the same program. Global batch ``i`` of an epoch is always the rows
-``order[i*B:(i+1)*B]``; each process collates only the rows its devices hold (read from
-the batch sharding), so one host or many see the same batches. Evaluation and
-prediction go through ``each_batch``: every example once, in order.
+Every process runs the same program. Examples come from a list or a row source
+(``len`` + ``take_rows(indices)``): global batch ``i`` of an epoch is the rows
+``order[i*B:(i+1)*B]`` of ``epoch_order``. Or they come from a stream (an object with
+``epoch_batches``, ``in_order`` and ``steps_per_epoch``, e.g. ``redray.data.stream``),
+which decides the batches of an epoch itself, as a pure function of (seed, epoch)
+too. Either way each process collates only the rows its devices hold (read from the
+batch sharding), so one host or many see the same batches. Evaluation and prediction
+go through ``each_batch``: every example once, in order.
 """
 
 from __future__ import annotations
@@ -54,6 +58,59 @@ def read_rows(source, indices) -> list:
     if take is not None:
         return take(indices)
     return [source[int(i)] for i in indices]
+
+
+def is_stream(source) -> bool:
+    """Whether ``source`` streams its examples (decides its own batches) rather than
+    being read by index."""
+    return hasattr(source, "epoch_batches")
+
+
+def data_groups(batch_size: int, mine: slice) -> int:
+    """How many distinct parts of a batch the processes feed (hosts holding the same
+    rows, as when the model axis spans hosts, count once)."""
+    return batch_size // (mine.stop - mine.start)
+
+
+def steps_per_epoch(source, batch_size: int, streams: int | None = None) -> int:
+    """Full batches in one epoch of ``source`` (the last partial one is dropped)."""
+    if is_stream(source):
+        return source.steps_per_epoch(batch_size, streams)
+    return len(source) // batch_size
+
+
+def epoch_batches(source, epoch: int, seed: int, shuffle: bool, batch_size: int,
+                  mine: slice, start: int, stop: int,
+                  streams: int | None = None) -> Iterator[list]:
+    """This process's examples (rows ``mine`` of each global batch) of batches
+    ``start..stop-1`` of ``epoch``."""
+    if is_stream(source):
+        yield from source.epoch_batches(epoch, seed, shuffle, batch_size, mine, start, stop,
+                                        streams)
+        return
+    order = epoch_order(len(source), seed, epoch, shuffle)
+    for i in range(start, stop):
+        yield read_rows(source, order[i * batch_size:(i + 1) * batch_size][mine])
+
+
+def in_order(source, size: int) -> Iterator[list]:
+    """Every example of ``source`` once, in order, in lists of ``size`` (the last may be
+    shorter)."""
+    if is_stream(source):
+        yield from source.in_order(size)
+        return
+    for start in range(0, len(source), size):
+        yield read_rows(source, range(start, min(start + size, len(source))))
+
+
+def first_examples(source, n: int) -> list:
+    """The first ``n`` examples of ``source`` (fewer if it holds fewer)."""
+    return next(in_order(source, n), [])
+
+
+def all_examples(source) -> list:
+    """Every example of ``source``, in order, in one list."""
+    return [example for chunk in in_order(source, 1024) for example in chunk]
 
 
 def to_global(batch: dict[str, np.ndarray], sharding: NamedSharding,
@@ -144,7 +201,7 @@ def each_batch(examples: Sequence, size: int, mesh: Mesh, collate: Callable, run
     padding enters a mean).
 
     Args:
-      examples: a list, or a row source (``len`` + ``take_rows``).
+      examples: a list, a row source (``len`` + ``take_rows``) or a stream.
       size: examples per batch.
       mesh: the mesh the batches are placed on.
       collate: the user's collate (one row per example, checked).
@@ -154,13 +211,13 @@ def each_batch(examples: Sequence, size: int, mesh: Mesh, collate: Callable, run
     """
     dp = data_parallel_size(mesh)
     pending, in_flight = [], InFlight()
-    for start in range(0, len(examples), size):
-        n = min(size, len(examples) - start)
+    for k, chunk in enumerate(in_order(examples, size)):
+        start, n = k * size, len(chunk)
         rows = size if pad_last else n
         sharding = batch_sharding(mesh) if rows % dp == 0 else NamedSharding(mesh, P())
         mine = process_rows(sharding, rows)
-        indices = [min(start + i, start + n - 1) for i in range(mine.start, mine.stop)]
-        batch = collate_checked(collate, read_rows(examples, indices))
+        batch = collate_checked(collate, [chunk[min(i, n - 1)]
+                                          for i in range(mine.start, mine.stop)])
         if prepare is not None and start == 0:
             prepare(batch)
         pending.append((n, run(to_global(batch, sharding, rows), start)))

@@ -111,14 +111,14 @@ class Evaluation(Hook):
         self.run(trainer, end.step, end.epoch)
 
     def run(self, trainer, step: int, epoch: int) -> dict:
-        from redray.engine.batches import read_rows
+        from redray.engine.batches import all_examples
 
         row = {"step": step, "epoch": epoch,
                **{f"eval_{k}": v for k, v in trainer.evaluate(self.data).items()}}
         if self.metric is not None:
             predictions = trainer.predictor().predict(self.data)
             row.update({f"eval_{k}": float(v) for k, v in self.metric(
-                read_rows(self.data, range(len(self.data))), predictions).items()})
+                all_examples(self.data), predictions).items()})
         trainer._log(row)
         if self.show:
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

@@ -20,8 +20,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatch
-from redray.engine.batches import (InFlight, collate_checked, each_batch, epoch_order,
-                                   prefetch, process_rows, read_rows, to_global)
+from redray.engine.batches import (InFlight, collate_checked, data_groups, each_batch,
+                                   epoch_batches, first_examples, is_stream, prefetch,
+                                   process_rows, steps_per_epoch, to_global)
 from redray.engine.fit_hooks import Checkpoints, Evaluation, LogWindow, ProgressBar, Recorder
 from redray.engine.hooks import EpochEnd, Hook, Position, StepInfo, current_scope
 from redray.engine.model import split_trainable
@@ -120,6 +121,7 @@ class Trainer:
                              f"{', '.join(map(repr, NONFINITE_POLICIES))}")
         self.on_nonfinite = on_nonfinite
         self._guard: NonFiniteGuard | None = None
+        self._streams: int | None = None  # a streamed training source's parallel streams
         self._schedule_meta: list | None = None  # a Schedule's segments, as checkpoints keep them
         if grad_fn is not None and not callable(grad_fn):
             raise TypeError(f"grad_fn must be a function (loss_fn, params, batch, rng) -> "
@@ -196,8 +198,7 @@ class Trainer:
     def _init(self, examples: Sequence) -> None:
         if not len(examples):
             raise ValueError("init needs at least one example to learn the batch's shapes")
-        sample = collate_checked(self.pipeline.collate,
-                                 read_rows(examples, range(min(len(examples), self.batch_size))))
+        sample = collate_checked(self.pipeline.collate, first_examples(examples, self.batch_size))
         abstract = abstract_batch(sample, self.micro * self.dp)
         self._global_batch = abstract_batch(sample, self.batch_size)
         self._metric_names = self._check_loss(abstract)
@@ -476,9 +477,12 @@ class Trainer:
         self.init(train)
         settings = self._data_settings(train, shuffle)
         self._check_resume(settings)
-        steps_per_epoch = len(train) // self.batch_size
-        self._set_budget(steps_per_epoch * epochs if max_steps is None
-                         else min(max_steps, steps_per_epoch * epochs))
+        per_epoch = self._steps_per_epoch(train)
+        if not per_epoch:
+            raise ValueError(f"{train!r} gives no full batch of {self.batch_size} examples per "
+                             "epoch: lower batch_size or add data")
+        self._set_budget(per_epoch * epochs if max_steps is None
+                         else min(max_steps, per_epoch * epochs))
         shown = self.progress and jax.process_index() == 0
         if shown and not self._summarized:
             self._print_summary()  # once: a custom loop may call fit many times
@@ -487,10 +491,10 @@ class Trainer:
         recorder = Recorder()
         evaluation = None if eval_data is None else Evaluation(eval_data, eval_metric, shown)
         # First: a non-finite step is caught before its window is logged or a save starts.
-        self._guard = NonFiniteGuard(self.on_nonfinite, self.log_every, steps_per_epoch)
+        self._guard = NonFiniteGuard(self.on_nonfinite, self.log_every, per_epoch)
         self._fit_hooks = [hook for hook in (
             self._guard, recorder, LogWindow(self.log_every),
-            ProgressBar(steps_per_epoch) if shown else None, evaluation,
+            ProgressBar(per_epoch) if shown else None, evaluation,
             None if ckpt is None else Checkpoints(self, settings)) if hook is not None]
         try:
             first_epoch, _ = self.position.resume_point()
@@ -548,7 +552,7 @@ class Trainer:
         """Runs the steps the budget leaves, from ``self.position``; yields
         ``(epoch, first batch)`` as an epoch starts, a ``StepInfo`` after each step
         and an ``EpochEnd`` after an epoch's last step."""
-        steps_per_epoch = len(train) // self.batch_size
+        per_epoch = self._steps_per_epoch(train)
         sharding = batch_sharding(self.mesh)
         mine = process_rows(sharding, self.batch_size)
         first_epoch, first_batch = self.position.resume_point()
@@ -556,30 +560,28 @@ class Trainer:
         for epoch in range(first_epoch, epochs):
             if max_steps is not None and done >= max_steps:
                 return
-            order = epoch_order(len(train), self.seed, epoch, shuffle)
             start = first_batch if epoch == first_epoch else 0
-            stop = steps_per_epoch if max_steps is None else \
-                min(steps_per_epoch, start + max_steps - done)
+            stop = per_epoch if max_steps is None else min(per_epoch, start + max_steps - done)
             yield epoch, start
 
-            def make(i, order=order):
-                rows = order[i * self.batch_size:(i + 1) * self.batch_size][mine]
-                batch = collate_checked(self.pipeline.collate, read_rows(train, rows))
+            def make(examples):
+                batch = collate_checked(self.pipeline.collate, examples)
                 if not self.tokens_per_example:
                     self.tokens_per_example = _tokens_per_example(batch)
                 return to_global(batch, sharding, self.batch_size)
 
+            batches = epoch_batches(train, epoch, self.seed, shuffle, self.batch_size, mine,
+                                    start, stop, self._streams)
             in_flight = InFlight()
-            for i, placed in zip(range(start, stop), prefetch(range(start, stop), make,
-                                                             self.prefetch)):
+            for i, placed in zip(range(start, stop), prefetch(batches, make, self.prefetch)):
                 metrics = self._step(placed)
                 in_flight.add(metrics)
                 done += 1
                 self.position = Position(epoch, i + 1, False)
-                yield StepInfo(done, self.position, metrics, i == steps_per_epoch - 1)
-            complete = stop == steps_per_epoch
+                yield StepInfo(done, self.position, metrics, i == per_epoch - 1)
+            complete = stop == per_epoch
             if complete:
-                self.position = Position(epoch, steps_per_epoch, True)
+                self.position = Position(epoch, per_epoch, True)
             yield EpochEnd(epoch, done, complete)
             if not complete:  # max_steps ended the run inside this epoch
                 return
@@ -611,10 +613,24 @@ class Trainer:
                 "the optimizer and learning_rate: it continues smoothly when the budget grows",
                 stacklevel=3)
 
+    def _steps_per_epoch(self, train) -> int:
+        return steps_per_epoch(train, self.batch_size, self._streams)
+
     def _data_settings(self, train: Sequence, shuffle: bool) -> dict:
-        """What decides the batches: a run resumes only with the same (kept in meta)."""
-        return {"examples": len(train), "seed": self.seed, "batch_size": self.batch_size,
-                "shuffle": shuffle}
+        """What decides the batches: a run resumes only with the same (kept in meta).
+
+        A stream's count of parallel streams is the checkpoint's when resuming (so a
+        resume on another number of hosts reads the same batches), else its own."""
+        settings = {"examples": len(train), "seed": self.seed, "batch_size": self.batch_size,
+                    "shuffle": shuffle}
+        self._streams = None
+        if is_stream(train):
+            saved = ((self.resumed_from or {}).get("stream") or {}).get("streams")
+            groups = data_groups(self.batch_size,
+                                 process_rows(batch_sharding(self.mesh), self.batch_size))
+            self._streams = train.resolve_streams(saved, groups, self.batch_size)
+            settings["stream"] = train.settings(self._streams)
+        return settings
 
     def _check_resume(self, settings: dict) -> None:
         """Refuses to resume a run on other data or another order: that would silently
