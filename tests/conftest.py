@@ -1,3 +1,17 @@
 import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray instance for one test module (e.g. where Ray Data reads a stream).
+    Modules that define their own ``local_ray`` use theirs."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

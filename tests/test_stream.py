@@ -110,13 +110,6 @@ def test_bad_paths_say_what_to_give(tmp_path):
 
 # --------------------------------------------------------------------------- reading
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.ray
 def test_batches_split_seek_and_cover_the_epoch(tmp_path, local_ray):
     write_parquet(tmp_path, files=3, rows=100, row_group=16)

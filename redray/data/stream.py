@@ -209,17 +209,10 @@ class Stream:
 
     def _read(self, segments: list[Segment]) -> Iterator[dict]:
         """The rows of ``segments`` in order, through Ray Data (transform applied)."""
-        import ray.data
-
         expected = sum(seg.rows for seg in segments)
         if not expected:
             return
-        dataset = ray.data.read_datasource(_datasource(self.corpus, segments),
-                                           override_num_blocks=len(segments))
-        context = dataset.context
-        context.execution_options.preserve_order = True  # the plan's order, row for row
-        context.enable_progress_bars = False  # a pass per epoch and stream: no console noise
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        dataset = read_segments(self.corpus, segments)
         if self.transform is not None:
             dataset = dataset.map(self.transform)
         elif self.batch_transform is not None:
@@ -236,6 +229,19 @@ class Stream:
                 f"{_name(fn) if fn else 'reading'} gave {seen} rows for {expected} read "
                 "from the files: a stream's transform must keep one row per row (to filter "
                 "or pack rows, write new files once with redray.data.prepare)")
+
+
+def read_segments(corpus: Corpus, segments: list[Segment]):
+    """A Ray Dataset of the rows of ``segments``, in order (one read task each)."""
+    import ray.data
+
+    dataset = ray.data.read_datasource(_datasource(corpus, segments),
+                                       override_num_blocks=len(segments))
+    context = dataset.context
+    context.execution_options.preserve_order = True  # the plan's order, row for row
+    context.enable_progress_bars = False  # a pass per epoch and stream: no console noise
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    return dataset
 
 
 def _datasource(corpus: Corpus, segments: list[Segment]):

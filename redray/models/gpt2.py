@@ -88,8 +88,10 @@ class Model(nnx.Module):
 
     Call as ``model(input_ids)`` for logits (batch, seq, vocab); with an attention mask
     over key slots for padding (positions count only real tokens, so left-padded rows
-    see the positions an unpadded prompt would); with ``cache=model.init_cache(...)``
-    and ``cache_index`` for incremental decoding, which returns (logits, cache).
+    see the positions an unpadded prompt would); with ``segment_ids`` for rows packed
+    with several documents (attention stays inside a document, positions restart; see
+    ``redray.data.pack``); with ``cache=model.init_cache(...)`` and ``cache_index`` for
+    incremental decoding, which returns (logits, cache).
     """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
@@ -113,8 +115,9 @@ class Model(nnx.Module):
                                       rngs=rngs)
 
     def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
-                 train: bool = False):
-        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index)
+                 segment_ids=None, train: bool = False):
+        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
+                                               segment_ids=segment_ids)
         x = self.wte(input_ids) + self.wpe(positions)
         x = self.drop(x, deterministic=not train)
         x, new_cache = layers.run_blocks(self.h, x, (mask,), cache, cache_index, train,

@@ -86,8 +86,10 @@ class Model(nnx.Module):
     """A GPT-J causal LM built from a ``transformers`` config.
 
     Call as ``model(input_ids)`` for logits (batch, seq, vocab); with an attention mask
-    over key slots for padding; with ``cache=model.init_cache(...)`` and
-    ``cache_index`` for incremental decoding, which returns (logits, cache).
+    over key slots for padding; with ``segment_ids`` for rows packed with several
+    documents (attention stays inside a document, positions restart; see
+    ``redray.data.pack``); with ``cache=model.init_cache(...)`` and ``cache_index`` for
+    incremental decoding, which returns (logits, cache).
     """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
@@ -110,8 +112,9 @@ class Model(nnx.Module):
         self.inv_freq = tuple(float(f) for f in layers.rope_inv_freq(None, rotary))
 
     def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
-                 train: bool = False):
-        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index)
+                 segment_ids=None, train: bool = False):
+        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
+                                               segment_ids=segment_ids)
         cos, sin = layers.rope_angles(positions, self.inv_freq)
         x = self.drop(self.wte(input_ids), deterministic=not train)
         x, new_cache = layers.run_blocks(self.h, x, (cos, sin, mask), cache, cache_index, train,

@@ -203,19 +203,40 @@ def maybe_remat(fn: Callable, remat: bool) -> Callable:
 
 
 # ------------------------------------------------------------------ decoder plumbing
-def decoder_masks(input_ids, attention_mask, cache, cache_index, window: int | None = None):
+def decoder_masks(input_ids, attention_mask, cache, cache_index, window: int | None = None,
+                  segment_ids=None):
     """(attention mask, position ids) for a decoder call, with or without a KV cache.
 
     ``attention_mask`` covers key slots: the sequence without a cache, the whole cache
-    with one (None: every slot is real).
+    with one (None: every slot is real). ``segment_ids`` (batch, seq), for rows packed
+    with several documents (``redray.data.pack``): a token attends only to earlier
+    tokens of its own segment, positions restart at each segment, and segment 0 is
+    padding (it attends to nothing real and nothing attends to it).
     """
     t = input_ids.shape[1]
+    if segment_ids is not None:
+        if cache is not None:
+            raise ValueError("segment_ids are for training and scoring packed rows; decode "
+                             "one document per row with a cache")
+        if attention_mask is None:
+            attention_mask = (segment_ids != 0).astype(jnp.int32)
+        mask = attention_mask_for(attention_mask, query_slots(t, 0), window=window)
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        return mask & same, segment_positions(segment_ids)
     if attention_mask is None:
         slots_total = t if cache is None else cache[0]["k"].shape[1]
         attention_mask = jnp.ones((input_ids.shape[0], slots_total), jnp.int32)
     slots = query_slots(t, cache_index)
     return (attention_mask_for(attention_mask, slots, window=window),
             positions_for(attention_mask, slots))
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Each token's position inside its segment: 0 where a segment starts."""
+    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat: bool):

@@ -97,9 +97,10 @@ class Model(nnx.Module):
     """An OPT causal LM built from a ``transformers`` config.
 
     Call as ``model(input_ids)`` for logits (batch, seq, vocab); with an attention mask
-    over key slots for padding (positions count only real tokens); with
-    ``cache=model.init_cache(...)`` and ``cache_index`` for incremental decoding, which
-    returns (logits, cache).
+    over key slots for padding (positions count only real tokens); with ``segment_ids``
+    for rows packed with several documents (attention stays inside a document,
+    positions restart; see ``redray.data.pack``); with ``cache=model.init_cache(...)``
+    and ``cache_index`` for incremental decoding, which returns (logits, cache).
     """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
@@ -125,9 +126,10 @@ class Model(nnx.Module):
                                       dtype=dtype, rngs=rngs)
 
     def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
-                 train: bool = False):
+                 segment_ids=None, train: bool = False):
         c = self.config
-        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index)
+        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
+                                               segment_ids=segment_ids)
         x = self.embed_tokens(input_ids)
         if _projected(c):
             x = self.project_in(x)

@@ -1,0 +1,130 @@
+"""Preprocessing a corpus once, on the cluster, into parquet files a Stream reads.
+
+``prepare(source, output, transform=..., pack=...)`` reads every row of ``source`` in
+order through Ray Data, runs ``transform`` (e.g. tokenization) in parallel on the
+cluster's CPUs, optionally packs the results into rows of a fixed number of tokens
+(``packing.pack``), and writes parquet files with small row groups (fine-grained
+pieces for a Stream's shuffle). Transforms that change the number of rows (filtering,
+packing, chunking) belong here rather than in a Stream: a Stream must know every
+piece's rows before reading it.
+
+The driver only writes: rows arrive in order, in Ray Data's blocks, and leave in row
+groups, so its memory holds a few blocks and one row group, whatever the corpus size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+from redray.data.packing import pack as pack_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What ``prepare`` wrote: the files, their rows, and (when packing) how full the
+    rows are."""
+    files: list[str]
+    rows: int
+    documents: int
+    packing_efficiency: float | None
+
+
+def prepare(source: Any, output: str, *, transform: Callable | None = None,
+            pack: int | None = None, key: str = "ids", split: bool = True,
+            rows_per_file: int = 100_000, row_group_rows: int = 1024) -> Prepared:
+    """Writes ``source``, transformed (and packed), as parquet files in ``output``.
+
+    Args:
+      source: parquet/JSON-lines paths, globs or URIs (read as a ``Corpus``), or a list
+        of dicts.
+      output: the folder to write ``part-00000.parquet``... into (created; it must not
+        already hold parquet files, which a Stream of it would also read).
+      transform: ``fn(row) -> row`` run on every row through Ray Data; it may return
+        None to drop the row.
+      pack: a row length in tokens: the rows' ``key`` sequences are packed into rows of
+        that many tokens with ``segment_ids`` (``redray.data.pack``; ``split`` as there).
+      rows_per_file, row_group_rows: the output's layout.
+
+    Returns:
+      A ``Prepared``: read it with ``redray.Stream(output)``.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(output, exist_ok=True)
+    if any(name.endswith(".parquet") for name in os.listdir(output)):
+        raise FileExistsError(f"{output} already holds parquet files: give an empty folder "
+                              "(a Stream of it would read the old files too)")
+    dataset = _dataset(source)
+    if transform is not None:
+        dataset = dataset.flat_map(lambda row: [] if (out := transform(row)) is None else [out])
+
+    documents = 0
+
+    def rows():
+        nonlocal documents
+        for row in dataset.iter_rows():
+            documents += 1
+            yield dict(row.items()) if hasattr(row, "items") else dict(row)
+
+    produced = rows()
+    if pack is not None:
+        def tokens(source=produced):
+            for row in source:
+                if key not in row:
+                    raise KeyError(f"packing reads the token ids under {key!r}, but the "
+                                   f"rows hold {sorted(row)}: give key=... or return it "
+                                   "from the transform")
+                yield row[key]
+        produced = ({key: r["ids"], "segment_ids": r["segment_ids"]}
+                    for r in pack_rows(tokens(), pack, split=split))
+
+    files, total, real, writer, in_file, group = [], 0, 0, None, 0, []
+
+    def flush():
+        nonlocal writer, in_file
+        if not group:
+            return
+        table = pa.Table.from_pylist(group)
+        if writer is None:
+            files.append(os.path.join(output, f"part-{len(files):05d}.parquet"))
+            writer = pq.ParquetWriter(files[-1], table.schema)
+        writer.write_table(table, row_group_size=row_group_rows)
+        in_file += len(group)
+        group.clear()
+        if in_file >= rows_per_file:
+            writer.close()
+            writer, in_file = None, 0
+
+    for row in produced:
+        group.append({k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in row.items()})
+        total += 1
+        if pack is not None:
+            real += int(sum(1 for s in row["segment_ids"] if s))
+        if len(group) == row_group_rows or in_file + len(group) >= rows_per_file:
+            flush()
+    flush()
+    if writer is not None:
+        writer.close()
+    if not total:
+        raise ValueError("prepare wrote no rows: the source is empty or the transform "
+                         "dropped every row")
+    return Prepared(files, total, documents, real / (total * pack) if pack else None)
+
+
+def _dataset(source):
+    """Every row of ``source`` in order, as a Ray Dataset."""
+    import ray.data
+
+    from redray.data.corpus import Corpus
+    from redray.data.stream import Segment, read_segments
+
+    if isinstance(source, (list, tuple)) and source and isinstance(source[0], dict):
+        dataset = ray.data.from_items(list(source))
+        dataset.context.execution_options.preserve_order = True
+        dataset.context.enable_progress_bars = False
+        return dataset
+    corpus = Corpus(source)
+    return read_segments(corpus, [Segment(i, 0, p.rows) for i, p in enumerate(corpus.pieces)])
