@@ -16,12 +16,26 @@ from hf_tiny import ROOT, demo_module, gpt2_tokenizer, llama_folder
 torch = pytest.importorskip("torch")
 
 
-def perplexity(model, windows) -> float:
-    """transformers' own perplexity of a causal LM over token windows."""
-    ids = torch.tensor(np.stack([w["ids"] for w in windows]), dtype=torch.long)
-    with torch.no_grad():
-        logits = model(ids[:, :-1]).logits
-    return math.exp(torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:]).item())
+def perplexity(model, rows, batch: int = 16) -> float:
+    """transformers' own perplexity of a causal LM over packed rows, each document run
+    alone, aggregated as Trainer.evaluate does: next-token losses averaged inside each
+    batch of rows, batches weighted by their rows."""
+    total = 0.0
+    for start in range(0, len(rows), batch):
+        chunk, loss, count = rows[start:start + batch], 0.0, 0
+        for row in chunk:
+            ids, segments = np.asarray(row["ids"]), np.asarray(row["segment_ids"])
+            for s in np.unique(segments[segments > 0]):
+                doc = torch.tensor(ids[segments == s][None], dtype=torch.long)
+                if doc.shape[1] < 2:
+                    continue
+                with torch.no_grad():
+                    logits = model(doc[:, :-1]).logits
+                loss += torch.nn.functional.cross_entropy(
+                    logits.transpose(1, 2), doc[:, 1:], reduction="sum").item()
+                count += doc.shape[1] - 1
+        total += loss / count * len(chunk)
+    return math.exp(total / len(rows))
 
 
 @pytest.mark.slow
@@ -41,8 +55,9 @@ def test_fine_tuning_a_local_checkpoint_lowers_its_perplexity_and_exports(tmp_pa
     assert numbers["step"] == 8
     assert numbers["perplexity_after"] < numbers["perplexity_before"]
     # Training started from the checkpoint's weights: its eval perplexity at step 0 is
-    # what transformers computes for the untouched checkpoint on the same eval windows.
-    _, evaluation, _ = demo_module().corpus(64, folder)
+    # what transformers computes for the untouched checkpoint on the same packed rows.
+    _, stream, _ = demo_module().corpus(str(tmp_path / "runs" / "ft" / "data"), 64, folder)
+    (evaluation,) = list(stream.in_order(10_000))
     start = AutoModelForCausalLM.from_pretrained(folder)
     np.testing.assert_allclose(numbers["perplexity_before"], perplexity(start, evaluation),
                                rtol=1e-4)

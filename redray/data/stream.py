@@ -235,6 +235,9 @@ def read_segments(corpus: Corpus, segments: list[Segment]):
     """A Ray Dataset of the rows of ``segments``, in order (one read task each)."""
     import ray.data
 
+    from redray.data.ray_local import ensure_ray
+
+    ensure_ray()
     dataset = ray.data.read_datasource(_datasource(corpus, segments),
                                        override_num_blocks=len(segments))
     context = dataset.context
