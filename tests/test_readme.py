@@ -82,6 +82,8 @@ PROBES = {
                    " None, False))",
     "merged_names": "sorted({p for p in redray.sharding.flatten(nnx.state(merged))[0]"
                     " if 'lora' in p})",
+    "words": "[words.rows, words.documents, words.packing_efficiency]",
+    "streamed_losses": "[r['loss'] for r in streamed_history if 'loss' in r]",
     "schedule_text": "repr(lr)",
     "schedule_steps": "[r['step'] for r in longer_history if 'loss' in r]",
     "hook_best": "best.best",
@@ -305,6 +307,12 @@ def test_the_python_blocks_run_and_do_what_they_say(program, work):
     assert program["lora_loss"] < program["loss_before_tuning"]
     np.testing.assert_allclose(program["merged_loss"], program["lora_loss"], rtol=1e-4)
     assert program["merged_names"] == []
+    # a corpus tokenized and packed through Ray Data, then streamed: every document
+    # kept, rows mostly real tokens, and the LM learns its counting pattern
+    rows, documents, efficiency = program["words"]
+    assert documents == 96 and efficiency > 0.95 and rows > 100
+    streamed = program["streamed_losses"]  # one mean per log window
+    assert len(streamed) >= 4 and streamed[-1] < 0.5 * streamed[0]
     # a schedule over the budget: the resumed run grew it from 20 to 40 steps
     assert "over 40 steps; budget 40 from step 20 (reached from" in program["schedule_text"]
     # the epoch (14 steps) ends at 28, then windows of 10

@@ -120,13 +120,10 @@ def _dataset(source):
 
     from redray.data.corpus import Corpus
     from redray.data.ray_local import ensure_ray
-    from redray.data.stream import Segment, read_segments
+    from redray.data.stream import Segment, ordered, read_segments
 
     ensure_ray()
     if isinstance(source, (list, tuple)) and source and isinstance(source[0], dict):
-        dataset = ray.data.from_items(list(source))
-        dataset.context.execution_options.preserve_order = True
-        dataset.context.enable_progress_bars = False
-        return dataset
+        return ordered(ray.data.from_items(list(source)))
     corpus = Corpus(source)
     return read_segments(corpus, [Segment(i, 0, p.rows) for i, p in enumerate(corpus.pieces)])

@@ -218,11 +218,16 @@ class Stream:
         elif self.batch_transform is not None:
             dataset = dataset.map_batches(self.batch_transform, batch_format="numpy")
         seen = 0
-        for row in dataset.iter_rows():
-            seen += 1
+        # Whole blocks as numpy columns, rows as views into them: a row dict per row
+        # from Ray's row iterator costs more than the step it feeds on a small model.
+        for block in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+            columns = list(block.items())
+            n = len(columns[0][1]) if columns else 0
+            for i in range(min(n, expected - seen)):
+                yield {k: v[i] for k, v in columns}
+            seen += n
             if seen > expected:
                 break
-            yield dict(row.items()) if hasattr(row, "items") else dict(row)
         if seen != expected:
             fn = self.batch_transform or self.transform
             raise ValueError(
@@ -238,11 +243,16 @@ def read_segments(corpus: Corpus, segments: list[Segment]):
     from redray.data.ray_local import ensure_ray
 
     ensure_ray()
-    dataset = ray.data.read_datasource(_datasource(corpus, segments),
-                                       override_num_blocks=len(segments))
+    return ordered(ray.data.read_datasource(_datasource(corpus, segments),
+                                            override_num_blocks=len(segments)))
+
+
+def ordered(dataset):
+    """``dataset`` set to yield its rows in order, quietly (a pass per epoch and stream
+    would otherwise print Ray Data's progress and plans)."""
     context = dataset.context
-    context.execution_options.preserve_order = True  # the plan's order, row for row
-    context.enable_progress_bars = False  # a pass per epoch and stream: no console noise
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     return dataset
 
