@@ -181,3 +181,25 @@ def test_evaluate_and_predict_read_the_stream_in_order(tmp_path, local_ray):
     assert len(got) == 42
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.ray
+def test_json_lines_through_a_uri_and_through_a_filesystem(tmp_path, local_ray, monkeypatch):
+    from pyarrow import fs
+
+    monkeypatch.setattr(corpus_module, "JSONL_PIECE_BYTES", 200)
+    folder = tmp_path / "lines"
+    folder.mkdir()
+    for f in range(2):
+        (folder / f"part-{f}.jsonl").write_text("".join(
+            json.dumps({"n": f * 30 + i, "ids": [i % 5] * 4}) + "\n" for i in range(30)))
+    by_uri = Stream(f"file://{folder}/*.jsonl", shuffle_buffer=16)
+    assert len(by_uri) == 60 and len(by_uri.corpus.pieces) > 4
+    inside = Stream("*.jsonl", filesystem=fs.SubTreeFileSystem(str(folder), fs.LocalFileSystem()),
+                    shuffle_buffer=16)
+    for stream in (by_uri, inside):
+        (rows,) = list(stream.in_order(100))
+        assert [r["n"] for r in rows] == list(range(60))
+        batches = list(stream.epoch_batches(0, 1, True, 8, slice(0, 8), 0, 7, 1))
+        seen = [r["n"] for b in batches for r in b]
+        assert len(set(seen)) == 56 and seen != sorted(seen)
