@@ -66,8 +66,9 @@ def collate(examples):
 
 
 def loss(model, batch, rng, train):
-    """Next-token cross-entropy of a causal LM on ``batch["ids"]``."""
-    logits = model(batch["ids"][:, :-1])
+    """Next-token cross-entropy of a causal LM on ``batch["ids"]``; ``train`` reaches the
+    model (dropout, and remat, which only training steps run)."""
+    logits = model(batch["ids"][:, :-1], train=train)
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), batch["ids"][:, 1:]).mean()
 
@@ -76,6 +77,6 @@ def seq2seq_loss(model, batch, rng, train):
     """T5's cross-entropy: the decoder reads the labels shifted right from the pad token, 0."""
     labels = batch["labels"]
     decoder_input_ids = jnp.concatenate([jnp.zeros_like(labels[:, :1]), labels[:, :-1]], 1)
-    logits = model(batch["input_ids"], decoder_input_ids=decoder_input_ids)
+    logits = model(batch["input_ids"], decoder_input_ids=decoder_input_ids, train=train)
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), labels).mean()

@@ -59,6 +59,11 @@ def checkpoint_folder(storage: str, name: str) -> str:
     return f"{run_folder(storage, name)}/{CHECKPOINTS}"
 
 
+def compile_cache_folder(storage: str, name: str) -> str:
+    """``<storage>/<name>/compile_cache``: a run's compiled programs, reused on restart."""
+    return f"{run_folder(storage, name)}/compile_cache"
+
+
 def lock_file(storage: str, name: str) -> str:
     """``<storage>/<name>/redray.lock``: the file that keeps a second run of the same name
     out of the run folder while one is running."""

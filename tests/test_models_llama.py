@@ -145,24 +145,53 @@ def test_missing_folder_and_unsupported_type(tmp_path):
         rm.from_pretrained(str(tmp_path))
 
 
-def test_remat_gives_the_same_gradients():
+def remat_gradient(config, remat, ids=IDS):
+    """jax.grad of a loss of the model built with ``remat``, jitted, and its params."""
+    model = rm.build(config, remat=remat, seed=3)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p):
+        m = nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest))
+        return m(jnp.asarray(ids), train=True).astype(jnp.float32).std()
+
+    return jax.jit(jax.grad(loss)), params
+
+
+@pytest.mark.parametrize("policy", [True, "full", "dots", "offload"])
+def test_remat_gives_the_same_gradients(policy):
     config = CONFIGS["llama"]()
+    plain, params = remat_gradient(config, False)
+    remat, _ = remat_gradient(config, policy)
+    def rematerialized(step):
+        program = str(jax.make_jaxpr(step)(params))
+        return "checkpoint" in program or "remat" in program
 
-    def grads(remat):
-        model = rm.build(config, remat=remat, seed=3)
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def loss(p):
-            m = nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest))
-            return m(jnp.asarray(IDS), train=True).astype(jnp.float32).std()
-
-        program = str(jax.make_jaxpr(jax.grad(loss))(params))
-        assert ("checkpoint" in program or "remat" in program) == remat
-        return jax.jit(jax.grad(loss))(params)
-
-    plain_g, remat_g = grads(False), grads(True)
-    for a, b in zip(jax.tree.leaves(plain_g), jax.tree.leaves(remat_g)):
+    assert not rematerialized(plain) and rematerialized(remat)
+    for a, b in zip(jax.tree.leaves(plain(params)), jax.tree.leaves(remat(params))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_the_compiled_step_recomputes_what_the_policy_says():
+    # A block's forward holds 6 matmuls (QKV, scores, scores x values, output projection,
+    # gate/up, down); the backward pass needs the inputs of all but the last, so "full"
+    # recomputes 5 per layer, "dots" only the 2 batched ones of attention (it keeps the
+    # projections' outputs), and both hold less memory than keeping everything.
+    layers = 4
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=256,
+                                      num_hidden_layers=layers, num_attention_heads=4,
+                                      vocab_size=100, max_position_embeddings=64)
+    ids = np.random.default_rng(0).integers(0, 100, (4, 64))
+    dots, temp = {}, {}
+    for policy in ("none", "full", "dots"):
+        step, params = remat_gradient(config, policy, ids)
+        compiled = step.lower(params).compile()
+        dots[policy] = compiled.as_text().count(" dot(")
+        temp[policy] = compiled.memory_analysis().temp_size_in_bytes
+    assert dots["full"] - dots["none"] == 5 * layers, dots
+    assert dots["dots"] - dots["none"] == 2 * layers, dots
+    assert temp["full"] < temp["none"] and temp["dots"] < temp["none"], temp
+    with pytest.raises(ValueError, match="remat='some': use one of 'none', 'full', 'dots'"):
+        rm.build(config, remat="some")
 
 
 # ------------------------------------------------------------------ sampling

@@ -91,14 +91,24 @@ def test_a_host_killed_mid_epoch_resumes_bitwise_exactly(tmp_path, uninterrupted
     assert logged == expected
 
 
+def train_step_programs(storage: str, name: str) -> list:
+    """The training step's entries in the run's compilation cache (process 0 writes it,
+    every host reads it)."""
+    return sorted(f for f in os.listdir(os.path.join(storage, name, "compile_cache"))
+                  if f.startswith("jit_train_step-"))
+
+
 def test_a_resubmitted_run_trains_only_what_is_left(tmp_path, uninterrupted):
     reference, reference_params = uninterrupted
     common = dict(train_data=DATA, name="again", storage_path=str(tmp_path),
                   checkpoint=CheckpointConfig(save_every=4), **OPTIONS)
     first = redray.fit(model, lm_collate, lm_loss, optax.adam(1e-2), epochs=1, **common)
     assert first.resumed_from_step is None and max(losses(first.history)) == 12
+    compiled = train_step_programs(str(tmp_path), "again")
+    assert len(compiled) == 1, compiled
     second = redray.fit(model, lm_collate, lm_loss, optax.adam(1e-2), epochs=2, **common)
     assert second.resumed_from_step == 12
+    assert train_step_programs(str(tmp_path), "again") == compiled  # loaded, not compiled
     assert {row["epoch"] for row in second.history} == {1}  # only the new epoch trained
     assert losses(second.history) == {s: v for s, v in losses(reference.history).items() if s > 12}
     assert_same(load_params(f"{tmp_path}/again", model), reference_params)

@@ -46,6 +46,9 @@ class ClusterConfig:
         ``sqlite:///<storage_path>/mlflow.db``.
       experiment: the MLflow experiment.
       tracking: False: no MLflow.
+      compile_cache: keep the run's compiled programs in
+        ``<storage_path>/<name>/compile_cache`` (JAX's persistent compilation cache), so
+        a restart or a resumed run loads them instead of compiling again.
     """
     hosts: int = 1
     devices_per_host: int | None = None
@@ -61,6 +64,7 @@ class ClusterConfig:
     tracking_uri: str | None = None
     experiment: str = "redray"
     tracking: bool = True
+    compile_cache: bool = True
 
     def __post_init__(self):
         if not isinstance(self.hosts, int) or self.hosts < 1:

@@ -80,6 +80,8 @@ class HostJob:
       config: the run's settings, stored in every checkpoint.
       hang_timeout: seconds without progress before the host reports itself stuck
         (``ClusterConfig.hang_timeout``), or None.
+      compile_cache: the run's compilation cache folder (``ClusterConfig.compile_cache``),
+        or None.
     """
     task: FitTask | CallTask
     code: bytes
@@ -88,3 +90,4 @@ class HostJob:
     checkpoint: Any
     config: dict
     hang_timeout: float | None = None
+    compile_cache: str | None = None

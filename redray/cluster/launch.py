@@ -362,7 +362,9 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     job = HostJob(task=task, code=_user_bytes(code), results=results, tracker=tracker,
                   checkpoint=config.checkpoint, config=recorded,
-                  hang_timeout=config.hang_timeout)
+                  hang_timeout=config.hang_timeout,
+                  compile_cache=storage.compile_cache_folder(config.storage_path, config.name)
+                  if config.compile_cache else None)
     trainer = JaxTrainer(
         # Ray's own serializer (cloudpickle plus object-ref and actor-handle ownership):
         # the row sources' block references must stay valid on workers.

@@ -22,6 +22,10 @@ def train_loop(job: HostJob) -> None:
 
     _quiet_ray_train(logging)
     rank, _ = distributed.initialize()
+    if job.compile_cache is not None:
+        from redray.engine import compile_cache
+
+        compile_cache.enable(job.compile_cache)
     watchdog = None
     try:
         ray.get(job.results.join.remote(rank, ray.get_runtime_context().current_actor))

@@ -94,14 +94,14 @@ class Model(nnx.Module):
     incremental decoding, which returns (logits, cache).
     """
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
         c = config.hf if isinstance(config, HFConfig) else config
         if getattr(c, "add_cross_attention", False):
             raise ValueError("GPT-2 with add_cross_attention=True (an encoder-decoder "
                              "component) is not supported: only the causal LM is")
         self.config = HFConfig(c)
         self.dtype = dtype
-        self.remat = remat
+        self.remat = layers.remat_policy(remat)
         embed = dict(dtype=dtype, rngs=rngs)
         self.wte = nnx.Embed(c.vocab_size, c.hidden_size, **embed)
         self.wpe = nnx.Embed(c.max_position_embeddings, c.hidden_size, **embed)

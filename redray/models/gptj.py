@@ -92,11 +92,11 @@ class Model(nnx.Module):
     incremental decoding, which returns (logits, cache).
     """
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
         c = config.hf if isinstance(config, HFConfig) else config
         self.config = HFConfig(c)
         self.dtype = dtype
-        self.remat = remat
+        self.remat = layers.remat_policy(remat)
         self.wte = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         self.drop = nnx.Dropout(_rate(c, "embd_pdrop"), rngs=rngs)
         self.h = nnx.List([Block(c, rngs=rngs, dtype=dtype) for _ in range(c.num_hidden_layers)])

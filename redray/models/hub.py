@@ -179,7 +179,7 @@ def load_config(path: str):
                          f"({_first_line(error)})") from None
 
 
-def build(config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, remat: bool = False,
+def build(config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, remat=False,
           seed: int = 0):
     """A randomly initialized redray model for a ``transformers`` config."""
     fam = family(config.model_type)
@@ -271,7 +271,7 @@ def _open_safetensors(file: str):
 
 
 def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fsdp_axis=1,
-                    model_axis=1, dtype=jnp.float32, remat: bool = False, rules=(),
+                    model_axis=1, dtype=jnp.float32, remat=False, rules=(),
                     seed: int = 0, **config_overrides):
     """Loads a Hugging Face checkpoint folder into a redray model, sharded on a mesh.
 
@@ -281,7 +281,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
       mesh / data_axis, fsdp_axis, model_axis: where to place it (default: every
         device, data parallel). Specs come from the automatic rules.
       dtype: compute dtype of the model (parameters stay float32).
-      remat: rematerialize each block in the backward pass.
+      remat: what each block keeps for the backward pass: False/"none", True/"full",
+        "dots" or "offload" (``redray.models.layers.REMAT_POLICIES``).
       rules: (regex, PartitionSpec) overrides, as for ``Trainer``.
       seed: seeds what the checkpoint does not hold (dropout RNG state).
       **config_overrides: set on the config before building (e.g. ``attention_dropout``).

@@ -197,9 +197,40 @@ def empty_cache(layers: int, batch: int, length: int, kv_heads: int, head_dim: i
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(layers)]
 
 
-def maybe_remat(fn: Callable, remat: bool) -> Callable:
-    """``fn`` rematerialized in the backward pass when ``remat`` (saves activation memory)."""
-    return nnx.remat(fn) if remat else fn
+# What a block keeps for the backward pass (``remat=`` of every model):
+# "none": every activation (the most memory, no recomputation); "full": only the block's
+# input, everything else recomputed (the least memory, a second forward pass);
+# "dots": the outputs of its matmuls without batch dimensions (the projections and the
+# MLP; attention scores and element-wise results are recomputed): most of the compute
+# saved for a fraction of the memory; "offload": those same outputs moved to host
+# memory ("pinned_host") and back, where the backend has it (GPU, TPU; XLA:CPU runs it
+# as a copy).
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+
+
+def remat_policy(remat) -> str:
+    """A model's ``remat`` argument as a policy name: False/None -> "none", True -> "full",
+    or one of ``REMAT_POLICIES``."""
+    if remat is None or remat is False:
+        return "none"
+    if remat is True:
+        return "full"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r}: use one of {', '.join(map(repr, REMAT_POLICIES))} "
+                         "(True is 'full', False 'none')")
+    return remat
+
+
+def maybe_remat(fn: Callable, remat) -> Callable:
+    """``fn`` rematerialized in the backward pass as the policy ``remat`` says."""
+    policy = remat_policy(remat)
+    if policy == "none":
+        return fn
+    if policy == "full":
+        return nnx.remat(fn)
+    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if policy == "dots" \
+        else jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    return nnx.remat(fn, policy=saveable)
 
 
 # ------------------------------------------------------------------ decoder plumbing
@@ -239,14 +270,15 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
-def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat: bool):
+def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat):
     """Runs ``block(x, *args, layer_cache, cache_index, train) -> (x, layer_cache)`` in turn.
 
     Without a cache each block may be rematerialized (training); with one, the new
     cache is collected. Returns (x, new cache or None).
     """
     if cache is None:
-        step = maybe_remat(lambda blk, x, *a: blk(x, *a, None, 0, train)[0], remat and train)
+        step = maybe_remat(lambda blk, x, *a: blk(x, *a, None, 0, train)[0],
+                           remat if train else "none")
         for block in blocks:
             x = step(block, x, *args)
         return x, None

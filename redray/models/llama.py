@@ -96,11 +96,11 @@ class Model(nnx.Module):
     incremental decoding, which returns (logits, cache).
     """
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
         c = config.hf if isinstance(config, HFConfig) else config
         self.config = HFConfig(c)
         self.dtype = dtype
-        self.remat = remat
+        self.remat = layers.remat_policy(remat)
         self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([Block(c, rngs=rngs, dtype=dtype)
                                 for _ in range(c.num_hidden_layers)])

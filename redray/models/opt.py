@@ -103,11 +103,11 @@ class Model(nnx.Module):
     and ``cache_index`` for incremental decoding, which returns (logits, cache).
     """
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
         c = config.hf if isinstance(config, HFConfig) else config
         self.config = HFConfig(c)
         self.dtype = dtype
-        self.remat = remat
+        self.remat = layers.remat_policy(remat)
         embed = dict(dtype=dtype, rngs=rngs)
         self.embed_tokens = nnx.Embed(c.vocab_size, c.word_embed_proj_dim, **embed)
         self.embed_positions = nnx.Embed(c.max_position_embeddings + POSITION_OFFSET,

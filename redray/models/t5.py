@@ -256,11 +256,11 @@ class Model(nnx.Module):
     incrementally and returns (logits, cache).
     """
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
         c = _config(config)
         self.config = HFConfig(c)
         self.dtype = dtype
-        self.remat = remat
+        self.remat = layers.remat_policy(remat)
         self.shared = nnx.Embed(c.vocab_size, c.d_model, embedding_init=_normal(c, 1.0),
                                 dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(c.dropout_rate, rngs=rngs)

@@ -1,0 +1,82 @@
+"""Compilation: what a restart costs with the run's persistent compilation cache.
+
+``compile/restart_with_cache_over_cold``: a fresh process builds a ``redray.Trainer``
+(LLaMA, 4 layers, hidden 256, vocabulary 1024, batch 8 x 128, Adam, 4 CPU devices,
+model axis 2) and runs one step; the time from the Trainer's creation to the end of its
+first step (init, sharded parameters, the step's compilation, the step) with the cache
+folder already holding the run's programs (what ``redray.fit`` keeps in
+``<storage>/<name>/compile_cache``, ``redray/engine/compile_cache.py``) over the same
+with an empty one. Fresh processes, alternating, the median of each. Target <= 0.5.
+
+    python benchmarks/compilation.py [--rounds 3]
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _lm import Sizes, collate, config, loss  # noqa: E402
+from common import HERE, figure, parser, save, simulate_devices  # noqa: E402
+
+simulate_devices(4)
+
+import numpy as np  # noqa: E402
+
+COMMAND = "python benchmarks/compilation.py"
+SIZES = Sizes(layers=4, hidden=256, heads=4, intermediate=1024, vocab=1024, batch=8, seq=128)
+TINY = Sizes(layers=1, hidden=64, heads=4, intermediate=128, vocab=128, batch=4, seq=16)
+
+
+def first_step(folder: str, tiny: bool) -> None:
+    """Child process: the cache in ``folder``, a Trainer, one step; prints the seconds."""
+    import optax
+
+    import redray
+    from redray.engine import compile_cache
+    from redray.models import build
+
+    compile_cache.enable(folder)
+    s = TINY if tiny else SIZES
+    c = config("llama", s)
+    rows = np.random.default_rng(0).integers(1, s.vocab, (s.batch, s.seq + 1), np.int32)
+    start = time.perf_counter()
+    trainer = redray.Trainer(lambda rngs: build(c, rngs=rngs), collate, loss, optax.adam(1e-3),
+                             batch_size=s.batch, model_axis=2, progress=False)
+    trainer.fit([{"ids": r} for r in rows], epochs=1, max_steps=1)
+    print(json.dumps({"seconds": time.perf_counter() - start}))
+
+
+def main(argv=None):
+    ap = parser(__doc__)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--first-step", help=__import__("argparse").SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.first_step:
+        return first_step(args.first_step, args.tiny)
+    rounds = 1 if args.tiny else args.rounds
+    times = {"cold": [], "cached": []}
+    with tempfile.TemporaryDirectory(prefix="redray-compile-") as work:
+        warm = os.path.join(work, "warm")
+        run = [sys.executable, os.path.join(HERE, "compilation.py")] + (["--tiny"] if args.tiny
+                                                                     else [])
+        subprocess.run(run + ["--first-step", warm], check=True, capture_output=True)  # fills
+        for r in range(rounds):
+            for name in ("cold", "cached"):
+                folder = warm if name == "cached" else os.path.join(work, f"cold-{r}")
+                done = subprocess.run(run + ["--first-step", folder], capture_output=True,
+                                      text=True)
+                if done.returncode:
+                    raise RuntimeError(done.stderr[-4000:])
+                times[name].append(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
+    ratio = float(np.median(times["cached"]) / np.median(times["cold"]))
+    save([figure("compile/restart_with_cache_over_cold", ratio, "x",
+                 "the same fresh process with an empty compilation cache", "<= 0.5", COMMAND,
+                 seconds=times, rounds=rounds)], args.out)
+
+
+if __name__ == "__main__":
+    main()
