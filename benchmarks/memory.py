@@ -34,6 +34,14 @@ models on the paper's device counts, computed by the same function
 device over the ideal (total / (model x fsdp)). Figure ``memory/plan/<preset>``, target
 <= 1.05.
 
+Attention. ``memory/attention_seq8192_peak_over_seq1024``: the temporaries of the
+compiled gradient of one causal attention layer (batch 1, 8 heads of 64, fp32; q, k and
+v inputs) at 8192 tokens over 1024, computed in blocks (``flash_attention``, what
+"auto" runs from 2048 keys on, ``redray/models/attention.py``). The ideal growth is
+linear, 8x: what must be held (q, k, v, the output, their gradients, the softmax
+statistics) is O(T); materialized scores grow with T^2, 64x (the "xla" path's figure and
+"auto"'s are in ``detail``). No target: a ratio at or under 8 is linear.
+
     python benchmarks/memory.py [--meshes model4 fsdp4 model2_fsdp2] [--presets ...]
 """
 
@@ -52,6 +60,7 @@ DEVICES = 4
 simulate_devices(DEVICES)
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -145,6 +154,36 @@ def plan_figure(preset: str) -> dict:
         replicated_small=result["replicated_omitted"])
 
 
+def attention_figure(tiny: bool) -> dict:
+    """The attention layer's gradient temporaries at the long over the short sequence."""
+    from redray.models.attention import AttentionMask, attend
+
+    short, long = (256, 1024) if tiny else (1024, 8192)
+
+    def temp(seq: int, impl: str | None) -> int:
+        shape = jax.ShapeDtypeStruct((1, seq, 8, 64), jnp.float32)
+        mask = AttentionMask(jnp.ones((1, seq), bool), jnp.arange(seq))
+
+        def loss(q, k, v):
+            return attend(q, k, v, mask, 0.125, impl=impl).sum()
+
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape,
+                                                                   shape).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    blocks = {n: temp(n, "chunked") for n in (short, long)}
+    dense = {n: temp(n, "xla") for n in (short, long)}
+    auto = {n: temp(n, None) for n in (short, long)}
+    name = "memory/attention_seq8192_peak_over_seq1024"
+    return figure(name, blocks[long] / blocks[short], "x",
+                  f"the same at {short} tokens; linear growth would be {long // short}x, "
+                  f"materialized scores {(long // short) ** 2}x", None,
+                  "python benchmarks/memory.py",
+                  temp_bytes=blocks, materialized_temp_bytes=dense,
+                  materialized_ratio=dense[long] / dense[short], auto_temp_bytes=auto,
+                  sequences=[short, long])
+
+
 def main(argv=None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--meshes", nargs="*", default=None, choices=list(MESHES))
@@ -159,6 +198,7 @@ def main(argv=None) -> None:
     for name in meshes:
         figures += step_memory(name, sizes)
     figures += [plan_figure(p) for p in presets]
+    figures.append(attention_figure(args.tiny))
     save(figures, args.out)
 
 

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from redray.models.attention import AttentionMask, attend
+
 ACTIVATIONS: dict[str, Callable] = {
     "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -99,20 +101,14 @@ def query_slots(length: int, cache_index) -> jax.Array:
 
 
 def attention_mask_for(kv_valid: jax.Array, q_slots: jax.Array, causal: bool = True,
-                       window: int | None = None) -> jax.Array:
-    """(batch, q, kv) boolean mask: valid key slots, causal, optionally a sliding window.
+                       window: int | None = None) -> AttentionMask:
+    """Which keys each query sees: valid key slots, causal, optionally a sliding window.
 
     Args:
       kv_valid: (batch, kv_len) 1 where a key slot holds a real token (0 for padding).
       q_slots: (q_len,) absolute slot of each query.
     """
-    kv = jnp.arange(kv_valid.shape[1])
-    mask = kv_valid.astype(bool)[:, None, :]
-    if causal:
-        mask = mask & (kv[None, None, :] <= q_slots[None, :, None])
-    if window is not None:
-        mask = mask & (q_slots[None, :, None] - kv[None, None, :] < window)
-    return mask
+    return AttentionMask(kv_valid.astype(bool), q_slots, causal=causal, window=window)
 
 
 def positions_for(kv_valid: jax.Array, q_slots: jax.Array) -> jax.Array:
@@ -158,27 +154,16 @@ def gated_projection(hidden: int, intermediate: int, **linear) -> nnx.LinearGene
 
 
 # ------------------------------------------------------------------ attention
-def dot_attention(q, k, v, mask, scale: float, bias=None, dropout: Callable | None = None):
-    """Scaled dot-product attention with grouped-query heads, softmax in float32.
+def dot_attention(q, k, v, mask: AttentionMask, scale: float, bias=None,
+                  dropout: Callable | None = None):
+    """Scaled dot-product attention with grouped-query heads, softmax in float32
+    (``redray/models/attention.py`` chooses how: cuDNN's fused kernel, XLA, or blocks).
 
     q: (B, T, H, D); k, v: (B, S, KV, D) with H a multiple of KV (query head h reads
-    key/value head h // (H // KV)); mask: (B, T, S) bool; bias: broadcastable to
+    key/value head h // (H // KV)); mask: an ``AttentionMask``; bias: broadcastable to
     (B, H, T, S); dropout: applied to the attention probabilities.
     """
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    g = h // kv
-    qg = q.reshape(b, t, kv, g, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    if bias is not None:
-        bias = jnp.broadcast_to(bias, (bias.shape[0], h, t, k.shape[1]))
-        scores = scores + bias.reshape(bias.shape[0], kv, g, t, k.shape[1]).astype(jnp.float32)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, -1).astype(v.dtype)
-    if dropout is not None:
-        probs = dropout(probs)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, v.shape[-1])
+    return attend(q, k, v, mask, scale, bias=bias, dropout=dropout)
 
 
 def update_cache(layer_cache: dict, k: jax.Array, v: jax.Array, index) -> tuple:
@@ -251,9 +236,9 @@ def decoder_masks(input_ids, attention_mask, cache, cache_index, window: int | N
                              "one document per row with a cache")
         if attention_mask is None:
             attention_mask = (segment_ids != 0).astype(jnp.int32)
-        mask = attention_mask_for(attention_mask, query_slots(t, 0), window=window)
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        return mask & same, segment_positions(segment_ids)
+        mask = AttentionMask(attention_mask.astype(bool), query_slots(t, 0), segment_ids,
+                             segment_ids, causal=True, window=window)
+        return mask, segment_positions(segment_ids)
     if attention_mask is None:
         slots_total = t if cache is None else cache[0]["k"].shape[1]
         attention_mask = jnp.ones((input_ids.shape[0], slots_total), jnp.int32)

@@ -1,0 +1,328 @@
+"""Attention for every family: which keys a query sees, and three ways to compute it.
+
+``AttentionMask`` describes the mask instead of holding it: which key slots are real
+(padding), each query's slot (causal masking, a KV cache), an optional sliding window
+and optional segment ids (packed rows). ``attend`` picks how to compute attention:
+
+* ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's fused
+  flash attention, on GPU for the plain causal case (no padding, segments, window,
+  bias or dropout; bf16/fp16): what MaxText and JAX's own docs use;
+* ``"xla"``: ``jax.nn.dot_product_attention(implementation="xla")`` with the mask
+  materialized as booleans: short sequences, and everywhere the others do not apply;
+* ``"chunked"``: blockwise attention with an online softmax and a backward pass that
+  recomputes each block (``flash_attention``, a ``custom_vjp`` in plain JAX), which
+  never holds a (query, key) matrix larger than a block: memory grows linearly with
+  the sequence. Long sequences (``CHUNKED_FROM`` keys and more) without a fused kernel.
+
+Dropout on the attention probabilities needs them materialized: with it, the scores
+are computed as before (``dense``). Every path computes the softmax in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+# Keys from which "auto" attention is computed in chunks where no fused kernel exists.
+CHUNKED_FROM = 2048
+BLOCK = 512
+IMPLEMENTATIONS = ("auto", "cudnn", "xla", "chunked", "dense")
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+@flax.struct.dataclass
+class AttentionMask:
+    """Which keys each query attends to.
+
+    Attributes:
+      kv_valid: (batch, keys) bool: the key slot holds a real token.
+      q_slots: (queries,) int32: each query's slot among the keys (its position in the
+        sequence, or in the KV cache).
+      q_segments, kv_segments: (batch, queries) / (batch, keys) segment ids of packed
+        rows (a query sees keys of its own segment only), or None.
+      causal: a query sees keys at its slot and before only.
+      window: a query sees the ``window`` latest keys only (sliding window), or None.
+    """
+    kv_valid: jax.Array
+    q_slots: jax.Array
+    q_segments: jax.Array | None = None
+    kv_segments: jax.Array | None = None
+    causal: bool = flax.struct.field(pytree_node=False, default=True)
+    window: int | None = flax.struct.field(pytree_node=False, default=None)
+
+    def block(self, q_slots, kv_slots, kv_valid, q_segments=None, kv_segments=None):
+        """The (batch, queries, keys) boolean mask of some queries and keys."""
+        mask = kv_valid.astype(bool)[:, None, :]
+        if self.causal:
+            mask = mask & (kv_slots[None, None, :] <= q_slots[None, :, None])
+        if self.window is not None:
+            mask = mask & (q_slots[None, :, None] - kv_slots[None, None, :] < self.window)
+        if q_segments is not None:
+            mask = mask & (q_segments[:, :, None] == kv_segments[:, None, :])
+        return mask
+
+    def dense(self) -> jax.Array:
+        """The whole (batch, queries, keys) boolean mask."""
+        return self.block(self.q_slots, jnp.arange(self.kv_valid.shape[1]), self.kv_valid,
+                          self.q_segments, self.kv_segments)
+
+    @property
+    def segmented(self) -> bool:
+        return self.q_segments is not None
+
+
+def implementation() -> str:
+    """The attention implementation asked for: ``REDRAY_ATTENTION`` (default "auto")."""
+    name = os.environ.get("REDRAY_ATTENTION", "auto")
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"REDRAY_ATTENTION={name!r}: use one of {', '.join(IMPLEMENTATIONS)}")
+    return name
+
+
+def choose(q, k, mask: AttentionMask, bias, dropout, asked: str | None = None) -> str:
+    """Which implementation computes this attention (see the module docstring)."""
+    asked = asked or implementation()
+    if dropout is not None:
+        return "dense"
+    if asked != "auto":
+        return asked
+    plain_causal = (mask.causal and not mask.segmented and mask.window is None
+                    and bias is None and q.shape[1] == k.shape[1])
+    if (plain_causal and jax.default_backend() == "gpu"
+            and q.dtype in (jnp.bfloat16, jnp.float16)):
+        return "cudnn"
+    if k.shape[1] >= CHUNKED_FROM and bias is None:
+        return "chunked"
+    return "xla"
+
+
+def attend(q, k, v, mask: AttentionMask, scale: float, bias=None,
+           dropout: Callable | None = None, impl: str | None = None):
+    """Scaled dot-product attention with grouped-query heads, softmax in float32.
+
+    q: (B, T, H, D); k, v: (B, S, KV, D) with H a multiple of KV (query head h reads
+    key/value head h // (H // KV)); mask: an ``AttentionMask``; bias: broadcastable to
+    (B, H, T, S); dropout: applied to the attention probabilities; impl: one of
+    ``IMPLEMENTATIONS`` (default: ``REDRAY_ATTENTION``, else "auto").
+    """
+    chosen = choose(q, k, mask, bias, dropout, impl)
+    if chosen == "dense":
+        return dense_attention(q, k, v, mask.dense(), scale, bias, dropout)
+    if chosen == "chunked":
+        if bias is not None:
+            raise ValueError("chunked attention takes no bias: use 'xla' or 'dense'")
+        return flash_attention(q, k, v, mask, scale)
+    if chosen == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                            implementation="cudnn")
+    out = jax.nn.dot_product_attention(
+        q, k, v, bias=None if bias is None else bias.astype(jnp.float32),
+        mask=mask.dense()[:, None], scale=scale, implementation="xla")
+    return out.astype(v.dtype)
+
+
+def dense_attention(q, k, v, mask, scale: float, bias=None, dropout: Callable | None = None):
+    """Attention through a materialized (B, T, S) boolean ``mask``, float32 scores."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    qg = q.reshape(b, t, kv, g, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        bias = jnp.broadcast_to(bias, (bias.shape[0], h, t, k.shape[1]))
+        scores = scores + bias.reshape(bias.shape[0], kv, g, t, k.shape[1]).astype(jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, -1).astype(v.dtype)
+    if dropout is not None:
+        probs = dropout(probs)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, v.shape[-1])
+
+
+# ------------------------------------------------------------------ flash attention
+def flash_attention(q, k, v, mask: AttentionMask, scale: float, block: int = BLOCK):
+    """Attention in blocks of ``block`` queries x ``block`` keys, with an online softmax
+    forward and a backward that recomputes each block's probabilities from the saved
+    softmax statistics (the FlashAttention algorithm, in plain JAX): memory linear in the
+    sequence."""
+    b, t, h, d = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    tq, tk = min(block, t), min(block, s)
+    pad_q, pad_k = -t % tq, -s % tk
+    segments = mask.segmented
+    q_seg = mask.q_segments if segments else jnp.zeros((b, t), jnp.int32)
+    kv_seg = mask.kv_segments if segments else jnp.zeros((b, s), jnp.int32)
+    q_slots = mask.q_slots
+    if pad_q:
+        q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
+        q_slots = jnp.pad(q_slots, (0, pad_q), constant_values=q_slots[-1])
+        q_seg = jnp.pad(q_seg, ((0, 0), (0, pad_q)))
+    kv_real = jnp.pad(jnp.ones((s,), bool), (0, pad_k))  # alignment keys: never seen
+    if pad_k:
+        k = jnp.pad(k, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+        kv_seg = jnp.pad(kv_seg, ((0, 0), (0, pad_k)))
+    kv_valid = jnp.pad(mask.kv_valid.astype(bool), ((0, 0), (0, pad_k)))
+    layout = _Layout(mask.causal, mask.window, segments, tq, tk, h // kv, scale)
+    out = _flash(layout, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real)
+    return out[:, :t].astype(v.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    causal: bool
+    window: int | None
+    segments: bool
+    tq: int
+    tk: int
+    groups: int
+    scale: float
+
+
+def _block_scores(lay, qb, kb, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real):
+    """(B, KV, G, tq, tk) float32 scores of a block, masked (the float32 minimum, as the
+    dense path) and alignment keys at -inf; and where the mask allows (B, tq, tk)."""
+    b, tq, h, d = qb.shape
+    qg = qb.reshape(b, tq, h // lay.groups, lay.groups, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, kb,
+                        preferred_element_type=jnp.float32) * lay.scale
+    allowed = AttentionMask(kv_valid, q_slots, causal=lay.causal, window=lay.window).block(
+        q_slots, kv_slots, kv_valid, q_seg if lay.segments else None,
+        kv_seg if lay.segments else None)
+    scores = jnp.where(allowed[:, None, None], scores, _MASKED)
+    return jnp.where(kv_real[None, None, None, None, :], scores, -jnp.inf), allowed
+
+
+def _key_blocks(lay, k, v, kv_valid, kv_seg, kv_real):
+    """Keys, values and their facts cut into blocks along a leading axis."""
+    b, s = k.shape[:2]
+    n = s // lay.tk
+
+    def cut(x, axis=1):
+        shape = x.shape[:axis] + (n, lay.tk) + x.shape[axis + 1:]
+        return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+    return (cut(k), cut(v), cut(jnp.arange(s)[None])[:, 0], cut(kv_valid), cut(kv_seg),
+            cut(kv_real[None])[:, 0])
+
+
+def _forward_block(lay, qb, q_slots, q_seg, keys):
+    """(out, [max score, sum of exponentials]) of one query block over every key block
+    (online softmax)."""
+    b, tq, h, d = qb.shape
+    kvh, g = h // lay.groups, lay.groups
+
+    def step(carry, blk):
+        top, total, acc = carry  # running max, sum of exponentials, weighted values
+        kb, vb, slots, valid, seg, real = blk
+        sc, _ = _block_scores(lay, qb, kb, q_slots, q_seg, slots, valid, seg, real)
+        new_top = jnp.maximum(top, sc.max(-1))
+        p = jnp.exp(sc - new_top[..., None])
+        corr = jnp.exp(top - new_top)
+        total = total * corr + p.sum(-1)
+        acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p,
+                                                  vb.astype(jnp.float32))
+        return (new_top, total, acc), None
+
+    init = (jnp.full((b, kvh, g, tq), -jnp.inf, jnp.float32),
+            jnp.zeros((b, kvh, g, tq), jnp.float32),
+            jnp.zeros((b, kvh, g, tq, d), jnp.float32))
+    (top, total, acc), _ = jax.lax.scan(step, init, keys)
+    # the max and the sum apart, not their log-sum-exp: for a query that sees no key
+    # (every score the float32 minimum) top + log(total) rounds back to top
+    return acc / total[..., None], jnp.stack([top, total])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real):
+    return _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real)[0]
+
+
+def _query_blocks(lay, x, axis=1):
+    n = x.shape[axis] // lay.tq
+    shape = x.shape[:axis] + (n, lay.tq) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unblock(x, axis):
+    """The inverse of ``_query_blocks(..., axis)``: blocks stacked on axis 0, the block
+    length at ``axis`` of each block, joined back into one sequence axis."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real):
+    b, t, h, d = q.shape
+    keys = _key_blocks(lay, k, v, kv_valid, kv_seg, kv_real)
+
+    def one(args):
+        qb, slots, seg = args
+        return _forward_block(lay, qb, slots, seg, keys)
+
+    out, stats = jax.lax.map(one, (_query_blocks(lay, q),
+                                   _query_blocks(lay, q_slots[None])[:, 0],
+                                   _query_blocks(lay, q_seg)))
+    # out: (nq, B, KV, G, tq, D) -> (B, T, H, D); stats: (nq, 2, B, KV, G, tq) ->
+    # (2, B, KV, G, T): each query's max score and sum of exponentials
+    out = jnp.moveaxis(_unblock(out, 3), 3, 1).reshape(b, t, h, d)
+    return out, (q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, out, _unblock(stats, 4))
+
+
+def _flash_fwd(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real):
+    out, residuals = _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real)
+    return out, residuals
+
+
+def _flash_bwd(lay, residuals, d_out):
+    q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, out, stats = residuals
+    b, t, h, d = q.shape
+    kvh, g = h // lay.groups, lay.groups
+    # D_i = rowsum(dO * O), per query and head: (B, KV, G, T)
+    delta = jnp.einsum("bthd,bthd->bth", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = jnp.moveaxis(delta.reshape(b, t, kvh, g), 1, 3)
+    keys = _key_blocks(lay, k, v, kv_valid, kv_seg, kv_real)
+    n_k = keys[0].shape[0]
+
+    def one_query_block(dk_dv, args):
+        qb, slots, seg, dob, stats_b, delta_b = args
+        qg = qb.reshape(b, lay.tq, kvh, g, d).astype(jnp.float32)
+        dog = dob.reshape(b, lay.tq, kvh, g, d).astype(jnp.float32)
+
+        def step(dq, blk):
+            kb, vb, kslots, valid, kseg, real = blk
+            sc, allowed = _block_scores(lay, qb, kb, slots, seg, kslots, valid, kseg, real)
+            p = jnp.exp(sc - stats_b[0][..., None]) / stats_b[1][..., None]  # probabilities
+            dv = jnp.einsum("bkgts,btkgd->bskd", p, dog)
+            dp = jnp.einsum("btkgd,bskd->bkgts", dog, vb.astype(jnp.float32))
+            # a masked score is a constant: no gradient reaches q or k through it (it
+            # matters for a query that sees no key, whose probabilities are uniform)
+            ds = jnp.where(allowed[:, None, None], p * (dp - delta_b[..., None]), 0.0) \
+                * lay.scale
+            dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds, kb.astype(jnp.float32))
+            dk = jnp.einsum("bkgts,btkgd->bskd", ds, qg)
+            return dq, (dk, dv)
+
+        dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((b, lay.tq, kvh, g, d), jnp.float32),
+                                    keys)
+        return (dk_dv[0] + dk, dk_dv[1] + dv), dq.reshape(b, lay.tq, h, d)
+
+    zeros = (jnp.zeros((n_k, b, lay.tk, kvh, d), jnp.float32),) * 2
+    blocks = (_query_blocks(lay, q), _query_blocks(lay, q_slots[None])[:, 0],
+              _query_blocks(lay, q_seg), _query_blocks(lay, d_out),
+              _query_blocks(lay, stats, axis=4), _query_blocks(lay, delta, axis=3))
+    (dk, dv), dq = jax.lax.scan(one_query_block, zeros, blocks)
+    dq = _unblock(dq, 1)
+    dk, dv = _unblock(dk, 1), _unblock(dv, 1)
+    none = (None,) * 5
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *none)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
