@@ -4,7 +4,11 @@ The model is ``redray.models``' LLaMA with TinyLlama-1.1B's shape (22 layers, hi
 2048, intermediate 5632, 32 query heads and 4 key/value heads of 64, vocabulary 32000,
 untied head: 1.10e9 parameters), float32 parameters and Adam state, bfloat16 compute
 (the model built with ``dtype=bfloat16`` and ``compute_dtype=jnp.bfloat16``), every
-block rematerialized, sequence 2048, random tokens, AdamW. Two steps train it on the
+block rematerialized (``remat="dots"``: the projections' outputs kept, attention
+recomputed; ``--remat`` names another policy), sequence 2048, random tokens, AdamW, the
+loss over 2048-token chunks of the LM head (``redray.models.next_token_loss``: the
+(tokens, 32000) logits never exist whole). Attention is ``redray.models.attention``'s
+"auto": cuDNN's fused flash attention on GPU. Two steps train it on the
 same device, alternating rounds of ``--windows`` timed windows of ``--window`` steps
 (the first window of each round excluded):
 
@@ -14,12 +18,14 @@ same device, alternating rounds of ``--windows`` timed windows of ``--window`` s
   (parameters cast to bfloat16 inside), ``optax`` update, donated state, each batch
   put on the device from numpy, as a plain JAX loop does.
 
-FLOPs are counted the standard way (PaLM, appendix B), per trained token:
-``6 N + 12 L H Q T``, where N counts the parameters that enter a matrix multiplication
-(all but the input embedding table, a lookup; the LM head counts), L layers, H query
-heads, Q head dimension, T the sequence: the attention scores and their product with
-the values, forward and backward, the causal mask not discounted. Rematerialization is
-not counted (model FLOPs, not hardware FLOPs). MFU = tokens/s x FLOPs per token / the
+FLOPs are counted per trained token as ``6 N + 6 L H Q T``, where N counts the
+parameters that enter a matrix multiplication (all but the input embedding table, a
+lookup; the LM head counts), L layers, H query heads, Q head dimension, T the sequence:
+the attention scores and their product with the values, forward and backward, halved
+for the causal mask (PaLM's appendix B counts ``12 L H Q T``, the whole square; MaxText
+halves it for causal attention, which is what a causal kernel computes).
+Rematerialization is not counted (model FLOPs, not hardware FLOPs). MFU = tokens/s x
+FLOPs per token / the
 device's peak dense bf16 FLOP/s, from ``PEAK_TFLOPS`` by ``device_kind`` (or
 ``--peak-tflops``).
 
@@ -29,7 +35,7 @@ Figures: ``gpu_mfu/mfu`` (% of peak, target >= 50 on H100) and
 script: its figures measure nothing. ``run_all.py`` skips ``gpu_*`` scripts.
 
     python benchmarks/gpu_mfu.py [--batch 8] [--seq 2048] [--window 10] [--windows 3]
-                                 [--rounds 3] [--no-remat] [--peak-tflops 989]
+                                 [--rounds 3] [--remat dots] [--peak-tflops 989]
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _lm import collate, loss  # noqa: E402
+from _lm import chunked_loss as loss  # noqa: E402
+from _lm import collate  # noqa: E402
 from common import figure, parser, save, stats  # noqa: E402
 
 # Two copies of the model and its Adam state (redray's and the hand-written one's) live
@@ -88,10 +95,10 @@ def llama_config(fields: dict, seq: int):
 
 
 def flops_per_token(config, n_params: int, seq: int) -> dict:
-    """The module docstring's count: 6 N + 12 L H Q T."""
+    """The module docstring's count: 6 N + 6 L H Q T (causal attention, halved)."""
     head_dim = config.hidden_size // config.num_attention_heads
     matmul_params = n_params - config.vocab_size * config.hidden_size
-    attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq
+    attention = 6 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq
     return {"matmul_params": matmul_params, "dense": 6 * matmul_params, "attention": attention,
             "total": 6 * matmul_params + attention}
 
@@ -99,7 +106,7 @@ def flops_per_token(config, n_params: int, seq: int) -> dict:
 class HandWritten:
     """The same model trained by a plain ``jax.jit`` step."""
 
-    def __init__(self, config, remat: bool):
+    def __init__(self, config, remat: str):
         model = build(config, dtype=jnp.bfloat16, remat=remat, seed=1)
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.params = jax.tree.map(jnp.asarray, params)
@@ -110,7 +117,10 @@ class HandWritten:
         def step(params, opt_state, rest, ids):
             def loss_of(p):
                 p = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
-                return loss(nnx.merge(graphdef, p, rest), {"ids": ids}, None, True)
+                # fresh variables of this trace: the model's RNG counters (dropout) change
+                # inside remat, which NNX refuses for objects of an outer trace
+                model = nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest))
+                return loss(model, {"ids": ids}, None, True)
 
             value, grads = jax.value_and_grad(loss_of)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -149,7 +159,8 @@ def main(argv=None) -> None:
     ap.add_argument("--window", type=int, default=10, help="steps per timed window")
     ap.add_argument("--windows", type=int, default=3, help="timed windows per round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per side, alternating")
-    ap.add_argument("--no-remat", action="store_true", help="keep every activation")
+    ap.add_argument("--remat", default="dots", choices=["none", "full", "dots", "offload"],
+                    help="what each block keeps for the backward pass")
     ap.add_argument("--peak-tflops", type=float, help="the device's peak dense bf16 TFLOP/s")
     args = ap.parse_args(argv)
     fields = MODEL
@@ -162,7 +173,7 @@ def main(argv=None) -> None:
                          f"{device.device_kind!r} ({device.platform}): run it on a GPU, or "
                          "with --tiny to check the script")
     peak = args.peak_tflops or peak_tflops(device.device_kind)
-    remat = not args.no_remat
+    remat = args.remat
     config = llama_config(fields, args.seq)
     rows = np.random.default_rng(0).integers(0, config.vocab_size,
                                              (args.batch * args.window, args.seq + 1), np.int32)

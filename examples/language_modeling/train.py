@@ -17,7 +17,6 @@ import json
 import math
 import os
 
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -101,13 +100,11 @@ def collate(examples):
 
 
 def loss(model, batch, rng, train):
-    """Next-token cross-entropy inside each packed document (never across two)."""
-    ids, segments = batch["ids"], batch["segment_ids"]
-    logits = model(ids[:, :-1], segment_ids=segments[:, :-1])
-    mask = redray.data.next_token_mask(segments).astype(jnp.float32)
-    tokens = optax.softmax_cross_entropy_with_integer_labels(logits.astype("float32"),
-                                                            ids[:, 1:])
-    return (tokens * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    """Next-token cross-entropy inside each packed document (never across two), the LM
+    head run on 512 tokens at a time (the logits of a batch never exist whole)."""
+    from redray.models import next_token_loss
+
+    return next_token_loss(model, batch["ids"], batch["segment_ids"], chunk=512, train=train)
 
 
 def main(argv=None):

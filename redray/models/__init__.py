@@ -6,6 +6,8 @@
 * ``build(config)``: a random model from a ``transformers`` config.
 * ``generate(model, input_ids, attention_mask, max_new_tokens=...)``: KV-cache decoding.
 * ``gpt2_tokenizer()``: GPT-2's real BPE, offline.
+* ``next_token_loss(model, ids, segment_ids=None, chunk=...)``: the causal-LM loss,
+  inside packed documents, with the LM head run a chunk of tokens at a time.
 * ``add_lora(model, rank, targets=...)`` / ``merge_lora(model)``: LoRA adapters (train
   them alone with ``Trainer(..., trainable=r"lora_")``) and folding them back.
 """
@@ -13,7 +15,9 @@
 from redray.models.generate import generate, sample_token
 from redray.models.hub import FAMILIES, build, from_pretrained, load_config, save_pretrained
 from redray.models.lora import LoRA, add_lora, merge_lora
+from redray.models.losses import chunked_cross_entropy, next_token_loss
 from redray.models.tokenizer import gpt2_tokenizer
 
-__all__ = ["FAMILIES", "LoRA", "add_lora", "build", "from_pretrained", "generate", "gpt2_tokenizer",
-           "load_config", "merge_lora", "sample_token", "save_pretrained"]
+__all__ = ["FAMILIES", "LoRA", "add_lora", "build", "chunked_cross_entropy", "from_pretrained",
+           "generate", "gpt2_tokenizer", "load_config", "merge_lora", "next_token_loss",
+           "sample_token", "save_pretrained"]

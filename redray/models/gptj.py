@@ -89,7 +89,9 @@ class Model(nnx.Module):
     over key slots for padding; with ``segment_ids`` for rows packed with several
     documents (attention stays inside a document, positions restart; see
     ``redray.data.pack``); with ``cache=model.init_cache(...)`` and ``cache_index`` for
-    incremental decoding, which returns (logits, cache).
+    incremental decoding, which returns (logits, cache); with ``hidden=True`` the final
+    hidden states instead of logits (``model.logits(hidden)`` applies the LM head: a
+    loss can then project a part of the sequence at a time, ``next_token_loss``).
     """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
@@ -112,7 +114,7 @@ class Model(nnx.Module):
         self.inv_freq = tuple(float(f) for f in layers.rope_inv_freq(None, rotary))
 
     def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
-                 segment_ids=None, train: bool = False):
+                 segment_ids=None, train: bool = False, hidden: bool = False):
         mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
                                                segment_ids=segment_ids)
         cos, sin = layers.rope_angles(positions, self.inv_freq)
@@ -120,11 +122,16 @@ class Model(nnx.Module):
         x, new_cache = layers.run_blocks(self.h, x, (cos, sin, mask), cache, cache_index, train,
                                         self.remat)
         x = self.ln_f(x)
-        if self.tied:
-            logits = self.wte.attend(x) + self.lm_head_bias[...].astype(x.dtype)
-        else:
-            logits = self.lm_head(x)
+        if hidden:
+            return x
+        logits = self.logits(x)
         return logits if cache is None else (logits, new_cache)
+
+    def logits(self, x):
+        """The LM head on final hidden states (``model(..., hidden=True)``)."""
+        if self.tied:
+            return self.wte.attend(x) + self.lm_head_bias[...].astype(x.dtype)
+        return self.lm_head(x)
 
     def init_cache(self, batch: int, length: int, dtype=None):
         """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""

@@ -93,7 +93,9 @@ class Model(nnx.Module):
     over key slots for padding; with ``segment_ids`` for rows packed with several
     documents (attention stays inside a document, positions restart; see
     ``redray.data.pack``); with ``cache=model.init_cache(...)`` and ``cache_index`` for
-    incremental decoding, which returns (logits, cache).
+    incremental decoding, which returns (logits, cache); with ``hidden=True`` the final
+    hidden states instead of logits (``model.logits(hidden)`` applies the LM head: a
+    loss can then project a part of the sequence at a time, ``next_token_loss``).
     """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
@@ -117,7 +119,7 @@ class Model(nnx.Module):
         self.window = getattr(c, "sliding_window", None) if c.model_type == "mistral" else None
 
     def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
-                 segment_ids=None, train: bool = False):
+                 segment_ids=None, train: bool = False, hidden: bool = False):
         mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
                                                window=self.window, segment_ids=segment_ids)
         cos, sin = layers.rope_angles(positions, self.inv_freq)
@@ -125,8 +127,14 @@ class Model(nnx.Module):
         x, new_cache = layers.run_blocks(self.layers, x, (cos, sin, mask), cache, cache_index,
                                          train, self.remat)
         x = self.norm(x)
-        logits = self.embed_tokens.attend(x) if self.tied else self.lm_head(x)
+        if hidden:
+            return x
+        logits = self.logits(x)
         return logits if cache is None else (logits, new_cache)
+
+    def logits(self, x):
+        """The LM head on final hidden states (``model(..., hidden=True)``)."""
+        return self.embed_tokens.attend(x) if self.tied else self.lm_head(x)
 
     def init_cache(self, batch: int, length: int, dtype=None):
         """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""

@@ -100,7 +100,10 @@ class Model(nnx.Module):
     over key slots for padding (positions count only real tokens); with ``segment_ids``
     for rows packed with several documents (attention stays inside a document,
     positions restart; see ``redray.data.pack``); with ``cache=model.init_cache(...)``
-    and ``cache_index`` for incremental decoding, which returns (logits, cache).
+    and ``cache_index`` for incremental decoding, which returns (logits, cache); with
+    ``hidden=True`` the final hidden states instead of logits (``model.logits(hidden)``
+    applies the LM head: a loss can then project a part of the sequence at a time,
+    ``next_token_loss``).
     """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
@@ -126,7 +129,7 @@ class Model(nnx.Module):
                                       dtype=dtype, rngs=rngs)
 
     def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
-                 segment_ids=None, train: bool = False):
+                 segment_ids=None, train: bool = False, hidden: bool = False):
         c = self.config
         mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
                                                segment_ids=segment_ids)
@@ -138,10 +141,16 @@ class Model(nnx.Module):
                                         self.remat)
         if _final_norm(c):
             x = self.final_layer_norm(x)
-        if _projected(c):
-            x = self.project_out(x)
-        logits = self.embed_tokens.attend(x) if self.tied else self.lm_head(x)
+        if hidden:
+            return x
+        logits = self.logits(x)
         return logits if cache is None else (logits, new_cache)
+
+    def logits(self, x):
+        """The LM head on final hidden states (``model(..., hidden=True)``)."""
+        if _projected(self.config):
+            x = self.project_out(x)
+        return self.embed_tokens.attend(x) if self.tied else self.lm_head(x)
 
     def init_cache(self, batch: int, length: int, dtype=None):
         """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
