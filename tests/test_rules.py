@@ -934,3 +934,15 @@ def test_a_layer_writing_the_residual_stream_stays_replicated():
         "fc1b/kernel": COL, "fc1b/bias": ROW, "fc2b/kernel": ROW, "fc2b/bias": REP,
         "head/kernel": COL,
     })
+
+
+def test_hybrid_mesh_keeps_the_model_axis_inside_a_host():
+    from redray.sharding.mesh import hybrid_shapes
+
+    # 4 hosts x 8 GPUs, model 8: data across hosts, model inside
+    assert hybrid_shapes((4, 1, 8), 4, 8) == ((4, 1, 1), (1, 1, 8))
+    # model 4, fsdp 8 of 32 devices: fsdp 2 inside each host, 4 across
+    assert hybrid_shapes((1, 8, 4), 4, 8) == ((1, 4, 1), (1, 2, 4))
+    # data 2 x fsdp 2 x model 2 on 2 hosts of 4: one data replica per host
+    assert hybrid_shapes((2, 2, 2), 2, 4) == ((2, 1, 1), (1, 2, 2))
+    assert hybrid_shapes((1, 1, 16), 2, 8) is None  # model needs 2 hosts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
 import jax
@@ -66,9 +67,55 @@ def make_mesh(data_axis="auto", fsdp_axis=1, model_axis=1,
             f"axis sizes multiply to {fixed} but there are {n} devices: make one axis 'auto' "
             f"or pass devices=jax.devices()[:{fixed}]")
     shape = (sizes["data_axis"], sizes["fsdp_axis"], sizes["model_axis"])
-    # Model-parallel peers are neighbours in the device order: on GPUs that keeps the
-    # all-reduce-heavy axis inside one host's fast interconnect.
-    return Mesh(np.array(devices, dtype=object).reshape(shape), AXES)
+    return Mesh(device_grid(devices, shape), AXES)
+
+
+def hybrid_shapes(shape: tuple[int, int, int], processes: int,
+                  local: int) -> tuple[tuple, tuple] | None:
+    """(across hosts, inside a host) shapes of a (data, fsdp, model) mesh whose ``model``
+    axis stays inside each host (its all-reduces on the fast interconnect: NVLink, ICI),
+    ``fsdp`` inside as far as it fits, ``data`` across hosts; None when ``model`` needs
+    more devices than a host has."""
+    data, fsdp, model = shape
+    if local % model:
+        return None
+    rest = local // model
+    fsdp_in = math.gcd(fsdp, rest)
+    data_in = rest // fsdp_in
+    if data % data_in:
+        return None
+    across = (data // data_in, fsdp // fsdp_in, 1)
+    if math.prod(across) != processes:
+        return None
+    return across, (data_in, fsdp_in, model)
+
+
+def device_grid(devices: Sequence[jax.Device], shape: tuple[int, int, int]) -> np.ndarray:
+    """``devices`` arranged as ``shape``: on several hosts, each host's devices hold
+    whole ``model`` groups (and as much of ``fsdp`` as fits), hosts line up along
+    ``data`` (JAX's hybrid mesh); on one host, JAX's device mesh (the physical topology
+    on TPU, the device order elsewhere)."""
+    from jax.experimental import mesh_utils
+
+    hosts: dict[int, int] = {}
+    for d in devices:
+        hosts[d.process_index] = hosts.get(d.process_index, 0) + 1
+    if len(hosts) > 1 and len(set(hosts.values())) == 1:
+        split = hybrid_shapes(shape, len(hosts), next(iter(hosts.values())))
+        if split is not None:
+            return mesh_utils.create_hybrid_device_mesh(split[1], split[0], devices,
+                                                        process_is_granule=True)
+        warnings.warn(f"model_axis={shape[2]} is larger than a host's "
+                      f"{next(iter(hosts.values()))} devices: its all-reduces cross hosts "
+                      "(the slow network); a model axis within a host is faster",
+                      stacklevel=3)
+    elif len(hosts) == 1:
+        try:
+            return mesh_utils.create_device_mesh(shape, devices)
+        except (ValueError, NotImplementedError, AssertionError):
+            pass  # a subset of a TPU slice, say: the given order
+    # Model-parallel peers stay neighbours in the device order.
+    return np.array(devices, dtype=object).reshape(shape)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
