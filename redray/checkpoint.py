@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -146,6 +147,21 @@ def _check_shapes(restored: dict, targets: dict, where: str) -> None:
                 "sizes), or start a new run (another name or directory, or resume=False)")
 
 
+_LAYER_INDEX = re.compile(r"/\d+/")
+
+
+def _leaf_paths(tree, prefix: str = ""):
+    """"/"-joined paths of a nested dict's leaves."""
+    for key, value in tree.items():
+        path = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            yield from _leaf_paths(value, path)
+        elif hasattr(value, "items") and not hasattr(value, "shape"):
+            yield from _leaf_paths(dict(value.items()), path)
+        else:
+            yield path
+
+
 def from_storage(stored: dict, like):
     """The inverse of ``to_storage``: arrays back into the structure of ``like``."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
@@ -256,12 +272,43 @@ class Checkpointer:
         resharded if the checkpoint was written on another mesh; without one: into host
         numpy arrays). PRNG keys come back as keys."""
         ocp = self._ocp
+        self._check_structure(step, targets)
         restored = self.manager.restore(step, args=ocp.args.Composite(
             **{name: ocp.args.StandardRestore(_storage_target(tree))
                for name, tree in targets.items()}))
         out = {name: from_storage(restored[name], tree) for name, tree in targets.items()}
         _check_shapes(out, targets, self.step_path(step))
         return out
+
+    def _check_structure(self, step: int, targets: dict[str, Any]) -> None:
+        """A checkpoint whose arrays are other paths than the model's is not damaged: it
+        belongs to another model. Refuse it, naming the difference (read from the
+        checkpoint's metadata; an unreadable metadata is left to the restore to report)."""
+        from etils import epath
+
+        for name, tree in targets.items():
+            try:
+                meta = self._ocp.StandardCheckpointHandler().metadata(
+                    epath.Path(self.step_path(step)) / name)
+            except Exception:  # noqa: BLE001 - damage: the restore reports it
+                continue
+            have = set(_leaf_paths(meta))
+            want = set(_leaf_paths(to_storage(jax.tree.map(_stored, tree))))
+            if not have or have == want:
+                continue
+            missing, extra = sorted(want - have), sorted(have - want)
+            hint = ""
+            if any(_LAYER_INDEX.search(p) for p in extra) != any(_LAYER_INDEX.search(p)
+                                                                  for p in missing):
+                hint = (" Its layers are stored one by one (layers/0/...) and the model "
+                        "stacks them, or the other way round: build the model with the "
+                        "same scan= as the run that wrote it.")
+            raise CheckpointMismatch(
+                f"the checkpoint {self.step_path(step)} holds other arrays than this model "
+                f"in {name!r}: {len(missing)} of the model's are not in it (e.g. "
+                f"{missing[:3]}), {len(extra)} of its are not in the model (e.g. "
+                f"{extra[:3]}).{hint} Restore it into the model that wrote it, or start a "
+                "new run (another name or directory, or resume=False)")
 
     def restore_latest(self, targets: dict[str, Any],
                        check: Callable[[dict], None] | None = None,

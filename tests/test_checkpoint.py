@@ -235,3 +235,26 @@ def test_a_malformed_meta_is_unreadable_and_numeric_junk_is_skipped(tmp_path, ca
         again.init(DATA)
     assert again.resumed_from is None  # nothing readable: a fresh start, nothing lost
     assert "its meta's 'batch' is '7', not of type int" in caplog.text
+
+
+def test_a_checkpoint_of_listed_layers_is_refused_by_a_scanned_model(tmp_path):
+    # another model's checkpoint is not damaged: it must be refused by name, never set
+    # aside as unreadable (which would start the run over silently)
+    from transformers import LlamaConfig
+
+    from redray.models import build
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16)
+    data = token_data(16, seq=12)
+
+    def trainer(scan):
+        return redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=scan), lm_collate,
+                              lm_loss, optax.adam(1e-3), batch_size=4, progress=False,
+                              checkpoint=str(tmp_path))
+
+    trainer(False).fit(data, epochs=1)
+    with pytest.raises(redray.CheckpointMismatch, match=r"other arrays than this model.*"
+                                                        r"same scan="):
+        trainer(True).fit(data, epochs=2)
+    assert sorted(os.listdir(tmp_path)) == ["4"]  # nothing set aside

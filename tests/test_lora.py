@@ -69,3 +69,21 @@ def test_only_adapters_train_and_merging_keeps_the_outputs(tmp_path):
     np.testing.assert_allclose(np.asarray(merged(IDS)), adapted, rtol=1e-4, atol=1e-5)
     save_pretrained(merged, str(tmp_path / "hf"))  # a regular checkpoint again
     assert (tmp_path / "hf" / "config.json").exists()
+
+
+def test_adapters_on_scanned_layers_train_and_merge(tmp_path):
+    model = add_lora(build(LLAMA, scan=True, seed=0), rank=4)
+    adapters = model.layers.self_attn.qkv_proj
+    assert adapters.lora_a[...].shape == (2, 32, 4)  # one adapter per stacked layer
+    trainer = redray.Trainer(model, collate, loss, optax.adam(3e-2), batch_size=4,
+                             model_axis=2, trainable=r"lora_", progress=False)
+    data = token_data(32, seq=12)
+    before = trainer.evaluate(data)["loss"]
+    trainer.fit(data, epochs=3)
+    after = trainer.evaluate(data)["loss"]
+    assert after < before
+    tuned = trainer.model
+    merged = merge_lora(tuned)
+    assert not any("lora_" in p for p in flatten(nnx.state(merged, nnx.Param))[0])
+    np.testing.assert_allclose(np.asarray(merged(IDS)), np.asarray(trainer.model(IDS)),
+                               rtol=1e-4, atol=1e-5)

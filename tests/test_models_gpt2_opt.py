@@ -282,3 +282,23 @@ def test_checkpoint_saved_from_the_base_model_loads(name, checkpoints, tmp_path)
     ids, mask = _inputs()
     np.testing.assert_allclose(np.asarray(_forward(model, ids, mask))[mask.astype(bool)],
                                _hf_logits(hf, ids, mask)[mask.astype(bool)], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt", "opt_proj"])
+def test_scanned_layers_match_the_list(checkpoints, loaded, name):
+    folder, hf = checkpoints[name]
+    scanned = rm.from_pretrained(folder, scan=True)
+    assert not isinstance(getattr(scanned, "h", None) or scanned.layers, nnx.List)
+    ids, mask = _inputs()
+    np.testing.assert_allclose(np.asarray(_forward(scanned, jnp.asarray(ids), jnp.asarray(mask))),
+                               np.asarray(_forward(loaded[name], jnp.asarray(ids),
+                                                   jnp.asarray(mask))), atol=1e-5, rtol=0)
+    args = (jnp.asarray(ids), jnp.asarray(mask))
+    np.testing.assert_array_equal(np.asarray(rm.generate(scanned, *args, max_new_tokens=6)),
+                                  np.asarray(rm.generate(loaded[name], *args, max_new_tokens=6)))
+
+
+def test_scan_refuses_layers_that_differ(checkpoints):
+    folder, _ = checkpoints["gpt2_untied"]  # attention scaled by each layer's index
+    with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
+        rm.from_pretrained(folder, scan=True)

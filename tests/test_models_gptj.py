@@ -134,3 +134,20 @@ def test_model_parallel_matches_one_device(checkpoint):
         assert "model" in kernel[...].sharding.spec
     np.testing.assert_allclose(np.asarray(forward(sharded, ids, mask)),
                                np.asarray(forward(single, ids, mask)), atol=1e-5, rtol=0)
+
+
+def test_scanned_layers_match_transformers(checkpoint, tmp_path):
+    model, path = checkpoint
+    ids, mask = batch()
+    scanned = from_pretrained(path, scan=True, model_axis=2)
+    assert scanned.h.attn.qkv_proj.kernel[...].shape[0] == 2
+    with torch.no_grad():
+        want = model(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    got = np.asarray(scanned(jnp.asarray(ids), jnp.asarray(mask)))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
+    save_pretrained(scanned, str(tmp_path))
+    back = transformers.GPTJForCausalLM.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        again = back(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    np.testing.assert_allclose(again[real], want[real], atol=1e-5, rtol=0)

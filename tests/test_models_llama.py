@@ -273,3 +273,55 @@ def test_fine_tuning_a_loaded_model_with_the_trainer(tmp_path):
     before = trainer.evaluate(data)["loss"]
     trainer.fit(data, epochs=2)
     assert trainer.evaluate(data)["loss"] < 0.5 * before
+
+
+# ------------------------------------------------------------------ scanned layers
+@pytest.fixture(scope="module")
+def scanned_pair(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("scanned"))
+    return hf_model("mistral", path), path, rm.from_pretrained(path, scan=True)
+
+
+def test_scanned_layers_match_transformers_and_generate_the_same(scanned_pair):
+    hf, _, model = scanned_pair
+    kernel = model.layers.self_attn.qkv_proj.kernel[...]
+    assert kernel.shape[0] == SMALL["num_hidden_layers"]  # one stacked block
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(IDS))), hf_logits(hf, IDS),
+                               atol=1e-4, rtol=0)
+    ours = np.asarray(model(jnp.asarray(IDS), jnp.asarray(MASK)))
+    real = MASK.astype(bool)
+    np.testing.assert_allclose(ours[real], hf_logits(hf, IDS, MASK)[real], atol=1e-4, rtol=0)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(IDS), attention_mask=torch.tensor(MASK), max_new_tokens=8,
+                          do_sample=False).numpy()[:, IDS.shape[1]:]
+    out = np.asarray(rm.generate(model, jnp.asarray(IDS), jnp.asarray(MASK), max_new_tokens=8))
+    np.testing.assert_array_equal(out[:, :ref.shape[1]], ref)
+
+
+def test_scanned_layers_export_and_shard_without_splitting_the_layer_axis(scanned_pair,
+                                                                           tmp_path):
+    hf, path, _ = scanned_pair
+    model = rm.from_pretrained(path, scan=True, model_axis=2, fsdp_axis=2)
+    block = model.layers
+    # the layer axis (0) stays whole: tensor parallel and FSDP split the others
+    assert block.self_attn.qkv_proj.kernel[...].sharding.spec == P(None, "fsdp", "model")
+    assert block.mlp.down_proj.kernel[...].sharding.spec == P(None, "model", "fsdp")
+    assert block.input_layernorm.scale[...].sharding.spec == P()
+    rm.save_pretrained(model, str(tmp_path))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    np.testing.assert_allclose(hf_logits(back, IDS), hf_logits(hf, IDS), atol=1e-5, rtol=0)
+
+
+def test_a_scanned_step_compiles_one_block_whatever_the_depth():
+    lines = {}
+    for layers in (2, 8):
+        config = transformers.LlamaConfig(**{**SMALL, "num_hidden_layers": layers})
+        model = rm.build(config, scan=True, remat="full")
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(p):
+            m = nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest))
+            return m(jnp.asarray(IDS), train=True).astype(jnp.float32).std()
+
+        lines[layers] = len(jax.jit(jax.grad(loss)).lower(params).as_text().splitlines())
+    assert lines[8] == lines[2], lines

@@ -11,6 +11,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 
 def sample_token(logits: jax.Array, rng, temperature: float = 0.0, top_k: int = 0,
@@ -108,9 +109,13 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens: int, rng=
                                 jnp.ones((batch, max_new_tokens), jnp.int32)], 1)
     cache = model.init_cache(batch, prompt + max_new_tokens)
     logits, cache = model(input_ids, kv_valid, cache=cache, cache_index=0)
+    # The model is rebuilt inside the loop's trace: NNX's own transforms (the scan of
+    # stacked layers) refuse a module from an outer trace.
+    graphdef, state = nnx.split(model)
 
     def step(token, cache, t):
-        logits, cache = model(token[:, None], kv_valid, cache=cache, cache_index=prompt + t)
+        inner = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+        logits, cache = inner(token[:, None], kv_valid, cache=cache, cache_index=prompt + t)
         return logits[:, -1], cache
 
     return decode_loop(step, logits[:, -1], cache, max_new_tokens=max_new_tokens, rng=rng,

@@ -96,7 +96,8 @@ class Model(nnx.Module):
     loss can then project a part of the sequence at a time, ``next_token_loss``).
     """
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
+                 scan: bool = False):
         c = config.hf if isinstance(config, HFConfig) else config
         if getattr(c, "add_cross_attention", False):
             raise ValueError("GPT-2 with add_cross_attention=True (an encoder-decoder "
@@ -108,7 +109,14 @@ class Model(nnx.Module):
         self.wte = nnx.Embed(c.vocab_size, c.hidden_size, **embed)
         self.wpe = nnx.Embed(c.max_position_embeddings, c.hidden_size, **embed)
         self.drop = nnx.Dropout(c.embd_pdrop or 0.0, rngs=rngs)
-        self.h = nnx.List([Block(c, i, rngs=rngs, dtype=dtype) for i in range(c.num_hidden_layers)])
+        if scan and getattr(c, "scale_attn_by_inverse_layer_idx", False):
+            raise ValueError("scan=True stacks identical layers, but this config scales "
+                             "attention by the layer's index "
+                             "(scale_attn_by_inverse_layer_idx): build it with scan=False")
+        index = iter(range(c.num_hidden_layers))
+        self.h = layers.make_blocks(lambda r: Block(c, 0 if scan else next(index), rngs=r,
+                                                    dtype=dtype),
+                                    c.num_hidden_layers, rngs, scan)
         self.ln_f = nnx.LayerNorm(c.hidden_size, epsilon=c.layer_norm_epsilon, dtype=dtype,
                                   rngs=rngs)
         self.tied = bool(getattr(c, "tie_word_embeddings", True))
@@ -137,7 +145,8 @@ class Model(nnx.Module):
     def init_cache(self, batch: int, length: int, dtype=None):
         """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
         heads, d = _dims(self.config)
-        return layers.empty_cache(len(self.h), batch, length, heads, d, dtype or self.dtype)
+        return layers.empty_cache(self.config.num_hidden_layers, batch, length, heads, d,
+                                  dtype or self.dtype, layers.is_stacked(self.h))
 
 
 trace_inputs = layers.causal_lm_inputs

@@ -94,14 +94,16 @@ class Model(nnx.Module):
     loss can then project a part of the sequence at a time, ``next_token_loss``).
     """
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
+                 scan: bool = False):
         c = config.hf if isinstance(config, HFConfig) else config
         self.config = HFConfig(c)
         self.dtype = dtype
         self.remat = layers.remat_policy(remat)
         self.wte = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         self.drop = nnx.Dropout(_rate(c, "embd_pdrop"), rngs=rngs)
-        self.h = nnx.List([Block(c, rngs=rngs, dtype=dtype) for _ in range(c.num_hidden_layers)])
+        self.h = layers.make_blocks(lambda r: Block(c, rngs=r, dtype=dtype),
+                                    c.num_hidden_layers, rngs, scan)
         self.ln_f = nnx.LayerNorm(c.hidden_size, epsilon=c.layer_norm_epsilon, dtype=dtype,
                                   rngs=rngs)
         self.tied = bool(getattr(c, "tie_word_embeddings", False))
@@ -136,7 +138,8 @@ class Model(nnx.Module):
     def init_cache(self, batch: int, length: int, dtype=None):
         """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
         heads, d, _ = _dims(self.config)
-        return layers.empty_cache(len(self.h), batch, length, heads, d, dtype or self.dtype)
+        return layers.empty_cache(self.config.num_hidden_layers, batch, length, heads, d,
+                                  dtype or self.dtype, layers.is_stacked(self.h))
 
 
 trace_inputs = layers.causal_lm_inputs

@@ -180,10 +180,11 @@ def load_config(path: str):
 
 
 def build(config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, remat=False,
-          seed: int = 0):
-    """A randomly initialized redray model for a ``transformers`` config."""
+          seed: int = 0, scan: bool = False):
+    """A randomly initialized redray model for a ``transformers`` config; ``scan``: its
+    layers stacked and scanned (one compiled block, whatever the depth)."""
     fam = family(config.model_type)
-    return fam.Model(config, rngs=rngs or fast_rngs(seed), dtype=dtype, remat=remat)
+    return fam.Model(config, rngs=rngs or fast_rngs(seed), dtype=dtype, remat=remat, scan=scan)
 
 
 class _Weights:
@@ -272,7 +273,7 @@ def _open_safetensors(file: str):
 
 def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fsdp_axis=1,
                     model_axis=1, dtype=jnp.float32, remat=False, rules=(),
-                    seed: int = 0, **config_overrides):
+                    seed: int = 0, scan: bool = False, **config_overrides):
     """Loads a Hugging Face checkpoint folder into a redray model, sharded on a mesh.
 
     Args:
@@ -285,6 +286,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
         "dots" or "offload" (``redray.models.layers.REMAT_POLICIES``).
       rules: (regex, PartitionSpec) overrides, as for ``Trainer``.
       seed: seeds what the checkpoint does not hold (dropout RNG state).
+      scan: stack the layers and scan over them (one compiled block, whatever the
+        depth); each checkpoint tensor of layer i becomes row i of its stacked array.
       **config_overrides: set on the config before building (e.g. ``attention_dropout``).
 
     Returns:
@@ -298,7 +301,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
         setattr(config, key, value)
     fam = family(config.model_type)
     mesh = mesh or make_mesh(data_axis=data_axis, fsdp_axis=fsdp_axis, model_axis=model_axis)
-    make = lambda: fam.Model(config, rngs=fast_rngs(seed), dtype=dtype, remat=remat)  # noqa: E731
+    make = lambda: fam.Model(config, rngs=fast_rngs(seed), dtype=dtype, remat=remat,  # noqa: E731
+                             scan=scan)
     graphdef, params_abs, extra_abs = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
     specs = model_specs(graphdef, (params_abs, extra_abs), mesh, fam.trace_inputs(config), rules)
     param_specs, extra_specs = specs
@@ -311,17 +315,21 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
     table = fam.weight_table(config)
     available = weights.names()
     missing, misshaped, loaded = [], [], {}
+    stacked: dict[str, dict[int, np.ndarray]] = {}  # stacked path -> layer -> value
     prefix = getattr(fam, "BASE_PREFIX", None)
     for row in table:
-        if row.path not in by_path:
+        where = _model_path(row.path, by_path)
+        if where is None:
             raise AssertionError(f"{fam.__name__}: table path {row.path!r} is not a parameter")
         names = [_stored_name(part, available, prefix) for part in row.parts]
         if None in names:
             missing += [part.hf for part, name in zip(row.parts, names) if name is None]
             continue
-        leaf, spec = by_path[row.path]
+        model_path, layer = where
+        leaf, spec = by_path[model_path]
+        shape = tuple(leaf.shape) if layer is None else tuple(leaf.shape[1:])
         pieces = []
-        for part, name, shape in zip(row.parts, names, row.part_shapes(tuple(leaf.shape))):
+        for part, name, shape in zip(row.parts, names, row.part_shapes(shape)):
             raw = weights.get(name)
             try:
                 piece = part.load(raw, shape)
@@ -333,14 +341,23 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
                                  f"expects {shape}")
         if len(pieces) < len(row.parts):
             continue
-        value = row.combine(pieces)
-        value = np.asarray(value, dtype=leaf.dtype)
+        value = np.asarray(row.combine(pieces), dtype=leaf.dtype)
+        if layer is not None:
+            stacked.setdefault(model_path, {})[layer] = value
+            continue
         loaded[row.path] = jax.make_array_from_callback(
             value.shape, NamedSharding(mesh, spec), lambda idx, v=value: v[idx])
+    for model_path, layers_ in stacked.items():
+        leaf, spec = by_path[model_path]
+        if len(layers_) == leaf.shape[0]:  # else a layer's tensor is missing, reported
+            value = np.stack([layers_[i] for i in range(leaf.shape[0])])
+            loaded[model_path] = jax.make_array_from_callback(
+                value.shape, NamedSharding(mesh, spec), lambda idx, v=value: v[idx])
     ignore = re.compile("|".join(getattr(fam, "IGNORED", ())) or r"(?!)")
     used = {_stored_name(part, available, prefix) for row in table for part in row.parts}
     unexpected = sorted(n for n in available - used if not ignore.search(n))
-    not_loaded = sorted(set(by_path) - set(loaded) - {r.path for r in table})
+    in_table = {w[0] for w in (_model_path(r.path, by_path) for r in table) if w is not None}
+    not_loaded = sorted(set(by_path) - set(loaded) - in_table)
     if missing or misshaped or unexpected or not_loaded:
         parts = []
         if missing:
@@ -363,6 +380,21 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     extra = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2], out_shardings=extra_sh)()
     return nnx.merge(graphdef, params, extra)
+
+
+_LAYER = re.compile(r"^(.*?)/(\d+)/(.+)$")
+
+
+def _model_path(table_path: str, params) -> tuple[str, int | None] | None:
+    """Where a weight table's path lives in the model: (the path, None) for a model with a
+    list of layers; (the stacked path, the layer) when ``layers/3/x`` is row 3 of a
+    stacked ``layers/x`` (scanned layers); None when neither exists."""
+    if table_path in params:
+        return table_path, None
+    match = _LAYER.match(table_path)
+    if match and f"{match[1]}/{match[3]}" in params:
+        return f"{match[1]}/{match[3]}", int(match[2])
+    return None
 
 
 def _stored_name(row: Tensor, available: set, base_prefix: str | None) -> str | None:
@@ -403,7 +435,10 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None) -> Non
     values = dict(zip(paths, leaves))
     tensors = {}
     for row in fam.weight_table(model.config):
-        value = np.asarray(jax.device_get(values[row.path]), dtype=np.float32)
+        model_path, layer = _model_path(row.path, values)
+        value = np.asarray(jax.device_get(values[model_path]), dtype=np.float32)
+        if layer is not None:
+            value = value[layer]
         for part, array in zip(row.parts, row.write(value)):
             tensors[part.hf] = np.ascontiguousarray(array)
     if max_shard_bytes is None:

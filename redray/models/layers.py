@@ -176,9 +176,12 @@ def update_cache(layer_cache: dict, k: jax.Array, v: jax.Array, index) -> tuple:
 
 
 def empty_cache(layers: int, batch: int, length: int, kv_heads: int, head_dim: int,
-                dtype=jnp.float32) -> list[dict]:
-    """A zeroed KV cache: one {"k", "v"} of (batch, length, kv_heads, head_dim) per layer."""
+                dtype=jnp.float32, stacked: bool = False) -> list[dict] | dict:
+    """A zeroed KV cache: one {"k", "v"} of (batch, length, kv_heads, head_dim) per layer,
+    or with ``stacked`` one {"k", "v"} of (layers, batch, ...) (for scanned blocks)."""
     shape = (batch, length, kv_heads, head_dim)
+    if stacked:
+        return {"k": jnp.zeros((layers, *shape), dtype), "v": jnp.zeros((layers, *shape), dtype)}
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(layers)]
 
 
@@ -255,12 +258,35 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
+def make_blocks(make: Callable, count: int, rngs: nnx.Rngs, scan: bool):
+    """``count`` blocks ``make(rngs)``: a list, or with ``scan`` one block whose every
+    parameter has a leading layer axis of ``count`` (``run_blocks`` scans over it: the
+    compiled program holds one block, whatever the depth)."""
+    if not scan:
+        return nnx.List([make(rngs) for _ in range(count)])
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=count)
+    def stacked(rngs):
+        return make(rngs)
+
+    return stacked(rngs)
+
+
+def is_stacked(blocks) -> bool:
+    """Whether ``blocks`` is one stacked block (``make_blocks(..., scan=True)``)."""
+    return not isinstance(blocks, nnx.List)
+
+
 def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat):
     """Runs ``block(x, *args, layer_cache, cache_index, train) -> (x, layer_cache)`` in turn.
 
     Without a cache each block may be rematerialized (training); with one, the new
-    cache is collected. Returns (x, new cache or None).
+    cache is collected. Stacked blocks run in one ``scan`` (their cache stacked too).
+    Returns (x, new cache or None).
     """
+    if is_stacked(blocks):
+        return _scan_blocks(blocks, x, args, cache, cache_index, train, remat)
     if cache is None:
         step = maybe_remat(lambda blk, x, *a: blk(x, *a, None, 0, train)[0],
                            remat if train else "none")
@@ -272,6 +298,25 @@ def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat):
         x, layer_cache = block(x, *args, layer_cache, cache_index, train)
         new_cache.append(layer_cache)
     return x, new_cache
+
+
+def _scan_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat):
+    broadcast = (None,) * len(args)
+    if cache is None:
+        step = maybe_remat(lambda blk, x, *a: blk(x, *a, None, 0, train)[0],
+                           remat if train else "none")
+
+        @nnx.scan(in_axes=(0, nnx.Carry, *broadcast), out_axes=nnx.Carry)
+        def forward(block, x, *a):
+            return step(block, x, *a)
+
+        return forward(blocks, x, *args), None
+
+    @nnx.scan(in_axes=(0, nnx.Carry, 0, *broadcast), out_axes=(nnx.Carry, 0))
+    def decode(block, x, layer_cache, *a):
+        return block(x, *a, layer_cache, cache_index, train)
+
+    return decode(blocks, x, cache, *args)
 
 
 def causal_lm_inputs(config, batch: int = 2, seq: int = 8) -> dict:

@@ -98,14 +98,15 @@ class Model(nnx.Module):
     loss can then project a part of the sequence at a time, ``next_token_loss``).
     """
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
+                 scan: bool = False):
         c = config.hf if isinstance(config, HFConfig) else config
         self.config = HFConfig(c)
         self.dtype = dtype
         self.remat = layers.remat_policy(remat)
         self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([Block(c, rngs=rngs, dtype=dtype)
-                                for _ in range(c.num_hidden_layers)])
+        self.layers = layers.make_blocks(lambda r: Block(c, rngs=r, dtype=dtype),
+                                         c.num_hidden_layers, rngs, scan)
         self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.tied = bool(getattr(c, "tie_word_embeddings", False))
         if not self.tied:
@@ -139,7 +140,8 @@ class Model(nnx.Module):
     def init_cache(self, batch: int, length: int, dtype=None):
         """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
         heads, kv, d = _dims(self.config)
-        return layers.empty_cache(len(self.layers), batch, length, kv, d, dtype or self.dtype)
+        return layers.empty_cache(self.config.num_hidden_layers, batch, length, kv, d,
+                                  dtype or self.dtype, layers.is_stacked(self.layers))
 
 
 trace_inputs = layers.causal_lm_inputs

@@ -39,10 +39,13 @@ class LoRA(nnx.Module):
         self.base = base
         self.in_dims, self.out_shape = len(ins), outs
         self.scale = alpha / rank
-        dtype = base.kernel[...].dtype
-        self.lora_a = nnx.Param(nnx.initializers.he_uniform()(rngs.params(),
-                                                              (math.prod(ins), rank), dtype))
-        self.lora_b = nnx.Param(jnp.zeros((rank, math.prod(outs)), dtype))
+        kernel = base.kernel[...]
+        # a layer of stacked blocks (scanned layers) has a kernel per layer: so do its
+        # adapters, and the scan hands each step its own
+        lead = kernel.shape[:kernel.ndim - len(ins) - len(outs)]
+        self.lora_a = nnx.Param(nnx.initializers.he_uniform(in_axis=-2, out_axis=-1)(
+            rngs.params(), (*lead, math.prod(ins), rank), kernel.dtype))
+        self.lora_b = nnx.Param(jnp.zeros((*lead, rank, math.prod(outs)), kernel.dtype))
 
     def __call__(self, x):
         y = self.base(x)

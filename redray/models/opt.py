@@ -106,7 +106,8 @@ class Model(nnx.Module):
     ``next_token_loss``).
     """
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
+                 scan: bool = False):
         c = config.hf if isinstance(config, HFConfig) else config
         self.config = HFConfig(c)
         self.dtype = dtype
@@ -119,8 +120,8 @@ class Model(nnx.Module):
             proj = dict(use_bias=False, dtype=dtype, rngs=rngs)
             self.project_in = nnx.Linear(c.word_embed_proj_dim, c.hidden_size, **proj)
             self.project_out = nnx.Linear(c.hidden_size, c.word_embed_proj_dim, **proj)
-        self.layers = nnx.List([Block(c, rngs=rngs, dtype=dtype)
-                                for _ in range(c.num_hidden_layers)])
+        self.layers = layers.make_blocks(lambda r: Block(c, rngs=r, dtype=dtype),
+                                         c.num_hidden_layers, rngs, scan)
         if _final_norm(c):
             self.final_layer_norm = _layer_norm(c, rngs=rngs, dtype=dtype)
         self.tied = bool(getattr(c, "tie_word_embeddings", True))
@@ -155,7 +156,8 @@ class Model(nnx.Module):
     def init_cache(self, batch: int, length: int, dtype=None):
         """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
         heads, d = _dims(self.config)
-        return layers.empty_cache(len(self.layers), batch, length, heads, d, dtype or self.dtype)
+        return layers.empty_cache(self.config.num_hidden_layers, batch, length, heads, d,
+                                  dtype or self.dtype, layers.is_stacked(self.layers))
 
 
 trace_inputs = layers.causal_lm_inputs

@@ -256,7 +256,12 @@ class Model(nnx.Module):
     incrementally and returns (logits, cache).
     """
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False):
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
+                 scan: bool = False):
+        if scan:
+            raise ValueError("scan=True is not available for T5 yet: its first block holds "
+                             "the relative position bias every other block reads, so the "
+                             "blocks differ; build it with scan=False")
         c = _config(config)
         self.config = HFConfig(c)
         self.dtype = dtype

@@ -76,6 +76,9 @@ class Trace:
         self.uses: dict[int, list[Use]] = {}
         # parameter -> output dimensions its layer's output is sliced along
         self.cut: dict[int, set[int]] = {}
+        # parameter -> dimensions a scan steps over (layers stacked on a leading axis):
+        # splitting one would hand each step's slice to a single device
+        self.scanned: dict[int, set[int]] = {}
         self._counter = itertools.count()
 
     def add(self, param: int, kind: str, in_dims, out_dims, preds) -> None:
@@ -314,6 +317,9 @@ def _scan(eqn, ins, out: Trace) -> list[_Info]:
     body = p["jaxpr"].jaxpr
     consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
     # A scanned-over parameter (layers stacked on axis 0) is seen one slice at a time.
+    for x in xs:
+        if x.view is not None and x.view[1]:
+            out.scanned.setdefault(x.view[0], set()).update(x.view[1][0])
     xs_inner = [_Info(view=(x.view[0], x.view[1][1:]), src=x.src) if x.view else x for x in xs]
     results = _walk(body, [*consts, *carry, *xs_inner], out)
     # Second pass: what the carry holds after one iteration feeds the next.

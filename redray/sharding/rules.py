@@ -285,11 +285,14 @@ def _follow_column_output(shapes, p, pu, role, split, uses) -> int | None:
     return None
 
 
-def fsdp_dim(shape: Sequence[int], taken: int | None, fsdp_size: int) -> int | None:
-    """The largest dimension (first on ties) not already split that divides by fsdp."""
+def fsdp_dim(shape: Sequence[int], taken: int | None, fsdp_size: int,
+             skip: Iterable[int] = ()) -> int | None:
+    """The largest dimension (first on ties) not already split, nor in ``skip`` (a
+    stacked layer axis), that divides by fsdp."""
     best = None
+    skip = set(skip)
     for d, s in enumerate(shape):
-        if d != taken and s % fsdp_size == 0 and s >= fsdp_size:
+        if d != taken and d not in skip and s % fsdp_size == 0 and s >= fsdp_size:
             if best is None or s > shape[best]:
                 best = d
     return best
@@ -301,13 +304,14 @@ def fsdp_dim(shape: Sequence[int], taken: int | None, fsdp_size: int) -> int | N
 LARGE = 1 << 20
 
 
-def _shard_over_model(entries: list, shape, model_size: int, fsdp_size: int) -> None:
+def _shard_over_model(entries: list, shape, model_size: int, fsdp_size: int,
+                      skip: Iterable[int] = ()) -> None:
     """Adds ``model`` to ``entries`` as an extra FSDP axis, on a dimension it divides."""
     for d, entry in enumerate(entries):
         if entry == "fsdp" and shape[d] % (fsdp_size * model_size) == 0:
             entries[d] = ("fsdp", "model")
             return
-    d = fsdp_dim(shape, next((k for k, e in enumerate(entries) if e), None), model_size)
+    d = fsdp_dim(shape, next((k for k, e in enumerate(entries) if e), None), model_size, skip)
     if d is not None and entries[d] is None:
         entries[d] = "model"
 
@@ -384,16 +388,18 @@ def partition_specs(paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
         floating = jnp.issubdtype(dtype, jnp.floating)
         if floating and tp[i] is not None:
             entries[tp[i]] = "model"
-        if floating and fsdp_size > 1 and (len(shape) >= 2 or math.prod(shape) >= LARGE):
-            d = fsdp_dim(shape, tp[i], fsdp_size)
+        stacked = trace.scanned.get(i, set()) if trace is not None else set()
+        if floating and fsdp_size > 1 and (len(shape) - len(stacked) >= 2
+                                            or math.prod(shape) >= LARGE):
+            d = fsdp_dim(shape, tp[i], fsdp_size, stacked)
             if d is not None:
                 entries[d] = "fsdp"
         if floating and tp[i] is None and model_size > 1 and math.prod(shape) >= LARGE:
-            _shard_over_model(entries, shape, model_size, fsdp_size)
+            _shard_over_model(entries, shape, model_size, fsdp_size, stacked)
         while entries and entries[-1] is None:
             entries.pop()
         specs.append(P(*entries))
-        if whole is not None and i in why and len(shape) >= 2 and not any(
+        if whole is not None and i in why and len(shape) - len(stacked) >= 2 and not any(
                 e == "model" or (isinstance(e, tuple) and "model" in e) for e in entries):
             whole.append(Whole(path, tuple(shape), *why[i]))
     for k, (rx, _) in enumerate(compiled):
