@@ -245,7 +245,7 @@ class Trainer:
         """Names the large layer parameters tensor parallelism could not split: every
         device then holds and computes them whole, which the user should know."""
         costly = self.runtime.costly_whole()
-        if not costly:
+        if not costly or jax.process_index() != 0:  # once per run, not once per host
             return
         model_size = self.mesh.shape["model"]
         lines = [f"{w.path} {w.shape}: {w.reason}; fix: {w.fix}" for w in costly]
