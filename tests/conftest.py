@@ -15,3 +15,18 @@ def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_behind():
+    """A module that leaves a Ray instance up (e.g. a redray.Stream read outside a
+    ``local_ray`` fixture starts one) would make every later module's ``ray.init``
+    fail: it is shut down at the module's end, after the module's own fixtures."""
+    yield
+    import sys
+
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()

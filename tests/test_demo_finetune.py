@@ -40,7 +40,7 @@ def perplexity(model, rows, batch: int = 16) -> float:
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_fine_tuning_a_local_checkpoint_lowers_its_perplexity_and_exports(tmp_path):
+def test_fine_tuning_a_local_checkpoint_lowers_its_perplexity_and_exports(tmp_path, local_ray):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = llama_folder(tmp_path / "tiny-llama", tokenizer=gpt2_tokenizer())
