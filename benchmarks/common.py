@@ -55,6 +55,9 @@ def met(fig: dict) -> bool | None:
     target = fig.get("target")
     if not target:
         return None
+    low, dash, high = target.partition("-")
+    if dash and low and high:  # a range, "0.8-1.25"
+        return float(low) <= fig["value"] <= float(high)
     op, _, bound = target.partition(" ")
     value, bound = fig["value"], float(bound)
     return {"<=": value <= bound, ">=": value >= bound, "<": value < bound,

@@ -10,23 +10,23 @@ fsdp_axis=2``, and XLA's ``compiled.memory_analysis()`` is read:
   whole training state (parameters, both Adam moments, step, RNG key) divided by the
   4 devices, since model x fsdp spans all of them. Figure ``memory/step/<mesh>/state``,
   target <= 1.05.
-* peak per device = arguments + temporaries + outputs - aliases (the donated state is
-  updated in place), over state / devices + an activation estimate. The estimate is
-  what any implementation of this step must hold beside the state, in fp32, per device
-  (b rows of the batch on the device, sequence s, hidden h, heads a, intermediate i,
-  vocabulary V, model axis t), written down rather than measured:
+* plan over compiled: what ``redray plan`` counts for that step from the config alone
+  (``plan_model(..., step=StepShape(batch, seq, remat))``: parameters, Adam state,
+  gradients, FSDP gather buffers, the activations JAX saves for the backward pass,
+  traced, and with remat one layer's recompute), over the compiled step's peak
+  (arguments + temporaries + outputs - aliases; the donated state is updated in
+  place). The loss is ``next_token_loss`` (full logits). Figure
+  ``memory/plan_over_compiled/<mesh>`` with remat "none", target 0.8-1.25; the headline
+  ``memory/plan_over_compiled`` is the mesh farthest from 1. The "full" and "dots"
+  policies' ratios are in ``detail`` with each policy's compiled peak: XLA:CPU runs the
+  recomputations but keeps about as much as without remat (its scheduler does not
+  lower the peak with them), so on CPU the plan of a remat policy is below the
+  compiled peak by what the policy would save; GPU and TPU schedulers are where it
+  is realized (unmeasured here: no accelerator).
 
-  - per layer, the tensors the backward pass reads: the block's input, the two RMSNorm
-    inputs and outputs shared by every tensor-parallel peer (4 b*s*h), Q, K, V and the
-    attention output split over heads (4 b*s*h / t), the attention probabilities
-    (b*a*s*s / t), the gate, the up projection and their product (3 b*s*i / t);
-  - after the blocks: the final norm's input and output (2 b*s*h), the logits and
-    their softmax (2 b*s*V / t);
-  - one gradient of the parameters, sharded like them (the optimizer update reads it
-    whole).
-
-  Figure ``memory/step/<mesh>/peak``, no target: XLA keeps more than the estimate
-  (fusion outputs, the all-gathered weights of FSDP, Adam's temporaries).
+Remat on XLA:CPU. ``memory/remat_full_over_none_cpu``: the step's temporaries under
+remat "full" over none, 6 layers, data-parallel; the scanned layers' ratio in
+``detail``. No target: it shows whether this backend realizes what the policy allows.
 
 Plans. ``redray plan PRESET --devices N --model-axis M --fsdp-axis K`` for the paper's
 models on the paper's device counts, computed by the same function
@@ -53,7 +53,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _lm import FULL, TINY, Sizes, collate, config, loss  # noqa: E402
+from _lm import FULL, TINY, Sizes, collate, config  # noqa: E402
 from common import figure, parser, save, simulate_devices  # noqa: E402
 
 DEVICES = 4
@@ -66,6 +66,7 @@ import optax  # noqa: E402
 
 import redray  # noqa: E402
 from redray.models import build  # noqa: E402
+from redray.models.memory import StepShape  # noqa: E402
 from redray.models.plan import plan_model  # noqa: E402
 from redray.sharding import batch_sharding  # noqa: E402
 
@@ -86,55 +87,95 @@ PLANS = {
 TINY_MESHES, TINY_PLANS = ("model2_fsdp2",), ("gpt-j-6b",)
 
 
-def activation_bytes(s: Sizes, rows: int, model: int) -> dict:
-    """The module docstring's activation estimate, in bytes per device, by term."""
-    b, t, h, i = rows, model, s.hidden, s.intermediate
-    seq = s.seq  # the loss feeds seq tokens of each seq + 1 window
-    per_layer = (4 * b * seq * h + 4 * b * seq * h / t + b * s.heads * seq * seq / t
-                 + 3 * b * seq * i / t)
-    return {"blocks": 4 * s.layers * per_layer,
-            "head": 4 * (2 * b * seq * h + 2 * b * seq * s.vocab / t)}
+def plan_loss(model, batch, rng, train):
+    from redray.models import next_token_loss
+
+    return next_token_loss(model, batch["ids"], train=train)
 
 
-def step_memory(name: str, s: Sizes) -> list[dict]:
-    """Compiles the Trainer's step on one mesh; its state and peak figures."""
-    model_axis, fsdp_axis = MESHES[name]
+def compiled_step(s: Sizes, model_axis: int, fsdp_axis: int, remat: str, scan: bool = False):
+    """A Trainer on the 4 devices, initialized, for a LLaMA of sizes ``s``."""
     config_ = config("llama", s)
-    trainer = redray.Trainer(lambda rngs: build(config_, rngs=rngs), collate, loss,
-                             optax.adamw(1e-3), batch_size=s.batch, model_axis=model_axis,
-                             fsdp_axis=fsdp_axis, progress=False)
+    trainer = redray.Trainer(lambda rngs: build(config_, rngs=rngs, remat=remat, scan=scan),
+                             collate,
+                             plan_loss, optax.adamw(1e-3), batch_size=s.batch,
+                             model_axis=model_axis, fsdp_axis=fsdp_axis, progress=False)
     data = [{"ids": r} for r in np.random.default_rng(0).integers(
         0, s.vocab, (s.batch, s.seq + 1), np.int32)]
     trainer.init(data)
+    return trainer, config_
+
+
+def peak(stats) -> int:
+    return (stats.argument_size_in_bytes + stats.temp_size_in_bytes
+            + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def step_memory(name: str, s: Sizes) -> list[dict]:
+    """Compiles the Trainer's step on one mesh; its state figure and the plan's count
+    over the compiled peak, per remat policy."""
+    model_axis, fsdp_axis = MESHES[name]
+    trainer, config_ = compiled_step(s, model_axis, fsdp_axis, "none")
     stats = trainer.compiled_step().memory_analysis()
     sharding = batch_sharding(trainer.mesh)
     batch_per_device = math.prod(sharding.shard_shape((s.batch, s.seq + 1))) * 4
     leaves = jax.tree.leaves(trainer.state)
     state_total = sum(x.nbytes for x in leaves)
     state_shards = sum(x.addressable_shards[0].data.nbytes for x in leaves)
-    params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(trainer.state.params))
     state = stats.argument_size_in_bytes - batch_per_device
     ideal_state = state_total / DEVICES
-    peak = (stats.argument_size_in_bytes + stats.temp_size_in_bytes
-            + stats.output_size_in_bytes - stats.alias_size_in_bytes)
-    rows = s.batch // trainer.dp
-    act = {**activation_bytes(s, rows, model_axis), "gradient": params}
-    ideal_peak = ideal_state + sum(act.values())
     analysis = {k: getattr(stats, f"{k}_size_in_bytes")
                 for k in ("argument", "output", "alias", "temp")}
     mesh = f"model {model_axis} x fsdp {fsdp_axis} ({DEVICES} CPU devices)"
+    policies = {}
+    for remat in ("none", "full", "dots"):
+        if remat != "none":
+            trainer, _ = compiled_step(s, model_axis, fsdp_axis, remat)
+        compiled = peak(trainer.compiled_step().memory_analysis())
+        planned = plan_model(config_, DEVICES, model_axis, fsdp_axis,
+                             step=StepShape(batch_size=s.batch, seq_len=s.seq,
+                                            remat=remat))["memory"]
+        policies[remat] = {"plan": planned["total"], "compiled_peak": compiled,
+                           "ratio": planned["total"] / compiled, "parts": planned["parts"]}
+    none = policies["none"]
     return [
         figure(f"memory/step/{name}/state", state / ideal_state, "x",
                f"training state / {DEVICES} devices ({ideal_state:,.0f} B), {mesh}", "<= 1.05",
                COMMAND, state_bytes_per_device=state, state_bytes_total=state_total,
                state_bytes_from_shardings=state_shards, batch_bytes_per_device=batch_per_device,
                memory_analysis=analysis, sizes=dataclasses.asdict(s)),
-        figure(f"memory/step/{name}/peak", peak / ideal_peak, "x",
-               f"state / {DEVICES} devices + activation estimate ({ideal_peak:,.0f} B), {mesh}",
-               None, COMMAND, peak_bytes_per_device=peak,
-               ideal_bytes_per_device={"state": ideal_state, **act},
-               rows_per_device=rows, memory_analysis=analysis),
+        figure(f"memory/plan_over_compiled/{name}", none["ratio"], "x",
+               f"XLA's compiled peak per device ({none['compiled_peak']:,} B), {mesh}, "
+               "remat none", "0.8-1.25", COMMAND, planned_parts=none["parts"],
+               planned_total=none["plan"], compiled_peak=none["compiled_peak"],
+               remat={k: {"ratio": v["ratio"], "plan": v["plan"],
+                          "compiled_peak": v["compiled_peak"]} for k, v in policies.items()},
+               compiled_full_over_none=policies["full"]["compiled_peak"] / none["compiled_peak"],
+               sizes=dataclasses.asdict(s)),
     ]
+
+
+def remat_figure(s: Sizes) -> dict:
+    """XLA:CPU's temporaries for the step under remat "full" over without remat, layers
+    listed and scanned (data-parallel on the 4 devices, the model deepened to 6
+    layers so the layers dominate)."""
+    s = dataclasses.replace(s, layers=max(s.layers, 6))
+    temps = {}
+    for scan in (False, True):
+        for remat in ("none", "full"):
+            trainer, _ = compiled_step(s, 1, 1, remat, scan)
+            temps[f"{'scanned' if scan else 'listed'}/{remat}"] = \
+                trainer.compiled_step().memory_analysis().temp_size_in_bytes
+    planned = {remat: plan_model(config("llama", s), DEVICES, 1, 1, step=StepShape(
+        batch_size=s.batch, seq_len=s.seq, remat=remat))["memory"]["parts"]
+        for remat in ("none", "full")}
+    return figure("memory/remat_full_over_none_cpu", temps["listed/full"] / temps["listed/none"],
+                  "x", f"the step's XLA:CPU temporaries without remat, {s.layers} layers listed, "
+                  "data-parallel on 4 CPU devices", None, COMMAND, temp_bytes=temps,
+                  scanned_full_over_none=temps["scanned/full"] / temps["scanned/none"],
+                  planned_activations={k: v["activations"] + v["recompute"]
+                                       for k, v in planned.items()},
+                  sizes=dataclasses.asdict(s))
 
 
 def plan_figure(preset: str) -> dict:
@@ -197,6 +238,14 @@ def main(argv=None) -> None:
     figures = []
     for name in meshes:
         figures += step_memory(name, sizes)
+    spread = [f for f in figures if f["name"].startswith("memory/plan_over_compiled/")]
+    if spread:
+        worst = max(spread, key=lambda f: abs(math.log(f["value"])))
+        figures.append(figure(
+            "memory/plan_over_compiled", worst["value"], "x",
+            f"the compiled peak; the mesh farthest from 1 ({worst['name'].rsplit('/', 1)[1]})",
+            "0.8-1.25", COMMAND, all={f["name"]: f["value"] for f in spread}))
+    figures.append(remat_figure(sizes))
     figures += [plan_figure(p) for p in presets]
     figures.append(attention_figure(args.tiny))
     save(figures, args.out)

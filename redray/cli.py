@@ -35,8 +35,24 @@ EXIT_USAGE = 2
 def _plan(args) -> int:
     from redray.models.plan import format_model_plan, load_fields, plan_model
 
+    from redray.models.memory import StepShape
+
     name, fields = load_fields(args.config)
-    result = plan_model(fields, args.devices, args.model_axis, args.fsdp_axis)
+    step = None
+    if args.batch_size is not None or args.seq_len is not None:
+        if args.batch_size is None or args.seq_len is None:
+            raise UsageError("the step's memory needs both --batch-size and --seq-len")
+        try:
+            step = StepShape(batch_size=args.batch_size, seq_len=args.seq_len, remat=args.remat,
+                             compute_dtype=args.compute_dtype, loss_chunk=args.loss_chunk,
+                             micro_batch_size=args.micro_batch_size)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    elif args.device_memory is not None:
+        raise UsageError("--device-memory needs the step's shape: give --batch-size and "
+                         "--seq-len too")
+    result = plan_model(fields, args.devices, args.model_axis, args.fsdp_axis, step=step,
+                        device_gib=args.device_memory)
     if args.json:
         print(json.dumps({"config": name, **result}, indent=2))
     else:
@@ -290,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "(data, fsdp, model) mesh and prints the parameter and Adam-state bytes "
                  "per device beside the ideal total / (model x fsdp).",
                  "examples:\n  redray plan llama-7b --devices 8 --model-axis 8\n"
+                 "  redray plan llama-7b --devices 8 --model-axis 8 --batch-size 16 "
+                 "--seq-len 2048 --remat full --compute-dtype bfloat16 --device-memory 80\n"
                  "  redray plan path/to/config.json --devices 16 --model-axis 4 --fsdp-axis 4")
     p.add_argument("config", metavar="PRESET_OR_CONFIG",
                    help="a preset (gpt2-xl, gpt-j-6b, llama-7b, llama-13b, t5-11b, opt-13b, "
@@ -298,6 +316,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-axis", type=int, required=True, help="tensor-parallel axis size")
     p.add_argument("--fsdp-axis", type=int, default=1,
                    help="ZeRO-3 axis size (default 1); data axis = devices / (model x fsdp)")
+    memory = p.add_argument_group(
+        "one training step's memory per device (gradients, compute-dtype copies, FSDP "
+        "gather buffers, activations): give --batch-size and --seq-len")
+    memory.add_argument("--batch-size", type=int, help="examples per update, all devices")
+    memory.add_argument("--micro-batch-size", type=int,
+                        help="examples per forward/backward pass (gradient accumulation)")
+    memory.add_argument("--seq-len", type=int, help="tokens per example")
+    memory.add_argument("--remat", default="none", choices=("none", "full", "dots", "offload"),
+                        help="the models' remat policy (default none)")
+    memory.add_argument("--compute-dtype", default=None,
+                        help="e.g. bfloat16: the model built in it and its parameters cast "
+                             "to it for the step (default: float32)")
+    memory.add_argument("--loss-chunk", type=int, default=None,
+                        help="tokens whose logits exist at once (next_token_loss(chunk=))")
+    memory.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                        help="say whether the step fits on a device of this many GiB")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run_command=_plan)
 

@@ -45,6 +45,9 @@ def test_targets_and_the_generated_table():
     bad = figure("fsdp", 0.8, "x", "PyTorch FSDP", ">= 1.0", "python benchmarks/fsdp.py")
     assert met(good) is True and met(bad) is False
     assert met(figure("hosts", 0.5, "x", "1 host", None, "python benchmarks/hosts.py")) is None
+    within = [figure("plan", v, "x", "compiled", "0.8-1.25", "python m.py")
+              for v in (0.79, 1.0, 1.3)]
+    assert [met(f) for f in within] == [False, True, False]
     text = render(f"# B\n\nintro\n{START}\nold\n{END}\nnotes\n", [bad, good])
     assert text.startswith("# B\n\nintro\n") and text.endswith("\nnotes\n")
     assert "| fsdp | 0.8000 x | >= 1.0 | **no** |" in text and "| overhead | 1.0100 x |" in text

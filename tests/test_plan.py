@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from redray.models.hub import FAMILIES
+from redray.models.memory import StepShape
 from redray.models.plan import (PlanError, format_model_plan, mesh_sizes, plan_model,
                                 preset_fields, presets)
 
@@ -172,6 +173,12 @@ def test_cli_json():
     (["no-such-model", "--devices", "8", "--model-axis", "8"], "unknown preset 'no-such-model'"),
     (["missing/config.json", "--devices", "8", "--model-axis", "8"], "no such config file"),
     (["llama-7b", "--devices", "12", "--model-axis", "8"], "does not divide 12 devices"),
+    (["llama-7b", "--devices", "8", "--model-axis", "8", "--device-memory", "80"],
+     "--device-memory needs the step's shape"),
+    (["llama-7b", "--devices", "8", "--model-axis", "2", "--batch-size", "6", "--seq-len",
+      "64"], "micro batch 6 does not split over data x fsdp = 4 devices"),
+    (["llama-7b", "--devices", "8", "--model-axis", "8", "--batch-size", "8"],
+     "needs both --batch-size and --seq-len"),
 ])
 def test_cli_errors_are_one_line_exit_2(args, expected):
     proc = run_cli("plan", *args)
@@ -183,3 +190,79 @@ def test_cli_errors_are_one_line_exit_2(args, expected):
     assert "Traceback" not in proc.stderr
     if "unknown preset" in expected:
         assert all(name in lines[0] for name in SETTINGS)
+
+
+def test_the_step_memory_counts_every_part_and_says_whether_it_fits(capsys):
+    from redray.cli import main
+
+    step = ["llama-7b", "--devices", "16", "--model-axis", "8", "--fsdp-axis", "2",
+            "--batch-size", "16", "--seq-len", "1024", "--compute-dtype", "bfloat16"]
+    assert main(["plan", *step, "--remat", "full", "--device-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    for part in ("gradients", "compute-dtype copies", "fsdp gather (2 layers)",
+                 "activations (saved)", "recompute (1 layer)"):
+        assert part in out, out
+    assert "fits on a device of 80.00 GiB: yes" in out
+    assert main(["plan", *step, "--device-memory", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "fits on a device of 16.00 GiB: NO" in out and "try remat='full'" in out
+
+    def memory(remat, **kw):
+        shape = StepShape(batch_size=16, seq_len=1024, remat=remat, compute_dtype="bfloat16",
+                          **kw)
+        return plan_model("llama-7b", 16, 8, 2, step=shape)["memory"]
+
+    none, full, dots = memory("none"), memory("full"), memory("dots")
+    # 8 per device (data 1 x fsdp 2); the state parts follow the sharding plan
+    assert none["per_device_batch"] == 8
+    assert none["parts"]["gradients"] == none["parts"]["parameters"]
+    assert none["parts"]["compute_copies"] == none["parts"]["parameters"] // 2
+    # full remat keeps each layer's input and nothing else: 8 x 1024 x 4096 in bfloat16
+    per_layer_input = 8 * 1024 * 4096 * 2
+    assert full["activations_per_layer"] == per_layer_input
+    assert full["parts"]["activations"] < dots["parts"]["activations"] < \
+        none["parts"]["activations"]
+    assert full["parts"]["recompute"] > 0 and none["parts"]["recompute"] == 0
+    # accumulating over micro-batches of 8 halves the rows a pass holds
+    half = memory("none", micro_batch_size=8)
+    assert half["per_device_batch"] == 4
+    assert half["parts"]["activations"] == pytest.approx(none["parts"]["activations"] / 2,
+                                                         rel=0.01)
+
+
+def test_the_memory_plan_is_checked_against_the_compiled_step():
+    """redray plan's count (from the config) and Trainer.memory's (the built model and
+    loss) agree, and are within 0.8-1.25 of XLA's compiled step on CPU, where XLA keeps
+    what the policy keeps (no remat: XLA:CPU recomputes but does not lower the peak)."""
+    import jax
+    import numpy as np
+    import optax
+    import transformers
+
+    import redray
+    from redray.models import build, next_token_loss
+
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 simulated devices")
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=512,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      vocab_size=512, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    data = [{"ids": r} for r in np.random.default_rng(0).integers(0, 512, (8, 65), np.int32)]
+
+    def loss(model, batch, rng, train):
+        return next_token_loss(model, batch["ids"], train=train)
+
+    for model_axis, fsdp_axis in ((4, 1), (1, 4), (2, 2)):
+        trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs), lambda e: {
+            "ids": np.stack([x["ids"] for x in e])}, loss, optax.adamw(1e-3), batch_size=8,
+            model_axis=model_axis, fsdp_axis=fsdp_axis, progress=False)
+        trainer.init(data)
+        measured = trainer.memory(device_gib=1)
+        planned = plan_model(config, 4, model_axis, fsdp_axis,
+                             step=StepShape(batch_size=8, seq_len=64))["memory"]
+        assert planned["parts"] == {**measured["parts"], "recompute": 0}, (model_axis, fsdp_axis)
+        ratio = planned["total"] / measured["compiled"]["peak"]
+        assert 0.8 <= ratio <= 1.25, (model_axis, fsdp_axis, ratio, measured)
+        assert measured["fits"] is True
+    assert "XLA's compiled step on cpu: peak" in trainer.plan(memory=True)

@@ -37,6 +37,8 @@ from redray.engine.steps import (NONFINITE_POLICIES, eval_step, microbatched, mo
 from redray.pipeline import Pipeline, PipelineError, split_loss_output
 from redray.rngs import Stream, stream_key
 from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size, placement
+from redray.sharding.memory import (GATHERED_LAYERS, layer_gather_bytes, memory_text,
+                                    saved_residuals, split_residual_bytes, split_sizes, totals)
 
 # What a Trainer's checkpoint meta holds beyond the step (and reads back on resume): the
 # position in the data. A meta without them is an unreadable checkpoint.
@@ -314,10 +316,96 @@ class Trainer:
             *rt.abstract, abstract)
         return sorted(split_loss_output(out)[1])
 
-    def plan(self) -> str:
-        """The sharding plan (path, shape, spec, bytes per device); after ``init``."""
+    def plan(self, memory: bool = False, device_gib: float | None = None) -> str:
+        """The sharding plan (path, shape, spec, bytes per device); after ``init``.
+
+        With ``memory=True`` (or ``device_gib``) it adds what one training step holds
+        per device, by part, beside what XLA compiled for this backend
+        (``Trainer.memory``), and with ``device_gib`` whether that fits."""
         self._require_init("plan")
-        return self.runtime.placement_text()
+        text = self.runtime.placement_text()
+        if memory or device_gib is not None:
+            text += "\n\n" + "\n".join(memory_text(self.memory(device_gib), dict(self.mesh.shape)))
+        return text
+
+    def memory(self, device_gib: float | None = None) -> dict:
+        """What one training step holds per device (after ``init``), in bytes.
+
+        ``parts``: parameters, optimizer state, gradients (one per trained parameter,
+        sharded like it), compute-dtype copies, FSDP gather buffers (the largest
+        layer, twice) and activations: the residuals JAX saves for the backward pass of
+        your loss on one device's micro-batch (traced, under the model's own remat),
+        1/model for those split over ``model``. ``total`` is their sum; ``compiled``:
+        XLA's own figures for the compiled step on this backend (``arguments``,
+        ``temporaries``, ``outputs``, ``aliased``, ``peak`` = arguments + temporaries +
+        outputs - aliased), which also hold XLA's fusion outputs and collectives'
+        buffers. With ``device_gib``: ``fits`` (the larger of total and peak).
+        """
+        self._require_init("memory")
+        state, cd = self.state, self.runtime.compute_dtype
+
+        def per_device(tree):
+            return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
+                       if hasattr(x, "addressable_shards"))
+
+        params, frozen = per_device(state.params), per_device(state.frozen)
+        copies = 0
+        if cd is not None:
+            copies = sum(x.addressable_shards[0].data.nbytes // x.dtype.itemsize
+                         * jnp.dtype(cd).itemsize
+                         for x in jax.tree.leaves((state.params, state.frozen))
+                         if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(cd))
+        rows = placement(self.runtime.abstract[0], self.runtime.specs[0], self.mesh)
+        fsdp = self.mesh.shape.get("fsdp", 1)
+        gathered = 0
+        if fsdp > 1:
+            item = jnp.dtype(cd).itemsize if cd is not None else 4
+            gathered = GATHERED_LAYERS * layer_gather_bytes(rows, fsdp) * item // 4
+        parts = {"parameters": params + frozen, "optimizer": per_device(state.opt_state),
+                 "gradients": params, "compute_copies": copies, "fsdp_gathered": gathered,
+                 "activations": self._activation_bytes(rows)}
+        out = totals(parts, device_gib)
+        stats = self.compiled_step().memory_analysis()
+        compiled = {k: int(getattr(stats, f"{k}_size_in_bytes"))
+                    for k in ("argument", "temp", "output", "alias")}
+        compiled = {"arguments": compiled["argument"], "temporaries": compiled["temp"],
+                    "outputs": compiled["output"], "aliased": compiled["alias"],
+                    "peak": compiled["argument"] + compiled["temp"] + compiled["output"]
+                    - compiled["alias"], "platform": self.mesh.devices.flat[0].platform}
+        out["compiled"] = compiled
+        out["per_device_batch"] = self.micro
+        if device_gib is not None:
+            out["fits"] = max(out["total"], compiled["peak"]) <= out["device_bytes"]
+        return out
+
+    def _activation_bytes(self, rows) -> int:
+        """Residual bytes per device of the loss's backward pass on one device's micro
+        batch (see ``redray.sharding.memory``)."""
+        cd = self.runtime.compute_dtype
+
+        def abstract(x):
+            dtype = cd if cd is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+            return jax.ShapeDtypeStruct(x.shape, dtype)
+
+        params, frozen = (jax.tree.map(abstract, t) for t in (self.state.params,
+                                                              self.state.frozen))
+        extra = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state.extra)
+        rng = jax.eval_shape(lambda: jax.random.key(0))
+        loss_of = model_loss(self.runtime.apply, self.pipeline.loss)
+
+        def loss(params, frozen, extra, batch, rng):
+            return loss_of(params, frozen, extra, batch, rng)[0]
+
+        def batch(rows):
+            return {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype)
+                    for k, v in self._global_batch.items()}
+
+        real = saved_residuals(loss, params, frozen, extra, batch(self.micro), rng)
+        probe = saved_residuals(loss, params, frozen, extra, batch(1), rng)
+        lengths = {d + k for v in self._global_batch.values() for d in v.shape[1:]
+                   for k in (-1, 0)}
+        return split_residual_bytes(real, probe, split_sizes(rows),
+                                    self.mesh.shape.get("model", 1), frozenset(lengths))
 
     def describe(self) -> dict:
         """The run's shape: hosts, devices, mesh, parameter count, bytes per device,

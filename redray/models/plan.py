@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
+from redray.models.memory import StepShape, memory_plan
+from redray.sharding.memory import part_lines
 from redray.sharding import AXES, follow_specs, placement
 
 PRESET_DIR = "presets"
@@ -160,7 +162,8 @@ def _replicated_axes(spec: P, mesh_shape: dict) -> list[str]:
 
 
 def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
-               rules=(), replicated_min_bytes: int = REPLICATED_MIN_BYTES) -> dict:
+               rules=(), replicated_min_bytes: int = REPLICATED_MIN_BYTES,
+               step: StepShape | None = None, device_gib: float | None = None) -> dict:
     """What each device holds when ``config``'s model is sharded by the automatic rules.
 
     Args:
@@ -171,6 +174,10 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
       rules: (regex, PartitionSpec) overrides, as for ``Trainer``.
       replicated_min_bytes: parameters left replicated that are smaller than this are
         counted in ``replicated_omitted`` instead of listed.
+      step: a ``redray.models.memory.StepShape`` (batch, sequence, remat policy,
+        compute dtype): the result gets ``memory``, what one training step holds per
+        device (``redray.models.memory.memory_plan``).
+      device_gib: with ``step``, the device memory to check the step against.
 
     Returns:
       A JSON-ready dict: ``n_params``, ``devices``, ``mesh`` ({data, fsdp, model}),
@@ -180,7 +187,8 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
       ({params, opt}: actual / ideal), ``replicated`` (parameters not split over every
       axis of model x fsdp: path, shape, spec, bytes_per_device, replicated_over, and
       for a layer parameter left whole over model ``why`` and ``fix``, else None) and
-      ``replicated_omitted`` (how many smaller ones were left out of that list).
+      ``replicated_omitted`` (how many smaller ones were left out of that list); with
+      ``step``, ``memory``.
 
     Raises:
       PlanError: axis sizes that do not divide the devices, an unsupported model type.
@@ -229,6 +237,16 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
                            "replicated_over": axes,
                            "why": w.reason if w else None, "fix": w.fix if w else None})
     replicated.sort(key=lambda r: -r["bytes_per_device"])
+    memory = None
+    if step is not None:
+        try:
+            memory = memory_plan(fam, config, param_rows, int(actual["opt"]), sizes, step,
+                                 device_gib)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+    elif device_gib is not None:
+        raise PlanError("device_gib needs the step's shape: give the batch size and sequence "
+                        "length (redray plan --batch-size B --seq-len T)")
     return {
         "model_type": config.model_type,
         "n_params": int(sum(math.prod(r.shape) for r in param_rows)),
@@ -243,6 +261,7 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
         "replicated": replicated,
         "replicated_omitted": omitted,
         "replicated_min_bytes": replicated_min_bytes,
+        **({"memory": memory} if memory is not None else {}),
     }
 
 
@@ -297,4 +316,21 @@ def format_model_plan(result: dict, name: str | None = None) -> str:
     if omitted:
         lines.append(f"({omitted} smaller parameters left replicated are not listed: "
                      "norm scales, biases)")
+    if "memory" in result:
+        lines += ["", *format_memory(result["memory"], mesh)]
     return "\n".join(lines)
+
+
+def format_memory(plan: dict, mesh: dict) -> list[str]:
+    """The lines of a memory plan: each part per device, the total, whether it fits."""
+    step = plan["step"]
+    dtype = step["compute_dtype"] or "float32"
+    chunk = f", loss chunk {step['loss_chunk']}" if step["loss_chunk"] else ""
+    micro = step["micro_batch_size"] or step["batch_size"]
+    lines = [f"one training step, per device: micro batch {micro}"
+             f" ({plan['per_device_batch']} per device) x {step['seq_len']} tokens, "
+             f"remat={step['remat']!r}, compute in {dtype}{chunk}"]
+    lines += part_lines(plan, mesh)
+    lines.append("activations: residuals JAX saves for the backward pass, traced; XLA's "
+                 "temporaries (fusion outputs, collectives' buffers) come on top")
+    return lines

@@ -1,0 +1,199 @@
+"""What a training step holds per device, counted without a device: the memory half of
+``redray plan``.
+
+The state (parameters, optimizer moments) comes from the sharding plan. Beside it a
+step holds:
+
+* gradients: one per trained parameter, sharded like it, in its dtype;
+* compute-dtype copies: with ``compute_dtype`` (bfloat16) the parameters are cast once
+  per step and the copies live through the forward and backward passes;
+* FSDP gather buffers: with an fsdp axis each layer's parameters are all-gathered
+  before use; two layers are counted (the one computing and the next, prefetched);
+* activations: the residuals the backward pass reads, traced by JAX itself
+  (``jax.ad_checkpoint``'s saved residuals of the loss's linearization) on the
+  per-device batch and sequence, under the remat policy. Residuals whose shape holds a
+  size the rules split over ``model`` (heads, intermediate size, vocabulary) count
+  1/model per device; the residual stream counts whole, as in Megatron;
+* the recompute buffer: with a remat policy the backward pass re-runs one layer's
+  forward, holding what that layer would have saved without remat.
+
+Layers are traced at depth 1 and 2 and the difference extrapolated to the model's
+depth (every layer is alike), so a plan of an 80-layer model traces 2-layer ones.
+Checked against XLA's ``compiled.memory_analysis()`` of redray's real training step at
+small sizes on CPU (``benchmarks/memory.py``, ``memory/plan_over_compiled``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from redray.models.layers import remat_policy
+from redray.sharding.memory import (GATHERED_LAYERS, layer_gather_bytes, saved_residuals,
+                                    split_residual_bytes, split_sizes, totals)
+
+# Layer-count fields of a config, per model type (every other family: one field).
+LAYER_FIELDS = {"t5": ("num_layers", "num_decoder_layers")}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The step a memory plan is for.
+
+    Attributes:
+      batch_size: examples per optimizer update over all devices (micro batch: the
+        examples one forward/backward pass holds; ``batch_size`` unless accumulating).
+      seq_len: tokens per example the model sees.
+      remat: "none", "full", "dots" or "offload" (as the models' ``remat=``).
+      compute_dtype: e.g. "bfloat16": the parameters are cast to it for the step and the
+        model is built in it (``build(config, dtype=...)``, with ``Trainer(...,
+        compute_dtype=...)``); None computes in the parameters' float32.
+      loss_chunk: tokens whose logits exist at once (``next_token_loss(chunk=)``).
+      micro_batch_size: examples per forward/backward pass (gradient accumulation);
+        None: ``batch_size``.
+    """
+
+    batch_size: int
+    seq_len: int
+    remat: str = "none"
+    compute_dtype: str | None = None
+    loss_chunk: int | None = None
+    micro_batch_size: int | None = None
+
+    def __post_init__(self):
+        for name in ("batch_size", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        remat_policy(self.remat)  # a clear error naming the policies
+        if self.compute_dtype is not None:
+            try:
+                jnp.dtype(self.compute_dtype)
+            except TypeError:
+                raise ValueError(f"compute_dtype {self.compute_dtype!r} is not a dtype: use "
+                                 "e.g. 'bfloat16' or None") from None
+
+    @property
+    def micro(self) -> int:
+        return self.micro_batch_size or self.batch_size
+
+
+def _loss(model, inputs, chunk):
+    from redray.models.losses import next_token_loss
+
+    if "decoder_input_ids" in inputs:  # encoder-decoder: the decoder's tokens as targets
+        logits = model(**inputs, train=True).astype(jnp.float32)
+        targets = inputs["decoder_input_ids"]
+        logz = jax.nn.logsumexp(logits, -1)
+        return jnp.mean(logz - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0])
+    return next_token_loss(model, inputs["input_ids"], chunk=chunk, train=True)
+
+
+def _trace(fam, config, batch: int, seq: int, policy: str, compute_dtype, chunk) -> list:
+    """Shapes and dtypes of the residuals of one loss evaluation (parameters excluded)."""
+    from flax import nnx
+
+    from redray.rngs import rngs as fast_rngs
+
+    # a model trained in a compute dtype is built in it too (redray's models compute in
+    # their ``dtype``; bfloat16 parameters in a float32 model are cast back per matmul)
+    abstract = nnx.eval_shape(lambda: fam.Model(config, rngs=fast_rngs(0), remat=policy,
+                                                dtype=compute_dtype or jnp.float32))
+    graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
+    if compute_dtype is not None:  # the copies are counted apart
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype)
+                              if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    inputs = fam.trace_inputs(config, batch, seq)
+    if "decoder_input_ids" not in inputs:  # next_token_loss feeds seq tokens of seq + 1
+        inputs = {"input_ids": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)}
+
+    def loss(params, extra, inputs):
+        return _loss(nnx.merge(graphdef, params, extra), inputs, chunk)
+
+    return saved_residuals(loss, params, extra, inputs)
+
+
+def _with_layers(config, fields, counts):
+    config = config.__class__.from_dict(config.to_dict())
+    for field, n in zip(fields, counts):
+        setattr(config, field, n)
+    return config
+
+
+def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_axis: int,
+                     split_sizes: set[int]) -> dict:
+    """{"saved": residual bytes per device for the whole model, "recompute": one
+    layer's rematerialized residuals (0 without remat), "per_layer": saved bytes of one
+    layer, "host": residual bytes offloaded to host memory ("offload" policy)}."""
+    policy = remat_policy(step.remat)
+    fields = LAYER_FIELDS.get(config.model_type, ("num_hidden_layers",))
+    depth = [getattr(config, f) for f in fields]
+    # offload keeps the matmul outputs in host memory: on the device it holds what
+    # "full" holds; the host holds what "dots" adds to that.
+    traced = ({"full", "dots"} if policy == "offload" else {policy}) | {"none"}
+
+    def measure(name):
+        def at(counts):
+            cfg = _with_layers(config, fields, counts)
+            args = (step.compute_dtype, step.loss_chunk)
+            return split_residual_bytes(
+                _trace(fam, cfg, per_device_batch, step.seq_len, name, *args),
+                _trace(fam, cfg, 1, step.seq_len, name, *args), split_sizes, model_axis,
+                frozenset({step.seq_len, step.seq_len + 1}))
+
+        base = at([1] * len(fields))
+        deltas = [at([2 if j == i else 1 for j in range(len(fields))]) - base
+                  for i in range(len(fields))]
+        whole = base + sum((n - 1) * d for n, d in zip(depth, deltas))
+        return whole, deltas
+
+    results = {name: measure(name) for name in traced}
+    device = "full" if policy == "offload" else policy
+    saved, deltas = results[device]
+    none_deltas = results["none"][1]
+    recompute = 0 if policy == "none" else max(n - d for n, d in zip(none_deltas, deltas))
+    host = results["dots"][0] - saved if policy == "offload" else 0
+    return {"saved": int(saved), "recompute": int(max(recompute, 0)),
+            "per_layer": int(max(deltas)), "host": int(max(host, 0))}
+
+
+def memory_plan(fam, config, param_rows, opt_bytes: int, mesh: dict, step: StepShape,
+                device_gib: float | None = None) -> dict:
+    """Bytes per device of one training step of ``config``'s model (see the module).
+
+    Returns a JSON-ready dict: ``parts`` (name -> bytes per device: parameters,
+    optimizer, gradients, compute_copies, fsdp_gathered, activations, recompute),
+    ``total``, ``per_device_batch``, ``offloaded_to_host``, the ``step`` it is for and,
+    with ``device_gib``, ``fits`` and ``device_bytes``.
+    """
+    shards = mesh["data"] * mesh["fsdp"]
+    if step.batch_size % step.micro:
+        raise ValueError(f"batch_size {step.batch_size} is not a multiple of "
+                         f"micro_batch_size {step.micro}")
+    if step.micro % shards:
+        raise ValueError(f"micro batch {step.micro} does not split over data x fsdp = {shards} "
+                         f"devices: use a multiple of {shards}")
+    per_device = step.micro // shards
+    params = sum(r.bytes_per_device for r in param_rows)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model", 0)
+    acts = activation_bytes(fam, config, step, per_device, mesh["model"],
+                            split_sizes(param_rows, hidden))
+    copies = 0
+    item = jnp.dtype(step.compute_dtype).itemsize if step.compute_dtype else 4
+    if step.compute_dtype and jnp.dtype(step.compute_dtype) != jnp.float32:
+        copies = params * item // 4
+    gathered = 0
+    if mesh["fsdp"] > 1:
+        gathered = GATHERED_LAYERS * layer_gather_bytes(param_rows, mesh["fsdp"]) * item // 4
+    parts = {"parameters": params, "optimizer": opt_bytes, "gradients": params,
+             "compute_copies": copies, "fsdp_gathered": gathered,
+             "activations": acts["saved"], "recompute": acts["recompute"]}
+    return {**totals(parts, device_gib), "per_device_batch": per_device,
+            "activations_per_layer": acts["per_layer"], "offloaded_to_host": acts["host"],
+            "step": dataclasses.asdict(step)}
+
+
+
+

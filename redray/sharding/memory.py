@@ -1,0 +1,166 @@
+"""What a training step holds per device besides its state, by part: the counting
+shared by ``redray plan`` (``redray/models/memory.py``, from a config, no devices) and
+``Trainer.memory()`` (the user's own model and loss).
+
+Activations are what JAX itself says the backward pass reads: the saved residuals of
+the loss's linearization (``jax.ad_checkpoint``), traced on abstract values. Under
+tensor parallelism a residual counts 1/model per device when its shape holds a size the
+rules split over ``model`` (heads, intermediate size, vocabulary), found on a trace of
+a one-row batch aligned with the real one; the residual stream's width is never such a
+size (Megatron keeps it whole).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+# FSDP: the layers whose parameters are gathered at once (the one computing and the
+# next, prefetched).
+GATHERED_LAYERS = 2
+
+def saved_residuals(f, *args) -> list:
+    """Shapes and dtypes of what the backward pass of ``f(*args)`` reads, besides the
+    arguments themselves (parameters, the batch: counted apart)."""
+    from jax._src.ad_checkpoint import saved_residuals  # what print_saved_residuals reads
+
+    return [aval for aval, source in saved_residuals(f, *args)
+            if not source.startswith("from the argument")]
+
+
+def split_residual_bytes(residuals, probes, split: set[int], model_axis: int,
+                         exclude: frozenset = frozenset()) -> int:
+    """Bytes per device of ``residuals`` under tensor parallelism: those whose shape in
+    ``probes`` (the same trace on a batch of one row, aligned by position) holds a size
+    in ``split`` (and not in ``exclude``, e.g. the sequence length) count 1/model_axis."""
+    if len(residuals) != len(probes):  # not the same program: count every one whole
+        probes = [None] * len(residuals)
+    total = 0
+    for aval, probe in zip(residuals, probes):
+        size = math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
+        is_split = probe is not None and model_axis > 1 and any(
+            d in split and d not in exclude and d % model_axis == 0 for d in probe.shape[1:])
+        total += size // model_axis if is_split else size
+    return total
+
+
+def split_sizes(param_rows, hidden: int | None = None) -> set[int]:
+    """Sizes of the parameter dimensions the rules split over ``model``, without the
+    residual stream's width (Megatron keeps it whole): ``hidden``, and the size of every
+    vector parameter left whole over ``model`` (norm scales, output biases)."""
+    sizes, whole = set(), set() if hidden is None else {hidden}
+    for row in param_rows:
+        axes = [a for e in row.spec for a in (e if isinstance(e, tuple) else (e,))]
+        if len(row.shape) == 1 and "model" not in axes:
+            whole.add(row.shape[0])
+        for dim, entry in zip(row.shape, row.spec):
+            if "model" in (entry if isinstance(entry, tuple) else (entry,)):
+                sizes.add(dim)
+    return sizes - whole
+
+
+def layer_gather_bytes(param_rows, fsdp: int) -> int:
+    """Bytes of the largest layer's parameters on a device once gathered over fsdp. A
+    layer is what shares a path up to its first numeric part (``layers/3/...``); under
+    a first part without numbers whose parameters all lead with the same size
+    (stacked, scanned layers) one slice of each; anything else is its own group."""
+    numbered: dict = {}
+    unnumbered: dict = {}
+    for row in param_rows:
+        axes = {a for e in row.spec for a in (e if isinstance(e, tuple) else (e,))}
+        gathered = row.bytes_per_device * (fsdp if "fsdp" in axes else 1)
+        parts = row.path.split("/")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if index is not None:
+            key = "/".join(parts[:index + 1])
+            numbered[key] = numbered.get(key, 0) + gathered
+        else:
+            unnumbered.setdefault(parts[0], []).append((row.shape, gathered))
+    sizes = list(numbered.values())
+    for rows in unnumbered.values():
+        leads = {shape[0] if len(shape) >= 2 else None for shape, _ in rows}
+        if len(rows) > 1 and len(leads) == 1 and None not in leads:
+            (lead,) = leads
+            sizes.append(sum(g for _, g in rows) // lead)
+        else:
+            sizes += [g for _, g in rows]
+    return max(sizes, default=0)
+
+
+def totals(parts: dict, device_gib: float | None) -> dict:
+    """``parts``, their ``total`` and, with ``device_gib``, ``device_bytes`` and ``fits``."""
+    out = {"parts": {k: int(v) for k, v in parts.items()}, "total": int(sum(parts.values()))}
+    if device_gib is not None:
+        if isinstance(device_gib, bool) or not isinstance(device_gib, (int, float)) \
+                or device_gib <= 0:
+            raise ValueError(f"device_gib must be a positive number of GiB, got {device_gib!r}")
+        out["device_bytes"] = int(device_gib * (1 << 30))
+        out["fits"] = out["total"] <= out["device_bytes"]
+    return out
+
+
+def size_text(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def part_lines(plan: dict, mesh: dict) -> list[str]:
+    """The parts of a memory plan, the total and whether it fits, one per line."""
+    lines = [f"  {PART_LABELS[name]:<26}{size_text(value):>14}"
+             for name, value in plan["parts"].items() if value]
+    lines.append(f"  {'total':<26}{size_text(plan['total']):>14}")
+    if plan.get("offloaded_to_host"):
+        lines.append(f"  (and {size_text(plan['offloaded_to_host'])} of activations in host "
+                     "memory)")
+    if "fits" in plan:
+        device = size_text(plan["device_bytes"])
+        share = max(plan["total"], plan.get("compiled", {}).get("peak", 0)) / plan["device_bytes"]
+        if plan["fits"]:
+            lines.append(f"fits on a device of {device}: yes ({share:.0%} of it)")
+        else:
+            lines.append(f"fits on a device of {device}: NO ({share:.0%} of it); try "
+                         + "; ".join(advice(plan, mesh)))
+    return lines
+
+
+PART_LABELS = {
+    "parameters": "parameters (float32)",
+    "optimizer": "optimizer state",
+    "gradients": "gradients",
+    "compute_copies": "compute-dtype copies",
+    "fsdp_gathered": f"fsdp gather ({GATHERED_LAYERS} layers)",
+    "activations": "activations (saved)",
+    "recompute": "recompute (1 layer)",
+}
+
+
+def advice(plan: dict, mesh: dict) -> list[str]:
+    """What would make a step that does not fit, fit (largest part first)."""
+    parts, step = plan["parts"], plan.get("step", {})
+    out = []
+    if parts["activations"] >= max(parts["parameters"], 1) and \
+            step.get("remat", "none") in ("none", "dots"):
+        out.append("remat='full' (keeps one input per layer)")
+    if plan.get("per_device_batch", 1) > 1:
+        out.append("a smaller micro_batch_size (gradient accumulation keeps the batch)")
+    if parts["parameters"] + parts["optimizer"] + parts["gradients"] > plan["total"] / 3:
+        out.append(f"a larger fsdp axis (now {mesh['fsdp']}) or model axis "
+                   f"(now {mesh['model']})")
+    if not step.get("compute_dtype"):
+        out.append("compute_dtype='bfloat16' (activations at half the bytes)")
+    return out
+
+
+def memory_text(plan: dict, mesh: dict) -> list[str]:
+    """``Trainer.memory``'s result as lines: the parts, and XLA's compiled figures."""
+    lines = [f"one training step, per device ({plan['per_device_batch']} rows of the "
+             "micro-batch on each):", *part_lines(plan, mesh)]
+    c = plan["compiled"]
+    lines.append(f"XLA's compiled step on {c['platform']}: peak {size_text(c['peak'])} "
+                 f"(arguments {size_text(c['arguments'])} + temporaries "
+                 f"{size_text(c['temporaries'])} + outputs {size_text(c['outputs'])} - "
+                 f"aliased {size_text(c['aliased'])})")
+    return lines
