@@ -343,6 +343,8 @@ def check_plan(work, out):
         total = next(r for r in out.splitlines() if r.startswith("total"))
         ratio = {"total": float(total.split()[-1].rstrip("x"))}
     assert all(r <= 1.01 for r in ratio.values()), out
+    if "--device-memory" in out or "one training step" in out:
+        assert "fits on a device of 80.00 GiB: yes" in out, out
 
 
 def check_runs(work, out):
