@@ -201,3 +201,55 @@ def test_model_axis_two_matches_one_device(relu):
         assert block.mlp.wi.kernel.get_value().sharding.spec == P(None, "model")
         assert block.mlp.wo.kernel.get_value().sharding.spec == P("model")
     assert split.shared.embedding.get_value().sharding.spec == P("model")
+
+
+@pytest.mark.parametrize("which", ["relu", "gated"])
+def test_scanned_layers_match_the_list(which, request, tmp_path):
+    """scan=True: every block alike, stacked (the relative position bias beside them);
+    the same logits, cached decoding, generation and export as the listed form."""
+    hf, path, listed = request.getfixturevalue(which)
+    scanned = from_pretrained(path, mesh=_one_device(), scan=True)
+    for stack in (scanned.encoder, scanned.decoder):
+        assert not isinstance(stack.layers, nnx.List)
+        assert stack.relative_attention_bias.embedding.shape == (32, 4)
+        assert stack.layers.mlp_norm.scale.shape == (2, 64)  # the layer axis leads
+    ids, mask, dec = _inputs(seed=9)
+    np.testing.assert_allclose(np.asarray(_logits(scanned, ids, mask, dec)),
+                               np.asarray(_logits(listed, ids, mask, dec)), atol=1e-5, rtol=0)
+    gen = nnx.jit(lambda m, ids, mask: t5.generate(m, ids, mask, max_new_tokens=8))
+    np.testing.assert_array_equal(np.asarray(gen(scanned, jnp.asarray(ids), jnp.asarray(mask))),
+                                  np.asarray(gen(listed, jnp.asarray(ids), jnp.asarray(mask))))
+    save_pretrained(scanned, str(tmp_path))
+    back = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path)).eval()
+    np.testing.assert_allclose(_hf_logits(back, ids, mask, dec), _hf_logits(hf, ids, mask, dec),
+                               atol=1e-5, rtol=0)
+
+
+def test_scanned_t5_trains_split_over_the_model_axis(relu):
+    """The rules split the stacked kernels' heads, never the layer axis; remat and the
+    gradient go through the scan."""
+    _, path, _ = relu
+    model = from_pretrained(path, model_axis=2, scan=True, remat="full", dropout_rate=0.0)
+    qkv = model.encoder.layers.self_attn.qkv.kernel.get_value()
+    assert qkv.shape[0] == 2 and qkv.sharding.spec == P(None, None, "model")
+    ids, mask, dec = (jnp.asarray(x) for x in _inputs(seed=11))
+
+    def loss(m):
+        logits = m(ids, mask, decoder_input_ids=dec, train=True)
+        return optax_ce(logits, dec)
+
+    grads = nnx.jit(nnx.grad(loss))(model)
+    listed = from_pretrained(path, mesh=_one_device(), dropout_rate=0.0)
+    expected = nnx.jit(nnx.grad(loss))(listed)
+    np.testing.assert_allclose(np.asarray(grads.encoder.layers.mlp.wo.kernel.get_value())[1],
+                               np.asarray(expected.encoder.layers[1].mlp.wo.kernel.get_value()),
+                               atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(grads.decoder.relative_attention_bias.embedding.get_value()),
+        np.asarray(expected.decoder.layers[0].self_attn.relative_attention_bias.embedding
+                   .get_value()), atol=1e-5, rtol=1e-4)
+
+
+def optax_ce(logits, targets):
+    logz = jax.nn.logsumexp(logits, -1)
+    return jnp.mean(logz - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0])

@@ -318,7 +318,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
     stacked: dict[str, dict[int, np.ndarray]] = {}  # stacked path -> layer -> value
     prefix = getattr(fam, "BASE_PREFIX", None)
     for row in table:
-        where = _model_path(row.path, by_path)
+        where = _model_path(row.path, by_path, fam)
         if where is None:
             raise AssertionError(f"{fam.__name__}: table path {row.path!r} is not a parameter")
         names = [_stored_name(part, available, prefix) for part in row.parts]
@@ -345,7 +345,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
         if layer is not None:
             stacked.setdefault(model_path, {})[layer] = value
             continue
-        loaded[row.path] = jax.make_array_from_callback(
+        loaded[model_path] = jax.make_array_from_callback(
             value.shape, NamedSharding(mesh, spec), lambda idx, v=value: v[idx])
     for model_path, layers_ in stacked.items():
         leaf, spec = by_path[model_path]
@@ -356,7 +356,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
     ignore = re.compile("|".join(getattr(fam, "IGNORED", ())) or r"(?!)")
     used = {_stored_name(part, available, prefix) for row in table for part in row.parts}
     unexpected = sorted(n for n in available - used if not ignore.search(n))
-    in_table = {w[0] for w in (_model_path(r.path, by_path) for r in table) if w is not None}
+    in_table = {w[0] for w in (_model_path(r.path, by_path, fam) for r in table)
+                if w is not None}
     not_loaded = sorted(set(by_path) - set(loaded) - in_table)
     if missing or misshaped or unexpected or not_loaded:
         parts = []
@@ -385,15 +386,19 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
 _LAYER = re.compile(r"^(.*?)/(\d+)/(.+)$")
 
 
-def _model_path(table_path: str, params) -> tuple[str, int | None] | None:
+def _model_path(table_path: str, params, fam=None) -> tuple[str, int | None] | None:
     """Where a weight table's path lives in the model: (the path, None) for a model with a
     list of layers; (the stacked path, the layer) when ``layers/3/x`` is row 3 of a
-    stacked ``layers/x`` (scanned layers); None when neither exists."""
+    stacked ``layers/x`` (scanned layers), or (the path, None) where the family's
+    ``scanned_path`` moves it; None when none exists."""
     if table_path in params:
         return table_path, None
     match = _LAYER.match(table_path)
     if match and f"{match[1]}/{match[3]}" in params:
         return f"{match[1]}/{match[3]}", int(match[2])
+    moved = getattr(fam, "scanned_path", lambda _: None)(table_path)
+    if moved is not None and moved in params:
+        return moved, None
     return None
 
 
@@ -435,7 +440,7 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None) -> Non
     values = dict(zip(paths, leaves))
     tensors = {}
     for row in fam.weight_table(model.config):
-        model_path, layer = _model_path(row.path, values)
+        model_path, layer = _model_path(row.path, values, fam)
         value = np.asarray(jax.device_get(values[model_path]), dtype=np.float32)
         if layer is not None:
             value = value[layer]

@@ -136,9 +136,7 @@ class Attention(nnx.Module):
         self.o = nnx.LinearGeneral((heads, d), c.d_model, axis=(-2, -1),
                                    kernel_init=_normal(c, (heads * d) ** -0.5), **dense)
         if relative_bias:
-            self.relative_attention_bias = nnx.Embed(c.relative_attention_num_buckets, heads,
-                                                     embedding_init=_normal(c, inputs),
-                                                     dtype=dtype, rngs=rngs)
+            self.relative_attention_bias = relative_bias_table(c, rngs, dtype)
         self.dropout = nnx.Dropout(c.dropout_rate, rngs=rngs)
 
     def queries_keys_values(self, x):
@@ -180,6 +178,12 @@ class MLP(nnx.Module):
         return self.wo(self.dropout(h, deterministic=not train))
 
 
+def relative_bias_table(c, rngs, dtype) -> nnx.Embed:
+    """The (buckets, heads) relative position bias of a stack's self-attention."""
+    return nnx.Embed(c.relative_attention_num_buckets, c.num_heads,
+                     embedding_init=_normal(c, c.d_model ** -0.5), dtype=dtype, rngs=rngs)
+
+
 class Block(nnx.Module):
     """Pre-norm self-attention, cross-attention (decoder only) and feed-forward."""
 
@@ -217,9 +221,18 @@ class Block(nnx.Module):
 class Stack(nnx.Module):
     """The encoder (bidirectional) or the decoder (causal, cross-attending) stack."""
 
-    def __init__(self, c, num_layers: int, *, decoder: bool, rngs, dtype):
-        self.layers = nnx.List([Block(c, relative_bias=i == 0, cross=decoder, rngs=rngs,
-                                      dtype=dtype) for i in range(num_layers)])
+    def __init__(self, c, num_layers: int, *, decoder: bool, rngs, dtype, scan: bool = False):
+        if scan:
+            # every block alike (what a scan needs): the table the first block holds in
+            # the listed form lives beside them
+            self.relative_attention_bias = relative_bias_table(c, rngs, dtype)
+            self.layers = layers.make_blocks(
+                lambda r: Block(c, relative_bias=False, cross=decoder, rngs=r, dtype=dtype),
+                num_layers, rngs, scan=True)
+        else:
+            self.layers = nnx.List([Block(c, relative_bias=i == 0, cross=decoder, rngs=rngs,
+                                          dtype=dtype) for i in range(num_layers)])
+        self.num_layers = num_layers
         self.final_layer_norm = nnx.RMSNorm(c.d_model, epsilon=c.layer_norm_epsilon,
                                             scale_init=_norm_init(c), dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(c.dropout_rate, rngs=rngs)
@@ -236,7 +249,9 @@ class Stack(nnx.Module):
         rel = jnp.arange(kv_len)[None, :] - q_slots[:, None]
         index = jnp.clip(rel, -self.max_distance, self.max_distance) + self.max_distance
         buckets = jnp.asarray(self.buckets, jnp.int32)[index]
-        values = self.layers[0].self_attn.relative_attention_bias(buckets)
+        table = self.relative_attention_bias if layers.is_stacked(self.layers) else \
+            self.layers[0].self_attn.relative_attention_bias
+        values = table(buckets)
         return jnp.transpose(values, (2, 0, 1))[None]
 
     def __call__(self, x, mask, bias, encoder_out, cross_mask, cache, cache_index, train,
@@ -258,10 +273,6 @@ class Model(nnx.Module):
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
                  scan: bool = False):
-        if scan:
-            raise ValueError("scan=True is not available for T5 yet: its first block holds "
-                             "the relative position bias every other block reads, so the "
-                             "blocks differ; build it with scan=False")
         c = _config(config)
         self.config = HFConfig(c)
         self.dtype = dtype
@@ -269,9 +280,9 @@ class Model(nnx.Module):
         self.shared = nnx.Embed(c.vocab_size, c.d_model, embedding_init=_normal(c, 1.0),
                                 dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(c.dropout_rate, rngs=rngs)
-        self.encoder = Stack(c, c.num_layers, decoder=False, rngs=rngs, dtype=dtype)
+        self.encoder = Stack(c, c.num_layers, decoder=False, rngs=rngs, dtype=dtype, scan=scan)
         decoder_layers = getattr(c, "num_decoder_layers", None) or c.num_layers
-        self.decoder = Stack(c, decoder_layers, decoder=True, rngs=rngs, dtype=dtype)
+        self.decoder = Stack(c, decoder_layers, decoder=True, rngs=rngs, dtype=dtype, scan=scan)
         self.tied, self.scale = _head(c)
         if not self.tied:
             self.lm_head = nnx.Linear(c.d_model, c.vocab_size, use_bias=False,
@@ -308,7 +319,10 @@ class Model(nnx.Module):
           decoder_attention_mask: over decoder key slots (dec_len, or the cache length).
         """
         b, t = decoder_input_ids.shape
-        kv_len = t if cache is None else cache[0]["k"].shape[1]
+        if cache is None:
+            kv_len = t
+        else:  # a list of layers' caches, or one stacked (layers, batch, length, ...)
+            kv_len = (cache["k"].shape[2] if isinstance(cache, dict) else cache[0]["k"].shape[1])
         if decoder_attention_mask is None:
             decoder_attention_mask = jnp.ones((b, kv_len), jnp.int32)
         if encoder_mask is None:
@@ -333,13 +347,32 @@ class Model(nnx.Module):
         """
         c = self.config
         dtype = dtype or self.dtype
-        cache = layers.empty_cache(len(self.decoder.layers), batch, length, c.num_heads,
-                                   c.d_kv, dtype)
-        if encoder_out is not None:
-            for layer_cache, block in zip(cache, self.decoder.layers):
-                k, v = block.cross_attn.keys_values(encoder_out)
-                layer_cache["cross_k"], layer_cache["cross_v"] = k.astype(dtype), v.astype(dtype)
+        stacked = layers.is_stacked(self.decoder.layers)
+        cache = layers.empty_cache(self.decoder.num_layers, batch, length, c.num_heads,
+                                   c.d_kv, dtype, stacked)
+        if encoder_out is None:
+            return cache
+        if stacked:  # every layer's keys and values of the encoder output at once
+            kernel = self.decoder.layers.cross_attn.kv.kernel[...]
+            compute = self.dtype
+            kv = jnp.einsum("bsm,lmhtd->lbshtd", encoder_out.astype(compute),
+                            kernel.astype(compute))
+            cache["cross_k"], cache["cross_v"] = (kv[..., 0, :].astype(dtype),
+                                                  kv[..., 1, :].astype(dtype))
+            return cache
+        for layer_cache, block in zip(cache, self.decoder.layers):
+            k, v = block.cross_attn.keys_values(encoder_out)
+            layer_cache["cross_k"], layer_cache["cross_v"] = k.astype(dtype), v.astype(dtype)
         return cache
+
+
+def scanned_path(path: str) -> str | None:
+    """Where the scanned form keeps a parameter the listed form's weight table names
+    elsewhere: the first block's relative position bias sits beside the blocks."""
+    for stack in ("encoder", "decoder"):
+        if path == f"{stack}/layers/0/self_attn/relative_attention_bias/embedding":
+            return f"{stack}/relative_attention_bias/embedding"
+    return None
 
 
 def decoder_start_token(config) -> int:
@@ -379,8 +412,13 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens: int, rng=
     start = jnp.full((batch, 1), decoder_start_token(model.config), jnp.int32)
     logits, cache = model.decode(start, encoder_out, attention_mask, cache=cache, cache_index=0)
 
+    # rebuilt inside the loop's trace (NNX's scan of stacked layers refuses a module from
+    # an outer trace), as redray.models.generate does
+    graphdef, state = nnx.split(model)
+
     def step(token, cache, t):
-        logits, cache = model.decode(token[:, None], encoder_out, attention_mask, cache=cache,
+        inner = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+        logits, cache = inner.decode(token[:, None], encoder_out, attention_mask, cache=cache,
                                      cache_index=t + 1)
         return logits[:, -1], cache
 
@@ -424,7 +462,7 @@ def weight_table(config) -> list:
                              fused(path, 2, (1, 1), *(linear(f"{module(p)}.weight", path)
                                                       for p in "kv"))]
                 rows.append(linear(f"{module('o')}.weight", f"{me}/{name}/o/kernel", in_dims=2))
-            if i == 0:
+            if i == 0:  # scanned_path: where the scanned form keeps it
                 rows.append(plain(f"{hf}.0.SelfAttention.relative_attention_bias.weight",
                                   f"{me}/self_attn/relative_attention_bias/embedding"))
             ff = "2" if stack == "decoder" else "1"
