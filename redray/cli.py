@@ -14,8 +14,8 @@ Subcommands:
   safetensors, for a run of a redray.models model (its config.json in the run folder).
 * ``redray runs [STORAGE] [--json]``: the runs in a storage folder with their status,
   last step, last checkpoint and best metric.
-* ``redray plot RUN [--out PNG] [--storage DIR | --tracking-uri URI]``: a PNG of a
-  run's loss and learning-rate curves from its MLflow run.
+* ``redray plot RUN [--metric NAME ...] [--out PNG] [--storage DIR | --tracking-uri URI]``:
+  a PNG of a run's metric curves (default loss and learning rate) from its MLflow run.
 
 Errors a user can fix are one line on stderr and exit code 2.
 """
@@ -64,7 +64,7 @@ def _plot(args) -> int:
     from redray.tracking import plot
 
     out = plot(args.run, args.out or f"{args.run}.png", tracking_uri=args.tracking_uri,
-               storage_path=args.storage)
+               storage_path=args.storage, metrics=args.metric)
     print(out)
     return 0
 
@@ -335,10 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run_command=_plan)
 
-    p = _command(sub, "plot", "write a PNG of a run's loss and learning-rate curves",
-                 "Reads the run's metrics from MLflow and plots loss (and eval loss) and "
-                 "learning rate against the step.",
+    p = _command(sub, "plot", "write a PNG of a run's metric curves",
+                 "Reads the run's metrics from MLflow and plots them against the step: by "
+                 "default loss (and eval loss) and learning rate, or the --metric ones.",
                  "examples:\n  redray plot my-run --storage /abs/path/runs\n"
+                 "  redray plot my-run --metric loss --metric grad_norm --metric tokens_per_s\n"
                  "  redray plot 7f1dc9ae4e4a45 --tracking-uri http://mlflow:5000 --out c.png")
     p.add_argument("run", metavar="RUN", help="a redray run name or an MLflow run id")
     p.add_argument("--out", help="the PNG to write (default RUN.png)")
@@ -346,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      f"(default {storage_module.DEFAULT_STORAGE})")
     p.add_argument("--tracking-uri", help="an MLflow tracking URI (default "
                                           "MLFLOW_TRACKING_URI, else the storage's mlflow.db)")
+    p.add_argument("--metric", action="append", metavar="NAME",
+                   help="a logged metric to plot (repeat for more; default loss, eval_loss, "
+                        "learning_rate)")
     p.set_defaults(run_command=_plot)
 
     p = _command(sub, "run", "run a training script on the current Ray cluster",

@@ -340,14 +340,33 @@ def find_run(client, run: str, experiment: str = DEFAULT_EXPERIMENT):
                       "name, or the tracking URI the run logged to (--tracking-uri)")
 
 
+DEFAULT_PLOT = ("loss", "eval_loss", "learning_rate")
+
+
 def plot(run: str, out: str, tracking_uri: str | None = None, storage_path: str | None = None,
-         metrics=("loss", "eval_loss", "learning_rate")) -> str:
-    """Writes a PNG of a run's loss and learning-rate curves; returns its path.
+         metrics=None) -> str:
+    """Writes a PNG of a run's metric curves against the step; returns its path.
 
     ``run``: an MLflow run id or a redray run name; ``tracking_uri``: default
     ``MLFLOW_TRACKING_URI``, else the SQLite store of ``storage_path`` (default
-    ``~/redray_runs``).
+    ``~/redray_runs``). ``metrics``: the metrics to draw (default loss, eval loss and
+    learning rate, those the run has); losses share a panel, every other metric gets
+    its own, each with its axes labelled.
     """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(run, tracking_uri, storage_path, metrics)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_figure(run: str, tracking_uri: str | None = None, storage_path: str | None = None,
+                metrics=None):
+    """The matplotlib figure ``plot`` writes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -361,22 +380,25 @@ def plot(run: str, out: str, tracking_uri: str | None = None, storage_path: str 
                           "written to (--storage) or its tracking URI (--tracking-uri)")
     client = MlflowClient(uri)
     found = find_run(client, run)
-    curves = {m: client.get_metric_history(found.info.run_id, m) for m in metrics}
-    curves = {m: sorted((p.step, p.value) for p in h) for m, h in curves.items() if h}
-    if not curves:
-        raise LookupError(f"run {run!r} has none of the metrics {list(metrics)}")
-    losses = [m for m in curves if m != "learning_rate"]
-    panels = [p for p in (losses, ["learning_rate"] if "learning_rate" in curves else []) if p]
+    logged = sorted(found.data.metrics)
+    asked = list(metrics) if metrics else [m for m in DEFAULT_PLOT if m in logged]
+    unknown = [m for m in asked if m not in logged]
+    if unknown or not asked:
+        raise LookupError(f"run {run!r} logged no metric {unknown or list(DEFAULT_PLOT)}; it "
+                          f"logged: {', '.join(logged) or 'nothing'} (choose with --metric)")
+    curves = {m: sorted((p.step, p.value) for p in client.get_metric_history(
+        found.info.run_id, m)) for m in asked}
+    losses = [m for m in asked if m.endswith("loss")]
+    panels = ([losses] if losses else []) + [[m] for m in asked if m not in losses]
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3.2 * len(panels)), squeeze=False)
     for ax, names in zip(axes[:, 0], panels):
         for name in names:
             steps, values = zip(*curves[name])
             ax.plot(steps, values, label=name, marker="o" if len(steps) < 30 else None)
-        ax.set_xlabel("step")
+        ax.set_xlabel("step (optimizer updates)")
+        ax.set_ylabel("loss" if names is losses else names[0].replace("_", " "))
         ax.legend()
         ax.grid(alpha=0.3)
     axes[0, 0].set_title(f"{found.info.run_name} ({found.info.run_id[:8]})")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig

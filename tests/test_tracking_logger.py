@@ -1,5 +1,6 @@
 """MlflowLogger against a real SQLite MLflow store, in one process (no Ray)."""
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from redray.tracking import MlflowLogger
@@ -66,3 +67,38 @@ def test_a_resumed_run_s_params_say_what_it_runs_with_and_never_an_address(tmp_p
     assert found.tags["redray.params_changed"] == (
         "resumed with max_steps: 20 -> 40, opt.b1: 0.9 -> 0.95\n"
         "resumed with max_steps: 40 -> 60")
+
+
+def test_plot_draws_any_logged_metric_with_labelled_axes(tmp_path):
+    """redray plot on a real SQLite MLflow store: default curves, --metric, labels, and
+    a metric the run never logged named with those it did."""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from redray.tracking import plot_figure
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("plots"), run_name="curves")
+    for step in range(1, 6):
+        for name, value in (("loss", 3.0 / step), ("eval_loss", 3.5 / step),
+                            ("learning_rate", 1e-3 * step), ("grad_norm", 2.0 + step),
+                            ("tokens_per_s", 1000.0 + step)):
+            client.log_metric(run.info.run_id, name, value, step=step)
+    fig = plot_figure("curves", tracking_uri=uri)
+    (losses, rate) = fig.axes
+    assert [line.get_label() for line in losses.lines] == ["loss", "eval_loss"]
+    assert losses.get_ylabel() == "loss" and rate.get_ylabel() == "learning rate"
+    assert all(ax.get_xlabel() == "step (optimizer updates)" for ax in fig.axes)
+    fig = plot_figure(run.info.run_id, tracking_uri=uri, metrics=["grad_norm", "tokens_per_s"])
+    assert [ax.get_ylabel() for ax in fig.axes] == ["grad norm", "tokens per s"]
+    assert list(fig.axes[0].lines[0].get_ydata()) == [3.0, 4.0, 5.0, 6.0, 7.0]
+    with pytest.raises(LookupError, match="no metric \\['accuracy'\\].*grad_norm, learning_rate"):
+        plot_figure("curves", tracking_uri=uri, metrics=["accuracy"])
+    done = subprocess.run([sys.executable, "-m", "redray.cli", "plot", "curves", "--tracking-uri",
+                           uri, "--metric", "grad_norm", "--out", str(tmp_path / "g.png")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
