@@ -212,9 +212,13 @@ def _export(args) -> int:
     if not os.path.exists(config_path):
         raise UsageError(f"no model config at {config_path}: pass --config, the Hugging Face "
                          "config.json of the redray.models model the run trained")
+    tokenizer = args.tokenizer or os.path.join(run, "tokenizer")
+    if args.tokenizer and not os.path.isdir(args.tokenizer):
+        raise UsageError(f"no tokenizer folder {args.tokenizer!r}: give a folder a "
+                         "transformers tokenizer was saved to (save_pretrained)")
     config = load_config(config_path)
     model = load_model(run, lambda rngs: build(config, rngs=rngs), best=args.best)
-    save_pretrained(model, args.to)
+    save_pretrained(model, args.to, tokenizer=tokenizer if os.path.isdir(tokenizer) else None)
     print(args.to)
     return 0
 
@@ -381,7 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "export", "write a run's checkpoint as Hugging Face safetensors",
                  "Loads the run's newest (or best) checkpoint into its redray.models model "
-                 "and writes config.json + safetensors that transformers loads.",
+                 "and writes config.json + safetensors that transformers' Auto classes load, "
+                 "with the run's tokenizer (RUN/tokenizer) when it has one.",
                  "examples:\n  redray export demo --storage runs --to exported/\n"
                  "  redray export /abs/runs/lm --best min:eval_loss --to best/")
     p.add_argument("run", metavar="RUN", help="a run folder, or a run name with --storage")
@@ -390,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      f"{storage_module.DEFAULT_STORAGE})")
     p.add_argument("--config", help="the model's config.json (default RUN/config.json)")
     p.add_argument("--best", help="min:<metric> or max:<metric>: the best checkpoint by it")
+    p.add_argument("--tokenizer", help="a tokenizer folder to ship with the model (default "
+                                       "RUN/tokenizer, when the run saved one)")
     p.set_defaults(run_command=_export)
 
     p = _command(sub, "runs", "list the runs in a storage folder",

@@ -59,6 +59,12 @@ def checkpoint_folder(storage: str, name: str) -> str:
     return f"{run_folder(storage, name)}/{CHECKPOINTS}"
 
 
+def tokenizer_folder(storage: str, name: str) -> str:
+    """Where a run keeps the tokenizer ``redray export`` ships with the model (a
+    ``transformers`` tokenizer's ``save_pretrained`` folder; the run's code writes it)."""
+    return f"{run_folder(storage, name)}/tokenizer"
+
+
 def compile_cache_folder(storage: str, name: str) -> str:
     """``<storage>/<name>/compile_cache``: a run's compiled programs, reused on restart."""
     return f"{run_folder(storage, name)}/compile_cache"

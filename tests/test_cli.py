@@ -27,6 +27,12 @@ def test_errors_are_one_line_with_the_fix(tmp_path):
                         (["runs", str(tmp_path / "none")], "no storage folder"),
                         (["export", "nope", "--storage", str(tmp_path), "--to", "x"], "no run"),
                         (["plot", "nope", "--storage", str(tmp_path)], "no MLflow store")]:
+        if args[0] == "export":  # a run folder with a config, and a tokenizer that is not
+            (tmp_path / "run" / "checkpoints").mkdir(parents=True, exist_ok=True)
+            (tmp_path / "run" / "config.json").write_text("{}")
+            done = cli("export", str(tmp_path / "run"), "--to", "x", "--tokenizer",
+                       str(tmp_path / "tok"))
+            assert done.returncode == 2 and "no tokenizer folder" in done.stderr, done.stderr
         done = cli(*args)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and words in lines[0], (args, done.stderr)

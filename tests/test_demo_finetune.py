@@ -69,5 +69,9 @@ def test_fine_tuning_a_local_checkpoint_lowers_its_perplexity_and_exports(tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     tuned, info = AutoModelForCausalLM.from_pretrained(str(exported), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+    # the export names its transformers class and ships the run's tokenizer
+    assert json.loads((exported / "config.json").read_text())["architectures"] == \
+        ["LlamaForCausalLM"]
+    assert AutoTokenizer.from_pretrained(str(exported))("def f")["input_ids"] == [4299, 277]
     np.testing.assert_allclose(perplexity(tuned, evaluation), numbers["perplexity_after"],
                                rtol=1e-4)

@@ -87,9 +87,20 @@ def test_greedy_generation_matches_transformers(pair):
 
 def test_export_round_trip(pair, tmp_path):
     name, hf, _, model = pair
-    rm.save_pretrained(model, str(tmp_path))
+    tokenizer = transformers.GPT2TokenizerFast(tokenizer_object=rm.gpt2_tokenizer())
+    rm.save_pretrained(model, str(tmp_path), tokenizer=tokenizer)
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     np.testing.assert_allclose(hf_logits(back, IDS), hf_logits(hf, IDS), atol=1e-5, rtol=0)
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["architectures"] == [type(hf).__name__]
+    loaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert loaded("def f")["input_ids"] == [4299, 277]  # GPT-2's BPE
+    # a folder's tokenizer files are copied as they are
+    copy = tmp_path / "copy"
+    rm.save_pretrained(model, str(copy), tokenizer=str(tmp_path))
+    assert (copy / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
+    with pytest.raises(FileNotFoundError, match="no tokenizer files in"):
+        rm.save_pretrained(model, str(tmp_path / "x"), tokenizer=str(tmp_path / "copy" / "none"))
 
 
 def test_sharded_load_matches_one_device(pair):

@@ -111,7 +111,8 @@ def main(argv=None):
     args = parse(argv)
     from transformers import LlamaConfig
 
-    from redray.models import build, from_pretrained, load_config
+    from redray.models import build, from_pretrained, load_config, save_tokenizer
+    from redray.storage import tokenizer_folder
 
     cluster = redray.cluster_options(args)
     storage = cluster.storage_path
@@ -124,6 +125,9 @@ def main(argv=None):
         model = lambda rngs: build(config, rngs=rngs)  # noqa: E731 - built on each host
     os.makedirs(f"{storage}/{args.name}", exist_ok=True)  # the model `redray export` builds
     config.to_json_file(f"{storage}/{args.name}/config.json")
+    if args.model:  # and the tokenizer it ships with (the default demo's vocabulary is
+        # GPT-2's tokens the text uses, renumbered: no tokenizer file describes it)
+        save_tokenizer(args.model, tokenizer_folder(storage, args.name))
     # over the run's budget: `--steps 300` then `--steps 600` continues the curve smoothly
     schedule = redray.Schedule(args.lr, warmup=0.1)
     result = redray.fit(

@@ -2,7 +2,8 @@
 
 * ``from_pretrained(path, model_axis=...)``: a local HF checkpoint folder, sharded by
   the automatic rules as it loads.
-* ``save_pretrained(model, path)``: config.json + safetensors that ``transformers`` loads.
+* ``save_pretrained(model, path, tokenizer=...)``: config.json + safetensors that
+  ``transformers``' Auto classes load, with the tokenizer's files.
 * ``build(config)``: a random model from a ``transformers`` config.
 * ``generate(model, input_ids, attention_mask, max_new_tokens=...)``: KV-cache decoding.
 * ``gpt2_tokenizer()``: GPT-2's real BPE, offline.
@@ -13,11 +14,12 @@
 """
 
 from redray.models.generate import generate, sample_token
-from redray.models.hub import FAMILIES, build, from_pretrained, load_config, save_pretrained
+from redray.models.hub import (FAMILIES, build, from_pretrained, load_config, save_pretrained,
+                               save_tokenizer)
 from redray.models.lora import LoRA, add_lora, merge_lora
 from redray.models.losses import chunked_cross_entropy, next_token_loss
 from redray.models.tokenizer import gpt2_tokenizer
 
 __all__ = ["FAMILIES", "LoRA", "add_lora", "build", "chunked_cross_entropy", "from_pretrained",
            "generate", "gpt2_tokenizer", "load_config", "merge_lora", "next_token_loss",
-           "sample_token", "save_pretrained"]
+           "sample_token", "save_pretrained", "save_tokenizer"]

@@ -34,6 +34,12 @@ FAMILIES = {
     "gpt2": "redray.models.gpt2", "opt": "redray.models.opt", "gptj": "redray.models.gptj",
     "t5": "redray.models.t5",
 }
+# The transformers class of each family's export (config.json's ``architectures``).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "gptj": "GPTJForCausalLM",
+    "t5": "T5ForConditionalGeneration",
+}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -421,20 +427,30 @@ def model_specs(graphdef, state, mesh: Mesh, inputs: dict, rules=(), whole: list
     return derive_specs(state, mesh, forward, (inputs,), rules, whole)
 
 
-def save_pretrained(model, path: str, max_shard_bytes: int | None = None) -> None:
-    """Writes ``config.json`` and safetensors that ``transformers`` classes load.
+def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
+                    tokenizer=None) -> None:
+    """Writes ``config.json`` (with ``architectures``, so ``transformers``' Auto classes
+    load it) and safetensors, and the tokenizer's files when one is given.
 
     Args:
       model: a redray model (from ``from_pretrained`` or ``build``), sharded or not.
       path: output folder (created).
       max_shard_bytes: split the weights into ``model-0000x-of-0000y.safetensors``
         files of at most this size, with an index; None writes one file.
+      tokenizer: a ``transformers`` tokenizer (its ``save_pretrained`` writes into
+        ``path``), or the path of a folder holding one (its files are copied).
     """
+    import copy
+
     from safetensors.numpy import save_file
 
     fam = family(model.config.model_type)
     os.makedirs(path, exist_ok=True)
-    model.config.save_pretrained(path)
+    config = copy.deepcopy(model.config.hf)
+    config.architectures = [ARCHITECTURES[config.model_type]]
+    config.save_pretrained(path)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, path)
     _, params, _ = nnx.split(model, nnx.Param, ...)
     paths, leaves, _ = flatten(params)
     values = dict(zip(paths, leaves))
@@ -465,6 +481,29 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None) -> Non
     with open(os.path.join(path, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
                    "weight_map": weight_map}, f, indent=2)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "spiece.model",
+                   "added_tokens.json", "chat_template.jinja")
+
+
+def save_tokenizer(tokenizer, path: str) -> list[str]:
+    """Writes a tokenizer into ``path``: a ``transformers`` tokenizer through its
+    ``save_pretrained``, or a folder's tokenizer files copied. Returns the files."""
+    import shutil
+
+    os.makedirs(path, exist_ok=True)
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return [os.path.basename(f) for f in tokenizer.save_pretrained(path)]
+    folder = os.fspath(tokenizer)
+    found = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    if not found:
+        raise FileNotFoundError(f"no tokenizer files in {folder!r} (expected one of "
+                                f"{', '.join(TOKENIZER_FILES[:5])}, ...)")
+    for name in found:
+        shutil.copyfile(os.path.join(folder, name), os.path.join(path, name))
+    return found
 
 
 class HFConfig:
