@@ -119,9 +119,14 @@ def _submit(args) -> int:
         os.environ.setdefault("RAY_AUTH_TOKEN", token)
     from ray.job_submission import JobSubmissionClient
 
+    from redray.tracking import GIT_COMMIT_ENV, git_commit
+
     try:
         client = JobSubmissionClient(args.address)
         env_vars = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI",) if k in os.environ}
+        commit = git_commit(args.working_dir)  # Ray copies the folder without .git
+        if commit:
+            env_vars[GIT_COMMIT_ENV] = commit
         job = client.submit_job(
             entrypoint=" ".join([_quote(args.python),
                                  _quote(os.path.relpath(script, args.working_dir)),

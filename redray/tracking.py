@@ -306,20 +306,25 @@ def readable(value: Any) -> str:
     return text
 
 
+GIT_COMMIT_ENV = "REDRAY_GIT_COMMIT"
+
+
 def git_commit(path: str = ".") -> str | None:
-    """The git commit of ``path``'s working tree (with ``-dirty`` if modified), or None."""
+    """The git commit of ``path``'s working tree (with ``-dirty`` if modified); outside
+    a git work tree, what ``redray submit`` sent in ``REDRAY_GIT_COMMIT`` (a submitted
+    job runs in a copy of its working directory without ``.git``); else None."""
     import subprocess
 
     try:
         head = subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True,
                               text=True, timeout=5)
         if head.returncode:
-            return None
+            return os.environ.get(GIT_COMMIT_ENV) or None
         dirty = subprocess.run(["git", "-C", path, "status", "--porcelain"],
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return None
+        return os.environ.get(GIT_COMMIT_ENV) or None
 
 
 # ---------------------------------------------------------------- plots

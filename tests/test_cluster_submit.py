@@ -156,12 +156,24 @@ def test_redray_submit_streams_the_job_and_returns_its_status(head, tmp_path):
     shutil.copy(os.path.join(HERE, "tiny.py"), job_dir)
     (job_dir / "train_job.py").write_text(JOB.format(options=repr(OPTIONS)))
     (job_dir / "fails.py").write_text("raise SystemExit('this job fails')\n")
+    git = ["git", "-C", str(job_dir), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "job"], check=True)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
     out = tmp_path / "losses.json"
     done = redray_cli("submit", "train_job.py", str(out), str(tmp_path / "runs"),
                       "--address", head["dashboard"], cwd=job_dir)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "SUCCEEDED" in done.stderr
     np.testing.assert_allclose(json.loads(out.read_text()), expected_losses(6), rtol=1e-5)
+    # Ray runs a copy of the working dir without .git: the commit travelled with the job
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/runs/mlflow.db")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.data.tags["redray.git_commit"] == commit
 
     failed = redray_cli("submit", "fails.py", "--address", head["dashboard"], cwd=job_dir)
     assert failed.returncode == 1 and "this job fails" in failed.stdout

@@ -102,3 +102,21 @@ def test_plot_draws_any_logged_metric_with_labelled_axes(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_git_commit_outside_a_work_tree_is_what_submit_sent(tmp_path, monkeypatch):
+    import subprocess
+
+    from redray.tracking import GIT_COMMIT_ENV, git_commit
+
+    monkeypatch.delenv(GIT_COMMIT_ENV, raising=False)
+    assert git_commit(str(tmp_path)) is None  # no repository, nothing sent
+    monkeypatch.setenv(GIT_COMMIT_ENV, "abc123-dirty")
+    assert git_commit(str(tmp_path)) == "abc123-dirty"
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert git_commit(str(tmp_path)) == head.strip()  # a work tree's own commit wins
