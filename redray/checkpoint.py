@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from redray.storage import CHECKPOINTS, absolute
+from redray.storage import CHECKPOINTS, absolute, writable_folder
 
 log = logging.getLogger("redray.checkpoint")
 
@@ -197,7 +197,7 @@ class Checkpointer:
                              "absolute path or a URI) checkpoints are written to")
         self.config = config
         self.items = tuple(items)
-        self.directory = absolute(config.directory)
+        self.directory = writable_folder(config.directory, "CheckpointConfig.directory")
         _quiet_orbax()
         self._ocp = ocp
         self._pending: tuple | None = None

@@ -39,9 +39,33 @@ def absolute(path: str | os.PathLike) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+# Set by Ray's job supervisor in a submitted job's driver (``ray job submit``,
+# ``redray submit``), whose working directory is a temporary copy.
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def in_submitted_job() -> bool:
+    """Whether this process is a Ray job's driver (started by the job server)."""
+    return RAY_JOB_ENV in os.environ
+
+
+def writable_folder(path: str | os.PathLike, what: str = "storage_path") -> str:
+    """``absolute(path)`` for a folder a run writes to; in a submitted Ray job a path
+    relative to the working directory is refused (Ray deletes that copy with the job)."""
+    text = os.fspath(path)
+    if in_submitted_job() and not is_uri(text) and not os.path.isabs(os.path.expanduser(text)):
+        raise ValueError(
+            f"{what}={text!r} is relative, and this is a submitted Ray job: its working "
+            f"directory ({os.getcwd()}) is a temporary copy Ray deletes when the job ends, "
+            f"so what the run writes there would be lost. Give an absolute path on storage "
+            f"every node reaches (e.g. /mnt/shared/runs) or a URI (gs://bucket/runs)")
+    return absolute(text)
+
+
 def storage_folder(path: str | os.PathLike | None = None) -> str:
-    """The storage folder to use: ``path``, else the default, made absolute."""
-    return absolute(DEFAULT_STORAGE if path is None else path)
+    """The storage folder to use: ``path``, else the default, made absolute (in a
+    submitted Ray job a relative ``path`` is an error: see ``writable_folder``)."""
+    return writable_folder(DEFAULT_STORAGE if path is None else path)
 
 
 def run_name(name: str | None = None) -> str:

@@ -175,6 +175,10 @@ def test_redray_submit_streams_the_job_and_returns_its_status(head, tmp_path):
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.data.tags["redray.git_commit"] == commit
 
+    relative = redray_cli("submit", "train_job.py", str(out), "runs", "--address",
+                          head["dashboard"], cwd=job_dir)
+    assert relative.returncode == 1, relative.stdout[-3000:] + relative.stderr[-3000:]
+    assert "storage_path='runs' is relative, and this is a submitted Ray job" in relative.stdout
     failed = redray_cli("submit", "fails.py", "--address", head["dashboard"], cwd=job_dir)
     assert failed.returncode == 1 and "this job fails" in failed.stdout
     queued = redray_cli("submit", "fails.py", "--address", head["dashboard"], "--no-wait",

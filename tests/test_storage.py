@@ -75,3 +75,22 @@ def test_an_unknown_fit_keyword_fails_before_any_host_starts():
         redray.fit(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                    train_data=token_data(16), batch_size=8, modle_axis=2)
     assert not ray.is_initialized()  # no cluster was started or reached for it
+
+
+def test_a_submitted_job_refuses_a_relative_storage_folder(monkeypatch, tmp_path):
+    """Ray runs a submitted job in a temporary copy of its working dir: a relative
+    storage or checkpoint folder there would be deleted with the job."""
+    monkeypatch.chdir(tmp_path)
+    assert storage.storage_folder("runs") == f"{tmp_path}/runs"  # not a job: resolved
+    monkeypatch.setenv(storage.RAY_JOB_ENV, "{}")
+    with pytest.raises(ValueError, match=r"storage_path='runs' is relative, and this is a "
+                                         r"submitted Ray job.*absolute path.*gs://"):
+        storage.storage_folder("runs")
+    with pytest.raises(ValueError, match="CheckpointConfig.directory='ckpt' is relative"):
+        storage.writable_folder("ckpt", "CheckpointConfig.directory")
+    assert storage.storage_folder("/abs/runs") == "/abs/runs"
+    assert storage.storage_folder("gs://bucket/runs/") == "gs://bucket/runs"
+    assert storage.storage_folder().endswith("/redray_runs")  # the default is absolute
+    with pytest.raises(ValueError, match="is relative"):
+        redray.cluster_options(redray.add_cluster_args(
+            __import__("argparse").ArgumentParser(), name="x").parse_args(["--storage", "r"]))
