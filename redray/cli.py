@@ -9,7 +9,10 @@ Subcommands:
   (``--address``, else ``RAY_ADDRESS``, else a local one the script starts).
 * ``redray submit SCRIPT [ARGS] --address http://HEAD:8265``: submits it as a Ray job
   with the working directory, handles Ray's token auth, streams the logs and exits
-  with the job's status (``--no-wait``: prints the job id).
+  with the job's status (``--no-wait``: prints the job id; Ctrl-C stops following, not
+  the job). A job that dies of a missing module gets a line naming ``--python``.
+* ``redray logs|status|stop JOB --address http://HEAD:8265``: a submitted job's output
+  (``--follow``), status, or stopping it, as ``ray job logs|status|stop``.
 * ``redray export RUN --to DIR``: the run's last (or best) checkpoint as Hugging Face
   safetensors, for a run of a redray.models model (its config.json in the run folder).
 * ``redray runs [STORAGE] [--json]``: the runs in a storage folder with their status,
@@ -103,15 +106,17 @@ TOKEN_HELP = ("copy the head node's ~/.ray/auth_token to this machine's ~/.ray/a
               "or export RAY_AUTH_TOKEN=<that token>")
 
 
-def _submit(args) -> int:
-    import asyncio
-
-    script = _script(args.script)
-    if not args.address:
-        raise UsageError("--address is required: the head's job server, e.g. "
-                         "--address http://HEAD:8265")
-    if not args.address.startswith(("http://", "https://")):
-        raise UsageError(f"--address {args.address!r}: give the head's job server, e.g. "
+def _job_client(address: str | None, command: str):
+    """A Ray ``JobSubmissionClient`` for the head's job server, with the token read as
+    ``redray submit`` reads it; a wrong address, a missing or rejected token is a
+    ``UsageError`` that says what to do."""
+    if not address:
+        address = os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise UsageError(f"--address is required: the head's job server, e.g. "
+                         f"redray {command} ... --address http://HEAD:8265")
+    if not address.startswith(("http://", "https://")):
+        raise UsageError(f"--address {address!r}: give the head's job server, e.g. "
                          "http://HEAD:8265 (a ray:// address is for redray.fit(address=...))")
     token = _token()
     if token:
@@ -119,33 +124,104 @@ def _submit(args) -> int:
         os.environ.setdefault("RAY_AUTH_TOKEN", token)
     from ray.job_submission import JobSubmissionClient
 
+    try:
+        return JobSubmissionClient(address)
+    except Exception as error:  # noqa: BLE001 - turned into one line
+        raise UsageError(_submit_error(address, error, token)) from None
+
+
+def _submit(args) -> int:
     from redray.tracking import GIT_COMMIT_ENV, git_commit
 
+    script = _script(args.script)
+    client = _job_client(args.address, "submit")
+    env_vars = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI",) if k in os.environ}
+    commit = git_commit(args.working_dir)  # Ray copies the folder without .git
+    if commit:
+        env_vars[GIT_COMMIT_ENV] = commit
     try:
-        client = JobSubmissionClient(args.address)
-        env_vars = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI",) if k in os.environ}
-        commit = git_commit(args.working_dir)  # Ray copies the folder without .git
-        if commit:
-            env_vars[GIT_COMMIT_ENV] = commit
         job = client.submit_job(
             entrypoint=" ".join([_quote(args.python),
                                  _quote(os.path.relpath(script, args.working_dir)),
                                  *map(_quote, args.args)]),
             runtime_env={"working_dir": args.working_dir, "env_vars": env_vars})
     except Exception as error:  # noqa: BLE001 - turned into one line below
-        raise UsageError(_submit_error(args.address, error, token)) from None
+        raise UsageError(_submit_error(args.address, error, _token())) from None
     if args.no_wait:
         print(job)
         return 0
+    try:
+        logs = _follow(client, job)
+    except KeyboardInterrupt:
+        # Ctrl-C stops following, not the job: say so, and how to stop it
+        print(f"\nredray submit: stopped following job {job}; it is still running. "
+              f"Stop it: redray stop {job} --address {args.address}; its output: redray logs "
+              f"{job} --address {args.address}", file=sys.stderr, flush=True)
+        return 130
+    status = _status_name(client.get_job_status(job))
+    hint = _missing_module_hint(logs, args.python) if status == "FAILED" else None
+    if hint:
+        print(f"redray submit: {hint}", file=sys.stderr)
+    print(f"redray submit: job {job} {status}", file=sys.stderr)
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def _follow(client, job: str) -> str:
+    """Prints a job's logs as they come until it ends; returns them."""
+    import asyncio
+
+    seen: list[str] = []
 
     async def tail():
         async for lines in client.tail_job_logs(job):
+            seen.append(lines)
             print(lines, end="", flush=True)
 
     asyncio.run(tail())
-    status = str(client.get_job_status(job))
-    print(f"redray submit: job {job} {status.split('.')[-1]}", file=sys.stderr)
-    return 0 if status.endswith("SUCCEEDED") else 1
+    return "".join(seen)
+
+
+def _status_name(status) -> str:
+    return str(status).split(".")[-1]
+
+
+def _missing_module_hint(logs: str, python: str) -> str | None:
+    """For a job that died of a missing module: which Python ran it and how to choose."""
+    import re
+
+    found = re.findall(r"ModuleNotFoundError: No module named '([\w.]+)'", logs)
+    if not found:
+        return None
+    return (f"the job's Python ({python!r} on the cluster) has no module {found[-1]!r}: give "
+            f"--python the cluster's Python that has your packages (e.g. --python "
+            f"/path/to/venv/bin/python), or install {found[-1].split('.')[0]!r} there")
+
+
+def _jobs(args) -> int:
+    """``redray logs|status|stop JOB``: as ``ray job logs|status|stop``."""
+    client = _job_client(args.address, args.command)
+    try:
+        if args.command == "logs":
+            if args.follow:
+                _follow(client, args.job)
+            else:
+                print(client.get_job_logs(args.job), end="", flush=True)
+        elif args.command == "status":
+            info = client.get_job_info(args.job)
+            print(f"{args.job} {_status_name(info.status)}"
+                  + (f": {info.message}" if info.message else ""))
+        else:
+            stopped = client.stop_job(args.job)
+            print(f"{args.job} {'stopping' if stopped else 'not running'}")
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as error:
+        text = " ".join(str(error).split())
+        if "does not exist" in text or "404" in text:
+            raise UsageError(f"no job {args.job!r} on {args.address}: `ray job list "
+                             f"--address ...` lists them") from None
+        raise UsageError(text[:300]) from None
+    return 0
 
 
 def _quote(part: str) -> str:
@@ -383,10 +459,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--working-dir", default=".", help="uploaded with the job (default .)")
     p.add_argument("--no-wait", action="store_true", help="print the job id and return")
     p.add_argument("--python", default="python",
-                   help="the cluster's Python that runs SCRIPT (default: python)")
+                   help="the cluster's Python that runs SCRIPT, one with redray and your "
+                        "packages (default: the cluster's `python`)")
     p.add_argument("script", metavar="SCRIPT", help="the training script (in the working dir)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(run_command=_submit)
+
+    for name, does, example in (
+            ("logs", "print a submitted job's output (--follow: until it ends)",
+             "redray logs raysubmit_XYZ --address http://head:8265 --follow"),
+            ("status", "print a submitted job's status", "redray status raysubmit_XYZ "
+                                                         "--address http://head:8265"),
+            ("stop", "stop a submitted job", "redray stop raysubmit_XYZ --address "
+                                             "http://head:8265")):
+        p = _command(sub, name, does, f"{does[0].upper()}{does[1:]}, as `ray job {name}` "
+                     "does; the token is read as for redray submit.", f"examples:\n  {example}")
+        p.add_argument("job", metavar="JOB", help="the job id redray submit printed")
+        p.add_argument("--address", help="the head's job server, http://HEAD:8265 (default "
+                                         "RAY_API_SERVER_ADDRESS or RAY_ADDRESS)")
+        if name == "logs":
+            p.add_argument("--follow", action="store_true", help="until the job ends")
+        p.set_defaults(run_command=_jobs)
 
     p = _command(sub, "export", "write a run's checkpoint as Hugging Face safetensors",
                  "Loads the run's newest (or best) checkpoint into its redray.models model "

@@ -39,7 +39,7 @@ def test_errors_are_one_line_with_the_fix(tmp_path):
 
 
 def test_every_subcommand_has_help_with_examples():
-    for command in ("run", "submit", "plan", "plot", "export", "runs"):
+    for command in ("run", "submit", "plan", "plot", "export", "runs", "logs", "status", "stop"):
         done = cli(command, "--help")
         assert done.returncode == 0 and "usage: redray " + command in done.stdout
         assert "examples:" in done.stdout

@@ -210,3 +210,40 @@ def test_redray_submit_errors_are_one_line_with_the_fix(head, tmp_path):
                               f"http://127.0.0.1:{free_port()}"), "cannot reach", "8265")
     one_line_error(redray_cli("submit", str(tmp_path / "missing.py"), "--address",
                               head["dashboard"]), "no script")
+
+
+def test_a_missing_module_names_python_and_jobs_are_followed_stopped_and_listed(head, tmp_path):
+    job_dir = tmp_path / "jobs"
+    job_dir.mkdir()
+    (job_dir / "needs.py").write_text("import no_such_package_here\n")
+    (job_dir / "slow.py").write_text("import time\nprint('started', flush=True)\n"
+                                     "time.sleep(600)\n")
+    missing = redray_cli("submit", "needs.py", "--address", head["dashboard"], cwd=job_dir)
+    assert missing.returncode == 1
+    assert "has no module 'no_such_package_here': give --python" in missing.stderr, \
+        missing.stderr
+
+    # Ctrl-C while following: the job keeps running, and the message says how to stop it
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "redray.cli", "submit", "slow.py", "--address", head["dashboard"],
+         "--python", sys.executable], cwd=job_dir, env=token_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    assert follow.stdout.readline().strip() == "started"
+    follow.send_signal(signal.SIGINT)
+    out, err = follow.communicate(timeout=60)
+    assert follow.returncode == 130 and "Traceback" not in err, err
+    (line,) = [x for x in err.splitlines() if x.strip()]
+    job = line.split("stopped following job ")[1].split(";")[0]
+    assert "it is still running" in line and f"redray stop {job}" in line
+    status = redray_cli("status", job, "--address", head["dashboard"])
+    assert status.returncode == 0 and status.stdout.startswith(f"{job} RUNNING"), status
+    logs = redray_cli("logs", job, "--address", head["dashboard"])
+    assert logs.returncode == 0 and "started" in logs.stdout
+    stop = redray_cli("stop", job, "--address", head["dashboard"])
+    assert stop.returncode == 0 and "stopping" in stop.stdout
+    deadline = time.time() + 60
+    while "STOPPED" not in redray_cli("status", job, "--address", head["dashboard"]).stdout:
+        assert time.time() < deadline, "the job did not stop"
+        time.sleep(1)
+    unknown = redray_cli("status", "raysubmit_nope", "--address", head["dashboard"])
+    assert unknown.returncode == 2 and "no job 'raysubmit_nope'" in unknown.stderr, unknown

@@ -52,6 +52,10 @@ COVERED_ELSEWHERE = {
     "redray submit train.py --address http://HEAD:8265 -- --steps 500  # as a Ray job; "
     "streams logs":
         "tests/test_cluster_submit.py::test_redray_submit_streams_the_job_and_returns_its_status",
+    "redray logs JOB --address http://HEAD:8265 --follow   # also: redray status JOB, redray "
+    "stop JOB":
+        "tests/test_cluster_submit.py::"
+        "test_a_missing_module_names_python_and_jobs_are_followed_stopped_and_listed",
 }
 
 # What the README's program computed, read back from its namespace at the end: name ->
