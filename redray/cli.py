@@ -91,21 +91,6 @@ def _run(args) -> int:
     return subprocess.call([sys.executable, _script(args.script), *args.args], env=env)
 
 
-def _token() -> str | None:
-    token = os.environ.get("RAY_AUTH_TOKEN")
-    if token:
-        return token.strip()
-    path = os.path.expanduser("~/.ray/auth_token")
-    if os.path.exists(path):
-        with open(path) as f:
-            return f.read().strip() or None
-    return None
-
-
-TOKEN_HELP = ("copy the head node's ~/.ray/auth_token to this machine's ~/.ray/auth_token, "
-              "or export RAY_AUTH_TOKEN=<that token>")
-
-
 def _job_client(address: str | None, command: str):
     """A Ray ``JobSubmissionClient`` for the head's job server, with the token read as
     ``redray submit`` reads it; a wrong address, a missing or rejected token is a
@@ -118,10 +103,9 @@ def _job_client(address: str | None, command: str):
     if not address.startswith(("http://", "https://")):
         raise UsageError(f"--address {address!r}: give the head's job server, e.g. "
                          "http://HEAD:8265 (a ray:// address is for redray.fit(address=...))")
-    token = _token()
-    if token:
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
-        os.environ.setdefault("RAY_AUTH_TOKEN", token)
+    from redray.cluster.auth import use_token
+
+    token = use_token()
     from ray.job_submission import JobSubmissionClient
 
     try:
@@ -131,6 +115,7 @@ def _job_client(address: str | None, command: str):
 
 
 def _submit(args) -> int:
+    from redray.cluster.auth import find_token
     from redray.tracking import GIT_COMMIT_ENV, git_commit
 
     script = _script(args.script)
@@ -146,7 +131,7 @@ def _submit(args) -> int:
                                  *map(_quote, args.args)]),
             runtime_env={"working_dir": args.working_dir, "env_vars": env_vars})
     except Exception as error:  # noqa: BLE001 - turned into one line below
-        raise UsageError(_submit_error(args.address, error, _token())) from None
+        raise UsageError(_submit_error(args.address, error, find_token())) from None
     if args.no_wait:
         print(job)
         return 0
@@ -231,6 +216,8 @@ def _quote(part: str) -> str:
 
 
 def _submit_error(address: str, error: Exception, token: str | None) -> str:
+    from redray.cluster.auth import TOKEN_HELP
+
     text = " ".join(str(error).split())
     if any(k in text.lower() for k in ("401", "403", "unauthorized", "unauthenticated",
                                        "authentication", "token")):

@@ -143,6 +143,35 @@ def test_ray_client_address(head, tmp_path):
     np.testing.assert_allclose(json.loads(out.read_text()), expected_losses(6), rtol=1e-5)
 
 
+def test_ray_client_finds_the_token_itself_and_says_when_there_is_none(head, tmp_path):
+    """Without RAY_AUTH_MODE: the token in ~/.ray/auth_token is enough (redray presents
+    it); with no token at all the error comes at once and says what to set."""
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    token = token_env()["RAY_AUTH_TOKEN"] if "RAY_AUTH_TOKEN" in token_env() else open(
+        os.path.expanduser("~/.ray/auth_token")).read()
+    script = tmp_path / "client.py"
+    script.write_text("import sys, redray.cluster.launch as l, ray\n"
+                      "l.connect(sys.argv[1])\n"
+                      "print('CPUs', ray.cluster_resources()['CPU'])\n")
+    bare = {k: v for k, v in os.environ.items()
+            if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS")}
+    start = time.time()
+    none = subprocess.run([sys.executable, str(script), head["client"]], env=dict(
+        bare, HOME=str(home)), capture_output=True, text=True, timeout=300)
+    assert none.returncode != 0 and time.time() - start < 60
+    assert "is reachable, but no auth token was found" in none.stderr, none.stderr[-2000:]
+    assert "RAY_AUTH_TOKEN" in none.stderr
+    (home / ".ray" / "auth_token").write_text(token)
+    found = subprocess.run([sys.executable, str(script), head["client"]], env=dict(
+        bare, HOME=str(home)), capture_output=True, text=True, timeout=300)
+    assert found.returncode == 0 and "CPUs 4.0" in found.stdout, found.stderr[-3000:]
+    closed = subprocess.run([sys.executable, str(script), f"ray://127.0.0.1:{free_port()}"],
+                            env=dict(bare, HOME=str(home)), capture_output=True, text=True,
+                            timeout=120)
+    assert "cannot reach the Ray client server" in closed.stderr, closed.stderr[-2000:]
+
+
 def redray_cli(*args, env=None, cwd=None):
     if args[0] == "submit":  # the test cluster's Python is this venv's
         args = (*args, "--python", sys.executable)

@@ -129,25 +129,54 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address and address.startswith("ray://"):
-        # The client server starts a process per client; on a busy head that can outlast
-        # Ray Client's own few quick retries.
-        for attempt in range(CLIENT_ATTEMPTS):
-            try:
-                ray.init(address=address, log_to_driver=True)
-                return
-            except ConnectionError as error:
-                if attempt == CLIENT_ATTEMPTS - 1:
-                    raise ConnectionError(
-                        f"cannot reach the Ray client server at {address} ({error}): check that "
-                        "the cluster is up and its client port (default 10001) is reachable"
-                    ) from None
-                time.sleep(5)
+        _connect_client(address)
     elif address:
         ray.init(address=address, log_to_driver=True)
     else:
         # With the dashboard: Ray Train's placement-group cleaner asks its state API
         # whether the controller lives, and warns every second when it cannot.
         ray.init(num_cpus=num_cpus, include_dashboard=True, log_to_driver=True)
+
+
+def _connect_client(address: str) -> None:
+    """Ray Client: the port first (unreachable: say so at once), then the token (Ray
+    2.60 clusters want one; without it Ray Client retries for minutes and then blames
+    the port), then the connection, retried while the head starts this client's
+    server process."""
+    import socket
+
+    import ray
+
+    from redray.cluster.auth import TOKEN_HELP, use_token
+
+    host, _, port = address[len("ray://"):].partition(":")
+    port = int(port.split("/")[0] or 10001)
+    try:
+        socket.create_connection((host, port), timeout=10).close()
+    except OSError as error:
+        raise ConnectionError(f"cannot reach the Ray client server at {address} ({error}): "
+                              "check that the cluster is up and its client port (default "
+                              "10001) is reachable from here") from None
+    token = use_token()
+    if token is None and os.environ.get("RAY_AUTH_MODE") != "disabled":
+        raise ConnectionError(
+            f"the Ray client server at {address} is reachable, but no auth token was found: "
+            f"a Ray 2.60 cluster accepts only clients with its token; {TOKEN_HELP} (redray "
+            "then sets RAY_AUTH_MODE=token), or set RAY_AUTH_MODE=disabled for a cluster "
+            "started without auth")
+    # The client server starts a process per client; on a busy head that can outlast
+    # Ray Client's own few quick retries.
+    for attempt in range(CLIENT_ATTEMPTS):
+        try:
+            ray.init(address=address, log_to_driver=True)
+            return
+        except ConnectionError as error:
+            if attempt == CLIENT_ATTEMPTS - 1:
+                raise ConnectionError(
+                    f"connecting to the Ray client server at {address} failed ({error}); the "
+                    f"port is reachable: if the cluster rejected the token, {TOKEN_HELP}"
+                ) from None
+            time.sleep(5)
 
 
 def _installed(path: str) -> bool:
