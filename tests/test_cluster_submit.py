@@ -276,3 +276,51 @@ def test_a_missing_module_names_python_and_jobs_are_followed_stopped_and_listed(
         time.sleep(1)
     unknown = redray_cli("status", "raysubmit_nope", "--address", head["dashboard"])
     assert unknown.returncode == 2 and "no job 'raysubmit_nope'" in unknown.stderr, unknown
+
+
+README = os.path.join(os.path.dirname(HERE), "README.md")
+WALKTHROUGH = "### From a laptop to a remote cluster"
+
+
+def walkthrough() -> list[str]:
+    """The commands of the README's walkthrough, in order."""
+    with open(README) as f:
+        text = f.read()
+    start = text.index("```bash", text.index(WALKTHROUGH)) + len("```bash")
+    block = text[start:text.index("```", start)]
+    return [line.strip() for line in block.splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def test_the_readme_walkthrough_runs_against_a_head_with_token_auth(head, tmp_path):
+    lines = walkthrough()
+    # the head: the fixture started it as the walkthrough's first line says (token auth,
+    # its own ports and temp dir so that it is stopped by its processes)
+    assert lines[0].startswith("ray start --head")
+    home = tmp_path / "laptop-home"  # no token on the "laptop" until the walkthrough copies it
+    (home / ".ray").mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS")}
+    env.update(HOME=str(home), PATH=os.path.dirname(sys.executable) + os.pathsep + env["PATH"])
+    shared = tmp_path / "shared"
+    job, outputs = None, []
+    for line in lines[1:]:
+        command = (line.replace("scp HEAD:~/.ray/auth_token",  # no ssh here: the same file
+                                f"cp {os.path.expanduser('~')}/.ray/auth_token")
+                   .replace("http://HEAD:8265", head["dashboard"])
+                   .replace("/opt/venv/bin/python", sys.executable)
+                   .replace("/shared/runs", str(shared)))
+        if " JOB " in command:
+            command = command.replace(" JOB ", f" {job} ")
+        done = subprocess.run(["bash", "-c", command], cwd=os.path.dirname(HERE), env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        outputs.append(done.stdout + done.stderr)
+        if "--no-wait" in command:
+            job = done.stdout.strip().splitlines()[-1]
+            assert job.startswith("raysubmit_")
+    first, second, logs, status, runs = outputs[1:]
+    assert "SUCCEEDED" in first and "checkpoint:" in first  # the job's summary
+    assert "resume" in logs and "SUCCEEDED" in status
+    (row,) = [r.split() for r in runs.splitlines() if r.startswith("walkthrough")]
+    assert row[2] == "8", runs  # the second job resumed the run to step 8

@@ -42,6 +42,21 @@ SUBSTITUTIONS = [
 
 # Command lines that cannot run here, exactly as the README writes them -> the test
 # that runs them.
+# The README's laptop-to-cluster walkthrough (its bash block), run line by line against a
+# separately started head by tests/test_cluster_submit.py.
+WALKTHROUGH = (
+    "ray start --head --dashboard-host 0.0.0.0 --num-cpus 8",
+    "scp HEAD:~/.ray/auth_token ~/.ray/auth_token",
+    "redray submit examples/language_modeling/train.py --address http://HEAD:8265 --python "
+    "/opt/venv/bin/python -- --size tiny --steps 4 --storage /shared/runs --name walkthrough",
+    "redray submit examples/language_modeling/train.py --address http://HEAD:8265 --python "
+    "/opt/venv/bin/python --no-wait -- --size tiny --steps 8 --storage /shared/runs --name "
+    "walkthrough",
+    "redray logs JOB --address http://HEAD:8265 --follow",
+    "redray status JOB --address http://HEAD:8265",
+    "redray runs /shared/runs",
+)
+
 COVERED_ELSEWHERE = {
     "make demo   # creates .venv if missing, installs, runs the main job":
         "tests/test_demo.py::test_make_demo_trains_then_says_complete_then_resumes",
@@ -52,6 +67,9 @@ COVERED_ELSEWHERE = {
     "redray submit train.py --address http://HEAD:8265 -- --steps 500  # as a Ray job; "
     "streams logs":
         "tests/test_cluster_submit.py::test_redray_submit_streams_the_job_and_returns_its_status",
+    **{line: "tests/test_cluster_submit.py::"
+                   "test_the_readme_walkthrough_runs_against_a_head_with_token_auth"
+       for line in WALKTHROUGH},
     "redray logs JOB --address http://HEAD:8265 --follow   # also: redray status JOB, redray "
     "stop JOB":
         "tests/test_cluster_submit.py::"
@@ -73,6 +91,7 @@ PROBES = {
     "loaded_predictions": "[int(p) for p in predictor.predict(test)]",
     "tuned_predictions": "[int(p) for p in tuned.predictor().predict(test)]",
     "override_plan": "trainer.plan()",
+    "maml_losses": "[r['loss'] for r in maml_history]",
     "generated_shape": "list(np.asarray(tokens).shape)",
     "loss_before_tuning": "float(lm_loss(model, {'ids': np.stack([r['ids'] for r in counting])},"
                           " None, False))",
@@ -299,6 +318,8 @@ def test_the_python_blocks_run_and_do_what_they_say(program, work):
     assert specs["hidden/kernel"] == "(None, 'model')"  # the automatic spec stays elsewhere
 
     assert program["generated_shape"] == [2, 8]
+    # a loss that splits the NNX model for an inner gradient step trains
+    assert program["maml_losses"][-1] < 0.9 * program["maml_losses"][0], program["maml_losses"]
     assert program["loss_after_tuning"] < program["loss_before_tuning"]
     from safetensors.numpy import load_file
 
