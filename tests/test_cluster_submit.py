@@ -257,11 +257,14 @@ def test_a_missing_module_names_python_and_jobs_are_followed_stopped_and_listed(
         [sys.executable, "-m", "redray.cli", "submit", "slow.py", "--address", head["dashboard"],
          "--python", sys.executable], cwd=job_dir, env=token_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
-    assert follow.stdout.readline().strip() == "started"
+    while follow.stdout.readline().strip() != "started":  # Ray's set-up lines come first
+        assert follow.poll() is None, follow.stderr.read()
     follow.send_signal(signal.SIGINT)
     out, err = follow.communicate(timeout=60)
     assert follow.returncode == 130 and "Traceback" not in err, err
-    (line,) = [x for x in err.splitlines() if x.strip()]
+    lines = [x for x in err.splitlines() if x.startswith("redray submit:")]  # (Ray: INFO lines)
+    assert len(lines) == 1, err
+    (line,) = lines
     job = line.split("stopped following job ")[1].split(";")[0]
     assert "it is still running" in line and f"redray stop {job}" in line
     status = redray_cli("status", job, "--address", head["dashboard"])

@@ -30,7 +30,24 @@ def use_token() -> str | None:
     """Presents the token, when there is one, in this process's connections: sets
     ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN`` unless they are set. Returns it."""
     token = find_token()
-    if token:
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if token and os.environ.get("RAY_AUTH_MODE") is None:
+        os.environ["RAY_AUTH_MODE"] = "token"
         os.environ.setdefault("RAY_AUTH_TOKEN", token)
+        _refresh_ray_config()
     return token
+
+
+def _refresh_ray_config() -> None:
+    """Ray reads ``RAY_AUTH_MODE`` into its cached config when it is imported: a process
+    that imported Ray first must refresh that cache to see the mode (as Ray itself does
+    when it turns token auth on for a new local cluster)."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return
+    try:
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except Exception:  # noqa: BLE001 - a Ray without this internal: the env var still counts
+        pass
