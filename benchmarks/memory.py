@@ -68,6 +68,7 @@ import redray  # noqa: E402
 from redray.models import build  # noqa: E402
 from redray.models.memory import StepShape  # noqa: E402
 from redray.models.plan import plan_model  # noqa: E402
+from redray.sharding.memory import compiled_memory  # noqa: E402
 from redray.sharding import batch_sharding  # noqa: E402
 
 COMMAND = "python benchmarks/memory.py"
@@ -107,8 +108,7 @@ def compiled_step(s: Sizes, model_axis: int, fsdp_axis: int, remat: str, scan: b
 
 
 def peak(stats) -> int:
-    return (stats.argument_size_in_bytes + stats.temp_size_in_bytes
-            + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+    return compiled_memory(stats)["peak"]
 
 
 def step_memory(name: str, s: Sizes) -> list[dict]:

@@ -37,8 +37,9 @@ from redray.engine.steps import (NONFINITE_POLICIES, eval_step, microbatched, mo
 from redray.pipeline import Pipeline, PipelineError, split_loss_output
 from redray.rngs import Stream, stream_key
 from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size, placement
-from redray.sharding.memory import (GATHERED_LAYERS, layer_gather_bytes, memory_text,
-                                    saved_residuals, split_residual_bytes, split_sizes, totals)
+from redray.sharding.memory import (GATHERED_LAYERS, compiled_memory, layer_gather_bytes,
+                                    memory_text, saved_residuals, split_residual_bytes,
+                                    split_sizes, totals)
 
 # What a Trainer's checkpoint meta holds beyond the step (and reads back on resume): the
 # position in the data. A meta without them is an unreadable checkpoint.
@@ -365,14 +366,8 @@ class Trainer:
                  "gradients": params, "compute_copies": copies, "fsdp_gathered": gathered,
                  "activations": self._activation_bytes(rows)}
         out = totals(parts, device_gib)
-        stats = self.compiled_step().memory_analysis()
-        compiled = {k: int(getattr(stats, f"{k}_size_in_bytes"))
-                    for k in ("argument", "temp", "output", "alias")}
-        compiled = {"arguments": compiled["argument"], "temporaries": compiled["temp"],
-                    "outputs": compiled["output"], "aliased": compiled["alias"],
-                    "peak": compiled["argument"] + compiled["temp"] + compiled["output"]
-                    - compiled["alias"], "platform": self.mesh.devices.flat[0].platform}
-        out["compiled"] = compiled
+        compiled = compiled_memory(self.compiled_step().memory_analysis())
+        out["compiled"] = {**compiled, "platform": self.mesh.devices.flat[0].platform}
         out["per_device_batch"] = self.micro
         if device_gib is not None:
             out["fits"] = max(out["total"], compiled["peak"]) <= out["device_bytes"]

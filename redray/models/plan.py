@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from redray.models.memory import StepShape, memory_plan
-from redray.sharding.memory import part_lines
+from redray.sharding.memory import part_lines, size_text
 from redray.sharding import AXES, follow_specs, placement
 
 PRESET_DIR = "presets"
@@ -265,13 +265,6 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
     }
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def format_model_plan(result: dict, name: str | None = None) -> str:
     """The human-readable report of ``plan_model``'s result."""
     mesh = result["mesh"]
@@ -280,7 +273,8 @@ def format_model_plan(result: dict, name: str | None = None) -> str:
     ideal = {"params": result["ideal_param_bytes_per_device"],
              "opt": result["ideal_opt_bytes_per_device"]}
     lines = [
-        f"{title}: {result['n_params']:,} parameters ({_size(result['n_params'] * 4)} in float32)",
+        f"{title}: {result['n_params']:,} parameters "
+        f"({size_text(result['n_params'] * 4)} in float32)",
         f"mesh: data={mesh['data']} x fsdp={mesh['fsdp']} x model={mesh['model']} "
         f"({result['devices']} devices)",
         "",
@@ -291,14 +285,14 @@ def format_model_plan(result: dict, name: str | None = None) -> str:
             ("Adam state (2 x float32)", result["opt_bytes_per_device"], ideal["opt"],
              ratio["opt"]))
     for label, a, i, r in rows:
-        lines.append(f"{label:<24}{_size(a):>14}{_size(i):>14}{r:>8.3f}x")
+        lines.append(f"{label:<24}{size_text(a):>14}{size_text(i):>14}{r:>8.3f}x")
     a = result["param_bytes_per_device"] + result["opt_bytes_per_device"]
     i = ideal["params"] + ideal["opt"]
-    lines.append(f"{'total':<24}{_size(a):>14}{_size(i):>14}{a / i if i else 1.0:>8.3f}x")
+    lines.append(f"{'total':<24}{size_text(a):>14}{size_text(i):>14}{a / i if i else 1.0:>8.3f}x")
     lines.append(f"ideal = total / (model {mesh['model']} x fsdp {mesh['fsdp']}); the data axis "
                  f"({mesh['data']}) replicates by design.")
     lines.append("")
-    threshold = _size(result["replicated_min_bytes"])
+    threshold = size_text(result["replicated_min_bytes"])
     reps, omitted = result["replicated"], result["replicated_omitted"]
     if not reps:
         lines.append(f"no parameter of {threshold} or more is left replicated over model or fsdp")
@@ -309,7 +303,7 @@ def format_model_plan(result: dict, name: str | None = None) -> str:
             spec = "P(" + ", ".join(repr(e) for e in r["spec"]) + ")"
             lines.append(f"  {r['path']:<{width}}  {str(tuple(r['shape'])):<18} {spec:<22} "
                          f"over {'+'.join(r['replicated_over']):<11} "
-                         f"{_size(r['bytes_per_device']):>11}/device")
+                         f"{size_text(r['bytes_per_device']):>11}/device")
             if r.get("why"):
                 fix = f"; fix: {r['fix']}" if r["fix"] else " (as intended)"
                 lines.append(f"    {r['why']}{fix}")

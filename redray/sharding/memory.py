@@ -100,6 +100,18 @@ def totals(parts: dict, device_gib: float | None) -> dict:
     return out
 
 
+def compiled_memory(stats) -> dict:
+    """XLA's ``compiled.memory_analysis()`` per device: ``arguments``, ``temporaries``,
+    ``outputs``, ``aliased`` and ``peak`` = arguments + temporaries + outputs - aliased
+    (a donated state is updated in place)."""
+    out = {"arguments": int(stats.argument_size_in_bytes),
+           "temporaries": int(stats.temp_size_in_bytes),
+           "outputs": int(stats.output_size_in_bytes),
+           "aliased": int(stats.alias_size_in_bytes)}
+    out["peak"] = out["arguments"] + out["temporaries"] + out["outputs"] - out["aliased"]
+    return out
+
+
 def size_text(n: float) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
