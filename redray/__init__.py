@@ -39,6 +39,7 @@ and redray does the rest. Public API:
 * ``NonFiniteError``: a step's loss or gradient norm was NaN/inf (``on_nonfinite="stop"``).
 """
 
+from redray import verbosity  # noqa: F401 - first: it quiets transformers before its import
 from redray.checkpoint import CheckpointConfig, CheckpointMismatch
 from redray.cluster import (ClusterConfig, FitResult, RunResult, add_cluster_args,
                             cluster_options, fit, run)

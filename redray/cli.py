@@ -31,6 +31,10 @@ import os
 import sys
 
 from redray import storage as storage_module
+from redray.verbosity import VERBOSE_ENV, set_verbose
+
+VERBOSE_HELP = ("show everything the run's processes print (default: one progress line "
+                "and the run's messages; REDRAY_VERBOSE=1 does the same)")
 
 EXIT_USAGE = 2
 
@@ -85,6 +89,8 @@ def _script(path: str) -> str:
 def _run(args) -> int:
     import subprocess
 
+    if args.verbose:
+        set_verbose(True)
     env = dict(os.environ)
     if args.address:
         env["RAY_ADDRESS"] = args.address
@@ -120,7 +126,10 @@ def _submit(args) -> int:
 
     script = _script(args.script)
     client = _job_client(args.address, "submit")
-    env_vars = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI",) if k in os.environ}
+    if args.verbose:
+        set_verbose(True)
+    env_vars = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI", VERBOSE_ENV)
+                if k in os.environ}
     commit = git_commit(args.working_dir)  # Ray copies the folder without .git
     if commit:
         env_vars[GIT_COMMIT_ENV] = commit
@@ -430,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "examples:\n  redray run examples/language_modeling/train.py --steps 50\n"
                  "  redray run --address ray://head:10001 train.py")
     p.add_argument("--address", help="a Ray cluster address (ray://HOST:10001 or HOST:6379)")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument("script", metavar="SCRIPT", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(run_command=_run)
@@ -448,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python", default="python",
                    help="the cluster's Python that runs SCRIPT, one with redray and your "
                         "packages (default: the cluster's `python`)")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument("script", metavar="SCRIPT", help="the training script (in the working dir)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(run_command=_submit)

@@ -1,5 +1,7 @@
 """`make demo` end to end (reduced steps): trains on 2 simulated hosts, tracks, checkpoints,
-then a second run says the run is complete and a third with more steps resumes."""
+then a second run says the run is complete and a third with more steps resumes. What the
+user sees is checked too: by default a few lines (the run's own messages and progress),
+no traceback, no warning, nothing of Ray's worker stream; `--verbose` shows all of it."""
 
 import json
 import os
@@ -16,16 +18,33 @@ def demo(*args, make=False):
         command = ["make", "-s", "demo", f"DEMO_ARGS={' '.join(args)}"]
     else:
         command = [sys.executable, "examples/language_modeling/train.py", *args]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    env = {k: v for k, v in os.environ.items() if k != "REDRAY_VERBOSE"}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return done.stdout, done.stderr
+
+
+def quiet_console(out: str, err: str) -> list[str]:
+    """The lines a run showed, checked to be the quiet default's."""
+    lines = (out + err).splitlines()
+    assert not [x for x in lines if "Traceback" in x or "Warning" in x or "WARNING" in x], lines
+    # nothing came through Ray's stream of the workers' output ("(RayTrainWorker pid=..)")
+    assert not [x for x in lines if "pid=" in x or x.startswith("(raylet)")], lines
+    return lines
 
 
 @pytest.mark.slow
 @pytest.mark.ray
 def test_make_demo_trains_then_says_complete_then_resumes(tmp_path):
     common = ["--size", "tiny", "--storage", str(tmp_path), "--name", "demo"]
-    out = demo("--steps", "6", *common, make=True)
+    out, err = demo("--steps", "6", *common, make=True)
+    console = quiet_console(out, err)
+    # 2 data lines, the mesh, 2 evaluations, 1 progress line (log_every=10 > 6 steps),
+    # the perplexities (3 lines) and the summary (4)
+    assert len(console) == 13, console
+    assert [x for x in console if x.startswith("step 6/6 (100%) | epoch 0 | loss ")], console
+    assert "tokens/s | ETA 0s" in out and console[2].startswith("redray: 2 host(s)")
     numbers = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert numbers["step"] == 6
     assert numbers["perplexity_after"] < numbers["perplexity_before"]
@@ -33,8 +52,12 @@ def test_make_demo_trains_then_says_complete_then_resumes(tmp_path):
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db" in out
     assert os.path.exists(tmp_path / "mlflow.db")
 
-    assert "already complete at step 6" in demo("--steps", "6", *common)
-    out = demo("--steps", "8", *common)
+    out, err = demo("--steps", "6", *common, "--verbose")
+    assert "already complete at step 6" in out
+    # verbose: the workers' stream is back, set-up chatter included
+    assert "(RayTrainWorker pid=" in out + err and "JAX distributed service" in out + err
+    out, err = demo("--steps", "8", *common)
+    assert [x for x in quiet_console(out, err) if x.startswith("resumed from ")]
     numbers = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert numbers["step"] == 8  # resumed from step 6: the perplexity "before" is step 6's
     assert "at step 6 ->" in out

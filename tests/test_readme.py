@@ -117,7 +117,7 @@ PROBES = {
                      " 'test_accuracy')]",
 }
 
-KNOWN_LANGUAGES = {"python", "bash", "text"}
+KNOWN_LANGUAGES = {"python", "bash", "text", "console"}
 FENCE = re.compile(r"^( *)```(\S*)\s*$")
 
 
@@ -206,6 +206,30 @@ def test_the_layout_names_only_paths_that_exist():
             for path in paths:
                 assert os.path.exists(os.path.join(ROOT, path)), \
                     f"README.md:{block.line + i}: {path} does not exist"
+
+
+def test_the_console_sample_is_what_the_console_prints():
+    """A ```console block is what the driver shows; its progress and evaluation lines
+    are rebuilt from their numbers by the console's own formatting."""
+    from redray.engine.console import progress_text, row_text
+
+    _, blocks = readme()
+    samples = [line for b in blocks if b.language == "console" for line in b.lines]
+    assert samples
+    for line in samples:
+        progress = re.match(r"step (\d+)/(\d+) \(\d+%\) \| epoch (\d+) \| loss ([\d.]+) \| "
+                            r"([\d.]+) steps/s \| ([\d,]+) tokens/s", line)
+        if progress:
+            step, total, epoch, loss, speed, tokens = progress.groups()
+            row = {"step": int(step), "epoch": int(epoch), "loss": float(loss),
+                   "steps_per_s": float(speed), "tokens_per_s": float(tokens.replace(",", ""))}
+            assert progress_text(row, int(total)) == line
+        evaluation = re.match(r"step (\d+) \| epoch (\d+) \| eval_loss ([\d.]+)$", line)
+        if evaluation:
+            step, epoch, value = evaluation.groups()
+            assert row_text({"step": int(step), "epoch": int(epoch),
+                             "eval_loss": float(value)}) == line
+        assert progress or evaluation or line.startswith("redray: "), line
 
 
 def recipe(target: str) -> list[str]:

@@ -109,12 +109,12 @@ def loss(model, batch, rng, train):
 
 def main(argv=None):
     args = parse(argv)
+    cluster = redray.cluster_options(args)  # first: --verbose shows the imports' advice too
     from transformers import LlamaConfig
 
     from redray.models import build, from_pretrained, load_config, save_tokenizer
     from redray.storage import tokenizer_folder
 
-    cluster = redray.cluster_options(args)
     storage = cluster.storage_path
     train, evaluation, vocab = corpus(f"{storage}/{args.name}/data", args.seq, args.model)
     if args.model:

@@ -49,6 +49,10 @@ class ClusterConfig:
       compile_cache: keep the run's compiled programs in
         ``<storage_path>/<name>/compile_cache`` (JAX's persistent compilation cache), so
         a restart or a resumed run loads them instead of compiling again.
+      verbose: show everything the run's processes print (each host's progress bar,
+        Ray's, JAX's, Gloo's and MLflow's set-up lines). Default (None): the
+        ``REDRAY_VERBOSE`` variable, else quiet: the driver shows one progress line
+        and the run's own messages.
     """
     hosts: int = 1
     devices_per_host: int | None = None
@@ -65,6 +69,7 @@ class ClusterConfig:
     experiment: str = "redray"
     tracking: bool = True
     compile_cache: bool = True
+    verbose: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.hosts, int) or self.hosts < 1:

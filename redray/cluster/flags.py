@@ -6,12 +6,14 @@ import argparse
 
 from redray.cluster.config import ClusterConfig
 from redray.storage import DEFAULT_STORAGE, storage_folder
+from redray.verbosity import set_verbose
 
 
 def add_cluster_args(parser: argparse.ArgumentParser, *, name: str, hosts: int = 2,
                      devices_per_host: int = 2, storage: str = DEFAULT_STORAGE
                      ) -> argparse.ArgumentParser:
-    """Adds ``--hosts``, ``--devices-per-host``, ``--gpu``, ``--storage`` and ``--name``.
+    """Adds ``--hosts``, ``--devices-per-host``, ``--gpu``, ``--storage``, ``--name`` and
+    ``--verbose``.
 
     On one machine the hosts are simulated (separate processes, each with its own CPU
     devices); on a Ray cluster (``RAY_ADDRESS``, ``redray run --address``, ``ray job
@@ -33,6 +35,9 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, name: str, hosts: int =
                        help=f"runs folder: checkpoints, mlflow.db (default {storage})")
     group.add_argument("--name", default=name,
                        help=f"run name; the same name resumes (default {name})")
+    group.add_argument("--verbose", action="store_true",
+                       help="show everything every process prints (default: one progress "
+                       "line and the run's messages)")
     return parser
 
 
@@ -40,6 +45,9 @@ def cluster_options(args: argparse.Namespace) -> ClusterConfig:
     """The ``ClusterConfig`` of ``add_cluster_args``'s flags, for ``redray.fit(...,
     cluster=...)``/``redray.run`` (the storage folder made absolute: a Ray job runs in a
     temporary copy of its directory)."""
+    verbose = getattr(args, "verbose", False) or None  # not given: REDRAY_VERBOSE decides
+    if verbose:
+        set_verbose(True)  # this process too (the libraries' advice, Ray's INFO lines)
     return ClusterConfig(hosts=args.hosts, devices_per_host=args.devices_per_host,
                          use_gpu=args.gpu, name=args.name,
-                         storage_path=storage_folder(args.storage))
+                         storage_path=storage_folder(args.storage), verbose=verbose)

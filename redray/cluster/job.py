@@ -82,6 +82,8 @@ class HostJob:
         (``ClusterConfig.hang_timeout``), or None.
       compile_cache: the run's compilation cache folder (``ClusterConfig.compile_cache``),
         or None.
+      console: host 0's Trainers show their messages and progress on the driver
+        (through ``results``); False (verbose): on the host's own output.
     """
     task: FitTask | CallTask
     code: bytes
@@ -91,3 +93,4 @@ class HostJob:
     config: dict
     hang_timeout: float | None = None
     compile_cache: str | None = None
+    console: bool = True

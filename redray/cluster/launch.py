@@ -10,8 +10,11 @@ from typing import Any, Callable
 
 from redray import storage
 from redray.cluster.config import ClusterConfig
+from redray.cluster.console import DriverView, Watcher
 from redray.cluster.job import CallCode, CallTask, FitCode, FitTask, HostJob
 from redray.cluster.run_lock import RunLock
+from redray.data.ray_local import join, quiet_ray_logs, start_local
+from redray.verbosity import ADVICE_ENV, VERBOSE_ENV, verbose
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -96,6 +99,13 @@ def _results_actor():
     class Results:
         def __init__(self):
             self.value, self.failures, self.hosts = None, [], {}
+            self.news = []  # host 0's messages and progress, for the driver's console
+
+        def tell(self, event):
+            self.news.append(event)
+
+        def read(self, since):
+            return self.news[since:]
 
         def put(self, value):
             self.value = value
@@ -131,11 +141,9 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
     if address and address.startswith("ray://"):
         _connect_client(address)
     elif address:
-        ray.init(address=address, log_to_driver=True)
+        join(address)
     else:
-        # With the dashboard: Ray Train's placement-group cleaner asks its state API
-        # whether the controller lives, and warns every second when it cannot.
-        ray.init(num_cpus=num_cpus, include_dashboard=True, log_to_driver=True)
+        start_local(num_cpus)
 
 
 def _connect_client(address: str) -> None:
@@ -145,7 +153,6 @@ def _connect_client(address: str) -> None:
     server process."""
     import socket
 
-    import ray
 
     from redray.cluster.auth import TOKEN_HELP, use_token
 
@@ -168,7 +175,7 @@ def _connect_client(address: str) -> None:
     # Ray Client's own few quick retries.
     for attempt in range(CLIENT_ATTEMPTS):
         try:
-            ray.init(address=address, log_to_driver=True)
+            join(address)
             return
         except ConnectionError as error:
             if attempt == CLIENT_ATTEMPTS - 1:
@@ -240,7 +247,8 @@ def run(fn: Callable, *args, cluster: ClusterConfig | None = None, **kwargs) -> 
       *args, **kwargs: its arguments; keywords that name a ``ClusterConfig`` field
         (``hosts``, ``devices_per_host``, ``use_gpu``, ``use_tpu``, ``address``, ``name``,
         ``storage_path``, ``max_failures``, ``checkpoint``, ``resume``,
-        ``tracking_uri``, ``experiment``, ``tracking``) configure the run instead.
+        ``tracking_uri``, ``experiment``, ``tracking``, ``compile_cache``, ``verbose``)
+        configure the run instead.
         ``checkpoint`` is the main Trainer's ``redray.CheckpointConfig`` (its directory
         defaults to ``<storage_path>/<name>/checkpoints``); ``False``: none.
       cluster: a ``redray.ClusterConfig`` (keywords above override its fields).
@@ -272,11 +280,12 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         parquet/json/jsonl path or glob, or a ``ray.data.Dataset``.
       batch_size: examples per optimizer update, over all hosts.
       epochs, max_steps, eval_metric, eval_at_start: as for ``Trainer.fit``.
-      progress: progress bar on host 0.
+      progress: host 0's messages and progress, on the driver's console (False: none).
       cluster: a ``redray.ClusterConfig``; its fields may also be given as keywords
         here (``hosts``, ``devices_per_host``, ``use_gpu``, ``use_tpu``, ``address``,
         ``name``, ``storage_path``, ``max_failures``, ``checkpoint``, ``resume``,
-        ``tracking_uri``, ``experiment``, ``tracking``), which override its fields.
+        ``tracking_uri``, ``experiment``, ``tracking``, ``compile_cache``, ``verbose``),
+        which override its fields.
         Defaults: one host, a timestamped run under ``~/redray_runs``, a checkpoint at
         the end of every epoch and of the run (the last 3 kept), resumed when the
         same name runs again, tracked in ``<storage_path>/mlflow.db``.
@@ -379,6 +388,9 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
     _check_data_cpus(config, task)
     recorded = {**config.settings(), **settings}
     results = _results_actor()
+    quiet = not verbose(config.verbose)
+    view = DriverView()
+    quiet_ray_logs(view, quiet)
     tracker = None
     if config.tracking:
         tracker = start_tracker(storage.resolve_tracking_uri(config.tracking_uri,
@@ -391,7 +403,7 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     job = HostJob(task=task, code=_user_bytes(code), results=results, tracker=tracker,
                   checkpoint=config.checkpoint, config=recorded,
-                  hang_timeout=config.hang_timeout,
+                  hang_timeout=config.hang_timeout, console=quiet,
                   compile_cache=storage.compile_cache_folder(config.storage_path, config.name)
                   if config.compile_cache else None)
     trainer = JaxTrainer(
@@ -400,12 +412,13 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
         _entry, train_loop_config={"job": job}, scaling_config=_scaling(config),
         run_config=RunConfig(name=config.name, storage_path=config.storage_path,
                              failure_config=FailureConfig(max_failures=config.max_failures),
-                             worker_runtime_env={"env_vars": _worker_env(config)},
+                             worker_runtime_env={"env_vars": _worker_env(config, quiet)},
                              logging_config=LoggingConfig(log_level="WARNING"),
                              callbacks=[] if tracker is None else [CheckpointsToTracker(tracker)]))
     start = time.perf_counter()
     try:
-        trainer.fit()
+        with Watcher(results, view):
+            trainer.fit()
     except Exception as error:
         finish_tracker(tracker, "FAILED")
         _, failures = ray.get(results.get.remote())
@@ -428,10 +441,13 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
             "mlflow_run_id": report and report["run_id"]}
 
 
-def _worker_env(config: ClusterConfig) -> dict:
+def _worker_env(config: ClusterConfig, quiet: bool = True) -> dict:
     # Ray Train's print patch logs every print again after teeing it to the console:
     # each line a host prints would show twice.
-    env = {"PYTHONPATH": _local_paths(), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+    env = {"PYTHONPATH": _local_paths(), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+           VERBOSE_ENV: "0" if quiet else "1"}
+    if quiet:
+        env[ADVICE_ENV] = "1"
     if not (config.use_gpu or config.use_tpu):
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = " ".join(

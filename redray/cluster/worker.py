@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import traceback
 
+from redray.cluster.console import DriverConsole
 from redray.cluster.job import HostJob
 from redray.cluster.tracker import CHECKPOINT_KEY, TrackerHook
 from redray.engine.hooks import Adoption, Hook, trainer_scope
@@ -168,7 +169,10 @@ class HostRun:
         hooks = [tracker, RayTrainCheckpoints()]
         if self.watchdog is not None:
             hooks.append(self.watchdog)
-        return Adoption(checkpoint=checkpoint, config=self.job.config, hooks=hooks)
+        console = DriverConsole(self.job.results) if self.job.console and self.rank == 0 \
+            else None
+        return Adoption(checkpoint=checkpoint, config=self.job.config, hooks=hooks,
+                        console=console)
 
     def result(self, value) -> dict:
         """What host 0 sends the driver: the function's value and the main Trainer's

@@ -1,15 +1,28 @@
-"""The Ray instance the data layer uses when none is running yet.
+"""This process's Ray: joined or started here, and quiet.
 
 Ray Data starts a local Ray by itself, counting the machine's cores as its CPUs. A run
 started later on that instance (``redray.fit``) reserves one CPU per host, and Ray
 Data's reads and transforms then find none free and wait forever. So the data layer
 starts the local instance itself, with logical CPUs to spare for hosts (a logical CPU
 is a scheduling token: XLA and the reads still share the real cores).
+
+A local instance is always a new one (``address="local"``): by default Ray would join
+a ``ray start`` cluster running on this machine instead, and then refuse ``num_cpus``.
+
+Unless verbose (``redray/verbosity.py``), what every Ray session prints that tells a
+user nothing is dropped (``NOISE``): the set-up chatter of Ray, Gloo, JAX, MLflow and
+transformers, on the driver and in what the cluster's processes stream to it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
+import warnings
+
+from redray.verbosity import verbose
 
 SPARE_CPUS = 8
 
@@ -22,7 +35,179 @@ def ensure_ray() -> None:
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(log_to_driver=True)
+        join(os.environ["RAY_ADDRESS"])
     else:
-        ray.init(num_cpus=(os.cpu_count() or 1) + SPARE_CPUS, include_dashboard=True,
-                 log_to_driver=True)
+        start_local((os.cpu_count() or 1) + SPARE_CPUS)
+
+
+def start_local(num_cpus: int | None) -> None:
+    """Starts a new Ray instance on this machine (with the dashboard: Ray Train's
+    placement-group cleaner asks its state API whether the controller lives, and warns
+    every second when it cannot)."""
+    import ray
+
+    with _quiet_start():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=True,
+                 log_to_driver=True, logging_level=_ray_log_level())
+    quiet_ray_logs()
+
+
+def join(address: str) -> None:
+    """Joins the Ray cluster at ``address`` (``host:port`` or ``ray://host:port``)."""
+    import ray
+
+    # (Ray Client hands a non-default logging level on to the cluster's side)
+    level = {} if address.startswith("ray://") else {"logging_level": _ray_log_level()}
+    with _quiet_start():
+        ray.init(address=address, log_to_driver=True, **level)
+    quiet_ray_logs()
+
+
+def _ray_log_level() -> int:
+    """Ray's driver log level: its INFO lines ("Started a local Ray instance") only when
+    verbose."""
+    return logging.INFO if verbose() else logging.WARNING
+
+
+@contextlib.contextmanager
+def _quiet_start():
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).addFilter(_FILTER)
+    with warnings.catch_warnings():
+        # Ray starts its processes by fork and exec: JAX's warning (when JAX ran first)
+        # that a fork deadlocks multithreaded code is about forks that go on running.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+        yield
+
+
+# What every run prints that tells a user nothing (each with where it comes from).
+NOISE = tuple(re.compile(p) for p in (
+    # Gloo, at each collective's set-up (two threads' lines may come torn apart)
+    r"is connected to \d+ peer ranks|^\[Gloo\] Rank \d+\s*$",
+    r"(Starting|Connecting to) JAX distributed service on",  # jax.distributed
+    r"Progress bars disabled\. To enable",  # Ray Data (redray turns its bars off)
+    r"PYTHON worker processes have been started on node",  # the raylet, as actors start
+    r"has constructor arguments in the object store and max_restarts > 0",  # Ray Train
+    r"INFO mlflow\.store\.db\.utils|INFO  \[alembic",  # MLflow creating its SQLite tables
+    r"PyTorch was not found\. Models won't be available",  # transformers without torch
+    r"Token authentication is enabled for this Ray cluster",  # Ray 2.60's token auth
+    r"os\.fork\(\) was called\. os\.fork\(\) is incompatible",  # JAX, when Ray forks
+))
+# A Python warning's first line (``file.py:12: SomeWarning: text``); the indented lines
+# after it (the source line) belong to it.
+WARNING_LINE = re.compile(r"^\S.*:\d+: \w+: ")
+
+
+def drop_noise(lines: list[str]) -> list[str]:
+    """``lines`` without the ``NOISE`` ones (nor a dropped warning's source line)."""
+    kept, dropping = [], False
+    for line in lines:
+        if dropping and line.startswith((" ", "\t")):
+            continue
+        dropping = False
+        if any(p.search(line) for p in NOISE):
+            dropping = bool(WARNING_LINE.search(line))
+            continue
+        kept.append(line)
+    return kept
+
+
+class _NoiseFilter(logging.Filter):
+    """For this process's own loggers (Ray's token warning at ``ray.init``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _screen.dropping() or bool(drop_noise([record.getMessage()]))
+
+
+class _Screen:
+    """Where the streamed lines go: printed inside ``screen.above()`` when a live
+    progress line is on the terminal (``redray/cluster/console.py``); ``quiet``: drop
+    the noise (None: unless ``REDRAY_VERBOSE``)."""
+    screen = None
+    quiet: bool | None = None
+
+    def dropping(self) -> bool:
+        return not verbose() if self.quiet is None else self.quiet
+
+
+_screen = _Screen()
+_NO_SCREEN = contextlib.nullcontext
+
+
+def quiet_ray_logs(screen=None, quiet: bool | None = None) -> None:
+    """Filters what the cluster's processes stream to this driver through
+    ``drop_noise`` (unless verbose), printing it inside ``screen.above()`` if given;
+    ``quiet`` overrides ``REDRAY_VERBOSE`` (a run's ``verbose=``).
+
+    Ray prints the streamed lines from a handler of its private log dispatcher (Ray
+    Client: its log client's ``stdstream``); where that is not found (another Ray
+    layout) the output stays unfiltered.
+    """
+    if screen is not None:
+        _screen.screen = screen
+    _screen.quiet = quiet
+    try:
+        from ray._private import worker as ray_worker
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        pass
+    else:
+        # the streamed lines (the handler holds the function it was given) and the
+        # cluster's error messages (which call the module's function by name)
+        with dispatcher._lock:
+            dispatcher.handlers = [(name, _filtered(handler) if name == "ray_print_logs"
+                                    else handler) for name, handler in dispatcher.handlers]
+        ray_worker.print_to_stdstream = _filtered(ray_worker.print_to_stdstream)
+    _quiet_ray_client()
+
+
+_FILTER = _NoiseFilter()
+# This process's loggers that log noise: Ray's token warning (at ray.init), Ray Data's
+# "Progress bars disabled" (at a dataset's first pass).
+NOISY_LOGGERS = ("ray._private.authentication.authentication_token_setup",
+                 "ray.data._internal.progress")
+
+
+def _above():
+    screen = _screen.screen
+    return screen.above() if screen is not None else _NO_SCREEN()
+
+
+def _filtered(handler):
+    if getattr(handler, "redray_original", None) is not None:
+        return handler
+
+    def quiet(data, *args, **kwargs):
+        lines = data.get("lines") or []
+        if _screen.dropping():
+            lines = drop_noise(lines)
+        if lines:
+            with _above():
+                handler({**data, "lines": lines}, *args, **kwargs)
+
+    quiet.redray_original = handler
+    return quiet
+
+
+def _quiet_ray_client() -> None:
+    """The same filter for a Ray Client connection's log stream (text chunks)."""
+    try:
+        from ray.util.client import ray as client
+
+        logs = client.worker.log_client if client.is_connected() else None
+    except Exception:  # noqa: BLE001 - another Ray layout: the output stays unfiltered
+        return
+    if logs is None or getattr(logs.stdstream, "redray_original", None) is not None:
+        return
+    original = logs.stdstream
+
+    def stdstream(level: int, msg: str):
+        lines = msg.splitlines()
+        if _screen.dropping():
+            lines = drop_noise(lines)
+        if lines:
+            with _above():
+                original(level=level, msg="\n".join(lines) + "\n")
+
+    stdstream.redray_original = original
+    logs.stdstream = stdstream

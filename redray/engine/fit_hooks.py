@@ -2,7 +2,7 @@
 
 Each decides its own cadence from the loop's events (``redray/engine/hooks.py``).
 They run in the order ``fit`` lists them: at an epoch's end the last window is logged,
-the bar closes, the evaluation runs, and only then the epoch's checkpoint is saved
+the progress shows it, the evaluation runs, and only then the epoch's checkpoint is saved
 (it records the evaluation's metrics, for ``best_metric``).
 """
 
@@ -13,6 +13,7 @@ import time
 import jax
 import numpy as np
 
+from redray.engine.console import row_text
 from redray.engine.hooks import EpochEnd, Hook, StepInfo
 
 
@@ -73,39 +74,13 @@ class LogWindow(Hook):
         self.window, self.start = [], time.perf_counter()
 
 
-class ProgressBar(Hook):
-    """A tqdm bar per epoch with the last window's loss, steps/s and examples/s."""
-
-    def __init__(self, steps_per_epoch: int):
-        self.total = steps_per_epoch
-        self.bar = None
-
-    def on_epoch_start(self, trainer, epoch: int, batch: int) -> None:
-        from tqdm.auto import tqdm
-
-        if self.bar is not None:  # a rollback restarts the epoch's loop
-            self.bar.close()
-        self.bar = tqdm(total=self.total, initial=batch, desc=f"epoch {epoch}", leave=False)
-
-    def on_step(self, trainer, info: StepInfo) -> None:
-        self.bar.update(1)
-
-    def on_log(self, trainer, row: dict) -> None:
-        if self.bar is not None and "steps_per_s" in row:
-            self.bar.set_postfix(loss=f"{row['loss']:.4f}", steps_s=f"{row['steps_per_s']:.2f}",
-                                 ex_s=f"{row['examples_per_s']:.0f}")
-
-    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
-        self.bar.close()
-        self.bar = None
-
-
 class Evaluation(Hook):
     """Evaluates after every epoch (loss and metrics, and with ``metric`` the
-    Predictor's outputs scored by it), logs the row and prints it on host 0."""
+    Predictor's outputs scored by it), logs the row and, given a ``console`` (host 0's),
+    shows it there."""
 
-    def __init__(self, data, metric=None, show: bool = False):
-        self.data, self.metric, self.show = data, metric, show
+    def __init__(self, data, metric=None, console=None):
+        self.data, self.metric, self.console = data, metric, console
 
     def on_epoch_end(self, trainer, end: EpochEnd) -> None:
         self.run(trainer, end.step, end.epoch)
@@ -120,9 +95,8 @@ class Evaluation(Hook):
             row.update({f"eval_{k}": float(v) for k, v in self.metric(
                 all_examples(self.data), predictions).items()})
         trainer._log(row)
-        if self.show:
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in row.items()))
+        if self.console is not None:
+            self.console.say(row_text(row))
         return row
 
 

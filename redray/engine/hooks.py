@@ -101,10 +101,13 @@ class Adoption:
       checkpoint: a ``CheckpointConfig`` replacing the Trainer's default (None: keep).
       config: settings stored in every checkpoint, under the Trainer's own.
       hooks: hooks added to the Trainer.
+      console: where the Trainer's messages and progress go (a
+        ``redray.engine.console.Console``; None: this process's terminal).
     """
     checkpoint: Any = None
     config: dict = dataclasses.field(default_factory=dict)
     hooks: list = dataclasses.field(default_factory=list)
+    console: Any = None
 
 
 class Scope(Protocol):

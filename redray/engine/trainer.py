@@ -23,7 +23,8 @@ from redray.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatch
 from redray.engine.batches import (InFlight, collate_checked, data_groups, each_batch,
                                    epoch_batches, first_examples, is_stream, prefetch,
                                    process_rows, steps_per_epoch, to_global)
-from redray.engine.fit_hooks import Checkpoints, Evaluation, LogWindow, ProgressBar, Recorder
+from redray.engine.console import Console
+from redray.engine.fit_hooks import Checkpoints, Evaluation, LogWindow, Recorder
 from redray.engine.hooks import EpochEnd, Hook, Position, StepInfo, current_scope
 from redray.engine.model import split_trainable
 from redray.engine.nonfinite import (NonFiniteError, NonFiniteGuard, RolledBack, zero_flag,
@@ -75,7 +76,7 @@ class Trainer:
       learning_rate: the schedule (or float) given to the optimizer, to log it.
       seed: seeds initialization, data order and the ``rng`` given to ``loss``.
       log_every: steps between metric fetches from the devices (no sync in between).
-      progress: show a progress bar (on process 0).
+      progress: show the run's summary, progress and evaluations (on process 0).
       prefetch: batches collated and placed ahead, in a background thread (0: none).
       checkpoint: a folder (or URI), or a ``redray.CheckpointConfig``: save the full
         state there (per epoch, every ``save_every`` steps, at the end) and, by default,
@@ -165,12 +166,15 @@ class Trainer:
         self._fit_hooks: list[Hook] = []
         self._summarized = False
         self._predictors: dict = {}
+        self.console = Console()  # process 0's messages and progress: this terminal
         scope = current_scope()
         if scope is not None:  # inside redray.run/redray.fit: the run's defaults and hooks
             adopted = scope.adopt(self, default_checkpoint=checkpoint is None)
             if adopted.checkpoint is not None:
                 self.checkpoint_config = adopted.checkpoint
             self.config = {**adopted.config, **self.config}
+            if adopted.console is not None:  # the run's driver shows them
+                self.console = adopted.console
             for hook in adopted.hooks:
                 self.add_hook(hook)
 
@@ -271,8 +275,8 @@ class Trainer:
         self.run_meta = dict(meta.get("run", {}))
         self.position = Position(meta["epoch"], meta["batch"], meta["epoch_done"])
         if self.progress and jax.process_index() == 0:
-            print(f"resumed from {self.checkpointer.step_path(meta['step'])} (step "
-                  f"{meta['step']}, epoch {meta['epoch']}, batch {meta['batch']})")
+            self.console.say(f"resumed from {self.checkpointer.step_path(meta['step'])} (step "
+                             f"{meta['step']}, epoch {meta['epoch']}, batch {meta['batch']})")
         return True
 
     def _check_trainable(self, meta: dict) -> None:
@@ -424,11 +428,11 @@ class Trainer:
         mesh = " x ".join(f"{k}={v}" for k, v in d["mesh"].items())
         trained = "" if d["trainable_parameters"] == d["parameters"] else \
             f" ({d['trainable_parameters']:,} trained)"
-        print(f"redray: {d['hosts']} host(s), {d['devices']} devices, mesh {mesh}; "
-              f"{d['parameters']:,} parameters{trained}, {d['param_bytes_per_device']:,} "
-              f"parameter bytes per device; batch {d['batch_size']} "
-              f"(micro {d['micro_batch_size']} per device "
-              f"x {d['accumulation_steps']} accumulation steps)", flush=True)
+        self.console.say(
+            f"redray: {d['hosts']} host(s), {d['devices']} devices, mesh {mesh}; "
+            f"{d['parameters']:,} parameters{trained}, {d['param_bytes_per_device']:,} "
+            f"parameter bytes per device; batch {d['batch_size']} (micro "
+            f"{d['micro_batch_size']} per device x {d['accumulation_steps']} accumulation steps)")
 
     @property
     def model(self):
@@ -572,12 +576,13 @@ class Trainer:
             self._summarized = True
         self.tokens_per_example = 0
         recorder = Recorder()
-        evaluation = None if eval_data is None else Evaluation(eval_data, eval_metric, shown)
+        evaluation = None if eval_data is None else Evaluation(
+            eval_data, eval_metric, self.console if shown else None)
         # First: a non-finite step is caught before its window is logged or a save starts.
         self._guard = NonFiniteGuard(self.on_nonfinite, self.log_every, per_epoch)
         self._fit_hooks = [hook for hook in (
             self._guard, recorder, LogWindow(self.log_every),
-            ProgressBar(per_epoch) if shown else None, evaluation,
+            self.console.progress(self, self.budget) if shown else None, evaluation,
             None if ckpt is None else Checkpoints(self, settings)) if hook is not None]
         try:
             first_epoch, _ = self.position.resume_point()
