@@ -31,8 +31,11 @@ import os
 import sys
 
 from redray import storage as storage_module
-from redray.verbosity import VERBOSE_ENV, set_verbose
+from redray.verbosity import VERBOSE_ENV, set_verbose, verbose
 
+# Ray's job SDK logs each upload and connection at INFO on the client.
+JOB_SDK_LOGGERS = ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
+                   "ray._private.runtime_env.packaging")
 VERBOSE_HELP = ("show everything the run's processes print (default: one progress line "
                 "and the run's messages; REDRAY_VERBOSE=1 does the same)")
 
@@ -114,6 +117,15 @@ def _job_client(address: str | None, command: str):
     token = use_token()
     from ray.job_submission import JobSubmissionClient
 
+    if not verbose():  # its INFO lines: uploading, "already exists, skipping upload", ...
+        import logging
+
+        from redray.data.ray_local import quiet_loggers
+
+        for name in JOB_SDK_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+        quiet_loggers()
+
     try:
         return JobSubmissionClient(address)
     except Exception as error:  # noqa: BLE001 - turned into one line
@@ -166,10 +178,14 @@ def _follow(client, job: str) -> str:
 
     seen: list[str] = []
 
+    from redray.data.ray_local import drop_noise
+
     async def tail():
         async for lines in client.tail_job_logs(job):
             seen.append(lines)
-            print(lines, end="", flush=True)
+            shown = lines.splitlines() if verbose() else drop_noise(lines.splitlines())
+            if shown:
+                print("\n".join(shown), flush=True)
 
     asyncio.run(tail())
     return "".join(seen)

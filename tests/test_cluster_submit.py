@@ -6,6 +6,7 @@ only the processes whose command line names that temp dir.
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -324,6 +325,9 @@ def test_the_readme_walkthrough_runs_against_a_head_with_token_auth(head, tmp_pa
             assert job.startswith("raysubmit_")
     first, second, logs, status, runs = outputs[1:]
     assert "SUCCEEDED" in first and "checkpoint:" in first  # the job's summary
+    # what the laptop shows: the job's messages and progress, none of Ray's set-up chatter
+    noisy = [x for x in first.splitlines() if re.search(r"\bINFO\b|WARNING|Traceback|pid=", x)]
+    assert not noisy and re.search(r"^step \d+/\d+ \(", first, re.M), first
     assert "resume" in logs and "SUCCEEDED" in status
     (row,) = [r.split() for r in runs.splitlines() if r.startswith("walkthrough")]
     assert row[2] == "8", runs  # the second job resumed the run to step 8

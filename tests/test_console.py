@@ -43,6 +43,13 @@ NOISE = [
     "os.fork() is incompatible with multithreaded code, and JAX is multithreaded, so this "
     "will likely lead to a deadlock.",
     "  self.pid = _fork_exec(",
+    "2026-11-25 11:53:30,002\tINFO client_builder.py:262 -- Passing the following kwargs to "
+    "ray.init() on the server: log_to_driver",
+    "SIGTERM handler is not set because current thread is not the main thread.",
+    "2026-11-25 11:55:18,285\tINFO job_manager.py:581 -- Runtime env is setting up.",
+    "2026-11-25 11:58:20,511\tWARNING working_dir.py:101 -- Directory '.venv' is now ignored "
+    "by default when packaging the working directory. To disable this behavior, set the "
+    "`RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES=''` environment variable.",
 ]
 
 
@@ -136,3 +143,25 @@ def test_the_local_bar_runs_to_the_runs_budget_not_the_epochs_end(capsys):
 def _no_verbose_env(monkeypatch):
     if os.environ.get("REDRAY_VERBOSE"):
         monkeypatch.delenv("REDRAY_VERBOSE")
+
+
+PROBE = ("import redray\n"
+         "from transformers.utils import logging\n"
+         "logging.get_logger('transformers').warning_advice('advice probe')\n")
+
+
+@pytest.mark.parametrize("verbose_env", [None, "1"])
+def test_transformers_advice_is_silenced_unless_verbose(verbose_env):
+    """transformers' advisory warnings ("PyTorch was not found" on every import without
+    torch) are off once redray is imported, and back when verbose."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("REDRAY_VERBOSE", "TRANSFORMERS_NO_ADVISORY_WARNINGS")}
+    if verbose_env:
+        env["REDRAY_VERBOSE"] = verbose_env
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert ("advice probe" in done.stderr) is bool(verbose_env), done.stderr

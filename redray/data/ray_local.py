@@ -71,8 +71,7 @@ def _ray_log_level() -> int:
 
 @contextlib.contextmanager
 def _quiet_start():
-    for name in NOISY_LOGGERS:
-        logging.getLogger(name).addFilter(_FILTER)
+    quiet_loggers()
     with warnings.catch_warnings():
         # Ray starts its processes by fork and exec: JAX's warning (when JAX ran first)
         # that a fork deadlocks multithreaded code is about forks that go on running.
@@ -92,6 +91,11 @@ NOISE = tuple(re.compile(p) for p in (
     r"PyTorch was not found\. Models won't be available",  # transformers without torch
     r"Token authentication is enabled for this Ray cluster",  # Ray 2.60's token auth
     r"os\.fork\(\) was called\. os\.fork\(\) is incompatible",  # JAX, when Ray forks
+    r"INFO job_manager\.py:\d+ -- Runtime env is setting up",  # a Ray job's log
+    r"is now ignored by default when packaging the working directory",  # a job's upload
+    # Ray Client, as it connects (its server's driver runs in a thread)
+    r"Passing the following kwargs to ray\.init\(\) on the server",
+    r"SIGTERM handler is not set because current thread is not the main thread",
 ))
 # A Python warning's first line (``file.py:12: SomeWarning: text``); the indented lines
 # after it (the source line) belong to it.
@@ -163,9 +167,17 @@ def quiet_ray_logs(screen=None, quiet: bool | None = None) -> None:
 
 _FILTER = _NoiseFilter()
 # This process's loggers that log noise: Ray's token warning (at ray.init), Ray Data's
-# "Progress bars disabled" (at a dataset's first pass).
+# "Progress bars disabled" (at a dataset's first pass), Ray Client's connection line,
+# a job's upload (".git" and ".venv" left out).
 NOISY_LOGGERS = ("ray._private.authentication.authentication_token_setup",
-                 "ray.data._internal.progress")
+                 "ray.data._internal.progress", "ray.client_builder",
+                 "ray._private.runtime_env.working_dir")
+
+
+def quiet_loggers() -> None:
+    """Drops the ``NOISE`` that this process's own Ray loggers log (unless verbose)."""
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).addFilter(_FILTER)
 
 
 def _above():
