@@ -33,9 +33,6 @@ import sys
 from redray import storage as storage_module
 from redray.verbosity import VERBOSE_ENV, set_verbose, verbose
 
-# Ray's job SDK logs each upload and connection at INFO on the client.
-JOB_SDK_LOGGERS = ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
-                   "ray._private.runtime_env.packaging")
 VERBOSE_HELP = ("show everything the run's processes print (default: one progress line "
                 "and the run's messages; REDRAY_VERBOSE=1 does the same)")
 
@@ -92,8 +89,6 @@ def _script(path: str) -> str:
 def _run(args) -> int:
     import subprocess
 
-    if args.verbose:
-        set_verbose(True)
     env = dict(os.environ)
     if args.address:
         env["RAY_ADDRESS"] = args.address
@@ -117,14 +112,10 @@ def _job_client(address: str | None, command: str):
     token = use_token()
     from ray.job_submission import JobSubmissionClient
 
-    if not verbose():  # its INFO lines: uploading, "already exists, skipping upload", ...
-        import logging
+    if not verbose():
+        from redray.data.ray_local import quiet_job_sdk
 
-        from redray.data.ray_local import quiet_loggers
-
-        for name in JOB_SDK_LOGGERS:
-            logging.getLogger(name).setLevel(logging.WARNING)
-        quiet_loggers()
+        quiet_job_sdk()
 
     try:
         return JobSubmissionClient(address)
@@ -138,8 +129,6 @@ def _submit(args) -> int:
 
     script = _script(args.script)
     client = _job_client(args.address, "submit")
-    if args.verbose:
-        set_verbose(True)
     env_vars = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI", VERBOSE_ENV)
                 if k in os.environ}
     commit = git_commit(args.working_dir)  # Ray copies the folder without .git
@@ -533,6 +522,8 @@ def main(argv=None) -> int:
     try:
         if args.run_command in (_run, _submit):
             _own_options_after_script(args)
+            if args.verbose:  # before any Ray logger is quieted; the script and job inherit it
+                set_verbose(True)
         return args.run_command(args)
     except (PlanError, FileNotFoundError, LookupError, UsageError) as e:
         message = " ".join(str(e).split())  # one line, always

@@ -153,7 +153,6 @@ def _connect_client(address: str) -> None:
     server process."""
     import socket
 
-
     from redray.cluster.auth import TOKEN_HELP, use_token
 
     host, _, port = address[len("ray://"):].partition(":")

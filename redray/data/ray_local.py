@@ -135,7 +135,6 @@ class _Screen:
 
 
 _screen = _Screen()
-_NO_SCREEN = contextlib.nullcontext
 
 
 def quiet_ray_logs(screen=None, quiet: bool | None = None) -> None:
@@ -174,15 +173,29 @@ NOISY_LOGGERS = ("ray._private.authentication.authentication_token_setup",
                  "ray._private.runtime_env.working_dir")
 
 
+# Ray's job SDK on the client: an INFO line per upload ("already exists, skipping
+# upload") and connection. Each module sets its logger's level as it is imported.
+JOB_SDK_LOGGERS = ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
+                   "ray._private.runtime_env.packaging")
+
+
 def quiet_loggers() -> None:
     """Drops the ``NOISE`` that this process's own Ray loggers log (unless verbose)."""
     for name in NOISY_LOGGERS:
         logging.getLogger(name).addFilter(_FILTER)
 
 
+def quiet_job_sdk() -> None:
+    """Quiets a job client (``redray submit``, ``logs``...): the SDK's INFO lines (call
+    it once the SDK is imported) and the ``NOISY_LOGGERS``."""
+    for name in JOB_SDK_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_loggers()
+
+
 def _above():
     screen = _screen.screen
-    return screen.above() if screen is not None else _NO_SCREEN()
+    return screen.above() if screen is not None else contextlib.nullcontext()
 
 
 def _filtered(handler):

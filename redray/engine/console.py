@@ -9,7 +9,7 @@ watches one line on the machine they started the run from.
 
 from __future__ import annotations
 
-from redray.engine.hooks import EpochEnd, Hook, StepInfo
+from redray.engine.hooks import Hook, StepInfo
 
 
 class Console:
@@ -49,10 +49,6 @@ class ProgressBar(Hook):
     def on_log(self, trainer, row: dict) -> None:
         if "steps_per_s" in row:
             self.bar.set_postfix_str(speed_text(row))
-
-    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
-        if end.step >= self.bar.total:
-            self.on_fit_end(trainer)
 
     def on_fit_end(self, trainer) -> None:
         self.bar.close()
