@@ -167,12 +167,14 @@ def _follow(client, job: str) -> str:
 
     seen: list[str] = []
 
-    from redray.data.ray_local import drop_noise
+    from redray.data.ray_local import Stream, drop_noise
+
+    stream = Stream()
 
     async def tail():
         async for lines in client.tail_job_logs(job):
             seen.append(lines)
-            shown = lines.splitlines() if verbose() else drop_noise(lines.splitlines())
+            shown = lines.splitlines() if verbose() else drop_noise(lines.splitlines(), stream)
             if shown:
                 print("\n".join(shown), flush=True)
 

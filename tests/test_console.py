@@ -10,13 +10,14 @@ import pytest
 
 import redray
 from redray.cluster.console import DriverView
-from redray.data.ray_local import drop_noise
+from redray.data.ray_local import Stream, drop_noise
 from redray.engine.console import duration_text, progress_text, row_text
 from redray.verbosity import verbose
 from tiny import TinyLM, lm_collate, lm_loss, token_data
 
-# What the processes of `make demo` printed before the console was quiet (Ray 2.60,
-# JAX 0.10, MLflow 3): every line tells a user nothing.
+# What the processes of runs printed before the console was quiet (`make demo`, a
+# submitted job, Ray Client, a Ray without its dashboard; Ray 2.60, JAX 0.10, MLflow 3):
+# every line tells a user nothing.
 NOISE = [
     "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks "
     "is : 1",
@@ -32,6 +33,8 @@ NOISE = [
     "'PreemptionWatcher' and ID: 'c521c2161623f9eb4ac4e3fe01000000' has constructor "
     "arguments in the object store and max_restarts > 0. If the arguments in the object "
     "store go out of scope or are lost, the actor restart will fail.",
+    "Failed to query Ray Train Controller actor state. State API may be temporarily "
+    "unavailable. Continuing to monitor.",
     "2026/11/25 10:52:09 INFO mlflow.store.db.utils: Creating initial MLflow database "
     "tables...",
     "2026/11/25 10:52:09 INFO mlflow.store.db.utils: Updating database tables",
@@ -71,6 +74,27 @@ def test_what_a_user_or_a_failure_prints_is_kept():
     # a noisy warning's source line goes with it; the next warning's stays
     lines = NOISE[-2:] + kept[1:3]
     assert drop_noise(lines) == kept[1:3]
+
+
+GLOO = ("[Gloo] Rank {} is connected to 1 peer ranks. Expected number of connected peer "
+        "ranks is : ")
+
+
+def test_gloo_lines_torn_by_its_threads_are_dropped_whole():
+    """Gloo's threads write their lines a piece at a time: one line's end (its last
+    number, or only its newline) comes after another's, alone, as a worker of `make demo`
+    printed it. A number or blank line of the process's own, after whole lines, stays."""
+    torn = [GLOO.format(0) + GLOO.format(0) + "1", "1", GLOO.format(1) + "1"]
+    assert drop_noise(torn) == []
+    assert drop_noise(torn + ["1", ""]) == ["1", ""]
+    interleaved = ["[Gloo] Rank [Gloo] Rank 01 is connected to 1 peer ranks. Expected number "
+                   "of connected peer ranks is : 1 is connected to 1 peer ranks. Expected "
+                   "number of connected peer ranks is : 1", "", "my print"]
+    assert drop_noise(interleaved) == ["my print"]
+    # the torn end in the process's next batch of lines
+    stream = Stream()
+    assert drop_noise(torn[:1], stream) == []
+    assert drop_noise(["1", "my print: 1", "1"], stream) == ["my print: 1", "1"]
 
 
 def test_a_progress_row_reads_step_of_budget_loss_speed_and_eta():

@@ -141,9 +141,8 @@ class Watcher:
         import ray
 
         try:
-            news = ray.get(self.results.read.remote(self.seen), timeout=30)
+            self.seen, news = ray.get(self.results.read.remote(self.seen), timeout=30)
         except Exception:  # noqa: BLE001 - the console never fails a run
             return
-        self.seen += len(news)
         for event in news:
             self.view.show(event)

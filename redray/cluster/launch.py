@@ -99,13 +99,19 @@ def _results_actor():
     class Results:
         def __init__(self):
             self.value, self.failures, self.hosts = None, [], {}
-            self.news = []  # host 0's messages and progress, for the driver's console
+            # host 0's messages and progress for the driver's console, numbered from 0;
+            # kept until the driver has read them (a run may log for days)
+            self.news, self.first_news = [], 0
 
         def tell(self, event):
             self.news.append(event)
 
         def read(self, since):
-            return self.news[since:]
+            """The number of the next piece of news, and those from number ``since`` on
+            (the driver has shown the ones before: they are forgotten)."""
+            del self.news[:since - self.first_news]
+            self.first_news = since
+            return since + len(self.news), list(self.news)
 
         def put(self, value):
             self.value = value

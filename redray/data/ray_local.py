@@ -81,12 +81,12 @@ def _quiet_start():
 
 # What every run prints that tells a user nothing (each with where it comes from).
 NOISE = tuple(re.compile(p) for p in (
-    # Gloo, at each collective's set-up (two threads' lines may come torn apart)
-    r"is connected to \d+ peer ranks|^\[Gloo\] Rank \d+\s*$",
     r"(Starting|Connecting to) JAX distributed service on",  # jax.distributed
     r"Progress bars disabled\. To enable",  # Ray Data (redray turns its bars off)
     r"PYTHON worker processes have been started on node",  # the raylet, as actors start
     r"has constructor arguments in the object store and max_restarts > 0",  # Ray Train
+    # Ray Train's placement-group cleaner, every second, on a Ray without its dashboard
+    r"Failed to query Ray Train Controller actor state\. State API may be",
     r"INFO mlflow\.store\.db\.utils|INFO  \[alembic",  # MLflow creating its SQLite tables
     r"PyTorch was not found\. Models won't be available",  # transformers without torch
     r"Token authentication is enabled for this Ray cluster",  # Ray 2.60's token auth
@@ -102,13 +102,50 @@ NOISE = tuple(re.compile(p) for p in (
 WARNING_LINE = re.compile(r"^\S.*:\d+: \w+: ")
 
 
-def drop_noise(lines: list[str]) -> list[str]:
-    """``lines`` without the ``NOISE`` ones (nor a dropped warning's source line)."""
+# Gloo, at each collective's set-up: "[Gloo] Rank R is connected to N peer ranks.
+# Expected number of connected peer ranks is : N", written a piece at a time by several
+# threads at once, so the pieces of two such lines interleave, and one line's end (its
+# last number, or only its newline) may come alone on the next line.
+GLOO_PIECES = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\.|"
+                         r"Expected number of connected peer ranks is :")
+GLOO_START = "[Gloo] Rank"
+DIGITS = "0123456789 \t"  # what else a Gloo line holds
+
+
+class Stream:
+    """What ``drop_noise`` remembers of one process's output between its batches of
+    lines: how many Gloo lines began whose end has not come yet."""
+
+    def __init__(self):
+        self.gloo_open = 0
+
+
+def gloo_starts(line: str) -> int | None:
+    """How many Gloo lines begin in ``line`` if it holds nothing but Gloo's pieces and
+    numbers, else None."""
+    rest, pieces = GLOO_PIECES.subn(" ", line)
+    if pieces and not rest.strip(DIGITS):
+        return line.count(GLOO_START)
+    return None
+
+
+def drop_noise(lines: list[str], stream: Stream | None = None) -> list[str]:
+    """``lines`` without the ``NOISE`` ones (nor a dropped warning's source line) and
+    Gloo's lines, torn ones included; ``stream``: the process's earlier lines' state."""
+    stream = stream or Stream()
     kept, dropping = [], False
     for line in lines:
         if dropping and line.startswith((" ", "\t")):
             continue
         dropping = False
+        starts = gloo_starts(line)
+        if starts is not None:
+            stream.gloo_open = max(0, stream.gloo_open + starts - 1)
+            continue
+        if stream.gloo_open and not line.strip(DIGITS):  # a torn Gloo line's end
+            stream.gloo_open -= 1
+            continue
+        stream.gloo_open = 0
         if any(p.search(line) for p in NOISE):
             dropping = bool(WARNING_LINE.search(line))
             continue
@@ -202,10 +239,13 @@ def _filtered(handler):
     if getattr(handler, "redray_original", None) is not None:
         return handler
 
+    streams: dict = {}  # each process's output (a worker's stdout, its stderr, ...)
+
     def quiet(data, *args, **kwargs):
         lines = data.get("lines") or []
         if _screen.dropping():
-            lines = drop_noise(lines)
+            key = (data.get("ip"), data.get("pid"), data.get("is_err"))
+            lines = drop_noise(lines, streams.setdefault(key, Stream()))
         if lines:
             with _above():
                 handler({**data, "lines": lines}, *args, **kwargs)
@@ -225,11 +265,12 @@ def _quiet_ray_client() -> None:
     if logs is None or getattr(logs.stdstream, "redray_original", None) is not None:
         return
     original = logs.stdstream
+    stream = Stream()  # the client gets the cluster's output as one text stream
 
     def stdstream(level: int, msg: str):
         lines = msg.splitlines()
         if _screen.dropping():
-            lines = drop_noise(lines)
+            lines = drop_noise(lines, stream)
         if lines:
             with _above():
                 original(level=level, msg="\n".join(lines) + "\n")
