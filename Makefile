@@ -32,7 +32,7 @@ demo: install
 
 # The full gate (CI): lint, then every test.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 # The inner loop: lint, then everything but the Ray-cluster and slow end-to-end tiers,
 # in 2 processes (~4 minutes on 2 cores; ~6.5 in one).
