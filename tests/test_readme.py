@@ -62,7 +62,7 @@ COVERED_ELSEWHERE = {
         "tests/test_demo.py::test_make_demo_trains_then_says_complete_then_resumes",
     "make test   # same set-up, then the whole test suite (CPU only, ~40 minutes on 2 cores)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
-    "make test-fast   # the inner loop: lint + all but the Ray-cluster and slow tiers (~4 min)":
+    "make test-fast   # the inner loop: lint + all but the Ray-cluster and slow tiers (~7 min)":
         "tests/test_readme.py::test_make_test_fast_lints_then_leaves_out_the_ray_and_slow_tiers",
     "redray submit train.py --address http://HEAD:8265 -- --steps 500  # as a Ray job; "
     "streams logs":
@@ -241,13 +241,17 @@ def recipe(target: str) -> list[str]:
 
 
 def test_make_test_installs_then_runs_the_whole_suite():
-    """`make test` (the whole suite, ~35 minutes) cannot run inside the suite: its recipe
-    is checked instead: install, lint, then every test."""
+    """`make test` (the whole suite, ~40 minutes) cannot run inside the suite: its recipe
+    is checked instead: install, lint, then every test (the tiers without Ray, then the
+    others: every test is in exactly one of the two selections)."""
     commands = recipe("test")
     install = next(i for i, c in enumerate(commands) if 'pip install -q -e ".[test]"' in c)
     lint = next(i for i, c in enumerate(commands) if c.endswith("-m ruff check ."))
-    suite = next(i for i, c in enumerate(commands) if c.endswith("-m pytest -q"))
-    assert install < lint < suite
+    fast = next(i for i, c in enumerate(commands)
+                if c.endswith('-m pytest -q -n 2 -m "not slow and not ray"'))
+    rest = next(i for i, c in enumerate(commands)
+                if c.endswith('-m pytest -q -m "slow or ray" --durations=20'))
+    assert install < lint < fast < rest
 
 
 def test_make_test_fast_lints_then_leaves_out_the_ray_and_slow_tiers():

@@ -4,7 +4,8 @@ Ray Data starts a local Ray by itself, counting the machine's cores as its CPUs.
 started later on that instance (``redray.fit``) reserves one CPU per host, and Ray
 Data's reads and transforms then find none free and wait forever. So the data layer
 starts the local instance itself, with logical CPUs to spare for hosts (a logical CPU
-is a scheduling token: XLA and the reads still share the real cores).
+is a scheduling token: XLA and the reads still share the real cores), and keeps Ray
+Data on this driver to the real cores.
 
 A local instance is always a new one (``address="local"``): by default Ray would join
 a ``ray start`` cluster running on this machine instead, and then refuse ``num_cpus``.
@@ -50,6 +51,18 @@ def start_local(num_cpus: int | None) -> None:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=True,
                  log_to_driver=True, logging_level=_ray_log_level())
     quiet_ray_logs()
+    limit_data_to_cores()
+
+
+def limit_data_to_cores() -> None:
+    """Ray Data on this driver runs at most a task per core of the machine, not one per
+    logical CPU of the local instance (which counts more: see above). Each task beyond
+    starts another worker process that loads the user's transform again, on the same
+    cores: the demo's corpus took 29.6 s to prepare on 2 cores instead of 10.6 s."""
+    from ray.data import DataContext
+
+    options = DataContext.get_current().execution_options
+    options.resource_limits = options.resource_limits.copy(cpu=os.cpu_count() or 1)
 
 
 def join(address: str) -> None:
