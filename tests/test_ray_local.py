@@ -1,17 +1,36 @@
 """The local Ray the data layer starts when none runs: logical CPUs to spare for hosts,
-and Ray Data on the driver kept to the machine's real cores."""
+and Ray Data kept to the machine's real cores, on the driver and (through Ray Train,
+which hands the driver's DataContext to its workers) in the hosts' processes."""
 
+import glob
 import os
 
+import numpy as np
+import optax
 import pytest
 
+import redray
 from redray.data.ray_local import SPARE_CPUS, ensure_ray
+from tiny import TinyLM, lm_loss, token_data
 
 ray = pytest.importorskip("ray")
 
 
+def recording_collate(folder):
+    def collate(examples):
+        from ray.data import DataContext
+
+        limit = DataContext.get_current().execution_options.resource_limits.cpu
+        with open(os.path.join(folder, f"host-{os.getpid()}"), "w") as f:
+            f.write(str(limit))
+        return {"ids": np.stack([e["ids"] for e in examples])}
+
+    return collate
+
+
 @pytest.mark.ray
-def test_a_local_ray_spares_cpus_for_hosts_and_keeps_ray_data_to_the_cores(monkeypatch):
+def test_a_local_ray_spares_cpus_for_hosts_and_keeps_ray_data_to_the_cores(
+        monkeypatch, tmp_path):
     from ray.data import DataContext
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -25,6 +44,13 @@ def test_a_local_ray_spares_cpus_for_hosts_and_keeps_ray_data_to_the_cores(monke
         assert options.resource_limits.cpu == cores
         ensure_ray()  # running: nothing changes
         assert ray.cluster_resources()["CPU"] == cores + SPARE_CPUS
+        # the hosts of a run on it (whose Stream reads are Ray Data's) keep to them too
+        redray.fit(lambda rngs: TinyLM(rngs), recording_collate(str(tmp_path)), lm_loss,
+                   optax.adam(1e-2), train_data=token_data(16), max_steps=1, hosts=2,
+                   devices_per_host=1, batch_size=8, storage_path=str(tmp_path / "runs"),
+                   progress=False)
+        limits = [open(p).read() for p in glob.glob(str(tmp_path / "host-*"))]
+        assert limits == [str(cores)] * 2
     finally:
         ray.shutdown()
         options.resource_limits = before

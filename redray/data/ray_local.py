@@ -5,7 +5,8 @@ started later on that instance (``redray.fit``) reserves one CPU per host, and R
 Data's reads and transforms then find none free and wait forever. So the data layer
 starts the local instance itself, with logical CPUs to spare for hosts (a logical CPU
 is a scheduling token: XLA and the reads still share the real cores), and keeps Ray
-Data on this driver to the real cores.
+Data to the real cores: on this driver, and in the hosts of a run, to which Ray Train
+hands the driver's DataContext.
 
 A local instance is always a new one (``address="local"``): by default Ray would join
 a ``ray start`` cluster running on this machine instead, and then refuse ``num_cpus``.
