@@ -1,9 +1,12 @@
 """The local Ray the data layer starts when none runs: logical CPUs to spare for hosts,
-and Ray Data kept to the machine's real cores, on the driver and (through Ray Train,
-which hands the driver's DataContext to its workers) in the hosts' processes."""
+Ray Data kept to the machine's real cores, on the driver and (through Ray Train, which
+hands the driver's DataContext to its workers) in the hosts' processes, and workers
+that know which of the machine's Ray instances is theirs."""
 
 import glob
 import os
+import subprocess
+import sys
 
 import numpy as np
 import optax
@@ -28,12 +31,21 @@ def recording_collate(folder):
     return collate
 
 
+ANOTHER_RAY = ("import sys, ray; ray.init(address='local', num_cpus=1, include_dashboard=False); "
+               "print('up', flush=True); sys.stdin.read(); ray.shutdown()")
+
+
 @pytest.mark.ray
 def test_a_local_ray_spares_cpus_for_hosts_and_keeps_ray_data_to_the_cores(
-        monkeypatch, tmp_path):
+        monkeypatch, tmp_path, capfd):
     from ray.data import DataContext
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # another run's Ray on the machine: Ray Train's placement-group cleaner, asking the
+    # state API without an address, found two instances and died with a traceback
+    other = subprocess.Popen([sys.executable, "-c", ANOTHER_RAY], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert other.stdout.readline().strip() == "up"
     options = DataContext.get_current().execution_options
     before = options.resource_limits
     assert not ray.is_initialized()
@@ -51,6 +63,10 @@ def test_a_local_ray_spares_cpus_for_hosts_and_keeps_ray_data_to_the_cores(
                    progress=False)
         limits = [open(p).read() for p in glob.glob(str(tmp_path / "host-*"))]
         assert limits == [str(cores)] * 2
+        shown = capfd.readouterr()
+        assert "multiple active Ray instances" not in shown.out + shown.err
+        assert "Traceback" not in shown.out + shown.err
     finally:
         ray.shutdown()
         options.resource_limits = before
+        other.communicate("", timeout=60)

@@ -45,14 +45,32 @@ def ensure_ray() -> None:
 def start_local(num_cpus: int | None) -> None:
     """Starts a new Ray instance on this machine (with the dashboard: Ray Train's
     placement-group cleaner asks its state API whether the controller lives, and warns
-    every second when it cannot)."""
+    every second when it cannot). Its workers know its address (``own_address_hook``)."""
     import ray
 
     with _quiet_start():
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=True,
-                 log_to_driver=True, logging_level=_ray_log_level())
+                 log_to_driver=True, logging_level=_ray_log_level(),
+                 runtime_env={"worker_process_setup_hook": own_address_hook()})
     quiet_ray_logs()
     limit_data_to_cores()
+
+
+def own_address_hook():
+    """What every worker process of a local instance runs as it starts: ``RAY_ADDRESS``
+    set to the instance the worker belongs to. Ray Train's placement-group cleaner asks
+    Ray's state API about the run's controller without an address; with a second Ray
+    instance on the machine (two runs at once) the state API finds both, and the
+    cleaner's thread died with a 30-line traceback on the driver. A nested function, so
+    that Ray ships it by value: by name, each worker would import redray (and JAX)."""
+    def own_address():
+        import os
+
+        import ray
+
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+
+    return own_address
 
 
 def limit_data_to_cores() -> None:
