@@ -30,10 +30,10 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(PY) examples/language_modeling/train.py $(DEMO_ARGS)
 
-# The full gate (CI): lint, then every test: the tiers without Ray in 2 processes, then
-# the Ray-cluster and slow tiers in one (each of their runs starts processes of its own).
-test: lint
-	$(PY) -m pytest -q -n 2 -m "not slow and not ray"
+# The full gate (CI): the inner loop below (lint, the tiers without Ray in 2 processes),
+# then the Ray-cluster and slow tiers in one (each of their runs starts processes of its
+# own).
+test: test-fast
 	$(PY) -m pytest -q -m "slow or ray" --durations=20
 
 # The inner loop: lint, then everything but the Ray-cluster and slow end-to-end tiers,

@@ -36,7 +36,7 @@ ANOTHER_RAY = ("import sys, ray; ray.init(address='local', num_cpus=1, include_d
 
 
 @pytest.mark.ray
-def test_a_local_ray_spares_cpus_for_hosts_and_keeps_ray_data_to_the_cores(
+def test_a_local_ray_spares_cpus_keeps_ray_data_to_the_cores_and_knows_its_instance(
         monkeypatch, tmp_path, capfd):
     from ray.data import DataContext
 
