@@ -35,7 +35,7 @@ and redray does the rest. Public API:
 * ``make_mesh(data_axis, fsdp_axis, model_axis)``: the device mesh.
 * ``derive_specs``, ``placement``, ``format_placement``: automatic sharding of any
   parameter tree, and what each device then holds (no allocation).
-* ``PipelineError``: what a user function returned that cannot be used, and the fix.
+* ``UserFunctionError``: what a user function returned that cannot be used, and the fix.
 * ``NonFiniteError``: a step's loss or gradient norm was NaN/inf (``on_nonfinite="stop"``).
 """
 
@@ -46,13 +46,12 @@ from redray.cluster import (ClusterConfig, FitResult, RunResult, add_cluster_arg
 from redray.data import Stream
 from redray.engine import (Hook, LinenModel, NonFiniteError, Predictor, Schedule, Trainer,
                            load_model, load_params)
-from redray.pipeline import Pipeline, PipelineError
+from redray.functions import UserFunctions, UserFunctionError
 from redray.sharding import derive_specs, format_placement, make_mesh, placement
-
-__version__ = "0.1.0"
+from redray.version import __version__
 
 __all__ = ["CheckpointConfig", "CheckpointMismatch", "ClusterConfig", "FitResult", "Hook",
-           "LinenModel", "NonFiniteError", "Pipeline", "PipelineError", "Predictor", "RunResult",
-           "Schedule", "Stream", "Trainer",
+           "LinenModel", "NonFiniteError", "Predictor", "RunResult", "Schedule", "Stream",
+           "Trainer", "UserFunctionError", "UserFunctions", "__version__",
            "add_cluster_args", "cluster_options", "derive_specs", "fit", "format_placement",
            "load_model", "load_params", "make_mesh", "placement", "run"]

@@ -1,7 +1,7 @@
 """Randomness: a run's named key streams, and ``nnx.Rngs`` that trace in linear time.
 
-Every random key of a run comes from its ``seed`` through one of the ``Stream``s below
-(``stream_key(seed, Stream.TRAIN)``), so initialization, training, evaluation and
+Every random key of a run comes from its ``seed`` through one of the ``KeyStream``s below
+(``stream_key(seed, KeyStream.TRAIN)``), so initialization, training, evaluation and
 prediction never share a key, and each is reproducible from the seed alone.
 
 ``nnx.RngStream.__call__`` bumps its counter with ``count[...] += 1``. Under a trace
@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 
 
-class Stream(enum.IntEnum):
+class KeyStream(enum.IntEnum):
     """The independent key streams of a run; the value is folded into ``key(seed)``."""
     INIT = 0     # parameter initialization (the model factory's nnx.Rngs)
     TRAIN = 1    # the training state's key: split once per step, folded per micro-batch
@@ -28,7 +28,7 @@ class Stream(enum.IntEnum):
     PREDICT = 3  # the Predictor's default: folded with its call count, then batch start
 
 
-def stream_key(seed: int, stream: Stream) -> jax.Array:
+def stream_key(seed: int, stream: KeyStream) -> jax.Array:
     """The first key of ``stream`` for a run's ``seed``."""
     return jax.random.fold_in(jax.random.key(seed), int(stream))
 

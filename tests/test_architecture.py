@@ -23,7 +23,9 @@ def allowed_imports() -> dict[str, set[str]]:
 def package_of(name: str) -> str | None:
     """The governed package an import names: ``redray.<pkg>`` or a governed library."""
     parts = name.split(".")
-    if parts[0] == "redray" and len(parts) > 1:
+    if parts == ["redray"]:  # the package itself: the public API, above every layer
+        return "redray.__init__"
+    if parts[0] == "redray":
         return ".".join(parts[:2])
     return parts[0] if parts[0] in GOVERNED else None
 
@@ -35,9 +37,10 @@ def imports_of(path: str) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            if node.module == "redray":  # from redray import storage
+            if node.module == "redray":  # from redray import storage: the submodule
                 names.update(f"redray.{a.name}" for a in node.names)
+            else:
+                names.add(node.module)
     return names
 
 
@@ -59,7 +62,7 @@ def test_every_module_imports_only_what_the_design_allows():
         assert package in table, f"{package} is not in docs/architecture.md's import table"
         for name in imports_of(path):
             target = package_of(name)
-            if target is None or target == package or target == "redray.__init__":
+            if target is None or target == package:
                 continue
             if target not in table[package]:
                 wrong.append(f"{os.path.relpath(path, ROOT)} imports {name}")
@@ -78,6 +81,13 @@ def test_the_table_catches_a_wrong_import(tmp_path):
     bad.write_text("def f():\n    from redray.engine.state import TrainState\n")
     target = {package_of(n) for n in imports_of(str(bad))}
     assert target == {"redray.engine"}
+
+
+def test_importing_the_package_itself_from_inside_is_an_upward_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    import redray\n    return redray.__version__\n")
+    assert {package_of(n) for n in imports_of(str(bad))} == {"redray.__init__"}
+    assert "redray.__init__" not in set().union(*allowed_imports().values())
     assert "redray.engine" not in allowed_imports()["redray.checkpoint"]
 
 

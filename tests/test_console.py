@@ -10,7 +10,7 @@ import pytest
 
 import redray
 from redray.cluster.console import DriverView
-from redray.data.ray_local import Stream, drop_noise
+from redray.data.ray_local import OutputState, drop_noise
 from redray.engine.console import duration_text, progress_text, row_text
 from redray.verbosity import verbose
 from tiny import TinyLM, lm_collate, lm_loss, token_data
@@ -92,7 +92,7 @@ def test_gloo_lines_torn_by_its_threads_are_dropped_whole():
                    "number of connected peer ranks is : 1", "", "my print"]
     assert drop_noise(interleaved) == ["my print"]
     # the torn end in the process's next batch of lines
-    stream = Stream()
+    stream = OutputState()
     assert drop_noise(torn[:1], stream) == []
     assert drop_noise(["1", "my print: 1", "1"], stream) == ["my print: 1", "1"]
 

@@ -110,9 +110,9 @@ def test_clipping_grad_fn_bounds_the_gradient_norm():
 
 
 def test_grad_fn_with_wrong_output_is_named_with_the_fix():
-    with pytest.raises(redray.PipelineError, match="return \\(loss, metrics, grads\\)"):
+    with pytest.raises(redray.UserFunctionError, match="return \\(loss, metrics, grads\\)"):
         trainer(grad_fn=lambda loss_fn, p, b, r: loss_fn(p, b, r)).init(DATA)
-    with pytest.raises(redray.PipelineError, match="do not match the trained parameters"):
+    with pytest.raises(redray.UserFunctionError, match="do not match the trained parameters"):
         trainer(grad_fn=lambda loss_fn, p, b, r: (*loss_fn(p, b, r), {"x": jnp.ones(3)})
                 ).init(DATA)
     with pytest.raises(TypeError, match="grad_fn must be a function"):

@@ -305,9 +305,9 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
       HostError: user code raised on a host; the message holds that host's traceback.
     """
     from redray.data import RowSource, Stream, to_dataset
-    from redray.pipeline import Pipeline
+    from redray.functions import UserFunctions
 
-    Pipeline(collate, loss, predict)  # cheap checks on the driver, before any worker
+    UserFunctions(collate, loss, predict)  # cheap checks on the driver, before any worker
     config, trainer_options = ClusterConfig.split(options, cluster)
     _check_trainer_options(trainer_options)
 

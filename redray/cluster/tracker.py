@@ -70,14 +70,14 @@ def start_tracker(uri: str, name: str, run_path: str, experiment: str, resume: b
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    import redray
     from redray.checkpoint import latest_meta
+    from redray.version import __version__
 
     run_id = None
     if resume and checkpoint_config is not None:
         meta = latest_meta(checkpoint_config.directory) or {}
         run_id = meta.get("run", {}).get("mlflow_run_id")
-    tags = {"redray.version": redray.__version__, "redray.run_name": name}
+    tags = {"redray.version": __version__, "redray.run_name": name}
     commit = git_commit()
     if commit:
         tags["redray.git_commit"] = commit

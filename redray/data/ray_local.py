@@ -144,7 +144,7 @@ GLOO_START = "[Gloo] Rank"
 DIGITS = "0123456789 \t"  # what else a Gloo line holds
 
 
-class Stream:
+class OutputState:
     """What ``drop_noise`` remembers of one process's output between its batches of
     lines: how many Gloo lines began whose end has not come yet."""
 
@@ -161,10 +161,10 @@ def gloo_starts(line: str) -> int | None:
     return None
 
 
-def drop_noise(lines: list[str], stream: Stream | None = None) -> list[str]:
+def drop_noise(lines: list[str], stream: OutputState | None = None) -> list[str]:
     """``lines`` without the ``NOISE`` ones (nor a dropped warning's source line) and
     Gloo's lines, torn ones included; ``stream``: the process's earlier lines' state."""
-    stream = stream or Stream()
+    stream = stream or OutputState()
     kept, dropping = [], False
     for line in lines:
         if dropping and line.startswith((" ", "\t")):
@@ -277,7 +277,7 @@ def _filtered(handler):
         lines = data.get("lines") or []
         if _screen.dropping():
             key = (data.get("ip"), data.get("pid"), data.get("is_err"))
-            lines = drop_noise(lines, streams.setdefault(key, Stream()))
+            lines = drop_noise(lines, streams.setdefault(key, OutputState()))
         if lines:
             with _above():
                 handler({**data, "lines": lines}, *args, **kwargs)
@@ -297,7 +297,7 @@ def _quiet_ray_client() -> None:
     if logs is None or getattr(logs.stdstream, "redray_original", None) is not None:
         return
     original = logs.stdstream
-    stream = Stream()  # the client gets the cluster's output as one text stream
+    stream = OutputState()  # the client gets the cluster's output as one text stream
 
     def stdstream(level: int, msg: str):
         lines = msg.splitlines()

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.engine import watchdog
-from redray.pipeline import check_batch
+from redray.functions import check_batch
 from redray.sharding import batch_sharding, data_parallel_size
 
 

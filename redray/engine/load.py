@@ -11,7 +11,7 @@ from redray.checkpoint import (CheckpointConfig, Checkpointer, CheckpointMismatc
                                check_meta, find_checkpoints, select_step)
 from redray.engine.model import _NNX, abstract_state, adapter, merge_trainable, split_trainable
 from redray.engine.state import CHECKPOINT_ITEMS, MODEL_ITEM
-from redray.rngs import Stream, stream_key
+from redray.rngs import KeyStream, stream_key
 
 log = logging.getLogger("redray.checkpoint")
 
@@ -122,7 +122,7 @@ def _read(checkpointer: Checkpointer, step: int, wrapped):
         # (a built module's weights, or a factory's initialization with the run's seed).
         base = getattr(wrapped, "values", None)
         if base is None:
-            base = jax.jit(wrapped.init)(stream_key(meta.get("seed", 0), Stream.INIT))
+            base = jax.jit(wrapped.init)(stream_key(meta.get("seed", 0), KeyStream.INIT))
         frozen = split_trainable(jax.device_get(base[0]), pattern)[1]
         params = merge_trainable(params, frozen)
     return params, values["extra"]

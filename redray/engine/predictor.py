@@ -10,8 +10,8 @@ from jax.sharding import Mesh
 
 from redray.engine.batches import each_batch
 from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
-from redray.pipeline import PipelineError, check_predict_output
-from redray.rngs import Stream, stream_key
+from redray.functions import UserFunctionError, check_predict_output
+from redray.rngs import KeyStream, stream_key
 from redray.sharding import data_parallel_size
 
 
@@ -54,7 +54,7 @@ class Predictor:
 
     def _setup(self, runtime, collate, predict, batch_size, seed):
         if not callable(predict):
-            raise PipelineError(f"predict must be a function, got {predict!r}")
+            raise UserFunctionError(f"predict must be a function, got {predict!r}")
         dp = data_parallel_size(runtime.mesh)
         if not isinstance(batch_size, int) or batch_size < 1 or batch_size % dp:
             raise ValueError(f"batch_size={batch_size!r} must be a positive multiple of the "
@@ -104,7 +104,7 @@ class Predictor:
         if not len(examples):
             return []
         if rng is None:
-            rng = jax.random.fold_in(stream_key(self.seed, Stream.PREDICT), self._calls)
+            rng = jax.random.fold_in(stream_key(self.seed, KeyStream.PREDICT), self._calls)
         self._calls += 1
 
         def run(batch, start):

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.engine.model import abstract_state, adapter, cast_floating
-from redray.rngs import Stream, stream_key
+from redray.rngs import KeyStream, stream_key
 from redray.sharding import (derive_specs, format_placement, format_whole, make_mesh, placement,
                              shardings)
 from redray.sharding.reductions import fuse_reductions
@@ -41,7 +41,7 @@ class ModelRuntime:
         self.mesh = mesh
         self.compute_dtype = compute_dtype
         self.rules = rules
-        self.init_key = stream_key(seed, Stream.INIT)
+        self.init_key = stream_key(seed, KeyStream.INIT)
         self.abstract = abstract_state(self.adapter, self.init_key)
         self.specs = None
         self.whole: list = []  # layer parameters the rules left unsplit over model

@@ -17,7 +17,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.engine.model import merge_trainable
-from redray.rngs import Stream, stream_key
+from redray.rngs import KeyStream, stream_key
 from redray.sharding import follow_specs, shardings
 
 # What a checkpoint holds, by item: "model" is what ``load_params`` reads back (the
@@ -32,7 +32,7 @@ class TrainState:
 
     Attributes:
       step: optimizer updates done (int32 scalar).
-      rng: the training key; each step splits it (``Stream.TRAIN`` at step 0).
+      rng: the training key; each step splits it (``KeyStream.TRAIN`` at step 0).
       params: the trained parameters.
       extra: the model's other state (batch statistics, NNX RNG counters).
       opt_state: the optimizer's state for ``params``.
@@ -72,7 +72,7 @@ class TrainState:
 def counters(seed: int):
     """(step, rng, nonfinite_step) of a run's start: step 0, the training stream's first
     key, no non-finite step."""
-    return jnp.zeros((), jnp.int32), stream_key(seed, Stream.TRAIN), jnp.zeros((), jnp.int32)
+    return jnp.zeros((), jnp.int32), stream_key(seed, KeyStream.TRAIN), jnp.zeros((), jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)

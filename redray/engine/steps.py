@@ -20,7 +20,7 @@ import optax
 
 from redray.engine.model import merge_trainable
 from redray.engine.state import TrainState
-from redray.pipeline import split_loss_output
+from redray.functions import split_loss_output
 
 
 def model_loss(apply: Callable, loss: Callable, train: bool = True) -> Callable:

@@ -35,8 +35,8 @@ from redray.engine import watchdog
 from redray.engine.state import CHECKPOINT_ITEMS, StateLayout, TrainState, counters
 from redray.engine.steps import (NONFINITE_POLICIES, eval_step, microbatched, model_gradients,
                                  model_loss, train_step, user_loss_fn)
-from redray.pipeline import Pipeline, PipelineError, split_loss_output
-from redray.rngs import Stream, stream_key
+from redray.functions import UserFunctions, UserFunctionError, split_loss_output
+from redray.rngs import KeyStream, stream_key
 from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size, placement
 from redray.sharding.memory import (GATHERED_LAYERS, compiled_memory, layer_gather_bytes,
                                     memory_text, saved_residuals, split_residual_bytes,
@@ -119,7 +119,7 @@ class Trainer:
                  prefetch: int = 2, checkpoint=None, config: dict | None = None,
                  trainable: str | None = None, grad_fn: Callable | None = None,
                  hooks: Sequence[Hook] = (), on_nonfinite: str = "stop"):
-        self.pipeline = Pipeline(collate, loss, predict)
+        self.functions = UserFunctions(collate, loss, predict)
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use one of "
                              f"{', '.join(map(repr, NONFINITE_POLICIES))}")
@@ -205,11 +205,11 @@ class Trainer:
     def _init(self, examples: Sequence) -> None:
         if not len(examples):
             raise ValueError("init needs at least one example to learn the batch's shapes")
-        sample = collate_checked(self.pipeline.collate, first_examples(examples, self.batch_size))
+        sample = collate_checked(self.functions.collate, first_examples(examples, self.batch_size))
         abstract = abstract_batch(sample, self.micro * self.dp)
         self._global_batch = abstract_batch(sample, self.batch_size)
         self._metric_names = self._check_loss(abstract)
-        loss = self.pipeline.loss
+        loss = self.functions.loss
         self.runtime.derive(
             lambda model, batch: _loss_value(loss(model, batch, jax.random.key(0), True)), abstract)
         self._warn_whole()
@@ -290,7 +290,7 @@ class Trainer:
     def _check_grad_fn(self, abstract_batch_) -> None:
         """Runs ``grad_fn`` on abstract values: its output must be (loss, metrics, grads)
         with grads shaped like the trained parameters."""
-        rt, loss, grad_fn = self.runtime, self.pipeline.loss, self.grad_fn
+        rt, loss, grad_fn = self.runtime, self.functions.loss, self.grad_fn
         params, frozen = rt.abstract[0], None
         if self.trainable is not None:
             params, frozen = split_trainable(params, self.trainable)
@@ -301,20 +301,20 @@ class Trainer:
 
         out = jax.eval_shape(run, params, rt.abstract[1], abstract_batch_)
         if not isinstance(out, tuple) or len(out) != 3:
-            raise PipelineError(f"grad_fn returned {type(out).__name__}"
+            raise UserFunctionError(f"grad_fn returned {type(out).__name__}"
                                 f"{' of ' + str(len(out)) if isinstance(out, tuple) else ''}: "
                                 "return (loss, metrics, grads)")
         split_loss_output((out[0], out[1]))
         want = jax.tree.map(lambda a: (a.shape, a.dtype), params)
         got = jax.tree.map(lambda a: (a.shape, a.dtype), out[2])
         if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
-            raise PipelineError(
+            raise UserFunctionError(
                 "grad_fn returned grads that do not match the trained parameters (structure, "
                 "shapes or dtypes differ): return the gradient of loss_fn with respect to the "
                 "params it was given, e.g. jax.grad(lambda p: loss_fn(p, batch, rng)[0])(params)")
 
     def _check_loss(self, abstract):
-        rt, loss = self.runtime, self.pipeline.loss
+        rt, loss = self.runtime, self.functions.loss
         out, _ = jax.eval_shape(
             lambda p, e, b: rt.apply(lambda m, bb: loss(m, bb, jax.random.key(0), True), p, e,
                                      jax.random.key(0), b),
@@ -390,7 +390,7 @@ class Trainer:
                                                               self.state.frozen))
         extra = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state.extra)
         rng = jax.eval_shape(lambda: jax.random.key(0))
-        loss_of = model_loss(self.runtime.apply, self.pipeline.loss)
+        loss_of = model_loss(self.runtime.apply, self.functions.loss)
 
         def loss(params, frozen, extra, batch, rng):
             return loss_of(params, frozen, extra, batch, rng)[0]
@@ -458,7 +458,7 @@ class Trainer:
         model, loss and optimizer, with the state's shardings and the state donated."""
         if "train" not in self._steps:
             gradients = microbatched(
-                model_gradients(model_loss(self.runtime.train_apply, self.pipeline.loss),
+                model_gradients(model_loss(self.runtime.train_apply, self.functions.loss),
                                 self.grad_fn),
                 self.accum, self.micro * self.dp, NamedSharding(self.mesh, P(None, BATCH_AXES)),
                 self._metric_names)
@@ -487,7 +487,7 @@ class Trainer:
         mine = process_rows(sharding, self.batch_size)
         rows = next(iter(batch.values())).shape[0]
         if rows != mine.stop - mine.start:
-            raise PipelineError(
+            raise UserFunctionError(
                 f"the batch has {rows} rows but this process feeds {mine.stop - mine.start} of "
                 f"batch_size={self.batch_size}: collate must return one row per example")
         return to_global(batch, sharding, self.batch_size)
@@ -511,11 +511,11 @@ class Trainer:
         self.init(examples)
         if "eval" not in self._steps:
             self._steps["eval"] = jax.jit(
-                functools.partial(eval_step, apply=self.runtime.apply, loss=self.pipeline.loss),
+                functools.partial(eval_step, apply=self.runtime.apply, loss=self.functions.loss),
                 out_shardings=self.runtime.replicated())
-        program, rng = self._steps["eval"], stream_key(self.seed, Stream.EVAL)
+        program, rng = self._steps["eval"], stream_key(self.seed, KeyStream.EVAL)
         pending = each_batch(
-            examples, self.eval_batch_size, self.mesh, self.pipeline.collate,
+            examples, self.eval_batch_size, self.mesh, self.functions.collate,
             lambda batch, start: program(self.state.whole_params, self.state.extra, batch, rng),
             pad_last=False)
         totals: dict[str, float] = {}
@@ -551,7 +551,7 @@ class Trainer:
           ``steps_per_s``, ``examples_per_s``) and one per evaluation (keys prefixed
           ``eval_``).
         """
-        if eval_metric is not None and (eval_data is None or self.pipeline.predict is None):
+        if eval_metric is not None and (eval_data is None or self.functions.predict is None):
             raise ValueError("eval_metric needs eval_data and a predict function: pass "
                              "predict=... to Trainer and eval_data=... to fit")
         if len(train) < self.batch_size:
@@ -653,7 +653,7 @@ class Trainer:
             yield epoch, start
 
             def make(examples):
-                batch = collate_checked(self.pipeline.collate, examples)
+                batch = collate_checked(self.functions.collate, examples)
                 if not self.tokens_per_example:
                     self.tokens_per_example = _tokens_per_example(batch)
                 return to_global(batch, sharding, self.batch_size)
@@ -780,12 +780,13 @@ class Trainer:
         from redray.engine.predictor import Predictor
 
         self._require_init("predictor")
-        if self.pipeline.predict is None:
-            raise PipelineError("this Trainer has no predict function: pass predict=... to Trainer")
+        if self.functions.predict is None:
+            raise UserFunctionError("this Trainer has no predict function: pass predict=... to "
+                                    "Trainer")
         size = batch_size or self.eval_batch_size
         if size not in self._predictors:
             self._predictors[size] = Predictor._from_runtime(
-                self.runtime, self.pipeline.collate, self.pipeline.predict,
+                self.runtime, self.functions.collate, self.functions.predict,
                 lambda: (self.state.whole_params, self.state.extra), size, self.seed)
         return self._predictors[size]
 

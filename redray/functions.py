@@ -18,12 +18,12 @@ import jax
 import numpy as np
 
 
-class PipelineError(ValueError):
+class UserFunctionError(ValueError):
     """A user function returned something redray cannot use; the message says the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Pipeline:
+class UserFunctions:
     """The user's three functions.
 
     Attributes:
@@ -38,9 +38,9 @@ class Pipeline:
     def __post_init__(self):
         for name in ("collate", "loss"):
             if not callable(getattr(self, name)):
-                raise PipelineError(f"{name} must be a function, got {getattr(self, name)!r}")
+                raise UserFunctionError(f"{name} must be a function, got {getattr(self, name)!r}")
         if self.predict is not None and not callable(self.predict):
-            raise PipelineError(f"predict must be a function or None, got {self.predict!r}")
+            raise UserFunctionError(f"predict must be a function or None, got {self.predict!r}")
 
 
 def check_batch(batch: Any, n_examples: int | None = None) -> dict[str, np.ndarray]:
@@ -53,46 +53,46 @@ def check_batch(batch: Any, n_examples: int | None = None) -> dict[str, np.ndarr
         Predictor maps outputs back to inputs one to one).
 
     Raises:
-      PipelineError: naming the key and the fix.
+      UserFunctionError: naming the key and the fix.
     """
     if not isinstance(batch, Mapping) or not batch:
-        raise PipelineError(
+        raise UserFunctionError(
             f"collate returned {type(batch).__name__}, expected a non-empty dict of numpy "
             "arrays, e.g. {'input_ids': np.array(...), 'labels': np.array(...)}")
     out = {}
     for key, value in batch.items():
         if not isinstance(key, str):
-            raise PipelineError(f"collate returned a non-string key {key!r}: use str keys")
+            raise UserFunctionError(f"collate returned a non-string key {key!r}: use str keys")
         if isinstance(value, (list, tuple)):
-            raise PipelineError(
+            raise UserFunctionError(
                 f"collate returned batch[{key!r}] as a {type(value).__name__}: return a numpy "
                 f"array instead, e.g. np.stack(...) or np.array(...)"
                 + _ragged_hint(value))
         if isinstance(value, jax.Array):
             value = np.asarray(value)
         if not isinstance(value, np.ndarray):
-            raise PipelineError(
+            raise UserFunctionError(
                 f"collate returned batch[{key!r}] of type {type(value).__name__}: return a "
                 "numpy array with one row per example, e.g. np.full(len(examples), value)")
         if value.dtype == object:
-            raise PipelineError(
+            raise UserFunctionError(
                 f"collate returned batch[{key!r}] with dtype object (ragged or mixed rows): "
                 "pad every row to the same length, e.g. with np.pad, and return a numeric array")
         if value.ndim == 0:
-            raise PipelineError(
+            raise UserFunctionError(
                 f"collate returned batch[{key!r}] as a scalar: every entry needs a leading "
                 "batch dimension (one row per example)")
         out[key] = value
     sizes = {k: v.shape[0] for k, v in out.items()}
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{k}: {s}" for k, s in sizes.items())
-        raise PipelineError(
+        raise UserFunctionError(
             f"collate returned arrays whose batch (first) dimensions differ ({listed}): every "
             "array must have one row per example")
     if n_examples is not None:
         size = next(iter(sizes.values()))
         if size != n_examples:
-            raise PipelineError(
+            raise UserFunctionError(
                 f"collate was given {n_examples} examples but returned a batch of {size} rows: "
                 "return exactly one row per example")
     return out
@@ -112,32 +112,33 @@ def split_loss_output(out: Any) -> tuple[Any, dict]:
     """Checks loss's output (abstract or concrete) and returns (loss, metrics).
 
     Raises:
-      PipelineError: for a non-scalar loss or metric, or a malformed tuple.
+      UserFunctionError: for a non-scalar loss or metric, or a malformed tuple.
     """
     metrics: Any = {}
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], Mapping):
-            raise PipelineError(
+            raise UserFunctionError(
                 f"loss returned a tuple of {len(out)} items: return a scalar, or "
                 "(scalar, dict of scalar metrics)")
         out, metrics = out
     shape = getattr(out, "shape", None)
     if shape is None:
-        raise PipelineError(f"loss returned {type(out).__name__}, expected a scalar array")
+        raise UserFunctionError(f"loss returned {type(out).__name__}, expected a scalar array")
     if tuple(shape) != ():
-        raise PipelineError(
+        raise UserFunctionError(
             f"loss returned shape {tuple(shape)}, expected a scalar: reduce it, e.g. with .mean()")
     if not jax.numpy.issubdtype(out.dtype, jax.numpy.floating):
-        raise PipelineError(f"loss returned dtype {out.dtype}, expected a floating-point scalar")
+        raise UserFunctionError(f"loss returned dtype {out.dtype}, expected a floating-point "
+                                "scalar")
     checked = {}
     for name, value in metrics.items():
         try:
             shape = tuple(jax.numpy.shape(value))
         except TypeError:
-            raise PipelineError(f"loss metric {name!r} is a {type(value).__name__}, expected a "
+            raise UserFunctionError(f"loss metric {name!r} is a {type(value).__name__}, expected a "
                                 "scalar number or array") from None
         if shape != ():
-            raise PipelineError(
+            raise UserFunctionError(
                 f"loss metric {name!r} has shape {shape}, expected a scalar: reduce it, "
                 "e.g. with .mean()")
         checked[name] = value
@@ -148,16 +149,16 @@ def check_predict_output(out: Any, batch_size: int) -> None:
     """Every leaf of predict's output must be batch-major with ``batch_size`` rows.
 
     Raises:
-      PipelineError: naming the leaf's path and shape.
+      UserFunctionError: naming the leaf's path and shape.
     """
     leaves = jax.tree_util.tree_flatten_with_path(out)[0]
     if not leaves:
-        raise PipelineError("predict returned no arrays: return an array or a dict of arrays")
+        raise UserFunctionError("predict returned no arrays: return an array or a dict of arrays")
     for path, leaf in leaves:
         shape = tuple(getattr(leaf, "shape", ()))
         where = jax.tree_util.keystr(path) or "its output"
         if not shape or shape[0] != batch_size:
-            raise PipelineError(
+            raise UserFunctionError(
                 f"predict returned {where} with shape {shape} for a batch of {batch_size}: "
                 f"every output needs the batch as its first dimension ({batch_size}, ...), "
                 "one row per example (don't reduce over the batch in predict)")

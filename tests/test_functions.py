@@ -1,7 +1,7 @@
 """The three-function contract: every mistake is caught early with an error naming the fix.
 
 Each validation error is checked twice where it is natural: directly on the
-``redray.pipeline`` function, and through the public ``Trainer``/``Predictor`` so the
+``redray.functions`` function, and through the public ``Trainer``/``Predictor`` so the
 test proves it is raised at ``init``/``fit`` on the first batch (or at the first
 ``predict``), before any training step or device state exists.
 
@@ -23,7 +23,7 @@ from flax import nnx
 
 import redray
 from tiny import Counting
-from redray.pipeline import Pipeline, PipelineError, check_batch, check_predict_output, \
+from redray.functions import UserFunctions, UserFunctionError, check_batch, check_predict_output, \
     split_loss_output
 
 D_IN = 4
@@ -89,25 +89,25 @@ EXAMPLES = make_examples(32)
 # --------------------------------------------------------------------------- collate
 
 def test_collate_returning_list_instead_of_dict():
-    with pytest.raises(PipelineError, match=m("collate returned list",
+    with pytest.raises(UserFunctionError, match=m("collate returned list",
                                               "expected a non-empty dict of numpy arrays")):
         check_batch([np.zeros(3), np.zeros(3)])
 
     counted = Counting(lambda ex: [e["x"] for e in ex])
     t = trainer(counted)
-    with pytest.raises(PipelineError, match=m("collate returned list", "dict of numpy arrays")):
+    with pytest.raises(UserFunctionError, match=m("collate returned list", "dict of numpy arrays")):
         t.fit(EXAMPLES)
     assert counted.calls == 1
     assert t.state is None
 
 
 def test_collate_returning_empty_dict():
-    with pytest.raises(PipelineError, match=m("collate returned dict", "non-empty dict")):
+    with pytest.raises(UserFunctionError, match=m("collate returned dict", "non-empty dict")):
         check_batch({})
 
 
 def test_collate_value_is_python_list():
-    with pytest.raises(PipelineError,
+    with pytest.raises(UserFunctionError,
                        match=m("batch['y'] as a list", "return a numpy array", "np.array")):
         check_batch({"x": np.zeros((2, 3)), "y": [1.0, 2.0]})
 
@@ -116,7 +116,7 @@ def test_collate_value_is_python_list():
 
     counted = Counting(bad)
     t = trainer(counted)
-    with pytest.raises(PipelineError, match=m("batch['y'] as a list", "return a numpy array")):
+    with pytest.raises(UserFunctionError, match=m("batch['y'] as a list", "return a numpy array")):
         t.fit(EXAMPLES)
     assert counted.calls == 1
     assert t.state is None
@@ -124,28 +124,29 @@ def test_collate_value_is_python_list():
 
 def test_collate_ragged_python_rows_mention_pad():
     tokens = [[1, 2], [3, 4, 5]]
-    with pytest.raises(PipelineError, match=m("batch['tokens'] as a list", "return a numpy array",
-                                              "different lengths [2, 3]", "pad")):
+    with pytest.raises(UserFunctionError, match=m("batch['tokens'] as a list",
+                                                  "return a numpy array",
+                                                  "different lengths [2, 3]", "pad")):
         check_batch({"tokens": tokens})
 
     def ragged(examples):
         return {"tokens": [list(range(1 + e["id"] % 3)) for e in examples]}
 
     t = trainer(ragged)
-    with pytest.raises(PipelineError, match=m("batch['tokens']", "different lengths", "pad")):
+    with pytest.raises(UserFunctionError, match=m("batch['tokens']", "different lengths", "pad")):
         t.init(EXAMPLES)
     assert t.state is None
 
 
 def test_collate_tuple_value_is_rejected_like_a_list():
-    with pytest.raises(PipelineError, match=m("batch['x'] as a tuple", "return a numpy array")):
+    with pytest.raises(UserFunctionError, match=m("batch['x'] as a tuple", "return a numpy array")):
         check_batch({"x": (np.zeros(3), np.zeros(3))})
 
 
 def test_collate_ragged_object_array_mentions_pad():
     ragged = np.empty(2, dtype=object)
     ragged[0], ragged[1] = [1, 2], [3, 4, 5]
-    with pytest.raises(PipelineError,
+    with pytest.raises(UserFunctionError,
                        match=m("batch['tokens']", "dtype object", "pad every row", "np.pad")):
         check_batch({"tokens": ragged})
 
@@ -156,13 +157,13 @@ def test_collate_ragged_object_array_mentions_pad():
         return {"x": np.stack([e["x"] for e in examples]), "tokens": rows}
 
     t = trainer(object_rows)
-    with pytest.raises(PipelineError, match=m("batch['tokens']", "dtype object", "pad")):
+    with pytest.raises(UserFunctionError, match=m("batch['tokens']", "dtype object", "pad")):
         t.fit(EXAMPLES)
     assert t.state is None
 
 
 def test_collate_scalar_value_needs_batch_dimension():
-    with pytest.raises(PipelineError,
+    with pytest.raises(UserFunctionError,
                        match=m("batch['weight'] as a scalar", "leading batch dimension")):
         check_batch({"x": np.zeros((2, 3)), "weight": np.array(1.0)})
 
@@ -170,7 +171,8 @@ def test_collate_scalar_value_needs_batch_dimension():
         return {**collate(examples), "weight": np.array(1.0, np.float32)}
 
     t = trainer(with_scalar)
-    with pytest.raises(PipelineError, match=m("batch['weight'] as a scalar", "batch dimension")):
+    with pytest.raises(UserFunctionError,
+                       match=m("batch['weight'] as a scalar", "batch dimension")):
         t.fit(EXAMPLES)
     assert t.state is None
 
@@ -185,7 +187,7 @@ def test_collate_dropping_rows_in_training_names_collate_and_the_fix():
         return collate(examples if len(calls) < 3 else examples[:-1])
 
     t = trainer(drops_rows_later)
-    with pytest.raises(PipelineError, match=m("collate was given 8 examples",
+    with pytest.raises(UserFunctionError, match=m("collate was given 8 examples",
                                               "returned a batch of 7 rows",
                                               "exactly one row per example")):
         t.fit(EXAMPLES)
@@ -194,13 +196,13 @@ def test_collate_dropping_rows_in_training_names_collate_and_the_fix():
 
 def test_collate_non_array_value_names_key():
     # A Python number is neither a list nor an array: the key and the batch-major fix.
-    with pytest.raises(PipelineError,
+    with pytest.raises(UserFunctionError,
                        match=m("batch['n'] of type int", "one row per example", "np.full")):
         check_batch({"x": np.zeros((2, 3)), "n": 2})
 
 
 def test_collate_batch_dimensions_differ_lists_keys_and_sizes():
-    with pytest.raises(PipelineError, match=m("batch (first) dimensions differ",
+    with pytest.raises(UserFunctionError, match=m("batch (first) dimensions differ",
                                               "x: 8", "y: 7", "one row per example")):
         check_batch({"x": np.zeros((8, 3)), "y": np.zeros(7)})
 
@@ -211,18 +213,18 @@ def test_collate_batch_dimensions_differ_lists_keys_and_sizes():
 
     counted = Counting(short_labels)
     t = trainer(counted)
-    with pytest.raises(PipelineError, match=m("dimensions differ", "x: 8", "y: 7")):
+    with pytest.raises(UserFunctionError, match=m("dimensions differ", "x: 8", "y: 7")):
         t.fit(EXAMPLES)
     assert counted.calls == 1
     assert t.state is None
 
 
 def test_collate_non_string_key():
-    with pytest.raises(PipelineError, match=m("non-string key 0", "use str keys")):
+    with pytest.raises(UserFunctionError, match=m("non-string key 0", "use str keys")):
         check_batch({0: np.zeros(3)})
 
     t = trainer(lambda ex: {0: np.stack([e["x"] for e in ex])})
-    with pytest.raises(PipelineError, match=m("non-string key 0", "use str keys")):
+    with pytest.raises(UserFunctionError, match=m("non-string key 0", "use str keys")):
         t.fit(EXAMPLES)
     assert t.state is None
 
@@ -235,7 +237,7 @@ def test_check_batch_converts_jax_arrays_and_keeps_numpy():
 
 
 def test_check_batch_rows_must_match_examples():
-    with pytest.raises(PipelineError, match=m("given 8 examples", "batch of 7 rows",
+    with pytest.raises(UserFunctionError, match=m("given 8 examples", "batch of 7 rows",
                                               "exactly one row per example")):
         check_batch({"x": np.zeros((7, 3))}, n_examples=8)
 
@@ -245,40 +247,40 @@ def test_check_batch_rows_must_match_examples():
 
     p = redray.Predictor(lambda rngs: Linear(rngs), drops_one, predict, batch_size=8,
                          model_axis=2)
-    with pytest.raises(PipelineError, match=m("given 8 examples", "batch of 7 rows")):
+    with pytest.raises(UserFunctionError, match=m("given 8 examples", "batch of 7 rows")):
         p.predict(EXAMPLES)
 
 
 def test_pipeline_functions_must_be_callable():
-    with pytest.raises(PipelineError, match="collate must be a function"):
-        Pipeline(None, mse)
-    with pytest.raises(PipelineError, match="loss must be a function"):
-        Pipeline(collate, "mse")
-    with pytest.raises(PipelineError, match="predict must be a function or None"):
-        Pipeline(collate, mse, predict=3)
+    with pytest.raises(UserFunctionError, match="collate must be a function"):
+        UserFunctions(None, mse)
+    with pytest.raises(UserFunctionError, match="loss must be a function"):
+        UserFunctions(collate, "mse")
+    with pytest.raises(UserFunctionError, match="predict must be a function or None"):
+        UserFunctions(collate, mse, predict=3)
 
 
 # --------------------------------------------------------------------------- loss
 
 def test_loss_not_reduced_names_shape_and_mean():
-    with pytest.raises(PipelineError, match=m("shape (8,)", "expected a scalar", ".mean()")):
+    with pytest.raises(UserFunctionError, match=m("shape (8,)", "expected a scalar", ".mean()")):
         split_loss_output(jnp.zeros(8))
 
     def per_example(model, batch, rng, train):
         return (model(batch["x"]) - batch["y"]) ** 2
 
     t = trainer(loss_fn=per_example)
-    with pytest.raises(PipelineError, match=m("loss returned shape (8,)", ".mean()")):
+    with pytest.raises(UserFunctionError, match=m("loss returned shape (8,)", ".mean()")):
         t.init(EXAMPLES)
     assert t.state is None
 
 
 def test_loss_tuple_with_non_dict_metrics():
-    with pytest.raises(PipelineError,
+    with pytest.raises(UserFunctionError,
                        match=m("loss returned a tuple of 2 items",
                                "(scalar, dict of scalar metrics)")):
         split_loss_output((jnp.float32(1.0), jnp.float32(2.0)))
-    with pytest.raises(PipelineError, match=m("tuple of 3 items", "dict of scalar metrics")):
+    with pytest.raises(UserFunctionError, match=m("tuple of 3 items", "dict of scalar metrics")):
         split_loss_output((jnp.float32(1.0), {}, {}))
 
     def with_list(model, batch, rng, train):
@@ -286,13 +288,13 @@ def test_loss_tuple_with_non_dict_metrics():
         return jnp.mean(err ** 2), [jnp.mean(jnp.abs(err))]
 
     t = trainer(loss_fn=with_list)
-    with pytest.raises(PipelineError, match=m("tuple of 2 items", "dict of scalar metrics")):
+    with pytest.raises(UserFunctionError, match=m("tuple of 2 items", "dict of scalar metrics")):
         t.fit(EXAMPLES)
     assert t.state is None
 
 
 def test_loss_metric_not_scalar_names_metric():
-    with pytest.raises(PipelineError,
+    with pytest.raises(UserFunctionError,
                        match=m("metric 'err' has shape (8,)", "expected a scalar", ".mean()")):
         split_loss_output((jnp.float32(1.0), {"ok": jnp.float32(0.0), "err": jnp.zeros(8)}))
 
@@ -301,26 +303,26 @@ def test_loss_metric_not_scalar_names_metric():
         return jnp.mean(err ** 2), {"abs_err": jnp.abs(err)}
 
     t = trainer(loss_fn=vector_metric)
-    with pytest.raises(PipelineError, match=m("metric 'abs_err' has shape (8,)", ".mean()")):
+    with pytest.raises(UserFunctionError, match=m("metric 'abs_err' has shape (8,)", ".mean()")):
         t.init(EXAMPLES)
     assert t.state is None
 
 
 def test_loss_int_dtype_rejected():
-    with pytest.raises(PipelineError, match=m("dtype int32", "floating-point scalar")):
+    with pytest.raises(UserFunctionError, match=m("dtype int32", "floating-point scalar")):
         split_loss_output(jnp.int32(3))
 
     def count_loss(model, batch, rng, train):
         return jnp.sum(model(batch["x"]) > batch["y"])
 
     t = trainer(loss_fn=count_loss)
-    with pytest.raises(PipelineError, match=m("loss returned dtype int32", "floating-point")):
+    with pytest.raises(UserFunctionError, match=m("loss returned dtype int32", "floating-point")):
         t.init(EXAMPLES)
     assert t.state is None
 
 
 def test_loss_not_an_array():
-    with pytest.raises(PipelineError, match=m("loss returned str", "expected a scalar array")):
+    with pytest.raises(UserFunctionError, match=m("loss returned str", "expected a scalar array")):
         split_loss_output("0.5")
 
 
@@ -362,7 +364,7 @@ def test_python_number_metric_trains():
 # --------------------------------------------------------------------------- predict
 
 def test_predict_reduced_over_batch_names_output_and_size():
-    with pytest.raises(PipelineError, match=m("predict returned its output with shape ()",
+    with pytest.raises(UserFunctionError, match=m("predict returned its output with shape ()",
                                               "batch of 8", "(8, ...)",
                                               "don't reduce over the batch")):
         check_predict_output(jax.ShapeDtypeStruct((), jnp.float32), 8)
@@ -373,7 +375,7 @@ def test_predict_reduced_over_batch_names_output_and_size():
     counted = Counting(collate)
     p = redray.Predictor(lambda rngs: Linear(rngs), counted, mean_pred, batch_size=8,
                          model_axis=2)
-    with pytest.raises(PipelineError, match=m("its output with shape ()", "batch of 8",
+    with pytest.raises(UserFunctionError, match=m("its output with shape ()", "batch of 8",
                                               "(8, ...)")):
         p.predict(EXAMPLES)
     assert counted.calls == 1
@@ -382,7 +384,7 @@ def test_predict_reduced_over_batch_names_output_and_size():
 def test_predict_dict_leaf_without_batch_dim_names_leaf():
     out = {"logits": jax.ShapeDtypeStruct((8, 3), jnp.float32),
            "score": jax.ShapeDtypeStruct((), jnp.float32)}
-    with pytest.raises(PipelineError, match=m("['score'] with shape ()", "batch of 8",
+    with pytest.raises(UserFunctionError, match=m("['score'] with shape ()", "batch of 8",
                                               "(8, ...)")):
         check_predict_output(out, 8)
 
@@ -392,7 +394,7 @@ def test_predict_dict_leaf_without_batch_dim_names_leaf():
 
     p = redray.Predictor(lambda rngs: Linear(rngs), collate, partial, batch_size=8,
                          model_axis=2)
-    with pytest.raises(PipelineError, match=m("['mean'] with shape (1,)", "batch of 8",
+    with pytest.raises(UserFunctionError, match=m("['mean'] with shape (1,)", "batch of 8",
                                               "(8, ...)")):
         p.predict(EXAMPLES[:3])
 
@@ -400,12 +402,12 @@ def test_predict_dict_leaf_without_batch_dim_names_leaf():
 def test_predict_error_through_trainer_predictor():
     t = trainer(predict_fn=lambda model, batch, rng: {"total": model(batch["x"]).sum()})
     t.fit(EXAMPLES, max_steps=1)
-    with pytest.raises(PipelineError, match=m("['total'] with shape ()", "batch of 8")):
+    with pytest.raises(UserFunctionError, match=m("['total'] with shape ()", "batch of 8")):
         t.predictor(batch_size=8).predict(EXAMPLES)
 
 
 def test_predict_output_empty():
-    with pytest.raises(PipelineError, match="predict returned no arrays"):
+    with pytest.raises(UserFunctionError, match="predict returned no arrays"):
         check_predict_output({}, 8)
 
 
@@ -416,7 +418,7 @@ def test_check_predict_output_valid():
 def test_trainer_without_predict_has_no_predictor():
     t = trainer(predict_fn=None)
     t.init(EXAMPLES)
-    with pytest.raises(PipelineError, match="pass predict=... to Trainer"):
+    with pytest.raises(UserFunctionError, match="pass predict=... to Trainer"):
         t.predictor()
 
 
