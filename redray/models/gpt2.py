@@ -8,10 +8,10 @@ model axis); ``c_proj`` of the attention is (heads, head_dim, hidden).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from flax import nnx
 
 from redray.models import layers
+from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, conv1d, linear, plain
 
 MODEL_TYPES = ("gpt2",)
@@ -21,21 +21,13 @@ BASE_PREFIX = "transformer."
 IGNORED = (r"\.attn\.bias$", r"\.attn\.masked_bias$")
 
 
-def _dims(c) -> tuple[int, int]:
-    heads = c.num_attention_heads
-    if c.hidden_size % heads:
-        raise ValueError(f"hidden_size {c.hidden_size} is not a multiple of "
-                         f"num_attention_heads {heads}")
-    return heads, c.hidden_size // heads
-
-
 def _inner(c) -> int:
     return getattr(c, "n_inner", None) or 4 * c.hidden_size
 
 
 class Attention(nnx.Module):
     def __init__(self, c, layer_idx: int, *, rngs, dtype):
-        heads, d = _dims(c)
+        heads, d = layers.attention_heads(c)
         dense = dict(dtype=dtype, rngs=rngs)
         self.c_attn = nnx.LinearGeneral(c.hidden_size, (3, heads, d), **dense)
         self.c_proj = nnx.LinearGeneral((heads, d), c.hidden_size, axis=(-2, -1), **dense)
@@ -48,13 +40,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x, mask, cache, cache_index, train):
         qkv = self.c_attn(x)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        new_cache = None
-        if cache is not None:
-            k, v, new_cache = layers.update_cache(cache, k, v, cache_index)
-        drop = (lambda p: self.attn_dropout(p, deterministic=False)) if train else None
-        out = self.c_proj(layers.dot_attention(q, k, v, mask, self.scale, dropout=drop))
-        return self.resid_dropout(out, deterministic=not train), new_cache
+        out, new_cache = layers.self_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], mask,
+                                               self.scale, cache, cache_index,
+                                               self.attn_dropout, train)
+        return self.resid_dropout(self.c_proj(out), deterministic=not train), new_cache
 
 
 class MLP(nnx.Module):
@@ -83,28 +72,16 @@ class Block(nnx.Module):
         return x + self.mlp(self.ln_2(x), train), new_cache
 
 
-class Model(nnx.Module):
-    """A GPT-2 causal LM built from a ``transformers`` config.
+class Model(CausalLM):
+    """A GPT-2 causal LM built from a ``transformers`` config (called as ``CausalLM`` says)."""
 
-    Call as ``model(input_ids)`` for logits (batch, seq, vocab); with an attention mask
-    over key slots for padding (positions count only real tokens, so left-padded rows
-    see the positions an unpadded prompt would); with ``segment_ids`` for rows packed
-    with several documents (attention stays inside a document, positions restart; see
-    ``redray.data.pack``); with ``cache=model.init_cache(...)`` and ``cache_index`` for
-    incremental decoding, which returns (logits, cache); with ``hidden=True`` the final
-    hidden states instead of logits (``model.logits(hidden)`` applies the LM head: a
-    loss can then project a part of the sequence at a time, ``next_token_loss``).
-    """
+    TOKENS, BLOCKS, FINAL_NORM = "wte", "h", "ln_f"
+    TIED_BY_DEFAULT = True
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
-                 scan: bool = False):
-        c = config.hf if isinstance(config, HFConfig) else config
+    def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         if getattr(c, "add_cross_attention", False):
             raise ValueError("GPT-2 with add_cross_attention=True (an encoder-decoder "
                              "component) is not supported: only the causal LM is")
-        self.config = HFConfig(c)
-        self.dtype = dtype
-        self.remat = layers.remat_policy(remat)
         embed = dict(dtype=dtype, rngs=rngs)
         self.wte = nnx.Embed(c.vocab_size, c.hidden_size, **embed)
         self.wpe = nnx.Embed(c.max_position_embeddings, c.hidden_size, **embed)
@@ -119,34 +96,13 @@ class Model(nnx.Module):
                                     c.num_hidden_layers, rngs, scan)
         self.ln_f = nnx.LayerNorm(c.hidden_size, epsilon=c.layer_norm_epsilon, dtype=dtype,
                                   rngs=rngs)
-        self.tied = bool(getattr(c, "tie_word_embeddings", True))
-        if not self.tied:
-            self.lm_head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype,
-                                      rngs=rngs)
 
-    def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
-                 segment_ids=None, train: bool = False, hidden: bool = False):
-        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
-                                               segment_ids=segment_ids)
+    def key_value_heads(self) -> tuple[int, int]:
+        return layers.attention_heads(self.config)
+
+    def embed(self, input_ids, positions, train: bool):
         x = self.wte(input_ids) + self.wpe(positions)
-        x = self.drop(x, deterministic=not train)
-        x, new_cache = layers.run_blocks(self.h, x, (mask,), cache, cache_index, train,
-                                        self.remat)
-        x = self.ln_f(x)
-        if hidden:
-            return x
-        logits = self.logits(x)
-        return logits if cache is None else (logits, new_cache)
-
-    def logits(self, x):
-        """The LM head on final hidden states (``model(..., hidden=True)``)."""
-        return self.wte.attend(x) if self.tied else self.lm_head(x)
-
-    def init_cache(self, batch: int, length: int, dtype=None):
-        """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
-        heads, d = _dims(self.config)
-        return layers.empty_cache(self.config.num_hidden_layers, batch, length, heads, d,
-                                  dtype or self.dtype, layers.is_stacked(self.h))
+        return self.drop(x, deterministic=not train)
 
 
 trace_inputs = layers.causal_lm_inputs

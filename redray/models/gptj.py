@@ -9,10 +9,10 @@ the automatic rules split whole heads and their input gradients reach one all-re
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from flax import nnx
 
 from redray.models import layers
+from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, linear, plain, qkv
 
 MODEL_TYPES = ("gptj",)
@@ -46,13 +46,9 @@ class Attention(nnx.Module):
         self.scale = d ** -0.5
 
     def __call__(self, x, cos, sin, mask, cache, cache_index, train):
-        q, k, v = layers.split_qkv(self.qkv_proj(x))
-        q, k = layers.rotate_interleaved(q, cos, sin), layers.rotate_interleaved(k, cos, sin)
-        new_cache = None
-        if cache is not None:
-            k, v, new_cache = layers.update_cache(cache, k, v, cache_index)
-        drop = (lambda p: self.attn_dropout(p, deterministic=False)) if train else None
-        out = layers.dot_attention(q, k, v, mask, self.scale, dropout=drop)
+        q, k, v = layers.split_rotated_qkv(self.qkv_proj(x), cos, sin, layers.rotate_interleaved)
+        out, new_cache = layers.self_attention(q, k, v, mask, self.scale, cache, cache_index,
+                                               self.attn_dropout, train)
         return self.resid_dropout(self.out_proj(out), deterministic=not train), new_cache
 
 
@@ -82,64 +78,28 @@ class Block(nnx.Module):
         return x + attn + self.mlp(h, train), new_cache
 
 
-class Model(nnx.Module):
-    """A GPT-J causal LM built from a ``transformers`` config.
+class Model(CausalLM):
+    """A GPT-J causal LM built from a ``transformers`` config (called as ``CausalLM`` says)."""
 
-    Call as ``model(input_ids)`` for logits (batch, seq, vocab); with an attention mask
-    over key slots for padding; with ``segment_ids`` for rows packed with several
-    documents (attention stays inside a document, positions restart; see
-    ``redray.data.pack``); with ``cache=model.init_cache(...)`` and ``cache_index`` for
-    incremental decoding, which returns (logits, cache); with ``hidden=True`` the final
-    hidden states instead of logits (``model.logits(hidden)`` applies the LM head: a
-    loss can then project a part of the sequence at a time, ``next_token_loss``).
-    """
+    TOKENS, BLOCKS, FINAL_NORM = "wte", "h", "ln_f"
+    HEAD_BIAS = True
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
-                 scan: bool = False):
-        c = config.hf if isinstance(config, HFConfig) else config
-        self.config = HFConfig(c)
-        self.dtype = dtype
-        self.remat = layers.remat_policy(remat)
+    def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         self.wte = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         self.drop = nnx.Dropout(_rate(c, "embd_pdrop"), rngs=rngs)
         self.h = layers.make_blocks(lambda r: Block(c, rngs=r, dtype=dtype),
                                     c.num_hidden_layers, rngs, scan)
         self.ln_f = nnx.LayerNorm(c.hidden_size, epsilon=c.layer_norm_epsilon, dtype=dtype,
                                   rngs=rngs)
-        self.tied = bool(getattr(c, "tie_word_embeddings", False))
-        if self.tied:
-            # HF ties only lm_head.weight to wte; the head keeps its own bias.
-            self.lm_head_bias = nnx.Param(jnp.zeros((c.vocab_size,), jnp.float32))
-        else:
-            self.lm_head = nnx.Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs)
         _, _, rotary = _dims(c)
         self.inv_freq = tuple(float(f) for f in layers.rope_inv_freq(None, rotary))
 
-    def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
-                 segment_ids=None, train: bool = False, hidden: bool = False):
-        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
-                                               segment_ids=segment_ids)
-        cos, sin = layers.rope_angles(positions, self.inv_freq)
-        x = self.drop(self.wte(input_ids), deterministic=not train)
-        x, new_cache = layers.run_blocks(self.h, x, (cos, sin, mask), cache, cache_index, train,
-                                        self.remat)
-        x = self.ln_f(x)
-        if hidden:
-            return x
-        logits = self.logits(x)
-        return logits if cache is None else (logits, new_cache)
-
-    def logits(self, x):
-        """The LM head on final hidden states (``model(..., hidden=True)``)."""
-        if self.tied:
-            return self.wte.attend(x) + self.lm_head_bias[...].astype(x.dtype)
-        return self.lm_head(x)
-
-    def init_cache(self, batch: int, length: int, dtype=None):
-        """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
+    def key_value_heads(self) -> tuple[int, int]:
         heads, d, _ = _dims(self.config)
-        return layers.empty_cache(self.config.num_hidden_layers, batch, length, heads, d,
-                                  dtype or self.dtype, layers.is_stacked(self.h))
+        return heads, d
+
+    def embed(self, input_ids, positions, train: bool):
+        return self.drop(self.wte(input_ids), deterministic=not train)
 
 
 trace_inputs = layers.causal_lm_inputs

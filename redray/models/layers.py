@@ -147,6 +147,14 @@ def split_qkv(y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return q.reshape(*q.shape[:-3], -1, q.shape[-1]), y[..., g, :], y[..., g + 1, :]
 
 
+def split_rotated_qkv(y: jax.Array, cos: jax.Array, sin: jax.Array,
+                      rotate: Callable) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``split_qkv`` with rotary embeddings applied to the queries and keys; ``rotate``:
+    ``rotate_half`` or ``rotate_interleaved``, the family's layout."""
+    q, k, v = split_qkv(y)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
 def gated_projection(hidden: int, intermediate: int, **linear) -> nnx.LinearGeneral:
     """A gated MLP's gate and up projections in one kernel (hidden, 2, intermediate);
     ``linear``: ``nnx.LinearGeneral``'s other arguments."""
@@ -154,6 +162,15 @@ def gated_projection(hidden: int, intermediate: int, **linear) -> nnx.LinearGene
 
 
 # ------------------------------------------------------------------ attention
+def attention_heads(config) -> tuple[int, int]:
+    """(heads, head_dim) of a config whose attention heads split ``hidden_size`` evenly."""
+    heads = config.num_attention_heads
+    if config.hidden_size % heads:
+        raise ValueError(f"hidden_size {config.hidden_size} is not a multiple of "
+                         f"num_attention_heads {heads}")
+    return heads, config.hidden_size // heads
+
+
 def dot_attention(q, k, v, mask: AttentionMask, scale: float, bias=None,
                   dropout: Callable | None = None):
     """Scaled dot-product attention with grouped-query heads, softmax in float32
@@ -164,6 +181,21 @@ def dot_attention(q, k, v, mask: AttentionMask, scale: float, bias=None,
     (B, H, T, S); dropout: applied to the attention probabilities.
     """
     return attend(q, k, v, mask, scale, bias=bias, dropout=dropout)
+
+
+def self_attention(q, k, v, mask: AttentionMask, scale: float, cache: dict | None, cache_index,
+                   dropout: nnx.Dropout, train: bool) -> tuple:
+    """A decoder layer's attention over its new keys/values and those its KV cache holds.
+
+    With a ``cache`` (the layer's {"k", "v"}), ``k`` and ``v`` are written into it at
+    ``cache_index`` first and the queries read every slot; ``dropout`` drops attention
+    probabilities in training. Returns (output (B, T, H, D), the new cache or None).
+    """
+    new_cache = None
+    if cache is not None:
+        k, v, new_cache = update_cache(cache, k, v, cache_index)
+    drop = (lambda p: dropout(p, deterministic=False)) if train else None
+    return dot_attention(q, k, v, mask, scale, dropout=drop), new_cache
 
 
 def update_cache(layer_cache: dict, k: jax.Array, v: jax.Array, index) -> tuple:

@@ -10,10 +10,10 @@ direction.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from flax import nnx
 
 from redray.models import layers
+from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, gated, linear, plain, qkv
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -48,13 +48,9 @@ class Attention(nnx.Module):
         self.scale = d ** -0.5
 
     def __call__(self, x, cos, sin, mask, cache, cache_index, train):
-        q, k, v = layers.split_qkv(self.qkv_proj(x))
-        q, k = layers.rotate_half(q, cos, sin), layers.rotate_half(k, cos, sin)
-        new_cache = None
-        if cache is not None:
-            k, v, new_cache = layers.update_cache(cache, k, v, cache_index)
-        drop = (lambda p: self.dropout(p, deterministic=False)) if train else None
-        out = layers.dot_attention(q, k, v, mask, self.scale, dropout=drop)
+        q, k, v = layers.split_rotated_qkv(self.qkv_proj(x), cos, sin, layers.rotate_half)
+        out, new_cache = layers.self_attention(q, k, v, mask, self.scale, cache, cache_index,
+                                               self.dropout, train)
         return self.o_proj(out), new_cache
 
 
@@ -86,32 +82,17 @@ class Block(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), new_cache
 
 
-class Model(nnx.Module):
-    """A LLaMA-family causal LM built from a ``transformers`` config.
+class Model(CausalLM):
+    """A LLaMA-family causal LM built from a ``transformers`` config (called as
+    ``CausalLM`` says)."""
 
-    Call as ``model(input_ids)`` for logits (batch, seq, vocab); with an attention mask
-    over key slots for padding; with ``segment_ids`` for rows packed with several
-    documents (attention stays inside a document, positions restart; see
-    ``redray.data.pack``); with ``cache=model.init_cache(...)`` and ``cache_index`` for
-    incremental decoding, which returns (logits, cache); with ``hidden=True`` the final
-    hidden states instead of logits (``model.logits(hidden)`` applies the LM head: a
-    loss can then project a part of the sequence at a time, ``next_token_loss``).
-    """
+    TOKENS, BLOCKS, FINAL_NORM = "embed_tokens", "layers", "norm"
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
-                 scan: bool = False):
-        c = config.hf if isinstance(config, HFConfig) else config
-        self.config = HFConfig(c)
-        self.dtype = dtype
-        self.remat = layers.remat_policy(remat)
+    def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = layers.make_blocks(lambda r: Block(c, rngs=r, dtype=dtype),
                                          c.num_hidden_layers, rngs, scan)
         self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.tied = bool(getattr(c, "tie_word_embeddings", False))
-        if not self.tied:
-            self.lm_head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype,
-                                      rngs=rngs)
         heads, kv, d = _dims(c)
         rope = getattr(c, "rope_parameters", None) or {}
         rotary = int(d * rope.get("partial_rotary_factor", 1.0))
@@ -119,29 +100,12 @@ class Model(nnx.Module):
                                                                     getattr(c, "rope_theta", 1e4)))
         self.window = getattr(c, "sliding_window", None) if c.model_type == "mistral" else None
 
-    def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
-                 segment_ids=None, train: bool = False, hidden: bool = False):
-        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
-                                               window=self.window, segment_ids=segment_ids)
-        cos, sin = layers.rope_angles(positions, self.inv_freq)
-        x = self.embed_tokens(input_ids)
-        x, new_cache = layers.run_blocks(self.layers, x, (cos, sin, mask), cache, cache_index,
-                                         train, self.remat)
-        x = self.norm(x)
-        if hidden:
-            return x
-        logits = self.logits(x)
-        return logits if cache is None else (logits, new_cache)
+    def key_value_heads(self) -> tuple[int, int]:
+        _, kv, d = _dims(self.config)
+        return kv, d
 
-    def logits(self, x):
-        """The LM head on final hidden states (``model(..., hidden=True)``)."""
-        return self.embed_tokens.attend(x) if self.tied else self.lm_head(x)
-
-    def init_cache(self, batch: int, length: int, dtype=None):
-        """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
-        heads, kv, d = _dims(self.config)
-        return layers.empty_cache(self.config.num_hidden_layers, batch, length, kv, d,
-                                  dtype or self.dtype, layers.is_stacked(self.layers))
+    def embed(self, input_ids, positions, train: bool):
+        return self.embed_tokens(input_ids)
 
 
 trace_inputs = layers.causal_lm_inputs

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redray.models import layers
+from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, linear, plain, qkv
 
 MODEL_TYPES = ("opt",)
@@ -21,14 +22,6 @@ MODEL_TYPES = ("opt",)
 BASE_PREFIX = "model."
 # OPT's learned position table has 2 extra rows in front (a fairseq padding legacy).
 POSITION_OFFSET = 2
-
-
-def _dims(c) -> tuple[int, int]:
-    heads = c.num_attention_heads
-    if c.hidden_size % heads:
-        raise ValueError(f"hidden_size {c.hidden_size} is not a multiple of "
-                         f"num_attention_heads {heads}")
-    return heads, c.hidden_size // heads
 
 
 def _projected(c) -> bool:
@@ -47,7 +40,7 @@ def _layer_norm(c, *, rngs, dtype):
 
 class Attention(nnx.Module):
     def __init__(self, c, *, rngs, dtype):
-        heads, d = _dims(c)
+        heads, d = layers.attention_heads(c)
         hidden = c.hidden_size
         dense = dict(use_bias=bool(c.enable_bias), dtype=dtype, rngs=rngs)
         self.qkv_proj = layers.qkv_projection(hidden, heads, heads, d, **dense)
@@ -59,11 +52,8 @@ class Attention(nnx.Module):
         # OPT scales the queries, not the scores (the same up to rounding).
         q, k, v = layers.split_qkv(self.qkv_proj(x))
         q = q * jnp.asarray(self.scale, x.dtype)
-        new_cache = None
-        if cache is not None:
-            k, v, new_cache = layers.update_cache(cache, k, v, cache_index)
-        drop = (lambda p: self.dropout(p, deterministic=False)) if train else None
-        out = layers.dot_attention(q, k, v, mask, 1.0, dropout=drop)
+        out, new_cache = layers.self_attention(q, k, v, mask, 1.0, cache, cache_index,
+                                               self.dropout, train)
         return self.out_proj(out), new_cache
 
 
@@ -93,25 +83,13 @@ class Block(nnx.Module):
         return x, new_cache
 
 
-class Model(nnx.Module):
-    """An OPT causal LM built from a ``transformers`` config.
+class Model(CausalLM):
+    """An OPT causal LM built from a ``transformers`` config (called as ``CausalLM`` says)."""
 
-    Call as ``model(input_ids)`` for logits (batch, seq, vocab); with an attention mask
-    over key slots for padding (positions count only real tokens); with ``segment_ids``
-    for rows packed with several documents (attention stays inside a document,
-    positions restart; see ``redray.data.pack``); with ``cache=model.init_cache(...)``
-    and ``cache_index`` for incremental decoding, which returns (logits, cache); with
-    ``hidden=True`` the final hidden states instead of logits (``model.logits(hidden)``
-    applies the LM head: a loss can then project a part of the sequence at a time,
-    ``next_token_loss``).
-    """
+    TOKENS, BLOCKS, FINAL_NORM = "embed_tokens", "layers", "final_layer_norm"
+    TIED_BY_DEFAULT = True
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
-                 scan: bool = False):
-        c = config.hf if isinstance(config, HFConfig) else config
-        self.config = HFConfig(c)
-        self.dtype = dtype
-        self.remat = layers.remat_policy(remat)
+    def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         embed = dict(dtype=dtype, rngs=rngs)
         self.embed_tokens = nnx.Embed(c.vocab_size, c.word_embed_proj_dim, **embed)
         self.embed_positions = nnx.Embed(c.max_position_embeddings + POSITION_OFFSET,
@@ -124,40 +102,20 @@ class Model(nnx.Module):
                                          c.num_hidden_layers, rngs, scan)
         if _final_norm(c):
             self.final_layer_norm = _layer_norm(c, rngs=rngs, dtype=dtype)
-        self.tied = bool(getattr(c, "tie_word_embeddings", True))
-        if not self.tied:
-            self.lm_head = nnx.Linear(c.word_embed_proj_dim, c.vocab_size, use_bias=False,
-                                      dtype=dtype, rngs=rngs)
 
-    def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
-                 segment_ids=None, train: bool = False, hidden: bool = False):
-        c = self.config
-        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
-                                               segment_ids=segment_ids)
+    def key_value_heads(self) -> tuple[int, int]:
+        return layers.attention_heads(self.config)
+
+    def embed(self, input_ids, positions, train: bool):
         x = self.embed_tokens(input_ids)
-        if _projected(c):
+        if _projected(self.config):
             x = self.project_in(x)
-        x = x + self.embed_positions(positions + POSITION_OFFSET)
-        x, new_cache = layers.run_blocks(self.layers, x, (mask,), cache, cache_index, train,
-                                        self.remat)
-        if _final_norm(c):
-            x = self.final_layer_norm(x)
-        if hidden:
-            return x
-        logits = self.logits(x)
-        return logits if cache is None else (logits, new_cache)
+        return x + self.embed_positions(positions + POSITION_OFFSET)
 
     def logits(self, x):
-        """The LM head on final hidden states (``model(..., hidden=True)``)."""
-        if _projected(self.config):
-            x = self.project_out(x)
-        return self.embed_tokens.attend(x) if self.tied else self.lm_head(x)
-
-    def init_cache(self, batch: int, length: int, dtype=None):
-        """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
-        heads, d = _dims(self.config)
-        return layers.empty_cache(self.config.num_hidden_layers, batch, length, heads, d,
-                                  dtype or self.dtype, layers.is_stacked(self.layers))
+        """The LM head on final hidden states, projected back to the embedding's width
+        first where the config embeds in a smaller one."""
+        return super().logits(self.project_out(x) if _projected(self.config) else x)
 
 
 trace_inputs = layers.causal_lm_inputs
@@ -167,7 +125,7 @@ def weight_table(config) -> list:
     """Hugging Face tensor names <-> redray parameter paths."""
     c = config.hf if isinstance(config, HFConfig) else config
     bias = bool(c.enable_bias)
-    heads, _ = _dims(c)
+    heads, _ = layers.attention_heads(c)
     affine = bool(getattr(c, "layer_norm_elementwise_affine", True))
     dec = "model.decoder"
 

@@ -1,0 +1,119 @@
+"""The shell of a decoder-only language model, shared by GPT-2, LLaMA, OPT and GPT-J.
+
+``CausalLM`` does what every causal LM does the same way: it keeps the config and the
+compute settings, turns a call's padding, packed documents or KV cache into a mask and
+positions, runs the blocks (a list, or stacked and scanned), applies the final norm
+and the LM head (the token embedding read backwards, or a head of its own), and makes
+the KV cache. A family subclasses it and writes what is its own: its block, how tokens
+(and learned positions) become the first hidden states, and its weight table.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from redray.models import layers
+from redray.models.hub import HFConfig
+
+
+class CausalLM(nnx.Module):
+    """A causal LM built from a ``transformers`` config.
+
+    Call as ``model(input_ids)`` for logits (batch, seq, vocab); with an attention mask
+    over key slots for padding (positions count only real tokens, so left-padded rows
+    see the positions an unpadded prompt would); with ``segment_ids`` for rows packed
+    with several documents (attention stays inside a document, positions restart; see
+    ``redray.data.pack``); with ``cache=model.init_cache(...)`` and ``cache_index`` for
+    incremental decoding, which returns (logits, cache); with ``hidden=True`` the final
+    hidden states instead of logits (``model.logits(hidden)`` applies the LM head: a
+    loss can then project a part of the sequence at a time, ``next_token_loss``).
+
+    A family builds its parts in ``build_parts`` (embeddings, blocks from
+    ``layers.make_blocks``, final norm) and names them in ``TOKENS``, ``BLOCKS`` and
+    ``FINAL_NORM`` (Hugging Face's names, so the weight table reads one to one); it
+    defines ``embed`` and ``key_value_heads``. Each block is called as ``block(x, cos,
+    sin, mask, layer_cache, cache_index, train) -> (x, layer_cache)`` where the family
+    sets ``inv_freq`` (rotary embeddings), else without cos and sin.
+
+    Args:
+      config: a ``transformers`` config, or the ``config`` of another redray model.
+      rngs: draws the initial parameters and dropout's keys.
+      dtype: the compute dtype (parameters stay float32).
+      remat: what each block keeps for the backward pass: False/"none", True/"full",
+        "dots" or "offload" (``layers.REMAT_POLICIES``).
+      scan: stack the blocks and scan over them (one compiled block, whatever the depth).
+    """
+
+    # The attributes holding the token embedding, the blocks and the final norm (a
+    # config may leave the last one out: OPT with post-LayerNorm blocks).
+    TOKENS = BLOCKS = FINAL_NORM = None
+    # Whether the LM head is the token embedding read backwards when the config does not
+    # say (``tie_word_embeddings``), and whether the head has a bias (kept apart as
+    # ``lm_head_bias`` when tied: Hugging Face ties only the weight).
+    TIED_BY_DEFAULT = False
+    HEAD_BIAS = False
+    # A rotary family's inverse frequencies (``layers.rope_inv_freq``), as a tuple.
+    inv_freq = None
+    # How many slots back a query sees (Mistral's sliding window); None: all of them.
+    window = None
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
+                 scan: bool = False):
+        self.config = HFConfig(config.hf if isinstance(config, HFConfig) else config)
+        self.dtype = dtype
+        self.remat = layers.remat_policy(remat)
+        c = self.config.hf
+        self.build_parts(c, rngs=rngs, dtype=dtype, scan=scan)
+        self.tied = bool(getattr(c, "tie_word_embeddings", self.TIED_BY_DEFAULT))
+        if not self.tied:
+            width = getattr(self, self.TOKENS).features
+            self.lm_head = nnx.Linear(width, c.vocab_size, use_bias=self.HEAD_BIAS, dtype=dtype,
+                                      rngs=rngs)
+        elif self.HEAD_BIAS:
+            self.lm_head_bias = nnx.Param(jnp.zeros((c.vocab_size,), jnp.float32))
+
+    def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
+        """Builds the embeddings, the blocks and the final norm for the ``transformers``
+        config ``c`` (the constructor's ``rngs``, ``dtype`` and ``scan``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define build_parts")
+
+    def embed(self, input_ids, positions, train: bool):
+        """The first hidden states (batch, seq, hidden) of ``input_ids`` at ``positions``
+        (token embeddings, and learned positions where the family has them)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define embed")
+
+    def key_value_heads(self) -> tuple[int, int]:
+        """(key/value heads, head_dim) of one layer: what its KV cache holds per token."""
+        raise NotImplementedError(f"{type(self).__name__} does not define key_value_heads")
+
+    def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
+                 segment_ids=None, train: bool = False, hidden: bool = False):
+        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
+                                               window=self.window, segment_ids=segment_ids)
+        rotary = () if self.inv_freq is None else layers.rope_angles(positions, self.inv_freq)
+        x = self.embed(input_ids, positions, train)
+        x, new_cache = layers.run_blocks(getattr(self, self.BLOCKS), x, (*rotary, mask), cache,
+                                         cache_index, train, self.remat)
+        final_norm = getattr(self, self.FINAL_NORM, None)
+        if final_norm is not None:
+            x = final_norm(x)
+        if hidden:
+            return x
+        logits = self.logits(x)
+        return logits if cache is None else (logits, new_cache)
+
+    def logits(self, x):
+        """The LM head on final hidden states (``model(..., hidden=True)``)."""
+        if not self.tied:
+            return self.lm_head(x)
+        logits = getattr(self, self.TOKENS).attend(x)
+        bias = getattr(self, "lm_head_bias", None)
+        return logits if bias is None else logits + bias[...].astype(x.dtype)
+
+    def init_cache(self, batch: int, length: int, dtype=None):
+        """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
+        kv_heads, head_dim = self.key_value_heads()
+        return layers.empty_cache(self.config.num_hidden_layers, batch, length, kv_heads,
+                                  head_dim, dtype or self.dtype,
+                                  layers.is_stacked(getattr(self, self.BLOCKS)))
