@@ -69,7 +69,7 @@ from redray.models import build  # noqa: E402
 from redray.models.memory import StepShape  # noqa: E402
 from redray.models.plan import plan_model  # noqa: E402
 from redray.sharding.memory import compiled_memory  # noqa: E402
-from redray.sharding import batch_sharding  # noqa: E402
+
 
 COMMAND = "python benchmarks/memory.py"
 # mesh name -> (model axis, fsdp axis) on the 4 devices
@@ -117,7 +117,7 @@ def step_memory(name: str, s: Sizes) -> list[dict]:
     model_axis, fsdp_axis = MESHES[name]
     trainer, config_ = compiled_step(s, model_axis, fsdp_axis, "none")
     stats = trainer.compiled_step().memory_analysis()
-    sharding = batch_sharding(trainer.mesh)
+    sharding = trainer.parallelism.batch_sharding()
     batch_per_device = math.prod(sharding.shard_shape((s.batch, s.seq + 1))) * 4
     leaves = jax.tree.leaves(trainer.state)
     state_total = sum(x.nbytes for x in leaves)

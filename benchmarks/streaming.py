@@ -266,7 +266,7 @@ def resume_figure(args, work: str) -> dict:
             # a checkpoint at batch `at` of epoch 0 (its state untrained: what is timed is
             # reading from there on)
             trainer.position = Position(0, at, False)
-            trainer.save_checkpoint(trainer._data_settings(stream, True))
+            trainer.save_checkpoint(trainer.training_data(stream, True).settings())
             trainer.checkpointer.wait()
     finally:
         ray.shutdown()

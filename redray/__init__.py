@@ -10,8 +10,9 @@ and redray does the rest. Public API:
 
 * ``Trainer(model, collate, loss, optimizer, predict=None, batch_size=..., model_axis=...,
   fsdp_axis=..., micro_batch_size=..., compute_dtype=..., rules=..., trainable=...,
-  grad_fn=..., hooks=..., on_nonfinite=...)``: ``init``, ``fit``, ``evaluate``,
-  ``train_step``, ``log``, ``plan``, ``predictor``, ``model``, ``step``, ``add_hook``.
+  grad_fn=..., hooks=..., on_nonfinite=..., parallelism=...)``: ``init``, ``fit``,
+  ``evaluate``, ``train_step``, ``log``, ``plan``, ``predictor``, ``model``, ``step``,
+  ``add_hook``.
 * ``Schedule(peak, warmup=..., decay=...)``: a learning rate over the run's budget, which
   continues smoothly when a resumed run's budget grows.
 * ``Hook``: code run beside training (``on_step``, ``on_log``, ``on_checkpoint``, ...).
@@ -32,10 +33,14 @@ and redray does the rest. Public API:
 * ``Stream(paths, transform=..., shuffle_buffer=...)``: parquet or JSON-lines files
   (local, ``s3://``, ``gs://``...) streamed through Ray Data as training, evaluation or
   prediction data, nothing materialized, resumable at any step.
+* ``Parallelism.of(data_axis=..., fsdp_axis=..., model_axis=..., rules=...)``: how a job
+  is split over devices (the mesh axes, the batch geometry, the spec passes) in one
+  value, given to Trainer, Predictor or ``from_pretrained`` as ``parallelism=``.
 * ``make_mesh(data_axis, fsdp_axis, model_axis)``: the device mesh.
 * ``derive_specs``, ``placement``, ``format_placement``: automatic sharding of any
   parameter tree, and what each device then holds (no allocation).
-* ``UserFunctionError``: what a user function returned that cannot be used, and the fix.
+* ``UserFunctions``: the three functions, checked; ``UserFunctionError``: what a user
+  function returned that cannot be used, and the fix.
 * ``NonFiniteError``: a step's loss or gradient norm was NaN/inf (``on_nonfinite="stop"``).
 """
 
@@ -47,11 +52,12 @@ from redray.data import Stream
 from redray.engine import (Hook, LinenModel, NonFiniteError, Predictor, Schedule, Trainer,
                            load_model, load_params)
 from redray.functions import UserFunctions, UserFunctionError
-from redray.sharding import derive_specs, format_placement, make_mesh, placement
+from redray.sharding import Parallelism, derive_specs, format_placement, make_mesh, placement
 from redray.version import __version__
 
 __all__ = ["CheckpointConfig", "CheckpointMismatch", "ClusterConfig", "FitResult", "Hook",
-           "LinenModel", "NonFiniteError", "Predictor", "RunResult", "Schedule", "Stream",
+           "LinenModel", "NonFiniteError", "Parallelism", "Predictor", "RunResult", "Schedule",
+           "Stream",
            "Trainer", "UserFunctionError", "UserFunctions", "__version__",
            "add_cluster_args", "cluster_options", "derive_specs", "fit", "format_placement",
            "load_model", "load_params", "make_mesh", "placement", "run"]

@@ -58,8 +58,10 @@ def _plan(args) -> int:
     elif args.device_memory is not None:
         raise UsageError("--device-memory needs the step's shape: give --batch-size and "
                          "--seq-len too")
-    result = plan_model(fields, args.devices, args.model_axis, args.fsdp_axis, step=step,
-                        device_gib=args.device_memory)
+    from redray.sharding.parallelism import AXES
+
+    sizes = {a.keyword: getattr(args, a.keyword) for a in AXES if a.default != "auto"}
+    result = plan_model(fields, args.devices, step=step, device_gib=args.device_memory, **sizes)
     if args.json:
         print(json.dumps({"config": name, **result}, indent=2))
     else:
@@ -167,9 +169,9 @@ def _follow(client, job: str) -> str:
 
     seen: list[str] = []
 
-    from redray.data.ray_local import Stream, drop_noise
+    from redray.data.ray_local import OutputState, drop_noise
 
-    stream = Stream()
+    stream = OutputState()
 
     async def tail():
         async for lines in client.tail_job_logs(job):
@@ -277,31 +279,34 @@ def _own_options_after_script(args) -> None:
     args.args = script_args
 
 
-def _run_folder(run: str, storage: str | None) -> str:
+def _run_folders(run: str, storage: str | None) -> storage_module.RunFolders:
+    """The folders of ``run``: a run folder (``<storage>/<name>``), else a run name in
+    ``storage``."""
     if os.path.isdir(run) and os.path.isdir(os.path.join(run, storage_module.CHECKPOINTS)):
-        return os.path.abspath(run)
-    folder = storage_module.run_folder(storage, run)
-    if not os.path.isdir(storage_module.checkpoint_folder(storage, run)):
+        path = os.path.abspath(run)
+        return storage_module.RunFolders.of(os.path.dirname(path), os.path.basename(path))
+    folders = storage_module.RunFolders.of(storage, run)
+    if not os.path.isdir(folders.checkpoints):
         raise UsageError(f"no run {run!r}: give a run folder (<storage>/<name>) or a run name "
-                         f"with --storage (looked in {folder})")
-    return folder
+                         f"with --storage (looked in {folders.run})")
+    return folders
 
 
 def _export(args) -> int:
     from redray.engine.load import load_model
     from redray.models import build, load_config, save_pretrained
 
-    run = _run_folder(args.run, args.storage)
-    config_path = args.config or os.path.join(run, "config.json")
+    folders = _run_folders(args.run, args.storage)
+    config_path = args.config or folders.model_config
     if not os.path.exists(config_path):
         raise UsageError(f"no model config at {config_path}: pass --config, the Hugging Face "
                          "config.json of the redray.models model the run trained")
-    tokenizer = args.tokenizer or os.path.join(run, "tokenizer")
+    tokenizer = args.tokenizer or folders.tokenizer
     if args.tokenizer and not os.path.isdir(args.tokenizer):
         raise UsageError(f"no tokenizer folder {args.tokenizer!r}: give a folder a "
                          "transformers tokenizer was saved to (save_pretrained)")
     config = load_config(config_path)
-    model = load_model(run, lambda rngs: build(config, rngs=rngs), best=args.best)
+    model = load_model(folders.run, lambda rngs: build(config, rngs=rngs), best=args.best)
     save_pretrained(model, args.to, tokenizer=tokenizer if os.path.isdir(tokenizer) else None)
     print(args.to)
     return 0
@@ -317,10 +322,12 @@ def list_runs(storage: str) -> list[dict]:
     if not os.path.isdir(storage):
         raise FileNotFoundError(f"no storage folder {storage}: give the storage_path runs "
                                 f"were written to (default {storage_module.DEFAULT_STORAGE})")
-    statuses = _mlflow_statuses(storage)
+    store = storage_module.default_tracking_uri(storage)
+    statuses = _mlflow_statuses(store)
     runs = []
     for name in sorted(os.listdir(storage)):
-        folder = storage_module.checkpoint_folder(storage, name)
+        folders = storage_module.RunFolders(storage, name, store)  # storage resolved above
+        folder = folders.checkpoints
         if not os.path.isdir(folder):
             continue
         meta = latest_meta(folder)
@@ -331,7 +338,7 @@ def list_runs(storage: str) -> list[dict]:
             best = best_checkpoint(folder, config.best_metric or "eval_loss",
                          config.best_mode if config.best_metric else "min")
         runs.append({"name": name,
-                     "status": statuses.get(os.path.join(storage, name),
+                     "status": statuses.get(folders.run,
                                             "UNTRACKED" if meta else "NO_CHECKPOINT"),
                      "last_step": meta["step"] if meta else None,
                      "last_checkpoint": os.path.join(folder, str(meta["step"])) if meta else None,
@@ -339,9 +346,9 @@ def list_runs(storage: str) -> list[dict]:
     return runs
 
 
-def _mlflow_statuses(storage: str) -> dict:
-    """run path -> MLflow status, from the storage's own SQLite store (if any)."""
-    uri = storage_module.default_tracking_uri(storage)
+def _mlflow_statuses(uri: str) -> dict:
+    """run path -> MLflow status, from a storage folder's own SQLite store ``uri`` (if
+    any)."""
     if not os.path.exists(storage_module.sqlite_file(uri)):
         return {}
     try:
@@ -385,14 +392,17 @@ def _command(sub, name: str, help: str, description: str, epilog: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from redray.sharding.parallelism import AXES, MODEL, PARAMETER_AXES
+
     parser = argparse.ArgumentParser(
         prog="redray", description="redray: distributed training and inference of JAX models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = _command(sub, "plan", "show how a model would be sharded, without devices",
                  "Builds the model abstractly, applies the automatic sharding rules on a "
-                 "(data, fsdp, model) mesh and prints the parameter and Adam-state bytes "
-                 "per device beside the ideal total / (model x fsdp).",
+                 f"({', '.join(a.name for a in AXES)}) mesh and prints the parameter and "
+                 "Adam-state bytes per device beside the ideal total / "
+                 f"({' x '.join(a.name for a in PARAMETER_AXES)}).",
                  "examples:\n  redray plan llama-7b --devices 8 --model-axis 8\n"
                  "  redray plan llama-7b --devices 8 --model-axis 8 --batch-size 16 "
                  "--seq-len 2048 --remat full --compute-dtype bfloat16 --device-memory 80\n"
@@ -401,9 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a preset (gpt2-xl, gpt-j-6b, llama-7b, llama-13b, t5-11b, opt-13b, "
                         "opt-66b) or the path of a Hugging Face config.json")
     p.add_argument("--devices", type=int, required=True, help="number of devices")
-    p.add_argument("--model-axis", type=int, required=True, help="tensor-parallel axis size")
-    p.add_argument("--fsdp-axis", type=int, default=1,
-                   help="ZeRO-3 axis size (default 1); data axis = devices / (model x fsdp)")
+    for axis in reversed(AXES):  # the data axis takes what the others leave
+        if axis.default != "auto":
+            p.add_argument(f"--{axis.keyword.replace('_', '-')}", type=int,
+                           default=axis.default, required=axis is MODEL,
+                           help=f"{axis.doc} (size; default {axis.default})")
     memory = p.add_argument_group(
         "one training step's memory per device (gradients, compute-dtype copies, FSDP "
         "gather buffers, activations): give --batch-size and --seq-len")

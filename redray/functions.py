@@ -2,7 +2,12 @@
 
 * ``collate(examples) -> dict[str, np.ndarray]``: a list of raw examples to a batch,
   every array batch-major with the same leading size.
-* ``loss(model, batch, rng, train) -> scalar | (scalar, dict of scalar metrics)``.
+* ``loss(model, batch, rng, train) -> scalar | (scalar, dict of scalar metrics)``. A
+  metric named ``weight`` (``WEIGHT``) is the batch's weight: how many units (real
+  tokens, say) the loss and the metrics average over in it. Evaluation then averages
+  over every unit of the data (sums of value x weight, divided once by the total
+  weight), not over batches, and so does each log window over its steps. Without
+  it a batch weighs its examples.
 * ``predict(model, batch, rng) -> pytree`` whose every leaf is batch-major.
 
 ``model`` is the user's Flax NNX module, or a Linen module bound to its parameters.
@@ -16,6 +21,10 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+
+
+# The loss metric that weighs its batch (see the module docstring): not logged itself.
+WEIGHT = "weight"
 
 
 class UserFunctionError(ValueError):

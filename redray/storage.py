@@ -1,4 +1,4 @@
-"""Where runs live: the storage folder, each run's folder, its checkpoints, its MLflow store.
+"""Where runs live: the storage folder, and every folder and URI of one run (``RunFolders``).
 
 One default for every entry point (``redray.fit``/``redray.run``, the command line,
 the examples): ``~/redray_runs``. It is absolute on purpose: a Ray job runs in a
@@ -10,13 +10,19 @@ Layout of a storage folder::
     <storage>/mlflow.db                   the default MLflow store (SQLite)
     <storage>/mlartifacts/                its artifacts (the sharding plan)
     <storage>/<name>/checkpoints/<step>/  one run's checkpoints (Orbax)
+    <storage>/<name>/compile_cache/       its compiled programs (JAX's persistent cache)
     <storage>/<name>/config.json          a redray.models run's model config (export)
+    <storage>/<name>/tokenizer/           the tokenizer export ships with that model
     <storage>/<name>/redray.lock          held while the run is running (its driver's
                                           host, pid and start; redray.cluster.run_lock)
+
+A run's folders are resolved once, into a ``RunFolders`` (``ClusterConfig.resolved()``
+on the driver, the command line for the run it is given), and passed along from there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -68,53 +74,83 @@ def storage_folder(path: str | os.PathLike | None = None) -> str:
     return writable_folder(DEFAULT_STORAGE if path is None else path)
 
 
-def run_name(name: str | None = None) -> str:
-    """``name``, else a new timestamped one (``redray-20261123-224800``)."""
-    return name or time.strftime("redray-%Y%m%d-%H%M%S")
-
-
-def run_folder(storage: str, name: str) -> str:
-    """``<storage>/<name>``: everything one run keeps."""
-    return f"{storage_folder(storage)}/{name}"
-
-
-def checkpoint_folder(storage: str, name: str) -> str:
-    """``<storage>/<name>/checkpoints``: where a run's checkpoints go by default."""
-    return f"{run_folder(storage, name)}/{CHECKPOINTS}"
-
-
-def tokenizer_folder(storage: str, name: str) -> str:
-    """Where a run keeps the tokenizer ``redray export`` ships with the model (a
-    ``transformers`` tokenizer's ``save_pretrained`` folder; the run's code writes it)."""
-    return f"{run_folder(storage, name)}/tokenizer"
-
-
-def compile_cache_folder(storage: str, name: str) -> str:
-    """``<storage>/<name>/compile_cache``: a run's compiled programs, reused on restart."""
-    return f"{run_folder(storage, name)}/compile_cache"
-
-
-def lock_file(storage: str, name: str) -> str:
-    """``<storage>/<name>/redray.lock``: the file that keeps a second run of the same name
-    out of the run folder while one is running."""
-    return f"{run_folder(storage, name)}/{LOCK}"
-
-
-def default_tracking_uri(storage: str | None = None) -> str:
-    """``sqlite:///<storage>/mlflow.db``; for a storage URI (a bucket cannot hold a
-    SQLite file) the default storage folder's database."""
-    folder = storage_folder(storage)
+def default_tracking_uri(folder: str) -> str:
+    """``sqlite:///<folder>/mlflow.db``, the MLflow store of a storage folder (as
+    ``storage_folder`` gives it); for a URI (a bucket cannot hold a SQLite file) the
+    default storage folder's database."""
     if is_uri(folder):
         folder = storage_folder()
     return f"{SQLITE}{folder}/mlflow.db"
 
 
-def resolve_tracking_uri(given: str | None, storage: str | None = None) -> str:
-    """The MLflow URI a run logs to: ``given``, else ``MLFLOW_TRACKING_URI``, else the
-    storage folder's SQLite store."""
-    return given or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(storage)
-
-
 def sqlite_file(uri: str) -> str | None:
     """The database file of a ``sqlite:///`` URI, or None for any other store."""
     return uri[len(SQLITE):] if uri.startswith(SQLITE) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFolders:
+    """Every folder and URI of one run. Build it with ``RunFolders.of``, which resolves
+    the storage folder and the defaults once; the folders below are joined onto it, so
+    whoever is handed this value never normalises a path again.
+
+    Attributes:
+      storage: the storage folder: an absolute path, or a URI without its trailing ``/``.
+      name: the run's name.
+      tracking_uri: the MLflow store the run logs to.
+    """
+    storage: str
+    name: str
+    tracking_uri: str
+
+    @classmethod
+    def of(cls, storage: str | os.PathLike | None = None, name: str | None = None,
+           tracking_uri: str | None = None) -> RunFolders:
+        """The folders of run ``name`` in ``storage``.
+
+        Args:
+          storage: the storage folder; default ``~/redray_runs``. Made absolute; in a
+            submitted Ray job a relative one is an error (see ``writable_folder``).
+          name: the run's name; default a new timestamped one (``redray-20261123-224800``).
+          tracking_uri: the MLflow store; default ``MLFLOW_TRACKING_URI``, else the
+            storage folder's SQLite store (``default_tracking_uri``).
+        """
+        folder = storage_folder(storage)
+        return cls(storage=folder, name=name or time.strftime("redray-%Y%m%d-%H%M%S"),
+                   tracking_uri=tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+                   or default_tracking_uri(folder))
+
+    @property
+    def run(self) -> str:
+        """``<storage>/<name>``: everything the run keeps."""
+        return f"{self.storage}/{self.name}"
+
+    @property
+    def checkpoints(self) -> str:
+        """``<storage>/<name>/checkpoints``: where the run's checkpoints go by default."""
+        return f"{self.run}/{CHECKPOINTS}"
+
+    @property
+    def lock(self) -> str:
+        """``<storage>/<name>/redray.lock``: the file that keeps a second run of the same
+        name out of the run folder while one is running."""
+        return f"{self.run}/{LOCK}"
+
+    @property
+    def compile_cache(self) -> str:
+        """``<storage>/<name>/compile_cache``: the run's compiled programs, reused on
+        restart."""
+        return f"{self.run}/compile_cache"
+
+    @property
+    def model_config(self) -> str:
+        """``<storage>/<name>/config.json``: the Hugging Face config of a
+        ``redray.models`` run's model, which ``redray export`` builds it from (the run's
+        code writes it)."""
+        return f"{self.run}/config.json"
+
+    @property
+    def tokenizer(self) -> str:
+        """Where a run keeps the tokenizer ``redray export`` ships with the model (a
+        ``transformers`` tokenizer's ``save_pretrained`` folder; the run's code writes it)."""
+        return f"{self.run}/tokenizer"

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from redray.storage import resolve_tracking_uri, sqlite_file
+from redray.storage import RunFolders, sqlite_file
 
 log = logging.getLogger("redray.tracking")
 
@@ -378,7 +378,7 @@ def plot_figure(run: str, tracking_uri: str | None = None, storage_path: str | N
     import matplotlib.pyplot as plt
     from mlflow.tracking import MlflowClient
 
-    uri = resolve_tracking_uri(tracking_uri, storage_path)
+    uri = RunFolders.of(storage_path, run, tracking_uri).tracking_uri
     database = sqlite_file(uri)
     if database is not None and not os.path.exists(database):
         raise LookupError(f"no MLflow store at {uri}: give the storage folder the run was "

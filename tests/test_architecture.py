@@ -97,3 +97,31 @@ def test_every_path_the_doc_names_exists():
     assert len(paths) > 20
     missing = [p for p in paths if not os.path.exists(os.path.join(ROOT, p))]
     assert not missing, f"docs/architecture.md names missing paths: {missing}"
+
+
+# Strings equal to an axis name outside redray/sharding/ that are not axis names: the
+# checkpoint item holding the weights, a property's name in an error, a package folder.
+NOT_AXES = {("redray/engine/state.py", "MODEL_ITEM, TRAIN_ITEM"),
+            ("redray/engine/trainer.py", '_require_init("model")'),
+            ("redray/models/tokenizer.py", '"data")')}
+
+
+def axis_name_strings(names: set[str]):
+    """(path, line) of every string constant equal to one of ``names`` in redray/."""
+    for path, _ in modules():
+        lines = open(path).read().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines), path)):
+            if isinstance(node, ast.Constant) and node.value in names:
+                yield os.path.relpath(path, ROOT), lines[node.lineno - 1]
+
+
+def test_axis_names_are_spelled_once_inside_sharding_and_nowhere_else():
+    from redray.sharding.parallelism import AXES
+
+    names = {a.name for a in AXES} | {a.keyword for a in AXES}
+    found = list(axis_name_strings(names))
+    outside = [(p, line.strip()) for p, line in found if not p.startswith("redray/sharding/")
+               and not any(p == q and text in line for q, text in NOT_AXES)]
+    assert not outside, f"axis names spelled outside redray/sharding/: {outside}"
+    inside = [p for p, _ in found if p.startswith("redray/sharding/")]
+    assert inside == ["redray/sharding/parallelism.py"] * (2 * len(AXES)), inside

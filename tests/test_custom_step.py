@@ -152,4 +152,4 @@ def test_compiled_step_is_the_program_fit_runs():
     assert "all-reduce" in compiled.as_text()  # model_axis=2: tensor-parallel collectives
     assert compiled.memory_analysis().argument_size_in_bytes > 0
     history = t.fit(DATA, epochs=1)  # the same jitted function, already lowered for it
-    assert len(t._steps) == 1 and np.isfinite(history[-1]["loss"])
+    assert len(t.program.jitted) == 1 and np.isfinite(history[-1]["loss"])

@@ -62,7 +62,7 @@ def test_schedule_counts_optimizer_updates_not_micro_batches():
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
     # 4 micro-batches per update
     t = make_trainer(tx, model_axis=2, micro_batch_size=1, learning_rate=schedule)
-    assert t.accum == 4
+    assert t.geometry.accumulation == 4
     history = t.fit(DATA, epochs=1, max_steps=7)
     assert int(t.state.step) == 7
     # The rate of the 7th update (count 6); counting micro-batches would give schedule(27).
@@ -117,6 +117,52 @@ def test_evaluate_covers_every_example_once():
     model = t.model
     per_example = [float(lm_loss(model, lm_collate([e]), None, False)[0]) for e in examples]
     assert result["loss"] == pytest.approx(np.mean(per_example), rel=1e-5)
+
+
+def masked_loss(model, batch, rng, train):
+    """Cross-entropy over the real tokens only (``real`` marks them), with their count as
+    the batch's weight."""
+    logits = model(batch["ids"][:, :-1], train=train)
+    labels, real = batch["ids"][:, 1:], batch["real"][:, 1:]
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    correct = (logits.argmax(-1) == labels) & real
+    n = real.sum()
+    return (ce * real).sum() / n, {"accuracy": correct.sum() / n, "weight": n}
+
+
+def masked_collate(examples):
+    ids = np.stack([e["ids"] for e in examples])
+    lengths = np.array([e["length"] for e in examples])
+    return {"ids": ids, "real": np.arange(ids.shape[1])[None] < lengths[:, None]}
+
+
+def test_evaluate_weighs_batches_by_the_weight_the_loss_gives():
+    # batches holding 2 to 16 real tokens per example: the token-level mean is not the
+    # mean of batch means
+    data = [{**e, "length": 2 + 14 * (i // 8 % 2) if i < 16 else 16}
+            for i, e in enumerate(DATA[:21])]
+    t = redray.Trainer(lambda rngs: TinyLM(rngs), masked_collate, masked_loss, optax.adam(1e-2),
+                       batch_size=8, model_axis=2, progress=False, log_every=2)
+    history = t.fit(data[:16], epochs=1)
+    result = t.evaluate(data)
+    model = t.model
+    ces, hits, tokens = [], [], 0
+    for e in data:
+        batch = masked_collate([e])
+        logits = model(batch["ids"][:, :-1])
+        labels, real = batch["ids"][:, 1:], batch["real"][:, 1:]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+        ces.append(float((ce * real).sum()))
+        hits.append(float(((logits.argmax(-1) == labels) & real).sum()))
+        tokens += int(real.sum())
+    assert result["loss"] == pytest.approx(sum(ces) / tokens, rel=1e-5)
+    assert result["accuracy"] == pytest.approx(sum(hits) / tokens, rel=1e-5)
+    assert "weight" not in result
+    # a batch mean of means would weigh a 2-token example like a 16-token one
+    per_example = [c / (e["length"] - 1) for c, e in zip(ces, data)]
+    assert abs(result["loss"] - np.mean(per_example)) > 1e-3
+    # the log window weighs its steps the same way, and does not log the weight itself
+    assert "weight" not in history[0] and np.isfinite(history[0]["loss"])
 
 
 class BNNet(nnx.Module):

@@ -111,3 +111,36 @@ def test_a_trainer_made_inside_a_scope_is_adopted_and_one_outside_is_not(tmp_pat
 def test_a_hook_must_be_a_hook():
     with pytest.raises(TypeError, match="must be a redray.Hook"):
         trainer(hooks=[print])
+
+
+def test_a_log_window_weighs_its_steps_by_the_losss_weight():
+    import numpy as np
+
+    from redray.engine.fit_hooks import LogWindow
+    from redray.engine.hooks import StepInfo
+
+    class Rows:
+        learning_rate, batch_size, tokens_per_example = None, 8, 0
+
+        def __init__(self):
+            self.rows = []
+
+        def record(self, row):
+            self.rows.append(row)
+
+    def step(i, loss, weight=None):
+        metrics = {"loss": np.float32(loss)}
+        if weight is not None:
+            metrics["weight"] = np.float32(weight)
+        return StepInfo(i, Position(0, i), metrics, False)
+
+    weighed, plain = Rows(), Rows()
+    window = LogWindow(2)
+    window.on_step(weighed, step(1, 1.0, weight=10))
+    window.on_step(weighed, step(2, 4.0, weight=30))
+    assert weighed.rows[0]["loss"] == pytest.approx((1 * 10 + 4 * 30) / 40)
+    assert "weight" not in weighed.rows[0]
+    window = LogWindow(2)
+    window.on_step(plain, step(1, 1.0))
+    window.on_step(plain, step(2, 4.0))
+    assert plain.rows[0]["loss"] == pytest.approx(2.5)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import redray.models as rm
 from redray.models import hub
-from redray.sharding import flatten, format_placement, make_mesh, placement
+from redray.sharding import Parallelism, flatten, format_placement, make_mesh, placement
 
 torch = pytest.importorskip(
     "torch", reason="parity tests need torch (pip install torch==2.13.0; make test installs it)")
@@ -199,7 +199,8 @@ def _specs(config, mesh):
     fam = hub.family(config.model_type)
     abstract = nnx.eval_shape(lambda: fam.Model(config, rngs=nnx.Rngs(0)))
     graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
-    specs, _ = hub.model_specs(graphdef, (params, extra), mesh, fam.trace_inputs(config))
+    specs, _ = hub.model_specs(graphdef, (params, extra), Parallelism.of(mesh=mesh),
+                               fam.trace_inputs(config))
     return params, specs
 
 

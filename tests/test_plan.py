@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from redray.models.hub import FAMILIES
 from redray.models.memory import StepShape
-from redray.models.plan import (PlanError, format_model_plan, mesh_sizes, plan_model,
+from redray.models.plan import (PlanError, format_model_plan, plan_model, plan_parallelism,
                                 preset_fields, presets)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,7 +132,7 @@ def test_config_path_file_or_folder(tmp_path):
 ])
 def test_axes_that_do_not_divide_say_the_fix(devices, model, fsdp, fix):
     with pytest.raises(PlanError, match="does not divide") as info:
-        mesh_sizes(devices, model, fsdp)
+        plan_parallelism(devices, model_axis=model, fsdp_axis=fsdp)
     assert fix in str(info.value)
     assert "\n" not in str(info.value)
 

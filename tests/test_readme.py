@@ -108,6 +108,7 @@ PROBES = {
     "words": "[words.rows, words.documents, words.packing_efficiency]",
     "streamed_losses": "[r['loss'] for r in streamed_history if 'loss' in r]",
     "schedule_text": "repr(lr)",
+    "plans": "[plan.abstract(64).shape, shared.parallelism.describe()]",
     "schedule_steps": "[r['step'] for r in longer_history if 'loss' in r]",
     "hook_best": "best.best",
     "hook_evals": "[r['eval_loss'] for r in watched_history if 'eval_loss' in r]",
@@ -322,6 +323,10 @@ def test_the_python_blocks_run_and_do_what_they_say(program, work):
     outputs = np.array(program["outputs"])
     assert len(outputs) == len(labels)
     np.testing.assert_allclose(np.mean(outputs == labels), evals[70]["eval_accuracy"])
+
+    # one Parallelism value: a Trainer built from it, and the same plan on 64 devices
+    assert program["plans"] == [{"data": 16, "fsdp": 2, "model": 2},
+                                "data=1 x fsdp=2 x model=2"]
 
     # redray.fit on 2 simulated hosts x 2 devices: the same batches, so the same eval as
     # the one process after 2 epochs; predictions come back one per input, in order

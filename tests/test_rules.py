@@ -937,7 +937,7 @@ def test_a_layer_writing_the_residual_stream_stays_replicated():
 
 
 def test_hybrid_mesh_keeps_the_model_axis_inside_a_host():
-    from redray.sharding.mesh import hybrid_shapes
+    from redray.sharding.parallelism import hybrid_shapes
 
     # 4 hosts x 8 GPUs, model 8: data across hosts, model inside
     assert hybrid_shapes((4, 1, 8), 4, 8) == ((4, 1, 1), (1, 1, 8))

@@ -91,7 +91,8 @@ def test_eval_step_runs_the_loss_in_eval_mode():
     SEEN_TRAIN.clear()
     out = eval_step(PARAMS, {}, BATCH, jax.random.key(0), apply=apply, loss=loss)
     assert SEEN_TRAIN == [False]
-    assert set(out) == {"loss", "mae"} and out["loss"].dtype == jnp.float32
+    assert set(out) == {"loss", "mae", "weight"} and out["loss"].dtype == jnp.float32
+    assert float(out["weight"]) == len(BATCH["y"])  # no weight from the loss: its rows
 
 
 def poisoned(batch):

@@ -13,10 +13,11 @@ def test_one_default_storage_folder_made_absolute(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert storage.storage_folder() == f"{tmp_path}/redray_runs"
-    assert storage.checkpoint_folder(None, "lm") == f"{tmp_path}/redray_runs/lm/checkpoints"
+    assert storage.RunFolders.of(None, "lm").checkpoints == \
+        f"{tmp_path}/redray_runs/lm/checkpoints"
     monkeypatch.chdir(tmp_path)
     assert storage.storage_folder("out") == f"{tmp_path}/out"
-    assert storage.run_folder("gs://bucket/runs/", "lm") == "gs://bucket/runs/lm"
+    assert storage.RunFolders.of("gs://bucket/runs/", "lm").run == "gs://bucket/runs/lm"
     # the CLI's and the examples' flags default to the same folder
     assert redray.cluster_options(redray.add_cluster_args(
         __import__("argparse").ArgumentParser(), name="x").parse_args([])).storage_path == \
@@ -26,15 +27,41 @@ def test_one_default_storage_folder_made_absolute(monkeypatch, tmp_path):
 def test_the_mlflow_store_follows_the_storage_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert storage.resolve_tracking_uri(None, "/data/runs") == "sqlite:////data/runs/mlflow.db"
+    assert storage.RunFolders.of("/data/runs").tracking_uri == "sqlite:////data/runs/mlflow.db"
     # a bucket cannot hold SQLite: the default folder's store
     assert storage.default_tracking_uri("gs://b/runs") == \
         f"sqlite:///{tmp_path}/redray_runs/mlflow.db"
+    assert storage.RunFolders.of("gs://b/runs/").tracking_uri == \
+        f"sqlite:///{tmp_path}/redray_runs/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
-    assert storage.resolve_tracking_uri(None, "/data/runs") == "http://mlflow:5000"
-    assert storage.resolve_tracking_uri("sqlite:////x.db", "/data/runs") == "sqlite:////x.db"
+    assert storage.RunFolders.of("/data/runs").tracking_uri == "http://mlflow:5000"
+    assert storage.RunFolders.of("/data/runs", tracking_uri="sqlite:////x.db").tracking_uri \
+        == "sqlite:////x.db"
     assert storage.sqlite_file("sqlite:////data/runs/mlflow.db") == "/data/runs/mlflow.db"
     assert storage.sqlite_file("http://mlflow:5000") is None
+
+
+def test_a_runs_folders_are_resolved_once_into_one_value(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    folders = storage.RunFolders.of("runs/", "lm")
+    run = f"{tmp_path}/runs/lm"
+    assert folders == storage.RunFolders(storage=f"{tmp_path}/runs", name="lm",
+                                         tracking_uri=f"sqlite:///{tmp_path}/runs/mlflow.db")
+    assert (folders.run, folders.checkpoints, folders.lock, folders.compile_cache,
+            folders.model_config, folders.tokenizer) == (
+        run, f"{run}/checkpoints", f"{run}/redray.lock", f"{run}/compile_cache",
+        f"{run}/config.json", f"{run}/tokenizer")
+    assert storage.RunFolders.of().name.startswith("redray-")  # a new timestamped run
+    # the driver resolves them once, and the run's checkpoints, lock, tracker and
+    # compile cache all take them from the resolved config
+    resolved = ClusterConfig(storage_path="runs", name="lm").resolved()
+    assert resolved.folders == folders and resolved.checkpoint.directory == folders.checkpoints
+    assert (resolved.name, resolved.storage_path) == (folders.name, folders.storage)
+    given = ClusterConfig(name="lm", tracking_uri="http://mlflow:5000").resolved()
+    assert given.folders.tracking_uri == "http://mlflow:5000"
+    with pytest.raises(ValueError, match="call config.resolved"):
+        ClusterConfig(name="lm").folders  # not resolved yet
 
 
 def test_cluster_keywords_split_from_the_others_and_override_a_given_config():

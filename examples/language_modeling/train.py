@@ -113,21 +113,21 @@ def main(argv=None):
     from transformers import LlamaConfig
 
     from redray.models import build, from_pretrained, load_config, save_tokenizer
-    from redray.storage import tokenizer_folder
+    from redray.storage import RunFolders
 
-    storage = cluster.storage_path
-    train, evaluation, vocab = corpus(f"{storage}/{args.name}/data", args.seq, args.model)
+    folders = RunFolders.of(cluster.storage_path, cluster.name)
+    train, evaluation, vocab = corpus(f"{folders.run}/data", args.seq, args.model)
     if args.model:
         config, model = load_config(args.model), from_pretrained(args.model)
     else:
         config = LlamaConfig(vocab_size=vocab, max_position_embeddings=args.seq,
                              tie_word_embeddings=False, **SIZES[args.size])
         model = lambda rngs: build(config, rngs=rngs)  # noqa: E731 - built on each host
-    os.makedirs(f"{storage}/{args.name}", exist_ok=True)  # the model `redray export` builds
-    config.to_json_file(f"{storage}/{args.name}/config.json")
+    os.makedirs(folders.run, exist_ok=True)  # the model `redray export` builds
+    config.to_json_file(folders.model_config)
     if args.model:  # and the tokenizer it ships with (the default demo's vocabulary is
         # GPT-2's tokens the text uses, renumbered: no tokenizer file describes it)
-        save_tokenizer(args.model, tokenizer_folder(storage, args.name))
+        save_tokenizer(args.model, folders.tokenizer)
     # over the run's budget: `--steps 300` then `--steps 600` continues the curve smoothly
     schedule = redray.Schedule(args.lr, warmup=0.1)
     result = redray.fit(

@@ -77,7 +77,9 @@ def loss(model, batch, rng, train):
     real = labels != PAD
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
     correct = (logits.argmax(-1) == labels) & real
-    return (ce * real).sum() / real.sum(), {"token_accuracy": correct.sum() / real.sum()}
+    tokens = real.sum()  # the weight: evaluation averages over every token, not batch means
+    return (ce * real).sum() / tokens, {"token_accuracy": correct.sum() / tokens,
+                                        "weight": tokens}
 
 
 def predict(model, batch, rng):

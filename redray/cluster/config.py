@@ -102,17 +102,26 @@ class ClusterConfig:
         return dataclasses.replace(cluster, **mine), rest
 
     def resolved(self) -> "ClusterConfig":
-        """This config with its defaults made concrete: a name, an absolute storage
-        folder, and the checkpoint config with its directory (or None: no checkpoints)."""
-        name = storage.run_name(self.name)
-        folder = storage.storage_folder(self.storage_path)
+        """This config with its defaults made concrete, once for the whole launch: the
+        run's folders (a name, an absolute storage folder, the MLflow URI; ``folders``)
+        and the checkpoint config with its directory (or None: no checkpoints)."""
+        folders = storage.RunFolders.of(self.storage_path, self.name, self.tracking_uri)
         checkpoint = None
         if self.checkpoint is not False:
             given = CheckpointConfig.of(self.checkpoint) or CheckpointConfig()
             checkpoint = dataclasses.replace(
-                given, directory=given.directory or storage.checkpoint_folder(folder, name),
+                given, directory=given.directory or folders.checkpoints,
                 resume=self.resume and given.resume)
-        return dataclasses.replace(self, name=name, storage_path=folder, checkpoint=checkpoint)
+        return dataclasses.replace(self, name=folders.name, storage_path=folders.storage,
+                                   tracking_uri=folders.tracking_uri, checkpoint=checkpoint)
+
+    @property
+    def folders(self) -> storage.RunFolders:
+        """Every folder and URI of the run, as ``resolved()`` made them."""
+        if self.name is None or self.storage_path is None or self.tracking_uri is None:
+            raise ValueError("ClusterConfig.folders needs a resolved config: call "
+                             "config.resolved() first")
+        return storage.RunFolders(self.storage_path, self.name, self.tracking_uri)
 
     def settings(self) -> dict:
         """The settings a run records (MLflow params, every checkpoint's config)."""

@@ -80,8 +80,8 @@ class HostJob:
       config: the run's settings, stored in every checkpoint.
       hang_timeout: seconds without progress before the host reports itself stuck
         (``ClusterConfig.hang_timeout``), or None.
-      compile_cache: the run's compilation cache folder (``ClusterConfig.compile_cache``),
-        or None.
+      compile_cache: the run's compilation cache folder (``RunFolders.compile_cache``),
+        or None (``ClusterConfig.compile_cache`` off).
       console: host 0's Trainers show their messages and progress on the driver
         (through ``results``); False (verbose): on the host's own output.
     """

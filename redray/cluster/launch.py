@@ -8,7 +8,6 @@ import sys
 import time
 from typing import Any, Callable
 
-from redray import storage
 from redray.cluster.config import ClusterConfig
 from redray.cluster.console import DriverView, Watcher
 from redray.cluster.job import CallCode, CallTask, FitCode, FitTask, HostJob
@@ -355,9 +354,10 @@ def _check_trainer_options(options: dict) -> None:
     import inspect
 
     from redray.engine import Trainer
+    from redray.sharding.parallelism import KEYWORDS
 
     known = [n for n, p in inspect.signature(Trainer).parameters.items()
-             if p.kind is inspect.Parameter.KEYWORD_ONLY]
+             if p.kind is inspect.Parameter.KEYWORD_ONLY] + list(KEYWORDS)
     unknown = sorted(set(options) - set(known))
     if unknown:
         cluster = [f.name for f in dataclasses.fields(ClusterConfig)]
@@ -372,7 +372,7 @@ def _launch(config: ClusterConfig, make_task: Callable, settings: dict, code) ->
     return value)."""
     config = config.resolved()
     # A second run of this name and storage is refused here, before Ray or any host starts.
-    with RunLock.acquire(config.storage_path, config.name):
+    with RunLock.acquire(config.folders):
         return _launch_locked(config, make_task, settings, code)
 
 
@@ -396,12 +396,11 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
     quiet = not verbose(config.verbose)
     view = DriverView()
     quiet_ray_logs(view, quiet)
+    folders = config.folders
     tracker = None
     if config.tracking:
-        tracker = start_tracker(storage.resolve_tracking_uri(config.tracking_uri,
-                                                             config.storage_path),
-                                config.name, storage.run_folder(config.storage_path, config.name),
-                                config.experiment, config.resume, config.checkpoint, recorded)
+        tracker = start_tracker(folders, config.experiment, config.resume, config.checkpoint,
+                                recorded)
     # Ray Train's controller collects reports (checkpoint registrations, a barrier on
     # every host) only at this interval, 2 s by default: a loop that checkpoints
     # often would stall that long each time. Ray passes it on to the controller.
@@ -409,13 +408,12 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
     job = HostJob(task=task, code=_user_bytes(code), results=results, tracker=tracker,
                   checkpoint=config.checkpoint, config=recorded,
                   hang_timeout=config.hang_timeout, console=quiet,
-                  compile_cache=storage.compile_cache_folder(config.storage_path, config.name)
-                  if config.compile_cache else None)
+                  compile_cache=folders.compile_cache if config.compile_cache else None)
     trainer = JaxTrainer(
         # Ray's own serializer (cloudpickle plus object-ref and actor-handle ownership):
         # the row sources' block references must stay valid on workers.
         _entry, train_loop_config={"job": job}, scaling_config=_scaling(config),
-        run_config=RunConfig(name=config.name, storage_path=config.storage_path,
+        run_config=RunConfig(name=folders.name, storage_path=folders.storage,
                              failure_config=FailureConfig(max_failures=config.max_failures),
                              worker_runtime_env={"env_vars": _worker_env(config, quiet)},
                              logging_config=LoggingConfig(log_level="WARNING"),
@@ -440,7 +438,7 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
         raise HostError(f"host {host} failed:\n{text}", host, full, error) from None
     out, _ = ray.get(results.get.remote())
     report = finish_tracker(tracker, "FINISHED", out["checkpoint"])
-    return {**out, "name": config.name, "storage_path": config.storage_path,
+    return {**out, "name": folders.name, "storage_path": folders.storage,
             "seconds": time.perf_counter() - start,
             "tracking_uri": report and report["uri"],
             "mlflow_run_id": report and report["run_id"]}

@@ -2,7 +2,7 @@
 
 Two drivers started with the same ``name`` and ``storage_path`` would otherwise both
 train into one checkpoint folder and one MLflow run. The driver creates
-``<storage>/<name>/redray.lock`` (``redray.storage.lock_file``) before any host starts,
+``<storage>/<name>/redray.lock`` (``RunFolders.lock``) before any host starts,
 with create-if-absent semantics (``O_CREAT | O_EXCL``), writes its host, pid and start
 time into it, refreshes its modification time from a daemon thread (the heartbeat) and
 deletes it when the run ends, however it ends.
@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 
-from redray import storage
+from redray.storage import RunFolders, is_uri
 
 HEARTBEAT_S = 30.0
 # Ten missed heartbeats: a lock from another machine older than this is a dead run's
@@ -40,7 +40,7 @@ class RunLockedError(RuntimeError):
 class RunLock:
     """The lock a running driver holds on its run folder (see the module's docstring).
 
-    Use ``with RunLock.acquire(storage, name):`` around the run; ``release`` is idempotent.
+    Use ``with RunLock.acquire(folders):`` around the run; ``release`` is idempotent.
     """
 
     def __init__(self, path: str | None, token: str | None):
@@ -49,16 +49,22 @@ class RunLock:
         self._beat: threading.Thread | None = None
 
     @classmethod
-    def acquire(cls, storage_path: str, name: str, *, heartbeat_s: float = HEARTBEAT_S,
+    def acquire(cls, folders: RunFolders, *, heartbeat_s: float = HEARTBEAT_S,
                 stale_s: float = STALE_S) -> "RunLock":
-        """Takes the lock of run ``name`` in ``storage_path``, or raises.
+        """Takes the lock of the run ``folders`` describes, or raises.
+
+        Args:
+          folders: the run's folders (``RunFolders.of(storage_path, name)``).
+          heartbeat_s: seconds between refreshes of the lock file's modification time.
+          stale_s: a lock from another machine without a heartbeat for this long is a
+            dead run's, and is taken over.
 
         Raises:
           RunLockedError: a live run holds it; the message names it and the ways out.
         """
-        if storage.is_uri(storage.storage_folder(storage_path)):
+        if is_uri(folders.storage):
             return cls(None, None)  # no atomic create on object stores: not locked
-        path = storage.lock_file(storage_path, name)
+        path = folders.lock
         os.makedirs(os.path.dirname(path), exist_ok=True)
         owner = {"host": socket.gethostname(), "pid": os.getpid(),
                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "token": uuid.uuid4().hex}
@@ -72,11 +78,11 @@ class RunLock:
                 continue
             reason = _stale(held, stale_s)
             if reason is None:
-                raise RunLockedError(_refusal(name, storage_path, path, held))
-            log.warning("redray: run %r: taking over %s, left by %s (%s)", name, path,
+                raise RunLockedError(_refusal(folders, held))
+            log.warning("redray: run %r: taking over %s, left by %s (%s)", folders.name, path,
                         _who(held), reason)
             _remove(path)
-        raise RunLockedError(f"run {name!r} in {storage.storage_folder(storage_path)}: "
+        raise RunLockedError(f"run {folders.name!r} in {folders.storage}: "
                              f"could not take its lock {path}: other runs keep starting "
                              "with this name; start one at a time")
 
@@ -179,8 +185,9 @@ def _who(held: dict) -> str:
     return f"pid {held['pid']} on host {held.get('host', '?')} since {held.get('started', '?')}"
 
 
-def _refusal(name: str, storage_path: str, path: str, held: dict) -> str:
-    return (f"run {name!r} in {storage.storage_folder(storage_path)} is already running: "
+def _refusal(folders: RunFolders, held: dict) -> str:
+    name, path = folders.name, folders.lock
+    return (f"run {name!r} in {folders.storage} is already running: "
             f"its lock {path} is held by {_who(held)} (last heartbeat {held['age']:.0f} s "
             "ago). Wait for that run to end, or give this one another name (name=...); "
             f"if you are sure no run {name!r} is active, delete {path}")

@@ -23,6 +23,8 @@ from redray.tracking import MlflowLogger, TrackingWarning, git_commit
 log = logging.getLogger("redray.tracking")
 
 CHECKPOINT_KEY = "redray_checkpoint"
+# The MLflow run id in a checkpoint's meta["run"]: a resumed run logs into that run.
+RUN_ID_KEY = "mlflow_run_id"
 FINISH_TIMEOUT_S = 60
 
 
@@ -64,9 +66,17 @@ def _actor_class():
     return Tracker
 
 
-def start_tracker(uri: str, name: str, run_path: str, experiment: str, resume: bool,
-                  checkpoint_config, config: dict):
-    """Starts the tracker actor on this (the driver's) node, where a SQLite store lives."""
+def start_tracker(folders, experiment: str, resume: bool, checkpoint_config, config: dict):
+    """Starts the tracker actor on this (the driver's) node, where a SQLite store lives.
+
+    Args:
+      folders: the run's ``redray.storage.RunFolders``: its name, run folder and MLflow
+        store.
+      experiment: the MLflow experiment.
+      resume: log into the MLflow run the newest checkpoint names, if any.
+      checkpoint_config: the run's ``CheckpointConfig``, or None (no checkpoints).
+      config: the run's settings, logged as MLflow params.
+    """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -76,15 +86,16 @@ def start_tracker(uri: str, name: str, run_path: str, experiment: str, resume: b
     run_id = None
     if resume and checkpoint_config is not None:
         meta = latest_meta(checkpoint_config.directory) or {}
-        run_id = meta.get("run", {}).get("mlflow_run_id")
-    tags = {"redray.version": __version__, "redray.run_name": name}
+        run_id = meta.get("run", {}).get(RUN_ID_KEY)
+    tags = {"redray.version": __version__, "redray.run_name": folders.name}
     commit = git_commit()
     if commit:
         tags["redray.git_commit"] = commit
     node = ray.get_runtime_context().get_node_id()
     return _actor_class().options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(
-        uri, name, run_path, experiment, resume, run_id, config, tags)
+        folders.tracking_uri, folders.name, folders.run, experiment, resume, run_id, config,
+        tags)
 
 
 def finish_tracker(tracker, status: str, checkpoint: str | None = None) -> dict | None:
@@ -139,6 +150,13 @@ class TrackerHook(Hook):
     def __init__(self, tracker, rank: int):
         self.tracker = tracker if rank == 0 else None
         self.sent: list = []
+        self.run_id: str | None = None
+
+    def on_restore(self, trainer, step: int, path: str, meta: dict) -> None:
+        self.run_id = meta.get("run", {}).get(RUN_ID_KEY) or self.run_id
+
+    def run_meta(self, trainer) -> dict:
+        return {RUN_ID_KEY: self.run_id} if self.run_id else {}
 
     def on_init(self, trainer) -> None:
         if self.tracker is None:
@@ -163,13 +181,11 @@ class TrackerHook(Hook):
                 self.sent[:] = pending
         except Exception:  # noqa: BLE001 - tracking never fails a run
             return
-        if "mlflow_run_id" not in trainer.run_meta:
+        if self.run_id is None:
             try:
-                run_id = ray.get(self.tracker.run_id.remote(), timeout=10)
+                self.run_id = ray.get(self.tracker.run_id.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - tracking never fails a run
-                run_id = None
-            if run_id:
-                trainer.run_meta["mlflow_run_id"] = run_id
+                self.run_id = None
 
     def flush(self) -> None:
         """Waits (briefly) until the rows sent so far have reached the tracker: calls

@@ -162,11 +162,12 @@ class HostRun:
                     f"({self.job.checkpoint.directory}) with the first: give it its own, "
                     "Trainer(..., checkpoint='/abs/other/folder'), or checkpoint=False")
             checkpoint = self.job.checkpoint
-        if self.main is None:
-            self.main = trainer
         tracker = TrackerHook(self.job.tracker, self.rank)
         self.trackers.append(tracker)
         hooks = [tracker, RayTrainCheckpoints()]
+        if self.main is None:
+            self.main = NewestCheckpoint()
+            hooks.append(self.main)
         if self.watchdog is not None:
             hooks.append(self.watchdog)
         console = DriverConsole(self.job.results) if self.job.console and self.rank == 0 \
@@ -179,15 +180,24 @@ class HostRun:
         resume step and newest checkpoint (once every logged row reached the tracker)."""
         for tracker in self.trackers:
             tracker.flush()
-        main = self.main
-        resumed = None if main is None else (main.resumed_from or {}).get("step")
-        checkpoint = None
-        if main is not None and main.checkpointer is not None:
-            # a run resumed with nothing left to train wrote none: its newest is the one
-            # it resumed from
-            checkpoint = main.checkpointer.last_saved or (
-                None if resumed is None else main.checkpointer.step_path(resumed))
-        return {"value": value, "resumed_from_step": resumed, "checkpoint": checkpoint}
+        main = self.main or NewestCheckpoint()
+        return {"value": value, "resumed_from_step": main.resumed_from_step,
+                "checkpoint": main.path}
+
+
+class NewestCheckpoint(Hook):
+    """The run's main Trainer's newest complete checkpoint: the one it resumed from,
+    until it saves one (a run resumed with nothing left to train saves none)."""
+
+    def __init__(self):
+        self.resumed_from_step: int | None = None
+        self.path: str | None = None
+
+    def on_restore(self, trainer, step: int, path: str, meta: dict) -> None:
+        self.resumed_from_step, self.path = step, path
+
+    def on_checkpoint(self, trainer, step: int, path: str, meta: dict) -> None:
+        self.path = path
 
 
 class RayTrainCheckpoints(Hook):

@@ -19,11 +19,11 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from redray.engine import watchdog
 from redray.functions import check_batch
-from redray.sharding import batch_sharding, data_parallel_size
+from redray.sharding import Parallelism
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -40,18 +40,6 @@ def collate_checked(collate, examples: Sequence) -> dict[str, np.ndarray]:
     return check_batch(collate(list(examples)), len(examples))
 
 
-def process_rows(sharding: NamedSharding, rows: int) -> slice:
-    """The rows of a ``rows``-long batch that this process's devices hold.
-
-    With the batch split over hosts, each host feeds its block; with it replicated
-    (a model axis spanning hosts, or a replicated remainder batch), every host feeds all.
-    """
-    index_map = sharding.addressable_devices_indices_map((rows,))
-    starts = [idx[0].start or 0 for idx in index_map.values()]
-    stops = [rows if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
-    return slice(min(starts), max(stops))
-
-
 def read_rows(source, indices) -> list:
     """Examples at ``indices`` from a list or from a row source with ``take(indices)``."""
     take = getattr(source, "take_rows", None)
@@ -64,12 +52,6 @@ def is_stream(source) -> bool:
     """Whether ``source`` streams its examples (decides its own batches) rather than
     being read by index."""
     return hasattr(source, "epoch_batches")
-
-
-def data_groups(batch_size: int, mine: slice) -> int:
-    """How many distinct parts of a batch the processes feed (hosts holding the same
-    rows, as when the model axis spans hosts, count once)."""
-    return batch_size // (mine.stop - mine.start)
 
 
 def steps_per_epoch(source, batch_size: int, streams: int | None = None) -> int:
@@ -188,8 +170,9 @@ class InFlight:
             jax.block_until_ready(self.queue.popleft())
 
 
-def each_batch(examples: Sequence, size: int, mesh: Mesh, collate: Callable, run: Callable,
-               *, pad_last: bool, prepare: Callable | None = None) -> list[tuple[int, Any]]:
+def each_batch(examples: Sequence, size: int, parallelism: Parallelism, collate: Callable,
+               run: Callable, *, pad_last: bool,
+               prepare: Callable | None = None) -> list[tuple[int, Any]]:
     """Runs ``run(batch, start)`` over ``examples`` in batches of ``size``, every example
     exactly once and in order; returns ``[(examples in the batch, run's output)]``.
 
@@ -203,19 +186,18 @@ def each_batch(examples: Sequence, size: int, mesh: Mesh, collate: Callable, run
     Args:
       examples: a list, a row source (``len`` + ``take_rows``) or a stream.
       size: examples per batch.
-      mesh: the mesh the batches are placed on.
+      parallelism: the built plan whose mesh the batches are placed on.
       collate: the user's collate (one row per example, checked).
       run: ``run(placed batch, start) -> device outputs``: dispatches one batch.
       pad_last: the short last batch's policy, above.
       prepare: called once with the first collated (host-local) batch before ``run``.
     """
-    dp = data_parallel_size(mesh)
     pending, in_flight = [], InFlight()
     for k, chunk in enumerate(in_order(examples, size)):
         start, n = k * size, len(chunk)
         rows = size if pad_last else n
-        sharding = batch_sharding(mesh) if rows % dp == 0 else NamedSharding(mesh, P())
-        mine = process_rows(sharding, rows)
+        sharding = parallelism.rows_sharding(rows)
+        mine = parallelism.process_rows(rows, sharding)
         batch = collate_checked(collate, [chunk[min(i, n - 1)]
                                           for i in range(mine.start, mine.stop)])
         if prepare is not None and start == 0:

@@ -1,8 +1,8 @@
 """JAX's persistent compilation cache, so a restarted or resumed run skips compiling.
 
 A run's compiled programs (the training step, evaluation, prediction) are written to a
-folder under its storage (``storage.compile_cache_folder``); a process that compiles the
-same program for the same devices again (a restart after a failure, a resumed run, a
+folder under its storage (``storage.RunFolders.compile_cache``); a process that compiles
+the same program for the same devices again (a restart after a failure, a resumed run, a
 second call of the same script) loads it instead. Every host reads the one folder; JAX
 writes it from process 0 only (the programs are the same on every host), so on several
 machines it belongs on storage they share, as the run's checkpoints do.

@@ -15,6 +15,7 @@ import numpy as np
 
 from redray.engine.console import row_text
 from redray.engine.hooks import EpochEnd, Hook, StepInfo
+from redray.functions import WEIGHT
 
 
 class Recorder(Hook):
@@ -28,7 +29,8 @@ class Recorder(Hook):
 
 
 class LogWindow(Hook):
-    """Logs the mean metrics of every ``every`` steps and of an epoch's last ones.
+    """Logs the mean metrics of every ``every`` steps and of an epoch's last ones (each
+    step weighed by the loss's ``weight`` metric when it gives one).
 
     Metrics stay on the devices until a window is full, then the whole window is
     fetched at once: no host sync in between.
@@ -57,8 +59,12 @@ class LogWindow(Hook):
         # InFlight's limit behind the loop, so the loop's own time misses most of them.
         seconds = time.perf_counter() - self.start
         row = {"step": step, "epoch": epoch}
+        weights = [float(m[WEIGHT]) for m in fetched] if WEIGHT in fetched[0] else None
         for k in fetched[0]:
-            row[k] = float(np.mean([m[k] for m in fetched]))
+            if weights is None:
+                row[k] = float(np.mean([m[k] for m in fetched]))
+            elif k != WEIGHT:  # each step by its weight, divided once
+                row[k] = sum(float(m[k]) * w for m, w in zip(fetched, weights)) / sum(weights)
         if trainer.learning_rate is not None:
             lr = trainer.learning_rate
             row["learning_rate"] = float(lr(step - 1) if callable(lr) else lr)
@@ -70,7 +76,7 @@ class LogWindow(Hook):
         memory = _device_memory()
         if memory is not None:
             row["device_memory_bytes"] = memory
-        trainer._log(row)
+        trainer.record(row)
         self.window, self.start = [], time.perf_counter()
 
 
@@ -94,7 +100,7 @@ class Evaluation(Hook):
             predictions = trainer.predictor().predict(self.data)
             row.update({f"eval_{k}": float(v) for k, v in self.metric(
                 all_examples(self.data), predictions).items()})
-        trainer._log(row)
+        trainer.record(row)
         if self.console is not None:
             self.console.say(row_text(row))
         return row

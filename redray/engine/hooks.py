@@ -6,8 +6,12 @@ window of metrics, the progress bar, evaluation after each epoch, checkpoints) i
 engine adds its own the same way, ``Trainer(hooks=[...])`` or ``trainer.add_hook``;
 the cluster layer sends rows to MLflow and registers checkpoints with Ray Train so.
 
-Every process runs the same hooks on the same events: a hook that talks to other
-processes (a collective, ``ray.train.report``) is called equally often everywhere.
+Every process runs the hooks that talk to other processes (a collective,
+``ray.train.report``) on the same events, so they are called equally often everywhere;
+what only shows or sends (the progress, the evaluation's console line, the tracker's
+rows) runs on process 0. A hook reaches the Trainer through its public methods
+(``record``, ``roll_back``, ``save_checkpoint``...) and keeps what it must in every
+checkpoint through ``run_meta``.
 
 A run that surrounds user code (``redray.run``) opens a ``trainer_scope``: every
 Trainer made inside it asks the scope for its run's defaults (``Adoption``).
@@ -62,14 +66,21 @@ class EpochEnd:
       epoch: the epoch.
       step: optimizer updates done.
       complete: every batch of the epoch trained (False: the step budget ended it).
+      position: the position after a complete epoch (None when the budget cut it: the
+        last step's position stands).
     """
     epoch: int
     step: int
     complete: bool
+    position: Position | None = None
 
 
 class Hook:
     """Runs beside training; override the events you need (each gets the Trainer)."""
+
+    def on_restore(self, trainer, step: int, path: str, meta: dict) -> None:
+        """The state was restored from the checkpoint of ``step`` in ``path`` (before
+        ``on_init``); ``meta["run"]`` holds what hooks kept there (``run_meta``)."""
 
     def on_init(self, trainer) -> None:
         """The state exists (initialized or restored from a checkpoint)."""
@@ -91,6 +102,11 @@ class Hook:
 
     def on_fit_end(self, trainer) -> None:
         """``fit`` trained what its budget asked for."""
+
+    def run_meta(self, trainer) -> dict:
+        """What this hook keeps in every checkpoint the Trainer saves (its meta's
+        ``run``, beside the other hooks'), read back in ``on_restore``."""
+        return {}
 
 
 @dataclasses.dataclass

@@ -78,7 +78,7 @@ class NonFiniteGuard(Hook):
             return
         info = unchecked.get(bad)
         if self.policy == "rollback" and self.rollbacks < MAX_ROLLBACKS and info is not None:
-            back_to = trainer._roll_back(bad, info.position)
+            back_to = trainer.roll_back(bad, info.position)
             if back_to is not None:
                 self.rollbacks += 1
                 if jax.process_index() == 0:

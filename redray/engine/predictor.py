@@ -9,10 +9,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from redray.engine.batches import each_batch
-from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
+from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.functions import UserFunctionError, check_predict_output
 from redray.rngs import KeyStream, stream_key
-from redray.sharding import data_parallel_size
+from redray.sharding import Parallelism
 
 
 class Predictor:
@@ -28,14 +28,16 @@ class Predictor:
       params, extra: trained parameters (and other model state, e.g. batch statistics)
         in the model's structure; None initializes fresh ones (directly sharded).
       batch_size: examples per prediction step (a multiple of the data-parallel size).
-      mesh, data_axis, fsdp_axis, model_axis, compute_dtype, rules, seed: as for Trainer.
+      parallelism, mesh, compute_dtype, rules, seed, **axes (``model_axis=2``...): as
+        for Trainer.
     """
 
     def __init__(self, model: Any, collate: Callable, predict: Callable, *, params=None,
-                 extra=None, batch_size: int, mesh: Mesh | None = None, data_axis="auto",
-                 fsdp_axis=1, model_axis=1, compute_dtype=None, rules=(), seed: int = 0):
-        mesh = resolve_mesh(mesh, data_axis, fsdp_axis, model_axis)
-        self._setup(ModelRuntime(model, mesh, compute_dtype, rules, seed), collate, predict,
+                 extra=None, batch_size: int, parallelism: Parallelism | None = None,
+                 mesh: Mesh | None = None, compute_dtype=None, rules=(), seed: int = 0,
+                 **axes):
+        plan = Parallelism.resolve(parallelism, mesh, rules, axes, "Predictor")
+        self._setup(ModelRuntime(model, plan, compute_dtype, seed), collate, predict,
                     batch_size, seed)
         self._given = (params, extra)
 
@@ -55,7 +57,7 @@ class Predictor:
     def _setup(self, runtime, collate, predict, batch_size, seed):
         if not callable(predict):
             raise UserFunctionError(f"predict must be a function, got {predict!r}")
-        dp = data_parallel_size(runtime.mesh)
+        dp = runtime.parallelism.data_parallel
         if not isinstance(batch_size, int) or batch_size < 1 or batch_size % dp:
             raise ValueError(f"batch_size={batch_size!r} must be a positive multiple of the "
                              f"{dp} data-parallel devices")
@@ -112,8 +114,9 @@ class Predictor:
             return self._step(params, extra, batch, jax.random.fold_in(rng, start))
 
         # the short last batch repeats its last example; those outputs are dropped
-        pending = each_batch(examples, self.batch_size, self.runtime.mesh, self.collate, run,
-                             pad_last=True, prepare=self._prepare if self._step is None else None)
+        pending = each_batch(examples, self.batch_size, self.runtime.parallelism, self.collate,
+                             run, pad_last=True,
+                             prepare=self._prepare if self._step is None else None)
         results = []
         for n, out in pending:
             host = jax.device_get(out)

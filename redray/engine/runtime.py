@@ -8,19 +8,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from redray.engine.model import abstract_state, adapter, cast_floating
 from redray.rngs import KeyStream, stream_key
-from redray.sharding import (derive_specs, format_placement, format_whole, make_mesh, placement,
-                             shardings)
+from redray.sharding import (MODEL, Parallelism, derive_specs, format_placement, format_whole,
+                             placement, shardings)
 from redray.sharding.reductions import fuse_reductions
-
-
-def resolve_mesh(mesh: Mesh | None, data_axis, fsdp_axis, model_axis) -> Mesh:
-    if mesh is not None:
-        return mesh
-    return make_mesh(data_axis=data_axis, fsdp_axis=fsdp_axis, model_axis=model_axis)
 
 
 class ModelRuntime:
@@ -29,18 +23,18 @@ class ModelRuntime:
     Args:
       model: a function building an ``nnx.Module`` (optionally taking ``nnx.Rngs``), a
         built ``nnx.Module`` (its arrays are the starting point), or a ``redray.LinenModel``.
-      mesh: the device mesh.
+      parallelism: the built ``Parallelism`` (its mesh, its spec passes with the user's
+        rules).
       compute_dtype: dtype the model computes in (parameters stay float32); None keeps
         the parameters' dtype.
-      rules: ordered (regex on parameter path, PartitionSpec) overrides.
       seed: initialization seed.
     """
 
-    def __init__(self, model: Any, mesh: Mesh, compute_dtype=None, rules=(), seed: int = 0):
+    def __init__(self, model: Any, parallelism: Parallelism, compute_dtype=None, seed: int = 0):
         self.adapter = adapter(model)
-        self.mesh = mesh
+        self.parallelism = parallelism
+        self.mesh = parallelism.mesh
         self.compute_dtype = compute_dtype
-        self.rules = rules
         self.init_key = stream_key(seed, KeyStream.INIT)
         self.abstract = abstract_state(self.adapter, self.init_key)
         self.specs = None
@@ -74,8 +68,8 @@ class ModelRuntime:
             return out
 
         self.whole = []
-        self.specs = derive_specs(self.abstract, self.mesh, run, abstract_args, self.rules,
-                                  self.whole)
+        self.specs = derive_specs(self.abstract, self.mesh, run, abstract_args,
+                                  whole=self.whole, passes=self.parallelism.spec_passes())
         return self.specs
 
     def costly_whole(self, share: float = 0.01) -> list:
@@ -126,13 +120,13 @@ class ModelRuntime:
 
     def placement_text(self) -> str:
         text = format_placement(placement(self.abstract, self.specs, self.mesh), self.mesh)
-        model_size = self.mesh.shape.get("model", 1)
+        model_size = self.parallelism.size(MODEL)
         if model_size > 1:
             text += "\n" + format_whole(self.whole, model_size)
         return text
 
     def replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P())
+        return self.parallelism.replicated()
 
 
 def abstract_batch(batch: dict, rows: int) -> dict:

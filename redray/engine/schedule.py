@@ -146,6 +146,37 @@ class Schedule:
         return text
 
 
+def follow_budget(learning_rate, budget: int, step: int, before: int | None,
+                  saved: list | None) -> tuple[bool, list | None]:
+    """A run's learning rate given the run's ``budget`` at ``step``: a ``Schedule``
+    takes the segments it continues with (from ``saved``, its segments as this run or
+    its checkpoint kept them, when ``step`` > 0); a plain schedule function that cannot
+    follow a budget changed from ``before`` gets a warning (on process 0).
+
+    Returns:
+      (whether the schedule's segments changed: a step that traced them in must be
+      traced again, the segments as a checkpoint keeps them or None).
+    """
+    import warnings
+
+    import jax
+
+    if isinstance(learning_rate, Schedule):
+        segments = learning_rate.with_budget(budget, step, saved if step > 0 else None)
+        changed = segments != learning_rate.segments
+        learning_rate.segments = segments
+        return changed, learning_rate.as_meta()
+    if callable(learning_rate) and step > 0 and before is not None and before != budget \
+            and jax.process_index() == 0:
+        warnings.warn(
+            f"the run's budget changed from {before} to {budget} steps at step {step}, "
+            "but learning_rate is a plain function built for one budget: its value at "
+            f"step {step} may jump (a sawtooth). Use redray.Schedule(peak, warmup=...) for "
+            "the optimizer and learning_rate: it continues smoothly when the budget grows",
+            stacklevel=4)
+    return False, None
+
+
 def describe(learning_rate, budget: int | None = None) -> str | None:
     """A readable description of what a run's learning rate is (for MLflow params)."""
     if learning_rate is None:

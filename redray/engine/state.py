@@ -14,11 +14,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.engine.model import merge_trainable
 from redray.rngs import KeyStream, stream_key
-from redray.sharding import follow_specs, shardings
+from redray.sharding import Parallelism, follow_specs, shardings
 
 # What a checkpoint holds, by item: "model" is what ``load_params`` reads back (the
 # weights alone), "train" what only resuming needs. The names are the on-disk layout.
@@ -77,7 +76,7 @@ def counters(seed: int):
 
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
-    """A TrainState's abstract form and shardings on a mesh, computed without arrays.
+    """A TrainState's abstract form and shardings on a plan, computed without arrays.
 
     Attributes:
       abstract: ``TrainState`` of ``jax.ShapeDtypeStruct`` (``frozen``: None).
@@ -94,12 +93,12 @@ class StateLayout:
                             self.abstract.checkpoint_items(), self.shardings.checkpoint_items())
 
     @classmethod
-    def build(cls, mesh: Mesh, seed: int, optimizer, params, param_specs, extra,
+    def build(cls, parallelism: Parallelism, seed: int, optimizer, params, param_specs, extra,
               extra_shardings, frozen_shardings=None) -> "StateLayout":
         """The layout of a run's state.
 
         Args:
-          mesh: the device mesh.
+          parallelism: the built plan (its mesh).
           seed: the run's seed (the start key's shape and type).
           optimizer: the ``optax.GradientTransformation`` whose state is held.
           params, param_specs: the trained parameters (abstract) and their specs; the
@@ -110,7 +109,7 @@ class StateLayout:
         step, rng, nonfinite_step = jax.eval_shape(lambda: counters(seed))
         opt_state = jax.eval_shape(optimizer.init, params)
         opt_specs = follow_specs(opt_state, params, param_specs)
-        replicated = NamedSharding(mesh, P())
+        replicated, mesh = parallelism.replicated(), parallelism.mesh
         return cls(
             abstract=TrainState(step=step, rng=rng, params=params, extra=extra,
                                 opt_state=opt_state, nonfinite_step=nonfinite_step),

@@ -20,7 +20,7 @@ import optax
 
 from redray.engine.model import merge_trainable
 from redray.engine.state import TrainState
-from redray.functions import split_loss_output
+from redray.functions import WEIGHT, split_loss_output
 
 
 def model_loss(apply: Callable, loss: Callable, train: bool = True) -> Callable:
@@ -154,7 +154,10 @@ def train_step(state: TrainState, batch, *, gradients: Callable,
 
 
 def eval_step(params, extra, batch, rng, *, apply: Callable, loss: Callable) -> dict:
-    """The loss and its metrics (float32 scalars) of one batch, ``train=False``."""
+    """The loss and its metrics (float32 scalars) of one batch, ``train=False``, and the
+    batch's ``WEIGHT``: the loss's own if it gives one, else the batch's rows."""
     value, (metrics, _) = model_loss(apply, loss, train=False)(params, None, extra, batch, rng)
+    rows = jax.tree.leaves(batch)[0].shape[0]
     return {"loss": value.astype(jnp.float32),
-            **{k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}}
+            **{k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()},
+            WEIGHT: jnp.asarray(metrics.get(WEIGHT, rows), jnp.float32)}

@@ -1,46 +1,41 @@
 """The Trainer: one jitted, sharded, donated train step over all of a process's devices.
 
-``fit`` is a loop over optimizer steps (``_training_steps``) whose events go to hooks
+``fit`` is a loop over optimizer steps (``loop.training_steps``) whose events go to hooks
 (``redray/engine/hooks.py``): the log window, the progress bar, evaluation and
 checkpoints are hooks (``redray/engine/fit_hooks.py``), and so are the cluster's.
-The step itself is ``redray.engine.steps.train_step``, jitted here, once.
+The program it runs (layout, jitted steps, the state a run starts from) is a
+``TrainProgram`` (``redray/engine/program.py``), built in ``init``.
 """
 
 from __future__ import annotations
 
-import functools
 import time
-import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from redray.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatch
-from redray.engine.batches import (InFlight, collate_checked, data_groups, each_batch,
-                                   epoch_batches, first_examples, is_stream, prefetch,
-                                   process_rows, steps_per_epoch, to_global)
+from redray.engine.batches import collate_checked, each_batch, first_examples, to_global
 from redray.engine.console import Console
 from redray.engine.fit_hooks import Checkpoints, Evaluation, LogWindow, Recorder
 from redray.engine.hooks import EpochEnd, Hook, Position, StepInfo, current_scope
-from redray.engine.model import split_trainable
+from redray.engine.loop import TrainingData, tokens_per_example, training_steps
 from redray.engine.nonfinite import (NonFiniteError, NonFiniteGuard, RolledBack, zero_flag,
                                      message as nonfinite_message)
-from redray.engine.runtime import ModelRuntime, abstract_batch, resolve_mesh
-from redray.engine.schedule import Schedule
+from redray.engine.program import TrainProgram
+from redray.engine.runtime import ModelRuntime
+from redray.engine.schedule import follow_budget
 from redray.engine import watchdog
-from redray.engine.state import CHECKPOINT_ITEMS, StateLayout, TrainState, counters
-from redray.engine.steps import (NONFINITE_POLICIES, eval_step, microbatched, model_gradients,
-                                 model_loss, train_step, user_loss_fn)
-from redray.functions import UserFunctions, UserFunctionError, split_loss_output
+from redray.engine.state import CHECKPOINT_ITEMS, TrainState
+from redray.engine.steps import NONFINITE_POLICIES
+from redray.functions import WEIGHT, UserFunctions, UserFunctionError
 from redray.rngs import KeyStream, stream_key
-from redray.sharding import BATCH_AXES, batch_sharding, data_parallel_size, placement
-from redray.sharding.memory import (GATHERED_LAYERS, compiled_memory, layer_gather_bytes,
-                                    memory_text, saved_residuals, split_residual_bytes,
-                                    split_sizes, totals)
+from redray.sharding import Parallelism, placement
+from redray.sharding.memory import memory_text
 
 # What a Trainer's checkpoint meta holds beyond the step (and reads back on resume): the
 # position in the data. A meta without them is an unreadable checkpoint.
@@ -68,8 +63,9 @@ class Trainer:
       micro_batch_size: examples per device per forward/backward; the rest of the
         global batch is gradient accumulation. Default: no accumulation.
       eval_batch_size: examples per evaluation step (default: ``batch_size``).
-      mesh: a mesh from ``redray.make_mesh``; or give the axis sizes below.
-      data_axis, fsdp_axis, model_axis: mesh sizes (ints or "auto").
+      parallelism: a ``redray.Parallelism`` (axis sizes, rules, mesh in one value); or
+        give a mesh or the axis sizes (and rules).
+      mesh: a mesh from ``redray.make_mesh``; or give the axis sizes.
       compute_dtype: dtype of the forward/backward (e.g. ``jnp.bfloat16``); parameters
         and optimizer state stay float32.
       rules: ordered (regex on parameter path, PartitionSpec) overriding automatic specs.
@@ -108,24 +104,26 @@ class Trainer:
         ``"rollback"``: back to the newest checkpoint, going on after the failing
         batch (``redray/engine/nonfinite.py``). Checked inside the step; the host
         reads the result only on the log cadence and before saves.
+      **axes: the mesh's axis sizes by keyword (ints, or "auto" for what the others
+        leave): ``data_axis`` (default "auto"), ``fsdp_axis`` and ``model_axis`` (default
+        1), one per axis of ``redray.sharding.AXES``.
     """
 
     def __init__(self, model: Any, collate: Callable, loss: Callable,
                  optimizer: optax.GradientTransformation, predict: Callable | None = None, *,
                  batch_size: int, micro_batch_size: int | None = None,
-                 eval_batch_size: int | None = None, mesh: Mesh | None = None,
-                 data_axis="auto", fsdp_axis=1, model_axis=1, compute_dtype=None, rules=(),
+                 eval_batch_size: int | None = None, parallelism: Parallelism | None = None,
+                 mesh: Mesh | None = None, compute_dtype=None, rules=(),
                  learning_rate=None, seed: int = 0, log_every: int = 10, progress: bool = True,
                  prefetch: int = 2, checkpoint=None, config: dict | None = None,
                  trainable: str | None = None, grad_fn: Callable | None = None,
-                 hooks: Sequence[Hook] = (), on_nonfinite: str = "stop"):
+                 hooks: Sequence[Hook] = (), on_nonfinite: str = "stop", **axes):
         self.functions = UserFunctions(collate, loss, predict)
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use one of "
                              f"{', '.join(map(repr, NONFINITE_POLICIES))}")
         self.on_nonfinite = on_nonfinite
         self._guard: NonFiniteGuard | None = None
-        self._streams: int | None = None  # a streamed training source's parallel streams
         self._schedule_meta: list | None = None  # a Schedule's segments, as checkpoints keep them
         if grad_fn is not None and not callable(grad_fn):
             raise TypeError(f"grad_fn must be a function (loss_fn, params, batch, rng) -> "
@@ -135,12 +133,12 @@ class Trainer:
             raise TypeError(f"optimizer must be an optax.GradientTransformation "
                             f"(e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}")
         self.optimizer = optimizer
-        self.mesh = resolve_mesh(mesh, data_axis, fsdp_axis, model_axis)
-        self.dp = data_parallel_size(self.mesh)
-        self.batch_size, self.accum, self.micro = _batch_layout(batch_size, micro_batch_size,
-                                                                self.dp)
+        self.parallelism = Parallelism.resolve(parallelism, mesh, rules, axes, "Trainer")
+        self.mesh = self.parallelism.mesh
+        self.geometry = self.parallelism.geometry(batch_size, micro_batch_size)
+        self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
-        self.runtime = ModelRuntime(model, self.mesh, compute_dtype, rules, seed)
+        self.runtime = ModelRuntime(model, self.parallelism, compute_dtype, seed)
         self.learning_rate = learning_rate
         self.budget: int | None = None  # the run's total steps, as the last fit asked
         self.seed = seed
@@ -148,13 +146,10 @@ class Trainer:
         self.progress = progress
         self.prefetch = prefetch
         self.state: TrainState | None = None
-        self.layout: StateLayout | None = None
-        self._steps: dict = {}
+        self.program: TrainProgram | None = None
         self.checkpoint_config = CheckpointConfig.of(checkpoint)
         self.checkpointer: Checkpointer | None = None
         self.config = dict(config or {})
-        # Kept in every checkpoint and restored with it (e.g. the tracker's run id).
-        self.run_meta: dict = {}
         self.position = Position()
         self.resumed_from: dict | None = None
         # Tokens in one example (the width of the batch's first 2-D integer array, e.g.
@@ -191,7 +186,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- set-up
     def init(self, examples: Sequence) -> None:
-        """Validates the pipeline on the first batch, derives specs and creates the state.
+        """Checks the user's functions on the first batch, derives specs and creates the
+        state (restored from the newest checkpoint, if there is one).
 
         Called by ``fit`` and ``evaluate`` when needed; call it yourself to inspect
         ``plan()`` before training.
@@ -205,79 +201,36 @@ class Trainer:
     def _init(self, examples: Sequence) -> None:
         if not len(examples):
             raise ValueError("init needs at least one example to learn the batch's shapes")
-        sample = collate_checked(self.functions.collate, first_examples(examples, self.batch_size))
-        abstract = abstract_batch(sample, self.micro * self.dp)
-        self._global_batch = abstract_batch(sample, self.batch_size)
-        self._metric_names = self._check_loss(abstract)
-        loss = self.functions.loss
-        self.runtime.derive(
-            lambda model, batch: _loss_value(loss(model, batch, jax.random.key(0), True)), abstract)
-        self._warn_whole()
-        params, extra = self.runtime.abstract
-        param_specs = self.runtime.specs[0]
-        params_sh, extra_sh = self.runtime.shardings
-        frozen_sh = None
-        if self.trainable is not None:
-            params, _ = split_trainable(params, self.trainable)
-            param_specs, _ = split_trainable(param_specs, self.trainable)
-            _, frozen_sh = split_trainable(params_sh, self.trainable)
-        if self.grad_fn is not None:
-            self._check_grad_fn(abstract)
-        self.layout = StateLayout.build(self.mesh, self.seed, self.optimizer, params, param_specs,
-                                        extra, extra_sh, frozen_sh)
-
-        # Frozen parameters are never saved: they always come from the model as built.
-        params = extra = frozen = None
-        if frozen_sh is not None:
-            params, extra = self.runtime.init()
-            params, frozen = split_trainable(params, self.trainable)
+        sample = collate_checked(self.functions.collate,
+                                 first_examples(examples, self.batch_size))
+        self.program = TrainProgram.build(
+            self.runtime, self.functions, self.optimizer, self.geometry, sample,
+            seed=self.seed, trainable=self.trainable, grad_fn=self.grad_fn,
+            on_nonfinite=self.on_nonfinite)
+        items = None
         if self.checkpoint_config is not None:
             self.checkpointer = Checkpointer(self.checkpoint_config, CHECKPOINT_ITEMS)
-            if self.checkpoint_config.resume and self._restore(frozen):
-                # never saved: a saved state is finite
-                self.state = self.state.replace(
-                    nonfinite_step=zero_flag(self.layout.shardings.nonfinite_step))
-                return
-        if params is None:
-            params, extra = self.runtime.init()
-        shardings = self.layout.shardings
-        step, rng, nonfinite_step = jax.jit(
-            lambda: counters(self.seed),
-            out_shardings=(shardings.step, shardings.rng, shardings.nonfinite_step))()
-        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
-        self.state = TrainState(step=step, rng=rng, params=params, extra=extra,
-                                opt_state=opt_state, frozen=frozen, nonfinite_step=nonfinite_step)
+            found = self._restore_latest() if self.checkpoint_config.resume else None
+            if found is not None:
+                items, meta = found
+                self.resumed_from = meta
+                self.position = Position(meta["epoch"], meta["batch"], meta["epoch_done"])
+        self.state = self.program.initial_state(items)
+        if items is not None:
+            meta = self.resumed_from
+            path = self.checkpointer.step_path(meta["step"])
+            if self.progress and jax.process_index() == 0:
+                self.console.say(f"resumed from {path} (step {meta['step']}, epoch "
+                                 f"{meta['epoch']}, batch {meta['batch']})")
+            for hook in self.hooks:
+                hook.on_restore(self, int(meta["step"]), path, meta)
 
-    def _warn_whole(self) -> None:
-        """Names the large layer parameters tensor parallelism could not split: every
-        device then holds and computes them whole, which the user should know."""
-        costly = self.runtime.costly_whole()
-        if not costly or jax.process_index() != 0:  # once per run, not once per host
-            return
-        model_size = self.mesh.shape["model"]
-        lines = [f"{w.path} {w.shape}: {w.reason}; fix: {w.fix}" for w in costly]
-        warnings.warn(
-            f"{len(costly)} large layer parameter(s) are not split over the model axis "
-            f"({model_size}): every device holds and computes them whole.\n  "
-            + "\n  ".join(lines) + "\nTrainer.plan() lists every parameter and its split; "
-            "a rule (regex, PartitionSpec) in rules= sets one by hand.", stacklevel=4)
-
-    def _restore(self, frozen) -> bool:
-        """Loads the last complete checkpoint onto this mesh, if one exists."""
-        found = self.checkpointer.restore_latest(self.layout.checkpoint_targets(),
-                                                 check=self._check_trainable,
-                                                 required=POSITION_META)
-        if found is None:
-            return False
-        items, meta = found
-        self.state = TrainState.from_checkpoint_items(items, frozen)
-        self.resumed_from = meta
-        self.run_meta = dict(meta.get("run", {}))
-        self.position = Position(meta["epoch"], meta["batch"], meta["epoch_done"])
-        if self.progress and jax.process_index() == 0:
-            self.console.say(f"resumed from {self.checkpointer.step_path(meta['step'])} (step "
-                             f"{meta['step']}, epoch {meta['epoch']}, batch {meta['batch']})")
-        return True
+    def _restore_latest(self):
+        """(items, meta) of the newest complete checkpoint, restored onto this plan's
+        shardings, or None."""
+        return self.checkpointer.restore_latest(self.program.layout.checkpoint_targets(),
+                                                check=self._check_trainable,
+                                                required=POSITION_META)
 
     def _check_trainable(self, meta: dict) -> None:
         if meta.get("trainable") != self.trainable:
@@ -286,40 +239,6 @@ class Trainer:
                 f"trainable={meta.get('trainable')!r}, this run trains "
                 f"trainable={self.trainable!r}: its saved parameters do not fit. Use the same "
                 "trainable, or start a new run (another name or directory, or resume=False)")
-
-    def _check_grad_fn(self, abstract_batch_) -> None:
-        """Runs ``grad_fn`` on abstract values: its output must be (loss, metrics, grads)
-        with grads shaped like the trained parameters."""
-        rt, loss, grad_fn = self.runtime, self.functions.loss, self.grad_fn
-        params, frozen = rt.abstract[0], None
-        if self.trainable is not None:
-            params, frozen = split_trainable(params, self.trainable)
-
-        def run(params, extra, batch):
-            loss_fn = user_loss_fn(model_loss(rt.apply, loss), frozen, extra)
-            return grad_fn(loss_fn, params, batch, jax.random.key(0))
-
-        out = jax.eval_shape(run, params, rt.abstract[1], abstract_batch_)
-        if not isinstance(out, tuple) or len(out) != 3:
-            raise UserFunctionError(f"grad_fn returned {type(out).__name__}"
-                                f"{' of ' + str(len(out)) if isinstance(out, tuple) else ''}: "
-                                "return (loss, metrics, grads)")
-        split_loss_output((out[0], out[1]))
-        want = jax.tree.map(lambda a: (a.shape, a.dtype), params)
-        got = jax.tree.map(lambda a: (a.shape, a.dtype), out[2])
-        if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
-            raise UserFunctionError(
-                "grad_fn returned grads that do not match the trained parameters (structure, "
-                "shapes or dtypes differ): return the gradient of loss_fn with respect to the "
-                "params it was given, e.g. jax.grad(lambda p: loss_fn(p, batch, rng)[0])(params)")
-
-    def _check_loss(self, abstract):
-        rt, loss = self.runtime, self.functions.loss
-        out, _ = jax.eval_shape(
-            lambda p, e, b: rt.apply(lambda m, bb: loss(m, bb, jax.random.key(0), True), p, e,
-                                     jax.random.key(0), b),
-            *rt.abstract, abstract)
-        return sorted(split_loss_output(out)[1])
 
     def plan(self, memory: bool = False, device_gib: float | None = None) -> str:
         """The sharding plan (path, shape, spec, bytes per device); after ``init``.
@@ -330,7 +249,8 @@ class Trainer:
         self._require_init("plan")
         text = self.runtime.placement_text()
         if memory or device_gib is not None:
-            text += "\n\n" + "\n".join(memory_text(self.memory(device_gib), dict(self.mesh.shape)))
+            text += "\n\n" + "\n".join(memory_text(self.memory(device_gib),
+                                                     self.parallelism.shape))
         return text
 
     def memory(self, device_gib: float | None = None) -> dict:
@@ -347,64 +267,7 @@ class Trainer:
         buffers. With ``device_gib``: ``fits`` (the larger of total and peak).
         """
         self._require_init("memory")
-        state, cd = self.state, self.runtime.compute_dtype
-
-        def per_device(tree):
-            return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
-                       if hasattr(x, "addressable_shards"))
-
-        params, frozen = per_device(state.params), per_device(state.frozen)
-        copies = 0
-        if cd is not None:
-            copies = sum(x.addressable_shards[0].data.nbytes // x.dtype.itemsize
-                         * jnp.dtype(cd).itemsize
-                         for x in jax.tree.leaves((state.params, state.frozen))
-                         if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(cd))
-        rows = placement(self.runtime.abstract[0], self.runtime.specs[0], self.mesh)
-        fsdp = self.mesh.shape.get("fsdp", 1)
-        gathered = 0
-        if fsdp > 1:
-            item = jnp.dtype(cd).itemsize if cd is not None else 4
-            gathered = GATHERED_LAYERS * layer_gather_bytes(rows, fsdp) * item // 4
-        parts = {"parameters": params + frozen, "optimizer": per_device(state.opt_state),
-                 "gradients": params, "compute_copies": copies, "fsdp_gathered": gathered,
-                 "activations": self._activation_bytes(rows)}
-        out = totals(parts, device_gib)
-        compiled = compiled_memory(self.compiled_step().memory_analysis())
-        out["compiled"] = {**compiled, "platform": self.mesh.devices.flat[0].platform}
-        out["per_device_batch"] = self.micro
-        if device_gib is not None:
-            out["fits"] = max(out["total"], compiled["peak"]) <= out["device_bytes"]
-        return out
-
-    def _activation_bytes(self, rows) -> int:
-        """Residual bytes per device of the loss's backward pass on one device's micro
-        batch (see ``redray.sharding.memory``)."""
-        cd = self.runtime.compute_dtype
-
-        def abstract(x):
-            dtype = cd if cd is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-            return jax.ShapeDtypeStruct(x.shape, dtype)
-
-        params, frozen = (jax.tree.map(abstract, t) for t in (self.state.params,
-                                                              self.state.frozen))
-        extra = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state.extra)
-        rng = jax.eval_shape(lambda: jax.random.key(0))
-        loss_of = model_loss(self.runtime.apply, self.functions.loss)
-
-        def loss(params, frozen, extra, batch, rng):
-            return loss_of(params, frozen, extra, batch, rng)[0]
-
-        def batch(rows):
-            return {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype)
-                    for k, v in self._global_batch.items()}
-
-        real = saved_residuals(loss, params, frozen, extra, batch(self.micro), rng)
-        probe = saved_residuals(loss, params, frozen, extra, batch(1), rng)
-        lengths = {d + k for v in self._global_batch.values() for d in v.shape[1:]
-                   for k in (-1, 0)}
-        return split_residual_bytes(real, probe, split_sizes(rows),
-                                    self.mesh.shape.get("model", 1), frozenset(lengths))
+        return self.program.memory(self.state, device_gib)
 
     def describe(self) -> dict:
         """The run's shape: hosts, devices, mesh, parameter count, bytes per device,
@@ -412,16 +275,17 @@ class Trainer:
         self._require_init("describe")
         rows = placement(self.runtime.abstract[0], self.runtime.specs[0], self.mesh)
         opt = sum(x.nbytes for x in jax.tree.leaves(self.state.opt_state)
-                  if hasattr(x, "nbytes")) // max(self.mesh.size, 1)
-        return {"hosts": jax.process_count(), "devices": self.mesh.size,
-                "mesh": dict(self.mesh.shape),
+                  if hasattr(x, "nbytes")) // max(self.parallelism.devices, 1)
+        return {"hosts": jax.process_count(), "devices": self.parallelism.devices,
+                "mesh": self.parallelism.shape,
                 "parameters": int(sum(np.prod(r.shape) for r in rows)),
                 "trainable_parameters": int(sum(np.prod(x.shape) for x in
                                                 jax.tree.leaves(self.state.params))),
                 "param_bytes_per_device": int(sum(r.bytes_per_device for r in rows)),
                 "optimizer_bytes_per_device_approx": int(opt),
-                "batch_size": self.batch_size, "micro_batch_size": self.micro,
-                "accumulation_steps": self.accum}
+                "batch_size": self.batch_size,
+                "micro_batch_size": self.geometry.micro_batch_size,
+                "accumulation_steps": self.geometry.accumulation}
 
     def _print_summary(self) -> None:
         d = self.describe()
@@ -453,29 +317,12 @@ class Trainer:
                                "or trainer.fit(...) first")
 
     # ---------------------------------------------------------------- steps
-    def _train_program(self):
-        """The jitted training step, built once: ``steps.train_step`` bound to this
-        model, loss and optimizer, with the state's shardings and the state donated."""
-        if "train" not in self._steps:
-            gradients = microbatched(
-                model_gradients(model_loss(self.runtime.train_apply, self.functions.loss),
-                                self.grad_fn),
-                self.accum, self.micro * self.dp, NamedSharding(self.mesh, P(None, BATCH_AXES)),
-                self._metric_names)
-            self._steps["train"] = jax.jit(
-                functools.partial(train_step, gradients=gradients, optimizer=self.optimizer,
-                                  on_nonfinite=self.on_nonfinite),
-                in_shardings=(self.layout.shardings, batch_sharding(self.mesh)),
-                out_shardings=(self.layout.shardings, self.runtime.replicated()),
-                donate_argnums=0)
-        return self._steps["train"]
-
     def compiled_step(self):
         """The training step as XLA compiled it for this mesh and batch (after ``init``):
         ``.as_text()`` shows its collectives, ``.memory_analysis()`` its bytes per
         device, ``.cost_analysis()`` its FLOPs. The same program ``fit`` runs."""
         self._require_init("compiled_step")
-        return self._train_program().lower(self.state, self._global_batch).compile()
+        return self.program.compiled(self.state)
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """One optimizer update; ``batch`` is this process's rows of the global batch
@@ -483,18 +330,17 @@ class Trainer:
         return self._step(self._place(batch))
 
     def _place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        sharding = batch_sharding(self.mesh)
-        mine = process_rows(sharding, self.batch_size)
+        mine = self.geometry.process_rows
         rows = next(iter(batch.values())).shape[0]
         if rows != mine.stop - mine.start:
             raise UserFunctionError(
                 f"the batch has {rows} rows but this process feeds {mine.stop - mine.start} of "
                 f"batch_size={self.batch_size}: collate must return one row per example")
-        return to_global(batch, sharding, self.batch_size)
+        return to_global(batch, self.parallelism.batch_sharding(), self.batch_size)
 
     def _step(self, placed: dict[str, jax.Array]) -> dict[str, jax.Array]:
         self._require_init("train_step")
-        self.state, metrics = self._train_program()(self.state, placed)
+        self.state, metrics = self.program.train_step()(self.state, placed)
         watchdog.progress("a training step", training=True)
         return metrics
 
@@ -502,6 +348,9 @@ class Trainer:
     def evaluate(self, examples: Sequence) -> dict[str, float]:
         """Mean loss and metrics over every example exactly once.
 
+        Each batch's values are summed times its weight (the loss's ``weight`` metric,
+        e.g. its real tokens; else its examples) and divided once by the total weight,
+        so a token-level metric is the mean over every token, whatever the batches hold.
         Full batches run split over the devices; a final partial batch runs at its
         exact size (split if it divides, replicated otherwise), so no padding enters
         the mean. ``examples``: a list, or a row source (``len`` + ``take_rows``).
@@ -509,20 +358,20 @@ class Trainer:
         if not len(examples):
             raise ValueError("evaluate got no examples")
         self.init(examples)
-        if "eval" not in self._steps:
-            self._steps["eval"] = jax.jit(
-                functools.partial(eval_step, apply=self.runtime.apply, loss=self.functions.loss),
-                out_shardings=self.runtime.replicated())
-        program, rng = self._steps["eval"], stream_key(self.seed, KeyStream.EVAL)
+        program, rng = self.program.eval_step(), stream_key(self.seed, KeyStream.EVAL)
         pending = each_batch(
-            examples, self.eval_batch_size, self.mesh, self.functions.collate,
+            examples, self.eval_batch_size, self.parallelism, self.functions.collate,
             lambda batch, start: program(self.state.whole_params, self.state.extra, batch, rng),
             pad_last=False)
         totals: dict[str, float] = {}
-        for n, metrics in pending:
-            for k, v in jax.device_get(metrics).items():
-                totals[k] = totals.get(k, 0.0) + float(v) * n
-        return {k: v / len(examples) for k, v in totals.items()}
+        weight = 0.0
+        for _, metrics in pending:
+            metrics = jax.device_get(metrics)
+            w = float(metrics.pop(WEIGHT))
+            weight += w
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v) * w
+        return {k: v / weight for k, v in totals.items()}
 
     def fit(self, train: Sequence, epochs: int = 1, eval_data: Sequence | None = None,
             eval_metric: Callable | None = None, max_steps: int | None = None,
@@ -562,9 +411,9 @@ class Trainer:
             raise ValueError(f"best_metric={ckpt.best_metric!r} needs eval_data: the best "
                              "checkpoint is chosen by the evaluation after each epoch")
         self.init(train)
-        settings = self._data_settings(train, shuffle)
-        self._check_resume(settings)
-        per_epoch = self._steps_per_epoch(train)
+        data = self.training_data(train, shuffle)
+        data.check_resume(self.resumed_from, self.checkpointer and self.checkpointer.directory)
+        per_epoch = data.steps_per_epoch()
         if not per_epoch:
             raise ValueError(f"{train!r} gives no full batch of {self.batch_size} examples per "
                              "epoch: lower batch_size or add data")
@@ -583,14 +432,18 @@ class Trainer:
         self._fit_hooks = [hook for hook in (
             self._guard, recorder, LogWindow(self.log_every),
             self.console.progress(self, self.budget) if shown else None, evaluation,
-            None if ckpt is None else Checkpoints(self, settings)) if hook is not None]
+            None if ckpt is None else Checkpoints(self, data.settings())) if hook is not None]
         try:
             first_epoch, _ = self.position.resume_point()
             if (eval_at_start and evaluation is not None and first_epoch < epochs
                     and (max_steps is None or self.step < max_steps)):
                 evaluation.run(self, self.step, first_epoch)
             while True:
-                steps = self._training_steps(train, epochs, max_steps, shuffle)
+                steps = training_steps(
+                    data, epochs, max_steps, position=self.position, done=self.step,
+                    geometry=self.geometry, sharding=self.parallelism.batch_sharding(),
+                    collate=self.functions.collate, step=self._step, depth=self.prefetch,
+                    first_batch=self._learn_tokens)
                 try:
                     for event in steps:
                         self._dispatch(event)
@@ -603,7 +456,12 @@ class Trainer:
             self._fit_hooks, self._guard = [], None
         return recorder.rows
 
+    def _learn_tokens(self, batch: dict) -> None:
+        self.tokens_per_example = tokens_per_example(batch)
+
     def _dispatch(self, event) -> None:
+        if isinstance(event, (StepInfo, EpochEnd)) and event.position is not None:
+            self.position = event.position
         for hook in self._listening():
             if isinstance(event, StepInfo):
                 hook.on_step(self, event)
@@ -612,128 +470,44 @@ class Trainer:
             else:
                 hook.on_epoch_start(self, *event)
 
-    def _roll_back(self, bad_step: int, position: Position) -> int | None:
+    def roll_back(self, bad_step: int, position: Position) -> int | None:
         """Restores the newest checkpoint's state, keeps counting steps from
         ``bad_step`` and continues after that step's batch (``position``). Returns the
         checkpoint's step, or None when there is no checkpoint to go back to."""
         if self.checkpointer is None:
             return None
         self.checkpointer.wait()
-        found = self.checkpointer.restore_latest(self.layout.checkpoint_targets(),
-                                                 check=self._check_trainable,
-                                                 required=POSITION_META)
+        found = self._restore_latest()
         if found is None:
             return None
         items, meta = found
-        shardings = self.layout.shardings
+        shardings = self.program.layout.shardings
         restored = TrainState.from_checkpoint_items(items, self.state.frozen)
         step = jax.jit(lambda: jnp.asarray(bad_step, jnp.int32),
                        out_shardings=shardings.step)()
         self.state = restored.replace(step=step,
                                       nonfinite_step=zero_flag(shardings.nonfinite_step))
         self.position = Position(position.epoch, position.batch, False)
-        self._log({"step": bad_step, "rolled_back_to_step": int(meta["step"])})
+        self.record({"step": bad_step, "rolled_back_to_step": int(meta["step"])})
         return int(meta["step"])
 
-    def _training_steps(self, train: Sequence, epochs: int, max_steps: int | None,
-                        shuffle: bool) -> Iterator:
-        """Runs the steps the budget leaves, from ``self.position``; yields
-        ``(epoch, first batch)`` as an epoch starts, a ``StepInfo`` after each step
-        and an ``EpochEnd`` after an epoch's last step."""
-        per_epoch = self._steps_per_epoch(train)
-        sharding = batch_sharding(self.mesh)
-        mine = process_rows(sharding, self.batch_size)
-        first_epoch, first_batch = self.position.resume_point()
-        done = self.step
-        for epoch in range(first_epoch, epochs):
-            if max_steps is not None and done >= max_steps:
-                return
-            start = first_batch if epoch == first_epoch else 0
-            stop = per_epoch if max_steps is None else min(per_epoch, start + max_steps - done)
-            yield epoch, start
-
-            def make(examples):
-                batch = collate_checked(self.functions.collate, examples)
-                if not self.tokens_per_example:
-                    self.tokens_per_example = _tokens_per_example(batch)
-                return to_global(batch, sharding, self.batch_size)
-
-            batches = epoch_batches(train, epoch, self.seed, shuffle, self.batch_size, mine,
-                                    start, stop, self._streams)
-            in_flight = InFlight()
-            for i, placed in zip(range(start, stop), prefetch(batches, make, self.prefetch)):
-                metrics = self._step(placed)
-                in_flight.add(metrics)
-                done += 1
-                self.position = Position(epoch, i + 1, False)
-                yield StepInfo(done, self.position, metrics, i == per_epoch - 1)
-            complete = stop == per_epoch
-            if complete:
-                self.position = Position(epoch, per_epoch, True)
-            yield EpochEnd(epoch, done, complete)
-            if not complete:  # max_steps ended the run inside this epoch
-                return
-
     def _set_budget(self, budget: int) -> None:
-        """Gives a ``redray.Schedule`` the run's budget (a resumed run's schedule grows
-        as ``redray/engine/schedule.py`` defines); warns when a plain schedule function
-        cannot follow a budget that changed."""
-        before = self.budget if self.budget is not None else (self.resumed_from or {}).get(
-            "budget")
+        """Gives the learning rate the run's budget (``schedule.follow_budget``)."""
+        resumed = self.resumed_from or {}
+        before = self.budget if self.budget is not None else resumed.get("budget")
         self.budget = budget
-        lr, step = self.learning_rate, self.step
-        if isinstance(lr, Schedule):
-            saved = None  # a fresh run: one segment
-            if step > 0:  # this Trainer's earlier fit, else the checkpoint it resumed
-                saved = self._schedule_meta if self._schedule_meta is not None else \
-                    (self.resumed_from or {}).get("schedule")
-            segments = lr.with_budget(budget, step, saved)
-            if segments != lr.segments:
-                lr.segments = segments
-                self._steps.pop("train", None)  # its schedule is traced into the step
-            self._schedule_meta = lr.as_meta()
-        elif callable(lr) and step > 0 and before is not None and before != budget \
-                and jax.process_index() == 0:
-            warnings.warn(
-                f"the run's budget changed from {before} to {budget} steps at step {step}, "
-                "but learning_rate is a plain function built for one budget: its value at "
-                f"step {step} may jump (a sawtooth). Use redray.Schedule(peak, warmup=...) for "
-                "the optimizer and learning_rate: it continues smoothly when the budget grows",
-                stacklevel=3)
-
-    def _steps_per_epoch(self, train) -> int:
-        return steps_per_epoch(train, self.batch_size, self._streams)
-
-    def _data_settings(self, train: Sequence, shuffle: bool) -> dict:
-        """What decides the batches: a run resumes only with the same (kept in meta).
-
-        A stream's count of parallel streams is the checkpoint's when resuming (so a
-        resume on another number of hosts reads the same batches), else its own."""
-        settings = {"examples": len(train), "seed": self.seed, "batch_size": self.batch_size,
-                    "shuffle": shuffle}
-        self._streams = None
-        if is_stream(train):
-            saved = ((self.resumed_from or {}).get("stream") or {}).get("streams")
-            groups = data_groups(self.batch_size,
-                                 process_rows(batch_sharding(self.mesh), self.batch_size))
-            self._streams = train.resolve_streams(saved, groups, self.batch_size)
-            settings["stream"] = train.settings(self._streams)
-        return settings
-
-    def _check_resume(self, settings: dict) -> None:
-        """Refuses to resume a run on other data or another order: that would silently
-        train on different batches than the run it continues."""
-        meta = self.resumed_from
-        if meta is None:
-            return
-        changed = [f"{k}: checkpoint {meta.get(k)!r}, now {v!r}" for k, v in settings.items()
-                   if meta.get(k) != v]
+        saved = self._schedule_meta if self._schedule_meta is not None else \
+            resumed.get("schedule")  # this Trainer's earlier fit, else its checkpoint's
+        changed, meta = follow_budget(self.learning_rate, budget, self.step, before, saved)
         if changed:
-            raise CheckpointMismatch(
-                f"the checkpoint in {self.checkpointer.directory} was written by a run with "
-                f"other data settings ({'; '.join(changed)}): resuming would train on "
-                "different batches. Use the same settings, or start a new run (another "
-                "name or directory, or resume=False)")
+            self.program.retrace()  # the schedule is traced into the step
+        if meta is not None:
+            self._schedule_meta = meta
+
+    def training_data(self, train: Sequence, shuffle: bool = True) -> TrainingData:
+        """``train`` as this run reads it (its order, batch size and streams; a resumed
+        run's streams are its checkpoint's): what ``fit`` trains on."""
+        return TrainingData.of(train, self.seed, shuffle, self.geometry, self.resumed_from)
 
     def save_checkpoint(self, data_settings: dict, metrics: dict | None = None) -> None:
         """Starts saving the state at the current step and position (``fit``'s
@@ -743,7 +517,7 @@ class Trainer:
         position = self.position
         meta = {"step": self.step, "epoch": position.epoch, "batch": position.batch,
                 "epoch_done": position.epoch_done, **data_settings, "metrics": metrics or {},
-                "config": self.config, "trainable": self.trainable, "run": self.run_meta,
+                "config": self.config, "trainable": self.trainable, "run": self._run_meta(),
                 "budget": self.budget, "schedule": self._schedule_meta, "time": time.time()}
 
         def committed(step, path, meta):
@@ -751,6 +525,14 @@ class Trainer:
                 hook.on_checkpoint(self, step, path, meta)
 
         self.checkpointer.save(self.state.checkpoint_items(), meta, on_commit=committed)
+
+    def _run_meta(self) -> dict:
+        """A checkpoint's ``run``: what the checkpoint resumed from kept there, updated
+        by every hook's ``run_meta``."""
+        out = dict((self.resumed_from or {}).get("run", {}))
+        for hook in self._listening():
+            out.update(hook.run_meta(self))
+        return out
 
     def log(self, metrics: dict) -> dict:
         """Logs your own metrics (e.g. an RL return) at the current step.
@@ -764,10 +546,12 @@ class Trainer:
         if bad and self.on_nonfinite != "skip":  # a loop of train_step calls, outside fit
             raise NonFiniteError(nonfinite_message(self, bad, None, None))
         row = {"step": self.step, **{k: float(v) for k, v in metrics.items()}}
-        self._log(row)
+        self.record(row)
         return row
 
-    def _log(self, row: dict) -> None:
+    def record(self, row: dict) -> None:
+        """Sends a logged row to every hook's ``on_log`` (what ``fit``'s log windows and
+        evaluations do; ``log`` checks and converts your metrics first)."""
         for hook in self._listening():
             hook.on_log(self, row)
 
@@ -789,36 +573,3 @@ class Trainer:
                 self.runtime, self.functions.collate, self.functions.predict,
                 lambda: (self.state.whole_params, self.state.extra), size, self.seed)
         return self._predictors[size]
-
-
-def _tokens_per_example(batch) -> int:
-    """Tokens in one example: the width of the batch's first 2-D integer array (e.g.
-    ``input_ids``), or 0 when the batch has no tokens."""
-    for key in sorted(batch):
-        value = np.asarray(batch[key])
-        if value.ndim == 2 and np.issubdtype(value.dtype, np.integer):
-            return int(value.shape[1])
-    return 0
-
-
-def _loss_value(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _batch_layout(batch_size: int, micro_batch_size: int | None, dp: int) -> tuple[int, int, int]:
-    """(global batch, accumulation steps, per-device micro batch), validated."""
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if batch_size % dp:
-        raise ValueError(f"batch_size={batch_size} does not split over the {dp} data-parallel "
-                         f"devices (data x fsdp axes): use a multiple of {dp}")
-    if micro_batch_size is None:
-        return batch_size, 1, batch_size // dp
-    if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
-    if batch_size % (micro_batch_size * dp):
-        raise ValueError(
-            f"batch_size={batch_size} is not a multiple of micro_batch_size={micro_batch_size} x "
-            f"{dp} data-parallel devices = {micro_batch_size * dp}: gradient accumulation needs "
-            "whole micro-batches")
-    return batch_size, batch_size // (micro_batch_size * dp), micro_batch_size

@@ -25,7 +25,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from redray.rngs import rngs as fast_rngs
-from redray.sharding import derive_specs, flatten, make_mesh
+from redray.sharding import Parallelism, derive_specs, flatten
+from redray.sharding.parallelism import KEYWORDS as AXIS_KEYWORDS
 
 # model_type -> module implementing the family (Model, weight_table, trace_inputs).
 FAMILIES = {
@@ -277,16 +278,17 @@ def _open_safetensors(file: str):
                          "download or save it again") from None
 
 
-def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fsdp_axis=1,
-                    model_axis=1, dtype=jnp.float32, remat=False, rules=(),
-                    seed: int = 0, scan: bool = False, **config_overrides):
+def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
+                    mesh: Mesh | None = None, dtype=jnp.float32, remat=False, rules=(),
+                    seed: int = 0, scan: bool = False, **overrides):
     """Loads a Hugging Face checkpoint folder into a redray model, sharded on a mesh.
 
     Args:
       path: a local folder with ``config.json`` and ``model.safetensors`` (or sharded
         ``model-0000x-of-0000y.safetensors`` with ``model.safetensors.index.json``).
-      mesh / data_axis, fsdp_axis, model_axis: where to place it (default: every
-        device, data parallel). Specs come from the automatic rules.
+      parallelism / mesh: where to place it (a ``redray.Parallelism`` or a mesh; or
+        the axis sizes among ``overrides``; default: every device, data parallel).
+        Specs come from the automatic rules.
       dtype: compute dtype of the model (parameters stay float32).
       remat: what each block keeps for the backward pass: False/"none", True/"full",
         "dots" or "offload" (``redray.models.layers.REMAT_POLICIES``).
@@ -294,7 +296,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
       seed: seeds what the checkpoint does not hold (dropout RNG state).
       scan: stack the layers and scan over them (one compiled block, whatever the
         depth); each checkpoint tensor of layer i becomes row i of its stacked array.
-      **config_overrides: set on the config before building (e.g. ``attention_dropout``).
+      **overrides: the mesh's axis sizes (``model_axis=2``..., as for ``Trainer``), and
+        fields set on the config before building (e.g. ``attention_dropout``).
 
     Returns:
       The ``nnx.Module`` with every parameter placed on its sharding.
@@ -302,15 +305,18 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, data_axis="auto", fs
     Raises:
       ValueError: listing every missing, unexpected and mis-shaped tensor at once.
     """
+    axes = {k: v for k, v in overrides.items() if k in AXIS_KEYWORDS}
     config = load_config(path)
-    for key, value in config_overrides.items():
-        setattr(config, key, value)
+    for key, value in overrides.items():
+        if key not in axes:
+            setattr(config, key, value)
     fam = family(config.model_type)
-    mesh = mesh or make_mesh(data_axis=data_axis, fsdp_axis=fsdp_axis, model_axis=model_axis)
+    plan = Parallelism.resolve(parallelism, mesh, rules, axes, "from_pretrained")
+    mesh = plan.mesh
     make = lambda: fam.Model(config, rngs=fast_rngs(seed), dtype=dtype, remat=remat,  # noqa: E731
                              scan=scan)
     graphdef, params_abs, extra_abs = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
-    specs = model_specs(graphdef, (params_abs, extra_abs), mesh, fam.trace_inputs(config), rules)
+    specs = model_specs(graphdef, (params_abs, extra_abs), plan, fam.trace_inputs(config))
     param_specs, extra_specs = specs
     paths, leaves, treedef = flatten(params_abs)
     spec_leaves = jax.tree.leaves(param_specs,
@@ -417,14 +423,17 @@ def _stored_name(row: Tensor, available: set, base_prefix: str | None) -> str | 
     return next((n for n in candidates if n in available), None)
 
 
-def model_specs(graphdef, state, mesh: Mesh, inputs: dict, rules=(), whole: list | None = None):
-    """Automatic specs of a model's (params, extra), traced on ``model(**inputs)``;
-    ``whole`` receives the layer parameters left unsplit over ``model`` (``derive_specs``)."""
+def model_specs(graphdef, state, parallelism: Parallelism, inputs: dict,
+                whole: list | None = None):
+    """Automatic specs of a model's (params, extra) on a built plan (a mesh or an
+    abstract one), traced on ``model(**inputs)``; ``whole`` receives the layer parameters
+    left unsplit over ``model`` (``derive_specs``)."""
     def forward(st, kwargs):
         out = nnx.merge(graphdef, *jax.tree.map(lambda x: x, st))(**kwargs)
         return out
 
-    return derive_specs(state, mesh, forward, (inputs,), rules, whole)
+    return derive_specs(state, parallelism.mesh, forward, (inputs,), whole=whole,
+                        passes=parallelism.spec_passes())
 
 
 def save_pretrained(model, path: str, max_shard_bytes: int | None = None,

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from redray.models.layers import remat_policy
+from redray.sharding import FSDP, MODEL, Parallelism
 from redray.sharding.memory import (GATHERED_LAYERS, layer_gather_bytes, saved_residuals,
                                     split_residual_bytes, split_sizes, totals)
 
@@ -159,34 +160,28 @@ def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_
             "per_layer": int(max(deltas)), "host": int(max(host, 0))}
 
 
-def memory_plan(fam, config, param_rows, opt_bytes: int, mesh: dict, step: StepShape,
-                device_gib: float | None = None) -> dict:
-    """Bytes per device of one training step of ``config``'s model (see the module).
+def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelism,
+                step: StepShape, device_gib: float | None = None) -> dict:
+    """Bytes per device of one training step of ``config``'s model on ``parallelism``
+    (built, or abstract) (see the module).
 
     Returns a JSON-ready dict: ``parts`` (name -> bytes per device: parameters,
     optimizer, gradients, compute_copies, fsdp_gathered, activations, recompute),
     ``total``, ``per_device_batch``, ``offloaded_to_host``, the ``step`` it is for and,
     with ``device_gib``, ``fits`` and ``device_bytes``.
     """
-    shards = mesh["data"] * mesh["fsdp"]
-    if step.batch_size % step.micro:
-        raise ValueError(f"batch_size {step.batch_size} is not a multiple of "
-                         f"micro_batch_size {step.micro}")
-    if step.micro % shards:
-        raise ValueError(f"micro batch {step.micro} does not split over data x fsdp = {shards} "
-                         f"devices: use a multiple of {shards}")
-    per_device = step.micro // shards
+    per_device = parallelism.step_geometry(step.batch_size, step.micro).micro_batch_size
     params = sum(r.bytes_per_device for r in param_rows)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model", 0)
-    acts = activation_bytes(fam, config, step, per_device, mesh["model"],
+    acts = activation_bytes(fam, config, step, per_device, parallelism.size(MODEL),
                             split_sizes(param_rows, hidden))
     copies = 0
     item = jnp.dtype(step.compute_dtype).itemsize if step.compute_dtype else 4
     if step.compute_dtype and jnp.dtype(step.compute_dtype) != jnp.float32:
         copies = params * item // 4
-    gathered = 0
-    if mesh["fsdp"] > 1:
-        gathered = GATHERED_LAYERS * layer_gather_bytes(param_rows, mesh["fsdp"]) * item // 4
+    gathered, fsdp = 0, parallelism.size(FSDP)
+    if fsdp > 1:
+        gathered = GATHERED_LAYERS * layer_gather_bytes(param_rows, fsdp) * item // 4
     parts = {"parameters": params, "optimizer": opt_bytes, "gradients": params,
              "compute_copies": copies, "fsdp_gathered": gathered,
              "activations": acts["saved"], "recompute": acts["recompute"]}

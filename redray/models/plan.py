@@ -2,11 +2,11 @@
 
 ``plan_model(config, devices, model_axis, fsdp_axis)`` builds the model abstractly
 (``nnx.eval_shape``: ShapeDtypeStructs only), traces its forward pass on abstract
-inputs, applies the automatic rules (tensor parallel over ``model``, ZeRO-3 over
-``fsdp``) against an ``AbstractMesh`` of the requested sizes, and reports what each
+inputs, applies the automatic rules (the parallelism plan's spec passes) on an
+abstract plan of the requested sizes (``Parallelism.abstract``), and reports what each
 device holds: parameters and Adam state (two float32 moments that follow their
-parameter's spec), beside the ideal ``total / (model x fsdp)``. The ``data`` axis
-replicates by design, so it is not part of the ideal.
+parameter's spec), beside the ideal: the total over the axes that split parameters
+(``PARAMETER_AXES``). The data axis replicates by design, so it is not part of it.
 
 Named presets (``presets()``) are the Hugging Face ``config.json`` of well-known models,
 shipped in ``redray/models/presets``.
@@ -21,11 +21,13 @@ import os
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from redray.models.memory import StepShape, memory_plan
 from redray.sharding.memory import part_lines, size_text
-from redray.sharding import AXES, follow_specs, placement
+from redray.sharding import (AXES, FSDP, MODEL, PARAMETER_AXES, Parallelism, follow_specs,
+                             placement)
+from redray.sharding.rules import axes_of
 
 PRESET_DIR = "presets"
 # Parameters smaller than this (norm scales, biases) are counted, not listed, when
@@ -109,22 +111,25 @@ def resolve_config(config):
     return config
 
 
-def mesh_sizes(devices: int, model_axis: int, fsdp_axis: int) -> dict[str, int]:
-    """{data, fsdp, model} sizes; data takes what model x fsdp leave of the devices."""
-    for name, value in (("devices", devices), ("model axis", model_axis),
-                        ("fsdp axis", fsdp_axis)):
+def plan_parallelism(devices: int, rules=(), **sizes) -> Parallelism:
+    """The abstract plan on ``devices`` of the axis sizes given by keyword
+    (``model_axis=8``...); the data axis takes what the others leave of the devices."""
+    given = [(a, sizes.get(a.keyword, a.default)) for a in reversed(AXES)
+             if a.default != "auto"]
+    for name, value in (("devices", devices),
+                        *((f"{a.name} axis", size) for a, size in given)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name} must be a positive integer, got {value!r}")
-    per_replica = model_axis * fsdp_axis
+    per_replica = math.prod(size for _, size in given)
     if devices % per_replica:
         lower = devices // per_replica * per_replica
         near = [d for d in (lower, lower + per_replica) if d > 0]
         raise PlanError(
-            f"model axis {model_axis} x fsdp axis {fsdp_axis} = {per_replica} does not divide "
-            f"{devices} devices: use a device count that is a multiple of {per_replica} "
-            f"(e.g. {' or '.join(str(d) for d in sorted(near))}), or axis sizes whose product "
-            f"divides {devices}")
-    return {"data": devices // per_replica, "fsdp": fsdp_axis, "model": model_axis}
+            f"{' x '.join(f'{a.name} axis {size}' for a, size in given)} = {per_replica} does "
+            f"not divide {devices} devices: use a device count that is a multiple of "
+            f"{per_replica} (e.g. {' or '.join(str(d) for d in sorted(near))}), or axis "
+            f"sizes whose product divides {devices}")
+    return Parallelism.of(rules=rules, caller="redray plan", **sizes).abstract(devices)
 
 
 def abstract_model(config, dtype=jnp.float32):
@@ -153,23 +158,21 @@ def _spec_leaves(specs) -> list[P]:
 
 
 def _replicated_axes(spec: P, mesh_shape: dict) -> list[str]:
-    used = set()
-    for entry in spec:
-        for axis in (entry if isinstance(entry, tuple) else (entry,)):
-            if axis is not None:
-                used.add(axis)
-    return [a for a in ("model", "fsdp") if mesh_shape[a] > 1 and a not in used]
+    """The axes meant to split parameters that ``spec`` leaves it whole over."""
+    used = {axis for entry in spec for axis in axes_of(entry)}
+    return [a.name for a in PARAMETER_AXES if mesh_shape[a.name] > 1 and a.name not in used]
 
 
-def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
-               rules=(), replicated_min_bytes: int = REPLICATED_MIN_BYTES,
-               step: StepShape | None = None, device_gib: float | None = None) -> dict:
+def plan_model(config, devices: int, model_axis: int = MODEL.default,
+               fsdp_axis: int = FSDP.default, *, rules=(),
+               replicated_min_bytes: int = REPLICATED_MIN_BYTES, step: StepShape | None = None,
+               device_gib: float | None = None, **axes) -> dict:
     """What each device holds when ``config``'s model is sharded by the automatic rules.
 
     Args:
       config: a ``transformers`` config, a dict of config.json fields, a preset name or
         a config.json path.
-      devices: the device count; the data axis is ``devices / (model_axis * fsdp_axis)``.
+      devices: the device count; the data axis takes what the other axes leave.
       model_axis, fsdp_axis: tensor-parallel and ZeRO-3 axis sizes.
       rules: (regex, PartitionSpec) overrides, as for ``Trainer``.
       replicated_min_bytes: parameters left replicated that are smaller than this are
@@ -178,6 +181,7 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
         compute dtype): the result gets ``memory``, what one training step holds per
         device (``redray.models.memory.memory_plan``).
       device_gib: with ``step``, the device memory to check the step against.
+      **axes: the size of any other axis of ``redray.sharding.AXES``, by its keyword.
 
     Returns:
       A JSON-ready dict: ``n_params``, ``devices``, ``mesh`` ({data, fsdp, model}),
@@ -197,13 +201,14 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
 
     from redray.models.hub import model_specs
 
-    sizes = mesh_sizes(devices, model_axis, fsdp_axis)
+    parallelism = plan_parallelism(devices, rules, model_axis=model_axis, fsdp_axis=fsdp_axis,
+                                   **axes)
+    sizes, mesh = parallelism.shape, parallelism.mesh
     config = resolve_config(config)
-    mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
     fam, graphdef, params, extra = abstract_model(config)
     whole: list = []
-    param_specs, _ = model_specs(graphdef, (params, extra), mesh, fam.trace_inputs(config), rules,
-                                 whole)
+    param_specs, _ = model_specs(graphdef, (params, extra), parallelism,
+                                 fam.trace_inputs(config), whole)
     why = {w.path: w for w in whole}
     opt_abs = jax.eval_shape(optax.adam(1e-3).init, params)
     opt_specs = follow_specs(opt_abs, params, param_specs)
@@ -211,7 +216,7 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
     shape = dict(mesh.shape)
     param_rows = placement(params, param_specs, mesh)
     opt_rows = placement(opt_abs, opt_specs, mesh)
-    ideal_shards = sizes["model"] * sizes["fsdp"]
+    ideal_shards = math.prod(sizes[a.name] for a in PARAMETER_AXES)
 
     def total(rows):
         return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in rows)
@@ -240,7 +245,7 @@ def plan_model(config, devices: int, model_axis: int, fsdp_axis: int = 1, *,
     memory = None
     if step is not None:
         try:
-            memory = memory_plan(fam, config, param_rows, int(actual["opt"]), sizes, step,
+            memory = memory_plan(fam, config, param_rows, int(actual["opt"]), parallelism, step,
                                  device_gib)
         except ValueError as e:
             raise PlanError(str(e)) from None
@@ -275,7 +280,7 @@ def format_model_plan(result: dict, name: str | None = None) -> str:
     lines = [
         f"{title}: {result['n_params']:,} parameters "
         f"({size_text(result['n_params'] * 4)} in float32)",
-        f"mesh: data={mesh['data']} x fsdp={mesh['fsdp']} x model={mesh['model']} "
+        f"mesh: {' x '.join(f'{k}={v}' for k, v in mesh.items())} "
         f"({result['devices']} devices)",
         "",
         f"{'per device':<24}{'actual':>14}{'ideal':>14}{'ratio':>9}",
@@ -289,8 +294,10 @@ def format_model_plan(result: dict, name: str | None = None) -> str:
     a = result["param_bytes_per_device"] + result["opt_bytes_per_device"]
     i = ideal["params"] + ideal["opt"]
     lines.append(f"{'total':<24}{size_text(a):>14}{size_text(i):>14}{a / i if i else 1.0:>8.3f}x")
-    lines.append(f"ideal = total / (model {mesh['model']} x fsdp {mesh['fsdp']}); the data axis "
-                 f"({mesh['data']}) replicates by design.")
+    over = " x ".join(f"{a.name} {mesh[a.name]}" for a in PARAMETER_AXES)
+    by_design = ", ".join(f"{a.name} axis ({mesh[a.name]})" for a in AXES
+                          if not a.splits_parameters)
+    lines.append(f"ideal = total / ({over}); the {by_design} replicates by design.")
     lines.append("")
     threshold = size_text(result["replicated_min_bytes"])
     reps, omitted = result["replicated"], result["replicated_omitted"]

@@ -16,6 +16,9 @@ import math
 
 import jax.numpy as jnp
 
+from redray.sharding.parallelism import FSDP, MODEL
+from redray.sharding.rules import axes_of
+
 # FSDP: the layers whose parameters are gathered at once (the one computing and the
 # next, prefetched).
 GATHERED_LAYERS = 2
@@ -51,11 +54,11 @@ def split_sizes(param_rows, hidden: int | None = None) -> set[int]:
     vector parameter left whole over ``model`` (norm scales, output biases)."""
     sizes, whole = set(), set() if hidden is None else {hidden}
     for row in param_rows:
-        axes = [a for e in row.spec for a in (e if isinstance(e, tuple) else (e,))]
-        if len(row.shape) == 1 and "model" not in axes:
+        axes = [a for e in row.spec for a in axes_of(e)]
+        if len(row.shape) == 1 and MODEL.name not in axes:
             whole.add(row.shape[0])
         for dim, entry in zip(row.shape, row.spec):
-            if "model" in (entry if isinstance(entry, tuple) else (entry,)):
+            if MODEL.name in axes_of(entry):
                 sizes.add(dim)
     return sizes - whole
 
@@ -68,8 +71,8 @@ def layer_gather_bytes(param_rows, fsdp: int) -> int:
     numbered: dict = {}
     unnumbered: dict = {}
     for row in param_rows:
-        axes = {a for e in row.spec for a in (e if isinstance(e, tuple) else (e,))}
-        gathered = row.bytes_per_device * (fsdp if "fsdp" in axes else 1)
+        axes = {a for e in row.spec for a in axes_of(e)}
+        gathered = row.bytes_per_device * (fsdp if FSDP.name in axes else 1)
         parts = row.path.split("/")
         index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
         if index is not None:
@@ -159,8 +162,8 @@ def advice(plan: dict, mesh: dict) -> list[str]:
     if plan.get("per_device_batch", 1) > 1:
         out.append("a smaller micro_batch_size (gradient accumulation keeps the batch)")
     if parts["parameters"] + parts["optimizer"] + parts["gradients"] > plan["total"] / 3:
-        out.append(f"a larger fsdp axis (now {mesh['fsdp']}) or model axis "
-                   f"(now {mesh['model']})")
+        out.append(f"a larger fsdp axis (now {mesh[FSDP.name]}) or model axis "
+                   f"(now {mesh[MODEL.name]})")
     if not step.get("compute_dtype"):
         out.append("compute_dtype='bfloat16' (activations at half the bytes)")
     return out

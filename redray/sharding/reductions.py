@@ -45,8 +45,9 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh, PartitionSpec as P
 
 from redray.sharding.dataflow import map_view
+from redray.sharding.parallelism import MODEL
 
-AXIS = "model"
+AXIS = MODEL.name
 
 _INLINE = {"pjit", "jit", "closed_call", "core_call"}
 _REMAT = {"remat", "checkpoint", "remat2"}

@@ -41,7 +41,7 @@ import dataclasses
 import math
 import re
 import warnings
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -285,35 +285,23 @@ def _follow_column_output(shapes, p, pu, role, split, uses) -> int | None:
     return None
 
 
-def fsdp_dim(shape: Sequence[int], taken: int | None, fsdp_size: int,
+def fsdp_dim(shape: Sequence[int], taken: Iterable[int], size: int,
              skip: Iterable[int] = ()) -> int | None:
-    """The largest dimension (first on ties) not already split, nor in ``skip`` (a
-    stacked layer axis), that divides by fsdp."""
+    """The largest dimension (first on ties) not ``taken`` by another axis, nor in
+    ``skip`` (a stacked layer axis), that divides by ``size``."""
     best = None
-    skip = set(skip)
+    skip = set(skip) | set(taken)
     for d, s in enumerate(shape):
-        if d != taken and d not in skip and s % fsdp_size == 0 and s >= fsdp_size:
+        if d not in skip and s % size == 0 and s >= size:
             if best is None or s > shape[best]:
                 best = d
     return best
 
 
 # A parameter tensor parallelism cannot split (a vocabulary of 50257 rows, a position
-# table of 2050) is sharded over ``model`` too, like FSDP, once it is this large
+# table of 2050) is sharded over the model axis too, like FSDP, once it is this large
 # (elements). Smaller ones stay replicated: gathering them would cost more than they hold.
 LARGE = 1 << 20
-
-
-def _shard_over_model(entries: list, shape, model_size: int, fsdp_size: int,
-                      skip: Iterable[int] = ()) -> None:
-    """Adds ``model`` to ``entries`` as an extra FSDP axis, on a dimension it divides."""
-    for d, entry in enumerate(entries):
-        if entry == "fsdp" and shape[d] % (fsdp_size * model_size) == 0:
-            entries[d] = ("fsdp", "model")
-            return
-    d = fsdp_dim(shape, next((k for k, e in enumerate(entries) if e), None), model_size, skip)
-    if d is not None and entries[d] is None:
-        entries[d] = "model"
 
 
 def compile_rules(rules) -> list[tuple[re.Pattern, P]]:
@@ -356,54 +344,206 @@ def _check_user_spec(path: str, shape, spec: P, mesh_shape: dict, pattern: str) 
                              f"(size {shape[d]}) over {size} devices, which does not divide it")
 
 
-def partition_specs(paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
-                    dtypes: Sequence[Any], mesh_shape: dict, trace: Trace | None = None,
-                    rules=(), whole: list | None = None) -> list[P]:
-    """The PartitionSpec of every array, from user rules, the dataflow and fsdp.
+def axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes one entry of a PartitionSpec names."""
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+@dataclasses.dataclass
+class SpecDraft:
+    """What the spec passes refine, in order: one list of entries per array (None, an
+    axis name or a tuple of them per dimension), and what each pass learned.
+
+    Attributes:
+      paths, shapes, dtypes: of every array ("/"-joined paths, what user rules match).
+      mesh_shape: axis name -> size.
+      trace: the model's dataflow (``dataflow.trace``), or None.
+      entries: the specs being built.
+      fixed: array index -> the spec a user rule gave it: later passes leave it alone.
+      whole: array index -> (axis, reason, fix, by_design) for a layer parameter a pass
+        could not split over its axis; reported (``Whole``) if no pass split it there.
+    """
+    paths: Sequence[str]
+    shapes: Sequence[tuple[int, ...]]
+    dtypes: Sequence[Any]
+    mesh_shape: dict
+    trace: Trace | None
+    entries: list = dataclasses.field(default_factory=list)
+    fixed: dict = dataclasses.field(default_factory=dict)
+    whole: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.entries:
+            self.entries = [[None] * len(s) for s in self.shapes]
+
+    def stacked(self, i: int) -> set[int]:
+        """Dimensions of array ``i`` that stack layers (a scanned model's layer axis)."""
+        return self.trace.scanned.get(i, set()) if self.trace is not None else set()
+
+    def free(self) -> Iterator[int]:
+        """Floating-point arrays no user rule fixed: what automatic passes may split."""
+        for i, dtype in enumerate(self.dtypes):
+            if i not in self.fixed and jnp.issubdtype(dtype, jnp.floating):
+                yield i
+
+    def uses(self, i: int, axis: str) -> bool:
+        return any(axis in axes_of(e) for e in self.entries[i])
+
+    def size(self, axis: str) -> int:
+        return self.mesh_shape.get(axis, 1)
+
+    def specs(self) -> list[P]:
+        out = []
+        for i, entries in enumerate(self.entries):
+            if i in self.fixed:
+                out.append(self.fixed[i])
+                continue
+            entries = list(entries)
+            while entries and entries[-1] is None:
+                entries.pop()
+            out.append(P(*entries))
+        return out
+
+    def left_whole(self) -> list[Whole]:
+        """The layer matrices some pass wanted to split and that stayed whole over its axis."""
+        found = []
+        for i, (axis, reason, fix, by_design) in sorted(self.whole.items()):
+            if i not in self.fixed and len(self.shapes[i]) - len(self.stacked(i)) >= 2 \
+                    and not self.uses(i, axis):
+                found.append(Whole(self.paths[i], tuple(self.shapes[i]), reason, fix, by_design))
+        return found
+
+
+class SpecPass:
+    """One step of spec derivation: refines a ``SpecDraft`` in place.
+
+    A parallelism brings its own pass (``redray.sharding.parallelism`` lists them in
+    order); ``traces`` says whether it reads the model's dataflow on this mesh.
+    """
+
+    def traces(self, mesh_shape: dict) -> bool:
+        return False
+
+    def __call__(self, draft: SpecDraft) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class UserRules(SpecPass):
+    """An ordered list of (regex on the parameter path, spec): the first match is the
+    array's spec, and no later pass changes it. A rule matching nothing is warned about."""
+    rules: tuple = ()
+
+    def __call__(self, draft: SpecDraft) -> None:
+        compiled = compile_rules(self.rules)
+        used = set()
+        for i, (path, shape) in enumerate(zip(draft.paths, draft.shapes)):
+            match = next(((k, spec) for k, (rx, spec) in enumerate(compiled) if rx.search(path)),
+                         None)
+            if match is None:
+                continue
+            used.add(match[0])
+            _check_user_spec(path, shape, match[1], draft.mesh_shape, compiled[match[0]][0].pattern)
+            draft.entries[i] = list(match[1]) + [None] * (len(shape) - len(match[1]))
+            draft.fixed[i] = match[1]
+        for k, (rx, _) in enumerate(compiled):
+            if k not in used:
+                paths = draft.paths
+                warnings.warn(f"sharding rule {rx.pattern!r} matched no parameter path "
+                              f"(paths look like {paths[0] if paths else '<none>'!r})",
+                              stacklevel=5)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel(SpecPass):
+    """The paper's two rules over ``axis`` (the module docstring): column and row layers
+    from the dataflow, lookups over their vocabulary, biases and scales with their
+    kernel's output."""
+    axis: str
+
+    def traces(self, mesh_shape: dict) -> bool:
+        return mesh_shape.get(self.axis, 1) > 1
+
+    def __call__(self, draft: SpecDraft) -> None:
+        why: dict = {}
+        dims = tensor_parallel_dims(draft.shapes, draft.trace, draft.size(self.axis),
+                                    draft.paths, why)
+        for i in draft.free():
+            if dims[i] is not None:
+                draft.entries[i][dims[i]] = self.axis
+        for i, note in why.items():
+            draft.whole[i] = (self.axis, *note)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fsdp(SpecPass):
+    """ZeRO-3 over ``axis``: the largest remaining divisible dimension of every
+    floating-point matrix, and of vectors of at least ``LARGE`` elements (a small
+    vector's all-gather costs more latency than its bytes save)."""
+    axis: str
+
+    def __call__(self, draft: SpecDraft) -> None:
+        size = draft.size(self.axis)
+        if size <= 1:
+            return
+        for i in draft.free():
+            shape, stacked = draft.shapes[i], draft.stacked(i)
+            if len(shape) - len(stacked) < 2 and math.prod(shape) < LARGE:
+                continue
+            taken = [d for d, e in enumerate(draft.entries[i]) if e is not None]
+            d = fsdp_dim(shape, taken, size, stacked)
+            if d is not None:
+                draft.entries[i][d] = self.axis
+
+
+@dataclasses.dataclass(frozen=True)
+class LargeOver(SpecPass):
+    """A large array (``LARGE`` elements or more) that no pass split over ``axis`` is
+    sharded over it as an extra FSDP axis: beside ``with_axis`` on a dimension both
+    divide, else on its own largest free one."""
+    axis: str
+    with_axis: str
+
+    def __call__(self, draft: SpecDraft) -> None:
+        size, beside = draft.size(self.axis), draft.size(self.with_axis)
+        if size <= 1:
+            return
+        for i in draft.free():
+            shape, entries = draft.shapes[i], draft.entries[i]
+            if draft.uses(i, self.axis) or math.prod(shape) < LARGE:
+                continue
+            paired = next((d for d, e in enumerate(entries)
+                           if e == self.with_axis and shape[d] % (beside * size) == 0), None)
+            if paired is not None:
+                entries[paired] = (self.with_axis, self.axis)
+                continue
+            taken = [d for d, e in enumerate(entries) if e is not None][:1]
+            d = fsdp_dim(shape, taken, size, draft.stacked(i))
+            if d is not None and entries[d] is None:
+                entries[d] = self.axis
+
+
+def partition_specs(passes: Sequence[SpecPass], paths: Sequence[str],
+                    shapes: Sequence[tuple[int, ...]], dtypes: Sequence[Any], mesh_shape: dict,
+                    trace: Trace | None = None, whole: list | None = None) -> list[P]:
+    """The PartitionSpec of every array: ``passes`` run in order on one draft.
 
     Args:
+      passes: the spec passes (``Parallelism.spec_passes``: user rules, tensor
+        parallel, FSDP, large arrays over the model axis).
       paths: "/"-joined parameter paths (what user regexes match).
       shapes, dtypes: of each array.
       mesh_shape: axis name -> size (``mesh.shape``).
       trace: the dataflow of the model; None uses the name fallback only.
-      rules: ordered (regex, spec) pairs; the first match wins over the automatic spec.
       whole: if given, a list that receives a ``Whole`` for every layer matrix (a
-        parameter of two or more dimensions that a matmul or lookup reads) that ends up
-        unsplit over ``model`` (no user rule gave its spec).
+        parameter of two or more dimensions that a matmul or lookup reads) a pass could
+        not split over its axis (no user rule gave its spec).
     """
-    compiled = compile_rules(rules)
-    model_size, fsdp_size = mesh_shape.get("model", 1), mesh_shape.get("fsdp", 1)
-    why: dict = {}
-    tp = tensor_parallel_dims(shapes, trace, model_size, paths, why)
-    used_rules = set()
-    specs = []
-    for i, (path, shape, dtype) in enumerate(zip(paths, shapes, dtypes)):
-        match = next(((k, spec) for k, (rx, spec) in enumerate(compiled) if rx.search(path)), None)
-        if match is not None:
-            used_rules.add(match[0])
-            _check_user_spec(path, shape, match[1], mesh_shape, compiled[match[0]][0].pattern)
-            specs.append(match[1])
-            continue
-        entries: list = [None] * len(shape)
-        floating = jnp.issubdtype(dtype, jnp.floating)
-        if floating and tp[i] is not None:
-            entries[tp[i]] = "model"
-        stacked = trace.scanned.get(i, set()) if trace is not None else set()
-        if floating and fsdp_size > 1 and (len(shape) - len(stacked) >= 2
-                                            or math.prod(shape) >= LARGE):
-            d = fsdp_dim(shape, tp[i], fsdp_size, stacked)
-            if d is not None:
-                entries[d] = "fsdp"
-        if floating and tp[i] is None and model_size > 1 and math.prod(shape) >= LARGE:
-            _shard_over_model(entries, shape, model_size, fsdp_size, stacked)
-        while entries and entries[-1] is None:
-            entries.pop()
-        specs.append(P(*entries))
-        if whole is not None and i in why and len(shape) - len(stacked) >= 2 and not any(
-                e == "model" or (isinstance(e, tuple) and "model" in e) for e in entries):
-            whole.append(Whole(path, tuple(shape), *why[i]))
-    for k, (rx, _) in enumerate(compiled):
-        if k not in used_rules:
-            warnings.warn(f"sharding rule {rx.pattern!r} matched no parameter path "
-                          f"(paths look like {paths[0] if paths else '<none>'!r})", stacklevel=3)
-    return specs
+    draft = SpecDraft(paths, shapes, dtypes, dict(mesh_shape), trace)
+    for step in passes:
+        step(draft)
+    if whole is not None:
+        whole.extend(draft.left_whole())
+    return draft.specs()

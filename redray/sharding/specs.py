@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from redray.sharding import dataflow
-from redray.sharding.rules import partition_specs
+from redray.sharding.parallelism import Parallelism
+from redray.sharding.rules import SpecPass, partition_specs
 
 
 def path_str(path) -> str:
@@ -41,13 +42,13 @@ def flatten(tree) -> tuple[list[str], list[Any], Any]:
             [leaf for _, leaf in with_path], treedef)
 
 
-def derive_specs(tree, mesh: Mesh, fn: Callable | None = None, args=(), rules=(),
-                 whole: list | None = None):
+def derive_specs(tree, mesh: Mesh | AbstractMesh, fn: Callable | None = None, args=(),
+                 rules=(), whole: list | None = None, passes: Sequence[SpecPass] | None = None):
     """PartitionSpecs for every array of ``tree`` (same structure as ``tree``).
 
     Args:
       tree: parameters (and other model state): arrays or ``jax.ShapeDtypeStruct``.
-      mesh: the mesh; its ``model`` and ``fsdp`` sizes decide the splits.
+      mesh: the mesh; its axis sizes decide the splits.
       fn: ``fn(tree, *args)`` runs the model (e.g. the loss on a batch). It is traced
         once on abstract values to find which layer feeds which. Without it, only
         parameter names guide the split (embeddings), everything else is replicated
@@ -56,15 +57,21 @@ def derive_specs(tree, mesh: Mesh, fn: Callable | None = None, args=(), rules=()
       rules: ordered (regex on the "/"-joined path, PartitionSpec) overrides.
       whole: if given, a list that receives a ``rules.Whole`` (path, reason, fix) for
         every layer parameter left unsplit over ``model``.
+      passes: the spec passes to run (default: ``Parallelism.spec_passes`` with
+        ``rules``).
     """
+    if passes is None:
+        passes = Parallelism.of(rules=rules).spec_passes()
+    elif rules:
+        raise ValueError("give the rules inside the passes (UserRules), not beside them")
     paths, leaves, treedef = flatten(tree)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     trace = None
-    if fn is not None and mesh.shape.get("model", 1) > 1:
+    if fn is not None and any(p.traces(dict(mesh.shape)) for p in passes):
         trace = dataflow.trace(lambda ls, *a: fn(jax.tree.unflatten(treedef, ls), *a),
                                abstract, *args)
-    specs = partition_specs(paths, [a.shape for a in abstract], [a.dtype for a in abstract],
-                            dict(mesh.shape), trace, rules, whole)
+    specs = partition_specs(passes, paths, [a.shape for a in abstract],
+                            [a.dtype for a in abstract], dict(mesh.shape), trace, whole)
     return jax.tree.unflatten(treedef, specs)
 
 

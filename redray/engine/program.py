@@ -1,0 +1,260 @@
+"""A training run's program, built from explicit inputs: the checks of the user's
+functions on the first batch, the state's layout on the parallelism plan, the jitted
+training and evaluation steps (built once), the compiled step, the one path to the
+state a run starts from (fresh or restored), and what a step holds per device.
+
+``Trainer`` builds one in ``init`` and runs it; nothing here knows of hooks, data or
+checkpoint folders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from redray.engine.model import split_trainable
+from redray.engine.nonfinite import zero_flag
+from redray.engine.runtime import ModelRuntime, abstract_batch
+from redray.engine.state import StateLayout, TrainState, counters
+from redray.engine.steps import (eval_step, microbatched, model_gradients, model_loss,
+                                 train_step, user_loss_fn)
+from redray.functions import UserFunctionError, UserFunctions, split_loss_output
+from redray.sharding import FSDP, MODEL, BatchGeometry, placement
+from redray.sharding.memory import (GATHERED_LAYERS, compiled_memory, layer_gather_bytes,
+                                    saved_residuals, split_residual_bytes, split_sizes, totals)
+
+
+@dataclasses.dataclass
+class TrainProgram:
+    """The training and evaluation steps of one model, loss and optimizer on one plan.
+
+    Attributes:
+      runtime: the model on its plan, its specs derived.
+      functions: the user's functions.
+      optimizer: the ``optax.GradientTransformation``.
+      geometry: the batch geometry (global batch, micro-batch, accumulation).
+      layout: the ``TrainState``'s abstract form and shardings.
+      metric_names: the names of the loss's metrics.
+      global_batch: the global batch as ``jax.ShapeDtypeStruct`` (what the step takes).
+      seed: the run's seed (the start key).
+      trainable: the regex of trained parameters, or None (all).
+      grad_fn: the user's gradient step, or None (``jax.value_and_grad``).
+      on_nonfinite: the non-finite policy the step applies.
+    """
+    runtime: ModelRuntime
+    functions: UserFunctions
+    optimizer: optax.GradientTransformation
+    geometry: BatchGeometry
+    layout: StateLayout
+    metric_names: list
+    global_batch: dict
+    seed: int
+    trainable: str | None
+    grad_fn: Callable | None
+    on_nonfinite: str
+    jitted: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def build(cls, runtime: ModelRuntime, functions: UserFunctions, optimizer,
+              geometry: BatchGeometry, sample: dict, *, seed: int, trainable: str | None,
+              grad_fn: Callable | None, on_nonfinite: str) -> "TrainProgram":
+        """Checks the user's functions on ``sample`` (a collated batch, traced
+        abstractly), derives the specs and lays out the state."""
+        micro = abstract_batch(sample, geometry.micro_rows)
+        metric_names = check_loss(runtime, functions.loss, micro)
+        loss = functions.loss
+        runtime.derive(
+            lambda model, batch: _loss_value(loss(model, batch, jax.random.key(0), True)), micro)
+        warn_whole(runtime)
+        params, extra = runtime.abstract
+        param_specs = runtime.specs[0]
+        params_sh, extra_sh = runtime.shardings
+        frozen_sh = None
+        if trainable is not None:
+            params, _ = split_trainable(params, trainable)
+            param_specs, _ = split_trainable(param_specs, trainable)
+            _, frozen_sh = split_trainable(params_sh, trainable)
+        if grad_fn is not None:
+            check_grad_fn(runtime, loss, grad_fn, trainable, micro)
+        layout = StateLayout.build(runtime.parallelism, seed, optimizer, params, param_specs,
+                                   extra, extra_sh, frozen_sh)
+        return cls(runtime, functions, optimizer, geometry, layout, metric_names,
+                   abstract_batch(sample, geometry.batch_size), seed, trainable, grad_fn,
+                   on_nonfinite)
+
+    def initial_state(self, items: dict | None = None) -> TrainState:
+        """The state a run starts from, one path for a fresh start and a resume:
+        ``items`` (a checkpoint's, restored onto ``layout``) where given, and what a
+        checkpoint does not hold made on its shards: the frozen parameters (always the
+        model as built), the non-finite flag and, starting fresh, the parameters, the
+        counters and the optimizer state (one jitted function)."""
+        params = extra = frozen = None
+        if items is None or self.trainable is not None:
+            params, extra = self.runtime.init()
+            if self.trainable is not None:
+                params, frozen = split_trainable(params, self.trainable)
+        shardings = self.layout.shardings
+        if items is not None:
+            return TrainState.from_checkpoint_items(items, frozen).replace(
+                nonfinite_step=zero_flag(shardings.nonfinite_step))
+        seed, optimizer = self.seed, self.optimizer
+        step, rng, nonfinite_step, opt_state = jax.jit(
+            lambda p: (*counters(seed), optimizer.init(p)),
+            out_shardings=(shardings.step, shardings.rng, shardings.nonfinite_step,
+                           shardings.opt_state))(params)
+        return TrainState(step=step, rng=rng, params=params, extra=extra, opt_state=opt_state,
+                          frozen=frozen, nonfinite_step=nonfinite_step)
+
+    def train_step(self):
+        """The jitted training step, built once: ``steps.train_step`` bound to this
+        model, loss and optimizer, with the state's shardings and the state donated."""
+        if "train" not in self.jitted:
+            rt, g, plan = self.runtime, self.geometry, self.runtime.parallelism
+            gradients = microbatched(
+                model_gradients(model_loss(rt.train_apply, self.functions.loss), self.grad_fn),
+                g.accumulation, g.micro_rows, plan.micro_batches_sharding(), self.metric_names)
+            self.jitted["train"] = jax.jit(
+                functools.partial(train_step, gradients=gradients, optimizer=self.optimizer,
+                                  on_nonfinite=self.on_nonfinite),
+                in_shardings=(self.layout.shardings, plan.batch_sharding()),
+                out_shardings=(self.layout.shardings, plan.replicated()),
+                donate_argnums=0)
+        return self.jitted["train"]
+
+    def retrace(self) -> None:
+        """Drops the jitted training step: what it traced in (a schedule's segments)
+        changed."""
+        self.jitted.pop("train", None)
+
+    def eval_step(self):
+        """The jitted evaluation step (``steps.eval_step``), built once."""
+        if "eval" not in self.jitted:
+            self.jitted["eval"] = jax.jit(
+                functools.partial(eval_step, apply=self.runtime.apply, loss=self.functions.loss),
+                out_shardings=self.runtime.replicated())
+        return self.jitted["eval"]
+
+    def compiled(self, state: TrainState):
+        """The training step as XLA compiled it for this plan and batch."""
+        return self.train_step().lower(state, self.global_batch).compile()
+
+    def memory(self, state: TrainState, device_gib: float | None = None) -> dict:
+        """What one training step holds per device, by part (``Trainer.memory``)."""
+        cd, plan = self.runtime.compute_dtype, self.runtime.parallelism
+
+        def per_device(tree):
+            return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
+                       if hasattr(x, "addressable_shards"))
+
+        params, frozen = per_device(state.params), per_device(state.frozen)
+        copies = 0
+        if cd is not None:
+            copies = sum(x.addressable_shards[0].data.nbytes // x.dtype.itemsize
+                         * jnp.dtype(cd).itemsize
+                         for x in jax.tree.leaves((state.params, state.frozen))
+                         if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(cd))
+        rows = placement(self.runtime.abstract[0], self.runtime.specs[0], plan.mesh)
+        fsdp = plan.size(FSDP)
+        gathered = 0
+        if fsdp > 1:
+            item = jnp.dtype(cd).itemsize if cd is not None else 4
+            gathered = GATHERED_LAYERS * layer_gather_bytes(rows, fsdp) * item // 4
+        parts = {"parameters": params + frozen, "optimizer": per_device(state.opt_state),
+                 "gradients": params, "compute_copies": copies, "fsdp_gathered": gathered,
+                 "activations": self._activation_bytes(state, rows)}
+        out = totals(parts, device_gib)
+        compiled = compiled_memory(self.compiled(state).memory_analysis())
+        out["compiled"] = {**compiled, "platform": plan.mesh.devices.flat[0].platform}
+        out["per_device_batch"] = self.geometry.micro_batch_size
+        if device_gib is not None:
+            out["fits"] = max(out["total"], compiled["peak"]) <= out["device_bytes"]
+        return out
+
+    def _activation_bytes(self, state: TrainState, rows) -> int:
+        """Residual bytes per device of the loss's backward pass on one device's micro
+        batch (see ``redray.sharding.memory``)."""
+        cd = self.runtime.compute_dtype
+
+        def abstract(x):
+            dtype = cd if cd is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+            return jax.ShapeDtypeStruct(x.shape, dtype)
+
+        params, frozen = (jax.tree.map(abstract, t) for t in (state.params, state.frozen))
+        extra = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.extra)
+        rng = jax.eval_shape(lambda: jax.random.key(0))
+        loss_of = model_loss(self.runtime.apply, self.functions.loss)
+
+        def loss(params, frozen, extra, batch, rng):
+            return loss_of(params, frozen, extra, batch, rng)[0]
+
+        def batch(rows):
+            return {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype)
+                    for k, v in self.global_batch.items()}
+
+        real = saved_residuals(loss, params, frozen, extra,
+                               batch(self.geometry.micro_batch_size), rng)
+        probe = saved_residuals(loss, params, frozen, extra, batch(1), rng)
+        lengths = {d + k for v in self.global_batch.values() for d in v.shape[1:]
+                   for k in (-1, 0)}
+        return split_residual_bytes(real, probe, split_sizes(rows),
+                                    self.runtime.parallelism.size(MODEL), frozenset(lengths))
+
+
+def check_loss(runtime: ModelRuntime, loss: Callable, abstract: dict) -> list[str]:
+    """Runs ``loss`` on abstract values; returns the sorted names of its metrics."""
+    out, _ = jax.eval_shape(
+        lambda p, e, b: runtime.apply(lambda m, bb: loss(m, bb, jax.random.key(0), True), p, e,
+                                      jax.random.key(0), b),
+        *runtime.abstract, abstract)
+    return sorted(split_loss_output(out)[1])
+
+
+def check_grad_fn(runtime: ModelRuntime, loss: Callable, grad_fn: Callable,
+                  trainable: str | None, abstract: dict) -> None:
+    """Runs ``grad_fn`` on abstract values: its output must be (loss, metrics, grads)
+    with grads shaped like the trained parameters."""
+    params, frozen = runtime.abstract[0], None
+    if trainable is not None:
+        params, frozen = split_trainable(params, trainable)
+
+    def run(params, extra, batch):
+        loss_fn = user_loss_fn(model_loss(runtime.apply, loss), frozen, extra)
+        return grad_fn(loss_fn, params, batch, jax.random.key(0))
+
+    out = jax.eval_shape(run, params, runtime.abstract[1], abstract)
+    if not isinstance(out, tuple) or len(out) != 3:
+        raise UserFunctionError(f"grad_fn returned {type(out).__name__}"
+                                f"{' of ' + str(len(out)) if isinstance(out, tuple) else ''}: "
+                                "return (loss, metrics, grads)")
+    split_loss_output((out[0], out[1]))
+    want = jax.tree.map(lambda a: (a.shape, a.dtype), params)
+    got = jax.tree.map(lambda a: (a.shape, a.dtype), out[2])
+    if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
+        raise UserFunctionError(
+            "grad_fn returned grads that do not match the trained parameters (structure, "
+            "shapes or dtypes differ): return the gradient of loss_fn with respect to the "
+            "params it was given, e.g. jax.grad(lambda p: loss_fn(p, batch, rng)[0])(params)")
+
+
+def warn_whole(runtime: ModelRuntime) -> None:
+    """Names the large layer parameters tensor parallelism could not split: every
+    device then holds and computes them whole, which the user should know."""
+    costly = runtime.costly_whole()
+    if not costly or jax.process_index() != 0:  # once per run, not once per host
+        return
+    lines = [f"{w.path} {w.shape}: {w.reason}; fix: {w.fix}" for w in costly]
+    warnings.warn(
+        f"{len(costly)} large layer parameter(s) are not split over the model axis "
+        f"({runtime.parallelism.size(MODEL)}): every device holds and computes them whole.\n  "
+        + "\n  ".join(lines) + "\nTrainer.plan() lists every parameter and its split; "
+        "a rule (regex, PartitionSpec) in rules= sets one by hand.", stacklevel=5)
+
+
+def _loss_value(out: Any):
+    return out[0] if isinstance(out, tuple) else out

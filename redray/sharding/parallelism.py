@@ -1,0 +1,419 @@
+"""The parallelism plan: the named mesh axes, the mesh, the batch geometry and the spec
+passes, in one value.
+
+A ``Parallelism`` says how a job is split over devices. Each mesh axis is an ``Axis``
+entry of ``AXES``: its name, whether it splits the batch, where it lies across hosts,
+and the keyword users size it with (``model_axis=2``). From the sizes it builds the
+device mesh (hybrid across hosts: the axes that must stay inside a host do), the batch
+geometry (``BatchGeometry``: global batch, micro-batch, accumulation, this process's
+rows) and the ordered spec passes that give every parameter its ``PartitionSpec``
+(user rules, tensor parallel from the dataflow, FSDP, large arrays over the model
+axis; ``redray/sharding/rules.py``).
+
+Adding an axis (expert, stage, context) is an entry in ``AXES`` and, if it splits
+parameters, a pass in ``Parallelism.spec_passes``; docs/architecture.md walks through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+
+from redray.sharding.rules import Fsdp, LargeOver, SpecPass, TensorParallel, UserRules
+
+# Where an axis lies when the mesh spans hosts.
+INSIDE = "inside"  # within one host: its collectives stay on the fast link (NVLink, ICI)
+PREFER_INSIDE = "prefer inside"  # within a host as far as it fits, the rest across hosts
+ACROSS = "across"  # what the others leave: across hosts
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """One named axis of the device mesh.
+
+    Attributes:
+      name: the mesh axis name (what PartitionSpecs and user rules name).
+      keyword: the friendly keyword that sizes it (``Trainer(model_axis=2)``).
+      default: that keyword's default: a size, or "auto" (what the other axes leave).
+      splits_batch: the batch's leading dimension is split over it.
+      splits_parameters: parameters are split over it (else each device of the axis
+        holds them whole, as data parallelism does by design).
+      hosts: ``INSIDE``, ``PREFER_INSIDE`` or ``ACROSS``: where it lies on several hosts.
+      doc: what it does, in a line.
+    """
+    name: str
+    keyword: str
+    default: int | str
+    splits_batch: bool
+    splits_parameters: bool
+    hosts: str
+    doc: str
+
+
+DATA = Axis("data", "data_axis", "auto", True, False, ACROSS,
+            "data parallelism: each device a replica of the model, a part of the batch")
+FSDP = Axis("fsdp", "fsdp_axis", 1, True, True, PREFER_INSIDE,
+            "data parallelism whose parameters and optimizer state are sharded too (ZeRO-3)")
+MODEL = Axis("model", "model_axis", 1, False, True, INSIDE,
+             "tensor parallelism: layers split, one all-reduce per column/row pair")
+
+# In mesh order: the last is innermost, its peers neighbours in the device order.
+AXES: tuple[Axis, ...] = (DATA, FSDP, MODEL)
+BATCH_AXES: tuple[str, ...] = tuple(a.name for a in AXES if a.splits_batch)
+KEYWORDS: tuple[str, ...] = tuple(a.keyword for a in AXES)
+# The axes that split parameters, innermost first.
+PARAMETER_AXES: tuple[Axis, ...] = tuple(a for a in reversed(AXES) if a.splits_parameters)
+
+
+def axis_defaults() -> dict[str, int | str]:
+    """keyword -> default size of every axis (``{"data_axis": "auto", ...}``)."""
+    return {a.keyword: a.default for a in AXES}
+
+
+def _axis_size(keyword: str, value, n_devices: int) -> int | None:
+    if value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{keyword}={value!r} is not a valid axis size: use a positive int or "
+                         "'auto'")
+    if n_devices % value:
+        raise ValueError(
+            f"{keyword}={value} does not divide the {n_devices} devices: choose a divisor of "
+            f"{n_devices} ({', '.join(str(d) for d in _divisors(n_devices))})")
+    return value
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_sizes(sizes: Mapping[str, int | str], n_devices: int) -> tuple[int, ...]:
+    """Every axis's size over ``n_devices`` (in ``AXES`` order), the one "auto" axis
+    taking what the others leave; ``sizes`` by keyword (missing: the axis's default)."""
+    given = {a.keyword: _axis_size(a.keyword, sizes.get(a.keyword, a.default), n_devices)
+             for a in AXES}
+    auto = [k for k, v in given.items() if v is None]
+    if len(auto) > 1:
+        raise ValueError(f"only one axis may be 'auto', got {auto}: give the others a size")
+    fixed = math.prod(v for v in given.values() if v is not None)
+    if n_devices % fixed:
+        raise ValueError(
+            f"axis sizes {({k: v for k, v in given.items() if v})} multiply to {fixed}, "
+            f"which does not divide the {n_devices} devices")
+    if auto:
+        given[auto[0]] = n_devices // fixed
+    elif fixed != n_devices:
+        raise ValueError(
+            f"axis sizes multiply to {fixed} but there are {n_devices} devices: make one axis "
+            f"'auto' or pass devices=jax.devices()[:{fixed}]")
+    return tuple(given[a.keyword] for a in AXES)
+
+
+def hybrid_shapes(shape: Sequence[int], processes: int,
+                  local: int) -> tuple[tuple, tuple] | None:
+    """(across hosts, inside a host) shapes of a mesh of ``shape`` (``AXES`` order) over
+    ``processes`` hosts of ``local`` devices: ``INSIDE`` axes wholly inside a host (their
+    collectives on the fast interconnect), ``PREFER_INSIDE`` ones inside as far as
+    they fit, ``ACROSS`` ones take the rest; None when an ``INSIDE`` axis needs more
+    devices than a host has."""
+    inside = [1] * len(AXES)
+    room = local
+    for where in (INSIDE, PREFER_INSIDE, ACROSS):
+        for k, axis in enumerate(AXES):
+            if axis.hosts != where:
+                continue
+            inside[k] = math.gcd(shape[k], room)
+            if where == INSIDE and inside[k] != shape[k]:
+                return None
+            room //= inside[k]
+    if room != 1:
+        return None
+    across = tuple(s // i for s, i in zip(shape, inside))
+    if math.prod(across) != processes:
+        return None
+    return across, tuple(inside)
+
+
+def device_grid(devices: Sequence[jax.Device], shape: Sequence[int]) -> np.ndarray:
+    """``devices`` arranged as ``shape`` (``AXES`` order): on several hosts each host's
+    devices hold whole groups of the axes that stay inside it, hosts line up along the
+    others (JAX's hybrid mesh); on one host, JAX's device mesh (the physical topology
+    on TPU, the device order elsewhere)."""
+    from jax.experimental import mesh_utils
+
+    shape = tuple(shape)
+    hosts: dict[int, int] = {}
+    for d in devices:
+        hosts[d.process_index] = hosts.get(d.process_index, 0) + 1
+    if len(hosts) > 1 and len(set(hosts.values())) == 1:
+        local = next(iter(hosts.values()))
+        split = hybrid_shapes(shape, len(hosts), local)
+        if split is not None:
+            return mesh_utils.create_hybrid_device_mesh(split[1], split[0], devices,
+                                                        process_is_granule=True)
+        too_big = [f"{a.keyword}={s}" for a, s in zip(AXES, shape)
+                   if a.hosts == INSIDE and local % s]
+        warnings.warn(f"{', '.join(too_big)} is larger than a host's {local} devices: its "
+                      "collectives cross hosts (the slow network); within a host is faster",
+                      stacklevel=4)
+    elif len(hosts) == 1:
+        try:
+            return mesh_utils.create_device_mesh(shape, devices)
+        except (ValueError, NotImplementedError, AssertionError):
+            pass  # a subset of a TPU slice, say: the given order
+    # Peers of the innermost axis stay neighbours in the device order.
+    return np.array(devices, dtype=object).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchGeometry:
+    """How one global batch is cut: over devices, into micro-batches, over processes.
+
+    Attributes:
+      batch_size: examples per optimizer update (the global batch).
+      data_parallel: how many ways each micro-batch is split (the batch axes' product).
+      micro_batch_size: examples per device in one forward/backward pass.
+      accumulation: micro-batches per update (gradient accumulation).
+      process_rows: the rows of a global batch this process's devices hold.
+    """
+    batch_size: int
+    data_parallel: int
+    micro_batch_size: int
+    accumulation: int
+    process_rows: slice
+
+    @property
+    def micro_rows(self) -> int:
+        """Rows of one micro-batch over all devices."""
+        return self.micro_batch_size * self.data_parallel
+
+    @property
+    def groups(self) -> int:
+        """How many distinct parts of a batch the processes feed (hosts holding the same
+        rows, as when a batch is replicated across hosts, count once)."""
+        return self.batch_size // (self.process_rows.stop - self.process_rows.start)
+
+
+def _check_batch_size(batch_size) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+
+
+def batch_axes_text() -> str:
+    return " x ".join(BATCH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """How a job is split over devices: the size of every mesh axis, the user's
+    sharding rules, and, once built, the mesh.
+
+    Build one with ``Parallelism.of(model_axis=2, ...)`` (the keywords of ``AXES``, or a
+    ``mesh``), then ``build()`` it on the devices (or ``abstract(n)`` to plan without
+    any). Trainer, Predictor, ``from_pretrained`` and ``redray plan`` take it as
+    ``parallelism=``; their ``*_axis`` keywords build one.
+
+    Attributes:
+      sizes: keyword -> size (or "auto") of each axis given; the rest take their defaults.
+      rules: ordered (regex on the parameter path, PartitionSpec) overrides: the first
+        spec pass.
+      mesh: the built mesh (a ``Mesh``, or an ``AbstractMesh`` to plan without devices);
+        None until built.
+    """
+    sizes: Mapping[str, int | str] = dataclasses.field(default_factory=dict)
+    rules: tuple = ()
+    mesh: Mesh | AbstractMesh | None = None
+
+    @classmethod
+    def of(cls, mesh: Mesh | None = None, rules=(), *, caller: str = "Parallelism.of",
+           **sizes) -> "Parallelism":
+        """A plan from the friendly keywords (``data_axis``, ``fsdp_axis``,
+        ``model_axis``: the ``keyword`` of every axis of ``AXES``; "auto" for one of
+        them), or from a built ``mesh``. ``caller`` names who was given ``sizes``, for
+        the error an unknown keyword gets."""
+        unknown = sorted(set(sizes) - set(KEYWORDS))
+        if unknown:
+            raise TypeError(f"{caller} got unknown keyword(s) {unknown}: neither one of its "
+                            f"arguments nor an axis size ({', '.join(KEYWORDS)})")
+        rules = tuple(rules or ())
+        if mesh is None:
+            return cls(dict(sizes), rules)
+        if sizes and any(sizes[k] != axis_defaults()[k] for k in sizes):
+            raise ValueError("give either mesh= or axis sizes, not both: the mesh fixes them")
+        missing = [a.name for a in AXES if a.name not in mesh.shape]
+        if missing or len(mesh.shape) != len(AXES):
+            raise ValueError(f"the mesh's axes {tuple(mesh.shape)} are not redray's "
+                             f"{tuple(a.name for a in AXES)}: build it with redray.make_mesh")
+        return cls({a.keyword: mesh.shape[a.name] for a in AXES}, rules, mesh)
+
+    @classmethod
+    def resolve(cls, parallelism: "Parallelism | None", mesh: Mesh | None, rules,
+                sizes: Mapping[str, int | str], caller: str = "Parallelism.resolve"
+                ) -> "Parallelism":
+        """The built plan of a Trainer, Predictor or ``from_pretrained``: ``parallelism``
+        as given (built on every device if not yet), else one from ``mesh`` or the axis
+        keywords. Giving ``parallelism`` beside a mesh, rules or axis sizes is an error."""
+        if parallelism is None:
+            return cls.of(mesh, rules, caller=caller, **sizes).build()
+        if not isinstance(parallelism, Parallelism):
+            raise TypeError(f"parallelism must be a redray.Parallelism, got "
+                            f"{type(parallelism).__name__}")
+        cls.of(caller=caller, **sizes)  # an unknown keyword fails as such
+        changed = [k for k, v in sizes.items() if v != axis_defaults()[k]]
+        if mesh is not None or rules or changed:
+            extra = changed + (["mesh"] if mesh is not None else []) + (["rules"] if rules
+                                                                       else [])
+            raise ValueError(f"give either parallelism= or {', '.join(extra)}, not both: "
+                             "the plan holds its axis sizes, mesh and rules")
+        return parallelism if isinstance(parallelism.mesh, Mesh) else parallelism.build()
+
+    def shape_over(self, n_devices: int) -> tuple[int, ...]:
+        """Each axis's size (``AXES`` order) on ``n_devices``."""
+        return resolve_sizes(self.sizes, n_devices)
+
+    def build(self, devices: Sequence[jax.Device] | None = None) -> "Parallelism":
+        """This plan on ``devices`` (default: every host's): a copy holding its mesh."""
+        if self.mesh is not None:
+            return self
+        devices = list(jax.devices() if devices is None else devices)
+        shape = self.shape_over(len(devices))
+        mesh = Mesh(device_grid(devices, shape), tuple(a.name for a in AXES))
+        return dataclasses.replace(self, sizes=self._sized(shape), mesh=mesh)
+
+    def abstract(self, n_devices: int) -> "Parallelism":
+        """This plan on ``n_devices`` that do not exist (an ``AbstractMesh``): specs and
+        bytes per device, no allocation."""
+        shape = self.shape_over(n_devices)
+        mesh = AbstractMesh(shape, tuple(a.name for a in AXES))
+        return dataclasses.replace(self, sizes=self._sized(shape), mesh=mesh)
+
+    def _sized(self, shape) -> dict:
+        return {a.keyword: s for a, s in zip(AXES, shape)}
+
+    # ------------------------------------------------------------------ built plans
+    def _built(self):
+        if self.mesh is None:
+            raise ValueError("this Parallelism is not built: call .build() (or .abstract(n))")
+        return self.mesh
+
+    def size(self, axis: Axis) -> int:
+        """The size of ``axis`` in the built mesh."""
+        return self._built().shape[axis.name]
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis name -> size, in mesh order."""
+        return {a.name: self.size(a) for a in AXES}
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.shape.values())
+
+    @property
+    def data_parallel(self) -> int:
+        """How many ways the batch is split (the product of the batch axes)."""
+        return math.prod(self.size(a) for a in AXES if a.splits_batch)
+
+    def describe(self) -> str:
+        """``data=2 x fsdp=1 x model=2``."""
+        return " x ".join(f"{k}={v}" for k, v in self.shape.items())
+
+    def batch_sharding(self) -> NamedSharding:
+        """A batch-major array: its leading dimension over the batch axes."""
+        return NamedSharding(self._built(), P(BATCH_AXES))
+
+    def micro_batches_sharding(self) -> NamedSharding:
+        """A stack of micro-batches (accumulation, rows, ...): each split like a batch."""
+        return NamedSharding(self._built(), P(None, BATCH_AXES))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self._built(), P())
+
+    def rows_sharding(self, rows: int) -> NamedSharding:
+        """A batch of ``rows``: split over the batch axes if it divides, else replicated
+        (a short last batch of an evaluation)."""
+        return self.batch_sharding() if rows % self.data_parallel == 0 else self.replicated()
+
+    def process_rows(self, rows: int, sharding: NamedSharding | None = None) -> slice:
+        """The rows of a ``rows``-long batch that this process's devices hold.
+
+        With the batch split over hosts, each host feeds its block; with it replicated
+        (the batch axes inside one host, or a replicated remainder batch), every host
+        feeds all.
+        """
+        sharding = sharding or self.batch_sharding()
+        index_map = sharding.addressable_devices_indices_map((rows,))
+        starts = [idx[0].start or 0 for idx in index_map.values()]
+        stops = [rows if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
+        return slice(min(starts), max(stops))
+
+    def geometry(self, batch_size: int, micro_batch_size: int | None = None) -> BatchGeometry:
+        """The batch geometry of a global ``batch_size`` with ``micro_batch_size``
+        examples per device per pass (None: no accumulation), validated."""
+        dp = self.data_parallel
+        _check_batch_size(batch_size)
+        if batch_size % dp:
+            raise ValueError(f"batch_size={batch_size} does not split over the {dp} "
+                             f"data-parallel devices ({batch_axes_text()} axes): use a "
+                             f"multiple of {dp}")
+        if micro_batch_size is None:
+            micro_batch_size = batch_size // dp
+        elif isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) \
+                or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be a positive int, got "
+                             f"{micro_batch_size!r}")
+        elif batch_size % (micro_batch_size * dp):
+            raise ValueError(
+                f"batch_size={batch_size} is not a multiple of micro_batch_size="
+                f"{micro_batch_size} x {dp} data-parallel devices = {micro_batch_size * dp}: "
+                "gradient accumulation needs whole micro-batches")
+        rows = (self.process_rows(batch_size) if isinstance(self.mesh, Mesh)
+                else slice(0, batch_size))
+        return BatchGeometry(batch_size, dp, micro_batch_size,
+                             batch_size // (micro_batch_size * dp), rows)
+
+    def step_geometry(self, batch_size: int, micro_rows: int | None = None) -> BatchGeometry:
+        """``geometry`` from a micro-batch counted over all devices (``redray plan``'s
+        ``--micro-batch-size``), validated with that reading's messages."""
+        micro_rows = micro_rows or batch_size
+        dp = self.data_parallel
+        if batch_size % micro_rows:
+            raise ValueError(f"batch_size {batch_size} is not a multiple of micro_batch_size "
+                             f"{micro_rows}")
+        if micro_rows % dp:
+            raise ValueError(f"micro batch {micro_rows} does not split over "
+                             f"{batch_axes_text()} = {dp} devices: use a multiple of {dp}")
+        return self.geometry(batch_size, micro_rows // dp)
+
+    def spec_passes(self) -> tuple[SpecPass, ...]:
+        """The spec passes, in order: the user's rules (they win), tensor parallelism
+        over ``model`` from the dataflow, ZeRO-3 over ``fsdp``, and large arrays no rule
+        split over ``model`` sharded over it as well."""
+        return (UserRules(self.rules), TensorParallel(MODEL.name), Fsdp(FSDP.name),
+                LargeOver(MODEL.name, with_axis=FSDP.name))
+
+
+def make_mesh(data_axis=DATA.default, fsdp_axis=FSDP.default, model_axis=MODEL.default,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds the mesh (data, fsdp, model) over ``devices`` (default: all).
+
+    Args:
+      data_axis: data-parallel size, or "auto" for what the other axes leave.
+      fsdp_axis: size of the axis that shards parameters and optimizer state
+        (ZeRO-3) while also splitting the batch; "auto" for what is left.
+      model_axis: tensor-parallel size; "auto" for what is left.
+      devices: the devices to span; ``jax.devices()`` (every host's) by default.
+
+    At most one axis may be "auto"; it takes the devices the others leave.
+
+    Returns:
+      A ``jax.sharding.Mesh`` with axis names ``("data", "fsdp", "model")``.
+    """
+    plan = Parallelism.of(data_axis=data_axis, fsdp_axis=fsdp_axis, model_axis=model_axis)
+    return plan.build(devices).mesh

@@ -1,0 +1,158 @@
+"""The parallelism plan: one value for the mesh axes, the mesh, the batch geometry and
+the spec passes; Trainer, Predictor and the planner built from it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+import redray
+from redray.sharding import (AXES, BATCH_AXES, FSDP, MODEL, Parallelism, derive_specs, flatten,
+                             make_mesh)
+from redray.sharding.rules import SpecPass
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(16, 64, rngs=rngs)
+        self.down = nnx.Linear(64, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def collate(examples):
+    x = np.stack([e["x"] for e in examples]).astype(np.float32)
+    return {"x": x, "y": x.sum(-1, keepdims=True).repeat(16, -1)}
+
+
+def loss(model, batch, rng, train):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+DATA = [{"x": np.random.default_rng(i).normal(size=16)} for i in range(32)]
+
+
+def test_the_axes_are_named_once_and_say_what_they_do():
+    assert tuple(a.name for a in AXES) == ("data", "fsdp", "model")
+    assert BATCH_AXES == ("data", "fsdp")
+    assert [a.keyword for a in AXES] == ["data_axis", "fsdp_axis", "model_axis"]
+    assert [a.splits_parameters for a in AXES] == [False, True, True]
+    assert MODEL.hosts == "inside" and FSDP.hosts == "prefer inside"
+
+
+def test_a_plan_builds_the_mesh_make_mesh_builds():
+    plan = Parallelism.of(model_axis=2).build()
+    assert plan.shape == {"data": 2, "fsdp": 1, "model": 2}
+    assert plan.shape == dict(make_mesh(model_axis=2).shape)
+    assert plan.data_parallel == 2 and plan.devices == 4
+    assert plan.describe() == "data=2 x fsdp=1 x model=2"
+    assert plan.size(MODEL) == 2 and plan.size(FSDP) == 1
+    ids = np.vectorize(lambda d: d.id)(plan.mesh.devices)
+    assert ids.reshape(2, 2).tolist() == [[0, 1], [2, 3]]  # model peers are neighbours
+    # a given mesh is adopted as it is
+    mesh = make_mesh(fsdp_axis=2, model_axis=2)
+    assert Parallelism.of(mesh=mesh).build().mesh is mesh
+
+
+def test_an_abstract_plan_needs_no_devices():
+    plan = Parallelism.of(model_axis=8, fsdp_axis=2).abstract(64)
+    assert isinstance(plan.mesh, AbstractMesh)
+    assert plan.shape == {"data": 4, "fsdp": 2, "model": 8}
+    g = plan.step_geometry(64, 16)
+    assert (g.micro_batch_size, g.accumulation, g.process_rows) == (2, 4, slice(0, 64))
+
+
+def test_bad_plans_name_the_fix():
+    with pytest.raises(TypeError, match="unknown keyword.*'expert_axis'.*axis size.*model_axis"):
+        Parallelism.of(expert_axis=2)
+    with pytest.raises(ValueError, match="model_axis=3 does not divide the 4 devices"):
+        Parallelism.of(model_axis=3).build()
+    with pytest.raises(ValueError, match="either mesh= or axis sizes"):
+        Parallelism.of(mesh=make_mesh(), model_axis=2)
+    plan = Parallelism.of(model_axis=2)
+    with pytest.raises(ValueError, match="either parallelism= or model_axis, rules, not both"):
+        Parallelism.resolve(plan, None, [("x", P())], dict(model_axis=4))
+    with pytest.raises(TypeError, match="must be a redray.Parallelism"):
+        Parallelism.resolve({"model_axis": 2}, None, (), {})
+    with pytest.raises(ValueError, match="not built"):
+        plan.data_parallel  # noqa: B018
+
+
+def test_batch_geometry():
+    plan = Parallelism.of(model_axis=2).build()  # 2 data-parallel devices
+    g = plan.geometry(8, 2)
+    assert (g.batch_size, g.data_parallel, g.micro_batch_size, g.accumulation) == (8, 2, 2, 2)
+    assert g.micro_rows == 4 and g.process_rows == slice(0, 8) and g.groups == 1
+    assert plan.geometry(8).accumulation == 1 and plan.geometry(8).micro_batch_size == 4
+    with pytest.raises(ValueError, match="batch_size=7 does not split over the 2 data-parallel"):
+        plan.geometry(7)
+    with pytest.raises(ValueError, match="micro_batch_size=3 x 2 data-parallel devices = 6"):
+        plan.geometry(8, 3)
+    with pytest.raises(ValueError, match="micro batch 6 does not split over data x fsdp = 4"):
+        Parallelism.of().abstract(4).step_geometry(12, 6)
+
+
+class PinBiases(SpecPass):
+    """A pass of a new parallelism: every bias no earlier pass split goes over ``fsdp``."""
+
+    def __call__(self, draft):
+        for i in draft.free():
+            if draft.paths[i].endswith("bias") and draft.entries[i][0] is None \
+                    and draft.shapes[i][0] % draft.size(FSDP.name) == 0:
+                draft.entries[i][0] = FSDP.name
+
+
+def test_a_new_parallelism_adds_a_pass_of_its_own():
+    plan = Parallelism.of(fsdp_axis=2, model_axis=2).build()
+    model = MLP(nnx.Rngs(0))
+    _, state = nnx.split(model)
+    x = jax.ShapeDtypeStruct((4, 16), jnp.float32)
+
+    def fn(state, x):
+        return nnx.merge(nnx.graphdef(model), state)(x)
+
+    def specs(passes):
+        out = derive_specs(state, plan.mesh, fn, (x,), passes=passes)
+        paths, _, _ = flatten(state)
+        return dict(zip(paths, jax.tree.leaves(out, is_leaf=lambda s: isinstance(s, P))))
+
+    base = specs(plan.spec_passes())
+    assert base["up/kernel"] == P("fsdp", "model") and base["up/bias"] == P("model")
+    assert base["down/bias"] == P()
+    more = specs((*plan.spec_passes(), PinBiases()))
+    assert more["down/bias"] == P("fsdp") and more["up/bias"] == P("model")
+    assert {k: v for k, v in more.items() if k != "down/bias"} == \
+        {k: v for k, v in base.items() if k != "down/bias"}
+    # a user rule is the first pass: no later pass changes what it set
+    ruled = dataclasses.replace(plan, rules=((r"down/bias", P()),))
+    assert specs((*ruled.spec_passes(), PinBiases()))["down/bias"] == P()
+
+
+def test_a_trainer_given_a_plan_is_the_trainer_given_its_keywords():
+    def make(**options):
+        t = redray.Trainer(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1), batch_size=8,
+                           progress=False, **options)
+        history = t.fit(DATA, epochs=1)
+        return t, [row["loss"] for row in history]
+
+    by_keywords, a = make(model_axis=2, micro_batch_size=2)
+    plan = Parallelism.of(model_axis=2)
+    by_plan, b = make(parallelism=plan, micro_batch_size=2)
+    assert a == b
+    assert by_plan.parallelism.shape == by_keywords.parallelism.shape
+    assert by_plan.runtime.specs == by_keywords.runtime.specs
+    assert by_plan.geometry == by_keywords.geometry
+    with pytest.raises(ValueError, match="either parallelism= or model_axis"):
+        redray.Trainer(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1), batch_size=8,
+                       parallelism=plan, model_axis=4)
+    with pytest.raises(TypeError, match=r"Trainer got unknown keyword\(s\) \['lerning_rate'\]"):
+        redray.Trainer(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1), batch_size=8,
+                       lerning_rate=0.1)
