@@ -68,6 +68,10 @@ def test_an_abstract_plan_needs_no_devices():
     assert plan.shape == {"data": 4, "fsdp": 2, "model": 8}
     g = plan.step_geometry(64, 16)
     assert (g.micro_batch_size, g.accumulation, g.process_rows) == (2, 4, slice(0, 64))
+    # given to a Trainer, an abstract plan is built on the devices there are
+    assert Parallelism.of(model_axis=2).abstract(4).build().mesh.devices.shape == (2, 1, 2)
+    with pytest.raises(ValueError, match="model_axis=8 does not divide the 4 devices"):
+        plan.build()
 
 
 def test_bad_plans_name_the_fix():

@@ -271,15 +271,16 @@ class Parallelism:
                                                                        else [])
             raise ValueError(f"give either parallelism= or {', '.join(extra)}, not both: "
                              "the plan holds its axis sizes, mesh and rules")
-        return parallelism if isinstance(parallelism.mesh, Mesh) else parallelism.build()
+        return parallelism.build()
 
     def shape_over(self, n_devices: int) -> tuple[int, ...]:
         """Each axis's size (``AXES`` order) on ``n_devices``."""
         return resolve_sizes(self.sizes, n_devices)
 
     def build(self, devices: Sequence[jax.Device] | None = None) -> "Parallelism":
-        """This plan on ``devices`` (default: every host's): a copy holding its mesh."""
-        if self.mesh is not None:
+        """This plan on ``devices`` (default: every host's): a copy holding its mesh (a
+        plan built already is returned as it is; an abstract one is built on them)."""
+        if isinstance(self.mesh, Mesh):
             return self
         devices = list(jax.devices() if devices is None else devices)
         shape = self.shape_over(len(devices))
