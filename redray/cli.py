@@ -41,32 +41,81 @@ EXIT_USAGE = 2
 
 def _plan(args) -> int:
     from redray.models.plan import format_model_plan, load_fields, plan_model
+    from redray.sharding.parallelism import AXES
 
     from redray.models.memory import StepShape
 
     name, fields = load_fields(args.config)
+    sizes = {a.keyword: getattr(args, a.keyword) for a in AXES if a.default != "auto"}
+    if args.hosts is not None or args.hardware is not None or all(
+            v is None for v in sizes.values()):
+        return _choose(args, name, fields, {k: v for k, v in sizes.items() if v is not None})
+    sizes = {a.keyword: a.default if sizes[a.keyword] is None else sizes[a.keyword]
+             for a in AXES if a.keyword in sizes}
     step = None
     if args.batch_size is not None or args.seq_len is not None:
         if args.batch_size is None or args.seq_len is None:
             raise UsageError("the step's memory needs both --batch-size and --seq-len")
         try:
-            step = StepShape(batch_size=args.batch_size, seq_len=args.seq_len, remat=args.remat,
-                             compute_dtype=args.compute_dtype, loss_chunk=args.loss_chunk,
-                             micro_batch_size=args.micro_batch_size)
+            step = StepShape(batch_size=args.batch_size, seq_len=args.seq_len,
+                             remat=args.remat or "none", compute_dtype=args.compute_dtype,
+                             loss_chunk=args.loss_chunk, micro_batch_size=args.micro_batch_size)
         except ValueError as e:
             raise UsageError(str(e)) from None
     elif args.device_memory is not None:
         raise UsageError("--device-memory needs the step's shape: give --batch-size and "
                          "--seq-len too")
-    from redray.sharding.parallelism import AXES
-
-    sizes = {a.keyword: getattr(args, a.keyword) for a in AXES if a.default != "auto"}
     result = plan_model(fields, args.devices, step=step, device_gib=args.device_memory, **sizes)
     if args.json:
         print(json.dumps({"config": name, **result}, indent=2))
     else:
         print(format_model_plan(result, name))
     return 0
+
+
+def _choose(args, name: str, fields: dict, pinned: dict) -> int:
+    """``redray plan`` without every axis size: the planner's ranked plans."""
+    import dataclasses
+
+    from redray.models.plan import choose_plan
+    from redray.sharding.hardware import preset
+
+    if args.batch_size is None or args.seq_len is None:
+        raise UsageError("choosing a plan needs the step: give --batch-size and --seq-len "
+                         "(or --model-axis, without --hosts or --hardware, for one plan's "
+                         "placement)")
+    try:
+        hardware = preset(args.hardware or "h100")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.device_memory is not None:
+        hardware = dataclasses.replace(hardware, device_memory=args.device_memory * (1 << 30))
+    hosts = args.hosts or max(1, args.devices // hardware.devices_per_host)
+    ranking = choose_plan(fields, args.devices, hosts, args.batch_size, args.seq_len, hardware,
+                          compute_dtype=args.compute_dtype, loss_chunk=args.loss_chunk,
+                          micro_rows=args.micro_batch_size, remat=args.remat, **pinned)
+    if args.json:
+        print(json.dumps({"config": name, "hardware": hardware.describe(), "hosts": hosts,
+                          "plans": [_scored_json(s) for s in ranking.ranked],
+                          "over_budget": len(ranking.over)}, indent=2))
+        return 0
+    print(f"{name}: {args.devices} devices in {hosts} host(s), {hardware.name} "
+          f"({hardware.source})")
+    print(f"batch {args.batch_size} x {args.seq_len} tokens")
+    print(ranking.why())
+    print()
+    print(ranking.table())
+    return 0
+
+
+def _scored_json(s) -> dict:
+    c = s.cost
+    return {"plan": s.candidate.shape, "micro_batch_size": s.candidate.micro_batch_size,
+            "remat": s.candidate.remat, "accumulation": s.accumulation,
+            "step_seconds": c.seconds, "compute_seconds": c.compute,
+            "tensor_seconds": c.tensor, "gradient_seconds": c.gradients,
+            "exposed_gradient_seconds": c.exposed, "tokens_per_s": s.tokens_per_s,
+            "mfu": s.mfu, "memory_bytes": s.memory["total"]}
 
 
 def _plot(args) -> int:
@@ -392,7 +441,7 @@ def _command(sub, name: str, help: str, description: str, epilog: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from redray.sharding.parallelism import AXES, MODEL, PARAMETER_AXES
+    from redray.sharding.parallelism import AXES, PARAMETER_AXES
 
     parser = argparse.ArgumentParser(
         prog="redray", description="redray: distributed training and inference of JAX models.")
@@ -406,16 +455,26 @@ def build_parser() -> argparse.ArgumentParser:
                  "examples:\n  redray plan llama-7b --devices 8 --model-axis 8\n"
                  "  redray plan llama-7b --devices 8 --model-axis 8 --batch-size 16 "
                  "--seq-len 2048 --remat full --compute-dtype bfloat16 --device-memory 80\n"
-                 "  redray plan path/to/config.json --devices 16 --model-axis 4 --fsdp-axis 4")
+                 "  redray plan path/to/config.json --devices 16 --model-axis 4 --fsdp-axis 4\n"
+                 "  redray plan llama-7b --devices 64 --hosts 8 --batch-size 256 --seq-len "
+                 "4096 --compute-dtype bfloat16 --hardware h100+ethernet")
     p.add_argument("config", metavar="PRESET_OR_CONFIG",
                    help="a preset (gpt2-xl, gpt-j-6b, llama-7b, llama-13b, t5-11b, opt-13b, "
                         "opt-66b) or the path of a Hugging Face config.json")
     p.add_argument("--devices", type=int, required=True, help="number of devices")
     for axis in reversed(AXES):  # the data axis takes what the others leave
         if axis.default != "auto":
-            p.add_argument(f"--{axis.keyword.replace('_', '-')}", type=int,
-                           default=axis.default, required=axis is MODEL,
-                           help=f"{axis.doc} (size; default {axis.default})")
+            p.add_argument(f"--{axis.keyword.replace('_', '-')}", type=int, default=None,
+                           help=f"{axis.doc}: its size (given alone: that plan's placement, "
+                                f"the others {axis.default}; with --hosts or --hardware, or "
+                                "none given: the planner chooses the rest)")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="the planner: hosts the devices are in (default: devices / a host's "
+                        "devices of --hardware)")
+    p.add_argument("--hardware", default=None,
+                   help="the planner: a preset the plans are costed on: h100, a100, l4, "
+                        "tpu-v5e or cpu, '+ethernet' for hosts joined by 100 Gb/s Ethernet "
+                        "(default h100)")
     memory = p.add_argument_group(
         "one training step's memory per device (gradients, compute-dtype copies, FSDP "
         "gather buffers, activations): give --batch-size and --seq-len")
@@ -423,8 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--micro-batch-size", type=int,
                         help="examples per forward/backward pass (gradient accumulation)")
     memory.add_argument("--seq-len", type=int, help="tokens per example")
-    memory.add_argument("--remat", default="none", choices=("none", "full", "dots", "offload"),
-                        help="the models' remat policy (default none)")
+    memory.add_argument("--remat", default=None, choices=("none", "full", "dots", "offload"),
+                        help="the models' remat policy (default none; the planner chooses)")
     memory.add_argument("--compute-dtype", default=None,
                         help="e.g. bfloat16: the model built in it and its parameters cast "
                              "to it for the step (default: float32)")

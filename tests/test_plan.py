@@ -179,6 +179,11 @@ def test_cli_json():
       "64"], "micro batch 6 does not split over data x fsdp = 4 devices"),
     (["llama-7b", "--devices", "8", "--model-axis", "8", "--batch-size", "8"],
      "needs both --batch-size and --seq-len"),
+    (["llama-7b", "--devices", "8"], "choosing a plan needs the step: give --batch-size"),
+    (["llama-7b", "--devices", "8", "--batch-size", "8", "--seq-len", "64", "--hardware",
+      "v100"], "unknown hardware 'v100'"),
+    (["llama-7b", "--devices", "8", "--hosts", "3", "--batch-size", "8", "--seq-len", "64"],
+     "8 devices do not split over 3 hosts"),
 ])
 def test_cli_errors_are_one_line_exit_2(args, expected):
     proc = run_cli("plan", *args)
@@ -266,3 +271,20 @@ def test_the_memory_plan_is_checked_against_the_compiled_step():
         assert 0.8 <= ratio <= 1.25, (model_axis, fsdp_axis, ratio, measured)
         assert measured["fits"] is True
     assert "XLA's compiled step on cpu: peak" in trainer.plan(memory=True)
+
+
+def test_the_planner_ranks_plans_when_no_axis_is_given(capsys):
+    from redray.cli import main
+
+    step = ["llama-7b", "--devices", "16", "--batch-size", "32", "--seq-len", "1024",
+            "--compute-dtype", "bfloat16"]
+    assert main(["plan", *step]) == 0  # H100 hosts of 8: 2 hosts
+    out = capsys.readouterr().out
+    assert "16 devices in 2 host(s), H100 SXM" in out and "plan: data=" in out
+    assert "runner-up" in out and "step ms" in out and "tokens/s" in out
+    # pinned parts are kept: a model axis of 4, and the JSON lists every fitting plan
+    assert main(["plan", *step, "--model-axis", "4", "--hosts", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["plans"] and all(p["plan"]["model"] == 4 for p in result["plans"])
+    times = [p["step_seconds"] for p in result["plans"]]
+    assert times == sorted(times)

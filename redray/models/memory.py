@@ -92,8 +92,9 @@ def _loss(model, inputs, chunk):
     return next_token_loss(model, inputs["input_ids"], chunk=chunk, train=True)
 
 
-def _trace(fam, config, batch: int, seq: int, policy: str, compute_dtype, chunk) -> list:
-    """Shapes and dtypes of the residuals of one loss evaluation (parameters excluded)."""
+def _abstract_loss(fam, config, batch: int, seq: int, policy: str, compute_dtype, chunk):
+    """(loss(params, extra, inputs), params, extra, inputs), all abstract: one loss
+    evaluation of ``config``'s model on ``batch`` examples of ``seq`` tokens."""
     from flax import nnx
 
     from redray.rngs import rngs as fast_rngs
@@ -113,7 +114,32 @@ def _trace(fam, config, batch: int, seq: int, policy: str, compute_dtype, chunk)
     def loss(params, extra, inputs):
         return _loss(nnx.merge(graphdef, params, extra), inputs, chunk)
 
-    return saved_residuals(loss, params, extra, inputs)
+    return loss, params, extra, inputs
+
+
+def _trace(fam, config, batch: int, seq: int, policy: str, compute_dtype, chunk) -> list:
+    """Shapes and dtypes of the residuals of one loss evaluation (parameters excluded)."""
+    return saved_residuals(*_abstract_loss(fam, config, batch, seq, policy, compute_dtype,
+                                           chunk))
+
+
+def example_flops(fam, config, seq: int, compute_dtype=None, chunk=None) -> float:
+    """FLOPs of one example's forward and backward pass (no remat), from XLA's cost
+    analysis of the lowered gradient, at depth 1 and 2 and extrapolated to the model's
+    depth (every layer is alike)."""
+    fields = LAYER_FIELDS.get(config.model_type, ("num_hidden_layers",))
+    depth = [getattr(config, f) for f in fields]
+
+    def at(counts):
+        loss, params, extra, inputs = _abstract_loss(
+            fam, _with_layers(config, fields, counts), 1, seq, "none", compute_dtype, chunk)
+        lowered = jax.jit(jax.grad(loss)).lower(params, extra, inputs)
+        return float(lowered.cost_analysis()["flops"])
+
+    base = at([1] * len(fields))
+    deltas = [at([2 if j == i else 1 for j in range(len(fields))]) - base
+              for i in range(len(fields))]
+    return base + sum((n - 1) * d for n, d in zip(depth, deltas))
 
 
 def _with_layers(config, fields, counts):
@@ -124,10 +150,14 @@ def _with_layers(config, fields, counts):
 
 
 def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_axis: int,
-                     split_sizes: set[int]) -> dict:
+                     split_sizes: set[int], traces: dict | None = None) -> dict:
     """{"saved": residual bytes per device for the whole model, "recompute": one
     layer's rematerialized residuals (0 without remat), "per_layer": saved bytes of one
-    layer, "host": residual bytes offloaded to host memory ("offload" policy)}."""
+    layer, "host": residual bytes offloaded to host memory ("offload" policy)}.
+
+    With ``traces`` (a dict kept between calls, the planner's) the traces are reused
+    and a batch beyond 2 rows is extrapolated from 1 and 2 (every residual holds the
+    batch, or nothing that grows with it: the count is linear in the rows)."""
     policy = remat_policy(step.remat)
     fields = LAYER_FIELDS.get(config.model_type, ("num_hidden_layers",))
     depth = [getattr(config, f) for f in fields]
@@ -135,14 +165,28 @@ def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_
     # "full" holds; the host holds what "dots" adds to that.
     traced = ({"full", "dots"} if policy == "offload" else {policy}) | {"none"}
 
+    def residuals(counts, batch: int, name: str) -> list:
+        key = (tuple(counts), batch, name)
+        if traces is None or key not in traces:
+            found = _trace(fam, _with_layers(config, fields, counts), batch, step.seq_len, name,
+                           step.compute_dtype, step.loss_chunk)
+            if traces is None:
+                return found
+            traces[key] = found
+        return traces[key]
+
     def measure(name):
         def at(counts):
-            cfg = _with_layers(config, fields, counts)
-            args = (step.compute_dtype, step.loss_chunk)
-            return split_residual_bytes(
-                _trace(fam, cfg, per_device_batch, step.seq_len, name, *args),
-                _trace(fam, cfg, 1, step.seq_len, name, *args), split_sizes, model_axis,
-                frozenset({step.seq_len, step.seq_len + 1}))
+            probe = residuals(counts, 1, name)
+
+            def rows(batch: int) -> int:
+                return split_residual_bytes(residuals(counts, batch, name), probe, split_sizes,
+                                            model_axis, frozenset({step.seq_len, step.seq_len + 1}))
+
+            if traces is None or per_device_batch <= 2:
+                return rows(per_device_batch)
+            one, two = rows(1), rows(2)
+            return one + (per_device_batch - 1) * (two - one)
 
         base = at([1] * len(fields))
         deltas = [at([2 if j == i else 1 for j in range(len(fields))]) - base
@@ -161,7 +205,8 @@ def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_
 
 
 def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelism,
-                step: StepShape, device_gib: float | None = None) -> dict:
+                step: StepShape, device_gib: float | None = None,
+                traces: dict | None = None) -> dict:
     """Bytes per device of one training step of ``config``'s model on ``parallelism``
     (built, or abstract) (see the module).
 
@@ -174,7 +219,7 @@ def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
     params = sum(r.bytes_per_device for r in param_rows)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model", 0)
     acts = activation_bytes(fam, config, step, per_device, parallelism.size(MODEL),
-                            split_sizes(param_rows, hidden))
+                            split_sizes(param_rows, hidden), traces)
     copies = 0
     item = jnp.dtype(step.compute_dtype).itemsize if step.compute_dtype else 4
     if step.compute_dtype and jnp.dtype(step.compute_dtype) != jnp.float32:

@@ -14,6 +14,7 @@ shipped in ``redray/models/presets``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import json
 import math
@@ -335,3 +336,100 @@ def format_memory(plan: dict, mesh: dict) -> list[str]:
     lines.append("activations: residuals JAX saves for the backward pass, traced; XLA's "
                  "temporaries (fusion outputs, collectives' buffers) come on top")
     return lines
+
+
+# The planner's remat policies for a redray.models family ("offload" trades host
+# transfers the cost model does not count: chosen only when pinned).
+REMAT_POLICIES = ("none", "dots", "full")
+# Matmul FLOPs of a step under each policy, over none: "full" runs the forward once more
+# (a third of forward + backward), "dots" keeps the matmul outputs and recomputes only
+# the cheap elementwise work around them.
+REMAT_FLOPS = {"none": 1.0, "dots": 1.0, "full": 4 / 3, "offload": 1.0}
+
+
+class ConfigFacts:
+    """What the planner needs of a ``redray.models`` family built from ``config``
+    (``redray.sharding.planner.ModelFacts``): its parameters, its dataflow, one
+    example's FLOPs (XLA's cost analysis, layers at depth 1 and 2 extrapolated) and a
+    step's memory (``memory_plan``, its traces kept between candidates).
+
+    Args:
+      config: a ``transformers`` config (or a preset name, a path, config fields).
+      seq_len: tokens per example.
+      compute_dtype: e.g. "bfloat16" (None: float32).
+      loss_chunk: tokens whose logits exist at once (``next_token_loss(chunk=)``).
+    """
+
+    def __init__(self, config, seq_len: int, compute_dtype: str | None = None,
+                 loss_chunk: int | None = None):
+        from flax import nnx
+
+        from redray.sharding.specs import flatten, trace_tree
+
+        self.config = resolve_config(config)
+        self.step = StepShape(batch_size=1, seq_len=seq_len, compute_dtype=compute_dtype,
+                              loss_chunk=loss_chunk)
+        self.fam, graphdef, params, extra = abstract_model(self.config)
+        self.paths, leaves, _ = flatten(params)
+        self.shapes = [tuple(x.shape) for x in leaves]
+        self.dtypes = [x.dtype for x in leaves]
+        inputs = self.fam.trace_inputs(self.config)
+
+        def forward(params, kwargs):
+            return nnx.merge(graphdef, params, extra)(**kwargs)
+
+        self.trace = trace_tree(params, forward, (inputs,))
+        tokens = math.prod(next(iter(inputs.values())).shape)
+        self.trace_examples = tokens / seq_len  # in the step's examples
+        self.tokens_per_example = seq_len
+        self.compute_itemsize = jnp.dtype(compute_dtype or jnp.float32).itemsize
+        self.remat_policies = REMAT_POLICIES
+        self._flops: float | None = None
+        self._traces: dict = {}
+
+    def flops(self, remat: str) -> float:
+        from redray.models.memory import example_flops
+
+        if self._flops is None:
+            self._flops = example_flops(self.fam, self.config, self.step.seq_len,
+                                        self.step.compute_dtype, self.step.loss_chunk)
+        return self._flops * REMAT_FLOPS[remat]
+
+    def memory(self, parallelism: Parallelism, rows, per_device_batch: int, remat: str) -> dict:
+        step = dataclasses.replace(self.step, batch_size=per_device_batch
+                                   * parallelism.data_parallel, remat=remat)
+        params = sum(r.bytes_per_device for r in rows)
+        return memory_plan(self.fam, self.config, rows, 2 * params, parallelism, step,
+                           traces=self._traces)
+
+
+def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
+                hardware, *, compute_dtype: str | None = None, loss_chunk: int | None = None,
+                rules=(), micro_batch_size: int | None = None, micro_rows: int | None = None,
+                remat: str | None = None, **axes):
+    """Every plan of ``config``'s model on ``devices`` devices in ``hosts`` hosts, ranked
+    by the planner (``redray.sharding.planner.rank``) on ``hardware``; what is given
+    (axis sizes by keyword, ``micro_batch_size`` per device or ``micro_rows`` over all
+    devices, ``remat``) is kept.
+
+    Raises:
+      PlanError: an unsupported model, pinned sizes no plan takes, or no plan that fits
+        (naming the smallest and what to change).
+    """
+    from redray.sharding.planner import NoPlanFits, pins, rank
+
+    for name, value in (("devices", devices), ("hosts", hosts), ("batch size", batch_size),
+                        ("sequence length", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} must be a positive integer, got {value!r}")
+    if devices % hosts:
+        raise PlanError(f"{devices} devices do not split over {hosts} hosts: give a device "
+                        f"count that is a multiple of {hosts}")
+    Parallelism.of(caller="redray plan", **axes)  # an unknown keyword fails as such
+    facts = ConfigFacts(config, seq_len, compute_dtype, loss_chunk)
+    try:
+        return rank(facts, devices, hosts, batch_size, hardware,
+                    pins(micro_batch_size=micro_batch_size, micro_rows=micro_rows, remat=remat,
+                         **axes), rules)
+    except (NoPlanFits, ValueError) as e:
+        raise PlanError(str(e)) from None

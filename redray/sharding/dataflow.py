@@ -53,12 +53,21 @@ class Use:
       out_dims: parameter dimensions that survive into the output, in order.
       preds: parameters whose matmul output reaches the other operand.
       order: position of the use in the trace (a topological order).
+      rows: positions the use computes for (a matmul's output elements over the
+        parameter's own output elements: batch x sequence for a dense layer; a lookup's
+        indices), 0 where not counted (elementwise uses).
+      times: how often the traced program runs it (the length of the scans around it).
+      first: False for a loop body's second reading (what a carry feeds the next
+        iteration): the same operation seen again, not run again.
     """
     kind: str
     in_dims: tuple[int, ...]
     out_dims: tuple[int, ...]
     preds: frozenset
     order: int
+    rows: int = 0
+    times: int = 1
+    first: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +89,19 @@ class Trace:
         # splitting one would hand each step's slice to a single device
         self.scanned: dict[int, set[int]] = {}
         self._counter = itertools.count()
+        self._times = 1  # the product of the enclosing scans' lengths
+        self._again = 0  # inside a loop body's second reading
 
-    def add(self, param: int, kind: str, in_dims, out_dims, preds) -> None:
+    def add(self, param: int, kind: str, in_dims, out_dims, preds, rows: int = 0) -> None:
         self.uses.setdefault(param, []).append(
             Use(kind, tuple(sorted(in_dims)), tuple(sorted(out_dims)), frozenset(preds),
-                next(self._counter)))
+                next(self._counter), rows, self._times, not self._again))
+
+    def runs(self) -> list[tuple[int, Use]]:
+        """(parameter, use) of every matmul and lookup as the program runs them: each
+        once, loop bodies' second readings left out."""
+        return [(p, u) for p, us in self.uses.items() for u in us
+                if u.first and u.kind in ("dot", "gather")]
 
 
 def trace(fn: Callable, leaves: Sequence[Any], *args) -> Trace:
@@ -110,6 +127,14 @@ def trace(fn: Callable, leaves: Sequence[Any], *args) -> Trace:
 
 def _shape(var) -> tuple[int, ...]:
     return tuple(getattr(var.aval, "shape", ()))
+
+
+def _size(shape, dims=None) -> int:
+    """Elements of ``shape`` (of its ``dims`` only, when given)."""
+    n = 1
+    for d in (range(len(shape)) if dims is None else dims):
+        n *= shape[d]
+    return n
 
 
 def _walk(jaxpr, in_infos: Sequence[_Info], out: Trace) -> list[_Info]:
@@ -152,7 +177,10 @@ def _eqn(eqn, ins: list[_Info], out: Trace) -> list[_Info]:
         pidx, dims = ins[0].view
         indexed = frozenset().union(*(dims[d] for d in p["dimension_numbers"].start_index_map))
         all_dims = frozenset().union(*dims) if dims else _EMPTY
-        out.add(pidx, "gather", indexed, all_dims - indexed, _EMPTY)
+        kept = _size(_shape(eqn.invars[0]), [d for d in range(len(dims))
+                                              if not dims[d] & indexed])
+        out.add(pidx, "gather", indexed, all_dims - indexed, _EMPTY,
+                _size(_shape(eqn.outvars[0])) // max(kept, 1))
         return [_Info(src=frozenset({pidx}))]
     if name in _CALLS:
         inner = _inner_jaxpr(p)
@@ -233,7 +261,10 @@ def _dot(eqn, ins, out: Trace) -> _Info:
         return _Info(src=lhs.src | rhs.src)
     param_is_lhs = lhs.view is not None
     param, contract, batch, act = (lhs, lc, lb, rhs) if param_is_lhs else (rhs, rc, rb, lhs)
-    _record_dot(out, param, contract, batch, act.src)
+    param_shape = _shape(eqn.invars[0 if param_is_lhs else 1])
+    own = _size(param_shape, [d for d in range(len(param_shape))
+                              if d not in contract and d not in batch])
+    _record_dot(out, param, contract, batch, act.src, _size(_shape(eqn.outvars[0])) // own)
     pidx, dims = param.view
     free = [dims[d] for d in range(len(dims)) if d not in contract and d not in batch]
     n_act_free = len(_shape(eqn.invars[1 if param_is_lhs else 0])) - len(contract) - len(batch)
@@ -244,12 +275,12 @@ def _dot(eqn, ins, out: Trace) -> _Info:
     return _Info(src=frozenset({pidx}), out=(pidx, tuple(out_dims)))
 
 
-def _record_dot(out: Trace, info: _Info, contract, batch, preds) -> None:
+def _record_dot(out: Trace, info: _Info, contract, batch, preds, rows: int = 0) -> None:
     pidx, dims = info.view
     contracted = frozenset().union(*(dims[d] for d in contract)) if contract else _EMPTY
     batched = frozenset().union(*(dims[d] for d in batch)) if batch else _EMPTY
     all_dims = frozenset().union(*dims) if dims else _EMPTY
-    out.add(pidx, "dot", contracted, all_dims - contracted - batched, preds)
+    out.add(pidx, "dot", contracted, all_dims - contracted - batched, preds, rows)
 
 
 def _conv(eqn, ins, out: Trace) -> _Info:
@@ -321,10 +352,18 @@ def _scan(eqn, ins, out: Trace) -> list[_Info]:
         if x.view is not None and x.view[1]:
             out.scanned.setdefault(x.view[0], set()).update(x.view[1][0])
     xs_inner = [_Info(view=(x.view[0], x.view[1][1:]), src=x.src) if x.view else x for x in xs]
-    results = _walk(body, [*consts, *carry, *xs_inner], out)
-    # Second pass: what the carry holds after one iteration feeds the next.
-    carry2 = [_Info(src=c.src | r.src) for c, r in zip(carry, results[:ncarry])]
-    results = _walk(body, [*consts, *carry2, *xs_inner], out)
+    out._times *= p["length"]
+    try:
+        results = _walk(body, [*consts, *carry, *xs_inner], out)
+        # Second pass: what the carry holds after one iteration feeds the next.
+        carry2 = [_Info(src=c.src | r.src) for c, r in zip(carry, results[:ncarry])]
+        out._again += 1
+        try:
+            results = _walk(body, [*consts, *carry2, *xs_inner], out)
+        finally:
+            out._again -= 1
+    finally:
+        out._times //= p["length"]
     return [_Info(src=r.src) for r in results]
 
 
@@ -334,5 +373,9 @@ def _while(eqn, ins, out: Trace) -> list[_Info]:
     body_consts, carry = ins[ncond:ncond + nb], ins[ncond + nb:]
     results = _walk(p["body_jaxpr"].jaxpr, [*body_consts, *carry], out)
     carry2 = [_Info(src=c.src | r.src) for c, r in zip(carry, results)]
-    results = _walk(p["body_jaxpr"].jaxpr, [*body_consts, *carry2], out)
+    out._again += 1
+    try:
+        results = _walk(p["body_jaxpr"].jaxpr, [*body_consts, *carry2], out)
+    finally:
+        out._again -= 1
     return [_Info(src=r.src | c.src) for r, c in zip(results, carry2)]

@@ -68,11 +68,19 @@ def derive_specs(tree, mesh: Mesh | AbstractMesh, fn: Callable | None = None, ar
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     trace = None
     if fn is not None and any(p.traces(dict(mesh.shape)) for p in passes):
-        trace = dataflow.trace(lambda ls, *a: fn(jax.tree.unflatten(treedef, ls), *a),
-                               abstract, *args)
+        trace = trace_tree(tree, fn, args)
     specs = partition_specs(passes, paths, [a.shape for a in abstract],
                             [a.dtype for a in abstract], dict(mesh.shape), trace, whole)
     return jax.tree.unflatten(treedef, specs)
+
+
+def trace_tree(tree, fn: Callable, args=()) -> dataflow.Trace:
+    """The dataflow of ``fn(tree, *args)`` over ``tree``'s arrays (in ``flatten``'s
+    order), traced once on abstract values."""
+    _, leaves, treedef = flatten(tree)
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    return dataflow.trace(lambda ls, *a: fn(jax.tree.unflatten(treedef, ls), *a),
+                          abstract, *args)
 
 
 def follow_specs(tree, reference, reference_specs):

@@ -1,0 +1,159 @@
+"""The hardware a plan is costed on: each device's matmul rate and memory, and the two
+links a collective may cross (inside a host, between hosts).
+
+A ``Hardware`` comes from a preset (``PRESETS``: H100 SXM, A100 80GB, L4, TPU v5e, CPU),
+from a probe of the live cluster (``redray/engine/probe.py``), or is written by hand.
+Every preset number names its source; where a number is an assumption (how much of a
+datasheet's peak a large matmul sustains, a collective's per-step latency) it says so,
+and the probe replaces it with a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GB = 1e9  # vendors' bandwidths and rates are decimal
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A link collectives cross, as the alpha-beta model sees it.
+
+    Attributes:
+      bandwidth: bytes per second each device sends (and receives) over it at once.
+      latency: seconds each step of a ring collective costs besides its bytes.
+    """
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self):
+        if not (self.bandwidth > 0 and self.latency >= 0):
+            raise ValueError(f"a link needs a positive bandwidth and a latency >= 0, got "
+                             f"bandwidth={self.bandwidth!r}, latency={self.latency!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What a plan's step time and memory are predicted on.
+
+    Attributes:
+      name: what it is ("H100 SXM", "probed: 2 hosts x 4 cpu").
+      matmul_flops: floating-point operations per second one device sustains on the
+        large matmuls of a training step, in the compute dtype.
+      peak_flops: the datasheet's dense peak, for model FLOPs utilization (MFU).
+      device_memory: bytes one device holds.
+      devices_per_host: devices of one host (the unit the intra-host link joins).
+      intra: the link between devices of one host (NVLink, ICI, shared memory).
+      inter: the link between hosts (InfiniBand, Ethernet, DCN), per device.
+      overlap: the fraction of the compute time that the gradient and FSDP collectives
+        may hide behind (XLA's latency-hiding scheduler on GPU and TPU overlaps them
+        with the layers' matmuls; 0 on CPU, where collectives run in line). Tensor
+        parallel all-reduces are on the critical path and never hidden.
+      reduce_scatter: whether a sharded gradient is reduce-scattered (GPU and TPU) or
+        all-reduced and sliced (XLA:CPU): the latter moves twice the bytes.
+      micro_batch_overhead: seconds each micro-batch costs beside its matmuls and
+        collectives (its launches, the accumulation loop's step).
+      source: where the numbers come from.
+    """
+    name: str
+    matmul_flops: float
+    peak_flops: float
+    device_memory: float
+    devices_per_host: int
+    intra: Link
+    inter: Link
+    overlap: float = 1.0
+    reduce_scatter: bool = True
+    micro_batch_overhead: float = 0.0
+    source: str = ""
+
+    def __post_init__(self):
+        if not (self.matmul_flops > 0 and self.peak_flops > 0 and self.device_memory > 0):
+            raise ValueError(f"Hardware {self.name!r}: matmul_flops, peak_flops and "
+                             "device_memory must be positive")
+        if not (isinstance(self.devices_per_host, int) and self.devices_per_host >= 1):
+            raise ValueError(f"Hardware {self.name!r}: devices_per_host must be a positive "
+                             f"int, got {self.devices_per_host!r}")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"Hardware {self.name!r}: overlap is a fraction in [0, 1], got "
+                             f"{self.overlap!r}")
+
+    def with_inter(self, bandwidth: float, latency: float, what: str) -> "Hardware":
+        """The same devices joined across hosts by another link (``what`` names it)."""
+        return dataclasses.replace(self, name=f"{self.name} over {what}",
+                                   inter=Link(bandwidth, latency),
+                                   source=f"{self.source}; between hosts: {what}")
+
+    def describe(self) -> dict:
+        """The numbers, for the run's log and MLflow."""
+        return {"hardware": self.name, "matmul_tflops": self.matmul_flops / 1e12,
+                "peak_tflops": self.peak_flops / 1e12,
+                "device_memory_gib": self.device_memory / (1 << 30),
+                "devices_per_host": self.devices_per_host,
+                "intra_gb_per_s": self.intra.bandwidth / GB,
+                "intra_latency_us": self.intra.latency * 1e6,
+                "inter_gb_per_s": self.inter.bandwidth / GB,
+                "inter_latency_us": self.inter.latency * 1e6,
+                "overlap": self.overlap, "reduce_scatter": self.reduce_scatter,
+                "micro_batch_overhead_ms": self.micro_batch_overhead * 1e3}
+
+
+# How much of the dense bf16 peak a training step's large matmuls sustain: an
+# assumption (MaxText's published runs reach 50-60% MFU on whole steps of large models,
+# which include attention and the slower ops); the probe measures it instead.
+SUSTAINED = 0.7
+# Per ring step: the order of NCCL's small-message latencies (a few microseconds on
+# NVLink, about ten over InfiniBand, tens over TCP Ethernet): assumptions, probed on a
+# live cluster.
+NVLINK_LATENCY, IB_LATENCY, ETHERNET_LATENCY = 5e-6, 10e-6, 50e-6
+
+PRESETS: dict[str, Hardware] = {
+    "h100": Hardware(
+        "H100 SXM", SUSTAINED * 989e12, 989e12, 80 * GB, 8,
+        intra=Link(450 * GB, NVLINK_LATENCY), inter=Link(50 * GB, IB_LATENCY),
+        micro_batch_overhead=1e-3,
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOPS dense BF16, 80 GB "
+               "HBM3, NVLink 900 GB/s both ways); DGX H100: one 400 Gb/s NDR InfiniBand "
+               "port per GPU"),
+    "a100": Hardware(
+        "A100 80GB SXM", SUSTAINED * 312e12, 312e12, 80 * GB, 8,
+        intra=Link(300 * GB, NVLINK_LATENCY), inter=Link(25 * GB, IB_LATENCY),
+        micro_batch_overhead=1e-3,
+        source="NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB: 312 TFLOPS dense BF16, "
+               "NVLink 600 GB/s both ways); DGX A100: one 200 Gb/s HDR InfiniBand port per GPU"),
+    "l4": Hardware(
+        "L4", SUSTAINED * 121e12, 121e12, 24 * GB, 8,
+        intra=Link(32 * GB, 10e-6), inter=Link(100 / 8 * GB / 8, ETHERNET_LATENCY),
+        micro_batch_overhead=1e-3,
+        source="NVIDIA L4 datasheet (121 TFLOPS dense BF16, 24 GB, PCIe Gen4 x16 64 GB/s "
+               "both ways, no NVLink); Google Cloud g2-standard-96: 8 L4 per VM, 100 Gb/s "
+               "of network per VM, shared by its 8 GPUs"),
+    "tpu-v5e": Hardware(
+        "TPU v5e", SUSTAINED * 197e12, 197e12, 16 * GB, 8,
+        intra=Link(200 * GB, 5e-6), inter=Link(200 * GB, 5e-6), micro_batch_overhead=5e-4,
+        source="Google Cloud TPU v5e documentation (197 TFLOPS BF16, 16 GB HBM2, ICI "
+               "1600 Gb/s per chip); the hosts of one slice are joined by the same ICI"),
+    "cpu": Hardware(
+        "CPU (simulated devices)", 5e9, 5e9, 24 * (1 << 30) / 8, 4,
+        intra=Link(2 * GB, 20e-6), inter=Link(0.5 * GB, 100e-6), overlap=0.0,
+        reduce_scatter=False, micro_batch_overhead=2e-3,
+        source="the order of what this project's 2-core CI machine gives each of 4 simulated "
+               "devices (XLA:CPU, gloo across processes); probe the machine for its numbers"),
+}
+
+
+def ethernet(hardware: Hardware, gbit_per_host: float = 100.0) -> Hardware:
+    """``hardware`` with hosts joined by TCP Ethernet of ``gbit_per_host`` Gb/s, shared by
+    the host's devices (a cloud machine's NIC)."""
+    per_device = gbit_per_host / 8 * GB / hardware.devices_per_host
+    return hardware.with_inter(per_device, ETHERNET_LATENCY, f"{gbit_per_host:g} Gb/s Ethernet")
+
+
+def preset(name: str) -> Hardware:
+    """A preset by name (``h100``, ``a100``, ``l4``, ``tpu-v5e``, ``cpu``); a name ending
+    ``+ethernet`` joins its hosts by 100 Gb/s Ethernet instead."""
+    base, _, link = name.partition("+")
+    if base not in PRESETS or link not in ("", "ethernet"):
+        raise ValueError(f"unknown hardware {name!r}: use one of "
+                         f"{', '.join(sorted(PRESETS))}, optionally with '+ethernet'")
+    return ethernet(PRESETS[base]) if link else PRESETS[base]

@@ -1,0 +1,313 @@
+"""The plan chosen for the user: every feasible way to split a step over the devices,
+its memory per device and its predicted time, the fastest that fits.
+
+A candidate is a size for every mesh axis (their product the device count, an axis that
+must stay inside a host no larger than a host), a micro-batch per device (hence the
+accumulation) and a remat policy. What the user pins (an axis size, the micro-batch,
+remat) is kept; the rest is enumerated. For each candidate the spec passes give every
+parameter its spec (from one dataflow trace shared by all), the model's facts give its
+memory per device and FLOPs, and ``cost.py`` its step time on the ``Hardware``.
+Candidates over the device memory less ``margin`` are dropped; the rest are ranked by
+predicted seconds per step. No candidate is run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Protocol, Sequence
+
+from redray.sharding.cost import (Parameter, StepCost, step_cost, state_traffic,
+                                  tensor_traffic)
+from redray.sharding.dataflow import Trace
+from redray.sharding.hardware import Hardware
+from redray.sharding.memory import size_text
+from redray.sharding.parallelism import (AXES, INSIDE, MODEL, Parallelism, axis_defaults,
+                                         hybrid_shapes)
+from redray.sharding.placement import Placement, placement
+from redray.sharding.rules import partition_specs
+
+# What of a device's memory a plan may use: the rest absorbs what the memory model does
+# not count (XLA's temporaries, fragmentation, the runtime's own buffers).
+MARGIN = 0.1
+
+
+class ModelFacts(Protocol):
+    """What the planner needs to know of a model; ``redray.models.plan.ConfigFacts``
+    gives them for a Hugging Face config."""
+
+    paths: Sequence[str]
+    shapes: Sequence[tuple[int, ...]]
+    dtypes: Sequence
+    trace: Trace | None  # the model's dataflow, traced on ``trace_examples`` examples
+    trace_examples: int
+    tokens_per_example: int
+    compute_itemsize: int  # bytes per activation element
+    remat_policies: Sequence[str]  # the policies it can be built with
+
+    def flops(self, remat: str) -> float:
+        """Matmul FLOPs of one example's forward and backward pass under ``remat``."""
+
+    def memory(self, parallelism: Parallelism, rows: list[Placement], per_device_batch: int,
+               remat: str) -> dict:
+        """What a step holds per device (``parts``, ``total``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way to run the step.
+
+    Attributes:
+      sizes: axis keyword -> size.
+      micro_batch_size: examples per device in one forward/backward pass.
+      remat: the remat policy.
+    """
+    sizes: tuple[tuple[str, int], ...]
+    micro_batch_size: int
+    remat: str
+
+    @property
+    def shape(self) -> dict[str, int]:
+        by_keyword = dict(self.sizes)
+        return {a.name: by_keyword[a.keyword] for a in AXES}
+
+    def describe(self) -> str:
+        axes = " x ".join(f"{k}={v}" for k, v in self.shape.items())
+        return f"{axes}, micro {self.micro_batch_size}, remat {self.remat}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """A candidate with its memory and predicted step."""
+    candidate: Candidate
+    accumulation: int
+    memory: dict
+    cost: StepCost
+    fits: bool
+    tokens_per_s: float
+    mfu: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranking:
+    """Every candidate scored, the fitting ones fastest first.
+
+    Attributes:
+      ranked: the candidates that fit, fastest first.
+      over: those over the budget, smallest memory first.
+      budget: the bytes a plan may use on one device.
+      hardware: what they were costed on.
+    """
+    ranked: list[Scored]
+    over: list[Scored]
+    budget: float
+    hardware: Hardware
+
+    @property
+    def best(self) -> Scored:
+        return self.ranked[0]
+
+    def why(self) -> str:
+        """One line: the pick, its predicted speed, and what made the runner-up lose."""
+        best = self.best
+        line = (f"plan: {best.candidate.describe()} ({best.cost.seconds * 1e3:.1f} ms per "
+                f"step predicted, {size_text(best.memory['total'])} of "
+                f"{size_text(self.budget)} per device)")
+        if len(self.ranked) > 1:
+            second = self.ranked[1]
+            line += (f"; runner-up {second.candidate.describe()}: "
+                     f"{second.cost.seconds / best.cost.seconds:.3f}x slower "
+                     f"({_loses_on(best.cost, second.cost)})")
+        return line
+
+    def table(self, rows: int = 10) -> str:
+        """The ranked candidates, fastest first (their predicted step; compute, the
+        tensor-parallel all-reduces and the gradient/FSDP traffic the compute does not
+        hide), and how many did not fit."""
+        out = [f"{'plan':<50} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'memory':>10} "
+               f"{'compute':>9} {'tensor':>9} {'grads':>9}",
+               f"{'':<50} {'':>9} {'':>11} {'':>6} {'':>10} {'ms':>9} {'ms':>9} "
+               f"{'ms shown':>9}"]
+        for s in self.ranked[:rows]:
+            c = s.cost
+            out.append(f"{s.candidate.describe():<50} {c.seconds * 1e3:>9.1f} "
+                       f"{s.tokens_per_s:>11,.0f} {s.mfu:>6.1%} "
+                       f"{size_text(s.memory['total']):>10} {c.compute * 1e3:>9.1f} "
+                       f"{c.tensor * 1e3:>9.1f} {c.exposed * 1e3:>9.1f}")
+        more = len(self.ranked) - rows
+        if more > 0:
+            out.append(f"... {more} more that fit")
+        if self.over:
+            out.append(f"{len(self.over)} over the budget of {size_text(self.budget)} per "
+                       f"device (smallest: {self.over[0].candidate.describe()}, "
+                       f"{size_text(self.over[0].memory['total'])})")
+        return "\n".join(out)
+
+
+class NoPlanFits(ValueError):
+    """No candidate fits the device memory; the message names the smallest and what to
+    change."""
+
+
+def _loses_on(best: StepCost, other: StepCost) -> str:
+    parts = {"compute": other.compute - best.compute, "tensor-parallel traffic":
+             other.tensor - best.tensor, "gradient and FSDP traffic":
+             other.exposed - best.exposed, "micro-batch overhead": other.overhead - best.overhead}
+    part = max(parts, key=parts.get)
+    return f"more {part}: +{parts[part] * 1e3:.3g} ms"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def axis_sizes(devices: int, hosts: int, pinned: dict) -> list[dict[str, int]]:
+    """Every assignment of sizes (keyword -> size) to the axes whose product is
+    ``devices``, an axis that stays inside a host no larger than a host and the mesh
+    placeable on ``hosts`` hosts; pinned sizes kept."""
+    if devices % hosts:
+        raise ValueError(f"{devices} devices do not split over {hosts} hosts evenly")
+    local = devices // hosts
+    out = []
+
+    def assign(k: int, left: int, sizes: dict):
+        if k == len(AXES):
+            if left == 1:
+                out.append(dict(sizes))
+            return
+        axis = AXES[k]
+        options = [pinned[axis.keyword]] if axis.keyword in pinned else _divisors(left)
+        for size in options:
+            if left % size or (axis.hosts == INSIDE and local % size):
+                continue
+            assign(k + 1, left // size, {**sizes, axis.keyword: size})
+
+    assign(0, devices, {})
+    return [s for s in out
+            if hosts == 1 or hybrid_shapes([s[a.keyword] for a in AXES], hosts, local)]
+
+
+def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequence[str],
+               pinned: dict | None = None) -> list[Candidate]:
+    """Every candidate of the grid (see the module docstring).
+
+    Args:
+      devices, hosts: the cluster.
+      batch_size: examples per step over all devices.
+      remat_policies: the policies to consider.
+      pinned: what the user fixed: axis keywords -> size, ``micro_batch_size`` (per
+        device) or ``micro_rows`` (over all devices), ``remat``.
+    """
+    pinned = dict(pinned or {})
+    micro_pin = pinned.pop("micro_batch_size", None)
+    rows_pin = pinned.pop("micro_rows", None)
+    remat_pin = pinned.pop("remat", None)
+    remats = [remat_pin] if remat_pin is not None else list(remat_policies)
+    out = []
+    for sizes in axis_sizes(devices, hosts, pinned):
+        dp = math.prod(sizes[a.keyword] for a in AXES if a.splits_batch)
+        if batch_size % dp:
+            continue
+        per_device = batch_size // dp
+        if rows_pin is not None:
+            if rows_pin % dp:
+                continue
+            micro_pin = rows_pin // dp
+        micros = [micro_pin] if micro_pin is not None else _divisors(per_device)
+        for micro in micros:
+            if per_device % micro:
+                continue
+            for remat in remats:
+                out.append(Candidate(tuple(sizes.items()), micro, remat))
+    return out
+
+
+def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
+          hardware: Hardware, budget: float, rules=(), specs_cache: dict | None = None) -> Scored:
+    """A candidate's memory per device and predicted step."""
+    shape = candidate.shape
+    devices = math.prod(shape.values())
+    plan = Parallelism.of(rules=rules, **dict(candidate.sizes)).abstract(devices)
+    key = tuple(sorted(shape.items()))
+    cache = {} if specs_cache is None else specs_cache
+    if key not in cache:
+        specs = partition_specs(plan.spec_passes(), facts.paths, facts.shapes, facts.dtypes,
+                                shape, facts.trace if shape[MODEL.name] > 1 else None)
+        cache[key] = specs
+    specs = cache[key]
+    rows = _placement(facts, specs, plan)
+    geometry = plan.geometry(batch_size, candidate.micro_batch_size)
+    memory = facts.memory(plan, rows, candidate.micro_batch_size, candidate.remat)
+    params = [Parameter(tuple(s), _itemsize(d), tuple(spec))
+              for s, d, spec in zip(facts.shapes, facts.dtypes, specs)]
+    recompute = candidate.remat != "none"
+    tensor = [] if facts.trace is None else tensor_traffic(
+        facts.trace, params, shape, candidate.micro_batch_size / facts.trace_examples,
+        facts.compute_itemsize, recompute, geometry.accumulation)
+    state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute,
+                          geometry.accumulation)
+    flops = facts.flops(candidate.remat) * batch_size / devices
+    cost = step_cost(flops, tensor, state, geometry.accumulation, shape, hosts, hardware)
+    tokens = batch_size * facts.tokens_per_example / cost.seconds
+    useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
+    return Scored(candidate, geometry.accumulation, memory, cost, memory["total"] <= budget,
+                  tokens, useful / cost.seconds / hardware.peak_flops)
+
+
+def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware: Hardware,
+         pinned: dict | None = None, rules=(), margin: float = MARGIN) -> Ranking:
+    """Every candidate scored and ranked (see the module docstring).
+
+    Raises:
+      NoPlanFits: none fits ``hardware.device_memory`` less ``margin``.
+      ValueError: pinned sizes no plan can take (they do not divide the devices).
+    """
+    budget = hardware.device_memory * (1 - margin)
+    grid = candidates(devices, hosts, batch_size, facts.remat_policies, pinned)
+    if not grid:
+        raise ValueError(f"no plan of {devices} devices on {hosts} host(s) takes a batch of "
+                         f"{batch_size} with {pinned or 'nothing'} pinned: check that the "
+                         "pinned axis sizes divide the devices (an axis kept inside a host "
+                         "by a host's devices) and the batch the data-parallel size")
+    cache: dict = {}
+    scored = [score(facts, c, batch_size, hosts, hardware, budget, rules, cache) for c in grid]
+    # equal times (traffic the compute hides): the less traffic, then the less memory
+    fitting = sorted((s for s in scored if s.fits),
+                     key=lambda s: (round(s.cost.seconds, 9), s.cost.gradients + s.cost.tensor,
+                                    s.memory["total"]))
+    over = sorted((s for s in scored if not s.fits), key=lambda s: s.memory["total"])
+    ranking = Ranking(fitting, over, budget, hardware)
+    if not fitting:
+        smallest = over[0]
+        raise NoPlanFits(
+            f"no plan fits {size_text(budget)} per device ({hardware.name}, "
+            f"{margin:.0%} kept free): the smallest, {smallest.candidate.describe()}, holds "
+            f"{size_text(smallest.memory['total'])}. Use more devices, a smaller batch or "
+            "sequence, compute_dtype='bfloat16', or unpin what you pinned")
+    return ranking
+
+
+def pins(**given) -> dict:
+    """The plan parameters a user gave (axis keywords off their defaults, a micro-batch,
+    a remat policy), for ``candidates``."""
+    defaults = axis_defaults()
+    out = {k: v for k, v in given.items() if k in defaults and v != defaults[k]
+           and v != "auto"}
+    for key in ("micro_batch_size", "micro_rows", "remat"):
+        if given.get(key) is not None:
+            out[key] = given[key]
+    return out
+
+
+def _itemsize(dtype) -> int:
+    import numpy as np
+
+    return np.dtype(dtype).itemsize
+
+
+def _placement(facts: ModelFacts, specs, plan: Parallelism) -> list[Placement]:
+    import jax
+
+    leaves = [jax.ShapeDtypeStruct(s, d) for s, d in zip(facts.shapes, facts.dtypes)]
+    rows = placement(leaves, specs, plan.mesh)
+    return [dataclasses.replace(r, path=p) for r, p in zip(rows, facts.paths)]
