@@ -143,6 +143,12 @@ class RunFolders:
         return f"{self.run}/compile_cache"
 
     @property
+    def hardware(self) -> str:
+        """``<storage>/hardware``: the probed numbers of each cluster the storage's runs
+        ran on (``redray.engine.probe``), shared by its runs."""
+        return f"{self.storage}/hardware"
+
+    @property
     def model_config(self) -> str:
         """``<storage>/<name>/config.json``: the Hugging Face config of a
         ``redray.models`` run's model, which ``redray export`` builds it from (the run's

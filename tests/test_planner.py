@@ -165,3 +165,40 @@ def test_presets_name_their_sources():
     assert preset("a100+ethernet").name == "A100 80GB SXM over 100 Gb/s Ethernet"
     with pytest.raises(ValueError, match="unknown hardware 'v100'.*h100"):
         preset("v100")
+
+
+def test_a_trainer_with_parallelism_auto_runs_the_planners_pick():
+    config = LlamaConfig(**TINY)
+    options = dict(batch_size=8, progress=False, log_every=1)
+
+    def make(**kw):
+        return redray.Trainer(lambda rngs: build(config, rngs=rngs), collate, loss,
+                              optax.adam(1e-3), **options, **kw)
+
+    auto = make(parallelism="auto", hardware="cpu", model_axis=2)
+    auto.init(DATA)
+    best = auto.plan_ranking.best.candidate
+    assert auto.parallelism.shape == best.shape and best.shape["model"] == 2  # pinned: kept
+    assert auto.geometry.micro_batch_size == best.micro_batch_size
+    assert auto.describe()["plan"]["chosen"] == best.describe()
+    assert auto.describe()["plan"]["hardware"] == "CPU (simulated devices)"
+    # the plan it chose is the plan given by hand: the same steps
+    shape = best.shape
+    by_hand = make(data_axis=shape["data"], fsdp_axis=shape["fsdp"], model_axis=shape["model"],
+                   micro_batch_size=best.micro_batch_size)
+    assert [r["loss"] for r in auto.fit(DATA, epochs=1)] == \
+        [r["loss"] for r in by_hand.fit(DATA, epochs=1)]
+    with pytest.raises(ValueError, match="parallelism='auto' or a mesh"):
+        make(parallelism="auto", mesh=redray.make_mesh())
+
+
+def test_the_probe_measures_this_runtime_and_keeps_its_numbers(tmp_path):
+    from redray.engine.probe import cluster_key, probe
+
+    measured = probe(str(tmp_path))
+    assert measured.matmul_flops > 0 and measured.intra.bandwidth > 0
+    assert measured.devices_per_host == jax.local_device_count()
+    assert measured.overlap == 0.0 and not measured.reduce_scatter  # XLA:CPU
+    kept = tmp_path / f"{cluster_key()}.json"
+    assert kept.exists() and "4-devices-1-hosts" in kept.name
+    assert probe(str(tmp_path)) == measured  # read back, not measured again

@@ -143,3 +143,28 @@ def test_killing_a_host_while_a_save_is_in_flight_keeps_the_previous_checkpoint(
     assert result.resumed_from_step == 4  # the interrupted save of step 8 never counted
     assert losses(result.history) == {s: v for s, v in losses(reference.history).items() if s > 4}
     assert_same(load_params(f"{tmp_path}/run", model), reference_params)
+
+
+def test_a_run_choosing_its_plan_replans_when_resumed_on_fewer_hosts(tmp_path):
+    common = dict(train_data=DATA, name="auto", storage_path=str(tmp_path), batch_size=8,
+                  parallelism="auto", log_every=1, seed=0, progress=False, devices_per_host=2,
+                  checkpoint=CheckpointConfig(save_every=4))
+    first = redray.fit(model, lm_collate, lm_loss, optax.adam(1e-2), epochs=1, hosts=2,
+                       **common)
+    tags = MlflowClient(first.tracking_uri).get_run(first.mlflow_run_id).data.tags
+    chosen = tags["redray.plan.chosen"]
+    assert "runner-up" in tags["redray.plan.why"] or tags["redray.plan.plans_weighed"] == "1"
+    assert tags["redray.plan.hardware"] == "probed: 2 host(s) x 2 cpu"
+    # the cluster's numbers are kept in the storage folder, per cluster
+    assert [p.name for p in (tmp_path / "hardware").iterdir()] == [
+        "cpu-cpu-4-devices-2-hosts.json"]
+    second = redray.fit(model, lm_collate, lm_loss, optax.adam(1e-2), epochs=2, hosts=1,
+                        **common)
+    assert second.resumed_from_step == 12 and second.mlflow_run_id == first.mlflow_run_id
+    tags = MlflowClient(second.tracking_uri).get_run(second.mlflow_run_id).data.tags
+    assert tags["redray.plan.hardware"] == "probed: 1 host(s) x 2 cpu"
+    replanned = tags["redray.plan.chosen"]
+    sizes = [int(part.split("=")[1]) for part in replanned.split(",")[0].split(" x ")]
+    assert sizes[0] * sizes[1] * sizes[2] == 2 and replanned != chosen  # 2 devices now
+    assert {row["epoch"] for row in second.history if "loss" in row} == {1}
+    assert all(0 < row["loss"] < 10 for row in second.history if "loss" in row)

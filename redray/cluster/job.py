@@ -84,6 +84,8 @@ class HostJob:
         or None (``ClusterConfig.compile_cache`` off).
       console: host 0's Trainers show their messages and progress on the driver
         (through ``results``); False (verbose): on the host's own output.
+      probe_cache: where the cluster's probed hardware numbers are kept
+        (``RunFolders.hardware``), for a Trainer that chooses its plan.
     """
     task: FitTask | CallTask
     code: bytes
@@ -94,3 +96,4 @@ class HostJob:
     hang_timeout: float | None = None
     compile_cache: str | None = None
     console: bool = True
+    probe_cache: str | None = None

@@ -408,7 +408,8 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
     job = HostJob(task=task, code=_user_bytes(code), results=results, tracker=tracker,
                   checkpoint=config.checkpoint, config=recorded,
                   hang_timeout=config.hang_timeout, console=quiet,
-                  compile_cache=folders.compile_cache if config.compile_cache else None)
+                  compile_cache=folders.compile_cache if config.compile_cache else None,
+                  probe_cache=folders.hardware)
     trainer = JaxTrainer(
         # Ray's own serializer (cloudpickle plus object-ref and actor-handle ownership):
         # the row sources' block references must stay valid on workers.

@@ -173,7 +173,7 @@ class HostRun:
         console = DriverConsole(self.job.results) if self.job.console and self.rank == 0 \
             else None
         return Adoption(checkpoint=checkpoint, config=self.job.config, hooks=hooks,
-                        console=console)
+                        console=console, probe_cache=self.job.probe_cache)
 
     def result(self, value) -> dict:
         """What host 0 sends the driver: the function's value and the main Trainer's

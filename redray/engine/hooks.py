@@ -119,11 +119,14 @@ class Adoption:
       hooks: hooks added to the Trainer.
       console: where the Trainer's messages and progress go (a
         ``redray.engine.console.Console``; None: this process's terminal).
+      probe_cache: the folder keeping the cluster's probed hardware numbers, for a
+        Trainer choosing its plan (None: probe each time).
     """
     checkpoint: Any = None
     config: dict = dataclasses.field(default_factory=dict)
     hooks: list = dataclasses.field(default_factory=list)
     console: Any = None
+    probe_cache: str | None = None
 
 
 class Scope(Protocol):

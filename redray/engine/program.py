@@ -179,31 +179,63 @@ class TrainProgram:
     def _activation_bytes(self, state: TrainState, rows) -> int:
         """Residual bytes per device of the loss's backward pass on one device's micro
         batch (see ``redray.sharding.memory``)."""
-        cd = self.runtime.compute_dtype
+        return activation_bytes(self.runtime, self.functions.loss, state.params, state.frozen,
+                                state.extra, self.global_batch,
+                                self.geometry.micro_batch_size, rows,
+                                self.runtime.parallelism.size(MODEL))
 
-        def abstract(x):
-            dtype = cd if cd is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-            return jax.ShapeDtypeStruct(x.shape, dtype)
 
-        params, frozen = (jax.tree.map(abstract, t) for t in (state.params, state.frozen))
-        extra = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.extra)
-        rng = jax.eval_shape(lambda: jax.random.key(0))
-        loss_of = model_loss(self.runtime.apply, self.functions.loss)
+def activation_bytes(runtime: ModelRuntime, loss: Callable, params, frozen, extra,
+                     batch: dict, rows_per_device: int, placement_rows, model_axis: int,
+                     residuals: dict | None = None) -> int:
+    """Residual bytes per device of ``loss``'s backward pass on ``rows_per_device``
+    examples (see ``redray.sharding.memory``), under the split ``placement_rows`` show.
 
-        def loss(params, frozen, extra, batch, rng):
-            return loss_of(params, frozen, extra, batch, rng)[0]
+    Args:
+      runtime: the model on its plan (its compute dtype, its ``apply``).
+      loss: the user's loss.
+      params, frozen, extra: the state's parts (arrays or abstract).
+      batch: a batch's arrays or ShapeDtypeStructs (any rows: only the rest is read).
+      rows_per_device: the examples one device computes at once.
+      placement_rows: the parameters' ``Placement`` rows on the plan.
+      model_axis: the plan's model axis size.
+      residuals: a dict kept between calls (the planner's): the traces are reused and
+        rows beyond 2 extrapolated from 1 and 2 (the count is linear in the rows).
+    """
+    cd = runtime.compute_dtype
 
-        def batch(rows):
-            return {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype)
-                    for k, v in self.global_batch.items()}
+    def abstract(x):
+        dtype = cd if cd is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+        return jax.ShapeDtypeStruct(x.shape, dtype)
 
-        real = saved_residuals(loss, params, frozen, extra,
-                               batch(self.geometry.micro_batch_size), rng)
-        probe = saved_residuals(loss, params, frozen, extra, batch(1), rng)
-        lengths = {d + k for v in self.global_batch.values() for d in v.shape[1:]
-                   for k in (-1, 0)}
-        return split_residual_bytes(real, probe, split_sizes(rows),
-                                    self.runtime.parallelism.size(MODEL), frozenset(lengths))
+    params, frozen = (jax.tree.map(abstract, t) for t in (params, frozen))
+    extra = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), extra)
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    loss_of = model_loss(runtime.apply, loss)
+
+    def value(params, frozen, extra, batch, rng):
+        return loss_of(params, frozen, extra, batch, rng)[0]
+
+    def traced(rows: int) -> list:
+        if residuals is not None and rows in residuals:
+            return residuals[rows]
+        found = saved_residuals(value, params, frozen, extra,
+                                {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype)
+                                 for k, v in batch.items()}, rng)
+        if residuals is not None:
+            residuals[rows] = found
+        return found
+
+    lengths = frozenset(d + k for v in batch.values() for d in v.shape[1:] for k in (-1, 0))
+    split = split_sizes(placement_rows)
+
+    def at(rows: int) -> int:
+        return split_residual_bytes(traced(rows), traced(1), split, model_axis, lengths)
+
+    if residuals is None or rows_per_device <= 2:
+        return at(rows_per_device)
+    one, two = at(1), at(2)
+    return one + (rows_per_device - 1) * (two - one)
 
 
 def check_loss(runtime: ModelRuntime, loss: Callable, abstract: dict) -> list[str]:

@@ -24,21 +24,27 @@ class ModelRuntime:
       model: a function building an ``nnx.Module`` (optionally taking ``nnx.Rngs``), a
         built ``nnx.Module`` (its arrays are the starting point), or a ``redray.LinenModel``.
       parallelism: the built ``Parallelism`` (its mesh, its spec passes with the user's
-        rules).
+        rules); None until ``use`` gives it (a plan chosen from the model itself).
       compute_dtype: dtype the model computes in (parameters stay float32); None keeps
         the parameters' dtype.
       seed: initialization seed.
     """
 
-    def __init__(self, model: Any, parallelism: Parallelism, compute_dtype=None, seed: int = 0):
+    def __init__(self, model: Any, parallelism: Parallelism | None, compute_dtype=None,
+                 seed: int = 0):
         self.adapter = adapter(model)
-        self.parallelism = parallelism
-        self.mesh = parallelism.mesh
+        self.parallelism = self.mesh = None
+        if parallelism is not None:
+            self.use(parallelism)
         self.compute_dtype = compute_dtype
         self.init_key = stream_key(seed, KeyStream.INIT)
         self.abstract = abstract_state(self.adapter, self.init_key)
         self.specs = None
         self.whole: list = []  # layer parameters the rules left unsplit over model
+
+    def use(self, parallelism: Parallelism) -> None:
+        """Runs the model on ``parallelism`` (built) from now on."""
+        self.parallelism, self.mesh = parallelism, parallelism.mesh
 
     def apply(self, fn: Callable, params, extra, rng, *args):
         """Runs ``fn(model, *args)`` on the bound model; returns (output, new extra)."""

@@ -35,6 +35,7 @@ from redray.engine.steps import NONFINITE_POLICIES
 from redray.functions import WEIGHT, UserFunctions, UserFunctionError
 from redray.rngs import KeyStream, stream_key
 from redray.sharding import Parallelism, placement
+from redray.sharding.planner import pins
 from redray.sharding.memory import memory_text
 
 # What a Trainer's checkpoint meta holds beyond the step (and reads back on resume): the
@@ -64,7 +65,14 @@ class Trainer:
         global batch is gradient accumulation. Default: no accumulation.
       eval_batch_size: examples per evaluation step (default: ``batch_size``).
       parallelism: a ``redray.Parallelism`` (axis sizes, rules, mesh in one value); or
-        give a mesh or the axis sizes (and rules).
+        give a mesh or the axis sizes (and rules). ``"auto"``: the planner chooses the
+        axis sizes and the micro-batch at ``init`` from the model, the loss and the
+        first batch (``redray/engine/autoplan.py``), keeping the axis sizes and
+        ``micro_batch_size`` given; ``plan_ranking`` then holds every plan it weighed.
+      hardware: what ``"auto"`` plans on: a ``redray.sharding.hardware.Hardware``, a
+        preset name (``"h100"``, ``"h100+ethernet"``...), or None: the devices probed
+        (``redray/engine/probe.py``; inside ``redray.fit`` kept per cluster in the
+        storage folder).
       mesh: a mesh from ``redray.make_mesh``; or give the axis sizes.
       compute_dtype: dtype of the forward/backward (e.g. ``jnp.bfloat16``); parameters
         and optimizer state stay float32.
@@ -117,7 +125,8 @@ class Trainer:
                  learning_rate=None, seed: int = 0, log_every: int = 10, progress: bool = True,
                  prefetch: int = 2, checkpoint=None, config: dict | None = None,
                  trainable: str | None = None, grad_fn: Callable | None = None,
-                 hooks: Sequence[Hook] = (), on_nonfinite: str = "stop", **axes):
+                 hooks: Sequence[Hook] = (), on_nonfinite: str = "stop", hardware=None,
+                 **axes):
         self.functions = UserFunctions(collate, loss, predict)
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use one of "
@@ -133,10 +142,20 @@ class Trainer:
             raise TypeError(f"optimizer must be an optax.GradientTransformation "
                             f"(e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}")
         self.optimizer = optimizer
-        self.parallelism = Parallelism.resolve(parallelism, mesh, rules, axes, "Trainer")
-        self.mesh = self.parallelism.mesh
-        self.geometry = self.parallelism.geometry(batch_size, micro_batch_size)
         self.batch_size = batch_size
+        self.hardware, self.plan_ranking = hardware, None
+        if parallelism == "auto":
+            if mesh is not None:
+                raise ValueError("give either parallelism='auto' or a mesh, not both: the "
+                                 "planner builds the mesh")
+            Parallelism.of(caller="Trainer", **axes)  # an unknown keyword fails as such
+            self._pinned = pins(micro_batch_size=micro_batch_size, **axes)
+            self._rules = tuple(rules or ())
+            self.parallelism = self.mesh = self.geometry = None  # chosen at init
+        else:
+            self.parallelism = Parallelism.resolve(parallelism, mesh, rules, axes, "Trainer")
+            self.mesh = self.parallelism.mesh
+            self.geometry = self.parallelism.geometry(batch_size, micro_batch_size)
         self.eval_batch_size = eval_batch_size or batch_size
         self.runtime = ModelRuntime(model, self.parallelism, compute_dtype, seed)
         self.learning_rate = learning_rate
@@ -162,6 +181,7 @@ class Trainer:
         self._summarized = False
         self._predictors: dict = {}
         self.console = Console()  # process 0's messages and progress: this terminal
+        self._probe_cache = None
         scope = current_scope()
         if scope is not None:  # inside redray.run/redray.fit: the run's defaults and hooks
             adopted = scope.adopt(self, default_checkpoint=checkpoint is None)
@@ -170,6 +190,7 @@ class Trainer:
             self.config = {**adopted.config, **self.config}
             if adopted.console is not None:  # the run's driver shows them
                 self.console = adopted.console
+            self._probe_cache = adopted.probe_cache
             for hook in adopted.hooks:
                 self.add_hook(hook)
 
@@ -203,6 +224,8 @@ class Trainer:
             raise ValueError("init needs at least one example to learn the batch's shapes")
         sample = collate_checked(self.functions.collate,
                                  first_examples(examples, self.batch_size))
+        if self.parallelism is None:
+            self._choose_plan(sample)
         self.program = TrainProgram.build(
             self.runtime, self.functions, self.optimizer, self.geometry, sample,
             seed=self.seed, trainable=self.trainable, grad_fn=self.grad_fn,
@@ -224,6 +247,28 @@ class Trainer:
                                  f"{meta['epoch']}, batch {meta['batch']})")
             for hook in self.hooks:
                 hook.on_restore(self, int(meta["step"]), path, meta)
+
+    def _choose_plan(self, sample: dict) -> None:
+        """Runs the planner on this model, loss and batch, and takes its pick."""
+        from redray.engine.autoplan import RuntimeFacts, choose
+        from redray.engine.probe import probe
+        from redray.sharding.hardware import Hardware, preset
+
+        hardware = self.hardware
+        if hardware is None:
+            hardware = probe(self._probe_cache)
+        elif not isinstance(hardware, Hardware):
+            hardware = preset(hardware)
+        facts = RuntimeFacts(self.runtime, self.functions.loss, self.optimizer, sample,
+                             self.trainable, tokens_per_example(sample))
+        self.plan_ranking = choose(facts, self.batch_size, hardware, self._pinned, self._rules)
+        best = self.plan_ranking.best.candidate
+        self.parallelism = Parallelism.of(rules=self._rules, **dict(best.sizes)).build()
+        self.mesh = self.parallelism.mesh
+        self.geometry = self.parallelism.geometry(self.batch_size, best.micro_batch_size)
+        self.runtime.use(self.parallelism)
+        if self.progress and jax.process_index() == 0:
+            self.console.say(self.plan_ranking.why())
 
     def _restore_latest(self):
         """(items, meta) of the newest complete checkpoint, restored onto this plan's
@@ -285,7 +330,19 @@ class Trainer:
                 "optimizer_bytes_per_device_approx": int(opt),
                 "batch_size": self.batch_size,
                 "micro_batch_size": self.geometry.micro_batch_size,
-                "accumulation_steps": self.geometry.accumulation}
+                "accumulation_steps": self.geometry.accumulation,
+                **({} if self.plan_ranking is None else {"plan": self._plan_facts()})}
+
+    def _plan_facts(self) -> dict:
+        """What the planner chose and on what: the predicted step, the hardware."""
+        ranking = self.plan_ranking
+        best = ranking.best
+        return {"chosen": best.candidate.describe(), "why": ranking.why(),
+                "predicted_step_s": best.cost.seconds,
+                "predicted_tokens_per_s": best.tokens_per_s,
+                "predicted_memory_bytes": best.memory["total"],
+                "plans_weighed": len(ranking.ranked) + len(ranking.over),
+                **ranking.hardware.describe()}
 
     def _print_summary(self) -> None:
         d = self.describe()

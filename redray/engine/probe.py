@@ -1,0 +1,171 @@
+"""The live cluster's numbers for the planner, measured through the real runtime: each
+device's matmul rate, and the all-reduce bandwidth and latency inside a host and
+between hosts.
+
+Every process runs the probe (its collectives need all of them); the numbers of process
+0 are given to all, so every host plans the same. A folder given as ``cache`` keeps them
+per cluster (platform, device kind, devices, hosts): a restart plans from the same
+numbers without probing again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from redray.sharding.hardware import PRESETS, Hardware, Link
+
+# Two all-reduce sizes: the small one's time is mostly latency, the large one's bandwidth.
+SMALL, LARGE = 1 << 10, 1 << 22
+REPEATS = 5
+# Where a link cannot be measured (one device per host, one host): the preset's figure
+# for the platform, else these.
+UNMEASURED = Link(10e9, 10e-6)
+
+
+def _timed(fn, *args) -> float:
+    """Median seconds of ``fn(*args)`` after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _grid() -> Mesh:
+    """Every device as (hosts, devices of a host)."""
+    hosts = jax.process_count()
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(devices, dtype=object).reshape(hosts, -1), ("hosts", "local"))
+
+
+def _matmul_rate(mesh: Mesh, dtype, n: int) -> float:
+    """FLOPs per second each device sustains on an (n, n) x (n, n) matmul, all devices
+    at once."""
+    devices = mesh.devices.size
+    spec = NamedSharding(mesh, P(("hosts", "local")))
+    x = jax.jit(lambda: jnp.ones((devices * n, n), dtype), out_shardings=spec)()
+    y = jax.jit(lambda: jnp.ones((n, n), dtype), out_shardings=NamedSharding(mesh, P()))()
+    seconds = _timed(jax.jit(lambda a, b: a @ b, out_shardings=spec), x, y)
+    return 2 * n ** 3 / seconds
+
+
+def _link(mesh: Mesh, axis: str, dtype) -> Link | None:
+    """The alpha-beta link of an all-reduce over ``axis``, from two sizes; None when the
+    axis holds one device."""
+    n = mesh.shape[axis]
+    if n < 2:
+        return None
+    itemsize = jnp.dtype(dtype).itemsize
+
+    def reduce(size: int) -> float:
+        spec = P(("hosts", "local"))
+        x = jax.jit(lambda: jnp.ones((mesh.devices.size, size // itemsize), dtype),
+                    out_shardings=NamedSharding(mesh, spec))()
+        summed = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, axis), mesh=mesh,
+                                       in_specs=spec, out_specs=spec))
+        return _timed(summed, x)
+
+    small, large = reduce(SMALL), reduce(LARGE)
+    share = 2 * (n - 1) / n
+    bandwidth = share * (LARGE - SMALL) / max(large - small, 1e-9)
+    latency = max(0.0, (small - share * SMALL / bandwidth) / (2 * (n - 1)))
+    return Link(bandwidth, latency)
+
+
+def _overhead(mesh: Mesh) -> float:
+    """Seconds one small program costs to dispatch and run on every device."""
+    x = jax.jit(lambda: jnp.ones((mesh.devices.size, 8)),
+                out_shardings=NamedSharding(mesh, P(("hosts", "local"))))()
+    return _timed(jax.jit(lambda v: v + 1), x)
+
+
+def _device_memory(device) -> float:
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend has it
+        stats = {}
+    if stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    # CPU: the machine's memory shared by this process's devices
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / max(jax.local_device_count(), 1)
+
+
+# Device kinds (as JAX names them, lower case) -> the preset that gives their peak.
+KINDS = {"h100": "h100", "a100": "a100", "l4": "l4", "v5 lite": "tpu-v5e", "v5e": "tpu-v5e"}
+
+
+def _like(device) -> Hardware | None:
+    """The preset of a device's kind (its peak FLOPs), if one matches."""
+    if device.platform == "cpu":
+        return PRESETS["cpu"]
+    kind = device.device_kind.lower()
+    return next((PRESETS[key] for part, key in KINDS.items() if part in kind), None)
+
+
+def cluster_key() -> str:
+    d = jax.devices()[0]
+    return (f"{d.platform}-{d.device_kind}-{jax.device_count()}-devices-"
+            f"{jax.process_count()}-hosts").replace(" ", "_").replace("/", "_")
+
+
+def probe(cache: str | None = None) -> Hardware:
+    """The ``Hardware`` of the devices this runtime sees (see the module docstring).
+
+    Args:
+      cache: a folder where the numbers are kept per cluster; read if there, else
+        measured and written (by process 0).
+    """
+    path = None if cache is None else os.path.join(cache, f"{cluster_key()}.json")
+    if path is not None and os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        return Hardware(**{**saved, "intra": Link(**saved["intra"]),
+                           "inter": Link(**saved["inter"])})
+    mesh = _grid()
+    device = jax.devices()[0]
+    like = _like(device)
+    accelerated = device.platform != "cpu"
+    dtype = jnp.bfloat16 if accelerated else jnp.float32
+    numbers = np.array([
+        _matmul_rate(mesh, dtype, 4096 if accelerated else 512),
+        *_flat(_link(mesh, "local", dtype)), *_flat(_link(mesh, "hosts", dtype)),
+        _overhead(mesh), _device_memory(device)], np.float64)
+    if jax.process_count() > 1:  # every host plans from process 0's numbers
+        from jax.experimental import multihost_utils
+
+        numbers = np.asarray(multihost_utils.broadcast_one_to_all(numbers))
+    rate, intra_bw, intra_lat, inter_bw, inter_lat, overhead, memory = numbers.tolist()
+    base = like or dataclasses.replace(PRESETS["h100"], intra=UNMEASURED, inter=UNMEASURED)
+    intra = Link(intra_bw, intra_lat) if intra_bw > 0 else base.intra
+    inter = Link(inter_bw, inter_lat) if inter_bw > 0 else (intra if jax.process_count() == 1
+                                                            else base.inter)
+    hardware = Hardware(
+        f"probed: {jax.process_count()} host(s) x {jax.local_device_count()} "
+        f"{device.device_kind}", rate, max(rate, like.peak_flops if like else rate),
+        memory, jax.local_device_count(), intra, inter,
+        overlap=1.0 if accelerated else 0.0, reduce_scatter=accelerated,
+        micro_batch_overhead=overhead,
+        source=f"measured by redray's probe on {time.strftime('%Y-%m-%d %H:%M')}; peak from "
+               f"{like.name if like else 'the measured rate'}")
+    if path is not None and jax.process_index() == 0:
+        os.makedirs(cache, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(dataclasses.asdict(hardware), f, indent=1)
+        os.replace(path + ".tmp", path)
+    return hardware
+
+
+def _flat(link: Link | None) -> tuple[float, float]:
+    return (0.0, 0.0) if link is None else (link.bandwidth, link.latency)
