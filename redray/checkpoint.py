@@ -235,6 +235,12 @@ class Checkpointer:
             metrics=None if metric is None else {"value": float(metric)})
         self._pending = (step, meta, on_commit)
 
+    @property
+    def saving(self) -> int | None:
+        """The step of the checkpoint in flight (started, not yet known complete), or
+        None."""
+        return None if self._pending is None else self._pending[0]
+
     def wait(self) -> None:
         """Blocks until the checkpoint in flight is complete; runs its ``on_commit``."""
         self.manager.wait_until_finished()

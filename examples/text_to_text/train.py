@@ -5,12 +5,12 @@ Dates written the ways people write them ("Tuesday, 04 March 1997", "04.03.97",
 character per token. The data is generated here from the calendar (no download), from
 fixed seeds. The eval metric is exact match of the dates the model *generates*
 (``predict`` runs greedy decoding with a KV cache on the Predictor), logged after every
-epoch. By default 2 simulated hosts x 2 CPU devices with ``model_axis=2``; MLflow
-tracking and checkpoints go to ``--storage``. Running the same command again resumes
-the run (or says it is complete).
+epoch. By default 2 simulated hosts x 2 CPU devices, the plan chosen by redray's
+planner; MLflow tracking and checkpoints go to ``--storage``. Running the same command
+again resumes the run (or says it is complete).
 
     python examples/text_to_text/train.py [--epochs 3] [--hosts 2]
-        [--devices-per-host 2] [--model-axis 2] [--storage DIR] [--name RUN]
+        [--devices-per-host 2] [--model-axis M] [--storage DIR] [--name RUN]
 """
 
 import argparse
@@ -36,7 +36,7 @@ SOURCE_LEN, TARGET_LEN = 32, 11  # the longest date and an ISO date, each with i
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=3, help="passes over the training dates")
-    ap.add_argument("--model-axis", type=int, default=2, help="tensor-parallel size")
+    ap.add_argument("--model-axis", type=int, help="tensor-parallel size (default: planned)")
     ap.add_argument("--examples", type=int, default=8000, help="training dates")
     ap.add_argument("--batch-size", type=int, default=32, help="global batch (dates)")
     ap.add_argument("--lr", type=float, default=5e-3, help="peak learning rate")

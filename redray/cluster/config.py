@@ -8,6 +8,9 @@ from typing import Any
 from redray import storage
 from redray.checkpoint import CheckpointConfig
 
+# An elastic run's default restarts: each host lost for good is one.
+ELASTIC_MAX_FAILURES = 3
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
@@ -17,7 +20,12 @@ class ClusterConfig:
     from a script's flags.
 
     Attributes:
-      hosts: worker processes, one per host (on one machine: simulated hosts).
+      hosts: worker processes, one per host (on one machine: simulated hosts). Or
+        ``(min, max)``: elastic (Ray Train's elastic scaling). The run starts on as many
+        hosts as the cluster has (at least ``min``, at most ``max``); a host lost for
+        good restarts it on the hosts left (one of ``max_failures``), from its last
+        checkpoint, with a new plan when the Trainer chooses its own; a host that
+        comes back is taken at the next checkpoint (the run regroups, losing no step).
       devices_per_host: CPU devices each host simulates (CPU only; default 1), or the
         GPUs/TPU chips each host takes.
       use_gpu, use_tpu: run on GPUs / TPUs (devices assigned by Ray).
@@ -28,7 +36,8 @@ class ClusterConfig:
       storage_path: the storage folder (an absolute path, or a URI); default
         ``~/redray_runs`` (``redray.storage``).
       max_failures: worker-group restarts Ray Train allows before giving up; the
-        restarted group resumes from the last complete checkpoint.
+        restarted group resumes from the last complete checkpoint. Default 0, and
+        ``ELASTIC_MAX_FAILURES`` (3) for an elastic run.
       hang_timeout: seconds a host may go without progress (a training step, an
         evaluation or prediction batch, a checkpoint) before the job is stopped as
         stuck (a collective whose peer never arrives, a collate that never returns),
@@ -54,14 +63,14 @@ class ClusterConfig:
         ``REDRAY_VERBOSE`` variable, else quiet: the driver shows one progress line
         and the run's own messages.
     """
-    hosts: int = 1
+    hosts: int | tuple[int, int] = 1
     devices_per_host: int | None = None
     use_gpu: bool = False
     use_tpu: bool = False
     address: str | None = None
     name: str | None = None
     storage_path: str | None = None
-    max_failures: int = 0
+    max_failures: int | None = None
     hang_timeout: float | None = 1800.0
     checkpoint: Any = None
     resume: bool = True
@@ -72,8 +81,24 @@ class ClusterConfig:
     verbose: bool | None = None
 
     def __post_init__(self):
-        if not isinstance(self.hosts, int) or self.hosts < 1:
+        if isinstance(self.hosts, list):
+            object.__setattr__(self, "hosts", tuple(self.hosts))
+        if isinstance(self.hosts, tuple):
+            if (len(self.hosts) != 2 or not all(isinstance(h, int) for h in self.hosts)
+                    or not 1 <= self.hosts[0] <= self.hosts[1]):
+                raise ValueError(f"hosts={self.hosts!r}: give a number of hosts, or (min, max) "
+                                 "with 1 <= min <= max for an elastic run")
+            if self.max_failures is None:
+                object.__setattr__(self, "max_failures", ELASTIC_MAX_FAILURES)
+            if self.max_failures < 1:
+                raise ValueError(f"hosts={self.hosts!r} (elastic) goes on after a host is lost "
+                                 "by restarting on the hosts left, which is one of "
+                                 "max_failures: give max_failures >= 1 (default "
+                                 f"{ELASTIC_MAX_FAILURES})")
+        elif not isinstance(self.hosts, int) or self.hosts < 1:
             raise ValueError(f"hosts={self.hosts!r}: need at least one host")
+        elif self.max_failures is None:
+            object.__setattr__(self, "max_failures", 0)
         if self.use_gpu and self.use_tpu:
             raise ValueError("use_gpu and use_tpu are exclusive")
         if self.hang_timeout is not None and not (
@@ -82,6 +107,21 @@ class ClusterConfig:
                              "(None: no watchdog)")
         if self.checkpoint is not False:
             CheckpointConfig.of(self.checkpoint)  # a wrong type fails here, on the driver
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the number of hosts may change during the run (``hosts=(min, max)``)."""
+        return isinstance(self.hosts, tuple)
+
+    @property
+    def max_hosts(self) -> int:
+        """The most hosts the run takes."""
+        return self.hosts[1] if self.elastic else self.hosts
+
+    @property
+    def min_hosts(self) -> int:
+        """The fewest hosts the run trains on."""
+        return self.hosts[0] if self.elastic else self.hosts
 
     @classmethod
     def split(cls, options: dict, cluster: "ClusterConfig | None" = None

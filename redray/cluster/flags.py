@@ -26,8 +26,10 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, name: str, hosts: int =
       hosts, devices_per_host, storage: defaults of the flags.
     """
     group = parser.add_argument_group("cluster")
-    group.add_argument("--hosts", type=int, default=hosts,
-                       help=f"hosts, simulated on one machine (default {hosts})")
+    group.add_argument("--hosts", type=host_count, default=hosts,
+                       help=f"hosts, simulated on one machine (default {hosts}); MIN:MAX "
+                       "for an elastic run (it goes on when hosts leave, grows when they "
+                       "come back)")
     group.add_argument("--devices-per-host", type=int, default=devices_per_host,
                        help=f"devices per host (default {devices_per_host})")
     group.add_argument("--gpu", action="store_true", help="use the hosts' GPUs")
@@ -39,6 +41,19 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, name: str, hosts: int =
                        help="show everything every process prints (default: one progress "
                        "line and the run's messages)")
     return parser
+
+
+def host_count(text: str) -> int | tuple[int, int]:
+    """``--hosts``'s value: ``N``, or ``MIN:MAX`` (elastic)."""
+    try:
+        parts = [int(p) for p in text.split(":")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return tuple(parts)
+    raise argparse.ArgumentTypeError(f"{text!r}: give a number of hosts (2) or MIN:MAX (2:4)")
 
 
 def cluster_options(args: argparse.Namespace) -> ClusterConfig:

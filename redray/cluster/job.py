@@ -86,6 +86,10 @@ class HostJob:
         (through ``results``); False (verbose): on the host's own output.
       probe_cache: where the cluster's probed hardware numbers are kept
         (``RunFolders.hardware``), for a Trainer that chooses its plan.
+      grow_to: an elastic run's most hosts: a group smaller than that regroups at a
+        checkpoint when the cluster has room for another host; None: a fixed group.
+      worker_resources: what one host's worker reserves on its node (the room looked
+        for).
     """
     task: FitTask | CallTask
     code: bytes
@@ -97,3 +101,5 @@ class HostJob:
     compile_cache: str | None = None
     console: bool = True
     probe_cache: str | None = None
+    grow_to: int | None = None
+    worker_resources: dict | None = None

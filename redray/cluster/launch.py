@@ -93,11 +93,13 @@ class HostError(RuntimeError):
 
 def _results_actor():
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     @ray.remote(num_cpus=0)
     class Results:
         def __init__(self):
             self.value, self.failures, self.hosts = None, [], {}
+            self.regrouping = False
             # host 0's messages and progress for the driver's console, numbered from 0;
             # kept until the driver has read them (a run may log for days)
             self.news, self.first_news = [], 0
@@ -127,10 +129,22 @@ def _results_actor():
                 ray.kill(actor)
             self.hosts.clear()
 
+        def regroup(self):
+            """Host 0: the group ends to regroup on more hosts (no value)."""
+            self.regrouping = True
+
+        def take_regroup(self):
+            regrouping, self.regrouping = self.regrouping, False
+            self.hosts.clear()
+            return regrouping
+
         def get(self):
             return self.value, self.failures
 
-    return Results.remote()
+    # on the driver's node, like the tracker: a worker node may leave mid-run
+    node = ray.get_runtime_context().get_node_id()
+    return Results.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote()
 
 
 def connect(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -339,11 +353,11 @@ def _check_data_cpus(config: ClusterConfig, task) -> None:
 
     if not any(isinstance(getattr(task, k, None), Stream) for k in ("train", "eval", "predict")):
         return
-    reserved = 0 if (config.use_gpu or config.use_tpu) else config.hosts
+    reserved = 0 if (config.use_gpu or config.use_tpu) else config.max_hosts
     total = ray.cluster_resources().get("CPU", 0)
     if total - reserved < 1:
         raise ValueError(
-            f"the Ray cluster has {total:g} CPU(s) and the {config.hosts} host(s) reserve "
+            f"the Ray cluster has {total:g} CPU(s) and the {config.max_hosts} host(s) reserve "
             f"{reserved}: none is left for Ray Data to read the stream, which would wait "
             f"forever. Give Ray more CPUs (ray.init(num_cpus={int(reserved) + 2}), or "
             "`ray start --num-cpus`), or use fewer hosts")
@@ -378,17 +392,15 @@ def _launch(config: ClusterConfig, make_task: Callable, settings: dict, code) ->
 
 def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, code) -> dict:
     import ray
-    from ray.train import FailureConfig, LoggingConfig, RunConfig
-    from ray.train.v2.jax import JaxTrainer
 
-    from redray.cluster.tracker import CheckpointsToTracker, finish_tracker, start_tracker
+    from redray.cluster.tracker import finish_tracker, start_tracker
 
     connected_here = not ray.is_initialized()
     # Before the data: Ray Data would otherwise start a Ray of its own. A local cluster
     # counts one CPU more per host: each host reserves one, and the machine's cores stay
     # free for Ray Data's reads and transforms (which would wait forever for a CPU).
     connect(config.address,
-            num_cpus=None if config.address else (os.cpu_count() or 1) + config.hosts)
+            num_cpus=None if config.address else (os.cpu_count() or 1) + config.max_hosts)
     task = make_task()
     _check_data_cpus(config, task)
     recorded = {**config.settings(), **settings}
@@ -409,20 +421,16 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
                   checkpoint=config.checkpoint, config=recorded,
                   hang_timeout=config.hang_timeout, console=quiet,
                   compile_cache=folders.compile_cache if config.compile_cache else None,
-                  probe_cache=folders.hardware)
-    trainer = JaxTrainer(
-        # Ray's own serializer (cloudpickle plus object-ref and actor-handle ownership):
-        # the row sources' block references must stay valid on workers.
-        _entry, train_loop_config={"job": job}, scaling_config=_scaling(config),
-        run_config=RunConfig(name=folders.name, storage_path=folders.storage,
-                             failure_config=FailureConfig(max_failures=config.max_failures),
-                             worker_runtime_env={"env_vars": _worker_env(config, quiet)},
-                             logging_config=LoggingConfig(log_level="WARNING"),
-                             callbacks=[] if tracker is None else [CheckpointsToTracker(tracker)]))
+                  probe_cache=folders.hardware,
+                  grow_to=config.max_hosts if config.elastic else None,
+                  worker_resources=worker_resources(config))
     start = time.perf_counter()
     try:
-        with Watcher(results, view):
-            trainer.fit()
+        # An elastic run's group ends itself at a checkpoint when the cluster has room for
+        # more hosts (worker.Regrow): then a new group, as large as Ray can make it,
+        # resumes from that checkpoint.
+        while _run_group(config, job, quiet, tracker, results, view):
+            pass
     except Exception as error:
         finish_tracker(tracker, "FAILED")
         _, failures = ray.get(results.get.remote())
@@ -443,6 +451,30 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
             "seconds": time.perf_counter() - start,
             "tracking_uri": report and report["uri"],
             "mlflow_run_id": report and report["run_id"]}
+
+
+def _run_group(config: ClusterConfig, job: HostJob, quiet: bool, tracker, results,
+               view) -> bool:
+    """Runs one Ray Train worker group to its end; True when it ended to regroup."""
+    import ray
+    from ray.train import FailureConfig, LoggingConfig, RunConfig
+    from ray.train.v2.jax import JaxTrainer
+
+    from redray.cluster.tracker import CheckpointsToTracker
+
+    folders = config.folders
+    trainer = JaxTrainer(
+        # Ray's own serializer (cloudpickle plus object-ref and actor-handle ownership):
+        # the row sources' block references must stay valid on workers.
+        _entry, train_loop_config={"job": job}, scaling_config=_scaling(config),
+        run_config=RunConfig(name=folders.name, storage_path=folders.storage,
+                             failure_config=FailureConfig(max_failures=config.max_failures),
+                             worker_runtime_env={"env_vars": _worker_env(config, quiet)},
+                             logging_config=LoggingConfig(log_level="WARNING"),
+                             callbacks=[] if tracker is None else [CheckpointsToTracker(tracker)]))
+    with Watcher(results, view):
+        trainer.fit()
+    return ray.get(results.take_regroup.remote())
 
 
 def _worker_env(config: ClusterConfig, quiet: bool = True) -> dict:
@@ -490,17 +522,31 @@ def _scaling(config: ClusterConfig):
     import ray
     from ray.train import ScalingConfig
 
-    if config.use_gpu:
-        resources = {"GPU": config.devices_per_host or 1}
-    elif config.use_tpu:
-        resources = {"TPU": config.devices_per_host or 4}
-    else:
-        resources = {"CPU": 1}
+    resources = worker_resources(config)
+    if config.elastic:
+        # Ray's own resize of a running group kills it mid-step: redray grows the group
+        # at its checkpoints instead (worker.Regrow), and lets Ray size each new group.
+        return ScalingConfig(num_workers=config.hosts, use_gpu=config.use_gpu,
+                             use_tpu=config.use_tpu, resources_per_worker=resources,
+                             placement_strategy="SPREAD",
+                             elastic_resize_monitor_interval_s=NEVER)
     nodes = len([n for n in ray.nodes() if n.get("Alive")])
     return ScalingConfig(num_workers=config.hosts, use_gpu=config.use_gpu,
                          use_tpu=config.use_tpu, resources_per_worker=resources,
                          placement_strategy="STRICT_SPREAD" if nodes >= config.hosts > 1
                          else "SPREAD")
+
+
+NEVER = 1e12  # seconds
+
+
+def worker_resources(config: ClusterConfig) -> dict:
+    """What one host's worker reserves on its Ray node."""
+    if config.use_gpu:
+        return {"GPU": config.devices_per_host or 1}
+    if config.use_tpu:
+        return {"TPU": config.devices_per_host or 4}
+    return {"CPU": 1}
 
 
 def _user_bytes(code) -> bytes:

@@ -34,8 +34,13 @@ def train_loop(job: HostJob) -> None:
             watchdog = Watchdog(job.hang_timeout, lambda stall: _stuck(job, rank, stall)).start()
         code = cloudpickle.loads(job.code)  # after JAX's runtime is up
         host_run = HostRun(job, rank, watchdog)
-        with trainer_scope(host_run):
-            value = job.task.run(code, rank)
+        try:
+            with trainer_scope(host_run):
+                value = job.task.run(code, rank)
+        except Regroup:  # every host, at the same checkpoint: a larger group goes on
+            if rank == 0:
+                ray.get(job.results.regroup.remote())
+            return
         if rank == 0:
             ray.get(job.results.put.remote(host_run.result(value)))
     except BaseException as error:
@@ -170,6 +175,8 @@ class HostRun:
             hooks.append(self.main)
         if self.watchdog is not None:
             hooks.append(self.watchdog)
+        if self.job.grow_to is not None and checkpoint is not None:
+            hooks.append(Regrow(self.job.grow_to, self.job.worker_resources))
         console = DriverConsole(self.job.results) if self.job.console and self.rank == 0 \
             else None
         return Adoption(checkpoint=checkpoint, config=self.job.config, hooks=hooks,
@@ -227,3 +234,68 @@ class RayTrainCheckpoints(Hook):
 
 
 POINTER = "redray_checkpoint.json"
+
+
+class Regroup(BaseException):
+    """Raised on every host of an elastic run at a complete checkpoint, when the cluster
+    has room for more hosts: the group ends there and a larger one resumes from that
+    checkpoint. A ``BaseException``: user code catching ``Exception`` lets it through."""
+
+
+class Regrow(Hook):
+    """An elastic run's growth: at each checkpoint the run's main Trainer saves while its
+    group is below ``grow_to`` hosts, host 0 asks Ray for room for one more host's
+    worker (``resources``, a placement group it removes at once); if there is, every host
+    waits for that checkpoint to complete and ends the group (``Regroup``), losing no
+    step. Each host hears the same checkpoints, so every one takes the same decision
+    (host 0's, broadcast)."""
+
+    # how long host 0 waits for Ray to place the trial worker
+    WAIT_S = 2.0
+
+    def __init__(self, grow_to: int, resources: dict):
+        self.grow_to, self.resources = grow_to, dict(resources)
+
+    def on_step(self, trainer, info) -> None:
+        self._check(trainer, info.step)
+
+    def on_epoch_end(self, trainer, end) -> None:
+        self._check(trainer, end.step)
+
+    def _check(self, trainer, step: int) -> None:
+        import jax
+
+        checkpointer = trainer.checkpointer
+        if (checkpointer is None or checkpointer.saving != step
+                or jax.process_count() >= self.grow_to):
+            return
+        room = self._room() if jax.process_index() == 0 else False
+        if jax.process_count() > 1:
+            import numpy as np
+            from jax.experimental import multihost_utils
+
+            room = bool(multihost_utils.broadcast_one_to_all(np.int32(room)))
+        if not room:
+            return
+        checkpointer.wait()  # the checkpoint of this step is complete before the group ends
+        if jax.process_index() == 0:
+            trainer.console.say(f"the cluster has room for more hosts: regrouping at step "
+                                f"{step} ({jax.process_count()} host(s) now, up to "
+                                f"{self.grow_to})")
+        raise Regroup(step)
+
+    def _room(self) -> bool:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        free = ray.available_resources()
+        if any(free.get(k, 0) < v for k, v in self.resources.items()):
+            return False
+        group = placement_group([self.resources])
+        try:
+            ray.get(group.ready(), timeout=self.WAIT_S)
+            return True
+        except Exception:  # noqa: BLE001 - not placed in time: no room
+            return False
+        finally:
+            remove_placement_group(group)

@@ -127,12 +127,30 @@ def probe(cache: str | None = None) -> Hardware:
       cache: a folder where the numbers are kept per cluster; read if there, else
         measured and written (by process 0).
     """
-    path = None if cache is None else os.path.join(cache, f"{cluster_key()}.json")
+    key = cluster_key()
+    path = None if cache is None else os.path.join(cache, f"{key}.json")
     if path is not None and os.path.exists(path):
         with open(path) as f:
             saved = json.load(f)
         return Hardware(**{**saved, "intra": Link(**saved["intra"]),
                            "inter": Link(**saved["inter"])})
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure()
+    hardware = _MEASURED[key]
+    if path is not None and jax.process_index() == 0:
+        os.makedirs(cache, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(dataclasses.asdict(hardware), f, indent=1)
+        os.replace(path + ".tmp", path)
+    return hardware
+
+
+# This process's measurements, per cluster: every Trainer made here plans from the same
+# numbers (no second probe, no plan changed by the probe's noise).
+_MEASURED: dict[str, Hardware] = {}
+
+
+def _measure() -> Hardware:
     mesh = _grid()
     device = jax.devices()[0]
     like = _like(device)
@@ -151,7 +169,7 @@ def probe(cache: str | None = None) -> Hardware:
     intra = Link(intra_bw, intra_lat) if intra_bw > 0 else base.intra
     inter = Link(inter_bw, inter_lat) if inter_bw > 0 else (intra if jax.process_count() == 1
                                                             else base.inter)
-    hardware = Hardware(
+    return Hardware(
         f"probed: {jax.process_count()} host(s) x {jax.local_device_count()} "
         f"{device.device_kind}", rate, max(rate, like.peak_flops if like else rate),
         memory, jax.local_device_count(), intra, inter,
@@ -159,12 +177,6 @@ def probe(cache: str | None = None) -> Hardware:
         micro_batch_overhead=overhead,
         source=f"measured by redray's probe on {time.strftime('%Y-%m-%d %H:%M')}; peak from "
                f"{like.name if like else 'the measured rate'}")
-    if path is not None and jax.process_index() == 0:
-        os.makedirs(cache, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(dataclasses.asdict(hardware), f, indent=1)
-        os.replace(path + ".tmp", path)
-    return hardware
 
 
 def _flat(link: Link | None) -> tuple[float, float]:

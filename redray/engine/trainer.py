@@ -64,11 +64,13 @@ class Trainer:
       micro_batch_size: examples per device per forward/backward; the rest of the
         global batch is gradient accumulation. Default: no accumulation.
       eval_batch_size: examples per evaluation step (default: ``batch_size``).
-      parallelism: a ``redray.Parallelism`` (axis sizes, rules, mesh in one value); or
-        give a mesh or the axis sizes (and rules). ``"auto"``: the planner chooses the
-        axis sizes and the micro-batch at ``init`` from the model, the loss and the
-        first batch (``redray/engine/autoplan.py``), keeping the axis sizes and
-        ``micro_batch_size`` given; ``plan_ranking`` then holds every plan it weighed.
+      parallelism: ``"auto"`` (the default when no mesh and no axis size is given):
+        the planner chooses the axis sizes and the micro-batch at ``init`` from the
+        model, the loss and the first batch (``redray/engine/autoplan.py``), keeping
+        the axis sizes and ``micro_batch_size`` given beside it; ``plan_ranking`` then
+        holds every plan it weighed. Or a ``redray.Parallelism`` (axis sizes, rules,
+        mesh in one value); or give a mesh or the axis sizes (and rules) instead, and
+        that plan is used as it is (an axis not given takes its default).
       hardware: what ``"auto"`` plans on: a ``redray.sharding.hardware.Hardware``, a
         preset name (``"h100"``, ``"h100+ethernet"``...), or None: the devices probed
         (``redray/engine/probe.py``; inside ``redray.fit`` kept per cluster in the
@@ -113,8 +115,9 @@ class Trainer:
         batch (``redray/engine/nonfinite.py``). Checked inside the step; the host
         reads the result only on the log cadence and before saves.
       **axes: the mesh's axis sizes by keyword (ints, or "auto" for what the others
-        leave): ``data_axis`` (default "auto"), ``fsdp_axis`` and ``model_axis`` (default
-        1), one per axis of ``redray.sharding.AXES``.
+        leave; None: not given): ``data_axis`` (default "auto"), ``fsdp_axis`` and
+        ``model_axis`` (default 1), one per axis of ``redray.sharding.AXES``. Giving
+        any of them (without ``parallelism="auto"``) fixes the plan.
     """
 
     def __init__(self, model: Any, collate: Callable, loss: Callable,
@@ -144,6 +147,9 @@ class Trainer:
         self.optimizer = optimizer
         self.batch_size = batch_size
         self.hardware, self.plan_ranking = hardware, None
+        axes = {k: v for k, v in axes.items() if v is not None}  # None: not given
+        if parallelism is None and mesh is None and not axes:
+            parallelism = "auto"  # nothing of the plan given: the planner chooses it
         if parallelism == "auto":
             if mesh is not None:
                 raise ValueError("give either parallelism='auto' or a mesh, not both: the "
