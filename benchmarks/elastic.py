@@ -6,9 +6,9 @@ without CPUs (the driver, Ray Train's controller and redray's actors need none) 
 nodes of one CPU each, so each node holds one host (2 simulated CPU devices per host).
 ``redray.fit`` trains a tiny LM with ``hosts=(2, 3)``, the plan chosen for it, saving
 every 4 steps. After step 4 is saved the driver removes a node; after the group of 2
-hosts trained 6 batches it adds one back. The collate function pauses the run at those
-two points until the driver changed the cluster, so the run cannot end first (no
-timing is taken across a pause: the pauses are before the change).
+hosts trained 5 steps (past its save of step 8) it adds one back. The collate function
+pauses the run at those two points until the driver changed the cluster, so the run
+cannot end first (no timing is taken across a pause: the pauses are before the change).
 
 Figures:
 - ``elastic/seconds_to_continue``: from the node's removal to the first step trained
@@ -156,13 +156,12 @@ def scenario(folder: str, seeds: list[int]) -> dict:
     there) while a driver process trains on it."""
     import subprocess
 
+    import ray
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
     cluster.wait_for_nodes()
-    import ray
-
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     driver = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--driver",
                                cluster.address, folder, *map(str, seeds)])
@@ -175,10 +174,13 @@ def scenario(folder: str, seeds: list[int]) -> dict:
         cluster.remove_node(leaving)
         open(os.path.join(folder, "removed"), "w").close()
         steps = os.path.join(folder, "steps")
-        wait_for(lambda: sum(r[1] == 2 for r in read_steps(steps)) >= 4
-                 or driver.poll() is not None, "4 steps on 2 hosts")
+        # after step 9 is logged: past the checkpoint of step 8, so the run grows at 12
+        wait_for(lambda: sum(r[1] == 2 for r in read_steps(steps)) >= 5
+                 or driver.poll() is not None, "5 steps on 2 hosts")
         times["added"] = time.time()
         cluster.add_node(num_cpus=1)
+        # the run goes on once Ray offers the new node's CPU (so its next checkpoint sees it)
+        wait_for(lambda: ray.available_resources().get("CPU", 0) >= 1, "the new node's CPU")
         open(os.path.join(folder, "added"), "w").close()
         if driver.wait(timeout=600) != 0:
             raise RuntimeError(f"the driver process failed ({driver.returncode})")

@@ -40,11 +40,12 @@ def test_make_demo_trains_then_says_complete_then_resumes(tmp_path):
     common = ["--size", "tiny", "--storage", str(tmp_path), "--name", "demo"]
     out, err = demo("--steps", "6", *common, make=True)
     console = quiet_console(out, err)
-    # 2 data lines, the mesh, 2 evaluations, 1 progress line (log_every=10 > 6 steps),
-    # the perplexities (3 lines) and the summary (4)
-    assert len(console) == 13, console
+    # 2 data lines, the plan chosen (and why), the mesh, 2 evaluations, 1 progress line
+    # (log_every=10 > 6 steps), the perplexities (3 lines) and the summary (4)
+    assert len(console) == 14, console
     assert [x for x in console if x.startswith("step 6/6 (100%) | epoch 0 | loss ")], console
-    assert "tokens/s | ETA 0s" in out and console[2].startswith("redray: 2 host(s)")
+    assert console[2].startswith("plan: data=") and "runner-up" in console[2], console
+    assert "tokens/s | ETA 0s" in out and console[3].startswith("redray: 2 host(s)")
     numbers = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert numbers["step"] == 6
     assert numbers["perplexity_after"] < numbers["perplexity_before"]

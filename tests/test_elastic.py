@@ -6,7 +6,7 @@ The scenario is ``benchmarks/elastic.py`` (run here ``--tiny``: one uninterrupte
 reference run; ``test_benchmarks`` leaves this script to this test): a head without
 CPUs and 3 nodes of one CPU each (a node holds one host), ``redray.fit`` with
 ``hosts=(2, 3)`` and the plan chosen for it, saving every 4 steps; the driver removes a
-node once step 4 is saved and adds one once the group of 2 hosts trained 4 steps.
+node once step 4 is saved and adds one once the group of 2 hosts trained 5 steps.
 """
 
 import json

@@ -18,10 +18,10 @@ import redray
 from redray.models import build, next_token_loss
 from redray.models.plan import ConfigFacts, PlanError, choose_plan
 from redray.sharding import collectives, flatten
-from redray.sharding.cost import (Parameter, collective_seconds, host_spans, state_traffic,
-                                  tensor_traffic)
+from redray.sharding.cost import (Parameter, StepCost, collective_seconds, host_spans,
+                                  state_traffic, tensor_traffic)
 from redray.sharding.hardware import GB, PRESETS, Hardware, Link, ethernet, preset
-from redray.sharding.planner import candidates
+from redray.sharding.planner import _loses_on, candidates
 from redray.sharding.specs import trace_tree
 
 SEQ = 32
@@ -202,3 +202,15 @@ def test_the_probe_measures_this_runtime_and_keeps_its_numbers(tmp_path):
     kept = tmp_path / f"{cluster_key()}.json"
     assert kept.exists() and "4-devices-1-hosts" in kept.name
     assert probe(str(tmp_path)) == measured  # read back, not measured again
+
+
+def test_why_names_the_part_the_runner_up_loses_on_or_the_tie_break():
+    best = StepCost(compute=1.0, tensor=0.0, gradients=0.5, exposed=0.0, overhead=0.01,
+                    traffic=())
+    slower = dataclasses.replace(best, tensor=0.2)
+    assert _loses_on(best, slower) == "more tensor-parallel traffic: +200 ms"
+    # the same predicted step, more traffic under the compute: the sort's next key
+    hidden = dataclasses.replace(best, gradients=0.8)
+    assert _loses_on(best, hidden) == ("as fast predicted, with more traffic for the compute "
+                                       "to hide: +300 ms")
+    assert _loses_on(best, best) == "as fast predicted, with no less traffic and more memory"

@@ -99,7 +99,7 @@ def _results_actor():
     class Results:
         def __init__(self):
             self.value, self.failures, self.hosts = None, [], {}
-            self.regrouping = False
+            self.regrouping = 0
             # host 0's messages and progress for the driver's console, numbered from 0;
             # kept until the driver has read them (a run may log for days)
             self.news, self.first_news = [], 0
@@ -129,12 +129,12 @@ def _results_actor():
                 ray.kill(actor)
             self.hosts.clear()
 
-        def regroup(self):
-            """Host 0: the group ends to regroup on more hosts (no value)."""
-            self.regrouping = True
+        def regroup(self, hosts):
+            """Host 0: the group ends to regroup on ``hosts`` hosts (no value)."""
+            self.regrouping = hosts
 
         def take_regroup(self):
-            regrouping, self.regrouping = self.regrouping, False
+            regrouping, self.regrouping = self.regrouping, 0
             self.hosts.clear()
             return regrouping
 
@@ -429,8 +429,11 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
         # An elastic run's group ends itself at a checkpoint when the cluster has room for
         # more hosts (worker.Regrow): then a new group, as large as Ray can make it,
         # resumes from that checkpoint.
-        while _run_group(config, job, quiet, tracker, results, view):
-            pass
+        while True:
+            hosts = _run_group(config, job, quiet, tracker, results, view)
+            if not hosts:
+                break
+            _await_room(hosts, worker_resources(config))
     except Exception as error:
         finish_tracker(tracker, "FAILED")
         _, failures = ray.get(results.get.remote())
@@ -455,7 +458,8 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
 
 def _run_group(config: ClusterConfig, job: HostJob, quiet: bool, tracker, results,
                view) -> bool:
-    """Runs one Ray Train worker group to its end; True when it ended to regroup."""
+    """Runs one Ray Train worker group to its end; the hosts to regroup on when it ended
+    to regroup, else 0."""
     import ray
     from ray.train import FailureConfig, LoggingConfig, RunConfig
     from ray.train.v2.jax import JaxTrainer
@@ -475,6 +479,33 @@ def _run_group(config: ClusterConfig, job: HostJob, quiet: bool, tracker, result
     with Watcher(results, view):
         trainer.fit()
     return ray.get(results.take_regroup.remote())
+
+
+def _await_room(hosts: int, resources: dict, seconds: float = 60.0) -> None:
+    """Waits (at most ``seconds``) until the cluster has room for ``hosts`` workers: the
+    group that ended frees its workers' resources asynchronously, and Ray sizes the next
+    group from what is free when it starts (a group started early would be the old size,
+    and regroup again at its next checkpoint)."""
+    import ray
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        free = ray.available_resources()
+        if all(free.get(k, 0) >= v * hosts for k, v in resources.items()):
+            break
+        time.sleep(0.2)
+    # Ray Train's elastic policy sizes the group from the reservations of Ray's
+    # autoscaling coordinator, which reads the cluster's nodes every 20 s (its tick): a
+    # node added since would not count. One tick now, as its API allows (recompute).
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator)
+
+        coordinator = get_or_create_autoscaling_coordinator()
+        ray.get(coordinator.get_reserved_resources.remote("redray-regroup", recompute=True),
+                timeout=30)
+    except Exception:  # noqa: BLE001 - another Ray: the next group may start smaller
+        pass
 
 
 def _worker_env(config: ClusterConfig, quiet: bool = True) -> dict:

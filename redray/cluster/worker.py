@@ -37,9 +37,9 @@ def train_loop(job: HostJob) -> None:
         try:
             with trainer_scope(host_run):
                 value = job.task.run(code, rank)
-        except Regroup:  # every host, at the same checkpoint: a larger group goes on
+        except Regroup as regroup:  # every host, at one checkpoint: a larger group goes on
             if rank == 0:
-                ray.get(job.results.regroup.remote())
+                ray.get(job.results.regroup.remote(regroup.hosts))
             return
         if rank == 0:
             ray.get(job.results.put.remote(host_run.result(value)))
@@ -238,8 +238,13 @@ POINTER = "redray_checkpoint.json"
 
 class Regroup(BaseException):
     """Raised on every host of an elastic run at a complete checkpoint, when the cluster
-    has room for more hosts: the group ends there and a larger one resumes from that
-    checkpoint. A ``BaseException``: user code catching ``Exception`` lets it through."""
+    has room for more hosts: the group ends there and a larger one (``hosts``) resumes
+    from that checkpoint. A ``BaseException``: user code catching ``Exception`` lets it
+    through."""
+
+    def __init__(self, hosts: int):
+        super().__init__(hosts)
+        self.hosts = hosts
 
 
 class Regrow(Hook):
@@ -282,7 +287,7 @@ class Regrow(Hook):
             trainer.console.say(f"the cluster has room for more hosts: regrouping at step "
                                 f"{step} ({jax.process_count()} host(s) now, up to "
                                 f"{self.grow_to})")
-        raise Regroup(step)
+        raise Regroup(jax.process_count() + 1)
 
     def _room(self) -> bool:
         import ray

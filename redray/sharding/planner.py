@@ -116,7 +116,7 @@ class Ranking:
         if len(self.ranked) > 1:
             second = self.ranked[1]
             line += (f"; runner-up {second.candidate.describe()}: "
-                     f"{second.cost.seconds / best.cost.seconds:.3f}x slower "
+                     f"{second.cost.seconds / best.cost.seconds:.3f}x the time "
                      f"({_loses_on(best.cost, second.cost)})")
         return line
 
@@ -154,7 +154,14 @@ def _loses_on(best: StepCost, other: StepCost) -> str:
              other.tensor - best.tensor, "gradient and FSDP traffic":
              other.exposed - best.exposed, "micro-batch overhead": other.overhead - best.overhead}
     part = max(parts, key=parts.get)
-    return f"more {part}: +{parts[part] * 1e3:.3g} ms"
+    if parts[part] > 0:
+        return f"more {part}: +{parts[part] * 1e3:.3g} ms"
+    # a tie on the predicted step: the order's next keys decided (rank's sort)
+    hidden = (other.gradients + other.tensor) - (best.gradients + best.tensor)
+    if hidden > 0:
+        return (f"as fast predicted, with more traffic for the compute to hide: "
+                f"+{hidden * 1e3:.3g} ms")
+    return "as fast predicted, with no less traffic and more memory"
 
 
 def _divisors(n: int) -> list[int]:
