@@ -6,9 +6,8 @@ tokenized with GPT-2's real BPE vocabulary (shipped offline by the ``gpt3-tokeni
 package) through Ray Data and packed into rows of ``--seq + 1`` tokens with segment ids
 (``redray.data.prepare``), under ``--storage``; training and evaluation stream those
 files (``redray.Stream``). By default 2 simulated hosts x 2 CPU devices, the plan chosen
-by redray's planner (``--model-axis`` pins one); MLflow tracking and checkpoints go to
-``--storage``. Running the same
-command again resumes the run (or says it is complete); raise ``--steps`` to train on.
+by redray's planner; MLflow tracking and checkpoints go to ``--storage``. Running the
+same command again resumes the run (or says it is complete); raise ``--steps`` to train on.
 ``--model HF_FOLDER`` fine-tunes a local Hugging Face LLaMA-family checkpoint instead,
 with its own tokenizer.
 """
