@@ -45,6 +45,7 @@ def loss(model, batch, rng, train):
     (dict(model_axis=2, data_axis=2), 1),     # accumulation: 4 micro-batches
     (dict(model_axis=4, data_axis=1), None),
     (dict(fsdp_axis=4, data_axis=1), None),
+    (dict(fsdp_axis=2, model_axis=2, data_axis=1), None),  # the activations kept on rows
     (dict(data_axis=4), 1),                   # the gradient reduced once, after the loop
 ])
 def test_the_collectives_counted_are_those_xla_compiles(axes, micro):
@@ -214,3 +215,39 @@ def test_why_names_the_part_the_runner_up_loses_on_or_the_tie_break():
     assert _loses_on(best, hidden) == ("as fast predicted, with more traffic for the compute "
                                        "to hide: +300 ms")
     assert _loses_on(best, best) == "as fast predicted, with no less traffic and more memory"
+
+
+def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():
+    from redray.sharding.cost import ModelTiming
+
+    config = LlamaConfig(**TINY)
+    make = lambda **kw: redray.Trainer(lambda rngs: build(config, rngs=rngs), collate,  # noqa: E731
+                                       loss, optax.adam(1e-3), batch_size=8, progress=False,
+                                       checkpoint=False, **kw)
+    live = make()  # no axis size: planned, on the probed devices
+    live.init(DATA)
+    timing = live.plan_ranking.timing
+    assert isinstance(timing, ModelTiming) and timing.per_example > 0 and timing.fixed >= 0
+    assert timing.flops_per_example > 0
+    for scored in live.plan_ranking.ranked:
+        devices = jax.device_count()
+        shape = scored.candidate.shape
+        if shape["model"] == 1:  # nothing left whole: the FLOPs divide over the devices
+            assert scored.cost.compute == pytest.approx(
+                timing.flops_per_example * 8 / devices * timing.seconds_per_flop)
+        assert scored.cost.overhead == pytest.approx(scored.accumulation * timing.fixed)
+    assert live.describe()["plan"]["timed_example_ms"] == pytest.approx(
+        timing.per_example * 1e3)
+    on_paper = make(parallelism="auto", hardware="cpu")  # a preset: nothing is timed
+    on_paper.init(DATA)
+    assert on_paper.plan_ranking.timing is None
+
+
+def test_layers_the_model_axis_leaves_whole_cost_their_whole_flops(tiny_facts):
+    hw = dataclasses.replace(PRESETS["cpu"], device_memory=1 << 30)
+    split = choose_plan(LlamaConfig(**TINY), 4, 1, 8, SEQ, hw, model_axis=4, micro_batch_size=2)
+    # 4 heads over 8 devices: attention is left whole, its matmuls run whole on each
+    whole = choose_plan(LlamaConfig(**TINY), 8, 1, 8, SEQ, hw, model_axis=8, micro_batch_size=1)
+    per_example = tiny_facts.flops("none")
+    assert split.best.cost.compute == pytest.approx(per_example * 8 / 4 / hw.matmul_flops)
+    assert whole.best.cost.compute > 1.5 * per_example * 8 / 8 / hw.matmul_flops

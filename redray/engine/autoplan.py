@@ -4,7 +4,10 @@ user's own model and loss, and the choice on this runtime's devices.
 The facts come from abstract traces of the loss on the first batch's shapes: its
 dataflow (which layers' outputs cross the tensor-parallel split), its FLOPs (XLA's cost
 analysis of the lowered gradient on one example) and the residuals its backward pass
-keeps (on 1 and 2 examples, extrapolated). The optimizer's state is counted at its
+keeps (on 1 and 2 examples, extrapolated). On the live devices (probed hardware) the
+gradient is also timed, every device at once on its own copy of the first batch's rows,
+at micro-batches of 1 and 2 examples (``model_timing``): the planner's compute time is
+then this model's, not a matmul's. The optimizer's state is counted at its
 bytes over the trained parameters' (Adam: 2), following the parameters' specs.
 A user's model keeps its own remat: the planner chooses the axis sizes and the
 micro-batch.
@@ -12,17 +15,22 @@ micro-batch.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
+import statistics
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redray.engine.program import activation_bytes
 from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.engine.steps import model_loss
 from redray.sharding import FSDP, MODEL, Parallelism, flatten
+from redray.sharding.cost import ModelTiming
 from redray.sharding.hardware import Hardware
 from redray.sharding.memory import GATHERED_LAYERS, layer_gather_bytes, totals
 from redray.sharding.planner import Ranking, rank
@@ -69,8 +77,10 @@ class RuntimeFacts:
                       if t)
         self.optimizer_ratio = sum(_nbytes(x.shape, x.dtype)
                                    for x in jax.tree.leaves(opt)) / max(trained, 1)
+        self.sample = sample
         self._flops: float | None = None
         self._residuals: dict = {}
+        self.timing: ModelTiming | None = None
 
     def flops(self, remat: str) -> float:
         if self._flops is None:
@@ -108,9 +118,82 @@ class RuntimeFacts:
 
 def choose(facts: RuntimeFacts, batch_size: int, hardware: Hardware, pinned: dict,
            rules=()) -> Ranking:
-    """The ranked plans of ``facts`` on every device of this runtime (``rank``)."""
+    """The ranked plans of ``facts`` on every device of this runtime (``rank``); on the
+    live devices (``hardware.live``), with the model's pass timed there."""
+    if hardware.live and facts.timing is None:
+        facts.timing = model_timing(facts, hardware.device_memory)
     return rank(facts, jax.device_count(), jax.process_count(), batch_size, hardware, pinned,
                 rules)
+
+
+# The micro-batches (examples per device) the pass is timed at; a plan's are
+# interpolated (or extrapolated) on the line through them.
+TIMED_ROWS = (1, 2)
+# The timing needs the parameters, their gradients and a pass's activations whole on
+# every device: it is skipped (the hardware's matmul rate used) for a model whose
+# parameters take more than this share of a device's memory.
+TIMED_SHARE = 0.1
+
+
+def model_timing(facts: RuntimeFacts, device_memory: float) -> ModelTiming | None:
+    """The model's gradient timed on every device at once (each on its own rows of the
+    first batch, the parameters whole, no collectives), at ``TIMED_ROWS`` examples:
+    ``fixed + rows * per_example`` (median of ``probe.REPEATS`` runs each). Process 0's
+    numbers for every host. None for a model too large to hold whole on a device, or a
+    pass that does not run as one program per device."""
+    from redray.engine.probe import _grid, _timed, broadcast
+
+    params_abs, extra_abs = facts.runtime.abstract
+    nbytes = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params_abs))
+    if nbytes > TIMED_SHARE * device_memory:
+        return None
+    mesh = _grid()
+    rows_spec = P(("hosts", "local"))
+    devices = mesh.devices.size
+    unplanned = copy.copy(facts.runtime)  # no plan: no activation constraints in shard_map
+    unplanned.parallelism = unplanned.mesh = None
+    loss_of = model_loss(unplanned.apply, facts.loss)
+    rng = jax.random.key(0)
+
+    def local(params, extra, batch):
+        grads = jax.grad(lambda p: loss_of(p, None, extra, batch, rng)[0])(params)
+        total = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+        return jnp.reshape(total, (1,))
+
+    def batch_of(rows: int) -> dict:
+        out = {}
+        for key, value in facts.sample.items():
+            value = np.asarray(value)
+            whole = np.concatenate([np.resize(value, (rows, *value.shape[1:]))] * devices)
+            out[key] = jax.make_array_from_callback(
+                whole.shape, NamedSharding(mesh, rows_spec), lambda idx, w=whole: w[idx])
+        return out
+
+    try:
+        params, extra = jax.jit(lambda: jax.tree.map(_filled, (params_abs, extra_abs)),
+                                out_shardings=NamedSharding(mesh, P()))()
+        run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), rows_spec),
+                                    out_specs=rows_spec, check_vma=False))
+        seconds = [_timed(run, params, extra, batch_of(r)) for r in TIMED_ROWS]
+    except Exception:  # noqa: BLE001 - the planner then uses the hardware's matmul rate
+        seconds = [0.0, 0.0]
+    (few, many) = TIMED_ROWS
+    t_few, t_many = broadcast(np.array(seconds, np.float64)).tolist()
+    if not t_few > 0:
+        return None
+    per_example = (t_many - t_few) / (many - few)
+    if per_example <= 0:  # noise larger than the rows' cost: all of it per example
+        return ModelTiming(0.0, t_many / many, facts.flops("none"))
+    return ModelTiming(max(0.0, t_few - few * per_example), per_example, facts.flops("none"))
+
+
+def _filled(x):
+    """A value of ``x``'s shape and dtype for timing (keys: fresh keys)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.split(jax.random.key(0), x.shape) if x.shape else jax.random.key(0)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.full(x.shape, 0.01, x.dtype)
+    return jnp.zeros(x.shape, x.dtype)
 
 
 def _nbytes(shape, dtype) -> int:

@@ -132,7 +132,7 @@ def probe(cache: str | None = None) -> Hardware:
     if path is not None and os.path.exists(path):
         with open(path) as f:
             saved = json.load(f)
-        return Hardware(**{**saved, "intra": Link(**saved["intra"]),
+        return Hardware(**{**saved, "live": True, "intra": Link(**saved["intra"]),
                            "inter": Link(**saved["inter"])})
     if key not in _MEASURED:
         _MEASURED[key] = _measure()
@@ -160,10 +160,7 @@ def _measure() -> Hardware:
         _matmul_rate(mesh, dtype, 4096 if accelerated else 512),
         *_flat(_link(mesh, "local", dtype)), *_flat(_link(mesh, "hosts", dtype)),
         _overhead(mesh), _device_memory(device)], np.float64)
-    if jax.process_count() > 1:  # every host plans from process 0's numbers
-        from jax.experimental import multihost_utils
-
-        numbers = np.asarray(multihost_utils.broadcast_one_to_all(numbers))
+    numbers = broadcast(numbers)  # every host plans from process 0's numbers
     rate, intra_bw, intra_lat, inter_bw, inter_lat, overhead, memory = numbers.tolist()
     base = like or dataclasses.replace(PRESETS["h100"], intra=UNMEASURED, inter=UNMEASURED)
     intra = Link(intra_bw, intra_lat) if intra_bw > 0 else base.intra
@@ -174,9 +171,18 @@ def _measure() -> Hardware:
         f"{device.device_kind}", rate, max(rate, like.peak_flops if like else rate),
         memory, jax.local_device_count(), intra, inter,
         overlap=1.0 if accelerated else 0.0, reduce_scatter=accelerated,
-        micro_batch_overhead=overhead,
+        micro_batch_overhead=overhead, live=True,
         source=f"measured by redray's probe on {time.strftime('%Y-%m-%d %H:%M')}; peak from "
                f"{like.name if like else 'the measured rate'}")
+
+
+def broadcast(numbers: np.ndarray) -> np.ndarray:
+    """Process 0's ``numbers`` on every process."""
+    if jax.process_count() == 1:
+        return numbers
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(numbers))
 
 
 def _flat(link: Link | None) -> tuple[float, float]:

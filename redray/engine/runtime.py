@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 
 from redray.engine.model import abstract_state, adapter, cast_floating
 from redray.rngs import KeyStream, stream_key
+from redray.sharding.activations import rows_split
 from redray.sharding import (MODEL, Parallelism, derive_specs, format_placement, format_whole,
                              placement, shardings)
 from redray.sharding.reductions import fuse_reductions
@@ -49,7 +50,10 @@ class ModelRuntime:
     def apply(self, fn: Callable, params, extra, rng, *args):
         """Runs ``fn(model, *args)`` on the bound model; returns (output, new extra)."""
         model = self.adapter.bind(cast_floating(params, self.compute_dtype), extra, rng)
-        out = fn(model, *args)
+        plan = self.parallelism
+        with rows_split(None if plan is None else plan.mesh,
+                        1 if plan is None else plan.data_parallel):
+            out = fn(model, *args)
         return out, self.adapter.extra_of(model, extra)
 
     def train_apply(self, fn: Callable, params, extra, rng, *args):

@@ -348,7 +348,8 @@ class Trainer:
                 "predicted_tokens_per_s": best.tokens_per_s,
                 "predicted_memory_bytes": best.memory["total"],
                 "plans_weighed": len(ranking.ranked) + len(ranking.over),
-                **ranking.hardware.describe()}
+                **ranking.hardware.describe(),
+                **({} if ranking.timing is None else ranking.timing.describe())}
 
     def _print_summary(self) -> None:
         d = self.describe()

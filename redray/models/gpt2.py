@@ -13,6 +13,7 @@ from flax import nnx
 from redray.models import layers
 from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, conv1d, linear, plain
+from redray.sharding.activations import constrain_rows
 
 MODEL_TYPES = ("gpt2",)
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
@@ -55,7 +56,7 @@ class MLP(nnx.Module):
         self.dropout = nnx.Dropout(c.resid_pdrop or 0.0, rngs=rngs)
 
     def __call__(self, x, train):
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))), deterministic=not train)
+        return self.dropout(self.c_proj(self.act(constrain_rows(self.c_fc(x), whole=False))), deterministic=not train)
 
 
 class Block(nnx.Module):
@@ -83,8 +84,8 @@ class Model(CausalLM):
             raise ValueError("GPT-2 with add_cross_attention=True (an encoder-decoder "
                              "component) is not supported: only the causal LM is")
         embed = dict(dtype=dtype, rngs=rngs)
-        self.wte = nnx.Embed(c.vocab_size, c.hidden_size, **embed)
-        self.wpe = nnx.Embed(c.max_position_embeddings, c.hidden_size, **embed)
+        self.wte = layers.Embed(c.vocab_size, c.hidden_size, **embed)
+        self.wpe = layers.Embed(c.max_position_embeddings, c.hidden_size, **embed)
         self.drop = nnx.Dropout(c.embd_pdrop or 0.0, rngs=rngs)
         if scan and getattr(c, "scale_attn_by_inverse_layer_idx", False):
             raise ValueError("scan=True stacks identical layers, but this config scales "

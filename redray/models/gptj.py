@@ -14,6 +14,7 @@ from flax import nnx
 from redray.models import layers
 from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, linear, plain, qkv
+from redray.sharding.activations import constrain_rows
 
 MODEL_TYPES = ("gptj",)
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
@@ -62,7 +63,7 @@ class MLP(nnx.Module):
         self.dropout = nnx.Dropout(_rate(c, "resid_pdrop"), rngs=rngs)
 
     def __call__(self, x, train):
-        return self.dropout(self.fc_out(self.act(self.fc_in(x))), deterministic=not train)
+        return self.dropout(self.fc_out(self.act(constrain_rows(self.fc_in(x), whole=False))), deterministic=not train)
 
 
 class Block(nnx.Module):
@@ -85,7 +86,7 @@ class Model(CausalLM):
     HEAD_BIAS = True
 
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
-        self.wte = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
+        self.wte = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         self.drop = nnx.Dropout(_rate(c, "embd_pdrop"), rngs=rngs)
         self.h = layers.make_blocks(lambda r: Block(c, rngs=r, dtype=dtype),
                                     c.num_hidden_layers, rngs, scan)

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from redray.models.attention import AttentionMask, attend
+from redray.sharding.activations import constrain_rows, gathered_features
 
 ACTIVATIONS: dict[str, Callable] = {
     "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
@@ -310,6 +311,19 @@ def is_stacked(blocks) -> bool:
     return not isinstance(blocks, nnx.List)
 
 
+class Embed(nnx.Embed):
+    """``nnx.Embed`` (the same parameter, ``embedding``) whose lookup reads the table
+    whole on its features under a plan (``gathered_features``): a token or position
+    table, whose entries the model axis may split and whose features FSDP may."""
+
+    def __call__(self, inputs):
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError(f"an embedding looks up integer ids, got {inputs.dtype}")
+        (table,) = self.promote_dtype((gathered_features(self.embedding[...]),),
+                                      dtype=self.dtype, inexact=False)
+        return jnp.take(table, inputs, axis=0)
+
+
 def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat):
     """Runs ``block(x, *args, layer_cache, cache_index, train) -> (x, layer_cache)`` in turn.
 
@@ -317,13 +331,14 @@ def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat):
     cache is collected. Stacked blocks run in one ``scan`` (their cache stacked too).
     Returns (x, new cache or None).
     """
+    x = constrain_rows(x)
     if is_stacked(blocks):
         return _scan_blocks(blocks, x, args, cache, cache_index, train, remat)
     if cache is None:
         step = maybe_remat(lambda blk, x, *a: blk(x, *a, None, 0, train)[0],
                            remat if train else "none")
         for block in blocks:
-            x = step(block, x, *args)
+            x = constrain_rows(step(block, x, *args))
         return x, None
     new_cache = []
     for block, layer_cache in zip(blocks, cache):
@@ -340,7 +355,7 @@ def _scan_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat)
 
         @nnx.scan(in_axes=(0, nnx.Carry, *broadcast), out_axes=nnx.Carry)
         def forward(block, x, *a):
-            return step(block, x, *a)
+            return constrain_rows(step(block, x, *a))
 
         return forward(blocks, x, *args), None
 

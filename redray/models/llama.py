@@ -15,6 +15,7 @@ from flax import nnx
 from redray.models import layers
 from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, gated, linear, plain, qkv
+from redray.sharding.activations import constrain_rows
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
@@ -63,7 +64,7 @@ class MLP(nnx.Module):
         self.act = layers.activation(c.hidden_act)
 
     def __call__(self, x):
-        gate_up = self.gate_up_proj(x)
+        gate_up = constrain_rows(self.gate_up_proj(x), whole=False)
         return self.down_proj(self.act(gate_up[..., 0, :]) * gate_up[..., 1, :])
 
 
@@ -89,7 +90,7 @@ class Model(CausalLM):
     TOKENS, BLOCKS, FINAL_NORM = "embed_tokens", "layers", "norm"
 
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
-        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_tokens = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = layers.make_blocks(lambda r: Block(c, rngs=r, dtype=dtype),
                                          c.num_hidden_layers, rngs, scan)
         self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)

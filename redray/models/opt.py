@@ -16,6 +16,7 @@ from flax import nnx
 from redray.models import layers
 from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, linear, plain, qkv
+from redray.sharding.activations import constrain_rows
 
 MODEL_TYPES = ("opt",)
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
@@ -76,7 +77,7 @@ class Block(nnx.Module):
         if not self.pre_norm:
             x = self.self_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.pre_norm else x
-        h = self.fc2(self.act(self.fc1(h)))
+        h = self.fc2(self.act(constrain_rows(self.fc1(h), whole=False)))
         x = x + self.dropout(h, deterministic=not train)
         if not self.pre_norm:
             x = self.final_layer_norm(x)
@@ -91,8 +92,8 @@ class Model(CausalLM):
 
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         embed = dict(dtype=dtype, rngs=rngs)
-        self.embed_tokens = nnx.Embed(c.vocab_size, c.word_embed_proj_dim, **embed)
-        self.embed_positions = nnx.Embed(c.max_position_embeddings + POSITION_OFFSET,
+        self.embed_tokens = layers.Embed(c.vocab_size, c.word_embed_proj_dim, **embed)
+        self.embed_positions = layers.Embed(c.max_position_embeddings + POSITION_OFFSET,
                                          c.hidden_size, **embed)
         if _projected(c):
             proj = dict(use_bias=False, dtype=dtype, rngs=rngs)

@@ -25,6 +25,7 @@ from flax import nnx
 from redray.models import layers
 from redray.models.generate import special_tokens, decode_loop
 from redray.models.hub import HFConfig, fused, gated, linear, plain, qkv
+from redray.sharding.activations import constrain_rows
 
 MODEL_TYPES = ("t5",)
 # v4 checkpoints may hold the stacks' aliases of the shared embedding, and old ones a
@@ -171,10 +172,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x, train):
         if self.gated:
-            h = self.wi_gated(x)
+            h = constrain_rows(self.wi_gated(x), whole=False)
             h = self.act(h[..., 0, :]) * h[..., 1, :]
         else:
-            h = self.act(self.wi(x))
+            h = self.act(constrain_rows(self.wi(x), whole=False))
         return self.wo(self.dropout(h, deterministic=not train))
 
 
@@ -277,7 +278,7 @@ class Model(nnx.Module):
         self.config = HFConfig(c)
         self.dtype = dtype
         self.remat = layers.remat_policy(remat)
-        self.shared = nnx.Embed(c.vocab_size, c.d_model, embedding_init=_normal(c, 1.0),
+        self.shared = layers.Embed(c.vocab_size, c.d_model, embedding_init=_normal(c, 1.0),
                                 dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(c.dropout_rate, rngs=rngs)
         self.encoder = Stack(c, c.num_layers, decoder=False, rngs=rngs, dtype=dtype, scan=scan)

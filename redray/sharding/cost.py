@@ -18,9 +18,11 @@ specs, as XLA's SPMD partitioner inserts them for redray's step:
   reduces after the accumulation loop).
 
 Read against XLA's compiled steps on 4 CPU devices (tests/test_planner.py): the bytes of
-a tensor-parallel, FSDP or data-parallel step agree to within 1%; a step split over
-both ``fsdp`` and ``model`` moves more than this counts on XLA:CPU (it reshards with
-all-to-alls), which the planner does not foresee. A
+a tensor-parallel, FSDP, data-parallel step, and one split over both ``fsdp`` and
+``model``, agree to within 1%, for models whose activations stay on the batch split
+(``redray.sharding.activations``: redray's models mark them; without the marks XLA
+reshards a fsdp x model step's activations by replicating them). Layers the model
+axis leaves whole run whole on every device of its group (``whole_flops``). A
 collective over a group inside one host costs ring steps on the host's link; a group
 that spans hosts runs hierarchically (within each host, then across hosts on the
 ``1/k`` of the bytes each of a host's ``k`` devices carries).
@@ -28,6 +30,13 @@ that spans hosts runs hierarchically (within each host, then across hosts on the
 Overlap (written down, the planner's one assumption about scheduling): tensor-parallel
 all-reduces are on the critical path; FSDP gathers and gradient reductions hide behind
 ``Hardware.overlap`` of the compute time and only what exceeds it counts.
+
+Compute: the step's FLOPs at ``Hardware.matmul_flops`` plus ``micro_batch_overhead`` per
+micro-batch; or, where the model's own pass was timed on the live devices
+(``ModelTiming``, what ``Trainer(parallelism="auto")`` measures), the FLOPs at the rate
+that pass ran and its measured cost per micro-batch. The timed pass counts what a
+matmul rate misses (attention's softmax, norms, elementwise ops, every kernel's launch:
+on XLA:CPU a micro-batch of one example costs as much as an example's matmuls).
 """
 
 from __future__ import annotations
@@ -89,6 +98,33 @@ class StepCost:
         """Bytes of every collective of a step (over ``axes``' groups only, if given)."""
         return sum(t.bytes * t.times for t in self.traffic
                    if axes is None or set(t.axes) & set(axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTiming:
+    """A model's forward and backward pass timed on the live devices (all at once, each
+    on its own rows, no collectives) at two micro-batch sizes, as ``fixed + rows *
+    per_example``.
+
+    Attributes:
+      fixed: seconds a micro-batch costs beside its rows (its kernels' launches, small
+        ops whose cost does not grow with the rows).
+      per_example: seconds each example adds.
+      flops_per_example: the pass's FLOPs per example (XLA's cost analysis), which
+        turns ``per_example`` into a rate.
+    """
+    fixed: float
+    per_example: float
+    flops_per_example: float
+
+    @property
+    def seconds_per_flop(self) -> float:
+        return self.per_example / self.flops_per_example
+
+    def describe(self) -> dict:
+        return {"timed_micro_batch_ms": self.fixed * 1e3,
+                "timed_example_ms": self.per_example * 1e3,
+                "timed_tflops": 1 / self.seconds_per_flop / 1e12}
 
 
 def host_spans(shape: dict[str, int], hosts: int) -> dict[str, tuple[int, int]]:
@@ -192,6 +228,20 @@ def tensor_traffic(trace: Trace, params: Sequence[Parameter], shape: dict[str, i
     return out
 
 
+def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> float:
+    """Forward and backward FLOPs per example of the matmuls whose parameter the model
+    axis leaves whole: every device of a tensor-parallel group runs them in full (the
+    rest of the step's FLOPs divide over the group)."""
+    total = 0.0
+    for p, use in trace.runs():
+        param = params[p]
+        if use.kind != "dot" or param.split(MODEL.name) is not None:
+            continue
+        size = math.prod(param.shape[k] for k in (*use.in_dims, *use.out_dims))
+        total += 3 * 2 * use.rows * size * use.times  # forward, and two in the backward
+    return total / examples
+
+
 def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_itemsize: int,
                   hardware: Hardware, recompute: bool = False,
                   accumulation: int = 1) -> list[Traffic]:
@@ -224,7 +274,8 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
 
 
 def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumulation: int,
-              shape: dict[str, int], hosts: int, hardware: Hardware) -> StepCost:
+              shape: dict[str, int], hosts: int, hardware: Hardware,
+              timing: ModelTiming | None = None) -> StepCost:
     """The predicted step.
 
     Args:
@@ -233,11 +284,16 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
       accumulation: micro-batches per step.
       shape: the mesh's axis sizes; hosts: how many hosts it spans.
       hardware: the devices and links.
+      timing: the model's pass timed on these devices, if it was (its rate and cost
+        per micro-batch replace the hardware's).
     """
     spans = host_spans(shape, hosts)
-    compute = flops / hardware.matmul_flops
+    if timing is None:
+        compute, per_micro = flops / hardware.matmul_flops, hardware.micro_batch_overhead
+    else:
+        compute, per_micro = flops * timing.seconds_per_flop, timing.fixed
     tensor_s = sum(traffic_seconds(t, spans, hardware) for t in tensor)
     state_s = sum(traffic_seconds(t, spans, hardware) for t in state)
     exposed = max(0.0, state_s - hardware.overlap * compute)
     return StepCost(compute, tensor_s, state_s, exposed,
-                    accumulation * hardware.micro_batch_overhead, (*tensor, *state))
+                    accumulation * per_micro, (*tensor, *state))

@@ -54,6 +54,9 @@ class Hardware:
       micro_batch_overhead: seconds each micro-batch costs beside its matmuls and
         collectives (its launches, the accumulation loop's step).
       source: where the numbers come from.
+      live: these are the devices this runtime runs on (the probe's numbers): a
+        Trainer planning on them also times the model's own pass there
+        (``redray.sharding.cost.ModelTiming``).
     """
     name: str
     matmul_flops: float
@@ -66,6 +69,7 @@ class Hardware:
     reduce_scatter: bool = True
     micro_batch_overhead: float = 0.0
     source: str = ""
+    live: bool = False
 
     def __post_init__(self):
         if not (self.matmul_flops > 0 and self.peak_flops > 0 and self.device_memory > 0):

@@ -17,8 +17,8 @@ import dataclasses
 import math
 from typing import Protocol, Sequence
 
-from redray.sharding.cost import (Parameter, StepCost, step_cost, state_traffic,
-                                  tensor_traffic)
+from redray.sharding.cost import (ModelTiming, Parameter, StepCost, state_traffic,
+                                  step_cost, tensor_traffic, whole_flops)
 from redray.sharding.dataflow import Trace
 from redray.sharding.hardware import Hardware
 from redray.sharding.memory import size_text
@@ -47,6 +47,9 @@ class ModelFacts(Protocol):
 
     def flops(self, remat: str) -> float:
         """Matmul FLOPs of one example's forward and backward pass under ``remat``."""
+
+    # optional: ``timing``, the model's pass timed on the live devices (``ModelTiming``)
+    # or None
 
     def memory(self, parallelism: Parallelism, rows: list[Placement], per_device_batch: int,
                remat: str) -> dict:
@@ -97,11 +100,13 @@ class Ranking:
       over: those over the budget, smallest memory first.
       budget: the bytes a plan may use on one device.
       hardware: what they were costed on.
+      timing: the model's pass as timed on the live devices, if it was.
     """
     ranked: list[Scored]
     over: list[Scored]
     budget: float
     hardware: Hardware
+    timing: ModelTiming | None = None
 
     @property
     def best(self) -> Scored:
@@ -254,7 +259,13 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute,
                           geometry.accumulation)
     flops = facts.flops(candidate.remat) * batch_size / devices
-    cost = step_cost(flops, tensor, state, geometry.accumulation, shape, hosts, hardware)
+    model = shape[MODEL.name]
+    if model > 1 and facts.trace is not None:  # layers left whole run whole on each device
+        rerun = facts.flops(candidate.remat) / facts.flops("none")
+        flops += (rerun * whole_flops(facts.trace, params, facts.trace_examples)
+                  * batch_size * model / devices * (1 - 1 / model))
+    cost = step_cost(flops, tensor, state, geometry.accumulation, shape, hosts, hardware,
+                     getattr(facts, "timing", None))
     tokens = batch_size * facts.tokens_per_example / cost.seconds
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
     return Scored(candidate, geometry.accumulation, memory, cost, memory["total"] <= budget,
@@ -283,7 +294,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
                      key=lambda s: (round(s.cost.seconds, 9), s.cost.gradients + s.cost.tensor,
                                     s.memory["total"]))
     over = sorted((s for s in scored if not s.fits), key=lambda s: s.memory["total"])
-    ranking = Ranking(fitting, over, budget, hardware)
+    ranking = Ranking(fitting, over, budget, hardware, getattr(facts, "timing", None))
     if not fitting:
         smallest = over[0]
         raise NoPlanFits(

@@ -1,0 +1,65 @@
+"""Where a model's activations live: split over the batch axes, whole on the model axis,
+at the points a model marks (``constrain_rows``: redray's models mark the residual
+stream between blocks).
+
+Without these marks XLA's SPMD partitioner chooses each activation's sharding from the
+parameters around it; with a parameter split over ``fsdp`` on its input dimension and
+over ``model`` on the other, it may split the hidden dimension of the residual stream
+over ``fsdp`` and then move it back to the batch split by replicating it ("Involuntary
+full rematerialization"): traffic no spec asks for. The marks pin the residual stream to
+the batch split, so each FSDP parameter is gathered and each tensor-parallel layer's
+output all-reduced, as ``redray.sharding.cost`` counts them.
+
+The split is set while a step is traced (``ModelRuntime.apply``, on the plan's mesh);
+outside it (a model run on its own, abstract traces) ``constrain_rows`` does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from redray.sharding.parallelism import BATCH_AXES
+
+_ROWS: contextvars.ContextVar = contextvars.ContextVar("redray_rows", default=None)
+
+
+@contextlib.contextmanager
+def rows_split(mesh, ways: int):
+    """Within: ``constrain_rows`` splits rows over ``mesh``'s batch axes (``ways`` in
+    all); ``mesh`` None turns it off."""
+    token = _ROWS.set(None if mesh is None or ways <= 1 else (mesh, ways))
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def constrain_rows(x: jax.Array, whole: bool = True) -> jax.Array:
+    """``x`` (rows, ...) split over the batch axes, where a step is being traced on a
+    plan whose batch axes divide its rows; else ``x``. Its other dimensions whole
+    (``whole``: the residual stream), or left to XLA (a layer's inner activation, which
+    tensor parallelism splits)."""
+    active = _ROWS.get()
+    if active is None or x.ndim == 0 or x.shape[0] % active[1]:
+        return x
+    mesh, _ = active
+    rest = None if whole else P.UNCONSTRAINED
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, P(BATCH_AXES, *(rest,) * (x.ndim - 1))))
+
+
+def gathered_features(table: jax.Array) -> jax.Array:
+    """An embedding table (entries, features) whole on its features where a step is
+    being traced on a plan (its entries' split, over the model axis, kept): FSDP's
+    gather of the table before the lookup. XLA's partitioner otherwise looks up rows in
+    a table split on its features over ``fsdp`` and then cannot move the result to the
+    batch split but by replicating it."""
+    if _ROWS.get() is None:
+        return table
+    mesh, _ = _ROWS.get()
+    return jax.lax.with_sharding_constraint(
+        table, NamedSharding(mesh, P(P.UNCONSTRAINED, *(None,) * (table.ndim - 1))))
