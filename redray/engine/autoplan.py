@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-import statistics
 from typing import Callable
 
 import jax

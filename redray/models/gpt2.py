@@ -56,7 +56,8 @@ class MLP(nnx.Module):
         self.dropout = nnx.Dropout(c.resid_pdrop or 0.0, rngs=rngs)
 
     def __call__(self, x, train):
-        return self.dropout(self.c_proj(self.act(constrain_rows(self.c_fc(x), whole=False))), deterministic=not train)
+        h = self.act(constrain_rows(self.c_fc(x), whole=False))
+        return self.dropout(self.c_proj(h), deterministic=not train)
 
 
 class Block(nnx.Module):

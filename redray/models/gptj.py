@@ -63,7 +63,8 @@ class MLP(nnx.Module):
         self.dropout = nnx.Dropout(_rate(c, "resid_pdrop"), rngs=rngs)
 
     def __call__(self, x, train):
-        return self.dropout(self.fc_out(self.act(constrain_rows(self.fc_in(x), whole=False))), deterministic=not train)
+        h = self.act(constrain_rows(self.fc_in(x), whole=False))
+        return self.dropout(self.fc_out(h), deterministic=not train)
 
 
 class Block(nnx.Module):
