@@ -228,14 +228,20 @@ def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():
     live.init(DATA)
     timing = live.plan_ranking.timing
     assert isinstance(timing, ModelTiming) and timing.per_example > 0 and timing.fixed >= 0
-    assert timing.flops_per_example > 0
+    assert timing.flops_per_example > 0 and timing.update_per_element > 0
+    elements = sum(x.size for x in jax.tree.leaves(live.runtime.abstract[0]))
+    devices = jax.device_count()
     for scored in live.plan_ranking.ranked:
-        devices = jax.device_count()
         shape = scored.candidate.shape
         if shape["model"] == 1:  # nothing left whole: the FLOPs divide over the devices
             assert scored.cost.compute == pytest.approx(
                 timing.flops_per_example * 8 / devices * timing.seconds_per_flop)
         assert scored.cost.overhead == pytest.approx(scored.accumulation * timing.fixed)
+        # every device updates what it holds: all of it when only the batch is split
+        held = elements / (shape["fsdp"] * shape["model"])
+        if shape["data"] == devices:
+            assert scored.cost.update == pytest.approx(held * timing.update_per_element)
+        assert scored.cost.update <= elements * timing.update_per_element * (1 + 1e-9)
     assert live.describe()["plan"]["timed_example_ms"] == pytest.approx(
         timing.per_example * 1e3)
     on_paper = make(parallelism="auto", hardware="cpu")  # a preset: nothing is timed

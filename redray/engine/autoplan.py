@@ -76,7 +76,7 @@ class RuntimeFacts:
                       if t)
         self.optimizer_ratio = sum(_nbytes(x.shape, x.dtype)
                                    for x in jax.tree.leaves(opt)) / max(trained, 1)
-        self.sample = sample
+        self.sample, self.optimizer = sample, optimizer
         self._flops: float | None = None
         self._residuals: dict = {}
         self.timing: ModelTiming | None = None
@@ -128,10 +128,12 @@ def choose(facts: RuntimeFacts, batch_size: int, hardware: Hardware, pinned: dic
 # The micro-batches (examples per device) the pass is timed at; a plan's are
 # interpolated (or extrapolated) on the line through them.
 TIMED_ROWS = (1, 2)
-# The timing needs the parameters, their gradients and a pass's activations whole on
-# every device: it is skipped (the hardware's matmul rate used) for a model whose
-# parameters take more than this share of a device's memory.
-TIMED_SHARE = 0.1
+# The timing needs the parameters and their gradients whole on every device, beside a
+# pass's activations: it is skipped (the hardware's matmul rate used) for a model whose
+# parameters and gradients take more than this share of a device's memory.
+TIMED_SHARE = 0.6
+# Parameter elements per device the update is timed on.
+UPDATE_ELEMENTS = 1 << 20
 
 
 def model_timing(facts: RuntimeFacts, device_memory: float) -> ModelTiming | None:
@@ -144,7 +146,7 @@ def model_timing(facts: RuntimeFacts, device_memory: float) -> ModelTiming | Non
 
     params_abs, extra_abs = facts.runtime.abstract
     nbytes = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params_abs))
-    if nbytes > TIMED_SHARE * device_memory:
+    if 2 * nbytes > TIMED_SHARE * device_memory:
         return None
     mesh = _grid()
     rows_spec = P(("hosts", "local"))
@@ -174,16 +176,45 @@ def model_timing(facts: RuntimeFacts, device_memory: float) -> ModelTiming | Non
         run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), rows_spec),
                                     out_specs=rows_spec, check_vma=False))
         seconds = [_timed(run, params, extra, batch_of(r)) for r in TIMED_ROWS]
+        seconds.append(_update_seconds(facts.optimizer, mesh, rows_spec) / UPDATE_ELEMENTS)
     except Exception:  # noqa: BLE001 - the planner then uses the hardware's matmul rate
-        seconds = [0.0, 0.0]
+        seconds = [0.0, 0.0, 0.0]
     (few, many) = TIMED_ROWS
-    t_few, t_many = broadcast(np.array(seconds, np.float64)).tolist()
+    t_few, t_many, update = broadcast(np.array(seconds, np.float64)).tolist()
     if not t_few > 0:
         return None
     per_example = (t_many - t_few) / (many - few)
     if per_example <= 0:  # noise larger than the rows' cost: all of it per example
-        return ModelTiming(0.0, t_many / many, facts.flops("none"))
-    return ModelTiming(max(0.0, t_few - few * per_example), per_example, facts.flops("none"))
+        return ModelTiming(0.0, t_many / many, facts.flops("none"), update)
+    return ModelTiming(max(0.0, t_few - few * per_example), per_example, facts.flops("none"),
+                       update)
+
+
+def _update_seconds(optimizer, mesh, spec) -> float:
+    """Seconds of a step's update on ``UPDATE_ELEMENTS`` parameters per device, every
+    device at once: the gradient's norm, ``optimizer.update``, the new parameters, and
+    the non-finite guard's select of them and of the optimizer state (as ``train_step``
+    runs them)."""
+    import optax
+
+    from redray.engine.probe import _timed
+
+    def local(params, grads):
+        state = optimizer.init(params)
+        updates, new_state = optimizer.update(grads, state, params)
+        finite = jnp.isfinite(optax.tree.norm(grads))
+        kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                            (optax.apply_updates(params, updates), new_state), (params, state))
+        return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(kept)
+                   if jnp.issubdtype(x.dtype, jnp.inexact)).reshape(1)
+
+    sharding = NamedSharding(mesh, spec)
+    shape = (mesh.devices.size * UPDATE_ELEMENTS,)
+    params = jax.jit(lambda: jnp.full(shape, 0.01, jnp.float32), out_shardings=sharding)()
+    grads = jax.jit(lambda: jnp.full(shape, 1e-3, jnp.float32), out_shardings=sharding)()
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
+                                check_vma=False))
+    return _timed(run, params, grads)
 
 
 def _filled(x):

@@ -34,9 +34,12 @@ all-reduces are on the critical path; FSDP gathers and gradient reductions hide 
 Compute: the step's FLOPs at ``Hardware.matmul_flops`` plus ``micro_batch_overhead`` per
 micro-batch; or, where the model's own pass was timed on the live devices
 (``ModelTiming``, what ``Trainer(parallelism="auto")`` measures), the FLOPs at the rate
-that pass ran and its measured cost per micro-batch. The timed pass counts what a
-matmul rate misses (attention's softmax, norms, elementwise ops, every kernel's launch:
-on XLA:CPU a micro-batch of one example costs as much as an example's matmuls).
+that pass ran, its measured cost per micro-batch, and the update (optimizer, gradient
+norm) at its measured cost per parameter element a device holds: a data-parallel
+plan updates every parameter on every device, FSDP and tensor parallelism a share. The
+timed pass counts what a matmul rate misses (attention's softmax, norms, elementwise
+ops, every kernel's launch: on XLA:CPU a micro-batch of one example costs as much as
+an example's matmuls).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class StepCost:
       exposed: what of ``gradients`` the compute does not hide.
       overhead: the micro-batches' own cost.
       traffic: every collective.
+      update: the optimizer's pass over the parameters a device holds (where timed).
     """
     compute: float
     tensor: float
@@ -89,10 +93,11 @@ class StepCost:
     exposed: float
     overhead: float
     traffic: tuple[Traffic, ...]
+    update: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.compute + self.tensor + self.exposed + self.overhead
+        return self.compute + self.tensor + self.exposed + self.overhead + self.update
 
     def bytes(self, axes: Sequence[str] | None = None) -> float:
         """Bytes of every collective of a step (over ``axes``' groups only, if given)."""
@@ -112,10 +117,14 @@ class ModelTiming:
       per_example: seconds each example adds.
       flops_per_example: the pass's FLOPs per example (XLA's cost analysis), which
         turns ``per_example`` into a rate.
+      update_per_element: seconds the step's update (the gradient's norm, the
+        optimizer, the non-finite guard's select) takes per trained parameter element a
+        device holds, timed with the run's optimizer on every device at once.
     """
     fixed: float
     per_example: float
     flops_per_example: float
+    update_per_element: float = 0.0
 
     @property
     def seconds_per_flop(self) -> float:
@@ -124,7 +133,8 @@ class ModelTiming:
     def describe(self) -> dict:
         return {"timed_micro_batch_ms": self.fixed * 1e3,
                 "timed_example_ms": self.per_example * 1e3,
-                "timed_tflops": 1 / self.seconds_per_flop / 1e12}
+                "timed_tflops": 1 / self.seconds_per_flop / 1e12,
+                "timed_update_ns_per_parameter": self.update_per_element * 1e9}
 
 
 def host_spans(shape: dict[str, int], hosts: int) -> dict[str, tuple[int, int]]:
@@ -275,7 +285,7 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
 
 def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumulation: int,
               shape: dict[str, int], hosts: int, hardware: Hardware,
-              timing: ModelTiming | None = None) -> StepCost:
+              timing: ModelTiming | None = None, elements: float = 0.0) -> StepCost:
     """The predicted step.
 
     Args:
@@ -286,14 +296,17 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
       hardware: the devices and links.
       timing: the model's pass timed on these devices, if it was (its rate and cost
         per micro-batch replace the hardware's).
+      elements: trained parameter elements one device holds (the update's share).
     """
     spans = host_spans(shape, hosts)
     if timing is None:
         compute, per_micro = flops / hardware.matmul_flops, hardware.micro_batch_overhead
+        update = 0.0
     else:
         compute, per_micro = flops * timing.seconds_per_flop, timing.fixed
+        update = elements * timing.update_per_element
     tensor_s = sum(traffic_seconds(t, spans, hardware) for t in tensor)
     state_s = sum(traffic_seconds(t, spans, hardware) for t in state)
     exposed = max(0.0, state_s - hardware.overlap * compute)
     return StepCost(compute, tensor_s, state_s, exposed,
-                    accumulation * per_micro, (*tensor, *state))
+                    accumulation * per_micro, (*tensor, *state), update)

@@ -157,7 +157,8 @@ class NoPlanFits(ValueError):
 def _loses_on(best: StepCost, other: StepCost) -> str:
     parts = {"compute": other.compute - best.compute, "tensor-parallel traffic":
              other.tensor - best.tensor, "gradient and FSDP traffic":
-             other.exposed - best.exposed, "micro-batch overhead": other.overhead - best.overhead}
+             other.exposed - best.exposed, "micro-batch overhead": other.overhead - best.overhead,
+             "optimizer update": other.update - best.update}
     part = max(parts, key=parts.get)
     if parts[part] > 0:
         return f"more {part}: +{parts[part] * 1e3:.3g} ms"
@@ -264,8 +265,11 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
         rerun = facts.flops(candidate.remat) / facts.flops("none")
         flops += (rerun * whole_flops(facts.trace, params, facts.trace_examples)
                   * batch_size * model / devices * (1 - 1 / model))
+    trained = getattr(facts, "trained", None) or [True] * len(params)
+    elements = sum(math.prod(p.shape) / math.prod(shape[a] for a in p.axes())
+                   for p, t in zip(params, trained) if t)
     cost = step_cost(flops, tensor, state, geometry.accumulation, shape, hosts, hardware,
-                     getattr(facts, "timing", None))
+                     getattr(facts, "timing", None), elements)
     tokens = batch_size * facts.tokens_per_example / cost.seconds
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
     return Scored(candidate, geometry.accumulation, memory, cost, memory["total"] <= budget,
