@@ -144,11 +144,20 @@ def host_only_node(nodes: list):
     import ray
     from ray.util.state import list_actors
 
-    alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-    hosts = {a.node_id for a in alive if a.class_name == "RayTrainWorker"}
-    others = {a.node_id for a in alive if a.class_name != "RayTrainWorker"}
-    others.add(ray.get_runtime_context().get_node_id())
-    return next(n for n in nodes if n.node_id in hosts and n.node_id not in others)
+    deadline = time.time() + 60  # the state API lists actors late on a busy machine
+    while True:
+        alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        hosts = {a.node_id for a in alive if a.class_name == "RayTrainWorker"}
+        others = {a.node_id for a in alive if a.class_name != "RayTrainWorker"}
+        others.add(ray.get_runtime_context().get_node_id())
+        found = [n for n in nodes if n.node_id in hosts and n.node_id not in others]
+        if found or time.time() > deadline:
+            break
+        time.sleep(1)
+    if not found:
+        raise RuntimeError("no node holds a host alone; alive actors: "
+                           f"{[(a.class_name, a.node_id) for a in alive]}")
+    return found[0]
 
 
 def scenario(folder: str, seeds: list[int]) -> dict:

@@ -103,3 +103,12 @@ class HostJob:
     probe_cache: str | None = None
     grow_to: int | None = None
     worker_resources: dict | None = None
+
+
+def free_for(resources: dict, hosts: int = 1) -> bool:
+    """Whether the Ray cluster's free resources cover ``hosts`` workers reserving
+    ``resources`` each (free in sum: one node may still not hold one worker)."""
+    import ray
+
+    free = ray.available_resources()
+    return all(free.get(k, 0) >= v * hosts for k, v in resources.items())

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from redray.cluster.config import ClusterConfig
 from redray.cluster.console import DriverView, Watcher
-from redray.cluster.job import CallCode, CallTask, FitCode, FitTask, HostJob
+from redray.cluster.job import CallCode, CallTask, FitCode, FitTask, HostJob, free_for
 from redray.cluster.run_lock import RunLock
 from redray.data.ray_local import join, quiet_ray_logs, start_local
 from redray.verbosity import ADVICE_ENV, VERBOSE_ENV, verbose
@@ -490,8 +490,7 @@ def _await_room(hosts: int, resources: dict, seconds: float = 60.0) -> None:
 
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        free = ray.available_resources()
-        if all(free.get(k, 0) >= v * hosts for k, v in resources.items()):
+        if free_for(resources, hosts):
             break
         time.sleep(0.2)
     # Ray Train's elastic policy sizes the group from the reservations of Ray's

@@ -6,7 +6,7 @@ import os
 import traceback
 
 from redray.cluster.console import DriverConsole
-from redray.cluster.job import HostJob
+from redray.cluster.job import HostJob, free_for
 from redray.cluster.tracker import CHECKPOINT_KEY, TrackerHook
 from redray.engine.hooks import Adoption, Hook, trainer_scope
 from redray.engine.watchdog import Stall, Watchdog
@@ -293,8 +293,7 @@ class Regrow(Hook):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        free = ray.available_resources()
-        if any(free.get(k, 0) < v for k, v in self.resources.items()):
+        if not free_for(self.resources):
             return False
         group = placement_group([self.resources])
         try:
