@@ -1,7 +1,10 @@
 """Tiny random Hugging Face checkpoints written by transformers + torch, for the tests."""
 
 import importlib.util
+import json
 import os
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,3 +42,73 @@ def llama_folder(folder, vocab_size=128, tokenizer=None):
                          max_position_embeddings=128, tie_word_embeddings=True, **special)
     LlamaForCausalLM(config).save_pretrained(str(folder))
     return str(folder)
+
+
+# The parity tests' prompts: two rows of 12 token ids below 128, the second left-padded
+# by 4 (MASK is 0 there).
+IDS = np.random.default_rng(0).integers(0, 128, (2, 12))
+MASK = np.ones((2, 12), np.int64)
+MASK[1, :4] = 0
+
+
+def hf_logits(model, ids, mask=None):
+    """A transformers PyTorch model's logits (numpy) for ``ids`` (and ``mask``)."""
+    import torch
+
+    with torch.no_grad():
+        kwargs = {} if mask is None else {"attention_mask": torch.tensor(mask)}
+        return model(torch.tensor(ids), **kwargs).logits.numpy()
+
+
+def assert_logits_match(model, hf, atol=1e-4):
+    """A redray model's logits equal the transformers model ``hf``'s on IDS, and on the
+    real tokens of the left-padded IDS/MASK."""
+    import jax.numpy as jnp
+
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(IDS))), hf_logits(hf, IDS),
+                               atol=atol, rtol=0)
+    ours = np.asarray(model(jnp.asarray(IDS), jnp.asarray(MASK)))
+    real = MASK.astype(bool)
+    np.testing.assert_allclose(ours[real], hf_logits(hf, IDS, MASK)[real], atol=atol, rtol=0)
+
+
+def loaded_pair(name, hf_model, tmp_path_factory):
+    """(name, the transformers model ``hf_model(name, folder)`` saves into a fresh folder,
+    the folder, the redray model ``from_pretrained`` loads from it): a parity fixture."""
+    from redray.models import from_pretrained
+
+    folder = str(tmp_path_factory.mktemp(name))
+    hf = hf_model(name, folder)
+    return name, hf, folder, from_pretrained(folder)
+
+
+def assert_export_round_trip(model, hf, folder, **load):
+    """``save_pretrained`` writes into ``folder`` what transformers loads (``load``: its
+    ``from_pretrained`` arguments) as ``hf``'s class, with ``hf``'s logits."""
+    import transformers
+
+    from redray.models import save_pretrained
+
+    save_pretrained(model, str(folder))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **load).eval()
+    assert type(back) is type(hf)
+    np.testing.assert_allclose(hf_logits(back, IDS), hf_logits(hf, IDS), atol=1e-5, rtol=0)
+    with open(os.path.join(folder, "config.json")) as f:
+        assert json.load(f)["architectures"] == [type(hf).__name__]
+
+
+def assert_greedy_generation_matches(model, hf, new_tokens: int):
+    """redray's greedy continuation of IDS/MASK (jitted) equals transformers' token for
+    token, as far as transformers generates (it may stop at EOS)."""
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    from redray.models import generate
+
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(IDS), attention_mask=torch.tensor(MASK),
+                          max_new_tokens=new_tokens, do_sample=False).numpy()[:, IDS.shape[1]:]
+    ours = np.asarray(nnx.jit(lambda m, i, a: generate(m, i, a, max_new_tokens=new_tokens))(
+        model, jnp.asarray(IDS), jnp.asarray(MASK)))
+    np.testing.assert_array_equal(ours[:, :ref.shape[1]], ref)

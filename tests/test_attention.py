@@ -139,3 +139,62 @@ def test_the_gpu_path_lowers_to_cudnn_flash_attention(monkeypatch):
     assert set(re.findall(r"@(__cudnn\$\w+)", text)) == set(targets)
     config = text.replace("\\22", '"')  # the backend config, a JSON string in the module
     assert '"is_flash_attention": true' in config and '"mask_type": "CAUSAL"' in config
+
+
+@pytest.mark.parametrize("kind", ["left padding", "sliding window", "segments"])
+def test_soft_capped_scores_agree_dense_blockwise_and_through_xla(kind):
+    # Gemma 2's c * tanh(s / c): forward and backward of the blockwise path against the
+    # dense one, on scores large enough for the cap to matter
+    mask, cap = masks()[kind], 2.0
+    q, k, v = qkv()
+    q = q * 4
+    weights = jnp.arange(D, dtype=jnp.float32)
+
+    def loss(fn):
+        return lambda q, k, v: (fn(q, k, v) * weights).sum()
+
+    ref = lambda q, k, v: dense_attention(q, k, v, mask.dense(), 0.3, softcap=cap)  # noqa: E731
+    runs = {"chunked": lambda q, k, v: attention.flash_attention(q, k, v, mask, 0.3, block=16,
+                                                                  softcap=cap),
+            "xla": lambda q, k, v: attend(q, k, v, mask, 0.3, impl="xla", softcap=cap)}
+    uncapped = np.asarray(dense_attention(q, k, v, mask.dense(), 0.3))
+    assert np.abs(uncapped - np.asarray(ref(q, k, v))).max() > 0.1
+    want = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+    for run in runs.values():
+        np.testing.assert_allclose(np.asarray(run(q, k, v)), np.asarray(ref(q, k, v)),
+                                   rtol=1e-5, atol=1e-6)
+        got = jax.grad(loss(run), argnums=(0, 1, 2))(q, k, v)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunked"])
+def test_a_traced_window_masks_as_the_static_one(impl):
+    # scanned layers whose windows differ get theirs as an array (Gemma's)
+    static = masks()["sliding window"]
+    plain = static.replace(window=None)
+    q, k, v = qkv()
+
+    def run(q, k, v, window):
+        mask = static if window is None else plain.windowed(window)
+        return (attend(q, k, v, mask, 0.3, impl=impl) * jnp.arange(D)).sum()
+
+    traced = jax.jit(jax.value_and_grad(run, argnums=(0, 1, 2)))(q, k, v, jnp.int32(9))
+    fixed = jax.value_and_grad(run, argnums=(0, 1, 2))(q, k, v, None)
+    for a, b in zip(jax.tree.leaves(traced), jax.tree.leaves(fixed)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert plain.windowed(9).window == 9 and plain.windowed(9).layer_window is None
+
+
+def test_soft_capping_never_runs_on_cudnn(monkeypatch):
+    mask = AttentionMask(jnp.ones((B, T), bool), jnp.arange(T))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    bf16 = qkv(dtype=jnp.bfloat16)
+    assert choose(*bf16[:2], mask, None, None, "auto") == "cudnn"
+    assert choose(*bf16[:2], mask, None, None, "auto", softcap=50.0) == "dense"
+    assert choose(*bf16[:2], mask, None, None, "xla", softcap=50.0) == "dense"
+    long_q, long_k, _ = qkv(t=8, s=attention.CHUNKED_FROM)
+    long_mask = AttentionMask(jnp.ones((B, attention.CHUNKED_FROM), bool), jnp.arange(8))
+    assert choose(long_q, long_k, long_mask, None, None, "auto", softcap=50.0) == "chunked"
+    with pytest.raises(ValueError, match="cuDNN's fused attention has no logit soft-capping"):
+        choose(*bf16[:2], mask, None, None, "cudnn", softcap=50.0)

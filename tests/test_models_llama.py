@@ -1,4 +1,4 @@
-"""LLaMA / Mistral / Qwen2 against transformers PyTorch, loading, export, generation."""
+"""LLaMA / Mistral / Qwen2 / Qwen3 against transformers PyTorch, loading, export, generation."""
 
 import json
 import os
@@ -30,12 +30,18 @@ CONFIGS = {
                                                    attention_bias=True),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=6),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=False),
+    # head_dim 24, not hidden / heads = 16: the explicit field is read
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=24),
 }
 
 
 def hf_model(name, path):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    with torch.no_grad():  # Qwen3's per-head norms start at one: a swapped pair would pass
+        for key, value in model.named_parameters():
+            if key.endswith(("q_norm.weight", "k_norm.weight")):
+                value.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return model
 
@@ -114,6 +120,25 @@ def test_sharded_load_matches_one_device(pair):
     assert layer.mlp.down_proj.kernel[...].sharding.spec == P("model")
     np.testing.assert_allclose(np.asarray(two(jnp.asarray(IDS))), np.asarray(one(jnp.asarray(IDS))),
                                atol=1e-5, rtol=0)
+
+
+def test_qwen3_slides_the_window_in_every_layer_or_none(tmp_path):
+    window = dict(SMALL, head_dim=24, use_sliding_window=True, sliding_window=6)
+    with pytest.raises(ValueError, match=r"qwen3 config: layer_types slides the window in 1 of 2 "
+                                         r"layers .* set use_sliding_window=False"):
+        rm.build(transformers.Qwen3Config(**window, max_window_layers=1))
+    # every layer windowed, with biases on q/k/v/o ahead of the q/k norms
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen3Config(**window, max_window_layers=0, attention_bias=True)).eval()
+    hf.save_pretrained(str(tmp_path))
+    model = rm.from_pretrained(str(tmp_path))
+    assert model.window == 6 and IDS.shape[1] > 6
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(IDS))), hf_logits(hf, IDS),
+                               atol=1e-4, rtol=0)
+    ours = np.asarray(model(jnp.asarray(IDS), jnp.asarray(MASK)))
+    real = MASK.astype(bool)
+    np.testing.assert_allclose(ours[real], hf_logits(hf, IDS, MASK)[real], atol=1e-4, rtol=0)
 
 
 def test_sharded_index_loading(tmp_path):
@@ -287,10 +312,10 @@ def test_fine_tuning_a_loaded_model_with_the_trainer(tmp_path):
 
 
 # ------------------------------------------------------------------ scanned layers
-@pytest.fixture(scope="module")
-def scanned_pair(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("scanned"))
-    return hf_model("mistral", path), path, rm.from_pretrained(path, scan=True)
+@pytest.fixture(scope="module", params=["mistral", "qwen3"])
+def scanned_pair(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(f"scanned-{request.param}"))
+    return hf_model(request.param, path), path, rm.from_pretrained(path, scan=True)
 
 
 def test_scanned_layers_match_transformers_and_generate_the_same(scanned_pair):

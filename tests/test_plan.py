@@ -35,6 +35,7 @@ SETTINGS = {
     "t5-11b": (16, 8, 2, 11_307_321_344),
     "opt-13b": (16, 8, 2, 12_853_473_280),
     "opt-66b": (64, 8, 8, 65_719_701_504),
+    "qwen3-8b": (16, 8, 2, 8_190_735_360),
 }
 def require_family(name: str) -> None:
     """Skips when the preset's family module is not written yet (and only then)."""

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3Config
 
 import redray
 from redray.models import build, next_token_loss
@@ -257,3 +257,11 @@ def test_layers_the_model_axis_leaves_whole_cost_their_whole_flops(tiny_facts):
     per_example = tiny_facts.flops("none")
     assert split.best.cost.compute == pytest.approx(per_example * 8 / 4 / hw.matmul_flops)
     assert whole.best.cost.compute > 1.5 * per_example * 8 / 8 / hw.matmul_flops
+
+
+def test_a_qwen3_config_is_planned():
+    # Qwen3's explicit head_dim (24, not 64 / 4) and per-head query/key norms
+    config = Qwen3Config(**TINY, head_dim=24)
+    hw = dataclasses.replace(PRESETS["cpu"], device_memory=64 * (1 << 20))
+    ranking = choose_plan(config, 8, 2, 16, SEQ, hw, model_axis=2, remat="full")
+    assert ranking.ranked and ranking.best.candidate.shape["model"] == 2

@@ -1,4 +1,5 @@
-"""Flax NNX models (GPT-2, LLaMA/Mistral/Qwen2, OPT, GPT-J, T5) with Hugging Face I/O.
+"""Flax NNX models (GPT-2, LLaMA/Mistral/Qwen2/Qwen3, Gemma 2/3, the mixtures of experts
+Mixtral and Qwen3-MoE, OPT, GPT-J, T5) with Hugging Face I/O.
 
 * ``from_pretrained(path, model_axis=...)``: a local HF checkpoint folder, sharded by
   the automatic rules as it loads.
@@ -11,6 +12,9 @@
   inside packed documents, with the LM head run a chunk of tokens at a time.
 * ``add_lora(model, rank, targets=...)`` / ``merge_lora(model)``: LoRA adapters (train
   them alone with ``Trainer(..., trainable=r"lora_")``) and folding them back.
+* ``model(ids, aux=True)`` of a mixture of experts: (logits, the router's load-balancing
+  and z-losses and expert token counts); ``moe.auxiliary_loss(aux, model.config)`` adds
+  them to a loss, ``moe.metrics(aux)`` logs them (``redray/models/moe.py``).
 """
 
 from redray.models.generate import generate, sample_token

@@ -6,7 +6,7 @@ and optional segment ids (packed rows). ``attend`` picks how to compute attentio
 
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's fused
   flash attention, on GPU for the plain causal case (no padding, segments, window,
-  bias or dropout; bf16/fp16): what MaxText and JAX's own docs use;
+  bias, soft-capping or dropout; bf16/fp16): what MaxText and JAX's own docs use;
 * ``"xla"``: ``jax.nn.dot_product_attention(implementation="xla")`` with the mask
   materialized as booleans: short sequences, and everywhere the others do not apply;
 * ``"chunked"``: blockwise attention with an online softmax and a backward pass that
@@ -15,7 +15,9 @@ and optional segment ids (packed rows). ``attend`` picks how to compute attentio
   the sequence. Long sequences (``CHUNKED_FROM`` keys and more) without a fused kernel.
 
 Dropout on the attention probabilities needs them materialized: with it, the scores
-are computed as before (``dense``). Every path computes the softmax in float32.
+are computed as before (``dense``), and so they are for soft-capped scores (Gemma 2's
+``c * tanh(s / c)``, ``softcap``) where ``"xla"`` would run: JAX's function has no
+soft-capping. Every path computes the softmax in float32.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class AttentionMask:
         rows (a query sees keys of its own segment only), or None.
       causal: a query sees keys at its slot and before only.
       window: a query sees the ``window`` latest keys only (sliding window), or None.
+      layer_window: ``window`` as an int32 scalar array, where scanned layers differ
+        in their windows (Gemma's); None: ``window`` says.
     """
     kv_valid: jax.Array
     q_slots: jax.Array
@@ -55,17 +59,31 @@ class AttentionMask:
     kv_segments: jax.Array | None = None
     causal: bool = flax.struct.field(pytree_node=False, default=True)
     window: int | None = flax.struct.field(pytree_node=False, default=None)
+    layer_window: jax.Array | None = None
 
     def block(self, q_slots, kv_slots, kv_valid, q_segments=None, kv_segments=None):
         """The (batch, queries, keys) boolean mask of some queries and keys."""
         mask = kv_valid.astype(bool)[:, None, :]
         if self.causal:
             mask = mask & (kv_slots[None, None, :] <= q_slots[None, :, None])
-        if self.window is not None:
-            mask = mask & (q_slots[None, :, None] - kv_slots[None, None, :] < self.window)
+        for window in (self.window, self.layer_window):
+            if window is not None:
+                mask = mask & (q_slots[None, :, None] - kv_slots[None, None, :] < window)
         if q_segments is not None:
             mask = mask & (q_segments[:, :, None] == kv_segments[:, None, :])
         return mask
+
+    def windowed(self, window) -> AttentionMask:
+        """This mask with a sliding window of ``window`` keys: an int, None (no window),
+        or an int32 scalar array (a scanned layer's, ``layer_window``)."""
+        if window is None or isinstance(window, int):
+            return self.replace(window=window, layer_window=None)
+        return self.replace(window=None, layer_window=jnp.asarray(window, jnp.int32))
+
+    @property
+    def sliding(self) -> bool:
+        """Whether a sliding window applies (the same in every layer, or this layer's)."""
+        return self.window is not None or self.layer_window is not None
 
     def dense(self) -> jax.Array:
         """The whole (batch, queries, keys) boolean mask."""
@@ -85,39 +103,55 @@ def implementation() -> str:
     return name
 
 
-def choose(q, k, mask: AttentionMask, bias, dropout, asked: str | None = None) -> str:
+def choose(q, k, mask: AttentionMask, bias, dropout, asked: str | None = None,
+           softcap: float | None = None) -> str:
     """Which implementation computes this attention (see the module docstring)."""
     asked = asked or implementation()
     if dropout is not None:
         return "dense"
+    if asked == "cudnn" and softcap is not None:
+        raise ValueError(f"REDRAY_ATTENTION=cudnn: cuDNN's fused attention has no logit "
+                         f"soft-capping (softcap={softcap}, attn_logit_softcapping); use "
+                         "'auto', 'chunked' or 'dense'")
+    if asked == "xla" and softcap is not None:
+        return "dense"
     if asked != "auto":
         return asked
-    plain_causal = (mask.causal and not mask.segmented and mask.window is None
-                    and bias is None and q.shape[1] == k.shape[1])
+    plain_causal = (mask.causal and not mask.segmented and not mask.sliding
+                    and bias is None and softcap is None and q.shape[1] == k.shape[1])
     if (plain_causal and jax.default_backend() == "gpu"
             and q.dtype in (jnp.bfloat16, jnp.float16)):
         return "cudnn"
     if k.shape[1] >= CHUNKED_FROM and bias is None:
         return "chunked"
-    return "xla"
+    return "xla" if softcap is None else "dense"
+
+
+def soft_cap(scores: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(scores / cap)``: scores squashed into (-cap, cap) (Gemma 2's attention
+    logits, Gemma's final logits); ``cap`` None: the scores unchanged."""
+    return scores if cap is None else cap * jnp.tanh(scores / cap)
 
 
 def attend(q, k, v, mask: AttentionMask, scale: float, bias=None,
-           dropout: Callable | None = None, impl: str | None = None):
+           dropout: Callable | None = None, impl: str | None = None,
+           softcap: float | None = None):
     """Scaled dot-product attention with grouped-query heads, softmax in float32.
 
     q: (B, T, H, D); k, v: (B, S, KV, D) with H a multiple of KV (query head h reads
     key/value head h // (H // KV)); mask: an ``AttentionMask``; bias: broadcastable to
     (B, H, T, S); dropout: applied to the attention probabilities; impl: one of
-    ``IMPLEMENTATIONS`` (default: ``REDRAY_ATTENTION``, else "auto").
+    ``IMPLEMENTATIONS`` (default: ``REDRAY_ATTENTION``, else "auto"); softcap: the
+    scaled scores are soft-capped to (-softcap, softcap) (``soft_cap``) before the mask
+    and the bias.
     """
-    chosen = choose(q, k, mask, bias, dropout, impl)
+    chosen = choose(q, k, mask, bias, dropout, impl, softcap)
     if chosen == "dense":
-        return dense_attention(q, k, v, mask.dense(), scale, bias, dropout)
+        return dense_attention(q, k, v, mask.dense(), scale, bias, dropout, softcap)
     if chosen == "chunked":
         if bias is not None:
             raise ValueError("chunked attention takes no bias: use 'xla' or 'dense'")
-        return flash_attention(q, k, v, mask, scale)
+        return flash_attention(q, k, v, mask, scale, softcap=softcap)
     if chosen == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                             implementation="cudnn")
@@ -127,13 +161,15 @@ def attend(q, k, v, mask: AttentionMask, scale: float, bias=None,
     return out.astype(v.dtype)
 
 
-def dense_attention(q, k, v, mask, scale: float, bias=None, dropout: Callable | None = None):
+def dense_attention(q, k, v, mask, scale: float, bias=None, dropout: Callable | None = None,
+                    softcap: float | None = None):
     """Attention through a materialized (B, T, S) boolean ``mask``, float32 scores."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     g = h // kv
     qg = q.reshape(b, t, kv, g, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = soft_cap(scores, softcap)
     if bias is not None:
         bias = jnp.broadcast_to(bias, (bias.shape[0], h, t, k.shape[1]))
         scores = scores + bias.reshape(bias.shape[0], kv, g, t, k.shape[1]).astype(jnp.float32)
@@ -146,11 +182,12 @@ def dense_attention(q, k, v, mask, scale: float, bias=None, dropout: Callable | 
 
 
 # ------------------------------------------------------------------ flash attention
-def flash_attention(q, k, v, mask: AttentionMask, scale: float, block: int = BLOCK):
+def flash_attention(q, k, v, mask: AttentionMask, scale: float, block: int = BLOCK,
+                    softcap: float | None = None):
     """Attention in blocks of ``block`` queries x ``block`` keys, with an online softmax
     forward and a backward that recomputes each block's probabilities from the saved
     softmax statistics (the FlashAttention algorithm, in plain JAX): memory linear in the
-    sequence."""
+    sequence. ``softcap``: as ``attend``'s."""
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     tq, tk = min(block, t), min(block, s)
@@ -169,30 +206,36 @@ def flash_attention(q, k, v, mask: AttentionMask, scale: float, block: int = BLO
         v = jnp.pad(v, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
         kv_seg = jnp.pad(kv_seg, ((0, 0), (0, pad_k)))
     kv_valid = jnp.pad(mask.kv_valid.astype(bool), ((0, 0), (0, pad_k)))
-    layout = _Layout(mask.causal, mask.window, segments, tq, tk, h // kv, scale)
-    out = _flash(layout, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real)
+    # the window travels as an array: a scanned layer's is traced
+    window = mask.window if mask.layer_window is None else mask.layer_window
+    layout = _Layout(mask.causal, window is not None, segments, tq, tk, h // kv, scale, softcap)
+    window = jnp.asarray(0 if window is None else window, jnp.int32)
+    out = _flash(layout, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window)
     return out[:, :t].astype(v.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     causal: bool
-    window: int | None
+    windowed: bool
     segments: bool
     tq: int
     tk: int
     groups: int
     scale: float
+    softcap: float | None
 
 
-def _block_scores(lay, qb, kb, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real):
-    """(B, KV, G, tq, tk) float32 scores of a block, masked (the float32 minimum, as the
-    dense path) and alignment keys at -inf; and where the mask allows (B, tq, tk)."""
+def _block_scores(lay, window, qb, kb, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real):
+    """(B, KV, G, tq, tk) float32 scores of a block (soft-capped where the layout says),
+    masked (the float32 minimum, as the dense path) and alignment keys at -inf; and where
+    the mask allows (B, tq, tk)."""
     b, tq, h, d = qb.shape
     qg = qb.reshape(b, tq, h // lay.groups, lay.groups, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, kb,
-                        preferred_element_type=jnp.float32) * lay.scale
-    allowed = AttentionMask(kv_valid, q_slots, causal=lay.causal, window=lay.window).block(
+    scores = soft_cap(jnp.einsum("btkgd,bskd->bkgts", qg, kb,
+                                 preferred_element_type=jnp.float32) * lay.scale, lay.softcap)
+    allowed = AttentionMask(kv_valid, q_slots, causal=lay.causal,
+                            layer_window=window if lay.windowed else None).block(
         q_slots, kv_slots, kv_valid, q_seg if lay.segments else None,
         kv_seg if lay.segments else None)
     scores = jnp.where(allowed[:, None, None], scores, _MASKED)
@@ -212,7 +255,7 @@ def _key_blocks(lay, k, v, kv_valid, kv_seg, kv_real):
             cut(kv_real[None])[:, 0])
 
 
-def _forward_block(lay, qb, q_slots, q_seg, keys):
+def _forward_block(lay, window, qb, q_slots, q_seg, keys):
     """(out, [max score, sum of exponentials]) of one query block over every key block
     (online softmax)."""
     b, tq, h, d = qb.shape
@@ -221,7 +264,7 @@ def _forward_block(lay, qb, q_slots, q_seg, keys):
     def step(carry, blk):
         top, total, acc = carry  # running max, sum of exponentials, weighted values
         kb, vb, slots, valid, seg, real = blk
-        sc, _ = _block_scores(lay, qb, kb, q_slots, q_seg, slots, valid, seg, real)
+        sc, _ = _block_scores(lay, window, qb, kb, q_slots, q_seg, slots, valid, seg, real)
         new_top = jnp.maximum(top, sc.max(-1))
         p = jnp.exp(sc - new_top[..., None])
         corr = jnp.exp(top - new_top)
@@ -240,8 +283,8 @@ def _forward_block(lay, qb, q_slots, q_seg, keys):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real):
-    return _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real)[0]
+def _flash(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window):
+    return _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window)[0]
 
 
 def _query_blocks(lay, x, axis=1):
@@ -257,13 +300,13 @@ def _unblock(x, axis):
     return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
 
-def _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real):
+def _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window):
     b, t, h, d = q.shape
     keys = _key_blocks(lay, k, v, kv_valid, kv_seg, kv_real)
 
     def one(args):
         qb, slots, seg = args
-        return _forward_block(lay, qb, slots, seg, keys)
+        return _forward_block(lay, window, qb, slots, seg, keys)
 
     out, stats = jax.lax.map(one, (_query_blocks(lay, q),
                                    _query_blocks(lay, q_slots[None])[:, 0],
@@ -271,16 +314,18 @@ def _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real):
     # out: (nq, B, KV, G, tq, D) -> (B, T, H, D); stats: (nq, 2, B, KV, G, tq) ->
     # (2, B, KV, G, T): each query's max score and sum of exponentials
     out = jnp.moveaxis(_unblock(out, 3), 3, 1).reshape(b, t, h, d)
-    return out, (q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, out, _unblock(stats, 4))
+    return out, (q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window, out,
+                 _unblock(stats, 4))
 
 
-def _flash_fwd(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real):
-    out, residuals = _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real)
+def _flash_fwd(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window):
+    out, residuals = _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real,
+                                    window)
     return out, residuals
 
 
 def _flash_bwd(lay, residuals, d_out):
-    q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, out, stats = residuals
+    q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window, out, stats = residuals
     b, t, h, d = q.shape
     kvh, g = h // lay.groups, lay.groups
     # D_i = rowsum(dO * O), per query and head: (B, KV, G, T)
@@ -296,14 +341,17 @@ def _flash_bwd(lay, residuals, d_out):
 
         def step(dq, blk):
             kb, vb, kslots, valid, kseg, real = blk
-            sc, allowed = _block_scores(lay, qb, kb, slots, seg, kslots, valid, kseg, real)
+            sc, allowed = _block_scores(lay, window, qb, kb, slots, seg, kslots, valid, kseg,
+                                        real)
             p = jnp.exp(sc - stats_b[0][..., None]) / stats_b[1][..., None]  # probabilities
             dv = jnp.einsum("bkgts,btkgd->bskd", p, dog)
             dp = jnp.einsum("btkgd,bskd->bkgts", dog, vb.astype(jnp.float32))
+            ds = p * (dp - delta_b[..., None])
+            if lay.softcap is not None:  # through c * tanh(s / c): times 1 - tanh(s / c)^2
+                ds = ds * (1 - jnp.square(sc / lay.softcap))
             # a masked score is a constant: no gradient reaches q or k through it (it
             # matters for a query that sees no key, whose probabilities are uniform)
-            ds = jnp.where(allowed[:, None, None], p * (dp - delta_b[..., None]), 0.0) \
-                * lay.scale
+            ds = jnp.where(allowed[:, None, None], ds, 0.0) * lay.scale
             dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds, kb.astype(jnp.float32))
             dk = jnp.einsum("bkgts,btkgd->bskd", ds, qg)
             return dq, (dk, dv)
@@ -319,7 +367,7 @@ def _flash_bwd(lay, residuals, d_out):
     (dk, dv), dq = jax.lax.scan(one_query_block, zeros, blocks)
     dq = _unblock(dq, 1)
     dk, dv = _unblock(dk, 1), _unblock(dv, 1)
-    none = (None,) * 5
+    none = (None,) * 6  # slots, segments, validity and window: integers
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *none)
 
 

@@ -1,4 +1,5 @@
-"""The shell of a decoder-only language model, shared by GPT-2, LLaMA, OPT and GPT-J.
+"""The shell of a decoder-only language model, shared by GPT-2, LLaMA, OPT, GPT-J
+and Gemma.
 
 ``CausalLM`` does what every causal LM does the same way: it keeps the config and the
 compute settings, turns a call's padding, packed documents or KV cache into a mask and
@@ -27,14 +28,17 @@ class CausalLM(nnx.Module):
     ``redray.data.pack``); with ``cache=model.init_cache(...)`` and ``cache_index`` for
     incremental decoding, which returns (logits, cache); with ``hidden=True`` the final
     hidden states instead of logits (``model.logits(hidden)`` applies the LM head: a
-    loss can then project a part of the sequence at a time, ``next_token_loss``).
+    loss can then project a part of the sequence at a time, ``next_token_loss``); with
+    ``aux=True`` (logits or hidden states, auxiliary outputs) where the blocks report
+    what they measured (``REPORTS``: the mixtures of experts, ``redray/models/moe.py``).
 
     A family builds its parts in ``build_parts`` (embeddings, blocks from
     ``layers.make_blocks``, final norm) and names them in ``TOKENS``, ``BLOCKS`` and
     ``FINAL_NORM`` (Hugging Face's names, so the weight table reads one to one); it
     defines ``embed`` and ``key_value_heads``. Each block is called as ``block(x, cos,
     sin, mask, layer_cache, cache_index, train) -> (x, layer_cache)`` where the family
-    sets ``inv_freq`` (rotary embeddings), else without cos and sin.
+    sets ``inv_freq`` (rotary embeddings), else without cos and sin; a family whose layers
+    differ (Gemma's windows and rotary tables) says what they get in ``block_inputs``.
 
     Args:
       config: a ``transformers`` config, or the ``config`` of another redray model.
@@ -57,6 +61,9 @@ class CausalLM(nnx.Module):
     inv_freq = None
     # How many slots back a query sees (Mistral's sliding window); None: all of them.
     window = None
+    # Whether the blocks return a report beside (x, layer_cache), which ``aux=True``
+    # collects (``layers.run_blocks``) and ``auxiliary`` summarizes (mixtures of experts).
+    REPORTS = False
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
                  scan: bool = False):
@@ -87,21 +94,40 @@ class CausalLM(nnx.Module):
         """(key/value heads, head_dim) of one layer: what its KV cache holds per token."""
         raise NotImplementedError(f"{type(self).__name__} does not define key_value_heads")
 
+    def block_inputs(self, positions, mask) -> tuple[tuple, tuple]:
+        """What the blocks get beside the hidden states: (inputs every block gets, inputs
+        per layer: ``layers.run_blocks``'s ``per_layer``). Here the rotary embeddings'
+        cos and sin where the family sets ``inv_freq``, and the mask; nothing per layer."""
+        rotary = () if self.inv_freq is None else layers.rope_angles(positions, self.inv_freq)
+        return (*rotary, mask), ()
+
+    def auxiliary(self, reports):
+        """The auxiliary outputs of ``model(..., aux=True)`` from the blocks' reports
+        stacked per layer (a family whose blocks report, ``REPORTS``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define auxiliary")
+
     def __call__(self, input_ids, attention_mask=None, *, cache=None, cache_index=0,
-                 segment_ids=None, train: bool = False, hidden: bool = False):
+                 segment_ids=None, train: bool = False, hidden: bool = False,
+                 aux: bool = False):
+        if aux and not self.REPORTS:
+            raise ValueError(f"aux=True: {self.config.model_type} has no auxiliary outputs "
+                             "(the mixture-of-experts families have: mixtral, qwen3_moe)")
+        if aux and cache is not None:
+            raise ValueError("aux=True is for training and scoring: call without a cache")
         mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
                                                window=self.window, segment_ids=segment_ids)
-        rotary = () if self.inv_freq is None else layers.rope_angles(positions, self.inv_freq)
+        shared, per_layer = self.block_inputs(positions, mask)
         x = self.embed(input_ids, positions, train)
-        x, new_cache = layers.run_blocks(getattr(self, self.BLOCKS), x, (*rotary, mask), cache,
-                                         cache_index, train, self.remat)
+        x, new_cache, *reports = layers.run_blocks(getattr(self, self.BLOCKS), x, shared, cache,
+                                                   cache_index, train, self.remat, per_layer,
+                                                   reports=aux)
         final_norm = getattr(self, self.FINAL_NORM, None)
         if final_norm is not None:
             x = final_norm(x)
-        if hidden:
-            return x
-        logits = self.logits(x)
-        return logits if cache is None else (logits, new_cache)
+        out = x if hidden else self.logits(x)
+        if aux:
+            return out, self.auxiliary(reports[0])
+        return out if hidden or cache is None else (out, new_cache)
 
     def logits(self, x):
         """The LM head on final hidden states (``model(..., hidden=True)``)."""

@@ -32,14 +32,20 @@ from redray.sharding.parallelism import KEYWORDS as AXIS_KEYWORDS
 FAMILIES = {
     "llama": "redray.models.llama", "mistral": "redray.models.llama",
     "qwen2": "redray.models.llama",
+    "qwen3": "redray.models.llama",
     "gpt2": "redray.models.gpt2", "opt": "redray.models.opt", "gptj": "redray.models.gptj",
     "t5": "redray.models.t5",
+    "gemma2": "redray.models.gemma", "gemma3_text": "redray.models.gemma",
+    "mixtral": "redray.models.mixtral", "qwen3_moe": "redray.models.mixtral",
 }
 # The transformers class of each family's export (config.json's ``architectures``).
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "gptj": "GPTJForCausalLM",
     "t5": "T5ForConditionalGeneration",
+    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

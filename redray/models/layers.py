@@ -148,11 +148,15 @@ def split_qkv(y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return q.reshape(*q.shape[:-3], -1, q.shape[-1]), y[..., g, :], y[..., g + 1, :]
 
 
-def split_rotated_qkv(y: jax.Array, cos: jax.Array, sin: jax.Array,
-                      rotate: Callable) -> tuple[jax.Array, jax.Array, jax.Array]:
+def split_rotated_qkv(y: jax.Array, cos: jax.Array, sin: jax.Array, rotate: Callable,
+                      norms: tuple[Callable, Callable] | None = None
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``split_qkv`` with rotary embeddings applied to the queries and keys; ``rotate``:
-    ``rotate_half`` or ``rotate_interleaved``, the family's layout."""
+    ``rotate_half`` or ``rotate_interleaved``, the family's layout; ``norms``: (query
+    norm, key norm) over each head's features, applied before rotating (Qwen3)."""
     q, k, v = split_qkv(y)
+    if norms is not None:
+        q, k = norms[0](q), norms[1](k)
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
@@ -173,30 +177,32 @@ def attention_heads(config) -> tuple[int, int]:
 
 
 def dot_attention(q, k, v, mask: AttentionMask, scale: float, bias=None,
-                  dropout: Callable | None = None):
+                  dropout: Callable | None = None, softcap: float | None = None):
     """Scaled dot-product attention with grouped-query heads, softmax in float32
     (``redray/models/attention.py`` chooses how: cuDNN's fused kernel, XLA, or blocks).
 
     q: (B, T, H, D); k, v: (B, S, KV, D) with H a multiple of KV (query head h reads
     key/value head h // (H // KV)); mask: an ``AttentionMask``; bias: broadcastable to
-    (B, H, T, S); dropout: applied to the attention probabilities.
+    (B, H, T, S); dropout: applied to the attention probabilities; softcap: the scores
+    soft-capped to (-softcap, softcap) (Gemma 2).
     """
-    return attend(q, k, v, mask, scale, bias=bias, dropout=dropout)
+    return attend(q, k, v, mask, scale, bias=bias, dropout=dropout, softcap=softcap)
 
 
 def self_attention(q, k, v, mask: AttentionMask, scale: float, cache: dict | None, cache_index,
-                   dropout: nnx.Dropout, train: bool) -> tuple:
+                   dropout: nnx.Dropout, train: bool, softcap: float | None = None) -> tuple:
     """A decoder layer's attention over its new keys/values and those its KV cache holds.
 
     With a ``cache`` (the layer's {"k", "v"}), ``k`` and ``v`` are written into it at
     ``cache_index`` first and the queries read every slot; ``dropout`` drops attention
-    probabilities in training. Returns (output (B, T, H, D), the new cache or None).
+    probabilities in training; ``softcap``: as ``dot_attention``'s. Returns (output
+    (B, T, H, D), the new cache or None).
     """
     new_cache = None
     if cache is not None:
         k, v, new_cache = update_cache(cache, k, v, cache_index)
     drop = (lambda p: dropout(p, deterministic=False)) if train else None
-    return dot_attention(q, k, v, mask, scale, dropout=drop), new_cache
+    return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap), new_cache
 
 
 def update_cache(layer_cache: dict, k: jax.Array, v: jax.Array, index) -> tuple:
@@ -324,46 +330,70 @@ class Embed(nnx.Embed):
         return jnp.take(table, inputs, axis=0)
 
 
-def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat):
-    """Runs ``block(x, *args, layer_cache, cache_index, train) -> (x, layer_cache)`` in turn.
+def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat,
+               per_layer: tuple = (), reports: bool = False):
+    """Runs ``block(x, *args, *own, layer_cache, cache_index, train) -> (x, layer_cache)``
+    in turn.
 
-    Without a cache each block may be rematerialized (training); with one, the new
-    cache is collected. Stacked blocks run in one ``scan`` (their cache stacked too).
-    Returns (x, new cache or None).
+    ``per_layer``: inputs that differ by layer (Gemma's window and rotary table), each
+    with one entry per block; block i gets entry i of each as ``own``. Stacked blocks
+    take them as arrays, scanned over their leading axis with the blocks. Without a
+    cache each block may be rematerialized (training); with one, the new cache is
+    collected. Stacked blocks run in one ``scan`` (their cache stacked too). Returns (x,
+    new cache or None).
+
+    Blocks may return a third output, a report of what they measured (a pytree: a
+    mixture of experts' router statistics). With ``reports`` (and no cache) the reports
+    come back stacked on a leading layer axis: returns (x, None, reports).
     """
     x = constrain_rows(x)
     if is_stacked(blocks):
-        return _scan_blocks(blocks, x, args, cache, cache_index, train, remat)
+        return _scan_blocks(blocks, x, args, per_layer, cache, cache_index, train, remat,
+                            reports)
+    owns = list(zip(*per_layer)) if per_layer else [()] * len(blocks)
     if cache is None:
-        step = maybe_remat(lambda blk, x, *a: blk(x, *a, None, 0, train)[0],
-                           remat if train else "none")
-        for block in blocks:
-            x = constrain_rows(step(block, x, *args))
-        return x, None
+        step = maybe_remat(_training_call(train, reports), remat if train else "none")
+        found = []
+        for block, own in zip(blocks, owns):
+            x, report = step(block, x, *args, *own)
+            x = constrain_rows(x)
+            found.append(report)
+        return (x, None, jax.tree.map(lambda *r: jnp.stack(r), *found)) if reports else (x, None)
     new_cache = []
-    for block, layer_cache in zip(blocks, cache):
-        x, layer_cache = block(x, *args, layer_cache, cache_index, train)
+    for block, own, layer_cache in zip(blocks, owns, cache):
+        x, layer_cache = block(x, *args, *own, layer_cache, cache_index, train)[:2]
         new_cache.append(layer_cache)
     return x, new_cache
 
 
-def _scan_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat):
-    broadcast = (None,) * len(args)
+def _training_call(train: bool, reports: bool) -> Callable:
+    """A block's call without a cache, as (x, its report or None)."""
+    def call(block, x, *args):
+        out = block(x, *args, None, 0, train)
+        return out[0], out[2] if reports else None
+
+    return call
+
+
+def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, train: bool,
+                 remat, reports: bool):
+    broadcast, scanned = (None,) * len(args), (0,) * len(per_layer)
     if cache is None:
-        step = maybe_remat(lambda blk, x, *a: blk(x, *a, None, 0, train)[0],
-                           remat if train else "none")
+        step = maybe_remat(_training_call(train, reports), remat if train else "none")
 
-        @nnx.scan(in_axes=(0, nnx.Carry, *broadcast), out_axes=nnx.Carry)
+        @nnx.scan(in_axes=(0, nnx.Carry, *broadcast, *scanned), out_axes=(nnx.Carry, 0))
         def forward(block, x, *a):
-            return constrain_rows(step(block, x, *a))
+            x, report = step(block, x, *a)
+            return constrain_rows(x), report
 
-        return forward(blocks, x, *args), None
+        x, found = forward(blocks, x, *args, *per_layer)
+        return (x, None, found) if reports else (x, None)
 
-    @nnx.scan(in_axes=(0, nnx.Carry, 0, *broadcast), out_axes=(nnx.Carry, 0))
+    @nnx.scan(in_axes=(0, nnx.Carry, 0, *broadcast, *scanned), out_axes=(nnx.Carry, 0))
     def decode(block, x, layer_cache, *a):
-        return block(x, *a, layer_cache, cache_index, train)
+        return block(x, *a, layer_cache, cache_index, train)[:2]
 
-    return decode(blocks, x, cache, *args)
+    return decode(blocks, x, cache, *args, *per_layer)
 
 
 def causal_lm_inputs(config, batch: int = 2, seq: int = 8) -> dict:

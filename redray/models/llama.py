@@ -1,11 +1,12 @@
-"""LLaMA, and the configs that differ from it only by fields: Mistral, Qwen2.
+"""LLaMA, and the configs that differ from it only by fields: Mistral, Qwen2, Qwen3.
 
 Grouped-query attention, RoPE (default, linear, llama3 scaling), RMSNorm, gated MLP,
-optional biases (Qwen2: on q/k/v), optional sliding window (Mistral), tied or untied
-LM head. Q, K and V share one kernel (hidden, kv_heads, group + 2, head_dim), gate and
-up one (hidden, 2, intermediate) (``layers.qkv_projection``): the automatic rules split
-whole key/value groups, and tensor parallelism costs one all-reduce per sublayer and
-direction.
+optional biases (Qwen2: on q/k/v), an explicit ``head_dim``, queries and keys
+RMS-normalized per head before RoPE (Qwen3: ``q_norm``, ``k_norm``), optional sliding
+window (Mistral; Qwen2/Qwen3 when every layer slides), tied or untied LM head. Q, K and
+V share one kernel (hidden, kv_heads, group + 2, head_dim), gate and up one (hidden, 2,
+intermediate) (``layers.qkv_projection``): the automatic rules split whole key/value
+groups, and tensor parallelism costs one all-reduce per sublayer and direction.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, gated, linear, plain, qkv
 from redray.sharding.activations import constrain_rows
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
 BASE_PREFIX = "model."
 IGNORED = (r"rotary_emb\.inv_freq$",)
@@ -37,6 +38,35 @@ def _biases(c) -> tuple[bool, bool]:
     return bias, bias
 
 
+def _qk_norm(c) -> bool:
+    """Whether queries and keys are RMS-normalized over each head's features before
+    RoPE (Qwen3, and Qwen3-MoE, whose family reuses this attention)."""
+    return c.model_type in ("qwen3", "qwen3_moe")
+
+
+def _window(c) -> int | None:
+    """How many slots back a query sees, alike in every layer; None: all of them.
+
+    Mistral windows every layer. Qwen2 and Qwen3 name each layer's kind
+    (``layer_types``, by default a window from layer ``max_window_layers`` on when
+    ``use_sliding_window``); one mask serves every layer here, so the kinds must agree.
+    """
+    if c.model_type == "mistral":
+        return getattr(c, "sliding_window", None)
+    kinds = list(getattr(c, "layer_types", None) or ())
+    sliding = kinds.count("sliding_attention")
+    if not sliding:
+        return None
+    if sliding < len(kinds):
+        raise ValueError(
+            f"{c.model_type} config: layer_types slides the window in {sliding} of "
+            f"{len(kinds)} layers (use_sliding_window={getattr(c, 'use_sliding_window', None)},"
+            f" max_window_layers={getattr(c, 'max_window_layers', None)}); redray windows all "
+            "layers or none: set use_sliding_window=False (as the released checkpoints do), "
+            "or max_window_layers=0 to window every layer")
+    return c.sliding_window
+
+
 class Attention(nnx.Module):
     def __init__(self, c, *, rngs, dtype):
         heads, kv, d = _dims(c)
@@ -47,9 +77,13 @@ class Attention(nnx.Module):
         self.o_proj = nnx.LinearGeneral((heads, d), hidden, axis=(-2, -1), use_bias=o_bias, **dense)
         self.dropout = nnx.Dropout(getattr(c, "attention_dropout", 0.0) or 0.0, rngs=rngs)
         self.scale = d ** -0.5
+        norm = dict(epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.q_norm, self.k_norm = ((nnx.RMSNorm(d, **norm), nnx.RMSNorm(d, **norm))
+                                    if _qk_norm(c) else (None, None))
 
     def __call__(self, x, cos, sin, mask, cache, cache_index, train):
-        q, k, v = layers.split_rotated_qkv(self.qkv_proj(x), cos, sin, layers.rotate_half)
+        norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
+        q, k, v = layers.split_rotated_qkv(self.qkv_proj(x), cos, sin, layers.rotate_half, norms)
         out, new_cache = layers.self_attention(q, k, v, mask, self.scale, cache, cache_index,
                                                self.dropout, train)
         return self.o_proj(out), new_cache
@@ -99,7 +133,7 @@ class Model(CausalLM):
         rotary = int(d * rope.get("partial_rotary_factor", 1.0))
         self.inv_freq = tuple(float(f) for f in layers.rope_inv_freq(rope, rotary,
                                                                     getattr(c, "rope_theta", 1e4)))
-        self.window = getattr(c, "sliding_window", None) if c.model_type == "mistral" else None
+        self.window = _window(c)
 
     def key_value_heads(self) -> tuple[int, int]:
         _, kv, d = _dims(self.config)
@@ -129,6 +163,9 @@ def weight_table(config) -> list:
                        f"{me}/post_attention_layernorm/scale")]
         rows += qkv(tuple(f"{hf}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")),
                     f"{me}/self_attn/qkv_proj", heads, kv, bias=qkv_bias)
+        if _qk_norm(c):
+            rows += [plain(f"{hf}.self_attn.{n}.weight", f"{me}/self_attn/{n}/scale")
+                     for n in ("q_norm", "k_norm")]
         rows.append(linear(f"{hf}.self_attn.o_proj.weight", f"{me}/self_attn/o_proj/kernel",
                            in_dims=2))
         if o_bias:

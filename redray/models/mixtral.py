@@ -1,0 +1,128 @@
+"""Mixtral and Qwen3-MoE: LLaMA's decoder with a mixture of experts for every MLP.
+
+Attention is LLaMA's (``llama.Attention``: grouped-query, RoPE, one QKV kernel), with
+Qwen3-MoE's queries and keys RMS-normalized per head before RoPE (``q_norm``,
+``k_norm``) and a sliding window where the config sets one. Each block's MLP is a
+``moe.MoE``: Mixtral renormalizes the top-k router probabilities and combines in
+float32; Qwen3-MoE renormalizes only with ``norm_topk_prob``. Every Qwen3-MoE layer is
+sparse (``decoder_sparse_step`` 1, no ``mlp_only_layers``: the released checkpoints);
+other layouts are refused, so every layer is alike and the layers scan as one block.
+
+Called with ``aux=True`` the model returns ``(logits, aux)``: the load-balancing and
+router z-losses and each layer's expert token counts (``redray/models/moe.py`` says how
+they reach a loss). Checkpoints store each expert's projections apart (Mixtral
+``block_sparse_moe.experts.{j}.w1/w3/w2``, Qwen3-MoE ``mlp.experts.{j}.gate_proj/
+up_proj/down_proj``, the router as ``gate``), as ``transformers`` writes them; here they
+are stacked per layer in ``mlp/gate_up_proj`` and ``mlp/down_proj``.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from redray.models import layers, llama, moe
+from redray.models.hub import HFConfig, linear
+
+MODEL_TYPES = ("mixtral", "qwen3_moe")
+BASE_PREFIX = llama.BASE_PREFIX
+IGNORED = llama.IGNORED
+# Hugging Face's names: the MoE module of a layer, and each expert's gate, up and down.
+NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+         "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+def _experts(c) -> tuple[int, int, int]:
+    """(experts, experts per token, each expert's intermediate size)."""
+    if c.model_type == "mixtral":
+        return c.num_local_experts, c.num_experts_per_tok, c.intermediate_size
+    return c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
+
+
+def _check(c) -> None:
+    """Refuses what this family does not implement, naming the field and the fix."""
+    if c.model_type == "qwen3_moe":
+        step = c.decoder_sparse_step
+        dense = sorted(set(c.mlp_only_layers or ())
+                       | {i for i in range(c.num_hidden_layers) if (i + 1) % step})
+        if dense:
+            raise ValueError(
+                f"qwen3_moe config: layers {dense} have dense MLPs (decoder_sparse_step="
+                f"{step}, mlp_only_layers={list(c.mlp_only_layers or ())}); redray makes every "
+                "layer sparse, as the released checkpoints do: set decoder_sparse_step=1 and "
+                "mlp_only_layers=[]")
+    jitter = getattr(c, "router_jitter_noise", 0.0)
+    if jitter:
+        raise ValueError(f"{c.model_type} config: router_jitter_noise={jitter} is not "
+                         "implemented; set it to 0.0 (the released checkpoints' value)")
+
+
+def _moe(c, *, rngs, dtype) -> moe.MoE:
+    """A layer's experts, routed as the family routes (see the module docstring)."""
+    experts, top_k, inner = _experts(c)
+    qwen = c.model_type == "qwen3_moe"
+    return moe.MoE(c.hidden_size, inner, experts, top_k, act=c.hidden_act,
+                   renormalize=not qwen or bool(c.norm_topk_prob), float32_weights=not qwen,
+                   capacity_factor=getattr(c, "capacity_factor", None), dtype=dtype, rngs=rngs)
+
+
+class Block(nnx.Module):
+    """LLaMA's pre-norm block with experts for its MLP; it returns the router's report
+    beside (x, layer_cache)."""
+
+    def __init__(self, c, *, rngs, dtype):
+        self.self_attn = llama.Attention(c, rngs=rngs, dtype=dtype)
+        self.mlp = _moe(c, rngs=rngs, dtype=dtype)
+        norm = dict(epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.input_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
+        self.post_attention_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
+
+    def __call__(self, x, cos, sin, mask, cache, cache_index, train):
+        attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
+                                         cache_index, train)
+        x = x + attn
+        # without a cache the mask's key slots are the tokens: padding counts nowhere
+        out, report = self.mlp(self.post_attention_layernorm(x),
+                               mask.kv_valid if cache is None else None)
+        return x + out, new_cache, report
+
+
+class Model(llama.Model):
+    """A Mixtral or Qwen3-MoE causal LM built from a ``transformers`` config (called as
+    ``CausalLM`` says; ``aux=True`` adds the router's auxiliary outputs)."""
+
+    REPORTS = True
+
+    def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
+        _check(c)
+        self.embed_tokens = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = layers.make_blocks(lambda r: Block(c, rngs=r, dtype=dtype),
+                                         c.num_hidden_layers, rngs, scan)
+        self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        rope = getattr(c, "rope_parameters", None)
+        self.inv_freq = tuple(float(f) for f in layers.rope_inv_freq(
+            rope, llama._dims(c)[2], getattr(c, "rope_theta", 1e4)))
+        # Qwen3-MoE's config keeps it only with use_sliding_window
+        self.window = getattr(c, "sliding_window", None)
+
+    def auxiliary(self, reports: dict) -> dict:
+        return moe.summarize(reports, _experts(self.config)[0])
+
+
+trace_inputs = layers.causal_lm_inputs
+
+
+def weight_table(config) -> list:
+    """Hugging Face tensor names <-> redray parameter paths: LLaMA's, the dense MLP's
+    rows replaced by the router and the stacked experts."""
+    c = config.hf if isinstance(config, HFConfig) else config
+    rows = [row for row in llama.weight_table(c) if "/mlp/" not in row.path]
+    module, gate, up, down = NAMES[c.model_type]
+    experts = _experts(c)[0]
+    for i in range(c.num_hidden_layers):
+        hf, me = f"model.layers.{i}", f"layers/{i}"
+        rows.append(linear(f"{hf}.{module}.gate.weight", f"{me}/mlp/router/kernel"))
+        each = f"{hf}.{module}.experts.{{j}}"
+        rows += moe.expert_rows(f"{me}/mlp", experts,
+                                (f"{each}.{gate}.weight", f"{each}.{up}.weight"),
+                                f"{each}.{down}.weight")
+    return rows

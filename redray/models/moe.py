@@ -1,0 +1,243 @@
+"""A mixture-of-experts MLP: each token runs through the few experts a router picks.
+
+``MoE`` holds a router (hidden -> experts, no bias) and the experts' gated MLPs stacked
+in two kernels, gate and up (experts, hidden, 2, intermediate) and down (experts,
+intermediate, hidden): the expert axis leads, so an expert-parallel axis can split it.
+Each token's router logits give its ``top_k`` experts and their weights (in float32):
+
+* Mixtral: softmax over the k chosen logits (the softmax over every expert, renormalized
+  over the k chosen: the same values);
+* Qwen3-MoE: softmax over every expert, the k largest kept, renormalized only with
+  ``norm_topk_prob``, and cast back to the router's dtype.
+
+Dispatch is dropless: the (token, expert) assignments are sorted by expert, each
+projection is one grouped matmul over them (``jax.lax.ragged_dot``, the group sizes
+being the tokens each expert got), and the outputs go back to their tokens, summed with
+the routing weights. With a ``capacity_factor`` an expert keeps at most ``ceil(factor x
+tokens x top_k / experts)`` assignments, the first in token order; the others are
+dropped (their token gets nothing from that expert; the residual carries it): what a
+capacity-bound recipe computes. The compute stays dropless.
+
+Every call also reports what the router did (``report``): assignments per expert, the
+sum of the router probabilities per expert, the sum of the squared log-partition
+(z-loss) and the tokens counted, over real tokens only (padding and packing's segment 0
+count nowhere). A model's blocks stack these per layer and ``summarize`` turns them into
+the auxiliary outputs: ``load_balancing`` (Switch Transformer's loss as Mixtral and
+``transformers``' ``load_balancing_loss_func`` compute it: experts x the sum over experts
+of the fraction of assignments times the mean probability, over every layer's tokens
+together), ``router_z`` (the mean squared logsumexp of the router logits, ST-MoE) and
+``expert_tokens`` (layers, experts) assignments.
+
+Reaching the loss: a mixture-of-experts model called with ``aux=True`` returns
+``(logits, aux)`` (``(hidden, aux)`` with ``hidden=True``); plain calls return logits
+as every redray model does, so generation and ``next_token_loss`` work unchanged.
+``auxiliary_loss(aux, config)`` weighs the two losses by the config's
+``router_aux_loss_coef`` (as ``transformers`` adds it to the LM loss) and
+``router_z_loss_coef`` (0 unless set), and ``metrics(aux)`` gives scalars to log::
+
+    def loss(model, batch, rng, train):
+        logits, aux = model(batch["ids"][:, :-1], train=train, aux=True)
+        tokens = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), batch["ids"][:, 1:]).mean()
+        return tokens + moe.auxiliary_loss(aux, model.config), moe.metrics(aux)
+
+``jax.lax.ragged_dot`` lowers to a grouped matmul on GPU and TPU; XLA:CPU runs JAX's
+dense fallback (every assigned row against every expert, masked): exact and
+differentiable, but experts x the active FLOPs, and that is what XLA's cost analysis
+(so the planner's FLOP count) reports there. The sort spans every token of the call:
+under data parallelism XLA gathers the router's choices and all-reduces the dispatched
+rows (tokens x top_k x hidden) per layer; a dispatch per batch shard (``shard_map``) or
+over an expert axis would keep them local.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from redray.models import layers
+from redray.models.hub import Tensor, linear
+
+
+class MoE(nnx.Module):
+    """Top-k routed experts, each a gated MLP (see the module docstring).
+
+    Args:
+      hidden, intermediate: the model width and each expert's inner width.
+      experts, top_k: how many experts, and how many each token uses.
+      act: the gate's activation (``layers.ACTIVATIONS`` name).
+      renormalize: divide the k chosen probabilities by their sum (Mixtral: always;
+        Qwen3-MoE: ``norm_topk_prob``).
+      float32_weights: combine the experts' outputs with float32 weights (Mixtral);
+        False casts them to the router's dtype first (Qwen3-MoE).
+      capacity_factor: None (dropless) or the factor of an even share each expert
+        keeps (see the module docstring).
+      dtype: the compute dtype (parameters stay float32).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, *,
+                 act: str = "silu", renormalize: bool = True, float32_weights: bool = True,
+                 capacity_factor: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number "
+                             f"of experts ({experts})")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor {capacity_factor!r} must be positive (None: "
+                             "dropless)")
+        self.top_k, self.renormalize, self.float32_weights = top_k, renormalize, float32_weights
+        self.capacity_factor, self.dtype = capacity_factor, dtype
+        self.act = layers.activation(act)
+        self.router = nnx.Linear(hidden, experts, use_bias=False, dtype=dtype, rngs=rngs)
+        # fan-in scaled per expert: the expert axis is a batch of independent kernels
+        init = jax.nn.initializers.lecun_normal
+        self.gate_up_proj = nnx.Param(init(in_axis=1, out_axis=(2, 3), batch_axis=0)(
+            rngs.params(), (experts, hidden, 2, intermediate)))
+        self.down_proj = nnx.Param(init(in_axis=1, out_axis=2, batch_axis=0)(
+            rngs.params(), (experts, intermediate, hidden)))
+
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> tuple:
+        """(output like ``x``, report) for ``x`` (..., hidden); ``valid`` (...): which
+        tokens are real (None: all), for the report only."""
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = self.router(tokens)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), -1)
+        weights, chosen = jax.lax.top_k(probs, self.top_k)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdims=True)
+        if not self.float32_weights:
+            weights = weights.astype(logits.dtype)
+        experts = probs.shape[-1]
+        capacity = None if self.capacity_factor is None else \
+            math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / experts)
+        out, kept = dispatch(tokens, chosen, weights, self.gate_up_proj[...].astype(self.dtype),
+                             self.down_proj[...].astype(self.dtype), self.act, capacity)
+        real = jnp.ones(tokens.shape[:1], jnp.float32) if valid is None else \
+            valid.reshape(-1).astype(jnp.float32)
+        per_choice = jnp.broadcast_to(real[:, None], chosen.shape)
+        report = {
+            "expert_tokens": jnp.zeros(experts, jnp.float32).at[chosen].add(per_choice),
+            "router_probs": (probs * real[:, None]).sum(0),
+            "router_z": (jax.nn.logsumexp(logits.astype(jnp.float32), -1) ** 2 * real).sum(),
+            "tokens": real.sum(),
+            "dropped": (per_choice * (1.0 - kept)).sum(),
+        }
+        return out.reshape(x.shape).astype(x.dtype), report
+
+
+def dispatch(tokens, chosen, weights, gate_up, down, act, capacity: int | None = None):
+    """Each token through its chosen experts, sorted by expert and grouped per matmul.
+
+    Args:
+      tokens: (n, hidden); chosen, weights: (n, k) experts and their weights.
+      gate_up: (experts, hidden, 2, intermediate); down: (experts, intermediate, hidden).
+      act: the gate's activation.
+      capacity: the most assignments an expert keeps (None: all).
+
+    Returns:
+      (output (n, hidden) in float32 or the tokens' dtype, kept (n, k) float32: 1 where
+      the assignment was computed, 0 where the capacity dropped it).
+    """
+    n, k = chosen.shape
+    experts = gate_up.shape[0]
+    flat = chosen.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # stable: token order inside each expert
+    sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
+    rows = tokens[order // k]
+    h = jax.lax.ragged_dot(rows, gate_up.reshape(experts, gate_up.shape[1], -1), sizes)
+    h = h.reshape(h.shape[0], 2, -1)
+    y = jax.lax.ragged_dot(act(h[:, 0]) * h[:, 1], down, sizes)
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
+    y = y[back].reshape(n, k, -1)
+    kept = jnp.ones((n, k), jnp.float32)
+    if capacity is not None:
+        starts = jnp.cumsum(sizes) - sizes
+        rank = jnp.arange(n * k) - starts[flat[order]]
+        kept = (rank < capacity)[back].reshape(n, k).astype(jnp.float32)
+        weights = weights * kept.astype(weights.dtype)
+    return (y * weights[..., None]).sum(1), kept
+
+
+def summarize(reports: dict, experts: int) -> dict:
+    """The auxiliary outputs (see the module docstring) of the blocks' reports stacked
+    on a leading layer axis."""
+    rows = jnp.maximum(reports["tokens"].sum(), 1.0)
+    share = reports["expert_tokens"].sum(0) / rows
+    probability = reports["router_probs"].sum(0) / rows
+    assigned = jnp.maximum(reports["expert_tokens"].sum(), 1.0)
+    return {"load_balancing": experts * jnp.sum(share * probability),
+            "router_z": reports["router_z"].sum() / rows,
+            "expert_tokens": reports["expert_tokens"],
+            "dropped": reports["dropped"].sum() / assigned}
+
+
+def auxiliary_loss(aux: dict, config) -> jax.Array:
+    """What to add to the LM loss: ``router_aux_loss_coef`` x load balancing (as
+    ``transformers`` adds it) + ``router_z_loss_coef`` x router z-loss (0 unless the
+    config sets it)."""
+    balance = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    z = float(getattr(config, "router_z_loss_coef", 0.0) or 0.0)
+    return balance * aux["load_balancing"] + z * aux["router_z"]
+
+
+def metrics(aux: dict, per_expert: bool = False) -> dict:
+    """Scalars to log from ``aux``: both losses, ``expert_load_max`` (the busiest
+    expert's assignments over an even share, worst layer: 1 is perfect balance),
+    ``dropped`` (the fraction the capacity dropped) and with ``per_expert`` each
+    expert's share of the assignments over all layers (``expert_share/3``)."""
+    counts = aux["expert_tokens"]
+    even = jnp.maximum(counts.sum(-1, keepdims=True), 1.0) / counts.shape[-1]
+    out = {"load_balancing": aux["load_balancing"], "router_z": aux["router_z"],
+           "expert_load_max": jnp.max(counts / even), "dropped": aux["dropped"]}
+    if per_expert:
+        share = counts.sum(0) / jnp.maximum(counts.sum(), 1.0)
+        out.update({f"expert_share/{e}": share[e] for e in range(counts.shape[-1])})
+    return out
+
+
+# ------------------------------------------------------------------ Hugging Face layout
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """Hugging Face's per-expert tensors stacked in one redray kernel (a weight-table
+    row, read by ``hub.from_pretrained`` and written by ``save_pretrained``).
+
+    Part ``j * per + p`` is expert j's p-th tensor: the experts lie along axis 0 and,
+    with ``per`` > 1, the p-th tensors of an expert along ``axis`` (gate and up).
+    """
+    parts: tuple[Tensor, ...]
+    per: int
+    axis: int
+
+    @property
+    def path(self) -> str:
+        return self.parts[0].path
+
+    def part_shapes(self, shape: tuple) -> list[tuple]:
+        one = (1, *shape[1:])
+        if self.per > 1:
+            one = one[:self.axis] + (1,) + one[self.axis + 1:]
+        return [one] * len(self.parts)
+
+    def combine(self, pieces: list[np.ndarray]) -> np.ndarray:
+        per_expert = [pieces[j:j + self.per] for j in range(0, len(pieces), self.per)]
+        return np.concatenate([np.concatenate(p, self.axis) for p in per_expert], 0)
+
+    def write(self, array: np.ndarray) -> list[np.ndarray]:
+        pieces = [piece for expert in np.split(array, array.shape[0], 0)
+                  for piece in np.split(expert, self.per, self.axis)]
+        return [part.save(piece) for part, piece in zip(self.parts, pieces)]
+
+
+def expert_rows(path: str, experts: int, gate_up: tuple[str, str], down: str) -> list[Experts]:
+    """Weight-table rows of a ``MoE`` at ``path`` (e.g. "layers/0/mlp") from Hugging
+    Face's per-expert ``nn.Linear`` weights: ``gate_up`` and ``down`` name them with
+    ``{j}`` for the expert (e.g. "model.layers.0.mlp.experts.{j}.gate_proj.weight")."""
+    gate, up = gate_up
+    return [Experts(tuple(linear(name.format(j=j), f"{path}/gate_up_proj", in_dims=2)
+                          for j in range(experts) for name in (gate, up)), 2, 2),
+            Experts(tuple(linear(down.format(j=j), f"{path}/down_proj", in_dims=2)
+                          for j in range(experts)), 1, 0)]

@@ -1,0 +1,213 @@
+"""Mixtral and Qwen3-MoE against transformers PyTorch; the mixture-of-experts layer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hf_tiny import (IDS, MASK, assert_export_round_trip, assert_greedy_generation_matches,
+                     assert_logits_match, loaded_pair)
+
+import redray
+import redray.models as rm
+from redray.models import moe
+
+torch = pytest.importorskip("torch", reason="parity tests need torch (pip install torch==2.13.0; "
+                                            "make test installs it)")
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, num_experts_per_tok=2, initializer_range=0.2)
+CONFIGS = {
+    "mixtral": lambda **kw: transformers.MixtralConfig(
+        **SMALL, intermediate_size=32, num_local_experts=4, **kw),
+    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
+        **SMALL, moe_intermediate_size=32, num_experts=4, **{"norm_topk_prob": True, **kw}),
+}
+
+
+def hf_model(name, path=None, **kw):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](**kw)).eval()
+    if path is not None:
+        model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    return loaded_pair(request.param, hf_model, tmp_path_factory)
+
+
+def test_logits_and_greedy_generation_match_transformers(pair):
+    _, hf, _, model = pair
+    assert_logits_match(model, hf)
+    assert_greedy_generation_matches(model, hf, 8)
+
+
+def test_export_round_trip(pair, tmp_path):
+    from safetensors.numpy import load_file
+
+    _, hf, path, model = pair
+    assert_export_round_trip(model, hf, tmp_path)
+    # the tensors transformers itself writes: one per expert and projection
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert names == set(load_file(f"{path}/model.safetensors"))
+
+
+def test_scanned_layers_equal_the_list(pair):
+    _, _, path, model = pair
+    scanned = rm.from_pretrained(path, scan=True)
+    assert scanned.layers.mlp.gate_up_proj[...].shape == (2, 4, 64, 2, 32)  # layers, experts
+    ids = jnp.asarray(IDS)
+    (a, aux_a), (b, aux_b) = model(ids, aux=True), scanned(ids, aux=True)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
+    for key in aux_a:
+        np.testing.assert_allclose(np.asarray(aux_b[key]), np.asarray(aux_a[key]), atol=1e-6)
+    out = rm.generate(scanned, ids, jnp.asarray(MASK), max_new_tokens=4)
+    np.testing.assert_array_equal(out, rm.generate(model, ids, jnp.asarray(MASK),
+                                                   max_new_tokens=4))
+
+
+def test_load_balancing_loss_and_expert_counts_match_transformers(pair):
+    name, hf, _, model = pair
+    for mask in (None, MASK):
+        with torch.no_grad():
+            kwargs = {} if mask is None else {"attention_mask": torch.tensor(mask)}
+            ref = hf(torch.tensor(IDS), output_router_logits=True, **kwargs)
+        logits, aux = model(jnp.asarray(IDS), None if mask is None else jnp.asarray(mask),
+                            aux=True)
+        np.testing.assert_allclose(float(aux["load_balancing"]), float(ref.aux_loss), rtol=1e-5)
+        counts = np.asarray(aux["expert_tokens"])
+        real = IDS.size if mask is None else int(mask.sum())
+        assert counts.shape == (2, 4)  # layers, experts
+        np.testing.assert_array_equal(counts.sum(-1), [real * 2] * 2)  # tokens x top-k
+        # each layer's counts are those of its router's top 2
+        for layer, router_logits in enumerate(ref.router_logits):
+            chosen = torch.topk(router_logits, 2, -1).indices.numpy()
+            keep = np.ones(IDS.size, bool) if mask is None else mask.reshape(-1).astype(bool)
+            np.testing.assert_array_equal(counts[layer],
+                                          np.bincount(chosen[keep].reshape(-1), minlength=4))
+        z = np.mean([np.mean(torch.logsumexp(r, -1).numpy() ** 2) for r in ref.router_logits])
+        if mask is None:
+            np.testing.assert_allclose(float(aux["router_z"]), z, rtol=1e-5)
+    config = model.config
+    np.testing.assert_allclose(float(moe.auxiliary_loss(aux, config)),
+                               config.router_aux_loss_coef * float(aux["load_balancing"]),
+                               rtol=1e-6)
+    # the same from the hidden states, for a loss computed a chunk at a time
+    hidden, same = model(jnp.asarray(IDS), jnp.asarray(MASK), aux=True, hidden=True)
+    np.testing.assert_allclose(np.asarray(model.logits(hidden)), np.asarray(logits), atol=1e-6)
+    assert float(same["load_balancing"]) == float(aux["load_balancing"])
+
+
+def test_qwen3_moe_without_renormalized_weights_matches_transformers(tmp_path):
+    hf = hf_model("qwen3_moe", str(tmp_path), norm_topk_prob=False)
+    assert_logits_match(rm.from_pretrained(str(tmp_path)), hf)
+
+
+def dense_reference(layer: moe.MoE, x):
+    """Every expert on every token, weighted by the routing (zero off the top k)."""
+    logits = x @ layer.router.kernel[...]
+    probs = jax.nn.softmax(logits, -1)
+    top, chosen = jax.lax.top_k(probs, layer.top_k)
+    if layer.renormalize:
+        top = top / top.sum(-1, keepdims=True)
+    weights = jnp.zeros_like(probs).at[jnp.arange(x.shape[0])[:, None], chosen].set(top)
+    h = jnp.einsum("nh,ehpi->nepi", x, layer.gate_up_proj[...])
+    y = jnp.einsum("nei,eih->neh", layer.act(h[:, :, 0]) * h[:, :, 1], layer.down_proj[...])
+    return jnp.einsum("neh,ne->nh", y, weights)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_gradient_matches_a_dense_reference(renormalize):
+    layer = moe.MoE(64, 32, 4, 2, renormalize=renormalize, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (24, 64))
+    target = jax.random.normal(jax.random.key(2), (24, 64))
+
+    def gradient(forward):
+        return nnx.grad(lambda m, x: jnp.sum((forward(m, x) - target) ** 2), argnums=(0, 1))
+
+    ours = gradient(lambda m, x: m(x)[0])(layer, x)
+    ref = gradient(dense_reference)(layer, x)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        assert np.all(np.isfinite(np.asarray(a)))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                   atol=1e-5 * float(jnp.abs(b).max()))
+
+
+def test_capacity_drops_what_an_expert_cannot_take():
+    layer = moe.MoE(64, 32, 4, 2, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (24, 64))
+    full, report = layer(x)
+    assert float(report["dropped"]) == 0.0
+    loose = moe.MoE(64, 32, 4, 2, capacity_factor=4.0, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(np.asarray(loose(x)[0]), np.asarray(full), atol=1e-6)
+    tight = moe.MoE(64, 32, 4, 2, capacity_factor=0.5, rngs=nnx.Rngs(0))
+    out, report = tight(x)
+    capacity = int(np.ceil(0.5 * 24 * 2 / 4))
+    logits = np.asarray(x @ layer.router.kernel[...])
+    chosen = np.argsort(-logits, -1)[:, :2]
+    kept = np.zeros_like(chosen, bool)
+    seen = np.zeros(4, int)
+    for n in range(24):  # the first tokens an expert gets are kept
+        for j in range(2):
+            e = chosen[n, j]
+            kept[n, j] = seen[e] < capacity
+            seen[e] += 1
+    assert float(report["dropped"]) == (~kept).sum()
+    probs = jax.nn.softmax(jnp.asarray(logits), -1)
+    top = jnp.take_along_axis(probs, jnp.asarray(chosen), -1)
+    weights = top / top.sum(-1, keepdims=True) * kept
+    expected, _ = moe.dispatch(x, jnp.asarray(chosen), weights, layer.gate_up_proj[...],
+                               layer.down_proj[...], layer.act)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5)
+
+
+def test_unsupported_layouts_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"layers \[0\] have dense MLPs.*decoder_sparse_step=1"):
+        rm.build(CONFIGS["qwen3_moe"](decoder_sparse_step=2))
+    with pytest.raises(ValueError, match=r"layers \[1\] have dense MLPs"):
+        rm.build(CONFIGS["qwen3_moe"](mlp_only_layers=[1]))
+    with pytest.raises(ValueError, match="router_jitter_noise=0.1 is not implemented"):
+        rm.build(CONFIGS["mixtral"](router_jitter_noise=0.1))
+    dense = {k: v for k, v in SMALL.items() if k != "num_experts_per_tok"}
+    llama = rm.build(transformers.LlamaConfig(**dense, intermediate_size=32))
+    with pytest.raises(ValueError, match="aux=True: llama has no auxiliary outputs"):
+        llama(jnp.asarray(IDS), aux=True)
+
+
+def test_the_plan_counts_every_expert():
+    from redray.models.memory import StepShape
+    from redray.models.plan import plan_model
+
+    hf = hf_model("qwen3_moe")
+    total = sum(p.numel() for p in hf.parameters())
+    result = plan_model(CONFIGS["qwen3_moe"](), 4, 2, 2,
+                        step=StepShape(batch_size=4, seq_len=16))
+    assert result["n_params"] == total
+    assert result["memory"]["parts"]["activations"] > 0
+
+
+def test_training_with_the_auxiliary_loss_and_expert_metrics():
+    model = rm.build(CONFIGS["mixtral"](), scan=True, remat="full")
+    rs = np.random.default_rng(0)
+    data = [{"ids": ((rs.integers(0, 128) + np.arange(16)) % 128).astype(np.int32)}
+            for _ in range(32)]
+
+    def loss(m, batch, rng, train):
+        logits, aux = m(batch["ids"][:, :-1], train=train, aux=True)
+        tokens = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), batch["ids"][:, 1:]).mean()
+        return tokens + moe.auxiliary_loss(aux, m.config), moe.metrics(aux, per_expert=True)
+
+    trainer = redray.Trainer(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
+                             optax.adam(3e-3), batch_size=8, model_axis=2, progress=False,
+                             compute_dtype=jnp.float32)
+    before = trainer.evaluate(data)
+    trainer.fit(data, epochs=2)
+    after = trainer.evaluate(data)
+    assert after["loss"] < before["loss"]
+    assert {"load_balancing", "router_z", "expert_load_max", "expert_share/3"} <= set(after)
+    assert after["expert_load_max"] >= 1.0
