@@ -83,6 +83,10 @@ PLANS = {
     "t5-11b": (16, 8, 2),
     "opt-13b": (16, 8, 2),
     "opt-66b": (64, 8, 8),
+    "qwen3-8b": (16, 8, 2),
+    # mixtures of experts: the settings of their papers' scale (8 GPUs a host)
+    "mixtral-8x7b": (64, 8, 8),
+    "qwen3-30b-a3b": (32, 4, 8),
 }
 # a tiny run checks the script: one mesh using both axes, one preset
 TINY_MESHES, TINY_PLANS = ("model2_fsdp2",), ("gpt-j-6b",)

@@ -460,7 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "4096 --compute-dtype bfloat16 --hardware h100+ethernet")
     p.add_argument("config", metavar="PRESET_OR_CONFIG",
                    help="a preset (gpt2-xl, gpt-j-6b, llama-7b, llama-13b, t5-11b, opt-13b, "
-                        "opt-66b, qwen3-8b) or the path of a Hugging Face config.json")
+                        "opt-66b, qwen3-8b, mixtral-8x7b, qwen3-30b-a3b) or the path of a "
+                        "Hugging Face config.json")
     p.add_argument("--devices", type=int, required=True, help="number of devices")
     for axis in reversed(AXES):  # the data axis takes what the others leave
         if axis.default != "auto":

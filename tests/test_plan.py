@@ -36,6 +36,8 @@ SETTINGS = {
     "opt-13b": (16, 8, 2, 12_853_473_280),
     "opt-66b": (64, 8, 8, 65_719_701_504),
     "qwen3-8b": (16, 8, 2, 8_190_735_360),
+    "mixtral-8x7b": (64, 8, 8, 46_702_792_704),
+    "qwen3-30b-a3b": (32, 4, 8, 30_532_122_624),
 }
 def require_family(name: str) -> None:
     """Skips when the preset's family module is not written yet (and only then)."""
