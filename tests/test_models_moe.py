@@ -211,3 +211,38 @@ def test_training_with_the_auxiliary_loss_and_expert_metrics():
     assert after["loss"] < before["loss"]
     assert {"load_balancing", "router_z", "expert_load_max", "expert_share/3"} <= set(after)
     assert after["expert_load_max"] >= 1.0
+
+
+@pytest.mark.parametrize("axes", [dict(data_axis=4), dict(model_axis=4)])
+def test_a_split_step_equals_one_device_and_data_parallel_tokens_stay_home(axes):
+    from redray.sharding import collectives
+
+    config = CONFIGS["mixtral"]()
+    model = rm.build(config, seed=1)
+    rs = np.random.default_rng(1)
+    data = [{"ids": rs.integers(0, 128, 17).astype(np.int32)} for _ in range(16)]
+
+    def loss(m, batch, rng, train):
+        logits, aux = m(batch["ids"][:, :-1], train=train, aux=True)
+        tokens = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), batch["ids"][:, 1:]).mean()
+        return tokens + moe.auxiliary_loss(aux, m.config)
+
+    def trainer(**kw):
+        return redray.Trainer(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])},
+                              loss, optax.sgd(0.5), batch_size=8, progress=False,
+                              checkpoint=False, log_every=1, **kw)
+
+    one = trainer(mesh=redray.make_mesh(devices=jax.devices()[:1]))
+    split = trainer(**axes)
+    expected = [r["loss"] for r in one.fit(data, epochs=1)]
+    got = [r["loss"] for r in split.fit(data, epochs=1)]
+    assert len(got) == 2  # the second step's loss follows the first step's gradients
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    if "data_axis" in axes:  # only the gradients (and the router's few sums) are reduced
+        moved = collectives.summarize(collectives.collectives(split.compiled_step().as_text()))
+        params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        hidden_states = 8 * 16 * config.hidden_size * 4  # one layer's tokens, all devices
+        # the router's choices may travel (the expert counts are global), no hidden state
+        assert moved["all-gather"]["bytes"] + moved["all-to-all"]["bytes"] < hidden_states / 4
+        assert moved["all-reduce"]["bytes"] <= 1.05 * 4 * params

@@ -18,6 +18,12 @@ tokens x top_k / experts)`` assignments, the first in token order; the others ar
 dropped (their token gets nothing from that expert; the residual carries it): what a
 capacity-bound recipe computes. The compute stays dropless.
 
+Under a plan that splits the batch, each device sorts and computes its own tokens
+(``redray.sharding.activations.on_row_shards``): the experts' kernels are gathered whole
+on every device, as FSDP gathers any layer, and no token leaves its device (without it
+XLA gathers every device's assignments at each layer). The capacity is then counted
+per device, over its own tokens.
+
 Every call also reports what the router did (``report``): assignments per expert, the
 sum of the router probabilities per expert, the sum of the squared log-partition
 (z-loss) and the tokens counted, over real tokens only (padding and packing's segment 0
@@ -62,6 +68,7 @@ from flax import nnx
 
 from redray.models import layers
 from redray.models.hub import Tensor, linear
+from redray.sharding.activations import on_row_shards
 
 
 class MoE(nnx.Module):
@@ -112,10 +119,16 @@ class MoE(nnx.Module):
         if not self.float32_weights:
             weights = weights.astype(logits.dtype)
         experts = probs.shape[-1]
-        capacity = None if self.capacity_factor is None else \
-            math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / experts)
-        out, kept = dispatch(tokens, chosen, weights, self.gate_up_proj[...].astype(self.dtype),
-                             self.down_proj[...].astype(self.dtype), self.act, capacity)
+
+        def routed(tokens, chosen, weights, gate_up, down):
+            capacity = None if self.capacity_factor is None else \
+                math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / experts)
+            return dispatch(tokens, chosen, weights, gate_up, down, self.act, capacity)
+
+        # under data parallelism each device sorts and computes its own tokens
+        out, kept = on_row_shards(routed, (tokens, chosen, weights),
+                                  (self.gate_up_proj[...].astype(self.dtype),
+                                   self.down_proj[...].astype(self.dtype)))
         real = jnp.ones(tokens.shape[:1], jnp.float32) if valid is None else \
             valid.reshape(-1).astype(jnp.float32)
         per_choice = jnp.broadcast_to(real[:, None], chosen.shape)

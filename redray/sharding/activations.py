@@ -63,3 +63,21 @@ def gathered_features(table: jax.Array) -> jax.Array:
     mesh, _ = _ROWS.get()
     return jax.lax.with_sharding_constraint(
         table, NamedSharding(mesh, P(P.UNCONSTRAINED, *(None,) * (table.ndim - 1))))
+
+
+def on_row_shards(fn, rows: tuple, whole: tuple):
+    """``fn(*rows, *whole)`` run on each device's own rows where a step is being traced
+    on a plan whose batch axes divide them (a ``shard_map`` over the mesh: ``rows``
+    split over the batch axes, ``whole`` gathered whole on every device, the outputs
+    rows-major and split like ``rows``); elsewhere ``fn`` itself.
+
+    For computations whose cost or traffic XLA's partitioner would otherwise spread
+    over the whole batch: a mixture of experts' sort of its tokens by expert runs on
+    each device's tokens instead of gathering every device's."""
+    active = _ROWS.get()
+    if active is None or any(r.shape[0] % active[1] for r in rows):
+        return fn(*rows, *whole)
+    mesh, _ = active
+    spec = P(BATCH_AXES)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(*(spec,) * len(rows), *(P(),) * len(whole)),
+                         out_specs=spec)(*rows, *whole)
