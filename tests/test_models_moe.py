@@ -1,4 +1,4 @@
-"""Mixtral and Qwen3-MoE against transformers PyTorch; the mixture-of-experts layer."""
+"""Mixtral, Qwen2-MoE and Qwen3-MoE against transformers PyTorch; the mixture-of-experts layer."""
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,10 @@ SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_
 CONFIGS = {
     "mixtral": lambda **kw: transformers.MixtralConfig(
         **SMALL, intermediate_size=32, num_local_experts=4, **kw),
+    # the shared expert (48) wider than the routed ones (32): a swapped pair would not load
+    "qwen2_moe": lambda **kw: transformers.Qwen2MoeConfig(
+        **SMALL, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+        **{"norm_topk_prob": False, **kw}),
     "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
         **SMALL, moe_intermediate_size=32, num_experts=4, **{"norm_topk_prob": True, **kw}),
 }
@@ -30,6 +34,12 @@ CONFIGS = {
 def hf_model(name, path=None, **kw):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](**kw)).eval()
+    with torch.no_grad():  # biases start at zero and per-head norms at one: they would not count
+        for key, value in model.named_parameters():
+            if key.endswith("_proj.bias"):
+                value.normal_(0.0, 0.2)
+            elif key.endswith(("q_norm.weight", "k_norm.weight")):
+                value.uniform_(0.5, 1.5)
     if path is not None:
         model.save_pretrained(path)
     return model
@@ -107,6 +117,14 @@ def test_qwen3_moe_without_renormalized_weights_matches_transformers(tmp_path):
     assert_logits_match(rm.from_pretrained(str(tmp_path)), hf)
 
 
+def test_qwen2_moe_with_a_window_in_every_layer_matches_transformers(tmp_path):
+    hf = hf_model("qwen2_moe", str(tmp_path), use_sliding_window=True, sliding_window=6,
+                  layer_types=["sliding_attention"] * 2)
+    model = rm.from_pretrained(str(tmp_path))
+    assert model.window == 6 and IDS.shape[1] > 6
+    assert_logits_match(model, hf)
+
+
 def dense_reference(layer: moe.MoE, x):
     """Every expert on every token, weighted by the routing (zero off the top k)."""
     logits = x @ layer.router.kernel[...]
@@ -170,6 +188,11 @@ def test_unsupported_layouts_are_refused_by_name():
         rm.build(CONFIGS["qwen3_moe"](decoder_sparse_step=2))
     with pytest.raises(ValueError, match=r"layers \[1\] have dense MLPs"):
         rm.build(CONFIGS["qwen3_moe"](mlp_only_layers=[1]))
+    with pytest.raises(ValueError, match=r"qwen2_moe config: layers \[0, 1\] have dense MLPs"):
+        rm.build(CONFIGS["qwen2_moe"](mlp_only_layers=[0, 1]))
+    with pytest.raises(ValueError, match=r"qwen2_moe config: layer_types slides the window in 1 "
+                                         r"of 2 layers .* set use_sliding_window=False"):
+        rm.build(CONFIGS["qwen2_moe"](use_sliding_window=True))
     with pytest.raises(ValueError, match="router_jitter_noise=0.1 is not implemented"):
         rm.build(CONFIGS["mixtral"](router_jitter_noise=0.1))
     dense = {k: v for k, v in SMALL.items() if k != "num_experts_per_tok"}

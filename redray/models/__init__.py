@@ -1,5 +1,5 @@
 """Flax NNX models (GPT-2, LLaMA/Mistral/Qwen2/Qwen3, Gemma 2/3, the mixtures of experts
-Mixtral and Qwen3-MoE, OPT, GPT-J, T5) with Hugging Face I/O.
+Mixtral, Qwen2-MoE and Qwen3-MoE, OPT, GPT-J, T5) with Hugging Face I/O.
 
 * ``from_pretrained(path, model_axis=...)``: a local HF checkpoint folder, sharded by
   the automatic rules as it loads.

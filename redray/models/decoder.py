@@ -111,7 +111,8 @@ class CausalLM(nnx.Module):
                  aux: bool = False):
         if aux and not self.REPORTS:
             raise ValueError(f"aux=True: {self.config.model_type} has no auxiliary outputs "
-                             "(the mixture-of-experts families have: mixtral, qwen3_moe)")
+                             "(the mixture-of-experts families have: mixtral, qwen2_moe, "
+                             "qwen3_moe)")
         if aux and cache is not None:
             raise ValueError("aux=True is for training and scoring: call without a cache")
         mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,

@@ -37,6 +37,7 @@ FAMILIES = {
     "t5": "redray.models.t5",
     "gemma2": "redray.models.gemma", "gemma3_text": "redray.models.gemma",
     "mixtral": "redray.models.mixtral", "qwen3_moe": "redray.models.mixtral",
+    "qwen2_moe": "redray.models.mixtral",
 }
 # The transformers class of each family's export (config.json's ``architectures``).
 ARCHITECTURES = {
@@ -46,6 +47,7 @@ ARCHITECTURES = {
     "t5": "T5ForConditionalGeneration",
     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

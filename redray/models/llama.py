@@ -31,9 +31,10 @@ def _dims(c):
 
 
 def _biases(c) -> tuple[bool, bool]:
-    """(bias on q/k/v, bias on o) for this config's model type."""
-    if c.model_type == "qwen2":
-        return True, False
+    """(bias on q/k/v, bias on o) for this config's model type (Qwen2-MoE, whose family
+    reuses this attention, names its q/k/v switch ``qkv_bias``)."""
+    if c.model_type in ("qwen2", "qwen2_moe"):
+        return bool(getattr(c, "qkv_bias", True)), False
     bias = bool(getattr(c, "attention_bias", False))
     return bias, bias
 
@@ -47,9 +48,10 @@ def _qk_norm(c) -> bool:
 def _window(c) -> int | None:
     """How many slots back a query sees, alike in every layer; None: all of them.
 
-    Mistral windows every layer. Qwen2 and Qwen3 name each layer's kind
+    Mistral windows every layer. Qwen2, Qwen3 and Qwen2-MoE name each layer's kind
     (``layer_types``, by default a window from layer ``max_window_layers`` on when
-    ``use_sliding_window``); one mask serves every layer here, so the kinds must agree.
+    ``use_sliding_window``; Qwen2-MoE's: every other layer below it); one mask serves
+    every layer here, so the kinds must agree.
     """
     if c.model_type == "mistral":
         return getattr(c, "sliding_window", None)
@@ -58,12 +60,14 @@ def _window(c) -> int | None:
     if not sliding:
         return None
     if sliding < len(kinds):
+        every = ("layer_types=['sliding_attention'] * num_hidden_layers"
+                 if c.model_type == "qwen2_moe" else "max_window_layers=0")
         raise ValueError(
             f"{c.model_type} config: layer_types slides the window in {sliding} of "
             f"{len(kinds)} layers (use_sliding_window={getattr(c, 'use_sliding_window', None)},"
             f" max_window_layers={getattr(c, 'max_window_layers', None)}); redray windows all "
             "layers or none: set use_sliding_window=False (as the released checkpoints do), "
-            "or max_window_layers=0 to window every layer")
+            f"or {every} to window every layer")
     return c.sliding_window
 
 

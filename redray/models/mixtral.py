@@ -1,34 +1,43 @@
-"""Mixtral and Qwen3-MoE: LLaMA's decoder with a mixture of experts for every MLP.
+"""Mixtral, Qwen2-MoE and Qwen3-MoE: LLaMA's decoder with a mixture of experts for
+every MLP.
 
 Attention is LLaMA's (``llama.Attention``: grouped-query, RoPE, one QKV kernel), with
-Qwen3-MoE's queries and keys RMS-normalized per head before RoPE (``q_norm``,
-``k_norm``) and a sliding window where the config sets one. Each block's MLP is a
-``moe.MoE``: Mixtral renormalizes the top-k router probabilities and combines in
-float32; Qwen3-MoE renormalizes only with ``norm_topk_prob``. Every Qwen3-MoE layer is
-sparse (``decoder_sparse_step`` 1, no ``mlp_only_layers``: the released checkpoints);
-other layouts are refused, so every layer is alike and the layers scan as one block.
+Qwen2-MoE's biases on q/k/v (``qkv_bias``), Qwen3-MoE's queries and keys RMS-normalized
+per head before RoPE (``q_norm``, ``k_norm``) and a sliding window where the config sets
+one (Qwen2-MoE: in every layer or none, as ``llama._window`` says). Each block's MLP is
+a ``moe.MoE``: Mixtral renormalizes the top-k router probabilities and combines in
+float32; the Qwen families renormalize only with ``norm_topk_prob``. Qwen2-MoE adds a
+shared expert (``SharedExpertMoE``): a dense gated MLP that every token runs through,
+weighed by sigmoid(``shared_expert_gate``(x)), added to the routed experts' output.
+Every Qwen-MoE layer is sparse (``decoder_sparse_step`` 1, no ``mlp_only_layers``: the
+released checkpoints); other layouts are refused, so every layer is alike and the layers
+scan as one block.
 
 Called with ``aux=True`` the model returns ``(logits, aux)``: the load-balancing and
 router z-losses and each layer's expert token counts (``redray/models/moe.py`` says how
 they reach a loss). Checkpoints store each expert's projections apart (Mixtral
-``block_sparse_moe.experts.{j}.w1/w3/w2``, Qwen3-MoE ``mlp.experts.{j}.gate_proj/
+``block_sparse_moe.experts.{j}.w1/w3/w2``, the Qwen families ``mlp.experts.{j}.gate_proj/
 up_proj/down_proj``, the router as ``gate``), as ``transformers`` writes them; here they
-are stacked per layer in ``mlp/gate_up_proj`` and ``mlp/down_proj``.
+are stacked per layer in ``mlp/gate_up_proj`` and ``mlp/down_proj``. Qwen2-MoE's shared
+expert keeps its names (``mlp/shared_expert``, ``mlp/shared_expert_gate``).
 """
 
 from __future__ import annotations
 
+import types
+
+import jax
 from flax import nnx
 
 from redray.models import layers, llama, moe
-from redray.models.hub import HFConfig, linear
+from redray.models.hub import HFConfig, gated, linear
 
-MODEL_TYPES = ("mixtral", "qwen3_moe")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 BASE_PREFIX = llama.BASE_PREFIX
 IGNORED = llama.IGNORED
 # Hugging Face's names: the MoE module of a layer, and each expert's gate, up and down.
-NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-         "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+QWEN = ("mlp", "gate_proj", "up_proj", "down_proj")
+NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"), "qwen2_moe": QWEN, "qwen3_moe": QWEN}
 
 
 def _experts(c) -> tuple[int, int, int]:
@@ -40,13 +49,13 @@ def _experts(c) -> tuple[int, int, int]:
 
 def _check(c) -> None:
     """Refuses what this family does not implement, naming the field and the fix."""
-    if c.model_type == "qwen3_moe":
+    if c.model_type != "mixtral":
         step = c.decoder_sparse_step
         dense = sorted(set(c.mlp_only_layers or ())
                        | {i for i in range(c.num_hidden_layers) if (i + 1) % step})
         if dense:
             raise ValueError(
-                f"qwen3_moe config: layers {dense} have dense MLPs (decoder_sparse_step="
+                f"{c.model_type} config: layers {dense} have dense MLPs (decoder_sparse_step="
                 f"{step}, mlp_only_layers={list(c.mlp_only_layers or ())}); redray makes every "
                 "layer sparse, as the released checkpoints do: set decoder_sparse_step=1 and "
                 "mlp_only_layers=[]")
@@ -56,13 +65,35 @@ def _check(c) -> None:
                          "implemented; set it to 0.0 (the released checkpoints' value)")
 
 
+class SharedExpertMoE(moe.MoE):
+    """Qwen2-MoE's MLP: routed experts (``moe.MoE``, whose arguments it takes) plus a
+    shared expert of width ``shared``, a gated MLP every token runs through, weighed by
+    sigmoid(``shared_expert_gate``(x))."""
+
+    def __init__(self, hidden: int, *args, shared: int, act: str, dtype, rngs: nnx.Rngs,
+                 **kwargs):
+        super().__init__(hidden, *args, act=act, dtype=dtype, rngs=rngs, **kwargs)
+        fields = types.SimpleNamespace(hidden_size=hidden, intermediate_size=shared,
+                                       hidden_act=act)
+        self.shared_expert = llama.MLP(fields, rngs=rngs, dtype=dtype)
+        self.shared_expert_gate = nnx.Linear(hidden, 1, use_bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, valid=None) -> tuple:
+        out, report = super().__call__(x, valid)
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out + shared.astype(out.dtype), report
+
+
 def _moe(c, *, rngs, dtype) -> moe.MoE:
     """A layer's experts, routed as the family routes (see the module docstring)."""
     experts, top_k, inner = _experts(c)
-    qwen = c.model_type == "qwen3_moe"
-    return moe.MoE(c.hidden_size, inner, experts, top_k, act=c.hidden_act,
-                   renormalize=not qwen or bool(c.norm_topk_prob), float32_weights=not qwen,
-                   capacity_factor=getattr(c, "capacity_factor", None), dtype=dtype, rngs=rngs)
+    mixtral = c.model_type == "mixtral"
+    kind, extra = ((SharedExpertMoE, dict(shared=c.shared_expert_intermediate_size))
+                   if c.model_type == "qwen2_moe" else (moe.MoE, {}))
+    return kind(c.hidden_size, inner, experts, top_k, act=c.hidden_act,
+                renormalize=mixtral or bool(c.norm_topk_prob), float32_weights=mixtral,
+                capacity_factor=getattr(c, "capacity_factor", None), dtype=dtype, rngs=rngs,
+                **extra)
 
 
 class Block(nnx.Module):
@@ -87,8 +118,8 @@ class Block(nnx.Module):
 
 
 class Model(llama.Model):
-    """A Mixtral or Qwen3-MoE causal LM built from a ``transformers`` config (called as
-    ``CausalLM`` says; ``aux=True`` adds the router's auxiliary outputs)."""
+    """A Mixtral, Qwen2-MoE or Qwen3-MoE causal LM built from a ``transformers`` config
+    (called as ``CausalLM`` says; ``aux=True`` adds the router's auxiliary outputs)."""
 
     REPORTS = True
 
@@ -101,8 +132,10 @@ class Model(llama.Model):
         rope = getattr(c, "rope_parameters", None)
         self.inv_freq = tuple(float(f) for f in layers.rope_inv_freq(
             rope, llama._dims(c)[2], getattr(c, "rope_theta", 1e4)))
-        # Qwen3-MoE's config keeps it only with use_sliding_window
-        self.window = getattr(c, "sliding_window", None)
+        # Qwen3-MoE's config keeps it only with use_sliding_window; Qwen2-MoE's sets 0
+        # then and names each layer's kind, as Qwen2's does
+        self.window = (llama._window(c) if c.model_type == "qwen2_moe"
+                       else getattr(c, "sliding_window", None))
 
     def auxiliary(self, reports: dict) -> dict:
         return moe.summarize(reports, _experts(self.config)[0])
@@ -113,7 +146,8 @@ trace_inputs = layers.causal_lm_inputs
 
 def weight_table(config) -> list:
     """Hugging Face tensor names <-> redray parameter paths: LLaMA's, the dense MLP's
-    rows replaced by the router and the stacked experts."""
+    rows replaced by the router and the stacked experts (and Qwen2-MoE's shared
+    expert)."""
     c = config.hf if isinstance(config, HFConfig) else config
     rows = [row for row in llama.weight_table(c) if "/mlp/" not in row.path]
     module, gate, up, down = NAMES[c.model_type]
@@ -125,4 +159,9 @@ def weight_table(config) -> list:
         rows += moe.expert_rows(f"{me}/mlp", experts,
                                 (f"{each}.{gate}.weight", f"{each}.{up}.weight"),
                                 f"{each}.{down}.weight")
+        if c.model_type == "qwen2_moe":
+            theirs, ours = f"{hf}.mlp.shared_expert", f"{me}/mlp/shared_expert"
+            rows += gated((f"{theirs}.gate_proj", f"{theirs}.up_proj"), f"{ours}/gate_up_proj")
+            rows += [linear(f"{theirs}.down_proj.weight", f"{ours}/down_proj/kernel"),
+                     linear(f"{theirs}_gate.weight", f"{ours}_gate/kernel")]
     return rows

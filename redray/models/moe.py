@@ -7,8 +7,8 @@ Each token's router logits give its ``top_k`` experts and their weights (in floa
 
 * Mixtral: softmax over the k chosen logits (the softmax over every expert, renormalized
   over the k chosen: the same values);
-* Qwen3-MoE: softmax over every expert, the k largest kept, renormalized only with
-  ``norm_topk_prob``, and cast back to the router's dtype.
+* Qwen2-MoE and Qwen3-MoE: softmax over every expert, the k largest kept, renormalized
+  only with ``norm_topk_prob``, and cast back to the router's dtype.
 
 Dispatch is dropless: the (token, expert) assignments are sorted by expert, each
 projection is one grouped matmul over them (``jax.lax.ragged_dot``, the group sizes
