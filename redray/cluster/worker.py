@@ -274,13 +274,12 @@ class Regrow(Hook):
         if (checkpointer is None or checkpointer.saving != step
                 or jax.process_count() >= self.grow_to):
             return
-        room = self._room() if jax.process_index() == 0 else False
-        if jax.process_count() > 1:
-            import numpy as np
-            from jax.experimental import multihost_utils
+        import numpy as np
 
-            room = bool(multihost_utils.broadcast_one_to_all(np.int32(room)))
-        if not room:
+        from redray.engine.probe import broadcast
+
+        room = self._room() if jax.process_index() == 0 else False
+        if not bool(broadcast(np.int32(room))):  # every host acts on process 0's answer
             return
         checkpointer.wait()  # the checkpoint of this step is complete before the group ends
         if jax.process_index() == 0:
