@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from hf_tiny import (IDS, MASK, assert_export_round_trip, assert_greedy_generation_matches,
                      assert_logits_match, loaded_pair)
 
@@ -236,7 +237,8 @@ def test_training_with_the_auxiliary_loss_and_expert_metrics():
     assert after["expert_load_max"] >= 1.0
 
 
-@pytest.mark.parametrize("axes", [dict(data_axis=4), dict(model_axis=4)])
+@pytest.mark.parametrize("axes", [dict(data_axis=4), dict(model_axis=4), dict(expert_axis=4),
+                                  dict(expert_axis=2, model_axis=2)])
 def test_a_split_step_equals_one_device_and_data_parallel_tokens_stay_home(axes):
     from redray.sharding import collectives
 
@@ -269,3 +271,88 @@ def test_a_split_step_equals_one_device_and_data_parallel_tokens_stay_home(axes)
         # the router's choices may travel (the expert counts are global), no hidden state
         assert moved["all-gather"]["bytes"] + moved["all-to-all"]["bytes"] < hidden_states / 4
         assert moved["all-reduce"]["bytes"] <= 1.05 * 4 * params
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_the_expert_all_to_alls_are_those_the_cost_model_counts(capacity_factor):
+    """Expert axis 4: four all-to-alls per layer (dispatch and combine, forward and
+    backward) of experts x slots x hidden, as ``cost.expert_traffic`` counts them; with
+    a capacity factor of 1 that is the ideal tokens x top_k x hidden."""
+    from redray.sharding import collectives
+    from redray.sharding.cost import expert_layers, expert_traffic
+
+    config = CONFIGS["mixtral"](**({} if capacity_factor is None
+                                   else {"capacity_factor": capacity_factor}))
+    model = rm.build(config, seed=1)
+    rs = np.random.default_rng(1)
+    data = [{"ids": rs.integers(0, 128, 17).astype(np.int32)} for _ in range(8)]
+
+    def loss(m, batch, rng, train):
+        logits = m(batch["ids"][:, :-1], train=train)
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), batch["ids"][:, 1:]).mean()
+
+    t = redray.Trainer(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
+                       optax.sgd(0.1), batch_size=8, progress=False, checkpoint=False,
+                       expert_axis=4, compute_dtype=jnp.float32)
+    t.init(data)
+    specs = {p: s for p, s in zip(*flatten_specs(t))}
+    assert specs["layers/0/mlp/gate_up_proj"] == P("expert")
+    assert specs["layers/0/mlp/router/kernel"] == P()
+    compiled = collectives.summarize(collectives.collectives(t.compiled_step().as_text()))
+    layers = expert_layers(model)
+    tokens = 2 * 16  # a device's 2 examples of 16 tokens
+    counted = expert_traffic(layers, t.parallelism.shape, tokens, 4, recompute=False)
+    assert compiled["all-to-all"]["count"] == sum(c.times for c in counted) == 2 * 4
+    assert compiled["all-to-all"]["bytes"] == sum(c.bytes * c.times for c in counted)
+    ideal = 4 * 2 * tokens * config.num_experts_per_tok * config.hidden_size * 4
+    ratio = compiled["all-to-all"]["bytes"] / ideal
+    expected = (config.num_local_experts / config.num_experts_per_tok
+                if capacity_factor is None else 1.0)
+    assert ratio == pytest.approx(expected)
+
+
+def flatten_specs(trainer):
+    from redray.sharding import flatten
+
+    paths, specs, _ = flatten(trainer.runtime.specs[0])
+    return paths, specs
+
+
+def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
+    config = CONFIGS["mixtral"]()
+    config.num_local_experts = 6
+    model = rm.build(config, seed=1)
+    rs = np.random.default_rng(1)
+    data = [{"ids": rs.integers(0, 128, 17).astype(np.int32)} for _ in range(8)]
+
+    def loss(m, batch, rng, train):
+        return m(batch["ids"][:, :-1], train=train).mean()
+
+    t = redray.Trainer(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
+                       optax.sgd(0.1), batch_size=8, progress=False, checkpoint=False,
+                       expert_axis=4)
+    with pytest.raises(ValueError, match="expert_axis=4 does not divide the 6 experts"):
+        t.init(data)
+
+
+def test_the_plan_counts_active_parameters_and_the_planner_tries_expert_axes():
+    from redray.models.plan import ConfigFacts, plan_model
+    from redray.sharding.hardware import PRESETS
+    from redray.sharding.planner import rank
+
+    config = CONFIGS["mixtral"]()
+    result = plan_model(config, 4, expert_axis=4)
+    per_expert = 3 * config.hidden_size * config.intermediate_size
+    layers = config.num_hidden_layers
+    idle = layers * (config.num_local_experts - config.num_experts_per_tok) * per_expert
+    assert result["active_params"] == result["n_params"] - idle
+    assert result["mesh"]["expert"] == 4
+    assert result["ratio"]["params"] == pytest.approx(1.0, abs=0.01)
+    facts = ConfigFacts(config, seq_len=16)
+    ranking = rank(facts, 8, 1, 16, PRESETS["h100"])
+    tried = {s.candidate.shape["expert"] for s in ranking.ranked + ranking.over}
+    assert tried == {1, 2, 4}  # the sizes dividing the 4 experts
+    with_experts = next(s for s in ranking.ranked if s.candidate.shape["expert"] == 4)
+    assert with_experts.cost.experts > 0 and any(t.kind == "all-to-all"
+                                                  for t in with_experts.cost.traffic)

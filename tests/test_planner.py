@@ -96,11 +96,22 @@ def test_ring_collectives_cost_their_steps_on_the_link_they_cross():
     assert collective_seconds("all-reduce", 400, 1, 1, hw) == 0.0
 
 
+def test_an_all_to_all_sends_all_but_a_device_own_share_over_the_link_it_crosses():
+    hw = Hardware("test", 1e12, 1e12, 1e9, 4, intra=Link(100.0, 1.0), inter=Link(10.0, 5.0))
+    assert collective_seconds("all-to-all", 400, 4, 1, hw) == pytest.approx(
+        3 / 4 * 400 / 100 + 3 * 1.0)
+    # 2 hosts x 2: a quarter stays, a quarter goes to the host's other device, half leaves
+    assert collective_seconds("all-to-all", 400, 2, 2, hw) == pytest.approx(
+        1 / 4 * 400 / 100 + 1.0 + 1 / 2 * 400 / 10 + 5.0)
+
+
 def test_host_spans_follow_the_hybrid_mesh():
     spans = host_spans({"data": 2, "fsdp": 2, "model": 2}, hosts=2)
-    assert spans == {"data": (1, 2), "fsdp": (2, 1), "model": (2, 1)}
+    assert spans == {"data": (1, 2), "fsdp": (2, 1), "expert": (1, 1), "model": (2, 1)}
     spans = host_spans({"data": 1, "fsdp": 8, "model": 4}, hosts=4)  # fsdp 2 inside each host
-    assert spans == {"data": (1, 1), "fsdp": (2, 4), "model": (4, 1)}
+    assert spans == {"data": (1, 1), "fsdp": (2, 4), "expert": (1, 1), "model": (4, 1)}
+    spans = host_spans({"data": 2, "fsdp": 1, "expert": 4, "model": 2}, hosts=2)
+    assert spans == {"data": (1, 2), "fsdp": (1, 1), "expert": (4, 1), "model": (2, 1)}
     assert host_spans({"data": 4, "fsdp": 1, "model": 1}, hosts=1)["data"] == (4, 1)
 
 

@@ -685,7 +685,7 @@ def test_cnn():
 
 def test_fsdp_only_largest_divisible_dim():
     mesh = make_mesh(fsdp_axis=4)                 # model 1: no trace, fsdp only
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "model": 1}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "expert": 1, "model": 1}
     got, _, _ = nnx_specs(Llama(), tokens(), mesh=mesh)
     f = P("fsdp")
     # vectors (norm scales, biases) stay whole: a gather each would cost more than they hold
@@ -703,7 +703,7 @@ def test_fsdp_only_largest_divisible_dim():
 
 def test_model_and_fsdp_combined_llama():
     mesh = make_mesh(model_axis=2, fsdp_axis=2)
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "model": 2}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "expert": 1, "model": 2}
     got, _, _ = nnx_specs(Llama(), tokens(), mesh=mesh)
     expected = {
         "embed_tokens/embedding": P("model", "fsdp"),
@@ -879,10 +879,10 @@ def test_make_mesh_not_covering_all_devices():
 
 
 def test_make_mesh_shapes():
-    assert dict(make_mesh(model_axis=4).shape) == {"data": 1, "fsdp": 1, "model": 4}
-    assert dict(make_mesh().shape) == {"data": 4, "fsdp": 1, "model": 1}
+    assert dict(make_mesh(model_axis=4).shape) == {"data": 1, "fsdp": 1, "expert": 1, "model": 4}
+    assert dict(make_mesh().shape) == {"data": 4, "fsdp": 1, "expert": 1, "model": 1}
     assert dict(make_mesh(data_axis=1, fsdp_axis="auto", model_axis=2).shape) == {
-        "data": 1, "fsdp": 2, "model": 2}
+        "data": 1, "fsdp": 2, "expert": 1, "model": 2}
     # model-parallel peers are neighbours in device order
     mesh = make_mesh(data_axis=2, model_axis=2)
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
@@ -939,10 +939,111 @@ def test_a_layer_writing_the_residual_stream_stays_replicated():
 def test_hybrid_mesh_keeps_the_model_axis_inside_a_host():
     from redray.sharding.parallelism import hybrid_shapes
 
-    # 4 hosts x 8 GPUs, model 8: data across hosts, model inside
-    assert hybrid_shapes((4, 1, 8), 4, 8) == ((4, 1, 1), (1, 1, 8))
+    # (data, fsdp, expert, model); 4 hosts x 8 GPUs, model 8: data across hosts, model inside
+    assert hybrid_shapes((4, 1, 1, 8), 4, 8) == ((4, 1, 1, 1), (1, 1, 1, 8))
     # model 4, fsdp 8 of 32 devices: fsdp 2 inside each host, 4 across
-    assert hybrid_shapes((1, 8, 4), 4, 8) == ((1, 4, 1), (1, 2, 4))
+    assert hybrid_shapes((1, 8, 1, 4), 4, 8) == ((1, 4, 1, 1), (1, 2, 1, 4))
     # data 2 x fsdp 2 x model 2 on 2 hosts of 4: one data replica per host
-    assert hybrid_shapes((2, 2, 2), 2, 4) == ((2, 1, 1), (1, 2, 2))
-    assert hybrid_shapes((1, 1, 16), 2, 8) is None  # model needs 2 hosts
+    assert hybrid_shapes((2, 2, 1, 2), 2, 4) == ((2, 1, 1, 1), (1, 2, 1, 2))
+    assert hybrid_shapes((1, 1, 1, 16), 2, 8) is None  # model needs 2 hosts
+    # expert 4 x model 2 stays inside a host; fsdp goes across
+    assert hybrid_shapes((1, 2, 4, 2), 2, 8) == ((1, 2, 1, 1), (1, 1, 4, 2))
+    assert hybrid_shapes((1, 1, 8, 2), 2, 8) is None  # experts need 2 hosts
+
+
+# ------------------------------------------------------------- mixtures of experts
+
+E = 4  # experts
+
+
+def _top2(probs):
+    top = jax.lax.top_k(probs, 2)[0][..., -1:]
+    kept = jnp.where(probs >= top, probs, 0.0)
+    return kept / kept.sum(-1, keepdims=True)
+
+
+class StackedMoE(nnx.Module):
+    """A user's MoE MLP: experts stacked in (experts, d, f) kernels, every expert run on
+    every token through einsum, combined with the top-2 router weights."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.router = nnx.Linear(D, E, use_bias=False, rngs=rngs)
+        self.w_gate = nnx.Param(init(rngs.params(), (E, D, F)))
+        self.w_up = nnx.Param(init(rngs.params(), (E, D, F)))
+        self.w_down = nnx.Param(init(rngs.params(), (E, F, D)))
+
+    def __call__(self, x):
+        weights = _top2(jax.nn.softmax(self.router(x), -1))
+        gate = jnp.einsum("bsd,edf->bsef", x, self.w_gate[...])
+        up = jnp.einsum("bsd,edf->bsef", x, self.w_up[...])
+        y = jnp.einsum("bsef,efd->bsed", jax.nn.silu(gate) * up, self.w_down[...])
+        return x + jnp.einsum("bsed,bse->bsd", y, weights)
+
+
+class Expert(nnx.Module):
+    def __init__(self, rngs):
+        self.gate = nnx.Linear(D, F, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(D, F, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(F, D, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class ListMoE(nnx.Module):
+    """A user's MoE MLP as a list of expert modules."""
+
+    def __init__(self, rngs):
+        self.router = nnx.Linear(D, E, use_bias=False, rngs=rngs)
+        self.experts = nnx.List([Expert(rngs) for _ in range(E)])
+
+    def __call__(self, x):
+        weights = _top2(jax.nn.softmax(self.router(x), -1))
+        return x + sum(weights[..., e, None] * expert(x) for e, expert in enumerate(self.experts))
+
+
+def test_stacked_experts_are_split_inside_each_expert_and_the_router_stays_whole():
+    got, _, _ = nnx_specs(StackedMoE(nnx.Rngs(0)), jnp.ones((B, T, D)))
+    assert_specs(got, {"router/kernel": REP, "w_gate": P(None, None, "model"),
+                       "w_up": P(None, None, "model"), "w_down": P(None, "model")})
+
+
+def test_a_list_of_experts_is_split_like_mlps():
+    got, _, _ = nnx_specs(ListMoE(nnx.Rngs(0)), jnp.ones((B, T, D)))
+    expected = {"router/kernel": REP}
+    for e in range(E):
+        expected.update({f"experts/{e}/gate/kernel": COL, f"experts/{e}/up/kernel": COL,
+                         f"experts/{e}/down/kernel": ROW})
+    assert_specs(got, expected)
+
+
+def test_an_expert_axis_splits_the_stacked_experts_and_nothing_else():
+    mesh = make_mesh(expert_axis=2, model_axis=2)
+    got, _, _ = nnx_specs(StackedMoE(nnx.Rngs(0)), jnp.ones((B, T, D)), mesh=mesh)
+    assert_specs(got, {"router/kernel": REP, "w_gate": P("expert", None, "model"),
+                       "w_up": P("expert", None, "model"), "w_down": P("expert", "model")})
+
+
+class TwoStackedMoE(nnx.Module):
+    """Two user MoE blocks and an LM head: the last router reaches only the head."""
+
+    def __init__(self, rngs):
+        self.blocks = nnx.List([StackedMoE(rngs) for _ in range(2)])
+        self.head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_every_router_stays_whole_the_last_one_too():
+    got, _, _ = nnx_specs(TwoStackedMoE(nnx.Rngs(0)), jnp.ones((B, T, D)))
+    expected = {"head/kernel": COL}
+    for b in range(2):
+        expected.update({f"blocks/{b}/router/kernel": REP,
+                         f"blocks/{b}/w_gate": P(None, None, "model"),
+                         f"blocks/{b}/w_up": P(None, None, "model"),
+                         f"blocks/{b}/w_down": P(None, "model")})
+    assert_specs(got, expected)

@@ -18,6 +18,7 @@ import warnings
 from ray.train.v2.api.callback import UserCallback
 
 from redray.engine.hooks import Hook
+from redray.sharding.parallelism import describe_shape
 from redray.tracking import MlflowLogger, TrackingWarning, git_commit
 
 log = logging.getLogger("redray.tracking")
@@ -163,7 +164,7 @@ class TrackerHook(Hook):
             return
         d = trainer.describe()
         tags = {"redray.hosts": d["hosts"], "redray.devices": d["devices"],
-                "redray.mesh": " x ".join(f"{k}={v}" for k, v in d["mesh"].items()),
+                "redray.mesh": describe_shape(d["mesh"]),
                 "redray.parameters": d["parameters"],
                 "redray.param_bytes_per_device": d["param_bytes_per_device"],
                 "redray.accumulation_steps": d["accumulation_steps"]}

@@ -80,6 +80,7 @@ class RuntimeFacts:
         self._flops: float | None = None
         self._residuals: dict = {}
         self.timing: ModelTiming | None = None
+        self.experts = _expert_layers(runtime)
 
     def flops(self, remat: str) -> float:
         if self._flops is None:
@@ -215,6 +216,19 @@ def _update_seconds(optimizer, mesh, spec) -> float:
     run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
                                 check_vma=False))
     return _timed(run, params, grads)
+
+
+def _expert_layers(runtime: ModelRuntime) -> list:
+    """The model's mixture-of-experts layers (``redray.models.moe.expert_layers``); none
+    for a Linen model."""
+    from flax import nnx
+
+    from redray.sharding.cost import expert_layers
+
+    graphdef = getattr(runtime.adapter, "graphdef", None)
+    if graphdef is None:
+        return []
+    return expert_layers(nnx.merge(graphdef, *runtime.abstract))
 
 
 def _filled(x):

@@ -47,10 +47,13 @@ class ModelRuntime:
         """Runs the model on ``parallelism`` (built) from now on."""
         self.parallelism, self.mesh = parallelism, parallelism.mesh
 
-    def apply(self, fn: Callable, params, extra, rng, *args):
-        """Runs ``fn(model, *args)`` on the bound model; returns (output, new extra)."""
+    def apply(self, fn: Callable, params, extra, rng, *args, planned: bool = True):
+        """Runs ``fn(model, *args)`` on the bound model; returns (output, new extra).
+        ``planned``: the model's layers place their activations on the plan's mesh
+        (``redray.sharding.activations``); False runs them as on one device (the
+        model's own dataflow, what the spec rules read)."""
         model = self.adapter.bind(cast_floating(params, self.compute_dtype), extra, rng)
-        plan = self.parallelism
+        plan = self.parallelism if planned else None
         with rows_split(None if plan is None else plan.mesh,
                         1 if plan is None else plan.data_parallel):
             out = fn(model, *args)
@@ -74,7 +77,7 @@ class ModelRuntime:
         rng = jax.random.key(0)
 
         def run(state, *args):
-            out, _ = self.apply(fn, state[0], state[1], rng, *args)
+            out, _ = self.apply(fn, state[0], state[1], rng, *args, planned=False)
             return out
 
         self.whole = []

@@ -35,6 +35,7 @@ from redray.engine.steps import NONFINITE_POLICIES
 from redray.functions import WEIGHT, UserFunctions, UserFunctionError
 from redray.rngs import KeyStream, stream_key
 from redray.sharding import Parallelism, placement
+from redray.sharding.parallelism import describe_shape
 from redray.sharding.planner import pins
 from redray.sharding.memory import memory_text
 
@@ -353,7 +354,7 @@ class Trainer:
 
     def _print_summary(self) -> None:
         d = self.describe()
-        mesh = " x ".join(f"{k}={v}" for k, v in d["mesh"].items())
+        mesh = describe_shape(d["mesh"])
         trained = "" if d["trainable_parameters"] == d["parameters"] else \
             f" ({d['trainable_parameters']:,} trained)"
         self.console.say(

@@ -18,11 +18,22 @@ tokens x top_k / experts)`` assignments, the first in token order; the others ar
 dropped (their token gets nothing from that expert; the residual carries it): what a
 capacity-bound recipe computes. The compute stays dropless.
 
-Under a plan that splits the batch, each device sorts and computes its own tokens
-(``redray.sharding.activations.on_row_shards``): the experts' kernels are gathered whole
-on every device, as FSDP gathers any layer, and no token leaves its device (without it
-XLA gathers every device's assignments at each layer). The capacity is then counted
-per device, over its own tokens.
+Under a plan (a step traced on a mesh), the layer runs in ``shard_map``
+(``MoE.routed``): each device sorts and computes its own tokens (without it XLA
+gathers every device's assignments at each layer), and the capacity is counted per
+device, over its own tokens. The rules split the experts' kernels as Megatron splits an
+MLP, inside every expert: gate and up on their inner width over ``model``, down on its
+input (the router stays whole), so a device computes its share of every expert's width
+and one all-reduce (``psum`` over ``model``) sums the output. With an ``expert`` axis the
+experts are split over it (``ExpertParallel``, on the dimension the grouped matmul picks
+kernels along) and ``exchange`` sends each device's assignments to their experts'
+devices and back by all-to-all; the ``expert`` axis splits the batch for every other
+layer, as data parallelism does. Each (device, expert) pair then has a fixed number of
+slots: the capacity with a ``capacity_factor`` (the all-to-all carries ``factor`` x the
+assignments' bytes), else the device's whole token count (nothing dropped, and experts /
+top_k x those bytes, since any expert may get every token). XLA:CPU has no ragged
+all-to-all (the exact-size exchange GPUs and TPUs can run), so the slots are fixed-size
+here; set a capacity factor with an expert axis.
 
 Every call also reports what the router did (``report``): assignments per expert, the
 sum of the router probabilities per expert, the sum of the squared log-partition
@@ -50,10 +61,7 @@ as every redray model does, so generation and ``next_token_loss`` work unchanged
 ``jax.lax.ragged_dot`` lowers to a grouped matmul on GPU and TPU; XLA:CPU runs JAX's
 dense fallback (every assigned row against every expert, masked): exact and
 differentiable, but experts x the active FLOPs, and that is what XLA's cost analysis
-(so the planner's FLOP count) reports there. The sort spans every token of the call:
-under data parallelism XLA gathers the router's choices and all-reduces the dispatched
-rows (tokens x top_k x hidden) per layer; a dispatch per batch shard (``shard_map``) or
-over an expert axis would keep them local.
+(so the planner's FLOP count) reports there.
 """
 
 from __future__ import annotations
@@ -65,10 +73,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from redray.models import layers
 from redray.models.hub import Tensor, linear
-from redray.sharding.activations import on_row_shards
+
+from redray.sharding.activations import traced_mesh
+from redray.sharding.cost import ExpertLayers, expert_capacity
+from redray.sharding.parallelism import BATCH_AXES, EXPERT, MODEL
 
 
 class MoE(nnx.Module):
@@ -120,15 +132,7 @@ class MoE(nnx.Module):
             weights = weights.astype(logits.dtype)
         experts = probs.shape[-1]
 
-        def routed(tokens, chosen, weights, gate_up, down):
-            capacity = None if self.capacity_factor is None else \
-                math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / experts)
-            return dispatch(tokens, chosen, weights, gate_up, down, self.act, capacity)
-
-        # under data parallelism each device sorts and computes its own tokens
-        out, kept = on_row_shards(routed, (tokens, chosen, weights),
-                                  (self.gate_up_proj[...].astype(self.dtype),
-                                   self.down_proj[...].astype(self.dtype)))
+        out, kept = self.routed(tokens, chosen, weights)
         real = jnp.ones(tokens.shape[:1], jnp.float32) if valid is None else \
             valid.reshape(-1).astype(jnp.float32)
         per_choice = jnp.broadcast_to(real[:, None], chosen.shape)
@@ -140,6 +144,51 @@ class MoE(nnx.Module):
             "dropped": (per_choice * (1.0 - kept)).sum(),
         }
         return out.reshape(x.shape).astype(x.dtype), report
+
+
+    def expert_layers(self) -> ExpertLayers:
+        """This layer as the planner's cost model sees it (``cost.expert_layers``)."""
+        shape = self.gate_up_proj.value.shape  # (stacked..., experts, hidden, 2, inner)
+        return ExpertLayers(math.prod(shape[:-4]), shape[-4], self.top_k, shape[-3], shape[-1],
+                            self.capacity_factor)
+
+    def routed(self, tokens, chosen, weights) -> tuple:
+        """(output, kept) of ``tokens`` through their ``chosen`` experts: on one device's
+        whole batch, or on the plan's mesh where a step is traced on one (each device
+        its own tokens, its experts over ``expert``, their inner width over ``model``)."""
+        gate_up = self.gate_up_proj[...].astype(self.dtype)
+        down = self.down_proj[...].astype(self.dtype)
+        experts = gate_up.shape[0]
+
+        def capacity(n: int) -> int | None:  # per device, over its own tokens
+            return expert_capacity(self.capacity_factor, n, self.top_k, experts)
+
+        mesh = traced_mesh(tokens.shape[0])
+        if mesh is None:
+            return dispatch(tokens, chosen, weights, gate_up, down, self.act,
+                            capacity(tokens.shape[0]))
+        ways, inner = mesh.shape[EXPERT.name], mesh.shape[MODEL.name]
+        if experts % ways:
+            raise ValueError(f"expert_axis={ways} does not divide the {experts} experts: use "
+                             f"an expert axis that divides {experts}")
+        by_expert = EXPERT.name if ways > 1 else None
+        by_model = MODEL.name if inner > 1 and gate_up.shape[-1] % inner == 0 else None
+
+        def local(tokens, chosen, weights, gate_up, down):
+            if by_expert is None:
+                out, kept = dispatch(tokens, chosen, weights, gate_up, down, self.act,
+                                     capacity(tokens.shape[0]))
+            else:
+                out, kept = exchange(tokens, chosen, weights, gate_up, down, self.act,
+                                     capacity(tokens.shape[0]), by_expert, ways)
+            if by_model is not None:  # each device summed over its share of the width
+                out = jax.lax.psum(out, by_model)
+            return out, kept
+
+        rows = P(BATCH_AXES)
+        return jax.shard_map(local, mesh=mesh, in_specs=(
+            rows, rows, rows, P(by_expert, None, None, by_model), P(by_expert, by_model)),
+            out_specs=(rows, rows))(tokens, chosen, weights, gate_up, down)
 
 
 def dispatch(tokens, chosen, weights, gate_up, down, act, capacity: int | None = None):
@@ -161,9 +210,11 @@ def dispatch(tokens, chosen, weights, gate_up, down, act, capacity: int | None =
     order = jnp.argsort(flat, stable=True)  # stable: token order inside each expert
     sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
     rows = tokens[order // k]
-    h = jax.lax.ragged_dot(rows, gate_up.reshape(experts, gate_up.shape[1], -1), sizes)
-    h = h.reshape(h.shape[0], 2, -1)
-    y = jax.lax.ragged_dot(act(h[:, 0]) * h[:, 1], down, sizes)
+    # gate and up as two grouped matmuls: each kernel's inner width stays one dimension
+    # (what tensor parallelism splits)
+    gate = jax.lax.ragged_dot(rows, gate_up[:, :, 0], sizes)
+    up = jax.lax.ragged_dot(rows, gate_up[:, :, 1], sizes)
+    y = jax.lax.ragged_dot(act(gate) * up, down, sizes)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = y[back].reshape(n, k, -1)
     kept = jnp.ones((n, k), jnp.float32)
@@ -173,6 +224,49 @@ def dispatch(tokens, chosen, weights, gate_up, down, act, capacity: int | None =
         kept = (rank < capacity)[back].reshape(n, k).astype(jnp.float32)
         weights = weights * kept.astype(weights.dtype)
     return (y * weights[..., None]).sum(1), kept
+
+
+def exchange(tokens, chosen, weights, gate_up, down, act, capacity: int | None,
+             axis: str, ways: int):
+    """``dispatch`` with the experts split over the mesh axis ``axis`` (``ways``
+    devices, each holding ``gate_up.shape[0]`` consecutive experts), inside
+    ``shard_map``: every device's assignments sent to their expert's device and the
+    results sent back, by two all-to-alls.
+
+    Each (device, expert) pair has ``capacity`` slots (None: the device's tokens, so
+    nothing is dropped), filled in token order; an all-to-all of the (experts x slots x
+    hidden) buffer sends each device the slots of its experts, which run as one batched
+    matmul per projection, and a second all-to-all returns them. The bytes of each
+    all-to-all are experts x slots x hidden: ``capacity_factor`` x tokens x top_k x
+    hidden with a capacity, experts x tokens x hidden without one.
+    """
+    n, k = chosen.shape
+    local, hidden = gate_up.shape[0], tokens.shape[-1]
+    experts = local * ways
+    room = n if capacity is None else capacity
+    flat = chosen.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=experts)
+    starts = jnp.cumsum(sizes) - sizes
+    rank = jnp.zeros_like(flat).at[order].set(jnp.arange(n * k) - starts[flat[order]])
+    kept = rank < room
+    slot = jnp.where(kept, flat * room + rank, experts * room)  # dropped: off the end
+    send = jnp.zeros((experts * room, hidden), tokens.dtype).at[slot].set(
+        tokens[jnp.arange(n * k) // k], mode="drop")
+    # (devices, local experts x room, hidden): the block for each device's experts
+    got = jax.lax.all_to_all(send.reshape(ways, local * room, hidden), axis, 0, 0,
+                             tiled=True)
+    x = got.reshape(ways, local, room, hidden).transpose(1, 0, 2, 3).reshape(
+        local, ways * room, hidden)
+    gate = jnp.einsum("erh,ehf->erf", x, gate_up[:, :, 0])
+    up = jnp.einsum("erh,ehf->erf", x, gate_up[:, :, 1])
+    y = jnp.einsum("erf,efh->erh", act(gate) * up, down)
+    y = y.reshape(local, ways, room, hidden).transpose(1, 0, 2, 3).reshape(
+        ways, local * room, hidden)
+    back = jax.lax.all_to_all(y, axis, 0, 0, tiled=True).reshape(experts * room, hidden)
+    out = jnp.take(back, slot, axis=0, mode="fill", fill_value=0).reshape(n, k, hidden)
+    kept = kept.reshape(n, k).astype(jnp.float32)
+    return (out * (weights * kept.astype(weights.dtype))[..., None]).sum(1), kept
 
 
 def summarize(reports: dict, experts: int) -> dict:

@@ -26,8 +26,9 @@ from jax.sharding import PartitionSpec as P
 
 from redray.models.memory import StepShape, memory_plan
 from redray.sharding.memory import part_lines, size_text
-from redray.sharding import (AXES, FSDP, MODEL, PARAMETER_AXES, Parallelism, follow_specs,
-                             placement)
+from redray.sharding import (AXES, EXPERT, FSDP, MODEL, PARAMETER_AXES, Parallelism,
+                             follow_specs, placement)
+from redray.sharding.parallelism import describe_shape
 from redray.sharding.rules import axes_of
 
 PRESET_DIR = "presets"
@@ -158,10 +159,16 @@ def _spec_leaves(specs) -> list[P]:
     return jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def _axes(spec: P) -> set[str]:
+    return {axis for entry in spec for axis in axes_of(entry)}
+
+
 def _replicated_axes(spec: P, mesh_shape: dict) -> list[str]:
-    """The axes meant to split parameters that ``spec`` leaves it whole over."""
-    used = {axis for entry in spec for axis in axes_of(entry)}
-    return [a.name for a in PARAMETER_AXES if mesh_shape[a.name] > 1 and a.name not in used]
+    """The axes meant to split parameters that ``spec`` leaves it whole over (the
+    expert axis splits a mixture of experts' experts only: not listed)."""
+    used = _axes(spec)
+    return [a.name for a in PARAMETER_AXES if mesh_shape[a.name] > 1 and a.name not in used
+            and a is not EXPERT]
 
 
 def plan_model(config, devices: int, model_axis: int = MODEL.default,
@@ -185,7 +192,9 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
       **axes: the size of any other axis of ``redray.sharding.AXES``, by its keyword.
 
     Returns:
-      A JSON-ready dict: ``n_params``, ``devices``, ``mesh`` ({data, fsdp, model}),
+      A JSON-ready dict: ``n_params``, ``active_params`` (what one token runs through:
+      ``n_params`` less each mixture-of-experts layer's experts it does not use),
+      ``devices``, ``mesh`` (every axis's size),
       ``param_bytes_per_device``, ``opt_bytes_per_device``, ``ideal_bytes_per_device``
       (parameters + Adam state, total / (model x fsdp)) and its two parts
       ``ideal_param_bytes_per_device`` / ``ideal_opt_bytes_per_device``, ``ratio``
@@ -199,8 +208,10 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
       PlanError: axis sizes that do not divide the devices, an unsupported model type.
     """
     import optax
+    from flax import nnx
 
     from redray.models.hub import model_specs
+    from redray.sharding.cost import expert_layers
 
     parallelism = plan_parallelism(devices, rules, model_axis=model_axis, fsdp_axis=fsdp_axis,
                                    **axes)
@@ -217,15 +228,20 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
     shape = dict(mesh.shape)
     param_rows = placement(params, param_specs, mesh)
     opt_rows = placement(opt_abs, opt_specs, mesh)
-    ideal_shards = math.prod(sizes[a.name] for a in PARAMETER_AXES)
 
-    def total(rows):
-        return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in rows)
+    def ideal_of(rows):  # the expert axis splits experts only: the rest by design whole
+        return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize
+                   / math.prod(sizes[a.name] for a in PARAMETER_AXES
+                               if a is not EXPERT or EXPERT.name in _axes(r.spec))
+                   for r in rows)
 
-    param_total, opt_total = total(param_rows), total(opt_rows)
     actual = {"params": sum(r.bytes_per_device for r in param_rows),
               "opt": sum(r.bytes_per_device for r in opt_rows)}
-    ideal = {"params": param_total / ideal_shards, "opt": opt_total / ideal_shards}
+    ideal = {"params": ideal_of(param_rows), "opt": ideal_of(opt_rows)}
+    n_params = sum(math.prod(r.shape) for r in param_rows)
+    experts = expert_layers(nnx.merge(graphdef, params, extra))
+    # a token runs top_k of each layer's experts: the rest of their parameters idle
+    idle = sum(e.layers * (e.experts - e.top_k) * 3 * e.hidden * e.inner for e in experts)
 
     replicated, omitted = [], 0
     for row in param_rows:
@@ -255,7 +271,8 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
                         "length (redray plan --batch-size B --seq-len T)")
     return {
         "model_type": config.model_type,
-        "n_params": int(sum(math.prod(r.shape) for r in param_rows)),
+        "n_params": int(n_params),
+        "active_params": int(n_params - idle),
         "devices": devices,
         "mesh": sizes,
         "param_bytes_per_device": int(actual["params"]),
@@ -280,8 +297,10 @@ def format_model_plan(result: dict, name: str | None = None) -> str:
              "opt": result["ideal_opt_bytes_per_device"]}
     lines = [
         f"{title}: {result['n_params']:,} parameters "
-        f"({size_text(result['n_params'] * 4)} in float32)",
-        f"mesh: {' x '.join(f'{k}={v}' for k, v in mesh.items())} "
+        f"({size_text(result['n_params'] * 4)} in float32)"
+        + (f", {result['active_params']:,} active per token"
+           if result.get("active_params", result["n_params"]) != result["n_params"] else ""),
+        f"mesh: {describe_shape(mesh)} "
         f"({result['devices']} devices)",
         "",
         f"{'per device':<24}{'actual':>14}{'ideal':>14}{'ratio':>9}",
@@ -295,10 +314,13 @@ def format_model_plan(result: dict, name: str | None = None) -> str:
     a = result["param_bytes_per_device"] + result["opt_bytes_per_device"]
     i = ideal["params"] + ideal["opt"]
     lines.append(f"{'total':<24}{size_text(a):>14}{size_text(i):>14}{a / i if i else 1.0:>8.3f}x")
-    over = " x ".join(f"{a.name} {mesh[a.name]}" for a in PARAMETER_AXES)
+    over = " x ".join(f"{a.name} {mesh[a.name]}" for a in PARAMETER_AXES
+                      if a.shown_at_one or mesh[a.name] > 1)
     by_design = ", ".join(f"{a.name} axis ({mesh[a.name]})" for a in AXES
                           if not a.splits_parameters)
-    lines.append(f"ideal = total / ({over}); the {by_design} replicates by design.")
+    experts = (" (the expert axis divides the experts' share only)"
+               if mesh.get(EXPERT.name, 1) > 1 else "")
+    lines.append(f"ideal = total / ({over}){experts}; the {by_design} replicates by design.")
     lines.append("")
     threshold = size_text(result["replicated_min_bytes"])
     reps, omitted = result["replicated"], result["replicated_omitted"]
@@ -364,6 +386,7 @@ class ConfigFacts:
                  loss_chunk: int | None = None):
         from flax import nnx
 
+        from redray.sharding.cost import expert_layers
         from redray.sharding.specs import flatten, trace_tree
 
         self.config = resolve_config(config)
@@ -379,6 +402,7 @@ class ConfigFacts:
             return nnx.merge(graphdef, params, extra)(**kwargs)
 
         self.trace = trace_tree(params, forward, (inputs,))
+        self.experts = expert_layers(nnx.merge(graphdef, params, extra))
         tokens = math.prod(next(iter(inputs.values())).shape)
         self.trace_examples = tokens / seq_len  # in the step's examples
         self.tokens_per_example = seq_len

@@ -31,7 +31,7 @@ _ROWS: contextvars.ContextVar = contextvars.ContextVar("redray_rows", default=No
 def rows_split(mesh, ways: int):
     """Within: ``constrain_rows`` splits rows over ``mesh``'s batch axes (``ways`` in
     all); ``mesh`` None turns it off."""
-    token = _ROWS.set(None if mesh is None or ways <= 1 else (mesh, ways))
+    token = _ROWS.set(None if mesh is None else (mesh, ways))
     try:
         yield
     finally:
@@ -44,7 +44,7 @@ def constrain_rows(x: jax.Array, whole: bool = True) -> jax.Array:
     (``whole``: the residual stream), or left to XLA (a layer's inner activation, which
     tensor parallelism splits)."""
     active = _ROWS.get()
-    if active is None or x.ndim == 0 or x.shape[0] % active[1]:
+    if active is None or active[1] <= 1 or x.ndim == 0 or x.shape[0] % active[1]:
         return x
     mesh, _ = active
     rest = None if whole else P.UNCONSTRAINED
@@ -58,26 +58,18 @@ def gathered_features(table: jax.Array) -> jax.Array:
     gather of the table before the lookup. XLA's partitioner otherwise looks up rows in
     a table split on its features over ``fsdp`` and then cannot move the result to the
     batch split but by replicating it."""
-    if _ROWS.get() is None:
+    if _ROWS.get() is None or _ROWS.get()[1] <= 1:
         return table
     mesh, _ = _ROWS.get()
     return jax.lax.with_sharding_constraint(
         table, NamedSharding(mesh, P(P.UNCONSTRAINED, *(None,) * (table.ndim - 1))))
 
 
-def on_row_shards(fn, rows: tuple, whole: tuple):
-    """``fn(*rows, *whole)`` run on each device's own rows where a step is being traced
-    on a plan whose batch axes divide them (a ``shard_map`` over the mesh: ``rows``
-    split over the batch axes, ``whole`` gathered whole on every device, the outputs
-    rows-major and split like ``rows``); elsewhere ``fn`` itself.
-
-    For computations whose cost or traffic XLA's partitioner would otherwise spread
-    over the whole batch: a mixture of experts' sort of its tokens by expert runs on
-    each device's tokens instead of gathering every device's."""
+def traced_mesh(*rows: int):
+    """The plan's mesh where a step is being traced on one whose batch axes divide every
+    one of ``rows``; else None (a model run on its own, an abstract trace, a short
+    batch)."""
     active = _ROWS.get()
-    if active is None or any(r.shape[0] % active[1] for r in rows):
-        return fn(*rows, *whole)
-    mesh, _ = active
-    spec = P(BATCH_AXES)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(*(spec,) * len(rows), *(P(),) * len(whole)),
-                         out_specs=spec)(*rows, *whole)
+    if active is None or any(r % active[1] for r in rows):
+        return None
+    return active[0]

@@ -15,7 +15,10 @@ specs, as XLA's SPMD partitioner inserts them for redray's step:
   sharded accumulator per micro-batch (all-reduced and sliced on XLA:CPU);
 * data parallelism: a gradient is all-reduced over the batch axes that do not split
   its parameter, once per step (XLA sums the micro-batches' partial gradients first and
-  reduces after the accumulation loop).
+  reduces after the accumulation loop);
+* expert parallelism (a mixture of experts' experts split over ``expert``): each
+  layer's tokens go to their experts' devices and back by all-to-all, twice in the
+  forward pass and twice in the backward (``expert_traffic``); on the critical path.
 
 Read against XLA's compiled steps on 4 CPU devices (tests/test_planner.py): the bytes of
 a tensor-parallel, FSDP, data-parallel step, and one split over both ``fsdp`` and
@@ -50,7 +53,7 @@ from typing import Sequence
 
 from redray.sharding.dataflow import Trace
 from redray.sharding.hardware import Hardware, Link
-from redray.sharding.parallelism import AXES, BATCH_AXES, FSDP, MODEL, hybrid_shapes
+from redray.sharding.parallelism import AXES, BATCH_AXES, EXPERT, FSDP, MODEL, hybrid_shapes
 from redray.sharding.rules import axes_of
 
 
@@ -59,7 +62,7 @@ class Traffic:
     """One collective a step runs.
 
     Attributes:
-      kind: "all-reduce", "all-gather" or "reduce-scatter".
+      kind: "all-reduce", "all-gather", "reduce-scatter" or "all-to-all".
       bytes: the full buffer (an all-gather's gathered size) on one device.
       axes: the mesh axes of its group.
       times: how often a step runs it.
@@ -86,6 +89,7 @@ class StepCost:
       overhead: the micro-batches' own cost.
       traffic: every collective.
       update: the optimizer's pass over the parameters a device holds (where timed).
+      experts: expert parallelism's all-to-alls (critical path).
     """
     compute: float
     tensor: float
@@ -94,10 +98,12 @@ class StepCost:
     overhead: float
     traffic: tuple[Traffic, ...]
     update: float = 0.0
+    experts: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.compute + self.tensor + self.exposed + self.overhead + self.update
+        return (self.compute + self.tensor + self.exposed + self.overhead + self.update
+                + self.experts)
 
     def bytes(self, axes: Sequence[str] | None = None) -> float:
         """Bytes of every collective of a step (over ``axes``' groups only, if given)."""
@@ -140,7 +146,7 @@ class ModelTiming:
 def host_spans(shape: dict[str, int], hosts: int) -> dict[str, tuple[int, int]]:
     """axis name -> (devices inside a host, hosts it spans) of a mesh of ``shape`` on
     ``hosts`` hosts laid out as ``Parallelism.build`` lays it out."""
-    sizes = [shape[a.name] for a in AXES]
+    sizes = [shape.get(a.name, 1) for a in AXES]
     devices = math.prod(sizes)
     if hosts <= 1:
         return {a.name: (s, 1) for a, s in zip(AXES, sizes)}
@@ -166,6 +172,14 @@ def collective_seconds(kind: str, nbytes: float, inside: int, across: int,
             return 0.0
         return steps * ((n - 1) / n * size / link.bandwidth + (n - 1) * link.latency)
 
+    if kind == "all-to-all":  # each device keeps 1/n of the buffer, sends the rest
+        n = inside * across
+        own = nbytes * (inside - 1) / n / hardware.intra.bandwidth + \
+            (inside - 1) * hardware.intra.latency
+        if across <= 1:
+            return own
+        return own + (nbytes * (across - 1) / across / hardware.inter.bandwidth
+                      + (across - 1) * hardware.inter.latency)
     passes = 2 if kind == "all-reduce" else 1  # reduce-scatter + all-gather
     if across <= 1:
         return ring(inside, nbytes, hardware.intra, passes)
@@ -238,6 +252,72 @@ def tensor_traffic(trace: Trace, params: Sequence[Parameter], shape: dict[str, i
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertLayers:
+    """Mixture-of-experts layers of one shape (``redray.models.moe.MoE``).
+
+    Attributes:
+      layers: how many.
+      experts, top_k, hidden, inner: the experts, the experts a token uses, the model
+        width and an expert's inner width.
+      capacity_factor: None (dropless) or the layers' capacity factor.
+    """
+    layers: int
+    experts: int
+    top_k: int
+    hidden: int
+    inner: int
+    capacity_factor: float | None
+
+    def slots(self, tokens: int) -> int:
+        """Slots per (device, expert) of an expert-parallel exchange of ``tokens``
+        tokens per device: the capacity, or every token (nothing dropped)."""
+        return expert_capacity(self.capacity_factor, tokens, self.top_k,
+                               self.experts) or tokens
+
+
+def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
+                    experts: int) -> int | None:
+    """The assignments an expert keeps of ``tokens`` tokens: ``ceil(capacity_factor x
+    tokens x top_k / experts)``, at most ``tokens`` (a token picks an expert once);
+    None without a capacity factor (all)."""
+    if capacity_factor is None:
+        return None
+    return min(tokens, math.ceil(capacity_factor * tokens * top_k / experts))
+
+
+def expert_layers(model) -> list[ExpertLayers]:
+    """The mixture-of-experts layers of an NNX ``model`` (its arrays concrete or
+    abstract): every module of its graph with an ``expert_layers()`` method (redray's
+    ``MoE``), layers stacked by ``scan`` counted in ``layers``."""
+    from flax import nnx
+
+    return [node.expert_layers() for _, node in nnx.iter_graph(model)
+            if callable(getattr(type(node), "expert_layers", None))]
+
+
+def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_itemsize: int,
+                   recompute: bool, accumulation: int = 1) -> list[Traffic]:
+    """Expert parallelism's all-to-alls (``redray.models.moe.exchange``): per
+    mixture-of-experts layer and micro-batch, the dispatch and the combine in the
+    forward pass and their transposes in the backward (with remat the forward's again),
+    each of experts x slots x hidden elements on every device of the ``expert`` axis.
+
+    Args:
+      layers: the model's ``redray.models.moe.ExpertLayers``.
+      shape: the mesh's axis sizes.
+      tokens: tokens per device in a micro-batch.
+      act_itemsize: bytes per activation element.
+      recompute, accumulation: as for ``tensor_traffic``.
+    """
+    if shape[EXPERT.name] <= 1:
+        return []
+    return [Traffic("all-to-all", e.experts * e.slots(tokens) * e.hidden * act_itemsize,
+                    (EXPERT.name,), e.layers * (6 if recompute else 4) * accumulation,
+                    "expert parallel: tokens sent to their experts and back", True)
+            for e in layers]
+
+
 def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> float:
     """Forward and backward FLOPs per example of the matmuls whose parameter the model
     axis leaves whole: every device of a tensor-parallel group runs them in full (the
@@ -285,7 +365,8 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
 
 def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumulation: int,
               shape: dict[str, int], hosts: int, hardware: Hardware,
-              timing: ModelTiming | None = None, elements: float = 0.0) -> StepCost:
+              timing: ModelTiming | None = None, elements: float = 0.0,
+              experts: Sequence[Traffic] = ()) -> StepCost:
     """The predicted step.
 
     Args:
@@ -297,6 +378,7 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
       timing: the model's pass timed on these devices, if it was (its rate and cost
         per micro-batch replace the hardware's).
       elements: trained parameter elements one device holds (the update's share).
+      experts: expert parallelism's all-to-alls (``expert_traffic``).
     """
     spans = host_spans(shape, hosts)
     if timing is None:
@@ -308,5 +390,6 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
     tensor_s = sum(traffic_seconds(t, spans, hardware) for t in tensor)
     state_s = sum(traffic_seconds(t, spans, hardware) for t in state)
     exposed = max(0.0, state_s - hardware.overlap * compute)
-    return StepCost(compute, tensor_s, state_s, exposed,
-                    accumulation * per_micro, (*tensor, *state), update)
+    experts_s = sum(traffic_seconds(t, spans, hardware) for t in experts)
+    return StepCost(compute, tensor_s, state_s, exposed, accumulation * per_micro,
+                    (*tensor, *state, *experts), update, experts_s)

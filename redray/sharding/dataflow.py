@@ -38,8 +38,15 @@ _IDENTITY_VIEW = {
     "mesh_cast", "pvary", "slice", "dynamic_slice", "device_put",
 }
 _ELEMENTWISE = {"add", "sub", "mul", "div", "max", "min", "add_any", "pow", "atan2", "rem"}
+# Operations that choose among their operand's entries (a router's top-k experts).
+_CHOICE = {"top_k", "argmax", "argmin", "sort"}
+# Elementwise operations of one operand (activation functions are made of them).
+_UNARY = {"logistic", "tanh", "exp", "exp2", "log", "log1p", "neg", "erf", "erfc", "abs",
+          "sign", "sqrt", "rsqrt", "integer_pow", "square", "expm1", "sin", "cos",
+          "relu", "gelu", "select_n", "stop_gradient"}
 _CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "remat2",
-          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
+          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin",
+          "shard_map"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +82,11 @@ class _Info:
     view: tuple[int, tuple[frozenset, ...]] | None = None  # (param index, dims per value dim)
     src: frozenset = _EMPTY
     out: tuple[int, tuple[frozenset, ...]] | None = None  # (param index, dims per value dim)
+    # (param index, dims per value dim) of the layer outputs this value is made of
+    # elementwise (an activation function of one, a product of two: a gated MLP's
+    # silu(x W_gate) * x W_up), through layout operations: which of their dimensions a
+    # later layer contracts
+    feeds: tuple = ()
 
 
 class Trace:
@@ -88,6 +100,18 @@ class Trace:
         # parameter -> dimensions a scan steps over (layers stacked on a leading axis):
         # splitting one would hand each step's slice to a single device
         self.scanned: dict[int, set[int]] = {}
+        # parameter -> dimensions that index independent kernels a matmul picks among
+        # (a mixture of experts' stacked experts: a grouped matmul's groups, a batch
+        # dimension of a matmul with an activation, or the output dimension of a layer
+        # that the next layer's matmul takes as such a batch dimension)
+        self.grouped: dict[int, set[int]] = {}
+        # parameter -> output dimensions of its layer that a later layer contracts (its
+        # output reaching that layer's matmul elementwise: an MLP's gate and up reaching
+        # its down projection)
+        self.fed: dict[int, set[int]] = {}
+        # parameters whose layer's output a choice reads (top-k, argmax, sort: a mixture
+        # of experts' router picking experts)
+        self.routers: set[int] = set()
         self._counter = itertools.count()
         self._times = 1  # the product of the enclosing scans' lengths
         self._again = 0  # inside a loop body's second reading
@@ -152,9 +176,32 @@ def _walk(jaxpr, in_infos: Sequence[_Info], out: Trace) -> list[_Info]:
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         outs = _eqn(eqn, ins, out)
+        if len(outs) == 1 and not outs[0].feeds and any(i.feeds for i in ins):
+            feeds = _feeds(eqn, ins)
+            if feeds:
+                outs = [dataclasses.replace(outs[0], feeds=feeds)]
         for var, info in zip(eqn.outvars, outs):
             env[var] = info
     return [read(v) for v in jaxpr.outvars]
+
+
+def _feeds(eqn, ins: list[_Info]) -> tuple:
+    """The layer outputs an elementwise or layout operation's result is made of
+    (``_Info.feeds``): the operands' of the result's shape, their dimensions mapped."""
+    name = eqn.primitive.name
+    shape = _shape(eqn.outvars[0])
+    found: dict = {}
+    if name in _ELEMENTWISE or name in _UNARY:
+        for var, info in zip(eqn.invars, ins):
+            if _shape(var) == shape:
+                for pidx, dims in info.feeds:
+                    found.setdefault(pidx, dims)
+    elif ins[0].feeds:
+        for pidx, dims in ins[0].feeds:
+            mapped = map_view(eqn, dims)
+            if mapped is not None:
+                found.setdefault(pidx, mapped)
+    return tuple(found.items())
 
 
 def _union_src(infos: Sequence[_Info]) -> frozenset:
@@ -169,8 +216,14 @@ def _generic(eqn, ins) -> list[_Info]:
 def _eqn(eqn, ins: list[_Info], out: Trace) -> list[_Info]:
     name = eqn.primitive.name
     p = eqn.params
+    if name in _CHOICE:
+        out.routers.update(pidx for info in ins for pidx, _ in info.feeds)
     if name == "dot_general":
-        return [_dot(eqn, ins, out)]
+        return [_dot(eqn, ins, out, p["dimension_numbers"])]
+    if name == "ragged_dot_general":  # a grouped matmul: the rhs's groups are experts
+        numbers = p["ragged_dot_dimension_numbers"]
+        (lc, rc), (lb, rb) = numbers.dot_dimension_numbers
+        return [_dot(eqn, ins[:2], out, ((lc, rc), (lb, (*rb, *numbers.rhs_group_dimensions))))]
     if name == "conv_general_dilated":
         return [_conv(eqn, ins, out)]
     if name == "gather" and ins[0].view is not None:
@@ -249,8 +302,10 @@ def _inner_jaxpr(params):
     return None
 
 
-def _dot(eqn, ins, out: Trace) -> _Info:
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+def _dot(eqn, ins, out: Trace, numbers) -> _Info:
+    """A matmul (``numbers``: its contracting and batch dimensions; a grouped matmul's
+    rhs groups count as rhs batch dimensions: they leave no output dimension)."""
+    (lc, rc), (lb, rb) = numbers
     lhs, rhs = ins
     if (lhs.view is None) == (rhs.view is None):
         if lhs.view is not None:  # parameter times parameter (e.g. a low-rank product)
@@ -261,18 +316,26 @@ def _dot(eqn, ins, out: Trace) -> _Info:
         return _Info(src=lhs.src | rhs.src)
     param_is_lhs = lhs.view is not None
     param, contract, batch, act = (lhs, lc, lb, rhs) if param_is_lhs else (rhs, rc, rb, lhs)
+    act_contract, act_batch = (rc, rb) if param_is_lhs else (lc, lb)
+    for q, qdims in act.feeds:  # which dimensions of the layers feeding it this one takes
+        out.fed.setdefault(q, set()).update(*(qdims[d] for d in act_contract))
+        if act_batch:
+            out.grouped.setdefault(q, set()).update(*(qdims[d] for d in act_batch))
     param_shape = _shape(eqn.invars[0 if param_is_lhs else 1])
     own = _size(param_shape, [d for d in range(len(param_shape))
                               if d not in contract and d not in batch])
     _record_dot(out, param, contract, batch, act.src, _size(_shape(eqn.outvars[0])) // own)
     pidx, dims = param.view
+    if batch:
+        out.grouped.setdefault(pidx, set()).update(*(dims[d] for d in batch))
     free = [dims[d] for d in range(len(dims)) if d not in contract and d not in batch]
-    n_act_free = len(_shape(eqn.invars[1 if param_is_lhs else 0])) - len(contract) - len(batch)
+    rank = len(_shape(eqn.outvars[0]))
     if param_is_lhs:  # output: batch dims, the parameter's free dims, the activation's
-        out_dims = [_EMPTY] * len(batch) + free + [_EMPTY] * n_act_free
+        out_dims = [_EMPTY] * len(lb) + free + [_EMPTY] * (rank - len(lb) - len(free))
     else:
-        out_dims = [_EMPTY] * (len(batch) + n_act_free) + free
-    return _Info(src=frozenset({pidx}), out=(pidx, tuple(out_dims)))
+        out_dims = [_EMPTY] * (rank - len(free)) + free
+    return _Info(src=frozenset({pidx}), out=(pidx, tuple(out_dims)),
+                 feeds=((pidx, tuple(out_dims)),))
 
 
 def _record_dot(out: Trace, info: _Info, contract, batch, preds, rows: int = 0) -> None:

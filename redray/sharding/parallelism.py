@@ -25,7 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
-from redray.sharding.rules import Fsdp, LargeOver, SpecPass, TensorParallel, UserRules
+from redray.sharding.rules import (ExpertParallel, Fsdp, LargeOver, SpecPass, TensorParallel,
+                                   UserRules)
 
 # Where an axis lies when the mesh spans hosts.
 INSIDE = "inside"  # within one host: its collectives stay on the fast link (NVLink, ICI)
@@ -46,6 +47,8 @@ class Axis:
         holds them whole, as data parallelism does by design).
       hosts: ``INSIDE``, ``PREFER_INSIDE`` or ``ACROSS``: where it lies on several hosts.
       doc: what it does, in a line.
+      shown_at_one: named in a plan's description when its size is 1 (an axis only some
+        models use, as experts, is named only where it splits something).
     """
     name: str
     keyword: str
@@ -54,21 +57,33 @@ class Axis:
     splits_parameters: bool
     hosts: str
     doc: str
+    shown_at_one: bool = True
 
 
 DATA = Axis("data", "data_axis", "auto", True, False, ACROSS,
             "data parallelism: each device a replica of the model, a part of the batch")
 FSDP = Axis("fsdp", "fsdp_axis", 1, True, True, PREFER_INSIDE,
             "data parallelism whose parameters and optimizer state are sharded too (ZeRO-3)")
+EXPERT = Axis("expert", "expert_axis", 1, True, True, INSIDE,
+              "expert parallelism: a mixture of experts' experts split, tokens sent to "
+              "theirs by all-to-all; data parallelism for the other layers",
+              shown_at_one=False)
 MODEL = Axis("model", "model_axis", 1, False, True, INSIDE,
              "tensor parallelism: layers split, one all-reduce per column/row pair")
 
 # In mesh order: the last is innermost, its peers neighbours in the device order.
-AXES: tuple[Axis, ...] = (DATA, FSDP, MODEL)
+AXES: tuple[Axis, ...] = (DATA, FSDP, EXPERT, MODEL)
 BATCH_AXES: tuple[str, ...] = tuple(a.name for a in AXES if a.splits_batch)
 KEYWORDS: tuple[str, ...] = tuple(a.keyword for a in AXES)
 # The axes that split parameters, innermost first.
 PARAMETER_AXES: tuple[Axis, ...] = tuple(a for a in reversed(AXES) if a.splits_parameters)
+
+
+def describe_shape(shape: Mapping[str, int]) -> str:
+    """``data=2 x fsdp=1 x model=2``: a mesh's axis sizes by name (an axis of size 1
+    that is not ``shown_at_one`` left out)."""
+    quiet = {a.name for a in AXES if not a.shown_at_one}
+    return " x ".join(f"{k}={v}" for k, v in shape.items() if not (v == 1 and k in quiet))
 
 
 def axis_defaults() -> dict[str, int | str]:
@@ -205,8 +220,12 @@ def _check_batch_size(batch_size) -> None:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
 
 
-def batch_axes_text() -> str:
-    return " x ".join(BATCH_AXES)
+def batch_axes_text(shape: Mapping[str, int] | None = None) -> str:
+    """``data x fsdp``: the batch axes (of a mesh of ``shape``, those it names: an axis
+    that is not ``shown_at_one`` only where it is larger than 1)."""
+    quiet = {a.name for a in AXES if not a.shown_at_one}
+    return " x ".join(a for a in BATCH_AXES
+                      if a not in quiet or (shape is not None and shape.get(a, 1) > 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,7 +342,7 @@ class Parallelism:
 
     def describe(self) -> str:
         """``data=2 x fsdp=1 x model=2``."""
-        return " x ".join(f"{k}={v}" for k, v in self.shape.items())
+        return describe_shape(self.shape)
 
     def batch_sharding(self) -> NamedSharding:
         """A batch-major array: its leading dimension over the batch axes."""
@@ -361,7 +380,7 @@ class Parallelism:
         _check_batch_size(batch_size)
         if batch_size % dp:
             raise ValueError(f"batch_size={batch_size} does not split over the {dp} "
-                             f"data-parallel devices ({batch_axes_text()} axes): use a "
+                             f"data-parallel devices ({batch_axes_text(self.shape)} axes): use a "
                              f"multiple of {dp}")
         if micro_batch_size is None:
             micro_batch_size = batch_size // dp
@@ -389,20 +408,23 @@ class Parallelism:
                              f"{micro_rows}")
         if micro_rows % dp:
             raise ValueError(f"micro batch {micro_rows} does not split over "
-                             f"{batch_axes_text()} = {dp} devices: use a multiple of {dp}")
+                             f"{batch_axes_text(self.shape)} = {dp} devices: use a multiple "
+                             f"of {dp}")
         return self.geometry(batch_size, micro_rows // dp)
 
     def spec_passes(self) -> tuple[SpecPass, ...]:
         """The spec passes, in order: the user's rules (they win), tensor parallelism
-        over ``model`` from the dataflow, ZeRO-3 over ``fsdp``, and large arrays no rule
-        split over ``model`` sharded over it as well."""
-        return (UserRules(self.rules), TensorParallel(MODEL.name), Fsdp(FSDP.name),
-                LargeOver(MODEL.name, with_axis=FSDP.name))
+        over ``model`` from the dataflow, the experts of a mixture of experts over
+        ``expert``, ZeRO-3 over ``fsdp``, and large arrays no rule split over ``model``
+        sharded over it as well."""
+        return (UserRules(self.rules), TensorParallel(MODEL.name), ExpertParallel(EXPERT.name),
+                Fsdp(FSDP.name), LargeOver(MODEL.name, with_axis=FSDP.name))
 
 
 def make_mesh(data_axis=DATA.default, fsdp_axis=FSDP.default, model_axis=MODEL.default,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the mesh (data, fsdp, model) over ``devices`` (default: all).
+              devices: Sequence[jax.Device] | None = None,
+              expert_axis=EXPERT.default) -> Mesh:
+    """Builds the mesh (data, fsdp, expert, model) over ``devices`` (default: all).
 
     Args:
       data_axis: data-parallel size, or "auto" for what the other axes leave.
@@ -410,11 +432,14 @@ def make_mesh(data_axis=DATA.default, fsdp_axis=FSDP.default, model_axis=MODEL.d
         (ZeRO-3) while also splitting the batch; "auto" for what is left.
       model_axis: tensor-parallel size; "auto" for what is left.
       devices: the devices to span; ``jax.devices()`` (every host's) by default.
+      expert_axis: expert-parallel size (splits a mixture of experts' experts, and the
+        batch for every other layer); "auto" for what is left.
 
     At most one axis may be "auto"; it takes the devices the others leave.
 
     Returns:
-      A ``jax.sharding.Mesh`` with axis names ``("data", "fsdp", "model")``.
+      A ``jax.sharding.Mesh`` with axis names ``("data", "fsdp", "expert", "model")``.
     """
-    plan = Parallelism.of(data_axis=data_axis, fsdp_axis=fsdp_axis, model_axis=model_axis)
+    plan = Parallelism.of(data_axis=data_axis, fsdp_axis=fsdp_axis, model_axis=model_axis,
+                          expert_axis=expert_axis)
     return plan.build(devices).mesh

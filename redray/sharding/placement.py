@@ -11,6 +11,7 @@ import math
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from redray.sharding.parallelism import describe_shape
 from redray.sharding.rules import Whole
 from redray.sharding.specs import flatten
 
@@ -58,7 +59,7 @@ def _spec_leaves(specs):
 
 def format_placement(rows: list[Placement], mesh: Mesh) -> str:
     """A readable table of placements, with totals per device."""
-    axes = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    axes = describe_shape(dict(mesh.shape))
     width = max([len(r.path) for r in rows] + [9])
     lines = [f"mesh {axes} ({mesh.size} devices)",
              f"{'parameter':<{width}}  {'shape':<20} {'spec':<28} {'bytes/device':>14}"]

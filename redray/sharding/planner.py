@@ -17,13 +17,13 @@ import dataclasses
 import math
 from typing import Protocol, Sequence
 
-from redray.sharding.cost import (ModelTiming, Parameter, StepCost, state_traffic,
-                                  step_cost, tensor_traffic, whole_flops)
+from redray.sharding.cost import (ModelTiming, Parameter, StepCost, expert_traffic,
+                                  state_traffic, step_cost, tensor_traffic, whole_flops)
 from redray.sharding.dataflow import Trace
 from redray.sharding.hardware import Hardware
 from redray.sharding.memory import size_text
-from redray.sharding.parallelism import (AXES, INSIDE, MODEL, Parallelism, axis_defaults,
-                                         hybrid_shapes)
+from redray.sharding.parallelism import (AXES, EXPERT, INSIDE, MODEL, Parallelism,
+                                         axis_defaults, describe_shape, hybrid_shapes)
 from redray.sharding.placement import Placement, placement
 from redray.sharding.rules import partition_specs
 
@@ -49,7 +49,8 @@ class ModelFacts(Protocol):
         """Matmul FLOPs of one example's forward and backward pass under ``remat``."""
 
     # optional: ``timing``, the model's pass timed on the live devices (``ModelTiming``)
-    # or None
+    # or None; ``experts``, its mixture-of-experts layers
+    # (``redray.models.moe.ExpertLayers``), empty for a dense model
 
     def memory(self, parallelism: Parallelism, rows: list[Placement], per_device_batch: int,
                remat: str) -> dict:
@@ -75,7 +76,7 @@ class Candidate:
         return {a.name: by_keyword[a.keyword] for a in AXES}
 
     def describe(self) -> str:
-        axes = " x ".join(f"{k}={v}" for k, v in self.shape.items())
+        axes = describe_shape(self.shape)
         return f"{axes}, micro {self.micro_batch_size}, remat {self.remat}"
 
 
@@ -158,7 +159,8 @@ def _loses_on(best: StepCost, other: StepCost) -> str:
     parts = {"compute": other.compute - best.compute, "tensor-parallel traffic":
              other.tensor - best.tensor, "gradient and FSDP traffic":
              other.exposed - best.exposed, "micro-batch overhead": other.overhead - best.overhead,
-             "optimizer update": other.update - best.update}
+             "optimizer update": other.update - best.update,
+             "expert all-to-all traffic": other.experts - best.experts}
     part = max(parts, key=parts.get)
     if parts[part] > 0:
         return f"more {part}: +{parts[part] * 1e3:.3g} ms"
@@ -201,7 +203,7 @@ def axis_sizes(devices: int, hosts: int, pinned: dict) -> list[dict[str, int]]:
 
 
 def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequence[str],
-               pinned: dict | None = None) -> list[Candidate]:
+               pinned: dict | None = None, experts: int = 0) -> list[Candidate]:
     """Every candidate of the grid (see the module docstring).
 
     Args:
@@ -210,14 +212,21 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
       remat_policies: the policies to consider.
       pinned: what the user fixed: axis keywords -> size, ``micro_batch_size`` (per
         device) or ``micro_rows`` (over all devices), ``remat``.
+      experts: the experts of the model's mixture-of-experts layers (their greatest
+        common divisor), 0 for a dense model: the expert axis takes the sizes that
+        divide it (a dense model's only 1: it would be the data axis by another name).
     """
     pinned = dict(pinned or {})
+    if not experts:
+        pinned.setdefault(EXPERT.keyword, 1)
     micro_pin = pinned.pop("micro_batch_size", None)
     rows_pin = pinned.pop("micro_rows", None)
     remat_pin = pinned.pop("remat", None)
     remats = [remat_pin] if remat_pin is not None else list(remat_policies)
     out = []
     for sizes in axis_sizes(devices, hosts, pinned):
+        if experts and experts % sizes[EXPERT.keyword]:
+            continue
         dp = math.prod(sizes[a.keyword] for a in AXES if a.splits_batch)
         if batch_size % dp:
             continue
@@ -245,7 +254,8 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     cache = {} if specs_cache is None else specs_cache
     if key not in cache:
         specs = partition_specs(plan.spec_passes(), facts.paths, facts.shapes, facts.dtypes,
-                                shape, facts.trace if shape[MODEL.name] > 1 else None)
+                                shape, facts.trace if shape[MODEL.name] > 1
+                                or shape[EXPERT.name] > 1 else None)
         cache[key] = specs
     specs = cache[key]
     rows = _placement(facts, specs, plan)
@@ -268,8 +278,11 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     trained = getattr(facts, "trained", None) or [True] * len(params)
     elements = sum(math.prod(p.shape) / math.prod(shape[a] for a in p.axes())
                    for p, t in zip(params, trained) if t)
+    experts = expert_traffic(getattr(facts, "experts", ()), shape,
+                             candidate.micro_batch_size * facts.tokens_per_example,
+                             facts.compute_itemsize, recompute, geometry.accumulation)
     cost = step_cost(flops, tensor, state, geometry.accumulation, shape, hosts, hardware,
-                     getattr(facts, "timing", None), elements)
+                     getattr(facts, "timing", None), elements, experts)
     tokens = batch_size * facts.tokens_per_example / cost.seconds
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
     return Scored(candidate, geometry.accumulation, memory, cost, memory["total"] <= budget,
@@ -285,7 +298,9 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
       ValueError: pinned sizes no plan can take (they do not divide the devices).
     """
     budget = hardware.device_memory * (1 - margin)
-    grid = candidates(devices, hosts, batch_size, facts.remat_policies, pinned)
+    layers = getattr(facts, "experts", ())
+    grid = candidates(devices, hosts, batch_size, facts.remat_policies, pinned,
+                      math.gcd(*(e.experts for e in layers)) if layers else 0)
     if not grid:
         raise ValueError(f"no plan of {devices} devices on {hosts} host(s) takes a batch of "
                          f"{batch_size} with {pinned or 'nothing'} pinned: check that the "

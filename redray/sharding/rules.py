@@ -16,13 +16,20 @@ lookup added to a larger one (position embeddings added to token embeddings) sta
 whole, as in Megatron-LM; a lookup whose rows are added to split values (T5's relative
 position bias per head, added to head-split scores) splits its entries (heads) instead.
 
-Which dimension: the first one that divides by the axis size, in the parameter's own
-order (heads before head_dim), skipping the dimensions the layer's output is sliced
-along (a fused QKV kernel (hidden, 3, heads, head_dim) keeps its size-3 axis whole, so
-Q, K and V of a head stay on one device); if none divides, the parameter is replicated
+Which dimension: of a column layer's output dimensions, one the next layer contracts
+(a stacked expert kernel's (experts, hidden, inner) gate and up split on ``inner``,
+which their down projection contracts, not on the experts it takes as a batch); then
+the first one that divides by the axis size, in the parameter's own order (heads
+before head_dim), skipping the dimensions the layer's output is sliced along (a fused
+QKV kernel (hidden, 3, heads, head_dim) keeps its size-3 axis whole, so Q, K and V of
+a head stay on one device); if none divides, the parameter is replicated
 and the layers after it see an unsplit input. A column layer at the end of the graph
 whose output is smaller than its input (a classifier head) stays replicated: splitting
 it would only add an all-reduce of its input gradient.
+
+A router (a layer whose output a top-k, argmax or sort reads: a mixture of experts
+picking experts) stays whole, as in Megatron-LM: its output is small and every device
+needs all of it to route its tokens.
 
 Biases and norm scales that are added to or multiply a column layer's output split
 with that output. The ``fsdp`` axis then shards the largest remaining divisible
@@ -125,6 +132,11 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
                 why[p] = (f"its rows ({rows}) do not divide by the model axis {model_size}",
                           f"pad the table to a multiple of {model_size} rows", False)
             continue
+        if trace is not None and p in trace.routers:
+            role[p] = "replicated"
+            why[p] = ("a router (its output picks experts): kept whole, as in Megatron-LM",
+                      "", True)
+            continue
         preds = frozenset().union(*(u.preds for u in dots))
         # A split activation stays split when replicated values (a position bias,
         # the residual stream) are added to it, so one column predecessor makes a row.
@@ -154,7 +166,13 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
                           "around it, that layer's successors): split, it would flip every "
                           "later layer", "", True)
             continue
-        split[p] = _first_divisible(set(dots[0].out_dims) - whole, shape, model_size)
+        outs = set(dots[0].out_dims) - whole
+        # of several output dimensions, one the next layer contracts (an expert's inner
+        # width, not the expert index a stacked down projection takes as a batch)
+        fed = outs & (trace.fed.get(p, set()) if trace is not None else set())
+        split[p] = _first_divisible(fed, shape, model_size)
+        if split[p] is None:
+            split[p] = _first_divisible(outs, shape, model_size)
         role[p] = "column" if split[p] is not None else "replicated"
         if split[p] is None:
             sliced = _first_divisible(set(dots[0].out_dims) & whole, shape, model_size)
@@ -475,6 +493,35 @@ class TensorParallel(SpecPass):
                 draft.entries[i][dims[i]] = self.axis
         for i, note in why.items():
             draft.whole[i] = (self.axis, *note)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel(SpecPass):
+    """A mixture of experts' experts over ``axis``: the dimension of a parameter that a
+    matmul picks independent kernels along (``Trace.grouped``: a grouped matmul's
+    groups, a stacked kernel's batch dimension in an einsum) is split over it. Every
+    other parameter stays whole over it: for them the axis splits the batch, as data
+    parallelism does."""
+    axis: str
+
+    def traces(self, mesh_shape: dict) -> bool:
+        return mesh_shape.get(self.axis, 1) > 1
+
+    def __call__(self, draft: SpecDraft) -> None:
+        size = draft.size(self.axis)
+        if size <= 1 or draft.trace is None:
+            return
+        for i in draft.free():
+            dims = sorted(draft.trace.grouped.get(i, set()) - draft.stacked(i))
+            if not dims:
+                continue
+            d, shape = dims[0], draft.shapes[i]
+            if draft.entries[i][d] is None and shape[d] % size == 0:
+                draft.entries[i][d] = self.axis
+            else:
+                draft.whole[i] = (self.axis, f"its {shape[d]} experts do not divide by the "
+                                  f"expert axis {size}", f"use an expert axis that divides "
+                                  f"{shape[d]}", False)
 
 
 @dataclasses.dataclass(frozen=True)
