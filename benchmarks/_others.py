@@ -3,7 +3,9 @@
 None of them is laid out for redray: Linen modules with auto-named layers
 (``Dense_0``...), separate Q, K and V projections, a GPT-J-style parallel-residual
 block, GPT-2's contiguous q|k|v kernel, a 12-layer MLP, Google's own Gemma (the
-``gemma`` package's Linen transformer) and penzai's LLaMA. Each returns a
+``gemma`` package's Linen transformer), penzai's LLaMA, and two NNX mixture-of-experts
+LMs a researcher writes by hand (experts stacked in einsum kernels, or a list of expert
+MLPs) with the Megatron specs a user would write for them. Each returns a
 ``redray.LinenModel`` or an NNX factory plus its loss, so ``redray.Trainer`` trains it
 as a user would.
 
@@ -18,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import redray
 from _lm import Sizes
@@ -169,3 +173,138 @@ def penzai_lm(s: Sizes):
             return logits.unwrap("batch", "seq", "vocabulary")
 
     return Penzai, _lm_loss(lambda m, ids: m(ids))
+
+
+# ----------------------------------------------------------------- user-written MoE LMs
+EXPERTS, TOP_K = 4, 2
+
+
+def _route(router: nnx.Linear, x, k: int = TOP_K):
+    """Each token's expert weights: the softmax router probabilities of its top ``k``
+    experts, renormalised over them; zero for the others."""
+    probs = jax.nn.softmax(router(x), -1)
+    _, chosen = jax.lax.top_k(probs, k)
+    kept = probs * jax.nn.one_hot(chosen, probs.shape[-1], dtype=probs.dtype).sum(-2)
+    return kept / kept.sum(-1, keepdims=True)
+
+
+class StackedMoE(nnx.Module):
+    """Every expert's SwiGLU MLP in three stacked kernels, (E, H, F), (E, H, F) and
+    (E, F, H), run densely on every token through einsum and mixed by the router."""
+
+    def __init__(self, hidden: int, inner: int, experts: int, rngs: nnx.Rngs):
+        self.router = nnx.Linear(hidden, experts, use_bias=False, rngs=rngs)
+        normal = jax.nn.initializers.normal
+        self.w_gate = nnx.Param(normal(hidden ** -0.5)(rngs.params(), (experts, hidden, inner)))
+        self.w_up = nnx.Param(normal(hidden ** -0.5)(rngs.params(), (experts, hidden, inner)))
+        self.w_down = nnx.Param(normal(inner ** -0.5)(rngs.params(), (experts, inner, hidden)))
+
+    def __call__(self, x):
+        weights = _route(self.router, x)
+        gate = jnp.einsum("bsh,ehf->bsef", x, self.w_gate[...])
+        up = jnp.einsum("bsh,ehf->bsef", x, self.w_up[...])
+        y = jnp.einsum("bsef,efh->bseh", jax.nn.silu(gate) * up, self.w_down[...])
+        return jnp.einsum("bseh,bse->bsh", y, weights)
+
+
+class Expert(nnx.Module):
+    def __init__(self, hidden: int, inner: int, rngs: nnx.Rngs):
+        self.gate = nnx.Linear(hidden, inner, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(hidden, inner, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(inner, hidden, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class ListMoE(nnx.Module):
+    """The same mixture with its experts as a list of SwiGLU MLP modules."""
+
+    def __init__(self, hidden: int, inner: int, experts: int, rngs: nnx.Rngs):
+        self.router = nnx.Linear(hidden, experts, use_bias=False, rngs=rngs)
+        self.experts = nnx.List([Expert(hidden, inner, rngs) for _ in range(experts)])
+
+    def __call__(self, x):
+        weights = _route(self.router, x)
+        return sum(weights[..., e, None] * expert(x) for e, expert in enumerate(self.experts))
+
+
+class _Attention(nnx.Module):
+    def __init__(self, hidden: int, heads: int, rngs: nnx.Rngs):
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (
+            nnx.Linear(hidden, hidden, use_bias=False, rngs=rngs) for _ in range(4))
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        q, k, v = (p(x).reshape(b, t, self.heads, d // self.heads)
+                   for p in (self.q, self.k, self.v))
+        return self.o(_attention(q, k, v).reshape(b, t, d))
+
+
+class _MoEBlock(nnx.Module):
+    def __init__(self, s: Sizes, moe: type, rngs: nnx.Rngs):
+        self.attn_norm = nnx.RMSNorm(s.hidden, rngs=rngs)
+        self.attn = _Attention(s.hidden, s.heads, rngs)
+        self.moe_norm = nnx.RMSNorm(s.hidden, rngs=rngs)
+        self.moe = moe(s.hidden, s.intermediate, EXPERTS, rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.moe(self.moe_norm(x))
+
+
+class _MoELM(nnx.Module):
+    """Embedding, ``s.layers`` pre-norm blocks (attention, then the mixture of experts
+    ``moe``), a final RMSNorm and an untied LM head."""
+
+    def __init__(self, s: Sizes, moe: type, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(s.vocab, s.hidden, rngs=rngs)
+        self.blocks = nnx.List([_MoEBlock(s, moe, rngs) for _ in range(s.layers)])
+        self.norm = nnx.RMSNorm(s.hidden, rngs=rngs)
+        self.head = nnx.Linear(s.hidden, s.vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class StackedMoELM(_MoELM):
+    """A decoder LM whose blocks' mixtures stack their experts (``StackedMoE``)."""
+
+    def __init__(self, s: Sizes, rngs: nnx.Rngs):
+        super().__init__(s, StackedMoE, rngs)
+
+
+class ListMoELM(_MoELM):
+    """A decoder LM whose blocks' mixtures hold a list of expert modules (``ListMoE``)."""
+
+    def __init__(self, s: Sizes, rngs: nnx.Rngs):
+        super().__init__(s, ListMoE, rngs)
+
+
+MOE_LMS = {"stacked": StackedMoELM, "list": ListMoELM}
+
+# The specs a Megatron user writes for each: q, k, v column and o row; each expert's gate
+# and up split on its hidden size F, its down on its input F; the router whole; the
+# embedding split on the vocabulary and the LM head column; norms whole.
+_MEGATRON_COMMON = [(r"attn/(q|k|v)/kernel$", P(None, "model")),
+                    (r"attn/o/kernel$", P("model", None)),
+                    (r"moe/router/kernel$", P()),
+                    (r"^embed/embedding$", P("model", None)),
+                    (r"^head/kernel$", P(None, "model")),
+                    (r"norm/scale$", P())]
+MOE_MEGATRON_RULES = {
+    "stacked": _MEGATRON_COMMON + [(r"moe/w_(gate|up)$", P(None, None, "model")),
+                                   (r"moe/w_down$", P(None, "model", None))],
+    "list": _MEGATRON_COMMON + [(r"moe/experts/\d+/(gate|up)/kernel$", P(None, "model")),
+                                (r"moe/experts/\d+/down/kernel$", P("model", None))],
+}
+
+
+def moe_lm(kind: str, s: Sizes):
+    """(model factory, loss) of the user-written MoE LM ``kind`` (``MOE_LMS``)."""
+    lm = MOE_LMS[kind]
+    return (lambda rngs: lm(s, rngs)), _lm_loss(lambda m, ids: m(ids))

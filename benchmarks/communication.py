@@ -25,6 +25,11 @@ intermediate 1024, vocabulary 1024, batch 8 x sequence 128:
   layers on named axes) in a 15-line NNX wrapper (``benchmarks/_others.py``).
 * ``dense12``: a Linen MLP of 12 auto-named ``Dense`` layers, 256 -> 512 x 11 -> 16,
   batch 64 (MEASURED.md's MLP, deeper).
+* ``moe_tp``: two NNX mixture-of-experts LMs written as a user writes them
+  (``benchmarks/_others.py``): separate Q, K, V and O, a router, and 4 SwiGLU experts run
+  densely on every token and mixed by the top-2 router weights, the experts either
+  stacked in (experts, hidden, intermediate) kernels used through einsum
+  (``StackedMoELM``) or a list of expert modules (``ListMoELM``); untied LM head.
 
 The ideal, in bytes, with A = B*S*H*4 the bytes of one fp32 activation (batch B,
 sequence S, hidden H), is the fewest all-reduces tensor parallelism needs:
@@ -58,6 +63,26 @@ sequence S, hidden H), is the fewest all-reduces tensor parallelism needs:
   column, Dense_1 row, ...), so ``6`` forward all-reduces of the row layers' outputs
   (5 of B*W*4 bytes, the last of B*C*4) and ``5`` backward of the column layers' input
   gradients (B*W*4; Dense_0 reads the data, which needs none), plus the scalar.
+
+``communication/moe_ep``: redray's Mixtral (``redray.models``; 4 experts, top-2, the
+sizes above) with ``expert_axis=4`` (the experts split over the 4 devices, each
+device's tokens sent to their experts by all-to-all and back), against the ideal
+all-to-all bytes: a device sends each of its tokens' ``top_k`` hidden vectors to their
+experts and gets them back, in the forward pass and again (the transposes) in the
+backward: ``4 x L x (B*S / 4) x top_k x H x 4`` bytes (counting the whole buffer, as
+XLA's all-to-all does, including the quarter a device keeps). With a capacity factor of
+1 the slots are exactly that (the figure); dropless on XLA:CPU, whose all-to-all is
+fixed-size, every (device, expert) pair has a slot per token, experts / top_k times
+the ideal (``communication/moe_ep/dropless``).
+
+``communication/moe_tp`` has its own reference: the same step compiled with the specs a
+user writes by hand for Megatron-style tensor parallelism of these models (``rules=``,
+one rule per parameter, ``_others.MOE_MEGATRON_RULES``): q, k, v column and o row; each
+expert's gate and up split on its intermediate size, its down on its input; the router
+whole; the embedding split on the vocabulary, the LM head column; norms whole. Its value
+is the larger of the two models' (automatic bytes / hand-written bytes); ``detail`` has
+each model's bytes and collectives both ways, the automatic spec of every MoE parameter
+and every parameter whose automatic spec differs from the hand-written one.
 
 redray reaches these counts because it adds partial sums before reducing them
 (``redray/sharding/reductions.py``): all column layers that read one activation give
@@ -104,6 +129,7 @@ from common import HERE, figure, parser, save, simulate_devices  # noqa: E402
 
 simulate_devices(4)
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -121,8 +147,11 @@ KIND = {"gpt2": "decoder", "llama": "decoder", "opt": "decoder", "gptj": "parall
         "t5": "t5", "separate_qkv": "decoder", "parallel_residual": "parallel",
         "gpt2_layout": "decoder", "gemma": "decoder", "penzai_llama": "decoder",
         "dense12": "mlp"}
-CASES = tuple(KIND)
-TINY_CASES = ("llama", "t5", "separate_qkv", "parallel_residual", "dense12")
+MOE_TP = "moe_tp"  # the rules against hand-written specs on user-written MoE LMs
+MOE_EP = "moe_ep"  # expert parallelism's all-to-alls against their ideal
+EXPERTS, TOP_K = 4, 2  # redray's Mixtral of the moe_ep case
+CASES = (*KIND, MOE_TP, MOE_EP)
+TINY_CASES = ("llama", "t5", "separate_qkv", "parallel_residual", "dense12", MOE_TP, MOE_EP)
 # Cases redco's rules are also measured on, in redray's step (separate_qkv's tree with
 # Hugging Face Flax LLaMA names), and those compiled by redco's own step too.
 REDCO_CASES = (*FAMILIES, "separate_qkv", "dense12")
@@ -254,7 +283,100 @@ def memory_detail(trainer: redray.Trainer) -> dict:
             "left_whole": [f"{w.path} {w.shape}: {w.reason}" for w in trainer.runtime.whole]}
 
 
+def moe_setup(kind: str, s: Sizes, rules=()) -> tuple[redray.Trainer, list[dict]]:
+    """The Trainer (model_axis 4) of the user-written MoE LM ``kind`` (``_others.MOE_LMS``)
+    and a batch of its examples."""
+    import _others
+
+    model, loss_fn = _others.moe_lm(kind, s)
+    return _trainer(model, loss_fn, s.batch, rules), examples(kind, s)
+
+
+def spec_table(trainer: redray.Trainer) -> dict[str, str]:
+    """Parameter path -> its spec over the mesh, as ``P(None, 'model')`` (trailing
+    Nones dropped, so a rule's ``P()`` and a derived ``P(None, None)`` read alike)."""
+    paths, _, _ = flatten(trainer.runtime.abstract[0])
+    specs = jax.tree.leaves(trainer.runtime.specs[0], is_leaf=lambda x: isinstance(x, P))
+    table = {}
+    for path, spec in zip(paths, specs):
+        entries = list(spec)
+        while entries and entries[-1] is None:
+            entries.pop()
+        table[path] = f"P({', '.join(map(repr, entries))})"
+    return table
+
+
+def measure_moe_tp(s: Sizes) -> list[dict]:
+    """``communication/moe_tp``: the automatic rules' bytes over hand-written Megatron
+    specs' on each user-written MoE LM (the module docstring)."""
+    import _others
+
+    models, ratios = {}, {}
+    for kind in _others.MOE_LMS:
+        rules = _others.MOE_MEGATRON_RULES[kind]
+        auto, data = moe_setup(kind, s)
+        found = step_collectives(auto, data)
+        hand, _ = moe_setup(kind, s, rules)
+        hand_found = step_collectives(hand, data)
+        auto_specs, hand_specs = spec_table(auto), spec_table(hand)
+        uncovered = [p for p in hand_specs if not any(re.search(r, p) for r, _ in rules)]
+        if uncovered:
+            raise ValueError(f"the hand-written {kind} specs leave {uncovered} to the rules")
+        ratios[kind] = total_bytes(found) / total_bytes(hand_found)
+        models[kind] = {
+            "ratio": ratios[kind],
+            "bytes": {"automatic": total_bytes(found), "megatron": total_bytes(hand_found)},
+            "collectives": {"automatic": _nonzero(summarize(found)),
+                            "megatron": _nonzero(summarize(hand_found))},
+            "automatic_moe_specs": {p: v for p, v in auto_specs.items() if "/moe/" in p},
+            "differs_from_megatron": {p: f"{v} (megatron {hand_specs[p]})"
+                                      for p, v in auto_specs.items() if v != hand_specs[p]},
+            "left_whole": memory_detail(auto)["left_whole"]}
+    return [figure(
+        f"communication/{MOE_TP}", max(ratios.values()), "x",
+        f"hand-written Megatron specs on the same user-written MoE models (stacked einsum "
+        f"experts; a list of expert modules), model axis {MODEL_AXIS}", "<= 1.1", COMMAND,
+        models=models, sizes=dataclasses.asdict(s), experts=_others.EXPERTS,
+        top_k=_others.TOP_K)]
+
+
+def measure_moe_ep(s: Sizes) -> list[dict]:
+    """``communication/moe_ep``: the all-to-all bytes of redray's Mixtral step with
+    ``expert_axis=4`` over the ideal (the module docstring), with a capacity factor of 1
+    (the figure) and dropless (``/dropless``)."""
+    from transformers import MixtralConfig
+
+    figures = []
+    for capacity in (1.0, None):
+        c = MixtralConfig(num_hidden_layers=s.layers, hidden_size=s.hidden,
+                          num_attention_heads=s.heads, num_key_value_heads=s.heads,
+                          intermediate_size=s.intermediate, vocab_size=s.vocab,
+                          max_position_embeddings=s.seq, num_local_experts=EXPERTS,
+                          num_experts_per_tok=TOP_K, tie_word_embeddings=False)
+        c.capacity_factor = capacity
+        trainer = redray.Trainer(lambda rngs, c=c: build(c, rngs=rngs), collate, loss,
+                                 optax.adam(1e-3), batch_size=s.batch, expert_axis=MODEL_AXIS,
+                                 progress=False)
+        found = summarize(step_collectives(trainer, examples("llama", s)))
+        tokens = s.batch * s.seq // MODEL_AXIS  # a device's
+        ideal_bytes = 4 * s.layers * tokens * TOP_K * s.hidden * 4
+        name = f"communication/{MOE_EP}" + ("" if capacity else "/dropless")
+        figures.append(figure(
+            name, found["all-to-all"]["bytes"] / ideal_bytes, "x",
+            f"ideal all-to-all bytes, {ideal_bytes:,} B: 4 x layers x tokens per device x "
+            f"top_k x hidden x 4 B (expert axis {MODEL_AXIS}, "
+            + (f"capacity factor {capacity})" if capacity else "dropless)"),
+            "<= 1.1" if capacity else None, COMMAND, bytes=found["all-to-all"]["bytes"],
+            ideal_bytes=ideal_bytes, collectives=_nonzero(found), experts=EXPERTS,
+            top_k=TOP_K, capacity_factor=capacity, sizes=dataclasses.asdict(s)))
+    return figures
+
+
 def measure(case: str, s: Sizes, m: MlpSizes, redco_python: str | None) -> list[dict]:
+    if case == MOE_TP:
+        return measure_moe_tp(s)
+    if case == MOE_EP:
+        return measure_moe_ep(s)
     want = ideal(case, s, m)
     sizes = dataclasses.asdict(m if KIND[case] == "mlp" else s)
     trainer, data = setup(case, s, m)

@@ -127,7 +127,9 @@ def measure_model(name: str, family: str, s: Sizes, rounds: int, steps: int,
     tokens = s.batch * s.seq
     rows = [{"plan": c.describe(), "predicted_s": scored.cost.seconds,
              "measured_s": stats(times[c]), "tokens_per_s": tokens / np.median(times[c]),
-             "memory_planned": scored.memory["total"]}
+             "memory_planned": scored.memory["total"],
+             "cost": {k: getattr(scored.cost, k) for k in ("compute", "tensor", "gradients",
+                                                          "exposed", "overhead", "update")}}
             for scored in ranked for c in [scored.candidate]]
     best = max(rows, key=lambda r: r["tokens_per_s"])
     picked = next(r for r in rows if r["plan"] == pick.describe())
@@ -138,6 +140,7 @@ def measure_model(name: str, family: str, s: Sizes, rounds: int, steps: int,
             "pick_compiled_peak": peak, "budget": hardware.device_memory,
             "over_budget": int(peak > hardware.device_memory), "plans_run": len(rows),
             "plans_over_budget": len(ranking.over), "hardware": hardware.describe(),
+            "timing": ranking.timing.describe() if ranking.timing else None,
             "rows": rows}
 
 
@@ -206,8 +209,9 @@ def main(argv=None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--models", nargs="*", choices=sorted(MODELS), help="default: all")
     args = ap.parse_args(argv)
-    models = TINY if args.tiny else MODELS
+    models = TINY if args.tiny else {k: MODELS[k] for k in args.models or MODELS}
     rounds, steps = (1, 1) if args.tiny else (args.rounds, args.steps)
     measured = on_hosts(models, rounds, steps, 3 if args.tiny else None)
     for m in measured:
@@ -251,7 +255,7 @@ def main(argv=None) -> None:
 def json_lines(measured: list[dict]) -> str:
     import json
 
-    return "\n".join(json.dumps({k: v for k, v in m.items() if k != "rows"}) for m in measured)
+    return "\n".join(json.dumps(m) for m in measured)
 
 
 if __name__ == "__main__":
