@@ -247,11 +247,15 @@ def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():
         if shape["model"] == 1:  # nothing left whole: the FLOPs divide over the devices
             assert scored.cost.compute == pytest.approx(
                 timing.flops_per_example * 8 / devices * timing.seconds_per_flop)
-        assert scored.cost.overhead == pytest.approx(scored.accumulation * timing.fixed)
-        # every device updates what it holds: all of it when only the batch is split
+        # every device updates what it holds, and each micro-batch's per-parameter work
+        # is its share: all of it when only the batch is split
         held = elements / (shape["fsdp"] * shape["model"])
+        assert scored.cost.overhead <= scored.accumulation * timing.fixed * (1 + 1e-9)
+        if shape["fsdp"] * shape["model"] > 1 and timing.fixed > 0:
+            assert scored.cost.overhead < 0.9 * scored.accumulation * timing.fixed
         if shape["data"] == devices:
             assert scored.cost.update == pytest.approx(held * timing.update_per_element)
+            assert scored.cost.overhead == pytest.approx(scored.accumulation * timing.fixed)
         assert scored.cost.update <= elements * timing.update_per_element * (1 + 1e-9)
     assert live.describe()["plan"]["timed_example_ms"] == pytest.approx(
         timing.per_example * 1e3)

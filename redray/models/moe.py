@@ -191,6 +191,13 @@ class MoE(nnx.Module):
             out_specs=(rows, rows))(tokens, chosen, weights, gate_up, down)
 
 
+# rows (m, hidden) x kernels (experts, hidden, 2, inner) -> (m, 2, inner), row groups
+# by expert
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
 def dispatch(tokens, chosen, weights, gate_up, down, act, capacity: int | None = None):
     """Each token through its chosen experts, sorted by expert and grouped per matmul.
 
@@ -210,11 +217,10 @@ def dispatch(tokens, chosen, weights, gate_up, down, act, capacity: int | None =
     order = jnp.argsort(flat, stable=True)  # stable: token order inside each expert
     sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
     rows = tokens[order // k]
-    # gate and up as two grouped matmuls: each kernel's inner width stays one dimension
-    # (what tensor parallelism splits)
-    gate = jax.lax.ragged_dot(rows, gate_up[:, :, 0], sizes)
-    up = jax.lax.ragged_dot(rows, gate_up[:, :, 1], sizes)
-    y = jax.lax.ragged_dot(act(gate) * up, down, sizes)
+    # gate and up in one grouped matmul over the (experts, hidden, 2, inner) kernel: the
+    # inner width stays a dimension of its own (what tensor parallelism splits)
+    h = jax.lax.ragged_dot_general(rows, gate_up, sizes, _GROUPED)
+    y = jax.lax.ragged_dot(act(h[:, 0]) * h[:, 1], down, sizes)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = y[back].reshape(n, k, -1)
     kept = jnp.ones((n, k), jnp.float32)
@@ -258,9 +264,8 @@ def exchange(tokens, chosen, weights, gate_up, down, act, capacity: int | None,
                              tiled=True)
     x = got.reshape(ways, local, room, hidden).transpose(1, 0, 2, 3).reshape(
         local, ways * room, hidden)
-    gate = jnp.einsum("erh,ehf->erf", x, gate_up[:, :, 0])
-    up = jnp.einsum("erh,ehf->erf", x, gate_up[:, :, 1])
-    y = jnp.einsum("erf,efh->erh", act(gate) * up, down)
+    h = jnp.einsum("erh,ehgf->ergf", x, gate_up)
+    y = jnp.einsum("erf,efh->erh", act(h[:, :, 0]) * h[:, :, 1], down)
     y = y.reshape(local, ways, room, hidden).transpose(1, 0, 2, 3).reshape(
         ways, local * room, hidden)
     back = jax.lax.all_to_all(y, axis, 0, 0, tiled=True).reshape(experts * room, hidden)

@@ -281,8 +281,10 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     experts = expert_traffic(getattr(facts, "experts", ()), shape,
                              candidate.micro_batch_size * facts.tokens_per_example,
                              facts.compute_itemsize, recompute, geometry.accumulation)
+    total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
     cost = step_cost(flops, tensor, state, geometry.accumulation, shape, hosts, hardware,
-                     getattr(facts, "timing", None), elements, experts)
+                     getattr(facts, "timing", None), elements, experts,
+                     elements / total if total else 1.0)
     tokens = batch_size * facts.tokens_per_example / cost.seconds
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
     return Scored(candidate, geometry.accumulation, memory, cost, memory["total"] <= budget,
