@@ -238,7 +238,8 @@ def test_training_with_the_auxiliary_loss_and_expert_metrics():
 
 
 @pytest.mark.parametrize("axes", [dict(data_axis=4), dict(model_axis=4), dict(expert_axis=4),
-                                  dict(expert_axis=2, model_axis=2)])
+                                  dict(expert_axis=2, model_axis=2),
+                                  dict(expert_axis=2, fsdp_axis=2)])
 def test_a_split_step_equals_one_device_and_data_parallel_tokens_stay_home(axes):
     from redray.sharding import collectives
 
@@ -356,3 +357,23 @@ def test_the_plan_counts_active_parameters_and_the_planner_tries_expert_axes():
     with_experts = next(s for s in ranking.ranked if s.candidate.shape["expert"] == 4)
     assert with_experts.cost.experts > 0 and any(t.kind == "all-to-all"
                                                   for t in with_experts.cost.traffic)
+
+
+def test_the_memory_plan_counts_the_exchange_an_expert_axis_adds():
+    """Dropless, each (device, expert) pair holds a slot per token: experts / top_k times
+    the rows a dispatch of the device's own tokens keeps; with a capacity factor of 1,
+    the same rows, nothing added."""
+    from redray.models.memory import StepShape
+    from redray.models.plan import plan_model
+
+    step = StepShape(batch_size=8, seq_len=16)
+    config = CONFIGS["mixtral"]()
+    dropless = plan_model(config, 4, expert_axis=4, step=step)["memory"]["parts"]
+    tokens = 2 * 16  # a device's
+    rows = (config.num_local_experts - config.num_experts_per_tok) * tokens
+    per_row = (config.hidden_size + 3 * config.intermediate_size) * 4
+    assert dropless["expert_exchange"] == config.num_hidden_layers * rows * per_row
+    config.capacity_factor = 1.0
+    capped = plan_model(config, 4, expert_axis=4, step=step)["memory"]["parts"]
+    assert capped["expert_exchange"] == 0
+    assert "expert_exchange" not in plan_model(config, 4, step=step)["memory"]["parts"]

@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from redray.engine.program import activation_bytes
 from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.engine.steps import model_loss
-from redray.sharding import FSDP, MODEL, Parallelism, flatten
-from redray.sharding.cost import ModelTiming
+from redray.sharding import EXPERT, FSDP, MODEL, Parallelism, flatten
+from redray.sharding.cost import ModelTiming, expert_exchange_bytes
 from redray.sharding.hardware import Hardware
 from redray.sharding.memory import GATHERED_LAYERS, layer_gather_bytes, totals
 from redray.sharding.planner import Ranking, rank
@@ -111,9 +111,14 @@ class RuntimeFacts:
         acts = activation_bytes(self.runtime, self.loss, params_abs, None, extra, self.batch,
                                 per_device_batch, rows, parallelism.size(MODEL),
                                 self._residuals)
-        return totals({"parameters": params, "optimizer": int(self.optimizer_ratio * trained),
-                       "gradients": trained, "compute_copies": copies,
-                       "fsdp_gathered": gathered, "activations": acts}, None)
+        parts = {"parameters": params, "optimizer": int(self.optimizer_ratio * trained),
+                 "gradients": trained, "compute_copies": copies, "fsdp_gathered": gathered,
+                 "activations": acts}
+        if parallelism.size(EXPERT) > 1:  # the user's model keeps its own remat: none
+            parts["expert_exchange"] = expert_exchange_bytes(
+                self.experts, parallelism.shape, per_device_batch * self.tokens_per_example,
+                self.compute_itemsize)
+        return totals(parts, None)
 
 
 def choose(facts: RuntimeFacts, batch_size: int, hardware: Hardware, pinned: dict,

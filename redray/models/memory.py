@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from redray.models.layers import remat_policy
-from redray.sharding import FSDP, MODEL, Parallelism
+from redray.sharding import EXPERT, FSDP, MODEL, Parallelism
+from redray.sharding.cost import expert_exchange_bytes
 from redray.sharding.memory import (GATHERED_LAYERS, layer_gather_bytes, saved_residuals,
                                     split_residual_bytes, split_sizes, totals)
 
@@ -206,12 +207,14 @@ def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_
 
 def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelism,
                 step: StepShape, device_gib: float | None = None,
-                traces: dict | None = None) -> dict:
+                traces: dict | None = None, experts=()) -> dict:
     """Bytes per device of one training step of ``config``'s model on ``parallelism``
-    (built, or abstract) (see the module).
+    (built, or abstract) (see the module); ``experts``: its mixture-of-experts layers
+    (``redray.sharding.cost.ExpertLayers``), whose exchange an expert axis adds.
 
     Returns a JSON-ready dict: ``parts`` (name -> bytes per device: parameters,
-    optimizer, gradients, compute_copies, fsdp_gathered, activations, recompute),
+    optimizer, gradients, compute_copies, fsdp_gathered, activations, recompute, and on
+    an expert axis expert_exchange),
     ``total``, ``per_device_batch``, ``offloaded_to_host``, the ``step`` it is for and,
     with ``device_gib``, ``fits`` and ``device_bytes``.
     """
@@ -230,6 +233,10 @@ def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
     parts = {"parameters": params, "optimizer": opt_bytes, "gradients": params,
              "compute_copies": copies, "fsdp_gathered": gathered,
              "activations": acts["saved"], "recompute": acts["recompute"]}
+    if parallelism.size(EXPERT) > 1:
+        parts["expert_exchange"] = expert_exchange_bytes(
+            experts, parallelism.shape, per_device * step.seq_len, item,
+            every_layer=step.remat in ("none", "dots"))
     return {**totals(parts, device_gib), "per_device_batch": per_device,
             "activations_per_layer": acts["per_layer"], "offloaded_to_host": acts["host"],
             "step": dataclasses.asdict(step)}

@@ -263,7 +263,7 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
     if step is not None:
         try:
             memory = memory_plan(fam, config, param_rows, int(actual["opt"]), parallelism, step,
-                                 device_gib)
+                                 device_gib, experts=experts)
         except ValueError as e:
             raise PlanError(str(e)) from None
     elif device_gib is not None:
@@ -424,7 +424,7 @@ class ConfigFacts:
                                    * parallelism.data_parallel, remat=remat)
         params = sum(r.bytes_per_device for r in rows)
         return memory_plan(self.fam, self.config, rows, 2 * params, parallelism, step,
-                           traces=self._traces)
+                           traces=self._traces, experts=self.experts)
 
 
 def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,

@@ -324,6 +324,32 @@ def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_ite
             for e in layers]
 
 
+def expert_exchange_bytes(layers: Sequence[ExpertLayers], shape: dict[str, int], tokens: int,
+                          itemsize: int, every_layer: bool = True) -> int:
+    """What expert parallelism's exchange keeps per device for the backward pass beyond
+    what a dispatch of the device's own tokens keeps (the memory models trace that one):
+    per layer, experts x slots rows in place of the tokens' tokens x top_k assignments,
+    each row its hidden vector and its gate, up and gated outputs (3 x inner / model).
+    Equal with a capacity factor of 1; experts / top_k times as many rows dropless.
+
+    Args:
+      layers: the model's ``ExpertLayers``.
+      shape: the mesh's axis sizes (nothing without an expert axis).
+      tokens: tokens per device in a micro-batch.
+      itemsize: bytes per activation element.
+      every_layer: all layers keep theirs (no remat); False: one layer's at a time
+        (remat recomputes each layer's in its backward pass).
+    """
+    if shape[EXPERT.name] <= 1:
+        return 0
+    extra = 0
+    for e in layers:
+        rows = max(0, e.experts * e.slots(tokens) - tokens * e.top_k)
+        per_layer = rows * (e.hidden + 3 * e.inner // shape[MODEL.name]) * itemsize
+        extra += per_layer * (e.layers if every_layer else 1)
+    return extra
+
+
 def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> float:
     """Forward and backward FLOPs per example of the matmuls whose parameter the model
     axis leaves whole: every device of a tensor-parallel group runs them in full (the
