@@ -224,8 +224,8 @@ def _update_seconds(optimizer, mesh, spec) -> float:
 
 
 def _expert_layers(runtime: ModelRuntime) -> list:
-    """The model's mixture-of-experts layers (``redray.models.moe.expert_layers``); none
-    for a Linen model."""
+    """The model's mixture-of-experts layers (``redray.sharding.cost.expert_layers``);
+    none for a Linen model."""
     from flax import nnx
 
     from redray.sharding.cost import expert_layers

@@ -77,7 +77,6 @@ from jax.sharding import PartitionSpec as P
 
 from redray.models import layers
 from redray.models.hub import Tensor, linear
-
 from redray.sharding.activations import traced_mesh
 from redray.sharding.cost import ExpertLayers, expert_capacity
 from redray.sharding.parallelism import BATCH_AXES, EXPERT, MODEL
@@ -145,7 +144,6 @@ class MoE(nnx.Module):
         }
         return out.reshape(x.shape).astype(x.dtype), report
 
-
     def expert_layers(self) -> ExpertLayers:
         """This layer as the planner's cost model sees it (``cost.expert_layers``)."""
         shape = self.gate_up_proj.value.shape  # (stacked..., experts, hidden, 2, inner)
@@ -212,10 +210,8 @@ def dispatch(tokens, chosen, weights, gate_up, down, act, capacity: int | None =
       the assignment was computed, 0 where the capacity dropped it).
     """
     n, k = chosen.shape
-    experts = gate_up.shape[0]
     flat = chosen.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # stable: token order inside each expert
-    sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
+    order, sizes = _by_expert(flat, gate_up.shape[0])
     rows = tokens[order // k]
     # gate and up in one grouped matmul over the (experts, hidden, 2, inner) kernel: the
     # inner width stays a dimension of its own (what tensor parallelism splits)
@@ -225,11 +221,22 @@ def dispatch(tokens, chosen, weights, gate_up, down, act, capacity: int | None =
     y = y[back].reshape(n, k, -1)
     kept = jnp.ones((n, k), jnp.float32)
     if capacity is not None:
-        starts = jnp.cumsum(sizes) - sizes
-        rank = jnp.arange(n * k) - starts[flat[order]]
-        kept = (rank < capacity)[back].reshape(n, k).astype(jnp.float32)
+        kept = (_places(flat, order, sizes) < capacity)[back].reshape(n, k).astype(jnp.float32)
         weights = weights * kept.astype(weights.dtype)
     return (y * weights[..., None]).sum(1), kept
+
+
+def _by_expert(flat, experts: int) -> tuple:
+    """(the assignments ``flat`` sorted by expert, token order kept inside each expert;
+    each expert's count)."""
+    order = jnp.argsort(flat, stable=True)
+    return order, jnp.bincount(flat, length=experts).astype(jnp.int32)
+
+
+def _places(flat, order, sizes):
+    """Each sorted assignment's place among its expert's (0 for the first token)."""
+    starts = jnp.cumsum(sizes) - sizes
+    return jnp.arange(flat.shape[0]) - starts[flat[order]]
 
 
 def exchange(tokens, chosen, weights, gate_up, down, act, capacity: int | None,
@@ -251,10 +258,8 @@ def exchange(tokens, chosen, weights, gate_up, down, act, capacity: int | None,
     experts = local * ways
     room = n if capacity is None else capacity
     flat = chosen.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=experts)
-    starts = jnp.cumsum(sizes) - sizes
-    rank = jnp.zeros_like(flat).at[order].set(jnp.arange(n * k) - starts[flat[order]])
+    order, sizes = _by_expert(flat, experts)
+    rank = jnp.zeros_like(flat).at[order].set(_places(flat, order, sizes))  # token order
     kept = rank < room
     slot = jnp.where(kept, flat * room + rank, experts * room)  # dropped: off the end
     send = jnp.zeros((experts * room, hidden), tokens.dtype).at[slot].set(

@@ -58,18 +58,18 @@ def gathered_features(table: jax.Array) -> jax.Array:
     gather of the table before the lookup. XLA's partitioner otherwise looks up rows in
     a table split on its features over ``fsdp`` and then cannot move the result to the
     batch split but by replicating it."""
-    if _ROWS.get() is None or _ROWS.get()[1] <= 1:
+    active = _ROWS.get()
+    if active is None or active[1] <= 1:
         return table
-    mesh, _ = _ROWS.get()
+    mesh, _ = active
     return jax.lax.with_sharding_constraint(
         table, NamedSharding(mesh, P(P.UNCONSTRAINED, *(None,) * (table.ndim - 1))))
 
 
-def traced_mesh(*rows: int):
-    """The plan's mesh where a step is being traced on one whose batch axes divide every
-    one of ``rows``; else None (a model run on its own, an abstract trace, a short
-    batch)."""
+def traced_mesh(rows: int):
+    """The plan's mesh where a step is being traced on one whose batch axes divide
+    ``rows``; else None (a model run on its own, an abstract trace, a short batch)."""
     active = _ROWS.get()
-    if active is None or any(r % active[1] for r in rows):
+    if active is None or rows % active[1]:
         return None
     return active[0]

@@ -45,7 +45,7 @@ too: it is the pass's per-parameter work (weight gradients written and summed, e
 micro-batch again), which a plan that shards the parameters divides (measured on the
 wide LLaMA of ``benchmarks/planner.py``, 2 hosts x 4 CPU devices: charged whole, a
 fsdp 2 x model 4 plan at micro-batch 1 was predicted at 1.9x its measured step, and
-the plans' rank correlation was 0.77; charged at the share held, 0.89). The
+the plans' rank correlation was 0.77; charged at the share held, 1.14x and 0.85). The
 timed pass counts what a matmul rate misses (attention's softmax, norms, elementwise
 ops, every kernel's launch: on XLA:CPU a micro-batch of one example costs as much as
 an example's matmuls).
