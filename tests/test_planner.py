@@ -106,12 +106,16 @@ def test_an_all_to_all_sends_all_but_a_device_own_share_over_the_link_it_crosses
 
 
 def test_host_spans_follow_the_hybrid_mesh():
+    one = {"stage": (1, 1), "expert": (1, 1)}
     spans = host_spans({"data": 2, "fsdp": 2, "model": 2}, hosts=2)
-    assert spans == {"data": (1, 2), "fsdp": (2, 1), "expert": (1, 1), "model": (2, 1)}
+    assert spans == {**one, "data": (1, 2), "fsdp": (2, 1), "model": (2, 1)}
     spans = host_spans({"data": 1, "fsdp": 8, "model": 4}, hosts=4)  # fsdp 2 inside each host
-    assert spans == {"data": (1, 1), "fsdp": (2, 4), "expert": (1, 1), "model": (4, 1)}
+    assert spans == {**one, "data": (1, 1), "fsdp": (2, 4), "model": (4, 1)}
     spans = host_spans({"data": 2, "fsdp": 1, "expert": 4, "model": 2}, hosts=2)
-    assert spans == {"data": (1, 2), "fsdp": (1, 1), "expert": (4, 1), "model": (2, 1)}
+    assert spans == {**one, "data": (1, 2), "fsdp": (1, 1), "expert": (4, 1), "model": (2, 1)}
+    # stages cross the hosts before the data axis does
+    spans = host_spans({"stage": 2, "data": 2, "fsdp": 2}, hosts=2)
+    assert spans["stage"] == (1, 2) and spans["data"] == (2, 1)
     assert host_spans({"data": 4, "fsdp": 1, "model": 1}, hosts=1)["data"] == (4, 1)
 
 

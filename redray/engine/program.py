@@ -25,7 +25,7 @@ from redray.engine.state import StateLayout, TrainState, counters
 from redray.engine.steps import (eval_step, microbatched, model_gradients, model_loss,
                                  train_step, user_loss_fn)
 from redray.functions import UserFunctionError, UserFunctions, split_loss_output
-from redray.sharding import FSDP, MODEL, BatchGeometry, placement
+from redray.sharding import FSDP, MODEL, STAGE, BatchGeometry, placement
 from redray.sharding.memory import (GATHERED_LAYERS, compiled_memory, layer_gather_bytes,
                                     saved_residuals, split_residual_bytes, split_sizes, totals)
 
@@ -67,6 +67,7 @@ class TrainProgram:
         """Checks the user's functions on ``sample`` (a collated batch, traced
         abstractly), derives the specs and lays out the state."""
         micro = abstract_batch(sample, geometry.micro_rows)
+        runtime.micro_rows = geometry.micro_rows if runtime.parallelism.size(STAGE) > 1 else None
         metric_names = check_loss(runtime, functions.loss, micro)
         loss = functions.loss
         runtime.derive(
@@ -116,9 +117,11 @@ class TrainProgram:
         model, loss and optimizer, with the state's shardings and the state donated."""
         if "train" not in self.jitted:
             rt, g, plan = self.runtime, self.geometry, self.runtime.parallelism
+            # with pipeline stages the micro-batches are the pipeline's, in one pass
+            accumulation = 1 if rt.micro_rows else g.accumulation
             gradients = microbatched(
                 model_gradients(model_loss(rt.train_apply, self.functions.loss), self.grad_fn),
-                g.accumulation, g.micro_rows, plan.micro_batches_sharding(), self.metric_names)
+                accumulation, g.micro_rows, plan.micro_batches_sharding(), self.metric_names)
             self.jitted["train"] = jax.jit(
                 functools.partial(train_step, gradients=gradients, optimizer=self.optimizer,
                                   on_nonfinite=self.on_nonfinite),

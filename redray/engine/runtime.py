@@ -42,6 +42,9 @@ class ModelRuntime:
         self.abstract = abstract_state(self.adapter, self.init_key)
         self.specs = None
         self.whole: list = []  # layer parameters the rules left unsplit over model
+        # rows of one pipeline micro-batch over all devices (a plan with stages); None:
+        # a pass's rows are one micro-batch
+        self.micro_rows: int | None = None
 
     def use(self, parallelism: Parallelism) -> None:
         """Runs the model on ``parallelism`` (built) from now on."""
@@ -55,7 +58,7 @@ class ModelRuntime:
         model = self.adapter.bind(cast_floating(params, self.compute_dtype), extra, rng)
         plan = self.parallelism if planned else None
         with rows_split(None if plan is None else plan.mesh,
-                        1 if plan is None else plan.data_parallel):
+                        1 if plan is None else plan.data_parallel, self.micro_rows):
             out = fn(model, *args)
         return out, self.adapter.extra_of(model, extra)
 

@@ -119,9 +119,10 @@ class Block(nnx.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
 
     def __call__(self, x, cos, sin, mask, window, rope, cache, cache_index, train):
-        """``cos``, ``sin``: every rotary table stacked, this layer's at ``rope``;
+        """``cos``, ``sin``: every rotary table stacked on axis 1 (rows first), this
+        layer's at ``rope``;
         ``window``: this layer's sliding window (None or ``EVERY_KEY``: global)."""
-        attn, new_cache = self.self_attn(self.input_layernorm(x), cos[rope], sin[rope],
+        attn, new_cache = self.self_attn(self.input_layernorm(x), cos[:, rope], sin[:, rope],
                                          mask.windowed(window), cache, cache_index, train)
         x = x + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(x))
@@ -158,7 +159,7 @@ class Model(CausalLM):
         return x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
 
     def block_inputs(self, positions, mask) -> tuple[tuple, tuple]:
-        cos, sin = (jnp.stack(t) for t in zip(*(layers.rope_angles(positions, f)
+        cos, sin = (jnp.stack(t, axis=1) for t in zip(*(layers.rope_angles(positions, f)
                                                  for f in self.inv_freqs)))
         windows, ropes = self.layer_windows, self.layer_ropes
         if layers.is_stacked(self.layers):

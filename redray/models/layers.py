@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from redray.models import pipeline
 from redray.models.attention import AttentionMask, attend
-from redray.sharding.activations import constrain_rows, gathered_features
+from redray.sharding.activations import (constrain_rows, gathered_features, loop_unroll,
+                                         pipeline_stages)
 
 ACTIVATIONS: dict[str, Callable] = {
     "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
@@ -381,11 +383,20 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
     if cache is None:
         step = maybe_remat(_training_call(train, reports), remat if train else "none")
 
-        @nnx.scan(in_axes=(0, nnx.Carry, *broadcast, *scanned), out_axes=(nnx.Carry, 0))
+        @nnx.scan(in_axes=(0, nnx.Carry, *broadcast, *scanned), out_axes=(nnx.Carry, 0),
+                  unroll=loop_unroll())
         def forward(block, x, *a):
             x, report = step(block, x, *a)
             return constrain_rows(x), report
 
+        staged = pipeline_stages(x.shape[0])
+        if staged is not None:
+            if reports:
+                raise ValueError("aux=True (the experts' router statistics) is not available "
+                                 "with pipeline stages yet: train with stage_axis=1")
+            x = pipeline.run_stages(blocks, x, args, per_layer, train,
+                                    lambda b, h, a, own: forward(b, h, *a, *own)[0], *staged)
+            return x, None
         x, found = forward(blocks, x, *args, *per_layer)
         return (x, None, found) if reports else (x, None)
 

@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from redray.models.layers import remat_policy
-from redray.sharding import EXPERT, FSDP, MODEL, Parallelism
+from redray.sharding import EXPERT, FSDP, MODEL, STAGE, Parallelism
 from redray.sharding.cost import expert_exchange_bytes
-from redray.sharding.memory import (GATHERED_LAYERS, layer_gather_bytes, saved_residuals,
-                                    split_residual_bytes, split_sizes, totals)
+from redray.sharding.memory import (GATHERED_LAYERS, layer_gather_bytes, pipelined_parts,
+                                    saved_residuals, split_residual_bytes, split_sizes, totals)
 
 # Layer-count fields of a config, per model type (every other family: one field).
 LAYER_FIELDS = {"t5": ("num_layers", "num_decoder_layers")}
@@ -207,10 +207,12 @@ def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_
 
 def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelism,
                 step: StepShape, device_gib: float | None = None,
-                traces: dict | None = None, experts=()) -> dict:
+                traces: dict | None = None, experts=(), pipeline: bool = True) -> dict:
     """Bytes per device of one training step of ``config``'s model on ``parallelism``
     (built, or abstract) (see the module); ``experts``: its mixture-of-experts layers
-    (``redray.sharding.cost.ExpertLayers``), whose exchange an expert axis adds.
+    (``redray.sharding.cost.ExpertLayers``), whose exchange an expert axis adds;
+    ``pipeline``: on a stage axis, count what the pipeline's micro-batches hold
+    (``pipelined_parts``; False: one micro-batch's, the planner adds the rest).
 
     Returns a JSON-ready dict: ``parts`` (name -> bytes per device: parameters,
     optimizer, gradients, compute_copies, fsdp_gathered, activations, recompute, and on
@@ -218,7 +220,8 @@ def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
     ``total``, ``per_device_batch``, ``offloaded_to_host``, the ``step`` it is for and,
     with ``device_gib``, ``fits`` and ``device_bytes``.
     """
-    per_device = parallelism.step_geometry(step.batch_size, step.micro).micro_batch_size
+    geometry = parallelism.step_geometry(step.batch_size, step.micro)
+    per_device = geometry.micro_batch_size
     params = sum(r.bytes_per_device for r in param_rows)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model", 0)
     acts = activation_bytes(fam, config, step, per_device, parallelism.size(MODEL),
@@ -237,6 +240,9 @@ def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
         parts["expert_exchange"] = expert_exchange_bytes(
             experts, parallelism.shape, per_device * step.seq_len, item,
             every_layer=step.remat in ("none", "dots"))
+    if pipeline:
+        parts = pipelined_parts(parts, parallelism.size(STAGE), geometry.accumulation,
+                                per_device * step.seq_len * hidden * item)
     return {**totals(parts, device_gib), "per_device_batch": per_device,
             "activations_per_layer": acts["per_layer"], "offloaded_to_host": acts["host"],
             "step": dataclasses.asdict(step)}

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from redray.models.memory import StepShape, memory_plan
 from redray.sharding.memory import part_lines, size_text
-from redray.sharding import (AXES, EXPERT, FSDP, MODEL, PARAMETER_AXES, Parallelism,
+from redray.sharding import (AXES, EXPERT, FSDP, MODEL, PARAMETER_AXES, STAGE, Parallelism,
                              follow_specs, placement)
 from redray.sharding.parallelism import describe_shape
 from redray.sharding.rules import axes_of
@@ -134,8 +134,9 @@ def plan_parallelism(devices: int, rules=(), **sizes) -> Parallelism:
     return Parallelism.of(rules=rules, caller="redray plan", **sizes).abstract(devices)
 
 
-def abstract_model(config, dtype=jnp.float32):
-    """(family module, graphdef, abstract params, abstract extra) without allocating."""
+def abstract_model(config, dtype=jnp.float32, scan: bool = False):
+    """(family module, graphdef, abstract params, abstract extra) without allocating;
+    ``scan``: the layers stacked and scanned."""
     from flax import nnx
 
     from redray.models.hub import FAMILIES, family
@@ -150,9 +151,15 @@ def abstract_model(config, dtype=jnp.float32):
             raise
         raise PlanError(f"model_type {config.model_type!r} needs {e.name}, which this "
                         "install does not have") from None
-    abstract = nnx.eval_shape(lambda: fam.Model(config, rngs=fast_rngs(0), dtype=dtype))
+    abstract = nnx.eval_shape(lambda: fam.Model(config, rngs=fast_rngs(0), dtype=dtype,
+                                                scan=scan))
     graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
     return fam, graphdef, params, extra
+
+
+# Axes that split some parameters by design (a mixture of experts' experts, the stacked
+# layers): the others stay whole over them.
+SOME_PARAMETERS = (EXPERT, STAGE)
 
 
 def _spec_leaves(specs) -> list[P]:
@@ -165,10 +172,11 @@ def _axes(spec: P) -> set[str]:
 
 def _replicated_axes(spec: P, mesh_shape: dict) -> list[str]:
     """The axes meant to split parameters that ``spec`` leaves it whole over (the
-    expert axis splits a mixture of experts' experts only: not listed)."""
+    expert axis splits a mixture of experts' experts only, the stage axis the stacked
+    layers only: not listed)."""
     used = _axes(spec)
     return [a.name for a in PARAMETER_AXES if mesh_shape[a.name] > 1 and a.name not in used
-            and a is not EXPERT]
+            and a not in SOME_PARAMETERS]
 
 
 def plan_model(config, devices: int, model_axis: int = MODEL.default,
@@ -217,7 +225,8 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
                                    **axes)
     sizes, mesh = parallelism.shape, parallelism.mesh
     config = resolve_config(config)
-    fam, graphdef, params, extra = abstract_model(config)
+    # stages split the stacked layers: the model is built scanned for them
+    fam, graphdef, params, extra = abstract_model(config, scan=sizes[STAGE.name] > 1)
     whole: list = []
     param_specs, _ = model_specs(graphdef, (params, extra), parallelism,
                                  fam.trace_inputs(config), whole)
@@ -229,10 +238,10 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
     param_rows = placement(params, param_specs, mesh)
     opt_rows = placement(opt_abs, opt_specs, mesh)
 
-    def ideal_of(rows):  # the expert axis splits experts only: the rest by design whole
+    def ideal_of(rows):  # the expert and stage axes split some parameters by design
         return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize
                    / math.prod(sizes[a.name] for a in PARAMETER_AXES
-                               if a is not EXPERT or EXPERT.name in _axes(r.spec))
+                               if a not in SOME_PARAMETERS or a.name in _axes(r.spec))
                    for r in rows)
 
     actual = {"params": sum(r.bytes_per_device for r in param_rows),
@@ -320,6 +329,8 @@ def format_model_plan(result: dict, name: str | None = None) -> str:
                           if not a.splits_parameters)
     experts = (" (the expert axis divides the experts' share only)"
                if mesh.get(EXPERT.name, 1) > 1 else "")
+    if mesh.get(STAGE.name, 1) > 1:
+        experts += " (the stage axis divides the stacked layers' share only)"
     lines.append(f"ideal = total / ({over}){experts}; the {by_design} replicates by design.")
     lines.append("")
     threshold = size_text(result["replicated_min_bytes"])
@@ -380,10 +391,12 @@ class ConfigFacts:
       seq_len: tokens per example.
       compute_dtype: e.g. "bfloat16" (None: float32).
       loss_chunk: tokens whose logits exist at once (``next_token_loss(chunk=)``).
+      scan: the layers stacked and scanned (what pipeline stages split: the planner
+        then tries stage axes).
     """
 
     def __init__(self, config, seq_len: int, compute_dtype: str | None = None,
-                 loss_chunk: int | None = None):
+                 loss_chunk: int | None = None, scan: bool = False):
         from flax import nnx
 
         from redray.sharding.cost import expert_layers
@@ -392,14 +405,16 @@ class ConfigFacts:
         self.config = resolve_config(config)
         self.step = StepShape(batch_size=1, seq_len=seq_len, compute_dtype=compute_dtype,
                               loss_chunk=loss_chunk)
-        self.fam, graphdef, params, extra = abstract_model(self.config)
+        self.fam, graphdef, params, extra = abstract_model(self.config, scan=scan)
         self.paths, leaves, _ = flatten(params)
         self.shapes = [tuple(x.shape) for x in leaves]
         self.dtypes = [x.dtype for x in leaves]
         inputs = self.fam.trace_inputs(self.config)
 
         def forward(params, kwargs):
-            return nnx.merge(graphdef, params, extra)(**kwargs)
+            # the model's other state made in this trace (a scanned model's RNG counts
+            # enter its scan, which takes nothing from an outer trace)
+            return nnx.merge(graphdef, params, jax.tree.map(_fresh, extra))(**kwargs)
 
         self.trace = trace_tree(params, forward, (inputs,))
         self.experts = expert_layers(nnx.merge(graphdef, params, extra))
@@ -424,17 +439,25 @@ class ConfigFacts:
                                    * parallelism.data_parallel, remat=remat)
         params = sum(r.bytes_per_device for r in rows)
         return memory_plan(self.fam, self.config, rows, 2 * params, parallelism, step,
-                           traces=self._traces, experts=self.experts)
+                           traces=self._traces, experts=self.experts, pipeline=False)
+
+
+def _fresh(x):
+    """A value of ``x``'s shape and dtype (an abstract array's), made where it is called."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.split(jax.random.key(0), x.shape) if x.shape else jax.random.key(0)
+    return jnp.zeros(x.shape, x.dtype)
 
 
 def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
                 hardware, *, compute_dtype: str | None = None, loss_chunk: int | None = None,
                 rules=(), micro_batch_size: int | None = None, micro_rows: int | None = None,
-                remat: str | None = None, **axes):
+                remat: str | None = None, scan: bool = False, **axes):
     """Every plan of ``config``'s model on ``devices`` devices in ``hosts`` hosts, ranked
     by the planner (``redray.sharding.planner.rank``) on ``hardware``; what is given
     (axis sizes by keyword, ``micro_batch_size`` per device or ``micro_rows`` over all
-    devices, ``remat``) is kept.
+    devices, ``remat``) is kept. ``scan``: the model's layers stacked and scanned, so
+    the planner tries pipeline stages too.
 
     Raises:
       PlanError: an unsupported model, pinned sizes no plan takes, or no plan that fits
@@ -450,7 +473,7 @@ def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
         raise PlanError(f"{devices} devices do not split over {hosts} hosts: give a device "
                         f"count that is a multiple of {hosts}")
     Parallelism.of(caller="redray plan", **axes)  # an unknown keyword fails as such
-    facts = ConfigFacts(config, seq_len, compute_dtype, loss_chunk)
+    facts = ConfigFacts(config, seq_len, compute_dtype, loss_chunk, scan)
     try:
         return rank(facts, devices, hosts, batch_size, hardware,
                     pins(micro_batch_size=micro_batch_size, micro_rows=micro_rows, remat=remat,

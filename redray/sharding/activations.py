@@ -22,16 +22,18 @@ import contextvars
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from redray.sharding.parallelism import BATCH_AXES
+from redray.sharding.parallelism import BATCH_AXES, STAGE
 
 _ROWS: contextvars.ContextVar = contextvars.ContextVar("redray_rows", default=None)
+_UNROLL: contextvars.ContextVar = contextvars.ContextVar("redray_unroll", default=False)
 
 
 @contextlib.contextmanager
-def rows_split(mesh, ways: int):
+def rows_split(mesh, ways: int, micro_rows: int | None = None):
     """Within: ``constrain_rows`` splits rows over ``mesh``'s batch axes (``ways`` in
-    all); ``mesh`` None turns it off."""
-    token = _ROWS.set(None if mesh is None else (mesh, ways))
+    all); ``mesh`` None turns it off. ``micro_rows``: the rows of one pipeline
+    micro-batch over all devices (``pipeline``), None: a pass's rows are one."""
+    token = _ROWS.set(None if mesh is None else (mesh, ways, micro_rows))
     try:
         yield
     finally:
@@ -46,7 +48,7 @@ def constrain_rows(x: jax.Array, whole: bool = True) -> jax.Array:
     active = _ROWS.get()
     if active is None or active[1] <= 1 or x.ndim == 0 or x.shape[0] % active[1]:
         return x
-    mesh, _ = active
+    mesh = active[0]
     rest = None if whole else P.UNCONSTRAINED
     return jax.lax.with_sharding_constraint(
         x, NamedSharding(mesh, P(BATCH_AXES, *(rest,) * (x.ndim - 1))))
@@ -61,7 +63,7 @@ def gathered_features(table: jax.Array) -> jax.Array:
     active = _ROWS.get()
     if active is None or active[1] <= 1:
         return table
-    mesh, _ = active
+    mesh = active[0]
     return jax.lax.with_sharding_constraint(
         table, NamedSharding(mesh, P(P.UNCONSTRAINED, *(None,) * (table.ndim - 1))))
 
@@ -73,3 +75,38 @@ def traced_mesh(rows: int):
     if active is None or rows % active[1]:
         return None
     return active[0]
+
+
+def pipeline_stages(rows: int) -> tuple | None:
+    """(mesh, stages, micro-batches) where a step is being traced on a plan with a
+    stage axis larger than 1 and batch axes that divide ``rows``: the ``rows`` are cut
+    into micro-batches of the plan's ``micro_rows`` (one micro-batch where those do not
+    divide them: an evaluation's short batch); else None."""
+    active = _ROWS.get()
+    if active is None or rows % active[1]:
+        return None
+    mesh, ways, micro_rows = active
+    stages = mesh.shape.get(STAGE.name, 1)
+    if stages <= 1:
+        return None
+    micro_rows = micro_rows or rows
+    return mesh, stages, rows // micro_rows if rows % micro_rows == 0 else 1
+
+
+@contextlib.contextmanager
+def unrolled_loops():
+    """Within: the scan over a model's stacked layers and a pipeline's ticks are traced
+    unrolled (``loop_unroll``). XLA's cost analysis counts a loop's body once, whatever
+    its trip count: a program's FLOPs are read from its unrolled form
+    (``benchmarks/pipeline.py``)."""
+    token = _UNROLL.set(True)
+    try:
+        yield
+    finally:
+        _UNROLL.reset(token)
+
+
+def loop_unroll() -> int | bool:
+    """What the layer and tick scans pass as ``unroll``: True within
+    ``unrolled_loops``, else 1."""
+    return True if _UNROLL.get() else 1

@@ -72,6 +72,58 @@ def collectives(hlo: str) -> list[Collective]:
     return found
 
 
+_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
+_IOTA = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\]"
+                   r"(?:T\((?P<perm>[\d,]+)\))?")
+_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+                   r"(?:,\s*device_ids=\(\[(?P<ids>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?\))?"
+                   r"\s*\{(?P<over>[^}]*)\}")
+
+
+def device_groups(c: Collective, devices: int) -> list[list[int]]:
+    """The groups of (logical) devices a collective runs over: its replica groups
+    (listed, iota, or mesh form with its device order), a collective-permute's
+    (source, target) pairs, or every device (an empty replica group list)."""
+    import numpy as np
+
+    line = c.line
+    for pattern in (_PAIRS, _GROUPS):
+        m = pattern.search(line)
+        if m:
+            return [[int(x) for x in g.split(",") if x] for g in m.group(1)[1:-1].split("},{")]
+    m = _IOTA.search(line)
+    if m:
+        shape = [int(x) for x in m["shape"].split(",")]
+        ids = np.arange(math.prod(int(x) for x in m["dims"].split(","))).reshape(
+            [int(x) for x in m["dims"].split(",")])
+        if m["perm"]:
+            ids = ids.transpose([int(x) for x in m["perm"].split(",")])
+        return ids.reshape(shape).tolist()
+    m = _MESH.search(line)
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m["axes"])
+        names = [a for a, _ in axes]
+        ids = np.arange(math.prod(int(n) for _, n in axes))
+        if m["ids"]:  # the mesh's devices in the order of an iota (transposed)
+            ids = ids.reshape([int(x) for x in m["ids"].split(",")])
+            if m["perm"]:
+                ids = ids.transpose([int(x) for x in m["perm"].split(",")])
+        ids = ids.reshape([int(n) for _, n in axes])
+        over = [names.index(a) for a in re.findall(r"'([^']+)'", m["over"])]
+        rest = [k for k in range(len(names)) if k not in over]
+        moved = ids.transpose(rest + over)
+        return moved.reshape(-1, math.prod(ids.shape[k] for k in over)).tolist()
+    return [list(range(devices))]
+
+
+def spans(c: Collective, host_of: list[int]) -> bool:
+    """Whether a collective moves data between hosts: a group (or pair) of its devices
+    on more than one host. ``host_of``: each logical device's host (the compiled
+    program's device order: its mesh's devices, flattened)."""
+    return any(len({host_of[d] for d in g}) > 1 for g in device_groups(c, len(host_of)))
+
+
 def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
     """kind -> {"count": instructions, "operands": buffers, "bytes": total} for every kind."""
     out = {kind: {"count": 0, "operands": 0, "bytes": 0} for kind in KINDS}

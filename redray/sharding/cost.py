@@ -19,6 +19,11 @@ specs, as XLA's SPMD partitioner inserts them for redray's step:
 * expert parallelism (a mixture of experts' experts split over ``expert``): each
   layer's tokens go to their experts' devices and back by all-to-all, twice in the
   forward pass and twice in the backward (``expert_traffic``); on the critical path.
+* pipeline stages (the stacked layers split over ``stage``): at each of the ``M + S -
+  1`` ticks of the schedule a micro-batch's hidden states go to the next stage and, in
+  the backward pass, their gradients back, point to point (``stage_traffic``); on the
+  critical path. The layers' FLOPs and per-micro-batch costs stretch by the bubble,
+  ``(M + S - 1) / M`` (``redray.models.pipeline.flops_ratio``).
 
 Read against XLA's compiled steps on 4 CPU devices (tests/test_planner.py): the bytes of
 a tensor-parallel, FSDP, data-parallel step, and one split over both ``fsdp`` and
@@ -59,7 +64,8 @@ from typing import Sequence
 
 from redray.sharding.dataflow import Trace
 from redray.sharding.hardware import Hardware, Link
-from redray.sharding.parallelism import AXES, BATCH_AXES, EXPERT, FSDP, MODEL, hybrid_shapes
+from redray.sharding.parallelism import (AXES, BATCH_AXES, EXPERT, FSDP, MODEL, STAGE,
+                                         hybrid_shapes)
 from redray.sharding.rules import axes_of
 
 
@@ -96,6 +102,7 @@ class StepCost:
       traffic: every collective.
       update: the optimizer's pass over the parameters a device holds (where timed).
       experts: expert parallelism's all-to-alls (critical path).
+      pipeline: pipeline stages' point-to-point passes (critical path).
     """
     compute: float
     tensor: float
@@ -105,11 +112,12 @@ class StepCost:
     traffic: tuple[Traffic, ...]
     update: float = 0.0
     experts: float = 0.0
+    pipeline: float = 0.0
 
     @property
     def seconds(self) -> float:
         return (self.compute + self.tensor + self.exposed + self.overhead + self.update
-                + self.experts)
+                + self.experts + self.pipeline)
 
     def bytes(self, axes: Sequence[str] | None = None) -> float:
         """Bytes of every collective of a step (over ``axes``' groups only, if given)."""
@@ -178,6 +186,9 @@ def collective_seconds(kind: str, nbytes: float, inside: int, across: int,
             return 0.0
         return steps * ((n - 1) / n * size / link.bandwidth + (n - 1) * link.latency)
 
+    if kind == "collective-permute":  # point to point: each device sends its buffer once
+        link = hardware.inter if across > 1 else hardware.intra
+        return nbytes / link.bandwidth + link.latency
     if kind == "all-to-all":  # each device keeps 1/n of the buffer, sends the rest
         n = inside * across
         own = nbytes * (inside - 1) / n / hardware.intra.bandwidth + \
@@ -324,6 +335,41 @@ def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_ite
             for e in layers]
 
 
+def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
+                  act_itemsize: int, micro_batches: int) -> list[Traffic]:
+    """Pipeline parallelism's traffic (``redray.models.pipeline``), per step:
+
+    - at each of the ``M + S - 1`` ticks, every stage's slot (one micro-batch's hidden
+      states) to the next stage, and in the backward pass its gradient back:
+      ``2 (M + S - 1)`` point-to-point passes;
+    - the first stage's input gradient (the embeddings run on every stage, their
+      output is read on the first): an all-reduce over ``stage`` per tick;
+    - the output, ``M / S`` micro-batches to each stage for the head (where ``S``
+      divides ``M``), and its gradient back: ``(S - 1) / S`` of ``M`` micro-batches,
+      twice.
+
+    Args:
+      shape: the mesh's axis sizes.
+      rows: examples per device in a micro-batch; tokens: tokens per example.
+      hidden: the hidden states' width; act_itemsize: bytes per element.
+      micro_batches: ``M``.
+    """
+    stages = shape.get(STAGE.name, 1)
+    if stages <= 1:
+        return []
+    slot = rows * tokens * hidden * act_itemsize
+    ticks = micro_batches + stages - 1
+    out = [Traffic("collective-permute", slot, (STAGE.name,), 2 * ticks,
+                   "pipeline: hidden states to the next stage, gradients back", True),
+           Traffic("all-reduce", slot, (STAGE.name,), ticks,
+                   "pipeline: the first stage's input gradient", True)]
+    if micro_batches % stages == 0:
+        out.append(Traffic("collective-permute", slot * micro_batches * (stages - 1) / stages,
+                           (STAGE.name,), 2, "pipeline: the output to each stage's rows of "
+                           "the head, gradients back", True))
+    return out
+
+
 def expert_exchange_bytes(layers: Sequence[ExpertLayers], shape: dict[str, int], tokens: int,
                           itemsize: int, every_layer: bool = True) -> int:
     """What expert parallelism's exchange keeps per device for the backward pass beyond
@@ -367,8 +413,11 @@ def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> f
 def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_itemsize: int,
                   hardware: Hardware, recompute: bool = False,
                   accumulation: int = 1) -> list[Traffic]:
-    """The FSDP gathers and gradient reductions of a step (see the module docstring)."""
+    """The FSDP gathers and gradient reductions of a step (see the module docstring).
+    With pipeline stages the parameters the stages hold whole (embeddings, head) see
+    rows split over ``stage`` too: their gradients are summed over it as well."""
     out = []
+    head_rows = (STAGE.name,)
     for param in params:
         if not param.trained:
             continue
@@ -382,13 +431,13 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
             kind = "reduce-scatter" if hardware.reduce_scatter else "all-reduce"
             out.append(Traffic(kind, elements * param.itemsize, (FSDP.name,), accumulation,
                                "FSDP: a gradient reduced onto its shards", False))
-            rest = tuple(a for a in BATCH_AXES if a != FSDP.name and a not in axes
-                         and shape[a] > 1)
+            rest = tuple(a for a in (*BATCH_AXES, *head_rows) if a != FSDP.name
+                         and a not in axes and shape[a] > 1)
             if rest:
                 out.append(Traffic("all-reduce", elements / shape[FSDP.name] * param.itemsize,
                                    rest, 1, "data parallel: a gradient shard", False))
             continue
-        group = tuple(a for a in BATCH_AXES if a not in axes and shape[a] > 1)
+        group = tuple(a for a in (*BATCH_AXES, *head_rows) if a not in axes and shape[a] > 1)
         if group:
             out.append(Traffic("all-reduce", elements * param.itemsize, group, 1,
                                "data parallel: a gradient", False))
@@ -398,7 +447,8 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
 def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumulation: int,
               shape: dict[str, int], hosts: int, hardware: Hardware,
               timing: ModelTiming | None = None, elements: float = 0.0,
-              experts: Sequence[Traffic] = (), held: float = 1.0) -> StepCost:
+              experts: Sequence[Traffic] = (), held: float = 1.0,
+              stages: Sequence[Traffic] = ()) -> StepCost:
     """The predicted step.
 
     Args:
@@ -413,6 +463,7 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
       experts: expert parallelism's all-to-alls (``expert_traffic``).
       held: the share of the trained parameters one device holds (``elements`` over
         all of them): the timed cost per micro-batch is charged at this share.
+      stages: pipeline parallelism's traffic (``stage_traffic``).
     """
     spans = host_spans(shape, hosts)
     if timing is None:
@@ -425,5 +476,6 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
     state_s = sum(traffic_seconds(t, spans, hardware) for t in state)
     exposed = max(0.0, state_s - hardware.overlap * compute)
     experts_s = sum(traffic_seconds(t, spans, hardware) for t in experts)
+    stages_s = sum(traffic_seconds(t, spans, hardware) for t in stages)
     return StepCost(compute, tensor_s, state_s, exposed, accumulation * per_micro,
-                    (*tensor, *state, *experts), update, experts_s)
+                    (*tensor, *state, *experts, *stages), update, experts_s, stages_s)

@@ -91,6 +91,22 @@ def layer_gather_bytes(param_rows, fsdp: int) -> int:
     return max(sizes, default=0)
 
 
+def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int) -> dict:
+    """A step's memory ``parts`` (for one micro-batch of one device, as the memory
+    models count it) on ``stages`` pipeline stages over ``micro_batches`` micro-batches
+    (``redray/models/pipeline.py``, GPipe): each stage keeps what its ``L/S`` layers
+    save for every micro-batch until the backward pass, and the head's residuals of its
+    ``M/S`` micro-batches' rows, so the saved activations are ``M/S`` times one
+    micro-batch's; the pipeline's buffers add the micro-batches' inputs and outputs
+    (``2 M`` hidden states of ``act_bytes``) and the two slots in flight."""
+    if stages <= 1:
+        return parts
+    out = dict(parts)
+    out["activations"] = parts.get("activations", 0) * micro_batches / stages
+    out["pipeline_buffers"] = (2 * micro_batches + 2) * act_bytes
+    return out
+
+
 def totals(parts: dict, device_gib: float | None) -> dict:
     """``parts``, their ``total`` and, with ``device_gib``, ``device_bytes`` and ``fits``."""
     out = {"parts": {k: int(v) for k, v in parts.items()}, "total": int(sum(parts.values()))}
@@ -149,6 +165,8 @@ PART_LABELS = {
     "fsdp_gathered": f"fsdp gather ({GATHERED_LAYERS} layers)",
     "activations": "activations (saved)",
     "recompute": "recompute (1 layer)",
+    "expert_exchange": "expert exchange slots",
+    "pipeline_buffers": "pipeline buffers",
 }
 
 

@@ -25,13 +25,14 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
-from redray.sharding.rules import (ExpertParallel, Fsdp, LargeOver, SpecPass, TensorParallel,
-                                   UserRules)
+from redray.sharding.rules import (ExpertParallel, Fsdp, LargeOver, SpecPass, StageParallel,
+                                   TensorParallel, UserRules)
 
 # Where an axis lies when the mesh spans hosts.
 INSIDE = "inside"  # within one host: its collectives stay on the fast link (NVLink, ICI)
 PREFER_INSIDE = "prefer inside"  # within a host as far as it fits, the rest across hosts
 ACROSS = "across"  # what the others leave: across hosts
+OUTER = "outer"  # across hosts before any other axis: inside a host only where room is left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,8 @@ class Axis:
       splits_batch: the batch's leading dimension is split over it.
       splits_parameters: parameters are split over it (else each device of the axis
         holds them whole, as data parallelism does by design).
-      hosts: ``INSIDE``, ``PREFER_INSIDE`` or ``ACROSS``: where it lies on several hosts.
+      hosts: ``INSIDE``, ``PREFER_INSIDE``, ``ACROSS`` or ``OUTER``: where it lies on
+        several hosts.
       doc: what it does, in a line.
       shown_at_one: named in a plan's description when its size is 1 (an axis only some
         models use, as experts, is named only where it splits something).
@@ -60,6 +62,10 @@ class Axis:
     shown_at_one: bool = True
 
 
+STAGE = Axis("stage", "stage_axis", 1, False, True, OUTER,
+             "pipeline parallelism: the scanned layers split into stages, micro-batches "
+             "passed from stage to stage (only activations cross it)",
+             shown_at_one=False)
 DATA = Axis("data", "data_axis", "auto", True, False, ACROSS,
             "data parallelism: each device a replica of the model, a part of the batch")
 FSDP = Axis("fsdp", "fsdp_axis", 1, True, True, PREFER_INSIDE,
@@ -72,7 +78,7 @@ MODEL = Axis("model", "model_axis", 1, False, True, INSIDE,
              "tensor parallelism: layers split, one all-reduce per column/row pair")
 
 # In mesh order: the last is innermost, its peers neighbours in the device order.
-AXES: tuple[Axis, ...] = (DATA, FSDP, EXPERT, MODEL)
+AXES: tuple[Axis, ...] = (STAGE, DATA, FSDP, EXPERT, MODEL)
 BATCH_AXES: tuple[str, ...] = tuple(a.name for a in AXES if a.splits_batch)
 KEYWORDS: tuple[str, ...] = tuple(a.keyword for a in AXES)
 # The axes that split parameters, innermost first.
@@ -135,11 +141,12 @@ def hybrid_shapes(shape: Sequence[int], processes: int,
     """(across hosts, inside a host) shapes of a mesh of ``shape`` (``AXES`` order) over
     ``processes`` hosts of ``local`` devices: ``INSIDE`` axes wholly inside a host (their
     collectives on the fast interconnect), ``PREFER_INSIDE`` ones inside as far as
-    they fit, ``ACROSS`` ones take the rest; None when an ``INSIDE`` axis needs more
-    devices than a host has."""
+    they fit, ``ACROSS`` ones take the rest, and ``OUTER`` ones (pipeline stages) are
+    the first to cross hosts; None when an ``INSIDE`` axis needs more devices than a
+    host has."""
     inside = [1] * len(AXES)
     room = local
-    for where in (INSIDE, PREFER_INSIDE, ACROSS):
+    for where in (INSIDE, PREFER_INSIDE, ACROSS, OUTER):
         for k, axis in enumerate(AXES):
             if axis.hosts != where:
                 continue
@@ -190,11 +197,17 @@ def device_grid(devices: Sequence[jax.Device], shape: Sequence[int]) -> np.ndarr
 class BatchGeometry:
     """How one global batch is cut: over devices, into micro-batches, over processes.
 
+    A micro-batch is what one device runs through the layers at a time. Without pipeline
+    stages the micro-batches of an update run one after the other (gradient
+    accumulation); with stages they are the pipeline's micro-batches, which the stages
+    work on at once (``redray/models/pipeline.py``). Either way one update sees the
+    whole batch and the loss and gradients are the same.
+
     Attributes:
       batch_size: examples per optimizer update (the global batch).
       data_parallel: how many ways each micro-batch is split (the batch axes' product).
-      micro_batch_size: examples per device in one forward/backward pass.
-      accumulation: micro-batches per update (gradient accumulation).
+      micro_batch_size: examples per device in one micro-batch.
+      accumulation: micro-batches per update (accumulated, or pipelined with stages).
       process_rows: the rows of a global batch this process's devices hold.
     """
     batch_size: int
@@ -213,6 +226,16 @@ class BatchGeometry:
         """How many distinct parts of a batch the processes feed (hosts holding the same
         rows, as when a batch is replicated across hosts, count once)."""
         return self.batch_size // (self.process_rows.stop - self.process_rows.start)
+
+
+def default_micro_batches(rows: int, stages: int) -> int:
+    """How many micro-batches a batch of ``rows`` per data-parallel group is cut into
+    when the user does not say: 1 without stages (no accumulation); with ``S`` stages
+    the fewest that are at least ``4 S`` and divide the rows (the bubble, ``S - 1`` of
+    ``M + S - 1`` ticks, then under a fifth of the schedule), else one per row."""
+    if stages <= 1:
+        return 1
+    return next((m for m in range(4 * stages, rows + 1) if rows % m == 0), rows)
 
 
 def _check_batch_size(batch_size) -> None:
@@ -383,7 +406,8 @@ class Parallelism:
                              f"data-parallel devices ({batch_axes_text(self.shape)} axes): use a "
                              f"multiple of {dp}")
         if micro_batch_size is None:
-            micro_batch_size = batch_size // dp
+            micro_batch_size = batch_size // dp // default_micro_batches(
+                batch_size // dp, self.size(STAGE))
         elif isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) \
                 or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be a positive int, got "
@@ -413,18 +437,19 @@ class Parallelism:
         return self.geometry(batch_size, micro_rows // dp)
 
     def spec_passes(self) -> tuple[SpecPass, ...]:
-        """The spec passes, in order: the user's rules (they win), tensor parallelism
-        over ``model`` from the dataflow, the experts of a mixture of experts over
-        ``expert``, ZeRO-3 over ``fsdp``, and large arrays no rule split over ``model``
-        sharded over it as well."""
-        return (UserRules(self.rules), TensorParallel(MODEL.name), ExpertParallel(EXPERT.name),
-                Fsdp(FSDP.name), LargeOver(MODEL.name, with_axis=FSDP.name))
+        """The spec passes, in order: the user's rules (they win), the stacked layers
+        of a scanned model over ``stage``, tensor parallelism over ``model`` from the
+        dataflow, the experts of a mixture of experts over ``expert``, ZeRO-3 over
+        ``fsdp``, and large arrays no rule split over ``model`` sharded over it as well."""
+        return (UserRules(self.rules), StageParallel(STAGE.name), TensorParallel(MODEL.name),
+                ExpertParallel(EXPERT.name), Fsdp(FSDP.name),
+                LargeOver(MODEL.name, with_axis=FSDP.name))
 
 
 def make_mesh(data_axis=DATA.default, fsdp_axis=FSDP.default, model_axis=MODEL.default,
               devices: Sequence[jax.Device] | None = None,
-              expert_axis=EXPERT.default) -> Mesh:
-    """Builds the mesh (data, fsdp, expert, model) over ``devices`` (default: all).
+              expert_axis=EXPERT.default, stage_axis=STAGE.default) -> Mesh:
+    """Builds the mesh (stage, data, fsdp, expert, model) over ``devices`` (default: all).
 
     Args:
       data_axis: data-parallel size, or "auto" for what the other axes leave.
@@ -434,12 +459,14 @@ def make_mesh(data_axis=DATA.default, fsdp_axis=FSDP.default, model_axis=MODEL.d
       devices: the devices to span; ``jax.devices()`` (every host's) by default.
       expert_axis: expert-parallel size (splits a mixture of experts' experts, and the
         batch for every other layer); "auto" for what is left.
+      stage_axis: pipeline stages (the scanned layers split into consecutive stages).
 
     At most one axis may be "auto"; it takes the devices the others leave.
 
     Returns:
-      A ``jax.sharding.Mesh`` with axis names ``("data", "fsdp", "expert", "model")``.
+      A ``jax.sharding.Mesh`` with axis names
+      ``("stage", "data", "fsdp", "expert", "model")``.
     """
     plan = Parallelism.of(data_axis=data_axis, fsdp_axis=fsdp_axis, model_axis=model_axis,
-                          expert_axis=expert_axis)
+                          expert_axis=expert_axis, stage_axis=stage_axis)
     return plan.build(devices).mesh

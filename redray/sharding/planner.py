@@ -18,11 +18,12 @@ import math
 from typing import Protocol, Sequence
 
 from redray.sharding.cost import (ModelTiming, Parameter, StepCost, expert_traffic,
-                                  state_traffic, step_cost, tensor_traffic, whole_flops)
+                                  stage_traffic, state_traffic, step_cost, tensor_traffic,
+                                  whole_flops)
 from redray.sharding.dataflow import Trace
 from redray.sharding.hardware import Hardware
-from redray.sharding.memory import size_text
-from redray.sharding.parallelism import (AXES, EXPERT, INSIDE, MODEL, Parallelism,
+from redray.sharding.memory import pipelined_parts, size_text, totals
+from redray.sharding.parallelism import (AXES, EXPERT, INSIDE, MODEL, STAGE, Parallelism,
                                          axis_defaults, describe_shape, hybrid_shapes)
 from redray.sharding.placement import Placement, placement
 from redray.sharding.rules import partition_specs
@@ -160,7 +161,8 @@ def _loses_on(best: StepCost, other: StepCost) -> str:
              other.tensor - best.tensor, "gradient and FSDP traffic":
              other.exposed - best.exposed, "micro-batch overhead": other.overhead - best.overhead,
              "optimizer update": other.update - best.update,
-             "expert all-to-all traffic": other.experts - best.experts}
+             "expert all-to-all traffic": other.experts - best.experts,
+             "pipeline traffic": other.pipeline - best.pipeline}
     part = max(parts, key=parts.get)
     if parts[part] > 0:
         return f"more {part}: +{parts[part] * 1e3:.3g} ms"
@@ -203,7 +205,8 @@ def axis_sizes(devices: int, hosts: int, pinned: dict) -> list[dict[str, int]]:
 
 
 def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequence[str],
-               pinned: dict | None = None, experts: int = 0) -> list[Candidate]:
+               pinned: dict | None = None, experts: int = 0,
+               layers: int = 0) -> list[Candidate]:
     """Every candidate of the grid (see the module docstring).
 
     Args:
@@ -215,10 +218,15 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
       experts: the experts of the model's mixture-of-experts layers (their greatest
         common divisor), 0 for a dense model: the expert axis takes the sizes that
         divide it (a dense model's only 1: it would be the data axis by another name).
+      layers: the stacked (scanned) layers of the model, 0 where it has none: the stage
+        axis takes the sizes that divide them, with at least as many micro-batches as
+        stages (a model without stacked layers cannot be pipelined: only 1).
     """
     pinned = dict(pinned or {})
     if not experts:
         pinned.setdefault(EXPERT.keyword, 1)
+    if not layers:
+        pinned.setdefault(STAGE.keyword, 1)
     micro_pin = pinned.pop("micro_batch_size", None)
     rows_pin = pinned.pop("micro_rows", None)
     remat_pin = pinned.pop("remat", None)
@@ -226,6 +234,9 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     out = []
     for sizes in axis_sizes(devices, hosts, pinned):
         if experts and experts % sizes[EXPERT.keyword]:
+            continue
+        stages = sizes[STAGE.keyword]
+        if layers % stages:
             continue
         dp = math.prod(sizes[a.keyword] for a in AXES if a.splits_batch)
         if batch_size % dp:
@@ -237,7 +248,7 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
             micro_pin = rows_pin // dp
         micros = [micro_pin] if micro_pin is not None else _divisors(per_device)
         for micro in micros:
-            if per_device % micro:
+            if per_device % micro or (stages > 1 and per_device // micro < stages):
                 continue
             for remat in remats:
                 out.append(Candidate(tuple(sizes.items()), micro, remat))
@@ -255,21 +266,31 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     if key not in cache:
         specs = partition_specs(plan.spec_passes(), facts.paths, facts.shapes, facts.dtypes,
                                 shape, facts.trace if shape[MODEL.name] > 1
-                                or shape[EXPERT.name] > 1 else None)
+                                or shape[EXPERT.name] > 1 or shape[STAGE.name] > 1 else None)
         cache[key] = specs
     specs = cache[key]
     rows = _placement(facts, specs, plan)
     geometry = plan.geometry(batch_size, candidate.micro_batch_size)
+    stages, micro_batches = shape[STAGE.name], geometry.accumulation
+    # with stages the micro-batches are the pipeline's: M + S - 1 ticks, each running
+    # a stage's share of the layers
+    ticks = micro_batches + stages - 1 if stages > 1 else micro_batches
     memory = facts.memory(plan, rows, candidate.micro_batch_size, candidate.remat)
+    slot = candidate.micro_batch_size * facts.tokens_per_example * _hidden(facts) \
+        * facts.compute_itemsize
+    if stages > 1:
+        memory = totals(pipelined_parts(memory["parts"], stages, micro_batches, slot), None)
     params = [Parameter(tuple(s), _itemsize(d), tuple(spec))
               for s, d, spec in zip(facts.shapes, facts.dtypes, specs)]
     recompute = candidate.remat != "none"
     tensor = [] if facts.trace is None else tensor_traffic(
         facts.trace, params, shape, candidate.micro_batch_size / facts.trace_examples,
-        facts.compute_itemsize, recompute, geometry.accumulation)
-    state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute,
-                          geometry.accumulation)
+        facts.compute_itemsize, recompute, ticks / stages)
+    state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute, ticks)
     flops = facts.flops(candidate.remat) * batch_size / devices
+    if stages > 1:  # the bubble: the layers run on M + S - 1 slots, M of them real
+        share = layer_share(facts)
+        flops *= share * ticks / micro_batches + 1 - share
     model = shape[MODEL.name]
     if model > 1 and facts.trace is not None:  # layers left whole run whole on each device
         rerun = facts.flops(candidate.remat) / facts.flops("none")
@@ -282,9 +303,11 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
                              candidate.micro_batch_size * facts.tokens_per_example,
                              facts.compute_itemsize, recompute, geometry.accumulation)
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
-    cost = step_cost(flops, tensor, state, geometry.accumulation, shape, hosts, hardware,
+    pipeline = stage_traffic(shape, candidate.micro_batch_size, facts.tokens_per_example,
+                             _hidden(facts), facts.compute_itemsize, micro_batches)
+    cost = step_cost(flops, tensor, state, ticks, shape, hosts, hardware,
                      getattr(facts, "timing", None), elements, experts,
-                     elements / total if total else 1.0)
+                     elements / total if total else 1.0, pipeline)
     tokens = batch_size * facts.tokens_per_example / cost.seconds
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
     return Scored(candidate, geometry.accumulation, memory, cost, memory["total"] <= budget,
@@ -302,7 +325,8 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
     budget = hardware.device_memory * (1 - margin)
     layers = getattr(facts, "experts", ())
     grid = candidates(devices, hosts, batch_size, facts.remat_policies, pinned,
-                      math.gcd(*(e.experts for e in layers)) if layers else 0)
+                      math.gcd(*(e.experts for e in layers)) if layers else 0,
+                      stacked_layers(facts))
     if not grid:
         raise ValueError(f"no plan of {devices} devices on {hosts} host(s) takes a batch of "
                          f"{batch_size} with {pinned or 'nothing'} pinned: check that the "
@@ -324,6 +348,37 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
             f"{size_text(smallest.memory['total'])}. Use more devices, a smaller batch or "
             "sequence, compute_dtype='bfloat16', or unpin what you pinned")
     return ranking
+
+
+def stacked_layers(facts: ModelFacts) -> int:
+    """How many layers the model stacks on a leading axis and scans (what pipeline
+    stages split), 0 where it stacks none."""
+    if facts.trace is None:
+        return 0
+    counts = {facts.shapes[i][min(d)] for i, d in facts.trace.scanned.items() if d}
+    return math.gcd(*counts) if counts else 0
+
+
+def layer_share(facts: ModelFacts) -> float:
+    """The share of a step's matmul FLOPs in the stacked layers, from the parameters:
+    the stacked ones against them plus the largest other (the LM head, or the token
+    embedding read backwards)."""
+    scanned = facts.trace.scanned if facts.trace is not None else {}
+    stacked = sum(math.prod(facts.shapes[i]) for i in scanned)
+    others = [math.prod(s) for i, s in enumerate(facts.shapes) if i not in scanned and len(s) >= 2]
+    head = max(others, default=0)
+    return stacked / (stacked + head) if stacked else 0.0
+
+
+def _hidden(facts: ModelFacts) -> int:
+    """The width of the hidden states between layers (a stacked layer's input norm's,
+    else the smallest dimension of the largest matrix)."""
+    scanned = facts.trace.scanned if facts.trace is not None else {}
+    norms = [facts.shapes[i][-1] for i, d in scanned.items() if len(facts.shapes[i]) == 2]
+    if norms:
+        return min(norms)
+    largest = max((s for s in facts.shapes if len(s) >= 2), key=math.prod, default=(1,))
+    return min(largest)
 
 
 def pins(**given) -> dict:

@@ -496,32 +496,77 @@ class TensorParallel(SpecPass):
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpertParallel(SpecPass):
-    """A mixture of experts' experts over ``axis``: the dimension of a parameter that a
-    matmul picks independent kernels along (``Trace.grouped``: a grouped matmul's
-    groups, a stacked kernel's batch dimension in an einsum) is split over it. Every
-    other parameter stays whole over it: for them the axis splits the batch, as data
-    parallelism does."""
+class _OneDimension(SpecPass):
+    """Splits over ``axis`` one dimension of the parameters the dataflow names
+    (``dims``), where it divides; where it does not, the parameter stays whole over the
+    axis and ``note`` says why."""
     axis: str
 
     def traces(self, mesh_shape: dict) -> bool:
         return mesh_shape.get(self.axis, 1) > 1
 
+    def dims(self, draft: SpecDraft, i: int) -> list[int]:
+        raise NotImplementedError
+
+    def note(self, n: int, size: int) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def check(self, draft: SpecDraft, size: int) -> None:
+        """Raises where the model cannot take the axis at all."""
+
     def __call__(self, draft: SpecDraft) -> None:
         size = draft.size(self.axis)
         if size <= 1 or draft.trace is None:
             return
+        self.check(draft, size)
         for i in draft.free():
-            dims = sorted(draft.trace.grouped.get(i, set()) - draft.stacked(i))
+            dims = self.dims(draft, i)
             if not dims:
                 continue
             d, shape = dims[0], draft.shapes[i]
             if draft.entries[i][d] is None and shape[d] % size == 0:
                 draft.entries[i][d] = self.axis
             else:
-                draft.whole[i] = (self.axis, f"its {shape[d]} experts do not divide by the "
-                                  f"expert axis {size}", f"use an expert axis that divides "
-                                  f"{shape[d]}", False)
+                draft.whole[i] = (self.axis, *self.note(shape[d], size), False)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageParallel(_OneDimension):
+    """Pipeline stages over ``axis``: the layer axis of every stacked (scanned) layer
+    parameter (``Trace.scanned``) is split over it in consecutive blocks, stage ``s``
+    holding layers ``s * L/S`` to ``(s + 1) * L/S - 1``. Every other parameter (the
+    embeddings, the final norm, the head) stays whole over it: each stage's devices
+    hold them."""
+
+    def dims(self, draft: SpecDraft, i: int) -> list[int]:
+        return sorted(draft.stacked(i))
+
+    def note(self, n: int, size: int) -> tuple[str, str]:
+        return (f"its {n} layers do not divide into {size} stages",
+                f"use a stage axis that divides {n}")
+
+    def check(self, draft: SpecDraft, size: int) -> None:
+        if not any(draft.stacked(i) for i in draft.free()):
+            raise ValueError(f"{self.axis}_axis={size} needs the layers stacked and scanned "
+                             "(pipeline stages split the layer axis): build the model with "
+                             "scan=True (redray.models.build, from_pretrained), or use "
+                             f"{self.axis}_axis=1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel(_OneDimension):
+    """A mixture of experts' experts over ``axis``: the dimension of a parameter that a
+    matmul picks independent kernels along (``Trace.grouped``: a grouped matmul's
+    groups, a stacked kernel's batch dimension in an einsum) is split over it. Every
+    other parameter stays whole over it: for them the axis splits the batch, as data
+    parallelism does."""
+
+    def dims(self, draft: SpecDraft, i: int) -> list[int]:
+        return sorted(draft.trace.grouped.get(i, set()) - draft.stacked(i))
+
+    def note(self, n: int, size: int) -> tuple[str, str]:
+        return (f"its {n} experts do not divide by the expert axis {size}",
+                f"use an expert axis that divides {n}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,179 @@
+"""Pipeline parallelism, read from XLA's compiled steps: the schedule's FLOPs against its
+formula (``pipeline/flops_over_unpipelined``), and the bytes that cross hosts against
+FSDP's (``pipeline/cross_host_bytes_over_fsdp``).
+
+Both compile a LLaMA-shaped model's training step (loss and gradients, float32,
+``redray.models.build(..., scan=True)``) through redray's model runtime, the way a
+Trainer does, with the scans unrolled (``activations.unrolled_loops``: XLA's cost
+analysis and its collectives list count a loop's body once, whatever its trip count).
+
+FLOPs: the pipelined step on 4 stages (4 simulated devices) over M micro-batches of one
+example against the same step on 1 device without stages; the schedule's formula
+(``redray.models.pipeline.flops_ratio``) is ``share (M + S - 1) / (M S) + (1 - share) /
+S``, with ``share`` the stacked layers' part of the unpipelined FLOPs (read from the
+compiled steps at L and L/2 layers). Circular repeats are not built (see BENCHMARKS.md).
+
+Bytes across hosts: 8 simulated devices as 2 hosts of 4 (devices 0-3 and 4-7, the mesh
+laid out as ``Parallelism.build`` lays out 2 hosts). The pipelined plan is stage 2 x
+fsdp 4 (the stages across the hosts, FSDP inside each), against fsdp 8 (the 2-host
+FSDP plan), same model and batch. A collective counts when one of its groups (or a
+collective-permute's pairs) holds devices of both hosts; its bytes are those of its
+result on one device (``redray.sharding.collectives``). The prediction beside it is
+the cost model's (``cost.stage_traffic`` and ``cost.state_traffic``, which sums the
+gradients of the parameters the stages hold whole over ``stage``).
+
+    python benchmarks/pipeline.py
+"""
+
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import figure, parser, save, simulate_devices  # noqa: E402
+
+simulate_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+COMMAND = "python benchmarks/pipeline.py"
+FULL = dict(vocab=512, hidden=128, intermediate=256, layers=8, heads=4, seq=64)
+TINY = dict(vocab=64, hidden=32, intermediate=64, layers=4, heads=4, seq=8)
+
+
+def config(s: dict, layers: int | None = None):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
+                       intermediate_size=s["intermediate"], num_hidden_layers=layers or s["layers"],
+                       num_attention_heads=s["heads"], num_key_value_heads=s["heads"],
+                       tie_word_embeddings=False)
+
+
+def loss(model, ids):
+    logits = model(ids[:, :-1]).astype(jnp.float32)
+    labels = ids[:, 1:]
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1).mean()
+
+
+def compiled_step(cfg, plan, rows: int, seq: int, micro_rows=None):
+    """(compiled loss-and-gradient step, runtime) of ``cfg``'s scanned model on ``plan``."""
+    from redray.engine.runtime import ModelRuntime
+    from redray.models import build
+    from redray.sharding.activations import unrolled_loops
+
+    runtime = ModelRuntime(lambda rngs: build(cfg, rngs=rngs, scan=True), plan)
+    batch = jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32)
+    runtime.derive(loss, batch)
+    runtime.micro_rows = micro_rows
+    params, extra = runtime.abstract
+    step = jax.jit(jax.value_and_grad(
+        lambda p, e, ids: runtime.apply(loss, p, e, jax.random.key(0), ids)[0]),
+        in_shardings=(*runtime.shardings, plan.batch_sharding()))
+    with unrolled_loops():
+        return step.lower(params, extra, batch).compile(), runtime
+
+
+def flops_figures(s: dict, stages: int, micros) -> list[dict]:
+    from redray.models.pipeline import flops_ratio
+    from redray.sharding import Parallelism
+
+    one = Parallelism.of(data_axis=1).build(jax.devices()[:1])
+    staged = Parallelism.of(stage_axis=stages, data_axis=1).build(jax.devices()[:stages])
+
+    def flops(cfg, plan, rows, micro_rows=None):
+        return compiled_step(cfg, plan, rows, s["seq"], micro_rows)[0].cost_analysis()["flops"]
+
+    whole, half = (flops(config(s, n), one, 4) for n in (s["layers"], s["layers"] // 2))
+    share = 2 * (whole - half) / whole  # the stacked layers' part of the FLOPs
+    out = []
+    for micro in micros:
+        measured = flops(config(s), staged, micro, 1) / flops(config(s), one, micro)
+        formula = flops_ratio(stages, micro, share)
+        out.append(figure(
+            f"pipeline/flops_over_unpipelined/s{stages}_m{micro}", measured, "x",
+            "the same step on 1 device (XLA cost analysis, per device)",
+            f"{formula - 0.02:.4f}-{formula + 0.02:.4f}", COMMAND,
+            formula=formula, layer_share=share, difference=measured - formula,
+            stages=stages, micro_batches=micro, repeats=1, model=s))
+    return out
+
+
+def hybrid_mesh(shape, hosts: int):
+    """A mesh of ``shape`` (``AXES`` order) on 8 simulated devices as ``hosts`` hosts of
+    consecutive devices, laid out as ``Parallelism.build`` lays out hosts."""
+    from jax.sharding import Mesh
+
+    from redray.sharding.parallelism import AXES, hybrid_shapes
+
+    devices = np.array(jax.devices()[:math.prod(shape)], dtype=object)
+    across, inside = hybrid_shapes(shape, hosts, len(devices) // hosts)
+    grid = devices.reshape(*across, *inside)
+    n = len(shape)
+    grid = grid.transpose([k for i in range(n) for k in (i, n + i)]).reshape(shape)
+    return Mesh(grid, tuple(a.name for a in AXES))
+
+
+def cross_host(compiled, mesh, hosts: int) -> tuple[int, dict]:
+    from redray.sharding.collectives import collectives, spans
+
+    local = mesh.devices.size // hosts
+    host_of = [d.id // local for d in mesh.devices.flat]
+    found = [c for c in collectives(compiled.as_text()) if spans(c, host_of)]
+    kinds: dict = {}
+    for c in found:
+        kinds[c.kind] = kinds.get(c.kind, 0) + c.bytes
+    return sum(c.bytes for c in found), kinds
+
+
+def bytes_figure(s: dict, rows: int, micro_rows: int) -> dict:
+    from redray.sharding import Parallelism
+    from redray.sharding.cost import Parameter, host_spans, stage_traffic, state_traffic
+    from redray.sharding.hardware import PRESETS
+
+    hosts = 2
+    pipe_mesh = hybrid_mesh((2, 1, 4, 1, 1), hosts)
+    fsdp_mesh = hybrid_mesh((1, 1, 8, 1, 1), hosts)
+    seq = s["seq"]
+    measured, predicted = {}, {}
+    for name, mesh, micro in (("pipelined", pipe_mesh, micro_rows), ("fsdp", fsdp_mesh, None)):
+        plan = Parallelism.of(mesh=mesh)
+        compiled, runtime = compiled_step(config(s), plan, rows, seq, micro)
+        measured[name] = cross_host(compiled, mesh, hosts)
+        shape = dict(mesh.shape)
+        spans_ = host_spans(shape, hosts)
+        leaves = jax.tree.leaves(runtime.abstract[0])
+        specs = jax.tree.leaves(runtime.specs[0],
+                                is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        params = [Parameter(tuple(a.shape), 4, tuple(p)) for a, p in zip(leaves, specs)]
+        crossing = lambda t: any(spans_[a][1] > 1 for a in t.axes)  # noqa: E731
+        traffic = state_traffic(params, shape, 4, PRESETS["cpu"], False, 1)
+        if name == "pipelined":
+            dp = shape["data"] * shape["fsdp"]
+            micro_batches = rows // micro
+            traffic += stage_traffic(shape, micro // dp, seq, s["hidden"], 4, micro_batches)
+        predicted[name] = sum(t.bytes * t.times for t in traffic if crossing(t))
+    ratio = measured["pipelined"][0] / measured["fsdp"][0]
+    formula = predicted["pipelined"] / predicted["fsdp"]
+    return figure("pipeline/cross_host_bytes_over_fsdp", ratio, "x",
+                  "fsdp 8 over the same 2 hosts (bytes per step whose collectives span "
+                  "hosts, compiled step)", None, COMMAND,
+                  predicted=formula, measured_bytes={k: v[0] for k, v in measured.items()},
+                  measured_kinds={k: v[1] for k, v in measured.items()},
+                  predicted_bytes=predicted, rows=rows, micro_batches=rows // micro_rows,
+                  plans={"pipelined": "stage=2 (across hosts) x fsdp=4",
+                         "fsdp": "fsdp=8"}, model=s)
+
+
+def main(argv=None) -> None:
+    args = parser(__doc__).parse_args(argv)
+    s = TINY if args.tiny else FULL
+    figures = flops_figures(s, 4, (8,) if args.tiny else (8, 16))
+    figures.append(bytes_figure(s, 8 if args.tiny else 16, 4 if args.tiny else 4))
+    save(figures, args.out)
+
+
+if __name__ == "__main__":
+    main()

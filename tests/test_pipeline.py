@@ -1,0 +1,176 @@
+"""Pipeline parallelism: the stage axis, its pass, the GPipe schedule
+(``redray/models/pipeline.py``) equal to the unpipelined step, and the Trainer on it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import transformers
+
+import redray
+from redray.engine.runtime import ModelRuntime
+from redray.models import build
+from redray.models.pipeline import flops_ratio, merge_micro, split_micro
+from redray.sharding import STAGE, Parallelism
+from redray.sharding.parallelism import default_micro_batches, hybrid_shapes
+
+TINY = dict(vocab_size=64, num_hidden_layers=4)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(
+        **TINY, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2),
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=64, n_layer=4, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2),
+}
+ROWS, SEQ = 16, 8
+IDS = np.random.default_rng(0).integers(0, 64, (ROWS, SEQ)).astype(np.int32)
+
+
+def lm_loss(model, ids):
+    logits = model(ids[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+def loss_and_grads(config, remat, micro_rows=None, **axes):
+    n = int(np.prod(list(axes.values()))) if axes else 1
+    plan = Parallelism.of(**({"data_axis": 1} | axes)).build(jax.devices()[:n])
+    runtime = ModelRuntime(lambda rngs: build(config, rngs=rngs, scan=True, remat=remat), plan)
+    runtime.derive(lm_loss, jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
+    runtime.micro_rows = micro_rows
+    params, extra = runtime.init()
+    step = jax.jit(jax.value_and_grad(
+        lambda p, e, ids: runtime.apply(lm_loss, p, e, jax.random.key(0), ids)[0]))
+    value, grads = step(params, extra, IDS)
+    return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)], runtime
+
+
+_REFERENCE = {}
+
+
+def reference(family, remat):
+    if (family, remat) not in _REFERENCE:
+        _REFERENCE[family, remat] = loss_and_grads(CONFIGS[family](), remat)[:2]
+    return _REFERENCE[family, remat]
+
+
+@pytest.mark.parametrize("remat", [False, "full"])
+@pytest.mark.parametrize("axes", [dict(stage_axis=2), dict(stage_axis=4),
+                                  dict(stage_axis=2, model_axis=2),
+                                  dict(stage_axis=2, fsdp_axis=2)],
+                         ids=["stage2", "stage4", "stage2_model2", "stage2_fsdp2"])
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_pipelined_step_equals_the_unpipelined_step(family, axes, remat):
+    expected, expected_grads = reference(family, remat)
+    dp = axes.get("fsdp_axis", 1)
+    micro_rows = ROWS // (2 * axes["stage_axis"])  # 2S micro-batches
+    value, grads, runtime = loss_and_grads(CONFIGS[family](), remat, micro_rows, **axes)
+    assert abs(value - expected) <= 1e-5 * abs(expected)
+    for got, want in zip(grads, expected_grads):  # relative to each gradient's largest entry
+        assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), family
+    # the stacked layers are split over the stages, the rest is whole over them
+    specs = jax.tree.leaves(runtime.specs[0],
+                            is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+    shapes = [a.shape for a in jax.tree.leaves(runtime.abstract[0])]
+    staged = [s[0] == STAGE.name for s in specs if len(s)]
+    assert any(staged) and sum(x[0] == 4 for x in shapes) == sum(staged)
+    assert micro_rows % dp == 0
+
+
+def test_micro_batches_keep_the_batch_split_and_come_back_in_order():
+    x = np.arange(24)
+    parts = np.asarray(split_micro(jnp.asarray(x), 3, 2))
+    # 2 shards of 12 rows over the batch axes; micro-batch m takes part m of each
+    assert parts.tolist() == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 16, 17, 18, 19],
+                              [8, 9, 10, 11, 20, 21, 22, 23]]
+    assert np.asarray(merge_micro(jnp.asarray(parts), 2)).tolist() == x.tolist()
+
+
+def test_the_schedule_formula():
+    # all the work in the layers: a stage's share stretched by the bubble
+    assert flops_ratio(4, 8, 1.0) == pytest.approx(11 / 32)
+    assert flops_ratio(1, 1, 0.7) == pytest.approx(1.0)
+    assert flops_ratio(2, 2, 0.0) == pytest.approx(0.5)  # the head split over the stages
+
+
+def test_default_micro_batches_leave_a_small_bubble():
+    assert default_micro_batches(64, 1) == 1
+    assert default_micro_batches(64, 2) == 8 and default_micro_batches(64, 4) == 16
+    assert default_micro_batches(12, 2) == 12  # no divisor from 8 to 12 but 12 itself
+    plan = Parallelism.of(stage_axis=2).build()
+    assert plan.geometry(32).accumulation == 8 and plan.geometry(32).micro_batch_size == 2
+
+
+def test_stages_cross_hosts_first():
+    # 2 hosts of 4 devices: stage 2 x data 4 puts the stages across the hosts, the data
+    # axis inside them (AXES order: stage, data, fsdp, expert, model)
+    across, inside = hybrid_shapes((2, 4, 1, 1, 1), 2, 4)
+    assert across == (2, 1, 1, 1, 1) and inside == (1, 4, 1, 1, 1)
+    # and fsdp stays inside while stages cross
+    across, inside = hybrid_shapes((2, 1, 4, 1, 1), 2, 4)
+    assert across == (2, 1, 1, 1, 1)
+
+
+def test_stages_need_scanned_layers_that_divide():
+    config = CONFIGS["llama"]()
+    with pytest.raises(ValueError, match="stage_axis=2 needs the layers stacked and scanned"):
+        plan = Parallelism.of(stage_axis=2, data_axis=1).build(jax.devices()[:2])
+        runtime = ModelRuntime(lambda rngs: build(config, rngs=rngs), plan)
+        runtime.derive(lm_loss, jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
+    config.num_hidden_layers = 6
+    with pytest.raises(ValueError, match="stage_axis=4 does not divide the model's 6 layers"):
+        loss_and_grads(config, False, 4, stage_axis=4)
+
+
+def test_a_trainer_on_stages_trains_as_one_device_and_its_checkpoint_loads_without(tmp_path):
+    config = CONFIGS["llama"]()
+    data = [{"ids": row} for row in np.random.default_rng(1).integers(0, 64, (32, SEQ))]
+
+    def loss(model, batch, rng, train):
+        return lm_loss(model, batch["ids"])
+
+    def trainer(name, **kw):
+        return redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
+                              lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
+                              optax.sgd(0.5), batch_size=8, progress=False, log_every=1,
+                              checkpoint=redray.CheckpointConfig(str(tmp_path / name),
+                                                                 save_every=2), **kw)
+
+    one = [r["loss"] for r in trainer("one", mesh=redray.make_mesh(
+        devices=jax.devices()[:1])).fit(data, epochs=1)]
+    staged = trainer("staged", stage_axis=2, data_axis=2, micro_batch_size=1)
+    first = [r["loss"] for r in staged.fit(data, epochs=1, max_steps=2)]
+    assert staged.describe()["accumulation_steps"] == 4  # 4 pipeline micro-batches
+    np.testing.assert_allclose(first, one[:2], rtol=1e-5)
+    # the same parameter tree: a run without stages resumes from the pipelined
+    # checkpoint, and a pipelined run from its checkpoint in turn
+    plain = trainer("staged", data_axis=4)
+    middle = [r["loss"] for r in plain.fit(data, epochs=1, max_steps=3)]
+    again = trainer("staged", stage_axis=4, micro_batch_size=2)
+    last = [r["loss"] for r in again.fit(data, epochs=1)]
+    assert plain.resumed_from is not None and again.resumed_from is not None
+    np.testing.assert_allclose(first + middle + last, one, rtol=1e-5)
+    assert len(one) == 4
+
+
+def test_the_planner_puts_stages_across_a_slow_link_and_not_a_fast_one():
+    from redray.models.plan import ConfigFacts
+    from redray.sharding.cost import host_spans
+    from redray.sharding.hardware import PRESETS, ethernet, preset
+    from redray.sharding.planner import rank
+
+    facts = ConfigFacts("llama-7b", 4096, "bfloat16", scan=True)
+    over_infiniband = rank(facts, 16, 2, 64, preset("h100"))
+    assert over_infiniband.best.candidate.shape["stage"] == 1
+    over_ethernet = rank(facts, 16, 2, 64, ethernet(PRESETS["h100"]))
+    best = over_ethernet.best
+    assert best.candidate.shape["stage"] == 2 and best.cost.pipeline > 0
+    assert host_spans(best.candidate.shape, 2)["stage"] == (1, 2)  # across the hosts
+    # what it saves: FSDP's traffic over the slow link, which the compute cannot hide
+    unstaged = next(s for s in over_ethernet.ranked if s.candidate.shape["stage"] == 1)
+    assert best.cost.exposed < unstaged.cost.exposed / 10
+    # the pipeline's memory: every micro-batch's activations and the buffers
+    assert best.memory["parts"]["pipeline_buffers"] > 0
