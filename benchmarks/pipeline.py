@@ -16,9 +16,10 @@ compiled steps at L and L/2 layers). Circular repeats are not built (see BENCHMA
 Bytes across hosts: 8 simulated devices as 2 hosts of 4 (devices 0-3 and 4-7, the mesh
 laid out as ``Parallelism.build`` lays out 2 hosts). The pipelined plan is stage 2 x
 fsdp 4 (the stages across the hosts, FSDP inside each), against fsdp 8 (the 2-host
-FSDP plan), same model and batch. A collective counts when one of its groups (or a
-collective-permute's pairs) holds devices of both hosts; its bytes are those of its
-result on one device (``redray.sharding.collectives``). The prediction beside it is
+FSDP plan), same model and batch. The figure counts the bytes the busiest device moves
+across hosts (``collectives.across_hosts``): a collective-permute's buffer where the
+device sends it to the other host, any other collective's result where the device's
+group spans both hosts. The prediction beside it is
 the cost model's (``cost.stage_traffic`` and ``cost.state_traffic``, which sums the
 gradients of the parameters the stages hold whole over ``stage``).
 
@@ -117,15 +118,19 @@ def hybrid_mesh(shape, hosts: int):
 
 
 def cross_host(compiled, mesh, hosts: int) -> tuple[int, dict]:
-    from redray.sharding.collectives import collectives, spans
+    """The bytes the busiest device sends across hosts in a step, and by kind."""
+    from redray.sharding.collectives import across_hosts, collectives
 
     local = mesh.devices.size // hosts
     host_of = [d.id // local for d in mesh.devices.flat]
-    found = [c for c in collectives(compiled.as_text()) if spans(c, host_of)]
+    per_device = [across_hosts(c, host_of) for c in collectives(compiled.as_text())]
+    found = collectives(compiled.as_text())
+    busiest = max(range(len(host_of)), key=lambda d: sum(b[d] for b in per_device))
     kinds: dict = {}
-    for c in found:
-        kinds[c.kind] = kinds.get(c.kind, 0) + c.bytes
-    return sum(c.bytes for c in found), kinds
+    for c, b in zip(found, per_device):
+        if b[busiest]:
+            kinds[c.kind] = kinds.get(c.kind, 0) + b[busiest]
+    return sum(b[busiest] for b in per_device), kinds
 
 
 def bytes_figure(s: dict, rows: int, micro_rows: int) -> dict:

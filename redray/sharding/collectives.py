@@ -124,6 +124,23 @@ def spans(c: Collective, host_of: list[int]) -> bool:
     return any(len({host_of[d] for d in g}) > 1 for g in device_groups(c, len(host_of)))
 
 
+def across_hosts(c: Collective, host_of: list[int]) -> list[int]:
+    """Each (logical) device's bytes of ``c`` that cross hosts: a collective-permute's
+    buffer for a device that sends it to another host; for the others, the result's
+    bytes on every device of a group that spans hosts (the convention of
+    ``redray.sharding.cost``'s ``Traffic.bytes``)."""
+    out = [0] * len(host_of)
+    for g in device_groups(c, len(host_of)):
+        if c.kind == "collective-permute":
+            source, target = g
+            if host_of[source] != host_of[target]:
+                out[source] += c.bytes
+        elif len({host_of[d] for d in g}) > 1:
+            for d in g:
+                out[d] += c.bytes
+    return out
+
+
 def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
     """kind -> {"count": instructions, "operands": buffers, "bytes": total} for every kind."""
     out = {kind: {"count": 0, "operands": 0, "bytes": 0} for kind in KINDS}

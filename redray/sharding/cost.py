@@ -345,8 +345,8 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
     - the first stage's input gradient (the embeddings run on every stage, their
       output is read on the first): an all-reduce over ``stage`` per tick;
     - the output, ``M / S`` micro-batches to each stage for the head (where ``S``
-      divides ``M``), and its gradient back: ``(S - 1) / S`` of ``M`` micro-batches,
-      twice.
+      divides ``M``), and their gradients back: the first stage sends ``(S - 1) / S``
+      of ``M`` micro-batches (each other stage sends back ``M / S``).
 
     Args:
       shape: the mesh's axis sizes.
@@ -365,7 +365,7 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
                    "pipeline: the first stage's input gradient", True)]
     if micro_batches % stages == 0:
         out.append(Traffic("collective-permute", slot * micro_batches * (stages - 1) / stages,
-                           (STAGE.name,), 2, "pipeline: the output to each stage's rows of "
+                           (STAGE.name,), 1, "pipeline: the output to each stage's rows of "
                            "the head, gradients back", True))
     return out
 
