@@ -93,7 +93,8 @@ def _choose(args, name: str, fields: dict, pinned: dict) -> int:
     hosts = args.hosts or max(1, args.devices // hardware.devices_per_host)
     ranking = choose_plan(fields, args.devices, hosts, args.batch_size, args.seq_len, hardware,
                           compute_dtype=args.compute_dtype, loss_chunk=args.loss_chunk,
-                          micro_rows=args.micro_batch_size, remat=args.remat, **pinned)
+                          micro_rows=args.micro_batch_size, remat=args.remat, scan=args.scan,
+                          **pinned)
     if args.json:
         print(json.dumps({"config": name, "hardware": hardware.describe(), "hosts": hosts,
                           "plans": [_scored_json(s) for s in ranking.ranked],
@@ -469,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"{axis.doc}: its size (given alone: that plan's placement, "
                                 f"the others {axis.default}; with --hosts or --hardware, or "
                                 "none given: the planner chooses the rest)")
+    p.add_argument("--scan", action="store_true",
+                   help="the model built with scan=True (its layers stacked and scanned): "
+                        "the planner tries pipeline stages too")
     p.add_argument("--hosts", type=int, default=None,
                    help="the planner: hosts the devices are in (default: devices / a host's "
                         "devices of --hardware)")

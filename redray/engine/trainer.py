@@ -62,8 +62,11 @@ class Trainer:
       optimizer: an ``optax.GradientTransformation``.
       predict: optional (model, batch, rng) -> batch-major pytree.
       batch_size: examples per optimizer update (the global batch).
-      micro_batch_size: examples per device per forward/backward; the rest of the
-        global batch is gradient accumulation. Default: no accumulation.
+      micro_batch_size: examples per device in one micro-batch: the global batch is
+        cut into micro-batches that run one after the other (gradient accumulation)
+        or, with pipeline stages (``stage_axis``), through the pipeline in one pass.
+        Default: no accumulation; with stages, at least 4 micro-batches per stage
+        (``parallelism.default_micro_batches``).
       eval_batch_size: examples per evaluation step (default: ``batch_size``).
       parallelism: ``"auto"`` (the default when no mesh and no axis size is given):
         the planner chooses the axis sizes and the micro-batch at ``init`` from the
