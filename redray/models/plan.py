@@ -473,7 +473,7 @@ def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
         raise PlanError(f"{devices} devices do not split over {hosts} hosts: give a device "
                         f"count that is a multiple of {hosts}")
     Parallelism.of(caller="redray plan", **axes)  # an unknown keyword fails as such
-    scan = scan or axes.get("stage_axis", 1) not in (1, "auto")  # stages need it
+    scan = scan or axes.get(STAGE.keyword, 1) not in (1, "auto")  # stages need it
     facts = ConfigFacts(config, seq_len, compute_dtype, loss_chunk, scan)
     try:
         return rank(facts, devices, hosts, batch_size, hardware,
