@@ -150,16 +150,121 @@ def _check_shapes(restored: dict, targets: dict, where: str) -> None:
 _LAYER_INDEX = re.compile(r"/\d+/")
 
 
-def _leaf_paths(tree, prefix: str = ""):
-    """"/"-joined paths of a nested dict's leaves."""
+def _leaf_shapes(tree, prefix: str = ""):
+    """("/"-joined path, shape) of a nested dict's leaves (arrays or Orbax's metadata)."""
     for key, value in tree.items():
         path = f"{prefix}/{key}" if prefix else str(key)
         if isinstance(value, dict):
-            yield from _leaf_paths(value, path)
+            yield from _leaf_shapes(value, path)
         elif hasattr(value, "items") and not hasattr(value, "shape"):
-            yield from _leaf_paths(dict(value.items()), path)
+            yield from _leaf_shapes(dict(value.items()), path)
         else:
-            yield path
+            yield path, tuple(getattr(value, "shape", ()))
+
+
+def layer_moves(have: dict[str, tuple], want: dict[str, tuple]) -> dict | None:
+    """How a checkpoint's arrays (``have``: path -> shape) become a model's (``want``)
+    where one stores layers one by one and the other stacks them on a leading axis:
+    path -> ``("stack", [the checkpoint's paths, layer by layer])`` for a stacked array
+    of the model, ``("slice", the checkpoint's stacked path, layer)`` for one layer's;
+    None where the two differ in anything else (other arrays, shapes or layer counts)."""
+    moves = {}
+    for w in (p for p in want if p not in have):
+        parts = w.split("/")
+        move = None
+        for cut in range(len(parts)):  # the model stacks: the checkpoint has .../i/...
+            listed = []
+            while "/".join(parts[:cut] + [str(len(listed))] + parts[cut:]) in have:
+                listed.append("/".join(parts[:cut] + [str(len(listed))] + parts[cut:]))
+            if listed and want[w][:1] == (len(listed),) and \
+                    all(have[p] == want[w][1:] for p in listed):
+                move = ("stack", listed)
+                break
+        for k, part in enumerate(parts if move is None else ()):  # the model lists
+            stacked = "/".join(parts[:k] + parts[k + 1:])
+            if part.isdigit() and stacked in have and have[stacked][1:] == want[w] \
+                    and have[stacked][0] > int(part):
+                move = ("slice", stacked, int(part))
+                break
+        if move is None:
+            return None
+        moves[w] = move
+    used = {p for m in moves.values() for p in (m[1] if m[0] == "stack" else [m[1]])}
+    layers = {m[1]: have[m[1]][0] for m in moves.values() if m[0] == "slice"}
+    sliced = {(m[1], m[2]) for m in moves.values() if m[0] == "slice"}
+    if set(have) - set(want) - used or len(sliced) != sum(layers.values()):
+        return None  # an array the model lacks, or layers it does not take
+    return moves
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """A nested dict's leaves by their "/"-joined paths."""
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}/{key}" if prefix else str(key)
+        out.update(_flat(value, path) if isinstance(value, dict) else {path: value})
+    return out
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        *head, last = path.split("/")
+        for name in head:
+            node = node.setdefault(name, {})
+        node[last] = value
+    return out
+
+
+def _reshaped_target(leaf, shape: tuple, spec: tuple):
+    """A stored target (``_storage_target``'s leaf: host or device) of another shape,
+    split as ``spec`` on the same mesh."""
+    if isinstance(leaf, np.ndarray):
+        return np.empty(shape, leaf.dtype)
+    sharding = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding)
+
+
+def _spec(leaf) -> tuple:
+    return () if isinstance(leaf, np.ndarray) else tuple(leaf.sharding.spec)
+
+
+def _moved_target(storage: dict, moves: dict) -> dict:
+    """The restore target in the checkpoint's layout, from the model's (``storage``)."""
+    flat = _flat(storage)
+    asked = {p: v for p, v in flat.items() if p not in moves}
+    for path, move in moves.items():
+        if move[0] == "stack":
+            leaf = flat[path]  # one layer: the stacked target less its layer axis
+            for p in move[1]:
+                asked[p] = _reshaped_target(leaf, leaf.shape[1:], _spec(leaf)[1:])
+        elif move[1] not in asked:  # all layers: the layer's target with a layer axis
+            leaf = flat[path]
+            layers = sum(1 for m in moves.values() if m[0] == "slice" and m[1] == move[1])
+            asked[move[1]] = _reshaped_target(leaf, (layers, *leaf.shape),
+                                              (None, *_spec(leaf)))
+    return _nest(asked)
+
+
+def _moved_back(restored: dict, storage: dict, moves: dict) -> dict:
+    """The restored arrays in the model's layout (``storage``: its targets), each on
+    its target's sharding."""
+    import jax.numpy as jnp
+
+    flat, targets = _flat(restored), _flat(storage)
+    out = {p: v for p, v in flat.items() if p in targets}
+    for path, move in moves.items():
+        target = targets[path]
+        host = isinstance(target, np.ndarray)
+        if move[0] == "stack":
+            parts = [flat[p] for p in move[1]]
+            value = np.stack(parts) if host else jnp.stack(parts)
+        else:
+            value = flat[move[1]][move[2]]
+        out[path] = value if host else jax.jit(lambda x: x,
+                                               out_shardings=target.sharding)(value)
+    return _nest(out)
 
 
 def from_storage(stored: dict, like):
@@ -276,45 +381,59 @@ class Checkpointer:
         """The items of checkpoint ``step`` named in ``targets``: item name -> a tree of
         ``jax.ShapeDtypeStruct`` to restore into (with a sharding: onto the devices,
         resharded if the checkpoint was written on another mesh; without one: into host
-        numpy arrays). PRNG keys come back as keys."""
+        numpy arrays). PRNG keys come back as keys. Layers stored one by one
+        (``layers/0/...``) restore into a model that stacks them (``scan=True``), and
+        stacked layers into one that lists them (``layer_moves``)."""
         ocp = self._ocp
-        self._check_structure(step, targets)
+        moves = self._check_structure(step, targets)
+        storage = {name: _storage_target(tree) for name, tree in targets.items()}
+        asked = {name: _moved_target(storage[name], moves[name]) if name in moves
+                 else storage[name] for name in targets}
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            **{name: ocp.args.StandardRestore(_storage_target(tree))
-               for name, tree in targets.items()}))
-        out = {name: from_storage(restored[name], tree) for name, tree in targets.items()}
+            **{name: ocp.args.StandardRestore(asked[name]) for name in targets}))
+        out = {name: from_storage(_moved_back(restored[name], storage[name], moves[name])
+                                  if name in moves else restored[name], tree)
+               for name, tree in targets.items()}
         _check_shapes(out, targets, self.step_path(step))
         return out
 
-    def _check_structure(self, step: int, targets: dict[str, Any]) -> None:
+    def _check_structure(self, step: int, targets: dict[str, Any]) -> dict[str, dict]:
         """A checkpoint whose arrays are other paths than the model's is not damaged: it
         belongs to another model. Refuse it, naming the difference (read from the
-        checkpoint's metadata; an unreadable metadata is left to the restore to report)."""
+        checkpoint's metadata; an unreadable metadata is left to the restore to report).
+        Returns, for each item whose layers are laid out the other way (listed against
+        stacked), how its arrays become the model's (``layer_moves``)."""
         from etils import epath
 
+        moves = {}
         for name, tree in targets.items():
             try:
                 meta = self._ocp.StandardCheckpointHandler().metadata(
                     epath.Path(self.step_path(step)) / name)
             except Exception:  # noqa: BLE001 - damage: the restore reports it
                 continue
-            have = set(_leaf_paths(meta))
-            want = set(_leaf_paths(to_storage(jax.tree.map(_stored, tree))))
-            if not have or have == want:
+            have = dict(_leaf_shapes(meta))
+            want = dict(_leaf_shapes(to_storage(jax.tree.map(_stored, tree))))
+            if not have or set(have) == set(want):
                 continue
-            missing, extra = sorted(want - have), sorted(have - want)
+            found = layer_moves(have, want)
+            if found is not None:
+                moves[name] = found
+                continue
+            missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
             hint = ""
             if any(_LAYER_INDEX.search(p) for p in extra) != any(_LAYER_INDEX.search(p)
                                                                   for p in missing):
                 hint = (" Its layers are stored one by one (layers/0/...) and the model "
-                        "stacks them, or the other way round: build the model with the "
-                        "same scan= as the run that wrote it.")
+                        "stacks them, or the other way round, and their shapes or count "
+                        "differ from the model's.")
             raise CheckpointMismatch(
                 f"the checkpoint {self.step_path(step)} holds other arrays than this model "
                 f"in {name!r}: {len(missing)} of the model's are not in it (e.g. "
                 f"{missing[:3]}), {len(extra)} of its are not in the model (e.g. "
                 f"{extra[:3]}).{hint} Restore it into the model that wrote it, or start a "
                 "new run (another name or directory, or resume=False)")
+        return moves
 
     def restore_latest(self, targets: dict[str, Any],
                        check: Callable[[dict], None] | None = None,

@@ -237,9 +237,9 @@ def test_a_malformed_meta_is_unreadable_and_numeric_junk_is_skipped(tmp_path, ca
     assert "its meta's 'batch' is '7', not of type int" in caplog.text
 
 
-def test_a_checkpoint_of_listed_layers_is_refused_by_a_scanned_model(tmp_path):
-    # another model's checkpoint is not damaged: it must be refused by name, never set
-    # aside as unreadable (which would start the run over silently)
+def test_a_checkpoint_of_listed_layers_resumes_in_a_scanned_model_and_back(tmp_path):
+    # a run that turns scan=True on (for pipeline stages, say) keeps its checkpoints:
+    # the parameters and the optimizer state are stacked or unstacked on restore
     from transformers import LlamaConfig
 
     from redray.models import build
@@ -248,13 +248,31 @@ def test_a_checkpoint_of_listed_layers_is_refused_by_a_scanned_model(tmp_path):
                          num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16)
     data = token_data(16, seq=12)
 
-    def trainer(scan):
+    def trainer(scan, folder):
         return redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=scan), lm_collate,
-                              lm_loss, optax.adam(1e-3), batch_size=4, progress=False,
-                              checkpoint=str(tmp_path))
+                              lm_loss, optax.adam(1e-2), batch_size=4, progress=False,
+                              log_every=1, checkpoint=str(tmp_path / folder))
 
-    trainer(False).fit(data, epochs=1)
-    with pytest.raises(redray.CheckpointMismatch, match=r"other arrays than this model.*"
-                                                        r"same scan="):
-        trainer(True).fit(data, epochs=2)
-    assert sorted(os.listdir(tmp_path)) == ["4"]  # nothing set aside
+    whole = [r["loss"] for r in trainer(False, "whole").fit(data, epochs=3)]
+    first = [r["loss"] for r in trainer(False, "run").fit(data, epochs=1)]
+    scanned = trainer(True, "run")
+    second = [r["loss"] for r in scanned.fit(data, epochs=2)]
+    assert scanned.resumed_from is not None
+    third = [r["loss"] for r in trainer(False, "run").fit(data, epochs=3)]
+    np.testing.assert_allclose(first + second + third, whole, rtol=1e-5)
+
+
+def test_layer_moves_pair_listed_and_stacked_arrays_or_refuse():
+    from redray.checkpoint import layer_moves
+
+    listed = {"p/layers/0/w": (3, 4), "p/layers/1/w": (3, 4), "p/embed": (8, 3)}
+    stacked = {"p/layers/w": (2, 3, 4), "p/embed": (8, 3)}
+    assert layer_moves(listed, stacked) == {"p/layers/w": ("stack", ["p/layers/0/w",
+                                                                      "p/layers/1/w"])}
+    assert layer_moves(stacked, listed) == {"p/layers/0/w": ("slice", "p/layers/w", 0),
+                                            "p/layers/1/w": ("slice", "p/layers/w", 1)}
+    # another depth, another width, an array the model lacks: another model's
+    assert layer_moves(listed, {**stacked, "p/layers/w": (3, 3, 4)}) is None
+    assert layer_moves(listed, {**stacked, "p/layers/w": (2, 3, 5)}) is None
+    assert layer_moves({**listed, "p/head": (3, 8)}, stacked) is None
+    assert layer_moves({**stacked, "p/layers/w": (3, 3, 4)}, listed) is None
