@@ -211,3 +211,30 @@ def test_other_families_pipeline_exactly(family):
     assert abs(value - expected) <= 1e-5 * abs(expected)
     for got, want in zip(grads, expected_grads):
         assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), family
+
+
+def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_step():
+    """``plan_model``'s count of a pipelined step (GPipe: every tick's activations kept,
+    ``pipelined_parts``) within 0.8-1.25 of XLA's compiled peak on CPU."""
+    from redray.models import next_token_loss
+    from redray.models.memory import StepShape
+    from redray.models.plan import plan_model
+
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=512,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      vocab_size=512, tie_word_embeddings=False)
+    data = [{"ids": r} for r in np.random.default_rng(0).integers(0, 512, (16, 65), np.int32)]
+
+    def loss(model, batch, rng, train):
+        return next_token_loss(model, batch["ids"], train=train)
+
+    trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
+                             lambda e: {"ids": np.stack([x["ids"] for x in e])}, loss,
+                             optax.adamw(1e-3), batch_size=16, micro_batch_size=1,
+                             progress=False, stage_axis=2, data_axis=2)
+    trainer.init(data)
+    peak = trainer.memory(device_gib=1)["compiled"]["peak"]
+    planned = plan_model(config, 4, stage_axis=2, data_axis=2,
+                         step=StepShape(batch_size=16, seq_len=64, micro_batch_size=2))
+    assert planned["memory"]["parts"]["pipeline_buffers"] > 0
+    assert 0.8 <= planned["memory"]["total"] / peak <= 1.25, (planned["memory"], peak)
