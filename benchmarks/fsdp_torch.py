@@ -198,7 +198,7 @@ def main(argv=None) -> None:
     config = dict(n_layer=spec["n_layer"], n_embd=spec["n_embd"], n_head=spec["n_head"],
                   vocab_size=VOCAB, n_positions=spec["seq"], resid_pdrop=0.0, embd_pdrop=0.0,
                   attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
-    ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
              log_to_driver=False)
     results = {"redray": [], "torch": []}
     try:

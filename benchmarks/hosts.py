@@ -75,7 +75,7 @@ def main(argv=None) -> None:
         args.steps, args.window, args.rounds, args.batch_size = 4, 2, 1, 8
     llama = config("llama", TINY if args.tiny else FULL)
     data = token_data(args.batch_size * args.steps, seq=SEQ + 1, vocab=256)
-    ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
              log_to_driver=False)
     windows = {name: [] for name in LAYOUTS}
     per_round = {name: [] for name in LAYOUTS}

@@ -61,7 +61,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.tiny:
         args.steps, args.rounds = 2, 1
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     data = token_data(32 * (args.steps + 4), seq=64, vocab=256)
     rows = RowSource(to_dataset(data))
     per_step = {"memory": [], "ray_data": []}

@@ -132,7 +132,7 @@ def cluster_epoch(corpus: str, storage: str, buffer: int, batch: int) -> dict:
     """One epoch of the corpus on 2 hosts x 2 devices; peak memory by role (bytes)."""
     import ray
 
-    ray.init(num_cpus=(os.cpu_count() or 1) + 4, object_store_memory=OBJECT_STORE,
+    ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 4, object_store_memory=OBJECT_STORE,
              include_dashboard=True, log_to_driver=False)
     try:
         stream = redray.Stream(corpus, shuffle_buffer=buffer)
@@ -208,7 +208,7 @@ def step_figure(args, work: str) -> dict:
     steps = args.steps
     data = token_data(32 * (steps + 2), seq=64, vocab=256)
     lm_parquet(os.path.join(work, "lm"), data)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         stream = redray.Stream(os.path.join(work, "lm", "*.parquet"), shuffle_buffer=1024)
         listed = [{"ids": e["ids"]} for e in data]
@@ -231,7 +231,7 @@ def resume_probe(corpus: str, checkpoints: str) -> None:
     """Child process: restore the newest checkpoint and time the first step."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     clock = StepClock()
     start = time.perf_counter()
     trainer = redray.Trainer(lambda rngs: TinyLM(rngs), ids_collate, lm_loss, optax.adam(1e-3),
@@ -254,7 +254,7 @@ def resume_figure(args, work: str) -> dict:
     stream = redray.Stream(corpus, shuffle_buffer=1024, streams=2)
     per_epoch = stream.steps_per_epoch(32, 2)
     folders = {}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         for name, at in (("start", 2), ("end", per_epoch - 2)):
             folders[name] = os.path.join(work, f"ckpt-{name}")
@@ -298,7 +298,7 @@ def packing_figure(args, work: str) -> dict:
         "lm_demo", os.path.join(ROOT, "examples", "language_modeling", "train.py"))
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         train, _, _ = demo.corpus(os.path.join(work, "demo-data"), 64)
         rows = [r for chunk in train.in_order(4096) for r in chunk]

@@ -9,10 +9,13 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="module")
 def local_ray():
     """A local Ray instance for one test module (e.g. where Ray Data reads a stream).
-    Modules that define their own ``local_ray`` use theirs."""
+    Modules that define their own ``local_ray`` use theirs. Every test's Ray is a new
+    local one (``address="local"``): never a cluster ``ray start`` left on the machine
+    (a head killed without ``ray stop`` leaves its address in
+    /tmp/ray/ray_current_cluster, which a bare ``ray.init()`` would try to join)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

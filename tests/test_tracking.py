@@ -30,7 +30,7 @@ OPTIONS = dict(batch_size=8, model_axis=2, log_every=2, seed=0, progress=False, 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
