@@ -37,7 +37,7 @@ test: test-fast
 	$(PY) -m pytest -q -m "slow or ray" --durations=20
 
 # The inner loop: lint, then everything but the Ray-cluster and slow end-to-end tiers,
-# in 2 processes (7-9 minutes on 2 cores; ~9.5 in one).
+# in 2 processes (10-11 minutes on 2 cores).
 test-fast: lint
 	$(PY) -m pytest -q -n 2 -m "not slow and not ray"
 
