@@ -123,8 +123,8 @@ def cross_host(compiled, mesh, hosts: int) -> tuple[int, dict]:
 
     local = mesh.devices.size // hosts
     host_of = [d.id // local for d in mesh.devices.flat]
-    per_device = [across_hosts(c, host_of) for c in collectives(compiled.as_text())]
     found = collectives(compiled.as_text())
+    per_device = [across_hosts(c, host_of) for c in found]
     busiest = max(range(len(host_of)), key=lambda d: sum(b[d] for b in per_device))
     kinds: dict = {}
     for c, b in zip(found, per_device):

@@ -276,7 +276,8 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     # a stage's share of the layers
     ticks = micro_batches + stages - 1 if stages > 1 else micro_batches
     memory = facts.memory(plan, rows, candidate.micro_batch_size, candidate.remat)
-    slot = candidate.micro_batch_size * facts.tokens_per_example * _hidden(facts) \
+    hidden = _hidden(facts)
+    slot = candidate.micro_batch_size * facts.tokens_per_example * hidden \
         * facts.compute_itemsize
     if stages > 1:
         memory = totals(pipelined_parts(memory["parts"], stages, micro_batches, slot), None)
@@ -304,7 +305,7 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
                              facts.compute_itemsize, recompute, geometry.accumulation)
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
     pipeline = stage_traffic(shape, candidate.micro_batch_size, facts.tokens_per_example,
-                             _hidden(facts), facts.compute_itemsize, micro_batches)
+                             hidden, facts.compute_itemsize, micro_batches)
     cost = step_cost(flops, tensor, state, ticks, shape, hosts, hardware,
                      getattr(facts, "timing", None), elements, experts,
                      elements / total if total else 1.0, pipeline)
