@@ -30,11 +30,12 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(PY) examples/language_modeling/train.py $(DEMO_ARGS)
 
-# The full gate (CI): the inner loop below (lint, the tiers without Ray in 2 processes),
-# then the Ray-cluster and slow tiers in one (each of their runs starts processes of its
-# own).
-test: test-fast
-	$(PY) -m pytest -q -m "slow or ray" --durations=20
+# The full gate (CI): lint, then every test that starts no Ray in 2 processes (the inner
+# loop's tiers and the slow runs of one process), then the tests that start a Ray
+# cluster in one (each of their runs starts processes of its own).
+test: lint
+	$(PY) -m pytest -q -n 2 -m "not ray" --durations=20
+	$(PY) -m pytest -q -m ray --durations=20
 
 # The inner loop: lint, then everything but the Ray-cluster and slow end-to-end tiers,
 # in 2 processes (10-11 minutes on 2 cores).

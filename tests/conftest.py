@@ -2,6 +2,22 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One test session compiles the same small programs many times over (the tiny models'
+# steps, in test after test): JAX's persistent compilation cache, in a folder of this
+# session's own (made by the first process, inherited by pytest-xdist's workers and by
+# every process a test starts), loads a program compiled before instead of compiling it
+# again. A clean run starts empty; the folder is removed when that first process exits.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="redray-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
 
 import pytest  # noqa: E402
 

@@ -3,6 +3,7 @@ report turns results into BENCHMARKS.md's table. (No timing is asserted anywhere
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -24,11 +25,17 @@ def check(fig):
     assert fig["target"] is None or met(fig) in (True, False), fig
 
 
+# The scripts that start a Ray cluster of their own (the others run in one process, so
+# `make test` runs them beside the tiers without Ray, two at a time).
+STARTS_RAY = {"fsdp_torch.py", "hosts.py", "input_pipeline.py", "planner.py", "streaming.py"}
+
+
 @pytest.mark.slow
-@pytest.mark.ray  # several start a local Ray cluster
 # run_all skips the GPU benchmark; its --tiny run works on any backend
 # (elastic.py's tiny run is test_elastic's scenario: run there, checked in detail)
-@pytest.mark.parametrize("script", [s for s in scripts() if s != "elastic.py"] + ["gpu_mfu.py"])
+@pytest.mark.parametrize("script", [
+    pytest.param(s, marks=[pytest.mark.ray] if s in STARTS_RAY else [])
+    for s in [s for s in scripts() if s != "elastic.py"] + ["gpu_mfu.py"]])
 def test_benchmark_runs_tiny_and_writes_valid_figures(script, tmp_path):
     out = tmp_path / "results.json"
     done = subprocess.run([sys.executable, f"benchmarks/{script}", "--tiny", "--out", str(out)],
@@ -38,6 +45,16 @@ def test_benchmark_runs_tiny_and_writes_valid_figures(script, tmp_path):
     assert figures, f"{script} wrote no figure"
     for fig in figures:
         check(fig)
+
+
+def test_the_scripts_said_to_run_without_ray_never_start_it():
+    """A script left out of STARTS_RAY runs beside other tests: it must not start Ray
+    (which sizes itself to the machine's cores)."""
+    for script in set(scripts()) - STARTS_RAY - {"elastic.py"}:
+        with open(os.path.join(ROOT, "benchmarks", script)) as f:
+            source = f.read()
+        starts = re.search(r"\bimport ray\b|ray\.init|redray\.(fit|run)\(|hosts=\d", source)
+        assert not starts, f"benchmarks/{script} seems to start Ray: add it to STARTS_RAY"
 
 
 def test_targets_and_the_generated_table():

@@ -243,15 +243,15 @@ def recipe(target: str) -> list[str]:
 
 def test_make_test_installs_then_runs_the_whole_suite():
     """`make test` (the whole suite, 40-48 minutes) cannot run inside the suite: its recipe
-    is checked instead: install, lint, then every test (the tiers without Ray, then the
-    others: every test is in exactly one of the two selections)."""
+    is checked instead: install, lint, then every test (those without Ray in 2 processes,
+    then the others: every test is in exactly one of the two selections)."""
     commands = recipe("test")
     install = next(i for i, c in enumerate(commands) if 'pip install -q -e ".[test]"' in c)
     lint = next(i for i, c in enumerate(commands) if c.endswith("-m ruff check ."))
     fast = next(i for i, c in enumerate(commands)
-                if c.endswith('-m pytest -q -n 2 -m "not slow and not ray"'))
+                if c.endswith('-m pytest -q -n 2 -m "not ray" --durations=20'))
     rest = next(i for i, c in enumerate(commands)
-                if c.endswith('-m pytest -q -m "slow or ray" --durations=20'))
+                if c.endswith('-m pytest -q -m ray --durations=20'))
     assert install < lint < fast < rest
 
 
