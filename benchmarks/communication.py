@@ -213,7 +213,9 @@ def setup(case: str, s: Sizes, m: MlpSizes = MLP_FULL, rules=(),
 
     if case in FAMILIES:
         c = config(case, s)
-        model, loss_fn = (lambda rngs: build(c, rngs=rngs)), \
+        # its layers as a list: the compiled text then holds each layer's collectives (a
+        # scanned step holds one loop body, which the count would see once)
+        model, loss_fn = (lambda rngs: build(c, rngs=rngs, scan=False)), \
             (seq2seq_loss if case == "t5" else loss)
     elif case == "dense12":
         model, loss_fn, make = _others.dense_stack(m.width, m.classes, m.inputs, m.depth)
@@ -354,8 +356,9 @@ def measure_moe_ep(s: Sizes) -> list[dict]:
                           max_position_embeddings=s.seq, num_local_experts=EXPERTS,
                           num_experts_per_tok=TOP_K, tie_word_embeddings=False)
         c.capacity_factor = capacity
-        trainer = redray.Trainer(lambda rngs, c=c: build(c, rngs=rngs), collate, loss,
-                                 optax.adam(1e-3), batch_size=s.batch, expert_axis=MODEL_AXIS,
+        trainer = redray.Trainer(lambda rngs, c=c: build(c, rngs=rngs, scan=False), collate,
+                                 loss, optax.adam(1e-3), batch_size=s.batch,
+                                 expert_axis=MODEL_AXIS,
                                  progress=False)
         found = summarize(step_collectives(trainer, examples("llama", s)))
         tokens = s.batch * s.seq // MODEL_AXIS  # a device's

@@ -11,6 +11,10 @@ setting and round, alternating, the median; each round's ratio in ``detail``).
 Targets <= 1.3 and <= 2.0. The same with the layers as a list (one copy of the block
 per layer) is in ``detail``.
 
+``compile/scanned_step_over_listed_32``: the time of that 32-layer step itself (3 steps
+after an untimed one, per round and setting, in the same alternating rounds), scanned
+over listed: what making scanned layers every family's default costs or saves a step.
+
 ``compile/restart_with_cache_over_cold``: a fresh process builds a ``redray.Trainer``
 (LLaMA, 4 layers, hidden 256, vocabulary 1024, batch 8 x 128, Adam, 4 CPU devices,
 model axis 2) and runs one step; the time from the Trainer's creation to the end of its
@@ -42,6 +46,7 @@ import numpy as np  # noqa: E402
 
 COMMAND = "python benchmarks/compilation.py"
 SIZES = Sizes(layers=4, hidden=256, heads=4, intermediate=1024, vocab=1024, batch=8, seq=128)
+STEPS = 3  # timed steps of the deep step per round
 TINY = Sizes(layers=1, hidden=64, heads=4, intermediate=128, vocab=128, batch=4, seq=16)
 
 
@@ -66,7 +71,9 @@ def first_step(folder: str, tiny: bool) -> None:
 
 def depth_figures(tiny: bool, rounds: int) -> list[dict]:
     """(lines, seconds) of the training step at 2 and 32 layers, scanned and listed;
-    ``rounds`` fresh Trainers per setting, alternating, the median seconds."""
+    ``rounds`` fresh Trainers per setting, alternating, the median seconds; and the
+    deep step's own time, scanned over listed."""
+    import jax
     import optax
 
     import redray
@@ -76,7 +83,7 @@ def depth_figures(tiny: bool, rounds: int) -> list[dict]:
     deep = 4 if tiny else 32
     rows = np.random.default_rng(0).integers(1, base.vocab, (base.batch, base.seq + 1), np.int32)
     data = [{"ids": r} for r in rows]
-    lines, seconds = {}, {}
+    lines, seconds, steps = {}, {}, {}
     for _ in range(rounds):
         for scan in (True, False):
             for layers in (2, deep):
@@ -89,6 +96,14 @@ def depth_figures(tiny: bool, rounds: int) -> list[dict]:
                 compiled = trainer.compiled_step()  # a new lowering: compiled again
                 seconds.setdefault((scan, layers), []).append(time.perf_counter() - start)
                 lines[(scan, layers)] = len(compiled.as_text().splitlines())
+                if layers == deep:  # the step itself, after one untimed step
+                    batch = collate(data)
+                    jax.block_until_ready(trainer.train_step(batch))
+                    start = time.perf_counter()
+                    for _ in range(STEPS):
+                        metrics = trainer.train_step(batch)
+                    jax.block_until_ready(metrics)
+                    steps.setdefault(scan, []).append((time.perf_counter() - start) / STEPS)
 
     def summary(scan):
         return {n: {"lines": lines[(scan, n)], "seconds": float(np.median(seconds[(scan, n)])),
@@ -102,7 +117,14 @@ def depth_figures(tiny: bool, rounds: int) -> list[dict]:
             figure(f"compile/time_{deep}_over_2",
                    scanned[deep]["seconds"] / scanned[2]["seconds"], "x",
                    "the same scanned step at 2 layers (medians)", "<= 2.0", COMMAND,
-                   round_ratios=ratios, **detail)]
+                   round_ratios=ratios, **detail),
+            figure(f"compile/scanned_step_over_listed_{deep}", float(
+                       np.median(steps[True]) / np.median(steps[False])), "x",
+                   f"the same step with its {deep} layers as a list (the default before "
+                   "layers were scanned by default), medians", None, COMMAND,
+                   step_seconds={"scanned": steps[True], "listed": steps[False]},
+                   round_ratios=[a / b for a, b in zip(steps[True], steps[False])],
+                   steps_per_round=STEPS, rounds=rounds)]
 
 
 def main(argv=None):

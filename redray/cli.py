@@ -470,9 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"{axis.doc}: its size (given alone: that plan's placement, "
                                 f"the others {axis.default}; with --hosts or --hardware, or "
                                 "none given: the planner chooses the rest)")
-    p.add_argument("--scan", action="store_true",
-                   help="the model built with scan=True (its layers stacked and scanned): "
-                        "the planner tries pipeline stages too")
+    p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
+                   help="the model's layers stacked and scanned, so the planner tries "
+                        "pipeline stages too (the default, where the config allows it); "
+                        "--no-scan: a list of layers, as build(config, scan=False)")
     p.add_argument("--hosts", type=int, default=None,
                    help="the planner: hosts the devices are in (default: devices / a host's "
                         "devices of --hardware)")

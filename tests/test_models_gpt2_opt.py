@@ -7,6 +7,8 @@ layout of any tensor shows up in the logits.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,6 +197,16 @@ SPLIT = {
 SPLIT["opt_proj"] = {**{k: v for k, v in SPLIT["opt"].items()}, "project_in/kernel": P()}
 
 
+def stacked(expected: dict) -> dict:
+    """SPLIT for the default build, whose layers are stacked: layer 0's paths without
+    the index, their specs behind the layer axis (which stays whole)."""
+    out = {}
+    for path, spec in expected.items():
+        layer = re.match(r"^(h|layers)/0/(.*)$", path)
+        out[f"{layer[1]}/{layer[2]}" if layer else path] = P(None, *spec) if layer else spec
+    return out
+
+
 def _specs(config, mesh):
     fam = hub.family(config.model_type)
     abstract = nnx.eval_shape(lambda: fam.Model(config, rngs=nnx.Rngs(0)))
@@ -210,7 +222,7 @@ def test_automatic_specs_split_heads(name, model_axis):
     params, specs = _specs(CONFIGS[name](), make_mesh(model_axis=model_axis))
     paths, _, _ = flatten(params)
     by_path = dict(zip(paths, jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))))
-    for path, spec in SPLIT[name].items():
+    for path, spec in stacked(SPLIT[name]).items():
         assert by_path[path] == spec, (path, by_path[path])
     for path, spec in by_path.items():  # norms stay replicated
         if "ln" in path.split("/")[-2] or "layer_norm" in path:
@@ -225,7 +237,7 @@ def test_tensor_parallel_matches_single_device(name, checkpoints):
     _, params, _ = nnx.split(tp, nnx.Param, ...)
     paths, leaves, _ = flatten(params)
     sharded = {p for p, leaf in zip(paths, leaves) if "model" in leaf.sharding.spec}
-    expected = {path for path, spec in SPLIT[name].items() if "model" in spec}
+    expected = {path for path, spec in stacked(SPLIT[name]).items() if "model" in spec}
     assert expected <= sharded, expected - sharded
     ids, mask = _inputs()
     np.testing.assert_allclose(np.asarray(_forward(tp, ids, mask)),
@@ -235,7 +247,7 @@ def test_tensor_parallel_matches_single_device(name, checkpoints):
 def test_plan_formats(capsys):
     """Prints one GPT-2 and one OPT block's plan under model_axis=4 (run with -s to read)."""
     mesh = make_mesh(model_axis=4)
-    for name, prefix in (("gpt2", "h/0/"), ("opt", "layers/0/")):
+    for name, prefix in (("gpt2", "h/"), ("opt", "layers/")):
         params, specs = _specs(CONFIGS[name](), mesh)
         rows = [r for r in placement(params, specs, mesh)
                 if r.path.startswith(prefix) or "/" not in r.path.split("/", 1)[-1]]
@@ -288,18 +300,22 @@ def test_checkpoint_saved_from_the_base_model_loads(name, checkpoints, tmp_path)
 @pytest.mark.parametrize("name", ["gpt2", "opt", "opt_proj"])
 def test_scanned_layers_match_the_list(checkpoints, loaded, name):
     folder, hf = checkpoints[name]
-    scanned = rm.from_pretrained(folder, scan=True)
+    scanned = loaded[name]  # the default: stacked layers
     assert not isinstance(getattr(scanned, "h", None) or scanned.layers, nnx.List)
+    listed = rm.from_pretrained(folder, scan=False)
+    assert isinstance(getattr(listed, "h", None) or listed.layers, nnx.List)
     ids, mask = _inputs()
     np.testing.assert_allclose(np.asarray(_forward(scanned, jnp.asarray(ids), jnp.asarray(mask))),
-                               np.asarray(_forward(loaded[name], jnp.asarray(ids),
+                               np.asarray(_forward(listed, jnp.asarray(ids),
                                                    jnp.asarray(mask))), atol=1e-5, rtol=0)
     args = (jnp.asarray(ids), jnp.asarray(mask))
     np.testing.assert_array_equal(np.asarray(rm.generate(scanned, *args, max_new_tokens=6)),
-                                  np.asarray(rm.generate(loaded[name], *args, max_new_tokens=6)))
+                                  np.asarray(rm.generate(listed, *args, max_new_tokens=6)))
 
 
 def test_scan_refuses_layers_that_differ(checkpoints):
     folder, _ = checkpoints["gpt2_untied"]  # attention scaled by each layer's index
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
         rm.from_pretrained(folder, scan=True)
+    # left to the default, such a config is built as a list of layers
+    assert isinstance(rm.from_pretrained(folder).h, nnx.List)

@@ -128,8 +128,8 @@ def test_model_parallel_matches_one_device(checkpoint):
     single = from_pretrained(path, mesh=one_device())
     sharded = from_pretrained(path, model_axis=2)
     assert len(jax.devices()) == 4
-    block = sharded.h[0]
-    assert block.attn.qkv_proj.kernel[...].sharding.spec == P(None, "model")  # heads
+    block = sharded.h  # stacked layers: their axis first, whole
+    assert block.attn.qkv_proj.kernel[...].sharding.spec == P(None, None, "model")  # heads
     for kernel in (block.attn.out_proj.kernel, block.mlp.fc_in.kernel, block.mlp.fc_out.kernel):
         assert "model" in kernel[...].sharding.spec
     np.testing.assert_allclose(np.asarray(forward(sharded, ids, mask)),

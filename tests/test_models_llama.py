@@ -113,11 +113,11 @@ def test_sharded_load_matches_one_device(pair):
     name, _, path, _ = pair
     one = rm.from_pretrained(path, mesh=redray.make_mesh(devices=jax.devices()[:1]))
     two = rm.from_pretrained(path, model_axis=2)
-    layer = two.layers[0]
+    layer = two.layers  # stacked: the layer axis first, whole
     # whole key/value groups (the kv axis) and the intermediate axis, never the part axes
-    assert layer.self_attn.qkv_proj.kernel[...].sharding.spec == P(None, "model")
-    assert layer.mlp.gate_up_proj.kernel[...].sharding.spec == P(None, None, "model")
-    assert layer.mlp.down_proj.kernel[...].sharding.spec == P("model")
+    assert layer.self_attn.qkv_proj.kernel[...].sharding.spec == P(None, None, "model")
+    assert layer.mlp.gate_up_proj.kernel[...].sharding.spec == P(None, None, None, "model")
+    assert layer.mlp.down_proj.kernel[...].sharding.spec == P(None, "model")
     np.testing.assert_allclose(np.asarray(two(jnp.asarray(IDS))), np.asarray(one(jnp.asarray(IDS))),
                                atol=1e-5, rtol=0)
 

@@ -68,9 +68,10 @@ def test_export_round_trip(pair, tmp_path):
 
 
 def test_scanned_layers_equal_the_list(pair):
-    _, _, path, model = pair
-    scanned = rm.from_pretrained(path, scan=True)
+    _, _, path, scanned = pair  # the default: stacked layers
     assert scanned.layers.mlp.gate_up_proj[...].shape == (2, 4, 64, 2, 32)  # layers, experts
+    model = rm.from_pretrained(path, scan=False)
+    assert isinstance(model.layers, nnx.List)
     ids = jnp.asarray(IDS)
     (a, aux_a), (b, aux_b) = model(ids, aux=True), scanned(ids, aux=True)
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
@@ -298,8 +299,9 @@ def test_the_expert_all_to_alls_are_those_the_cost_model_counts(capacity_factor)
                        expert_axis=4, compute_dtype=jnp.float32)
     t.init(data)
     specs = {p: s for p, s in zip(*flatten_specs(t))}
-    assert specs["layers/0/mlp/gate_up_proj"] == P("expert")
-    assert specs["layers/0/mlp/router/kernel"] == P()
+    # stacked layers (the default): the layer axis first, whole
+    assert specs["layers/mlp/gate_up_proj"] == P(None, "expert")
+    assert specs["layers/mlp/router/kernel"] == P()
     compiled = collectives.summarize(collectives.collectives(t.compiled_step().as_text()))
     layers = expert_layers(model)
     tokens = 2 * 16  # a device's 2 examples of 16 tokens

@@ -189,26 +189,28 @@ def test_model_axis_two_matches_one_device(relu):
     np.testing.assert_allclose(np.asarray(_logits(split, ids, mask, dec)),
                                np.asarray(_logits(one, ids, mask, dec)), atol=1e-5, rtol=0)
     for stack in ("encoder", "decoder"):
-        block = getattr(split, stack).layers[1]
+        block = getattr(split, stack).layers  # stacked: the layer axis first, whole
         attns = [block.self_attn] + ([block.cross_attn] if stack == "decoder" else [])
         for attn in attns:
             # fused kernels (d_model, heads, parts, d_kv) split heads, never their parts
             cross = attn is getattr(block, "cross_attn", None)
             kernels = [attn.q, attn.kv] if cross else [attn.qkv]
             for layer in kernels:
-                assert layer.kernel.get_value().sharding.spec == P(None, "model")
-            assert attn.o.kernel.get_value().sharding.spec == P("model")
-        assert block.mlp.wi.kernel.get_value().sharding.spec == P(None, "model")
-        assert block.mlp.wo.kernel.get_value().sharding.spec == P("model")
+                assert layer.kernel.get_value().sharding.spec == P(None, None, "model")
+            assert attn.o.kernel.get_value().sharding.spec == P(None, "model")
+        assert block.mlp.wi.kernel.get_value().sharding.spec == P(None, None, "model")
+        assert block.mlp.wo.kernel.get_value().sharding.spec == P(None, "model")
     assert split.shared.embedding.get_value().sharding.spec == P("model")
 
 
 @pytest.mark.parametrize("which", ["relu", "gated"])
 def test_scanned_layers_match_the_list(which, request, tmp_path):
-    """scan=True: every block alike, stacked (the relative position bias beside them);
+    """The default: every block alike, stacked (the relative position bias beside them);
     the same logits, cached decoding, generation and export as the listed form."""
-    hf, path, listed = request.getfixturevalue(which)
-    scanned = from_pretrained(path, mesh=_one_device(), scan=True)
+    hf, path, scanned = request.getfixturevalue(which)
+    listed = from_pretrained(path, mesh=_one_device(), scan=False)
+    for stack in (listed.encoder, listed.decoder):
+        assert isinstance(stack.layers, nnx.List)
     for stack in (scanned.encoder, scanned.decoder):
         assert not isinstance(stack.layers, nnx.List)
         assert stack.relative_attention_bias.embedding.shape == (32, 4)
@@ -239,7 +241,7 @@ def test_scanned_t5_trains_split_over_the_model_axis(relu):
         return optax_ce(logits, dec)
 
     grads = nnx.jit(nnx.grad(loss))(model)
-    listed = from_pretrained(path, mesh=_one_device(), dropout_rate=0.0)
+    listed = from_pretrained(path, mesh=_one_device(), scan=False, dropout_rate=0.0)
     expected = nnx.jit(nnx.grad(loss))(listed)
     np.testing.assert_allclose(np.asarray(grads.encoder.layers.mlp.wo.kernel.get_value())[1],
                                np.asarray(expected.encoder.layers[1].mlp.wo.kernel.get_value()),

@@ -124,7 +124,7 @@ def test_stages_need_scanned_layers_that_divide():
     config = CONFIGS["llama"]()
     with pytest.raises(ValueError, match="stage_axis=2 needs the layers stacked and scanned"):
         plan = Parallelism.of(stage_axis=2, data_axis=1).build(jax.devices()[:2])
-        runtime = ModelRuntime(lambda rngs: build(config, rngs=rngs), plan)
+        runtime = ModelRuntime(lambda rngs: build(config, rngs=rngs, scan=False), plan)
         runtime.derive(lm_loss, jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
     config.num_hidden_layers = 6
     with pytest.raises(ValueError, match="stage_axis=4 does not divide the model's 6 layers"):

@@ -119,7 +119,7 @@ def test_redray_plan_says_why_a_matrix_is_replicated():
               "num_hidden_layers": 1, "num_attention_heads": 8, "vocab_size": 1024}
     result = plan_model(fields, 4, 4, replicated_min_bytes=0)
     rows = {r["path"]: r for r in result["replicated"]}
-    gate_up = rows["layers/0/mlp/gate_up_proj/kernel"]
+    gate_up = rows["layers/mlp/gate_up_proj/kernel"]  # stacked layers, the default
     # (hidden, 2, intermediate): the gate|up axis is sliced, so only 683 could split
     assert gate_up["why"] == "no output dimension (683) divides by the model axis 4"
     assert gate_up["fix"].startswith("make a size divisible by 4 (e.g. 684 for 683)")

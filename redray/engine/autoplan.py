@@ -30,6 +30,7 @@ from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.engine.steps import model_loss
 from redray.sharding import EXPERT, FSDP, MODEL, Parallelism, flatten
 from redray.sharding.cost import ModelTiming, expert_exchange_bytes
+from redray.sharding.activations import unrolled_loops
 from redray.sharding.hardware import Hardware
 from redray.sharding.memory import GATHERED_LAYERS, layer_gather_bytes, totals
 from redray.sharding.planner import Ranking, rank
@@ -90,7 +91,9 @@ class RuntimeFacts:
             def value(params, batch):
                 return loss_of(params, None, extra, batch, jax.random.key(0))[0]
 
-            lowered = jax.jit(jax.grad(value)).lower(params, self.batch)
+            # scanned layers unrolled: XLA's cost analysis counts a loop's body once
+            with unrolled_loops():
+                lowered = jax.jit(jax.grad(value)).lower(params, self.batch)
             self._flops = float(lowered.cost_analysis()["flops"])
         return self._flops
 

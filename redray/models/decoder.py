@@ -46,7 +46,9 @@ class CausalLM(nnx.Module):
       dtype: the compute dtype (parameters stay float32).
       remat: what each block keeps for the backward pass: False/"none", True/"full",
         "dots" or "offload" (``layers.REMAT_POLICIES``).
-      scan: stack the blocks and scan over them (one compiled block, whatever the depth).
+      scan: stack the blocks and scan over them (one compiled block, whatever the
+        depth: what pipeline stages split); None (the default): stacked unless the
+        config makes its layers differ (``layers_differ``), then a list.
     """
 
     # The attributes holding the token embedding, the blocks and the final norm (a
@@ -66,11 +68,12 @@ class CausalLM(nnx.Module):
     REPORTS = False
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
-                 scan: bool = False):
+                 scan: bool | None = None):
         self.config = HFConfig(config.hf if isinstance(config, HFConfig) else config)
         self.dtype = dtype
         self.remat = layers.remat_policy(remat)
         c = self.config.hf
+        scan = default_scan(self, c, scan)
         self.build_parts(c, rngs=rngs, dtype=dtype, scan=scan)
         self.tied = bool(getattr(c, "tie_word_embeddings", self.TIED_BY_DEFAULT))
         if not self.tied:
@@ -79,6 +82,11 @@ class CausalLM(nnx.Module):
                                       rngs=rngs)
         elif self.HEAD_BIAS:
             self.lm_head_bias = nnx.Param(jnp.zeros((c.vocab_size,), jnp.float32))
+
+    def layers_differ(self, c) -> str | None:
+        """Why the config ``c`` gives each layer parameters or code of its own (so its
+        layers cannot be stacked and scanned), or None."""
+        return None
 
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         """Builds the embeddings, the blocks and the final norm for the ``transformers``
@@ -144,3 +152,10 @@ class CausalLM(nnx.Module):
         return layers.empty_cache(self.config.num_hidden_layers, batch, length, kv_heads,
                                   head_dim, dtype or self.dtype,
                                   layers.is_stacked(getattr(self, self.BLOCKS)))
+
+
+def default_scan(model, c, scan: bool | None) -> bool:
+    """``scan`` as given, or (None) stacked layers unless ``model.layers_differ(c)``."""
+    if scan is None:
+        return model.layers_differ(c) is None
+    return bool(scan)

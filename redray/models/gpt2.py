@@ -80,6 +80,12 @@ class Model(CausalLM):
     TOKENS, BLOCKS, FINAL_NORM = "wte", "h", "ln_f"
     TIED_BY_DEFAULT = True
 
+    def layers_differ(self, c) -> str | None:
+        if getattr(c, "scale_attn_by_inverse_layer_idx", False):
+            return ("this config scales attention by the layer's index "
+                    "(scale_attn_by_inverse_layer_idx)")
+        return None
+
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         if getattr(c, "add_cross_attention", False):
             raise ValueError("GPT-2 with add_cross_attention=True (an encoder-decoder "
@@ -88,10 +94,9 @@ class Model(CausalLM):
         self.wte = layers.Embed(c.vocab_size, c.hidden_size, **embed)
         self.wpe = layers.Embed(c.max_position_embeddings, c.hidden_size, **embed)
         self.drop = nnx.Dropout(c.embd_pdrop or 0.0, rngs=rngs)
-        if scan and getattr(c, "scale_attn_by_inverse_layer_idx", False):
-            raise ValueError("scan=True stacks identical layers, but this config scales "
-                             "attention by the layer's index "
-                             "(scale_attn_by_inverse_layer_idx): build it with scan=False")
+        if scan and self.layers_differ(c):
+            raise ValueError(f"scan=True stacks identical layers, but {self.layers_differ(c)}: "
+                             "build it with scan=False (or leave scan out)")
         index = iter(range(c.num_hidden_layers))
         self.h = layers.make_blocks(lambda r: Block(c, 0 if scan else next(index), rngs=r,
                                                     dtype=dtype),

@@ -195,9 +195,10 @@ def load_config(path: str):
 
 
 def build(config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, remat=False,
-          seed: int = 0, scan: bool = False):
+          seed: int = 0, scan: bool | None = None):
     """A randomly initialized redray model for a ``transformers`` config; ``scan``: its
-    layers stacked and scanned (one compiled block, whatever the depth)."""
+    layers stacked and scanned (one compiled block, whatever the depth), or a list of
+    layers (False); None (the default): stacked where the config allows it."""
     fam = family(config.model_type)
     return fam.Model(config, rngs=rngs or fast_rngs(seed), dtype=dtype, remat=remat, scan=scan)
 
@@ -288,7 +289,7 @@ def _open_safetensors(file: str):
 
 def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
                     mesh: Mesh | None = None, dtype=jnp.float32, remat=False, rules=(),
-                    seed: int = 0, scan: bool = False, **overrides):
+                    seed: int = 0, scan: bool | None = None, **overrides):
     """Loads a Hugging Face checkpoint folder into a redray model, sharded on a mesh.
 
     Args:
@@ -304,6 +305,7 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
       seed: seeds what the checkpoint does not hold (dropout RNG state).
       scan: stack the layers and scan over them (one compiled block, whatever the
         depth); each checkpoint tensor of layer i becomes row i of its stacked array.
+        None (the default): stacked where the config allows it; False: a list.
       **overrides: the mesh's axis sizes (``model_axis=2``..., as for ``Trainer``), and
         fields set on the config before building (e.g. ``attention_dropout``).
 

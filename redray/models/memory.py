@@ -101,9 +101,12 @@ def _abstract_loss(fam, config, batch: int, seq: int, policy: str, compute_dtype
     from redray.rngs import rngs as fast_rngs
 
     # a model trained in a compute dtype is built in it too (redray's models compute in
-    # their ``dtype``; bfloat16 parameters in a float32 model are cast back per matmul)
+    # their ``dtype``; bfloat16 parameters in a float32 model are cast back per matmul).
+    # Its layers as a list, whatever the model's layout: XLA's cost analysis counts a
+    # loop's body once, and each layer's residuals are then its own.
     abstract = nnx.eval_shape(lambda: fam.Model(config, rngs=fast_rngs(0), remat=policy,
-                                                dtype=compute_dtype or jnp.float32))
+                                                dtype=compute_dtype or jnp.float32,
+                                                scan=False))
     graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
     if compute_dtype is not None:  # the copies are counted apart
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype)

@@ -134,9 +134,9 @@ def plan_parallelism(devices: int, rules=(), **sizes) -> Parallelism:
     return Parallelism.of(rules=rules, caller="redray plan", **sizes).abstract(devices)
 
 
-def abstract_model(config, dtype=jnp.float32, scan: bool = False):
+def abstract_model(config, dtype=jnp.float32, scan: bool | None = None):
     """(family module, graphdef, abstract params, abstract extra) without allocating;
-    ``scan``: the layers stacked and scanned."""
+    ``scan``: the layers stacked and scanned (None: as ``build`` does by default)."""
     from flax import nnx
 
     from redray.models.hub import FAMILIES, family
@@ -226,7 +226,8 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
     sizes, mesh = parallelism.shape, parallelism.mesh
     config = resolve_config(config)
     # stages split the stacked layers: the model is built scanned for them
-    fam, graphdef, params, extra = abstract_model(config, scan=sizes[STAGE.name] > 1)
+    fam, graphdef, params, extra = abstract_model(config, scan=True if sizes[STAGE.name] > 1
+                                                  else None)
     whole: list = []
     param_specs, _ = model_specs(graphdef, (params, extra), parallelism,
                                  fam.trace_inputs(config), whole)
@@ -392,11 +393,11 @@ class ConfigFacts:
       compute_dtype: e.g. "bfloat16" (None: float32).
       loss_chunk: tokens whose logits exist at once (``next_token_loss(chunk=)``).
       scan: the layers stacked and scanned (what pipeline stages split: the planner
-        then tries stage axes).
+        then tries stage axes); None: as ``build`` builds the model by default.
     """
 
     def __init__(self, config, seq_len: int, compute_dtype: str | None = None,
-                 loss_chunk: int | None = None, scan: bool = False):
+                 loss_chunk: int | None = None, scan: bool | None = None):
         from flax import nnx
 
         from redray.sharding.cost import expert_layers
@@ -452,12 +453,13 @@ def _fresh(x):
 def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
                 hardware, *, compute_dtype: str | None = None, loss_chunk: int | None = None,
                 rules=(), micro_batch_size: int | None = None, micro_rows: int | None = None,
-                remat: str | None = None, scan: bool = False, **axes):
+                remat: str | None = None, scan: bool | None = None, **axes):
     """Every plan of ``config``'s model on ``devices`` devices in ``hosts`` hosts, ranked
     by the planner (``redray.sharding.planner.rank``) on ``hardware``; what is given
     (axis sizes by keyword, ``micro_batch_size`` per device or ``micro_rows`` over all
     devices, ``remat``) is kept. ``scan``: the model's layers stacked and scanned, so
-    the planner tries pipeline stages too.
+    the planner tries pipeline stages too (None: as ``build`` builds it by default;
+    False: a list of layers, no stages).
 
     Raises:
       PlanError: an unsupported model, pinned sizes no plan takes, or no plan that fits
@@ -473,7 +475,8 @@ def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
         raise PlanError(f"{devices} devices do not split over {hosts} hosts: give a device "
                         f"count that is a multiple of {hosts}")
     Parallelism.of(caller="redray plan", **axes)  # an unknown keyword fails as such
-    scan = scan or axes.get(STAGE.keyword, 1) not in (1, "auto")  # stages need it
+    if scan is None and axes.get(STAGE.keyword, 1) not in (1, "auto"):
+        scan = True  # stages need it
     facts = ConfigFacts(config, seq_len, compute_dtype, loss_chunk, scan)
     try:
         return rank(facts, devices, hosts, batch_size, hardware,

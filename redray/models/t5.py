@@ -273,8 +273,9 @@ class Model(nnx.Module):
     """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
-                 scan: bool = False):
+                 scan: bool | None = None):
         c = _config(config)
+        scan = True if scan is None else bool(scan)  # T5's blocks differ in nothing
         self.config = HFConfig(c)
         self.dtype = dtype
         self.remat = layers.remat_policy(remat)
