@@ -196,7 +196,8 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
     for p, pu in uses.items():
         if p in role:
             continue
-        split[p] = _follow_column_output(shapes, p, pu, role, split, uses)
+        split[p] = _follow_column_output(shapes, p, pu, role, split, uses,
+                                         trace.scanned.get(p, set()) if trace else set())
         role[p] = "follows"
     for p, path in enumerate(paths):
         if p not in role and len(shapes[p]) == 2 and _EMBED_NAME.search(path):
@@ -285,8 +286,11 @@ class _LayerGraph:
         return any(a in self.ancestors(b) for a in readers for b in readers if a != b)
 
 
-def _follow_column_output(shapes, p, pu, role, split, uses) -> int | None:
-    """A bias or scale applied to exactly one column layer's output splits with it."""
+def _follow_column_output(shapes, p, pu, role, split, uses, stacked=frozenset()) -> int | None:
+    """A bias or scale applied to exactly one column layer's output splits with it
+    (``stacked``: its layer dimensions, when its layers are stacked, which the
+    output's shape does not have)."""
+    real = [d for d, s in enumerate(shapes[p]) if s != 1 and d not in stacked]
     for u in pu:
         if len(u.preds) != 1:
             continue
@@ -295,11 +299,8 @@ def _follow_column_output(shapes, p, pu, role, split, uses) -> int | None:
             continue
         out_dims = uses[k][0].out_dims if uses[k][0].kind == "dot" else ()
         kernel_out = tuple(shapes[k][d] for d in out_dims)
-        squeezed = tuple(s for s in shapes[p] if s != 1)
-        if squeezed == kernel_out and split[k] in out_dims:
-            position = out_dims.index(split[k])
-            real = [d for d, s in enumerate(shapes[p]) if s != 1]
-            return real[position]
+        if tuple(shapes[p][d] for d in real) == kernel_out and split[k] in out_dims:
+            return real[out_dims.index(split[k])]
     return None
 
 
