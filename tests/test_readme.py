@@ -59,7 +59,7 @@ WALKTHROUGH = (
 
 COVERED_ELSEWHERE = {
     "make demo   # creates .venv if missing, installs, runs the main job":
-        "tests/test_demo.py::test_make_demo_trains_then_says_complete_then_resumes",
+        "tests/test_demo.py::test_make_demo_trains_then_resumes",
     "make test   # same set-up, then the whole test suite (CPU only, 40-48 minutes on 2 cores)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
     "make test-fast   # the inner loop: lint + all but the Ray-cluster and slow tiers (10-11 min)":
