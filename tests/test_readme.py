@@ -60,7 +60,7 @@ WALKTHROUGH = (
 COVERED_ELSEWHERE = {
     "make demo   # creates .venv if missing, installs, runs the main job":
         "tests/test_demo.py::test_make_demo_trains_then_resumes",
-    "make test   # same set-up, then the whole test suite (CPU only, 40-48 minutes on 2 cores)":
+    "make test   # same set-up, then the whole test suite (CPU only, about 55 minutes on 2 cores)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
     "make test-fast   # the inner loop: lint + all but the Ray-cluster and slow tiers (10-11 min)":
         "tests/test_readme.py::test_make_test_fast_lints_then_leaves_out_the_ray_and_slow_tiers",
@@ -242,7 +242,7 @@ def recipe(target: str) -> list[str]:
 
 
 def test_make_test_installs_then_runs_the_whole_suite():
-    """`make test` (the whole suite, 40-48 minutes) cannot run inside the suite: its recipe
+    """`make test` (the whole suite, about 55 minutes) cannot run inside the suite: its recipe
     is checked instead: install, lint, then every test (those without Ray in 2 processes,
     then the others: every test is in exactly one of the two selections)."""
     commands = recipe("test")
