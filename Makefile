@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_ARGS ?=
 
-.PHONY: demo test test-fast lint bench install install-test clean
+.PHONY: demo test test-fast bench-check lint bench install install-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,10 +32,17 @@ demo: install
 
 # The full gate (CI): lint, then every test that starts no Ray in 2 processes (the inner
 # loop's tiers and the slow runs of one process), then the tests that start a Ray
-# cluster in one (each of their runs starts processes of its own).
+# cluster in one (each of their runs starts processes of its own). The benchmark
+# scripts' tiny runs are left to bench-check.
 test: lint
-	$(PY) -m pytest -q -n 2 -m "not ray" --durations=20
-	$(PY) -m pytest -q -m ray --durations=20
+	$(PY) -m pytest -q -n 2 -m "not ray and not bench" --durations=20
+	$(PY) -m pytest -q -m "ray and not bench" --durations=20
+
+# Every benchmark script at a tiny size: that each still runs and writes valid figures
+# (about 8 minutes on 2 cores). Run it after changing a benchmark or an API one calls.
+bench-check: lint
+	$(PY) -m pytest -q -n 2 -m "bench and not ray" tests/test_benchmarks.py
+	$(PY) -m pytest -q -m "bench and ray" tests/test_benchmarks.py
 
 # The inner loop: lint, then everything but the Ray-cluster and slow end-to-end tiers,
 # in 2 processes (10-11 minutes on 2 cores).

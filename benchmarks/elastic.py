@@ -128,9 +128,11 @@ def fits(address: str, folder: str, seeds: list[int]) -> None:
                         seed=0, hooks=[StepLog(os.path.join(folder, "steps"))], **options)
     client = MlflowClient(result.tracking_uri)
     logged = sorted(m.step for m in client.get_metric_history(result.mlflow_run_id, "loss"))
+    # the uninterrupted runs only give their losses: no checkpoints, no MLflow
+    fixed = {**options, "checkpoint": False, "tracking": False}
     references = {seed: losses(redray.fit(
         model, lm_collate, lm_loss, optax.adam(1e-2), train_data=data, name=f"fixed-{seed}",
-        storage_path=folder, hosts=3, seed=seed, **options).history) for seed in seeds}
+        storage_path=folder, hosts=3, seed=seed, **fixed).history) for seed in seeds}
     with open(os.path.join(folder, "fits.json"), "w") as f:
         json.dump({"resumed_from_step": result.resumed_from_step,
                    "last_group_steps": sorted(losses(result.history)),

@@ -22,7 +22,7 @@ Four figures, one run:
   alternating. Target <= 1.2.
 * ``data/packing_efficiency``: real tokens over token slots of the demo's packed
   training rows (``examples/language_modeling/train.py``'s ``corpus``: documents
-  tokenized through Ray Data and packed into 65-token rows); ``split=False`` (a
+  tokenized and packed into 65-token rows); ``split=False`` (a
   document never cut across rows) in ``detail``.
 
     python benchmarks/streaming.py [--gigabytes 3] [--rounds 3]

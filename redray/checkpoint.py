@@ -150,16 +150,21 @@ def _check_shapes(restored: dict, targets: dict, where: str) -> None:
 _LAYER_INDEX = re.compile(r"/\d+/")
 
 
-def _leaf_shapes(tree, prefix: str = ""):
-    """("/"-joined path, shape) of a nested dict's leaves (arrays or Orbax's metadata)."""
+def _flat(tree, prefix: str = "") -> dict:
+    """A nested dict's leaves (arrays or Orbax's metadata) by their "/"-joined paths."""
+    out = {}
     for key, value in tree.items():
         path = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(value, dict):
-            yield from _leaf_shapes(value, path)
-        elif hasattr(value, "items") and not hasattr(value, "shape"):
-            yield from _leaf_shapes(dict(value.items()), path)
+        if isinstance(value, dict) or (hasattr(value, "items") and not hasattr(value, "shape")):
+            out.update(_flat(dict(value.items()), path))
         else:
-            yield path, tuple(getattr(value, "shape", ()))
+            out[path] = value
+    return out
+
+
+def _leaf_shapes(tree) -> dict[str, tuple]:
+    """The shape of each of a nested dict's leaves, by path (``_flat``)."""
+    return {path: tuple(getattr(value, "shape", ())) for path, value in _flat(tree).items()}
 
 
 def layer_moves(have: dict[str, tuple], want: dict[str, tuple]) -> dict | None:
@@ -195,15 +200,6 @@ def layer_moves(have: dict[str, tuple], want: dict[str, tuple]) -> dict | None:
     if set(have) - set(want) - used or len(sliced) != sum(layers.values()):
         return None  # an array the model lacks, or layers it does not take
     return moves
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    """A nested dict's leaves by their "/"-joined paths."""
-    out = {}
-    for key, value in tree.items():
-        path = f"{prefix}/{key}" if prefix else str(key)
-        out.update(_flat(value, path) if isinstance(value, dict) else {path: value})
-    return out
 
 
 def _nest(flat: dict) -> dict:
@@ -412,8 +408,8 @@ class Checkpointer:
                     epath.Path(self.step_path(step)) / name)
             except Exception:  # noqa: BLE001 - damage: the restore reports it
                 continue
-            have = dict(_leaf_shapes(meta))
-            want = dict(_leaf_shapes(to_storage(jax.tree.map(_stored, tree))))
+            have = _leaf_shapes(meta)
+            want = _leaf_shapes(to_storage(jax.tree.map(_stored, tree)))
             if not have or set(have) == set(want):
                 continue
             found = layer_moves(have, want)

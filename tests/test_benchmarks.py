@@ -1,5 +1,6 @@
-"""Every benchmark script runs at a tiny size and writes valid result objects; the
-report turns results into BENCHMARKS.md's table. (No timing is asserted anywhere.)"""
+"""Every benchmark script runs at a tiny size and writes valid result objects (marked
+``bench``: ``make bench-check`` runs them, ``make test`` leaves them out); the report
+turns results into BENCHMARKS.md's table. (No timing is asserted anywhere.)"""
 
 import json
 import os
@@ -26,11 +27,12 @@ def check(fig):
 
 
 # The scripts that start a Ray cluster of their own (the others run in one process, so
-# `make test` runs them beside the tiers without Ray, two at a time).
+# `make bench-check` runs them two at a time).
 STARTS_RAY = {"fsdp_torch.py", "hosts.py", "input_pipeline.py", "planner.py", "streaming.py"}
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 # run_all skips the GPU benchmark; its --tiny run works on any backend
 # (elastic.py's tiny run is test_elastic's scenario: run there, checked in detail)
 @pytest.mark.parametrize("script", [

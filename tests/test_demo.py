@@ -1,7 +1,8 @@
 """`make demo` end to end (reduced steps): trains on 2 simulated hosts, tracks, checkpoints,
-then a second run says the run is complete and a third with more steps resumes. What the
-user sees is checked too: by default a few lines (the run's own messages and progress),
-no traceback, no warning, nothing of Ray's worker stream; `--verbose` shows all of it."""
+then a second run with more steps resumes. What the user sees is checked too: by default
+a few lines (the run's own messages and progress), no traceback, no warning, nothing of
+Ray's worker stream; `--verbose` (the second run) shows all of it. (A run already
+complete says so: tests/test_example_classification.py, on another example.)"""
 
 import json
 import os
@@ -36,7 +37,7 @@ def quiet_console(out: str, err: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_make_demo_trains_then_says_complete_then_resumes(tmp_path):
+def test_make_demo_trains_then_resumes(tmp_path):
     common = ["--size", "tiny", "--storage", str(tmp_path), "--name", "demo"]
     out, err = demo("--steps", "6", *common, make=True)
     console = quiet_console(out, err)
@@ -53,12 +54,10 @@ def test_make_demo_trains_then_says_complete_then_resumes(tmp_path):
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db" in out
     assert os.path.exists(tmp_path / "mlflow.db")
 
-    out, err = demo("--steps", "6", *common, "--verbose")
-    assert "already complete at step 6" in out
+    out, err = demo("--steps", "8", *common, "--verbose")
     # verbose: the workers' stream is back, set-up chatter included
     assert "(RayTrainWorker pid=" in out + err and "JAX distributed service" in out + err
-    out, err = demo("--steps", "8", *common)
-    assert [x for x in quiet_console(out, err) if x.startswith("resumed from ")]
+    assert "resumed from " in out + err  # host 0's line, through the workers' stream
     numbers = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert numbers["step"] == 8  # resumed from step 6: the perplexity "before" is step 6's
     assert "at step 6 ->" in out

