@@ -65,7 +65,8 @@ def _plan(args) -> int:
     elif args.device_memory is not None:
         raise UsageError("--device-memory needs the step's shape: give --batch-size and "
                          "--seq-len too")
-    result = plan_model(fields, args.devices, step=step, device_gib=args.device_memory, **sizes)
+    result = plan_model(fields, args.devices, step=step, device_gib=args.device_memory,
+                        scan=args.scan, **sizes)
     if args.json:
         print(json.dumps({"config": name, **result}, indent=2))
     else:

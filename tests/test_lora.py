@@ -33,11 +33,14 @@ def test_adapters_start_exact_and_sit_on_the_qkv_projection(config):
     want = model(IDS)
     add_lora(model, rank=4)
     np.testing.assert_array_equal(model(IDS), want)  # B starts at zero
-    paths = flatten(nnx.state(model, nnx.Param))[0]
+    paths, leaves, _ = flatten(nnx.state(model, nnx.Param))
     adapted = {p.rsplit("/", 1)[0] for p in paths if "lora_" in p}
     expected = {"qkv_proj"} if config.model_type == "llama" else {"c_attn"}  # fused Q/K/V
     assert {p.rsplit("/", 1)[1] for p in adapted} == expected
-    assert len(adapted) == len(expected) * 2  # both layers
+    # the layers stacked (the default): one adapter on the stacked kernel, one slice of
+    # it per layer
+    assert len(adapted) == len(expected)
+    assert {x.shape[0] for p, x in zip(paths, leaves) if "lora_" in p} == {2}
 
 
 def test_targets_matching_nothing_lists_the_linear_layers():
@@ -61,8 +64,8 @@ def test_only_adapters_train_and_merging_keeps_the_outputs(tmp_path):
         if "lora_" not in path:  # base weights untouched
             np.testing.assert_array_equal(np.asarray(leaf),
                                           frozen_before[path.replace("/base", "")])
-    # the checkpoint holds the adapters alone: 2 layers x qkv_proj x (A, B)
-    assert len(jax.tree.leaves(trainer.state.params)) == 4
+    # the checkpoint holds the adapters alone: qkv_proj's (A, B), stacked over 2 layers
+    assert [x.shape[0] for x in jax.tree.leaves(trainer.state.params)] == [2, 2]
     adapted = np.asarray(trained(IDS))
     merged = merge_lora(trained)
     assert not any("lora_" in p for p in flatten(nnx.state(merged, nnx.Param))[0])

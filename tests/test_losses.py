@@ -35,7 +35,10 @@ def loss_and_grad(family: str, chunk, vocab=300, batch=3, length=33):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(p):
-        return rm.next_token_loss(nnx.merge(graphdef, p, rest), ids, segments, chunk=chunk)
+        # the model's other state as new variables of this trace: a scanned model's RNG
+        # counts enter its scan, which takes no variable made outside
+        model = nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest))
+        return rm.next_token_loss(model, ids, segments, chunk=chunk)
 
     return jax.jit(jax.value_and_grad(loss)), params
 

@@ -223,8 +223,9 @@ def test_the_compiled_step_recomputes_what_the_policy_says():
         compiled = step.lower(params).compile()
         dots[policy] = compiled.as_text().count(" dot(")
         temp[policy] = compiled.memory_analysis().temp_size_in_bytes
-    assert dots["full"] - dots["none"] == 5 * layers, dots
-    assert dots["dots"] - dots["none"] == 2 * layers, dots
+    # the layers are scanned (the default): the text holds the loop body, one layer, once
+    assert dots["full"] - dots["none"] == 5, dots
+    assert dots["dots"] - dots["none"] == 2, dots
     assert temp["full"] < temp["none"] and temp["dots"] < temp["none"], temp
     with pytest.raises(ValueError, match="remat='some': use one of 'none', 'full', 'dots'"):
         rm.build(config, remat="some")

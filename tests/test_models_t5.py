@@ -98,7 +98,8 @@ def test_random_init_follows_transformers(config):
                               num_layers=2, initializer_factor=0.5, **config)
     torch.manual_seed(0)
     hf = transformers.T5ForConditionalGeneration(c).state_dict()
-    params = nnx.to_flat_state(nnx.state(build(c, rngs=nnx.Rngs(0)), nnx.Param))
+    # as a list (scan=False): the weight table names each layer's tensors
+    params = nnx.to_flat_state(nnx.state(build(c, rngs=nnx.Rngs(0), scan=False), nnx.Param))
     params = {"/".join(map(str, path)): np.asarray(v.get_value()) for path, v in params}
     for row in t5.weight_table(c):
         # a fused kernel (Q, K, V) is compared part by part, each with its HF tensor

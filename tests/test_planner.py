@@ -50,8 +50,11 @@ def loss(model, batch, rng, train):
 ])
 def test_the_collectives_counted_are_those_xla_compiles(axes, micro):
     config = LlamaConfig(**TINY)
-    t = redray.Trainer(lambda rngs: build(config, rngs=rngs), collate, loss, optax.adam(1e-3),
-                       batch_size=8, micro_batch_size=micro, progress=False, **axes)
+    # the layers as a list: XLA's text lists a loop body's collectives once, and with
+    # the layers scanned that would be one layer's
+    t = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=False), collate, loss,
+                       optax.adam(1e-3), batch_size=8, micro_batch_size=micro, progress=False,
+                       **axes)
     t.init(DATA)
     compiled = collectives.summarize(collectives.collectives(t.compiled_step().as_text()))
     rt = t.runtime
@@ -249,9 +252,12 @@ def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():
     devices = jax.device_count()
     for scored in live.plan_ranking.ranked:
         shape = scored.candidate.shape
-        if shape["model"] == 1:  # nothing left whole: the FLOPs divide over the devices
-            assert scored.cost.compute == pytest.approx(
-                timing.flops_per_example * 8 / devices * timing.seconds_per_flop)
+        divided = timing.flops_per_example * 8 / devices * timing.seconds_per_flop
+        if shape["model"] == 1 and shape.get("stage", 1) == 1:
+            # nothing left whole: the FLOPs divide over the devices
+            assert scored.cost.compute == pytest.approx(divided)
+        elif shape["model"] == 1:  # stages: the layers' share stretched by the bubble
+            assert scored.cost.compute > divided
         # every device updates what it holds, and each micro-batch's per-parameter work
         # is its share: all of it when only the batch is split
         held = elements / (shape["fsdp"] * shape["model"])

@@ -434,16 +434,16 @@ def _stored_name(row: Tensor, available: set, base_prefix: str | None) -> str | 
 
 
 def model_specs(graphdef, state, parallelism: Parallelism, inputs: dict,
-                whole: list | None = None):
+                whole: list | None = None, stacked: dict | None = None):
     """Automatic specs of a model's (params, extra) on a built plan (a mesh or an
     abstract one), traced on ``model(**inputs)``; ``whole`` receives the layer parameters
-    left unsplit over ``model`` (``derive_specs``)."""
+    left unsplit over ``model``, ``stacked`` the scanned layers' arrays (``derive_specs``)."""
     def forward(st, kwargs):
         out = nnx.merge(graphdef, *jax.tree.map(lambda x: x, st))(**kwargs)
         return out
 
     return derive_specs(state, parallelism.mesh, forward, (inputs,), whole=whole,
-                        passes=parallelism.spec_passes())
+                        passes=parallelism.spec_passes(), stacked=stacked)
 
 
 def save_pretrained(model, path: str, max_shard_bytes: int | None = None,

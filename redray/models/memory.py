@@ -55,6 +55,8 @@ class StepShape:
       loss_chunk: tokens whose logits exist at once (``next_token_loss(chunk=)``).
       micro_batch_size: examples per forward/backward pass (gradient accumulation);
         None: ``batch_size``.
+      scan: the model's layers stacked and scanned (None: as ``build`` builds them by
+        default); what the backward pass keeps of a scanned stack is not a list's.
     """
 
     batch_size: int
@@ -63,6 +65,7 @@ class StepShape:
     compute_dtype: str | None = None
     loss_chunk: int | None = None
     micro_batch_size: int | None = None
+    scan: bool | None = None
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len"):
@@ -93,20 +96,20 @@ def _loss(model, inputs, chunk):
     return next_token_loss(model, inputs["input_ids"], chunk=chunk, train=True)
 
 
-def _abstract_loss(fam, config, batch: int, seq: int, policy: str, compute_dtype, chunk):
+def _abstract_loss(fam, config, batch: int, seq: int, policy: str, compute_dtype, chunk,
+                   scan: bool | None = None):
     """(loss(params, extra, inputs), params, extra, inputs), all abstract: one loss
-    evaluation of ``config``'s model on ``batch`` examples of ``seq`` tokens."""
+    evaluation of ``config``'s model (its layers stacked or not as ``scan`` says, see
+    ``build``) on ``batch`` examples of ``seq`` tokens."""
     from flax import nnx
 
     from redray.rngs import rngs as fast_rngs
 
     # a model trained in a compute dtype is built in it too (redray's models compute in
-    # their ``dtype``; bfloat16 parameters in a float32 model are cast back per matmul).
-    # Its layers as a list, whatever the model's layout: XLA's cost analysis counts a
-    # loop's body once, and each layer's residuals are then its own.
+    # their ``dtype``; bfloat16 parameters in a float32 model are cast back per matmul)
     abstract = nnx.eval_shape(lambda: fam.Model(config, rngs=fast_rngs(0), remat=policy,
                                                 dtype=compute_dtype or jnp.float32,
-                                                scan=False))
+                                                scan=scan))
     graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
     if compute_dtype is not None:  # the copies are counted apart
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype)
@@ -121,10 +124,11 @@ def _abstract_loss(fam, config, batch: int, seq: int, policy: str, compute_dtype
     return loss, params, extra, inputs
 
 
-def _trace(fam, config, batch: int, seq: int, policy: str, compute_dtype, chunk) -> list:
+def _trace(fam, config, batch: int, seq: int, policy: str, compute_dtype, chunk,
+           scan: bool | None) -> list:
     """Shapes and dtypes of the residuals of one loss evaluation (parameters excluded)."""
     return saved_residuals(*_abstract_loss(fam, config, batch, seq, policy, compute_dtype,
-                                           chunk))
+                                           chunk, scan))
 
 
 def example_flops(fam, config, seq: int, compute_dtype=None, chunk=None) -> float:
@@ -135,8 +139,10 @@ def example_flops(fam, config, seq: int, compute_dtype=None, chunk=None) -> floa
     depth = [getattr(config, f) for f in fields]
 
     def at(counts):
+        # the layers as a list: XLA's cost analysis counts a loop's body once
         loss, params, extra, inputs = _abstract_loss(
-            fam, _with_layers(config, fields, counts), 1, seq, "none", compute_dtype, chunk)
+            fam, _with_layers(config, fields, counts), 1, seq, "none", compute_dtype, chunk,
+            scan=False)
         lowered = jax.jit(jax.grad(loss)).lower(params, extra, inputs)
         return float(lowered.cost_analysis()["flops"])
 
@@ -173,7 +179,7 @@ def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_
         key = (tuple(counts), batch, name)
         if traces is None or key not in traces:
             found = _trace(fam, _with_layers(config, fields, counts), batch, step.seq_len, name,
-                           step.compute_dtype, step.loss_chunk)
+                           step.compute_dtype, step.loss_chunk, step.scan)
             if traces is None:
                 return found
             traces[key] = found

@@ -182,7 +182,7 @@ def _replicated_axes(spec: P, mesh_shape: dict) -> list[str]:
 def plan_model(config, devices: int, model_axis: int = MODEL.default,
                fsdp_axis: int = FSDP.default, *, rules=(),
                replicated_min_bytes: int = REPLICATED_MIN_BYTES, step: StepShape | None = None,
-               device_gib: float | None = None, **axes) -> dict:
+               device_gib: float | None = None, scan: bool | None = None, **axes) -> dict:
     """What each device holds when ``config``'s model is sharded by the automatic rules.
 
     Args:
@@ -192,11 +192,14 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
       model_axis, fsdp_axis: tensor-parallel and ZeRO-3 axis sizes.
       rules: (regex, PartitionSpec) overrides, as for ``Trainer``.
       replicated_min_bytes: parameters left replicated that are smaller than this are
-        counted in ``replicated_omitted`` instead of listed.
+        counted in ``replicated_omitted`` instead of listed (a scanned layers' array
+        counts as one parameter per layer, each of its layer's size).
       step: a ``redray.models.memory.StepShape`` (batch, sequence, remat policy,
         compute dtype): the result gets ``memory``, what one training step holds per
         device (``redray.models.memory.memory_plan``).
       device_gib: with ``step``, the device memory to check the step against.
+      scan: the model's layers stacked and scanned (None: as ``build`` builds them by
+        default; always with a stage axis).
       **axes: the size of any other axis of ``redray.sharding.AXES``, by its keyword.
 
     Returns:
@@ -225,12 +228,15 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
                                    **axes)
     sizes, mesh = parallelism.shape, parallelism.mesh
     config = resolve_config(config)
-    # stages split the stacked layers: the model is built scanned for them
-    fam, graphdef, params, extra = abstract_model(config, scan=True if sizes[STAGE.name] > 1
-                                                  else None)
+    if scan is None and sizes[STAGE.name] > 1:
+        scan = True  # stages split the stacked layers
+    if step is not None and step.scan is None:
+        step = dataclasses.replace(step, scan=scan)
+    fam, graphdef, params, extra = abstract_model(config, scan=scan)
     whole: list = []
+    stacked: dict = {}  # "/"-joined path of a scanned layers' array -> its layers
     param_specs, _ = model_specs(graphdef, (params, extra), parallelism,
-                                 fam.trace_inputs(config), whole)
+                                 fam.trace_inputs(config), whole, stacked)
     why = {w.path: w for w in whole}
     opt_abs = jax.eval_shape(optax.adam(1e-3).init, params)
     opt_specs = follow_specs(opt_abs, params, param_specs)
@@ -258,9 +264,11 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
         axes = _replicated_axes(row.spec, shape)
         if not axes:
             continue
+        # a scanned layers' array is one per layer: each layer's is what the size is of
+        layers = stacked.get(row.path, 1)
         full = math.prod(row.shape) * jnp.dtype(row.dtype).itemsize
-        if full < replicated_min_bytes:
-            omitted += 1
+        if full / layers < replicated_min_bytes:
+            omitted += layers
             continue
         w = why.get(row.path)
         replicated.append({"path": row.path, "shape": list(row.shape),
@@ -405,7 +413,7 @@ class ConfigFacts:
 
         self.config = resolve_config(config)
         self.step = StepShape(batch_size=1, seq_len=seq_len, compute_dtype=compute_dtype,
-                              loss_chunk=loss_chunk)
+                              loss_chunk=loss_chunk, scan=scan)
         self.fam, graphdef, params, extra = abstract_model(self.config, scan=scan)
         self.paths, leaves, _ = flatten(params)
         self.shapes = [tuple(x.shape) for x in leaves]

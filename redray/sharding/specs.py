@@ -43,7 +43,8 @@ def flatten(tree) -> tuple[list[str], list[Any], Any]:
 
 
 def derive_specs(tree, mesh: Mesh | AbstractMesh, fn: Callable | None = None, args=(),
-                 rules=(), whole: list | None = None, passes: Sequence[SpecPass] | None = None):
+                 rules=(), whole: list | None = None, passes: Sequence[SpecPass] | None = None,
+                 stacked: dict | None = None):
     """PartitionSpecs for every array of ``tree`` (same structure as ``tree``).
 
     Args:
@@ -59,6 +60,8 @@ def derive_specs(tree, mesh: Mesh | AbstractMesh, fn: Callable | None = None, ar
         every layer parameter left unsplit over ``model``.
       passes: the spec passes to run (default: ``Parallelism.spec_passes`` with
         ``rules``).
+      stacked: if given, a dict that receives, for every array of scanned layers found
+        by the trace, its path -> the layers it stacks (nothing without a trace).
     """
     if passes is None:
         passes = Parallelism.of(rules=rules).spec_passes()
@@ -69,6 +72,9 @@ def derive_specs(tree, mesh: Mesh | AbstractMesh, fn: Callable | None = None, ar
     trace = None
     if fn is not None and any(p.traces(dict(mesh.shape)) for p in passes):
         trace = trace_tree(tree, fn, args)
+    if stacked is not None and trace is not None:
+        stacked.update({paths[i]: abstract[i].shape[min(dims)]
+                        for i, dims in trace.scanned.items() if dims})
     specs = partition_specs(passes, paths, [a.shape for a in abstract],
                             [a.dtype for a in abstract], dict(mesh.shape), trace, whole)
     return jax.tree.unflatten(treedef, specs)
