@@ -39,7 +39,7 @@ test: lint
 	$(PY) -m pytest -q -m "ray and not bench" --durations=20
 
 # Every benchmark script at a tiny size: that each still runs and writes valid figures
-# (about 8 minutes on 2 cores). Run it after changing a benchmark or an API one calls.
+# (about 7 minutes on 2 cores). Run it after changing a benchmark or an API one calls.
 bench-check: lint
 	$(PY) -m pytest -q -n 2 -m "bench and not ray" tests/test_benchmarks.py
 	$(PY) -m pytest -q -m "bench and ray" tests/test_benchmarks.py

@@ -62,7 +62,7 @@ COVERED_ELSEWHERE = {
         "tests/test_demo.py::test_make_demo_trains_then_resumes",
     "make test   # same set-up, then the test suite (CPU only, about 45 minutes on 2 cores)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
-    "make bench-check   # every benchmark script at a tiny size: each still runs (about 8 min)":
+    "make bench-check   # every benchmark script at a tiny size: each still runs (about 7 min)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
     "make test-fast   # the inner loop: lint + all but the Ray-cluster and slow tiers (10-11 min)":
         "tests/test_readme.py::test_make_test_fast_lints_then_leaves_out_the_ray_and_slow_tiers",
