@@ -68,7 +68,7 @@ def prepare(source: Any, output: str, *, transform: Callable | None = None,
     if any(name.endswith(".parquet") for name in os.listdir(output)):
         raise FileExistsError(f"{output} already holds parquet files: give an empty folder "
                               "(a Stream of it would read the old files too)")
-    listed = isinstance(source, (list, tuple)) and bool(source) and isinstance(source[0], dict)
+    listed = _is_row_list(source)
     if parallel is False and not listed:
         raise ValueError("prepare(parallel=False) transforms a list of dicts in this "
                          f"process; {type(source).__name__} sources are read through Ray "
@@ -135,6 +135,11 @@ def prepare(source: Any, output: str, *, transform: Callable | None = None,
     return Prepared(files, total, documents, real / (total * pack) if pack else None)
 
 
+def _is_row_list(source) -> bool:
+    """Whether ``source`` is a list (or tuple) of row dicts, not paths."""
+    return isinstance(source, (list, tuple)) and bool(source) and isinstance(source[0], dict)
+
+
 def _here(source: list, transform: Callable | None):
     """The rows of a list, transformed in this process (the dropped ones left out)."""
     for row in source:
@@ -152,7 +157,7 @@ def _dataset(source):
     from redray.data.stream import Segment, ordered, read_segments
 
     ensure_ray()
-    if isinstance(source, (list, tuple)) and source and isinstance(source[0], dict):
+    if _is_row_list(source):
         return ordered(ray.data.from_items(list(source)))
     corpus = Corpus(source)
     return read_segments(corpus, [Segment(i, 0, p.rows) for i, p in enumerate(corpus.pieces)])
