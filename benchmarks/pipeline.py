@@ -8,10 +8,12 @@ Trainer does, with the scans unrolled (``activations.unrolled_loops``: XLA's cos
 analysis and its collectives list count a loop's body once, whatever its trip count).
 
 FLOPs: the pipelined step on 4 stages (4 simulated devices) over M micro-batches of one
-example against the same step on 1 device without stages; the schedule's formula
-(``redray.models.pipeline.flops_ratio``) is ``share (M + S - 1) / (M S) + (1 - share) /
-S``, with ``share`` the stacked layers' part of the unpipelined FLOPs (read from the
-compiled steps at L and L/2 layers). Circular repeats are not built (see BENCHMARKS.md).
+example, once round the stages (GPipe) and twice (circular repeats, 8 chunks of one
+layer), against the same step on 1 device without stages; the schedule's formula
+(``redray.models.pipeline.flops_ratio``) is ``share (P R + S - 1) / (M R S) + (1 -
+share) / S`` (``P``: M rounded up to a multiple of S with repeats, else M), with
+``share`` the stacked layers' part of the unpipelined FLOPs (read from the compiled
+steps at L and L/2 layers).
 
 Bytes across hosts: 8 simulated devices as 2 hosts of 4 (devices 0-3 and 4-7, the mesh
 laid out as ``Parallelism.build`` lays out 2 hosts). The pipelined plan is stage 2 x
@@ -41,7 +43,7 @@ import numpy as np  # noqa: E402
 
 COMMAND = "python benchmarks/pipeline.py"
 FULL = dict(vocab=512, hidden=128, intermediate=256, layers=8, heads=4, seq=64)
-TINY = dict(vocab=64, hidden=32, intermediate=64, layers=4, heads=4, seq=8)
+TINY = dict(vocab=64, hidden=32, intermediate=64, layers=8, heads=4, seq=8)
 
 
 def config(s: dict, layers: int | None = None):
@@ -59,7 +61,7 @@ def loss(model, ids):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1).mean()
 
 
-def compiled_step(cfg, plan, rows: int, seq: int, micro_rows=None):
+def compiled_step(cfg, plan, rows: int, seq: int, micro_rows=None, repeats: int = 1):
     """(compiled loss-and-gradient step, runtime) of ``cfg``'s scanned model on ``plan``."""
     from redray.engine.runtime import ModelRuntime
     from redray.models import build
@@ -68,7 +70,7 @@ def compiled_step(cfg, plan, rows: int, seq: int, micro_rows=None):
     runtime = ModelRuntime(lambda rngs: build(cfg, rngs=rngs, scan=True), plan)
     batch = jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32)
     runtime.derive(loss, batch)
-    runtime.micro_rows = micro_rows
+    runtime.micro_rows, runtime.stage_repeats = micro_rows, repeats
     params, extra = runtime.abstract
     step = jax.jit(jax.value_and_grad(
         lambda p, e, ids: runtime.apply(loss, p, e, jax.random.key(0), ids)[0]),
@@ -77,28 +79,32 @@ def compiled_step(cfg, plan, rows: int, seq: int, micro_rows=None):
         return step.lower(params, extra, batch).compile(), runtime
 
 
-def flops_figures(s: dict, stages: int, micros) -> list[dict]:
+def flops_figures(s: dict, stages: int, micros, repeats=(1, 2)) -> list[dict]:
     from redray.models.pipeline import flops_ratio
     from redray.sharding import Parallelism
 
     one = Parallelism.of(data_axis=1).build(jax.devices()[:1])
     staged = Parallelism.of(stage_axis=stages, data_axis=1).build(jax.devices()[:stages])
 
-    def flops(cfg, plan, rows, micro_rows=None):
-        return compiled_step(cfg, plan, rows, s["seq"], micro_rows)[0].cost_analysis()["flops"]
+    def flops(cfg, plan, rows, micro_rows=None, r=1):
+        compiled = compiled_step(cfg, plan, rows, s["seq"], micro_rows, r)[0]
+        return compiled.cost_analysis()["flops"]
 
     whole, half = (flops(config(s, n), one, 4) for n in (s["layers"], s["layers"] // 2))
     share = 2 * (whole - half) / whole  # the stacked layers' part of the FLOPs
     out = []
     for micro in micros:
-        measured = flops(config(s), staged, micro, 1) / flops(config(s), one, micro)
-        formula = flops_ratio(stages, micro, share)
-        out.append(figure(
-            f"pipeline/flops_over_unpipelined/s{stages}_m{micro}", measured, "x",
-            "the same step on 1 device (XLA cost analysis, per device)",
-            f"{formula - 0.02:.4f}-{formula + 0.02:.4f}", COMMAND,
-            formula=formula, layer_share=share, difference=measured - formula,
-            stages=stages, micro_batches=micro, repeats=1, model=s))
+        unpipelined = flops(config(s), one, micro)
+        for r in repeats:
+            measured = flops(config(s), staged, micro, 1, r) / unpipelined
+            formula = flops_ratio(stages, micro, share, r)
+            out.append(figure(
+                f"pipeline/flops_over_unpipelined/s{stages}_m{micro}"
+                + (f"_r{r}" if r > 1 else ""), measured, "x",
+                "the same step on 1 device (XLA cost analysis, per device)",
+                f"{formula - 0.02:.4f}-{formula + 0.02:.4f}", COMMAND,
+                formula=formula, layer_share=share, difference=measured - formula,
+                stages=stages, micro_batches=micro, repeats=r, model=s))
     return out
 
 
@@ -142,7 +148,7 @@ def bytes_figure(s: dict, rows: int, micro_rows: int) -> dict:
     pipe_mesh = hybrid_mesh((2, 1, 4, 1, 1), hosts)
     fsdp_mesh = hybrid_mesh((1, 1, 8, 1, 1), hosts)
     seq = s["seq"]
-    measured, predicted = {}, {}
+    measured, predicted, stacked = {}, {}, None
     for name, mesh, micro in (("pipelined", pipe_mesh, micro_rows), ("fsdp", fsdp_mesh, None)):
         plan = Parallelism.of(mesh=mesh)
         compiled, runtime = compiled_step(config(s), plan, rows, seq, micro)
@@ -152,7 +158,10 @@ def bytes_figure(s: dict, rows: int, micro_rows: int) -> dict:
         leaves = jax.tree.leaves(runtime.abstract[0])
         specs = jax.tree.leaves(runtime.specs[0],
                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-        params = [Parameter(tuple(a.shape), 4, tuple(p)) for a, p in zip(leaves, specs)]
+        if stacked is None:  # the stacked layers: what the pipelined plan splits over stage
+            stacked = [bool(p) and "stage" in str(p[0]) for p in specs]
+        params = [Parameter(tuple(a.shape), 4, tuple(p), stacked=k)
+                  for a, p, k in zip(leaves, specs, stacked)]
         crossing = lambda t: any(spans_[a][1] > 1 for a in t.axes)  # noqa: E731
         traffic = state_traffic(params, shape, 4, PRESETS["cpu"], False, 1)
         if name == "pipelined":

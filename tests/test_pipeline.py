@@ -9,11 +9,14 @@ import numpy as np
 import optax
 import pytest
 import transformers
+from jax.sharding import PartitionSpec as P
+from flax import nnx
 
 import redray
 from redray.engine.runtime import ModelRuntime
 from redray.models import build
-from redray.models.pipeline import flops_ratio, merge_micro, split_micro
+from redray.models.pipeline import (flops_ratio, layer_order, merge_micro, reorder, schedule,
+                                    split_micro)
 from redray.sharding import STAGE, Parallelism
 from redray.sharding.parallelism import default_micro_batches, hybrid_shapes
 
@@ -35,17 +38,19 @@ def lm_loss(model, ids):
     return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
 
 
-def loss_and_grads(config, remat, micro_rows=None, loss=None, **axes):
+def loss_and_grads(config, remat, micro_rows=None, loss=None, repeats=1, **axes):
     loss = loss or lm_loss
     n = int(np.prod(list(axes.values()))) if axes else 1
     plan = Parallelism.of(**({"data_axis": 1} | axes)).build(jax.devices()[:n])
     runtime = ModelRuntime(lambda rngs: build(config, rngs=rngs, scan=True, remat=remat), plan)
     runtime.derive(loss, jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
-    runtime.micro_rows = micro_rows
+    runtime.micro_rows, runtime.stage_repeats = micro_rows, repeats
     params, extra = runtime.init()
     step = jax.jit(jax.value_and_grad(
         lambda p, e, ids: runtime.apply(loss, p, e, jax.random.key(0), ids)[0]))
     value, grads = step(params, extra, IDS)
+    # circular repeats hold the stacked layers in the pipeline's order: back to theirs
+    grads = runtime.reorder(grads, runtime.shardings[0], False)
     return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)], runtime
 
 
@@ -59,21 +64,27 @@ def reference(family, remat):
 
 
 # every split without remat; with remat (inside the stages), the deepest pipeline and
-# tensor parallelism inside the stages
-SPLITS = [(dict(stage_axis=2), False), (dict(stage_axis=4), False),
-          (dict(stage_axis=2, model_axis=2), False), (dict(stage_axis=2, fsdp_axis=2), False),
-          (dict(stage_axis=4), "full"), (dict(stage_axis=2, model_axis=2), "full")]
+# tensor parallelism inside the stages; circular repeats (2 x 2 chunks of one layer) on
+# 2S micro-batches, with fsdp and remat, and on one (a group of S padded by a bubble)
+SPLITS = [(dict(stage_axis=2), False, 1, 2), (dict(stage_axis=4), False, 1, 2),
+          (dict(stage_axis=2, model_axis=2), False, 1, 2),
+          (dict(stage_axis=2, fsdp_axis=2), False, 1, 2),
+          (dict(stage_axis=4), "full", 1, 2), (dict(stage_axis=2, model_axis=2), "full", 1, 2),
+          (dict(stage_axis=2, fsdp_axis=2), "full", 2, 2), (dict(stage_axis=2), False, 2, 0)]
 
 
-@pytest.mark.parametrize("axes,remat", SPLITS,
+@pytest.mark.parametrize("axes,remat,repeats,per_stage", SPLITS,
                          ids=["stage2", "stage4", "stage2_model2", "stage2_fsdp2",
-                              "stage4_remat", "stage2_model2_remat"])
+                              "stage4_remat", "stage2_model2_remat",
+                              "stage2_fsdp2_circular2_remat", "stage2_circular2_one_micro"])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_a_pipelined_step_equals_the_unpipelined_step(family, axes, remat):
+def test_a_pipelined_step_equals_the_unpipelined_step(family, axes, remat, repeats, per_stage):
     expected, expected_grads = reference(family, remat)
     dp = axes.get("fsdp_axis", 1)
-    micro_rows = ROWS // (2 * axes["stage_axis"])  # 2S micro-batches
-    value, grads, runtime = loss_and_grads(CONFIGS[family](), remat, micro_rows, **axes)
+    # per_stage micro-batches per stage (0: one micro-batch in all)
+    micro_rows = ROWS // (per_stage * axes["stage_axis"]) if per_stage else ROWS
+    value, grads, runtime = loss_and_grads(CONFIGS[family](), remat, micro_rows,
+                                           repeats=repeats, **axes)
     assert abs(value - expected) <= 1e-5 * abs(expected)
     for got, want in zip(grads, expected_grads):  # relative to each gradient's largest entry
         assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), family
@@ -100,6 +111,26 @@ def test_the_schedule_formula():
     assert flops_ratio(4, 8, 1.0) == pytest.approx(11 / 32)
     assert flops_ratio(1, 1, 0.7) == pytest.approx(1.0)
     assert flops_ratio(2, 2, 0.0) == pytest.approx(0.5)  # the head split over the stages
+    # circular: 8 x 2 items of a quarter-stage's work, 3 ticks of bubble
+    assert flops_ratio(4, 8, 1.0, repeats=2) == pytest.approx(19 / 64)
+    # 6 micro-batches go round in 2 groups of 4: 2 of the 8 slots are bubbles
+    assert schedule(4, 6, 2) == (8, 19) and schedule(4, 6, 1) == (6, 9)
+
+
+def test_circular_repeats_hold_each_stage_s_chunks_in_its_block():
+    # 8 layers, 2 stages, 2 repeats: chunks of 2, chunk c on stage c mod 2; stage 0's
+    # block (the first 4 positions) holds chunks 0 and 2, stage 1's chunks 1 and 3
+    assert layer_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert layer_order(8, 4, 1).tolist() == list(range(8))
+    # the stacked arrays (split over stage) move to that order and back; the rest stays
+    plan = Parallelism.of(stage_axis=2, data_axis=1).build(jax.devices()[:2])
+    stacked, whole = (jax.sharding.NamedSharding(plan.mesh, P(*s)) for s in (("stage",), ()))
+    tree = {"layers": jnp.arange(8.0), "head": jnp.arange(8.0)}
+    moved = reorder(tree, {"layers": stacked, "head": whole}, 2, 2, True)
+    assert moved["layers"].tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert moved["head"].tolist() == list(range(8))
+    back = reorder(moved, {"layers": stacked, "head": whole}, 2, 2, False)
+    assert back["layers"].tolist() == list(range(8))
 
 
 def test_default_micro_batches_leave_a_small_bubble():
@@ -129,9 +160,19 @@ def test_stages_need_scanned_layers_that_divide():
     config.num_hidden_layers = 6
     with pytest.raises(ValueError, match="stage_axis=4 does not divide the model's 6 layers"):
         loss_and_grads(config, False, 4, stage_axis=4)
+    with pytest.raises(ValueError, match="stage_axis=2 x stage_repeats=2 = 4 chunks do not "
+                                         "divide the model's 6 layers"):
+        loss_and_grads(config, False, 4, repeats=2, stage_axis=2)
+    with pytest.raises(ValueError, match="stage_repeats=2 needs pipeline stages"):
+        redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
+                       lambda ex: {"ids": np.stack(ex)}, lambda m, b, r, t: lm_loss(m, b["ids"]),
+                       optax.sgd(0.1), batch_size=4, data_axis="auto", stage_repeats=2,
+                       progress=False).init(list(IDS[:4]))
 
 
-def test_a_trainer_on_stages_trains_as_one_device_and_its_checkpoint_loads_without(tmp_path):
+@pytest.mark.parametrize("repeats", [1, 2], ids=["gpipe", "circular"])
+def test_a_trainer_on_stages_trains_as_one_device_and_its_checkpoint_loads_without(
+        tmp_path, repeats):
     config = CONFIGS["llama"]()
     data = [{"ids": row} for row in np.random.default_rng(1).integers(0, 64, (32, SEQ))]
 
@@ -139,23 +180,31 @@ def test_a_trainer_on_stages_trains_as_one_device_and_its_checkpoint_loads_witho
         return lm_loss(model, batch["ids"])
 
     def trainer(name, **kw):
+        # momentum: optimizer state that follows the stacked parameters' order too
         return redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
                               lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
-                              optax.sgd(0.5), batch_size=8, progress=False, log_every=1,
-                              checkpoint=redray.CheckpointConfig(str(tmp_path / name),
-                                                                 save_every=2), **kw)
+                              optax.sgd(0.5, momentum=0.5), batch_size=8, progress=False,
+                              log_every=1, checkpoint=redray.CheckpointConfig(
+                                  str(tmp_path / name), save_every=2), **kw)
 
     one = [r["loss"] for r in trainer("one", mesh=redray.make_mesh(
         devices=jax.devices()[:1])).fit(data, epochs=1)]
-    staged = trainer("staged", stage_axis=2, data_axis=2, micro_batch_size=1)
+    staged = trainer("staged", stage_axis=2, data_axis=2, micro_batch_size=1,
+                     stage_repeats=repeats)
     first = [r["loss"] for r in staged.fit(data, epochs=1, max_steps=2)]
     assert staged.describe()["accumulation_steps"] == 4  # 4 pipeline micro-batches
     np.testing.assert_allclose(first, one[:2], rtol=1e-5)
     # the same parameter tree: a run without stages resumes from the pipelined
     # checkpoint, and a pipelined run from its checkpoint in turn
     plain = trainer("staged", data_axis=4)
+    plain.init(data)
+    # the model a user reads holds the layers in their own order, whatever the plan
+    for got, want in zip(jax.tree.leaves(nnx.state(staged.model, nnx.Param)),
+                         jax.tree.leaves(nnx.state(plain.model, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     middle = [r["loss"] for r in plain.fit(data, epochs=1, max_steps=3)]
-    again = trainer("staged", stage_axis=4, micro_batch_size=2)
+    again = trainer("staged", stage_axis=4 // repeats, micro_batch_size=2,
+                    stage_repeats=repeats)
     last = [r["loss"] for r in again.fit(data, epochs=1)]
     assert plain.resumed_from is not None and again.resumed_from is not None
     np.testing.assert_allclose(first + middle + last, one, rtol=1e-5)
@@ -213,9 +262,11 @@ def test_other_families_pipeline_exactly(family):
         assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), family
 
 
-def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_step():
-    """``plan_model``'s count of a pipelined step (GPipe: every tick's activations kept,
-    ``pipelined_parts``) within 0.8-1.25 of XLA's compiled peak on CPU."""
+@pytest.mark.parametrize("repeats", [1, 2], ids=["gpipe", "circular"])
+def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_step(repeats):
+    """``plan_model``'s count of a pipelined step (every tick's activations kept,
+    ``pipelined_parts``) within 0.8-1.25 of XLA's compiled peak on CPU, GPipe's and the
+    circular one's (whose ticks keep no copy of their chunk of the parameters)."""
     from redray.models import next_token_loss
     from redray.models.memory import StepShape
     from redray.models.plan import plan_model
@@ -231,10 +282,11 @@ def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_ste
     trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
                              lambda e: {"ids": np.stack([x["ids"] for x in e])}, loss,
                              optax.adamw(1e-3), batch_size=16, micro_batch_size=1,
-                             progress=False, stage_axis=2, data_axis=2)
+                             progress=False, stage_axis=2, data_axis=2, stage_repeats=repeats)
     trainer.init(data)
     peak = trainer.memory(device_gib=1)["compiled"]["peak"]
     planned = plan_model(config, 4, stage_axis=2, data_axis=2,
-                         step=StepShape(batch_size=16, seq_len=64, micro_batch_size=2))
+                         step=StepShape(batch_size=16, seq_len=64, micro_batch_size=2,
+                                        stage_repeats=repeats))
     assert planned["memory"]["parts"]["pipeline_buffers"] > 0
     assert 0.8 <= planned["memory"]["total"] / peak <= 1.25, (planned["memory"], peak)

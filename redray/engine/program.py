@@ -68,6 +68,9 @@ class TrainProgram:
         abstractly), derives the specs and lays out the state."""
         micro = abstract_batch(sample, geometry.micro_rows)
         runtime.micro_rows = geometry.micro_rows if runtime.parallelism.size(STAGE) > 1 else None
+        if runtime.stage_repeats > 1 and runtime.micro_rows is None:
+            raise ValueError(f"stage_repeats={runtime.stage_repeats} needs pipeline stages: "
+                             "give stage_axis > 1 too (or leave stage_repeats at 1)")
         metric_names = check_loss(runtime, functions.loss, micro)
         loss = functions.loss
         runtime.derive(
@@ -102,7 +105,7 @@ class TrainProgram:
                 params, frozen = split_trainable(params, self.trainable)
         shardings = self.layout.shardings
         if items is not None:
-            return TrainState.from_checkpoint_items(items, frozen).replace(
+            return self.from_checkpoint(items, frozen).replace(
                 nonfinite_step=zero_flag(shardings.nonfinite_step))
         seed, optimizer = self.seed, self.optimizer
         step, rng, nonfinite_step, opt_state = jax.jit(
@@ -111,6 +114,18 @@ class TrainProgram:
                            shardings.opt_state))(params)
         return TrainState(step=step, rng=rng, params=params, extra=extra, opt_state=opt_state,
                           frozen=frozen, nonfinite_step=nonfinite_step)
+
+    def checkpoint_items(self, state: TrainState) -> dict[str, dict]:
+        """What a checkpoint of ``state`` stores: its items, the stacked arrays in the
+        layers' own order whatever the plan (circular repeats hold them in another), so
+        any plan restores them."""
+        return self.runtime.reorder(state.checkpoint_items(),
+                                    self.layout.shardings.checkpoint_items(), False)
+
+    def from_checkpoint(self, items: dict[str, dict], frozen) -> TrainState:
+        """``checkpoint_items``' inverse: restored ``items`` as this plan's state."""
+        items = self.runtime.reorder(items, self.layout.shardings.checkpoint_items(), True)
+        return TrainState.from_checkpoint_items(items, frozen)
 
     def train_step(self):
         """The jitted training step, built once: ``steps.train_step`` bound to this

@@ -11,10 +11,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from redray.engine.model import abstract_state, adapter, cast_floating
+from redray.models import pipeline
 from redray.rngs import KeyStream, stream_key
 from redray.sharding.activations import rows_split
-from redray.sharding import (MODEL, Parallelism, derive_specs, format_placement, format_whole,
-                             placement, shardings)
+from redray.sharding import (MODEL, STAGE, Parallelism, derive_specs, format_placement,
+                             format_whole, placement, shardings)
 from redray.sharding.reductions import fuse_reductions
 
 
@@ -45,6 +46,9 @@ class ModelRuntime:
         # rows of one pipeline micro-batch over all devices (a plan with stages); None:
         # a pass's rows are one micro-batch
         self.micro_rows: int | None = None
+        # the pipeline's circular repeats: above 1, the stacked parameters this runtime
+        # makes, places and runs are held in ``pipeline.layer_order`` (``reorder``)
+        self.stage_repeats = 1
 
     def use(self, parallelism: Parallelism) -> None:
         """Runs the model on ``parallelism`` (built) from now on."""
@@ -58,7 +62,8 @@ class ModelRuntime:
         model = self.adapter.bind(cast_floating(params, self.compute_dtype), extra, rng)
         plan = self.parallelism if planned else None
         with rows_split(None if plan is None else plan.mesh,
-                        1 if plan is None else plan.data_parallel, self.micro_rows):
+                        1 if plan is None else plan.data_parallel, self.micro_rows,
+                        self.stage_repeats):
             out = fn(model, *args)
         return out, self.adapter.extra_of(model, extra)
 
@@ -105,7 +110,22 @@ class ModelRuntime:
         values = getattr(self.adapter, "values", None)
         if values is not None:
             return self.place(*values)
-        return jax.jit(self.adapter.init, out_shardings=self.shardings)(self.init_key)
+        return jax.jit(lambda key: self._reordered(self.adapter.init(key), self.shardings, True),
+                       out_shardings=self.shardings)(self.init_key)
+
+    def _reordered(self, tree, shardings, to_plan: bool):
+        stages = self.parallelism.size(STAGE) if self.parallelism is not None else 1
+        return pipeline.reorder(tree, shardings, stages, self.stage_repeats, to_plan)
+
+    def reorder(self, tree, shardings, to_plan: bool):
+        """``tree`` (arrays on ``shardings``) with its stacked arrays moved from the
+        layers' own order into the one this runtime holds them in (``to_plan``), or
+        back: the same tree without circular pipeline repeats. Checkpoints and the
+        model a user reads hold the layers' own order (``pipeline.layer_order``)."""
+        if self.stage_repeats == 1 or self.parallelism is None or self.parallelism.size(STAGE) == 1:
+            return tree
+        return jax.jit(lambda t: self._reordered(t, shardings, to_plan),
+                       out_shardings=shardings)(tree)
 
     def place(self, params, extra):
         """Copies given (params, extra) onto this runtime's shardings.
@@ -128,10 +148,13 @@ class ModelRuntime:
             host = np.asarray(value)
             return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
-        return jax.tree.map(put, (params, extra), self.shardings)
+        return self.reorder(jax.tree.map(put, (params, extra), self.shardings), self.shardings,
+                            True)
 
     def bound(self, params, extra, rng=None):
-        """The user's model object, bound to concrete parameters (for inspection)."""
+        """The user's model object, bound to concrete parameters (for inspection): this
+        runtime's (``init``, ``place``), in the layers' own order."""
+        params = self.reorder(params, shardings(self.mesh, self.specs[0]), False)
         return self.adapter.bind(params, extra, jax.random.key(0) if rng is None else rng)
 
     def placement_text(self) -> str:

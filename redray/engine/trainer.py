@@ -67,6 +67,13 @@ class Trainer:
         or, with pipeline stages (``stage_axis``), through the pipeline in one pass.
         Default: no accumulation; with stages, at least 4 micro-batches per stage
         (``parallelism.default_micro_batches``).
+      stage_repeats: circular pipeline repeats (with ``stage_axis`` > 1): the layers cut
+        into ``stage_axis x stage_repeats`` chunks, chunk ``c`` on stage ``c mod S``,
+        so each micro-batch goes round the stages that many times. The bubble shrinks
+        from ``S - 1`` of ``M + S - 1`` ticks to ``S - 1`` of ``M R + S - 1`` (ticks
+        ``R`` times shorter); the hidden states cross between stages ``R`` times as
+        often. 1 (default): GPipe's schedule. Micro-batches go round in groups of
+        ``S``: make their count a multiple of the stage axis, or the rest are bubbles.
       eval_batch_size: examples per evaluation step (default: ``batch_size``).
       parallelism: ``"auto"`` (the default when no mesh and no axis size is given):
         the planner chooses the axis sizes and the micro-batch at ``init`` from the
@@ -133,7 +140,7 @@ class Trainer:
                  prefetch: int = 2, checkpoint=None, config: dict | None = None,
                  trainable: str | None = None, grad_fn: Callable | None = None,
                  hooks: Sequence[Hook] = (), on_nonfinite: str = "stop", hardware=None,
-                 **axes):
+                 stage_repeats: int = 1, **axes):
         self.functions = UserFunctions(collate, loss, predict)
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use one of "
@@ -168,6 +175,10 @@ class Trainer:
             self.geometry = self.parallelism.geometry(batch_size, micro_batch_size)
         self.eval_batch_size = eval_batch_size or batch_size
         self.runtime = ModelRuntime(model, self.parallelism, compute_dtype, seed)
+        if isinstance(stage_repeats, bool) or not isinstance(stage_repeats, int) \
+                or stage_repeats < 1:
+            raise ValueError(f"stage_repeats must be a positive int, got {stage_repeats!r}")
+        self.runtime.stage_repeats = stage_repeats
         self.learning_rate = learning_rate
         self.budget: int | None = None  # the run's total steps, as the last fit asked
         self.seed = seed
@@ -550,7 +561,7 @@ class Trainer:
             return None
         items, meta = found
         shardings = self.program.layout.shardings
-        restored = TrainState.from_checkpoint_items(items, self.state.frozen)
+        restored = self.program.from_checkpoint(items, self.state.frozen)
         step = jax.jit(lambda: jnp.asarray(bad_step, jnp.int32),
                        out_shardings=shardings.step)()
         self.state = restored.replace(step=step,
@@ -592,7 +603,8 @@ class Trainer:
             for hook in self._listening():
                 hook.on_checkpoint(self, step, path, meta)
 
-        self.checkpointer.save(self.state.checkpoint_items(), meta, on_commit=committed)
+        self.checkpointer.save(self.program.checkpoint_items(self.state), meta,
+                               on_commit=committed)
 
     def _run_meta(self) -> dict:
         """A checkpoint's ``run``: what the checkpoint resumed from kept there, updated

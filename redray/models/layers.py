@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -13,7 +14,7 @@ from flax import nnx
 from redray.models import pipeline
 from redray.models.attention import AttentionMask, attend
 from redray.sharding.activations import (constrain_rows, gathered_features, loop_unroll,
-                                         pipeline_stages)
+                                         pipeline_stages, stage_repeats)
 
 ACTIVATIONS: dict[str, Callable] = {
     "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
@@ -397,14 +398,36 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
             x = pipeline.run_stages(blocks, x, args, per_layer, train,
                                     lambda b, h, a, own: forward(b, h, *a, *own)[0], *staged)
             return x, None
-        x, found = forward(blocks, x, *args, *per_layer)
+        with _in_layer_order(blocks) as ordered:
+            x, found = forward(ordered, x, *args, *per_layer)
         return (x, None, found) if reports else (x, None)
 
     @nnx.scan(in_axes=(0, nnx.Carry, 0, *broadcast, *scanned), out_axes=(nnx.Carry, 0))
     def decode(block, x, layer_cache, *a):
         return block(x, *a, layer_cache, cache_index, train)[:2]
 
-    return decode(blocks, x, cache, *args, *per_layer)
+    with _in_layer_order(blocks) as ordered:
+        return decode(ordered, x, cache, *args, *per_layer)
+
+
+@contextlib.contextmanager
+def _in_layer_order(blocks):
+    """Stacked ``blocks`` with their parameters in the layers' own order, for a pass
+    that is not pipelined (a short batch, decoding) on a plan with circular repeats,
+    which holds them in ``pipeline.layer_order`` (a gather across the stages); the
+    blocks themselves elsewhere. What the pass changes in their other state (RNG
+    counts) is written back on leaving."""
+    stages, repeats = stage_repeats()
+    if stages == 1 or repeats == 1:
+        yield blocks
+        return
+    graphdef, params, rest = nnx.split(blocks, nnx.Param, ...)
+    layers = jax.tree.leaves(params)[0].shape[0]
+    inverse = np.argsort(pipeline.layer_order(layers, stages, repeats))
+    ordered = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.take(a, inverse, axis=0), params),
+                        rest)
+    yield ordered
+    nnx.update(blocks, nnx.split(ordered, nnx.Param, ...)[2])
 
 
 def causal_lm_inputs(config, batch: int = 2, seq: int = 8) -> dict:

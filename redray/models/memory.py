@@ -57,6 +57,8 @@ class StepShape:
         None: ``batch_size``.
       scan: the model's layers stacked and scanned (None: as ``build`` builds them by
         default); what the backward pass keeps of a scanned stack is not a list's.
+      stage_repeats: the pipeline's circular repeats on a stage axis
+        (``Trainer(stage_repeats=)``).
     """
 
     batch_size: int
@@ -66,9 +68,10 @@ class StepShape:
     loss_chunk: int | None = None
     micro_batch_size: int | None = None
     scan: bool | None = None
+    stage_repeats: int = 1
 
     def __post_init__(self):
-        for name in ("batch_size", "seq_len"):
+        for name in ("batch_size", "seq_len", "stage_repeats"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -251,7 +254,7 @@ def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
             every_layer=step.remat in ("none", "dots"))
     if pipeline:
         parts = pipelined_parts(parts, parallelism.size(STAGE), geometry.accumulation,
-                                per_device * step.seq_len * hidden * item)
+                                per_device * step.seq_len * hidden * item, step.stage_repeats)
     return {**totals(parts, device_gib), "per_device_batch": per_device,
             "activations_per_layer": acts["per_layer"], "offloaded_to_host": acts["host"],
             "step": dataclasses.asdict(step)}

@@ -1,29 +1,40 @@
 """Pipeline parallelism: a scanned model's layers split into stages over the ``stage``
 mesh axis, micro-batches passed from stage to stage.
 
-The schedule is GPipe's, written as one SPMD program (every device runs the same
-code; XLA's partitioner gives each stage's devices their part):
+The schedule is GPipe's, or its circular form (``repeats``), written as one SPMD
+program (every device runs the same code; XLA's partitioner gives each stage's devices
+their part):
 
 - The stacked layer parameters (``layers.make_blocks(..., scan=True)``: a leading
   layer axis of ``L``) are split over ``stage`` in consecutive blocks
-  (``rules.StageParallel``), so ``reshape(S, L/S, ...)`` is free: stage ``s`` holds
-  its ``L/S`` layers and runs them as one scan.
+  (``rules.StageParallel``), so ``reshape(S, R, L/(S R), ...)`` is free: stage ``s``
+  holds its chunks of ``L/(S R)`` layers and runs one as a scan. Without repeats
+  (``R = 1``) a stage's chunk is its ``L/S`` consecutive layers. With ``R`` repeats
+  chunk ``c`` of the ``S R`` runs on stage ``c mod S``: a run holds its stacked
+  parameters (and their optimizer state) in that order for good (``layer_order``:
+  no parameter moves between stages, ever); checkpoints and the model a user reads
+  keep the layers' own order (``reorder``, at those edges only).
 - The rows are cut into ``M`` micro-batches (row ``r * M + m`` goes to micro-batch
   ``m``, as gradient accumulation cuts them: each keeps the batch's split over the
   data axes). A buffer of ``S`` micro-batches' activations, split over ``stage``,
-  holds what each stage works on; at every tick each stage runs its layers on its
+  holds what each stage works on; at every tick each stage runs its chunk on its
   slot (``vmap`` over the stages, ``spmd_axis_name="stage"``), then the buffer is
   rotated by one stage (``jnp.roll`` on the stage-split axis: a collective-permute,
-  the only traffic between stages), and stage 0 takes the next micro-batch.
-- After ``M + S - 1`` ticks every micro-batch has left the last stage. The backward
-  pass is the scan's transpose: the same schedule in reverse, each stage keeping the
-  activations of its ``M`` micro-batches (or less, with remat inside the stages).
+  the only traffic between stages), and stage 0 takes the next micro-batch, or, with
+  repeats, the one the last stage just handed round for its next pass (the
+  micro-batches go round in groups of ``S``; ``_item`` numbers the work).
+- After ``P R + S - 1`` ticks (``parallelism.schedule``: ``P = M``, or with repeats
+  ``M`` rounded up to a multiple of ``S``) every micro-batch has left the last stage
+  for the last time. The backward pass is the scan's transpose: the same schedule in
+  reverse, each stage keeping the activations of every tick (or less, with remat
+  inside the stages).
 
-Per device, the layers' work is that of ``(M + S - 1) / M`` times a stage's share
-(``S - 1`` ticks fill and drain the pipeline: the bubble); the embeddings, the final
-norm and the head run on every stage's devices (their rows split over ``stage`` as
-well after the pipeline, so the head's work is not repeated). ``flops_ratio`` writes
-that down.
+Per device, the layers' work is that of ``(P R + S - 1) / (M R)`` times a stage's
+share (``S - 1`` ticks fill and drain the pipeline: the bubble, ``R`` times shorter
+ticks with repeats, at the price of ``R`` times the passes between stages); the
+embeddings, the final norm and the head run on every stage's devices (their rows split
+over ``stage`` as well after the pipeline, so the head's work is not repeated).
+``flops_ratio`` writes that down.
 """
 
 from __future__ import annotations
@@ -32,11 +43,27 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redray.sharding.activations import loop_unroll
-from redray.sharding.parallelism import BATCH_AXES, STAGE
+from redray.sharding.parallelism import BATCH_AXES, STAGE, schedule
+
+
+CHUNK = "redray_stage_chunk"  # a tick's chunk of a stage's parameters (circular repeats)
+# what only moves or slices values: recomputed in a circular tick's backward pass
+_MOVES = {"dynamic_slice", "squeeze", "reshape", "transpose", "convert_element_type", "copy",
+          "broadcast_in_dim", "name", "slice", "gather"}
+
+
+def _not_chunks(prim, *_, **__) -> bool:
+    """The remat policy of a circular schedule's tick: everything saved for the backward
+    pass but what only slices or moves values. A tick's chunk of parameters is such a
+    slice (and so are the layers' slices of it), and would otherwise be kept once per
+    tick: ``S R`` copies of the stage's parameters, more than its activations."""
+    return prim.name not in _MOVES
 
 
 def _constrain(x, mesh, spec):
@@ -78,30 +105,78 @@ def merge_micro(x, ways: int):
     return rows.reshape(micro * part, *x.shape[2:])
 
 
-def flops_ratio(stages: int, micro: int, layer_share: float) -> float:
+def flops_ratio(stages: int, micro: int, layer_share: float, repeats: int = 1) -> float:
     """The schedule's own formula: a pipelined step's FLOPs per device over an
     unpipelined step's on the devices of one stage, for a model whose stacked layers
     do ``layer_share`` of its work (the rest: embeddings, head, loss).
 
     Unpipelined, each of a stage's devices does all the work of its rows. Pipelined,
-    it runs ``1/S`` of the layers on ``(M + S - 1)`` micro-batch slots where ``M`` hold
-    rows (the bubble runs too), and the head on ``1/S`` of the rows."""
-    layers = layer_share * (micro + stages - 1) / (micro * stages)
+    it runs ``1/(S R)`` of the layers at each of ``P R + S - 1`` ticks
+    (``parallelism.schedule``: ``P`` micro-batch slots, ``M`` of them holding rows; the
+    bubble runs too), and the head on ``1/S`` of the rows."""
+    _, ticks = schedule(stages, micro, repeats)
+    layers = layer_share * ticks / (micro * repeats * stages)
     return layers + (1 - layer_share) / stages
 
 
-def check_stages(layers: int, stages: int) -> None:
-    if layers % stages:
+def check_stages(layers: int, stages: int, repeats: int = 1) -> None:
+    if layers % (stages * repeats):
+        chunks = stages * repeats
         divisors = [d for d in range(1, layers + 1) if layers % d == 0]
-        raise ValueError(f"stage_axis={stages} does not divide the model's {layers} layers: "
-                         f"use a stage axis among {divisors}")
+        if repeats == 1:
+            raise ValueError(f"stage_axis={stages} does not divide the model's {layers} "
+                             f"layers: use a stage axis among {divisors}")
+        raise ValueError(f"stage_axis={stages} x stage_repeats={repeats} = {chunks} chunks do "
+                         f"not divide the model's {layers} layers: use a product among "
+                         f"{divisors}")
+
+
+def layer_order(layers: int, stages: int, repeats: int) -> np.ndarray:
+    """The order in which a plan with circular repeats holds stacked parameters:
+    position ``p`` of the layer axis holds layer ``order[p]``.
+
+    With ``R`` repeats the layers form ``S R`` chunks of ``k = L / (S R)`` and chunk
+    ``c`` runs on stage ``c mod S``: a micro-batch passes the stages ``R`` times. The
+    layer axis is split over ``stage`` in consecutive blocks, so stage ``s``'s block
+    holds its chunks ``s, S + s, ..., (R - 1) S + s`` in turn. Without repeats the
+    order is the layers' own. The state (and its optimizer moments) keeps this order
+    for the whole run, so no parameter moves between stages; checkpoints and the
+    model a user reads hold the layers' own order (``ModelRuntime.reorder``)."""
+    check_stages(layers, stages, repeats)
+    k = layers // (stages * repeats)
+    return np.arange(layers).reshape(repeats, stages, k).transpose(1, 0, 2).reshape(layers)
+
+
+def reorder(tree, shardings, stages: int, repeats: int, to_plan: bool):
+    """``tree``'s stacked arrays (those whose ``shardings`` split their leading axis over
+    ``stage``: parameters and what follows them, as optimizer moments) from the
+    layers' own order into ``layer_order`` (``to_plan``), or back; every other leaf as
+    it is. Traceable: jit it with ``shardings`` as the output's."""
+    def move(x, sharding):
+        spec = getattr(sharding, "spec", None)
+        lead = spec[0] if spec else None
+        if repeats == 1 or STAGE.name not in (lead if isinstance(lead, tuple) else (lead,)):
+            return x
+        order = layer_order(x.shape[0], stages, repeats)
+        return jnp.take(x, order if to_plan else np.argsort(order), axis=0)
+
+    return jax.tree.map(move, tree, shardings)
+
+
+def _item(j, stages: int, repeats: int):
+    """(repeat, micro-batch) of work item ``j``: the items go in groups of ``S R``, each
+    group ``S`` micro-batches, ``R`` times round (an item's previous repeat is ``S``
+    items, so ``S`` ticks, earlier: what the last stage hands the first)."""
+    within = j % (stages * repeats)
+    return within // stages, (j // (stages * repeats)) * stages + within % stages
 
 
 def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers, mesh,
-               stages: int, micro: int):
+               stages: int, micro: int, repeats: int = 1):
     """The stacked ``blocks`` on ``x`` (rows, ...) as a pipeline of ``stages`` stages
-    over ``micro`` micro-batches; returns the blocks' output (rows, ...), split over the
-    batch axes and ``stage``.
+    over ``micro`` micro-batches (``repeats`` times round the stages: a circular
+    schedule, its parameters held in ``layer_order``); returns the blocks' output
+    (rows, ...), split over the batch axes and ``stage``.
 
     ``run_layers(block, x, args, per_layer)`` runs a stack of layers (one stage's) on
     one micro-batch and returns its output: ``layers.run_blocks``'s own scan, remat
@@ -110,53 +185,80 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
     The blocks' other state (dropout's RNG counts) advances once per tick."""
     graphdef, params, rest = nnx.split(blocks, nnx.Param, ...)
     layers = jax.tree.leaves(params)[0].shape[0]
-    check_stages(layers, stages)
+    check_stages(layers, stages, repeats)
     rows = x.shape[0]
-    S, M, k = stages, micro, layers // stages
+    S, M, R, k = stages, micro, repeats, layers // (stages * repeats)
+    padded, ticks = schedule(S, M, R)
     stage_split = P(STAGE.name)
+    order = layer_order(layers, S, R)
 
     def by_stage(a):
-        return _constrain(a.reshape(S, k, *a.shape[1:]), mesh, stage_split)
+        return _constrain(a.reshape(S, R, k, *a.shape[1:]), mesh, stage_split)
 
-    params_s, rest_s, own_s = jax.tree.map(by_stage, (params, rest, per_layer))
+    def ordered(a):  # the other state and the per-layer inputs come in the layers' order
+        return a if R == 1 else jnp.take(a, order, axis=0)
+
+    params_s = jax.tree.map(by_stage, params)
+    rest_s, own_s = jax.tree.map(lambda a: by_stage(ordered(a)), (rest, per_layer))
     ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
     x_m = split_micro(x, M, ways)
     flags = _rows_flags(args, rows)
     args_m = _map_rows(args, flags, lambda a: split_micro(a, M, ways))
     slot = P(STAGE.name, BATCH_AXES)
 
-    def one_stage(p, r, own, h, a):
-        block = nnx.merge(graphdef, p, r)
-        h = run_layers(block, h, a, own)
-        return h, nnx.split(block, nnx.Param, ...)[2]
+    def one_stage(p, r, own, h, a, rep):
+        def pick(z):  # this tick's chunk
+            if R == 1:  # the same at every tick: the scan's backward reads the parameters
+                return z[0]
+            return checkpoint_name(jax.lax.dynamic_index_in_dim(z, rep, 0, keepdims=False),
+                                   CHUNK)
 
+        block = nnx.merge(graphdef, *jax.tree.map(pick, (p, r)))
+        h = run_layers(block, h, a, jax.tree.map(pick, own))
+        new = nnx.split(block, nnx.Param, ...)[2]
+        return h, jax.tree.map(lambda z, n: z.at[rep].set(n), r, new)
+
+    if R > 1:  # a tick's chunk is sliced again in the backward pass, not kept per tick
+        one_stage = jax.checkpoint(one_stage, policy=_not_chunks)
     row_axes = jax.tree.structure(args).unflatten([0 if f else None for f in flags])
-    stage_step = jax.vmap(one_stage, in_axes=(0, 0, 0, 0, row_axes),
+    stage_step = jax.vmap(one_stage, in_axes=(0, 0, 0, 0, row_axes, 0),
                           spmd_axis_name=STAGE.name)
     first = (jnp.arange(S) == 0).reshape(S, *(1,) * (x.ndim))
 
+    def file_output(outs, buffer, t):
+        # the rotation brought what the last stage finished (item ``t - S``) to slot 0:
+        # where that was a micro-batch's last repeat, each stage files its slot in its
+        # own block of ``outs`` (stage 0's is the output; no traffic), else in the sink
+        done = t - S
+        rep, m = _item(jnp.maximum(done, 0), S, R)
+        last = (done >= 0) & (rep == R - 1) & (m < M)
+        return _constrain(outs.at[:, jnp.where(last, m, M)].set(buffer), mesh, keep)
+
     def tick(carry, t):
         buffer, outs, r = carry
-        # the rotation brought the micro-batch the last stage finished (``t - S``) to
-        # slot 0: each stage files its slot in its own block of ``outs`` (stage 0's is
-        # the output; no traffic), then stage 0 takes the next micro-batch
-        outs = _constrain(outs.at[:, jnp.clip(t - S, 0, M - 1)].set(buffer), mesh, keep)
-        buffer = jnp.where(first, x_m[jnp.minimum(t, M - 1)][None], buffer)
+        outs = file_output(outs, buffer, t)
+        # stage 0 takes the next micro-batch where its item starts a micro-batch's first
+        # round; a later round's input is what the rotation brought
+        rep0, m0 = _item(t, S, R)
+        buffer = jnp.where(first & (rep0 == 0), x_m[jnp.minimum(m0, M - 1)][None], buffer)
         buffer = _constrain(buffer, mesh, slot)
-        # the micro-batch each stage holds at this tick (a bubble's: a clipped index)
-        m = jnp.clip(t - jnp.arange(S), 0, M - 1)
-        a = _map_rows(args_m, flags, lambda z: z[m])
-        out, r = stage_step(params_s, r, own_s, buffer, a)
+        # the item each stage holds at this tick (a bubble's: a clipped one)
+        rep, m = _item(jnp.clip(t - jnp.arange(S), 0, padded * R - 1), S, R)
+        a = _map_rows(args_m, flags, lambda z: z[jnp.minimum(m, M - 1)])
+        out, r = stage_step(params_s, r, own_s, buffer, a, rep)
         out = _constrain(out, mesh, slot)
         return (jnp.roll(out, 1, axis=0), outs, r), None
 
     keep = P(STAGE.name, None, BATCH_AXES)
     buffer = _constrain(jnp.zeros((S, *x_m.shape[1:]), x.dtype), mesh, slot)
-    outs = _constrain(jnp.zeros((S, *x_m.shape), x.dtype), mesh, keep)
+    # one block of M micro-batches per stage, and a sink for what is not an output
+    outs = _constrain(jnp.zeros((S, M + 1, *x_m.shape[1:]), x.dtype), mesh, keep)
     (buffer, outs, rest_s), _ = jax.lax.scan(tick, (buffer, outs, rest_s),
-                                             jnp.arange(M + S - 1), unroll=loop_unroll())
-    outs = _constrain(outs.at[:, M - 1].set(buffer), mesh, keep)
-    nnx.update(blocks, jax.tree.map(lambda a: a.reshape(layers, *a.shape[2:]), rest_s))
+                                             jnp.arange(ticks), unroll=loop_unroll())
+    outs = file_output(outs, buffer, ticks)[:, :M]
+    inverse = np.argsort(order)
+    nnx.update(blocks, jax.tree.map(
+        lambda a: a.reshape(layers, *a.shape[3:])[inverse if R > 1 else slice(None)], rest_s))
     if M % S:  # the head runs on every stage's devices, on all the rows
         return merge_micro(outs[0], ways)
     out = merge_micro(_scatter_first(outs, mesh, S), ways)

@@ -29,11 +29,13 @@ _UNROLL: contextvars.ContextVar = contextvars.ContextVar("redray_unroll", defaul
 
 
 @contextlib.contextmanager
-def rows_split(mesh, ways: int, micro_rows: int | None = None):
+def rows_split(mesh, ways: int, micro_rows: int | None = None, repeats: int = 1):
     """Within: ``constrain_rows`` splits rows over ``mesh``'s batch axes (``ways`` in
     all); ``mesh`` None turns it off. ``micro_rows``: the rows of one pipeline
-    micro-batch over all devices (``pipeline``), None: a pass's rows are one."""
-    token = _ROWS.set(None if mesh is None else (mesh, ways, micro_rows))
+    micro-batch over all devices (``pipeline``), None: a pass's rows are one.
+    ``repeats``: the pipeline's circular repeats (its stacked parameters are then held
+    in ``pipeline.layer_order``)."""
+    token = _ROWS.set(None if mesh is None else (mesh, ways, micro_rows, repeats))
     try:
         yield
     finally:
@@ -78,19 +80,29 @@ def traced_mesh(rows: int):
 
 
 def pipeline_stages(rows: int) -> tuple | None:
-    """(mesh, stages, micro-batches) where a step is being traced on a plan with a
-    stage axis larger than 1 and batch axes that divide ``rows``: the ``rows`` are cut
-    into micro-batches of the plan's ``micro_rows`` (one micro-batch where those do not
-    divide them: an evaluation's short batch); else None."""
+    """(mesh, stages, micro-batches, repeats) where a step is being traced on a plan
+    with a stage axis larger than 1 and batch axes that divide ``rows``: the ``rows``
+    are cut into micro-batches of the plan's ``micro_rows`` (one micro-batch where those
+    do not divide them: an evaluation's short batch); else None."""
     active = _ROWS.get()
     if active is None or rows % active[1]:
         return None
-    mesh, ways, micro_rows = active
+    mesh, ways, micro_rows, repeats = active
     stages = mesh.shape.get(STAGE.name, 1)
     if stages <= 1:
         return None
     micro_rows = micro_rows or rows
-    return mesh, stages, rows // micro_rows if rows % micro_rows == 0 else 1
+    return mesh, stages, rows // micro_rows if rows % micro_rows == 0 else 1, repeats
+
+
+def stage_repeats() -> tuple[int, int]:
+    """(stages, circular repeats) of the plan a step is being traced on ((1, 1): none):
+    how its stacked parameters are ordered (``pipeline.layer_order``), whether or not
+    this pass is pipelined."""
+    active = _ROWS.get()
+    if active is None:
+        return 1, 1
+    return active[0].shape.get(STAGE.name, 1), active[3]
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import math
 
 import jax.numpy as jnp
 
-from redray.sharding.parallelism import FSDP, MODEL
+from redray.sharding.parallelism import FSDP, MODEL, schedule
 from redray.sharding.rules import axes_of
 
 # FSDP: the layers whose parameters are gathered at once (the one computing and the
@@ -91,21 +91,24 @@ def layer_gather_bytes(param_rows, fsdp: int) -> int:
     return max(sizes, default=0)
 
 
-def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int) -> dict:
+def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int,
+                    repeats: int = 1) -> dict:
     """A step's memory ``parts`` (for one micro-batch of one device, as the memory
     models count it) on ``stages`` pipeline stages over ``micro_batches`` micro-batches
-    (``redray/models/pipeline.py``, GPipe): each stage keeps what its ``L/S`` layers
-    save at every one of the ``M + S - 1`` ticks (the bubble's included: the schedule
-    runs every stage at every tick) until the backward pass, and the head its ``M/S``
-    micro-batches' rows, so the saved activations are about ``(M + S - 1) / S`` times
-    one micro-batch's (measured against XLA's compiled peak on CPU, LLaMA of 4 layers:
+    (``redray/models/pipeline.py``, GPipe or circular): each stage keeps what its
+    ``L/(S R)`` layers save at every one of the ``P R + S - 1`` ticks
+    (``parallelism.schedule``; the bubble's included: the schedule runs every stage at
+    every tick) until the backward pass, and the head its ``M/S`` micro-batches' rows,
+    so the saved activations are about ``(M + S - 1) / S`` times one micro-batch's
+    without repeats (measured against XLA's compiled peak on CPU, LLaMA of 4 layers:
     0.85 at stage 2 x data 2, 0.96 at stage 4, against 0.90 without stages); the
     pipeline's buffers add the micro-batches' inputs and outputs (``2 M`` hidden states
     of ``act_bytes``) and the two slots in flight."""
     if stages <= 1:
         return parts
     out = dict(parts)
-    out["activations"] = parts.get("activations", 0) * (micro_batches + stages - 1) / stages
+    ticks = schedule(stages, micro_batches, repeats)[1]
+    out["activations"] = parts.get("activations", 0) * ticks / (stages * repeats)
     out["pipeline_buffers"] = (2 * micro_batches + 2) * act_bytes
     return out
 

@@ -238,6 +238,16 @@ def default_micro_batches(rows: int, stages: int) -> int:
     return next((m for m in range(4 * stages, rows + 1) if rows % m == 0), rows)
 
 
+def schedule(stages: int, micro: int, repeats: int = 1) -> tuple[int, int]:
+    """(micro-batch slots ``P``, ticks) of the pipeline's schedule
+    (``redray/models/pipeline.py``) on ``S`` stages over ``M`` micro-batches: with
+    circular repeats the micro-batches go round in groups of ``S`` (``P``: ``M`` rounded
+    up to a multiple of ``S``, the missing ones bubbles), without ``P = M``; ``P R + S
+    - 1`` ticks, each running ``1 / (S R)`` of the layers on a stage."""
+    padded = micro if repeats == 1 else -(-micro // stages) * stages
+    return padded, padded * repeats + stages - 1
+
+
 def _check_batch_size(batch_size) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
