@@ -40,28 +40,29 @@ def loss(model, batch, rng, train):
     return next_token_loss(model, batch["ids"], train=train)
 
 
-@pytest.mark.parametrize("axes,micro", [
-    (dict(model_axis=2, data_axis=2), None),
-    (dict(model_axis=2, data_axis=2), 1),     # accumulation: 4 micro-batches
-    (dict(model_axis=4, data_axis=1), None),
-    (dict(fsdp_axis=4, data_axis=1), None),
-    (dict(fsdp_axis=2, model_axis=2, data_axis=1), None),  # the activations kept on rows
-    (dict(data_axis=4), 1),                   # the gradient reduced once, after the loop
+@pytest.mark.parametrize("axes,micro,scan", [
+    (dict(model_axis=2, data_axis=2), None, False),
+    (dict(model_axis=2, data_axis=2), 1, False),     # accumulation: 4 micro-batches
+    (dict(model_axis=4, data_axis=1), None, False),
+    (dict(fsdp_axis=4, data_axis=1), None, False),
+    # scanned: each layer's slice gathered in the forward scan and again in the backward
+    (dict(fsdp_axis=4, data_axis=1), None, True),
+    (dict(fsdp_axis=2, model_axis=2, data_axis=1), None, False),  # activations on rows
+    (dict(data_axis=4), 1, False),                   # the gradient reduced once, after the loop
 ])
-def test_the_collectives_counted_are_those_xla_compiles(axes, micro):
+def test_the_collectives_counted_are_those_xla_compiles(axes, micro, scan):
+    from redray.sharding.activations import unrolled_loops
+
     config = LlamaConfig(**TINY)
-    # the layers as a list: XLA's text lists a loop body's collectives once, and with
-    # the layers scanned that would be one layer's
-    t = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=False), collate, loss,
+    t = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=scan), collate, loss,
                        optax.adam(1e-3), batch_size=8, micro_batch_size=micro, progress=False,
                        **axes)
     t.init(DATA)
-    compiled = collectives.summarize(collectives.collectives(t.compiled_step().as_text()))
+    # XLA's text lists a loop body's collectives once: the layers' scans unrolled
+    with unrolled_loops():
+        text = t.compiled_step().as_text()
+    compiled = collectives.summarize(collectives.collectives(text))
     rt = t.runtime
-    paths, leaves, _ = flatten(rt.abstract[0])
-    specs = jax.tree.leaves(rt.specs[0], is_leaf=lambda x: isinstance(x, P))
-    params = [Parameter(tuple(x.shape), x.dtype.itemsize, tuple(s))
-              for x, s in zip(leaves, specs)]
 
     def forward(params, batch):
         return rt.apply(lambda m, b: loss(m, b, None, True), params, rt.abstract[1],
@@ -70,6 +71,12 @@ def test_the_collectives_counted_are_those_xla_compiles(axes, micro):
     traced_rows = 4
     trace = trace_tree(rt.abstract[0], forward,
                        ({"ids": jax.ShapeDtypeStruct((traced_rows, SEQ + 1), jnp.int32)},))
+    paths, leaves, _ = flatten(rt.abstract[0])
+    specs = jax.tree.leaves(rt.specs[0], is_leaf=lambda x: isinstance(x, P))
+    params = [Parameter(tuple(x.shape), x.dtype.itemsize, tuple(s),
+                        stacked=bool(trace.scanned.get(i)))
+              for i, (x, s) in enumerate(zip(leaves, specs))]
+    assert any(p.stacked for p in params) == scan
     shape = t.parallelism.shape
     # XLA's text lists a loop body's collectives once: count one micro-batch's
     counted = (tensor_traffic(trace, params, shape, t.geometry.micro_batch_size / traced_rows,

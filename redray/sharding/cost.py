@@ -65,7 +65,7 @@ from typing import Sequence
 from redray.sharding.dataflow import Trace
 from redray.sharding.hardware import Hardware, Link
 from redray.sharding.parallelism import (AXES, BATCH_AXES, EXPERT, FSDP, MODEL, STAGE,
-                                         hybrid_shapes)
+                                         hybrid_shapes, schedule)
 from redray.sharding.rules import axes_of
 
 
@@ -214,11 +214,14 @@ def traffic_seconds(t: Traffic, spans: dict, hardware: Hardware) -> float:
 @dataclasses.dataclass(frozen=True)
 class Parameter:
     """A parameter as the cost model sees it: its shape, its spec's split per axis,
-    bytes per element, and whether it is trained."""
+    bytes per element, whether it is trained, and whether it stacks scanned layers
+    (FSDP then gathers each layer's slice in the forward scan and again in the
+    backward one: XLA keeps no gathered layer of a loop for the backward pass)."""
     shape: tuple[int, ...]
     itemsize: int
     spec: tuple
     trained: bool = True
+    stacked: bool = False
 
     def split(self, axis: str) -> int:
         """Which dimension ``axis`` splits, or None."""
@@ -336,12 +339,13 @@ def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_ite
 
 
 def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
-                  act_itemsize: int, micro_batches: int) -> list[Traffic]:
+                  act_itemsize: int, micro_batches: int, repeats: int = 1) -> list[Traffic]:
     """Pipeline parallelism's traffic (``redray.models.pipeline``), per step:
 
-    - at each of the ``M + S - 1`` ticks, every stage's slot (one micro-batch's hidden
-      states) to the next stage, and in the backward pass its gradient back:
-      ``2 (M + S - 1)`` point-to-point passes;
+    - at each of the ``M + S - 1`` ticks (``P R + S - 1`` with circular repeats:
+      ``parallelism.schedule``), every stage's slot (one micro-batch's hidden states)
+      to the next stage, and in the backward pass its gradient back: ``2 (M + S - 1)``
+      point-to-point passes;
     - the first stage's input gradient (the embeddings run on every stage, their
       output is read on the first): an all-reduce over ``stage`` per tick;
     - the output, ``M / S`` micro-batches to each stage for the head (where ``S``
@@ -352,13 +356,13 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
       shape: the mesh's axis sizes.
       rows: examples per device in a micro-batch; tokens: tokens per example.
       hidden: the hidden states' width; act_itemsize: bytes per element.
-      micro_batches: ``M``.
+      micro_batches: ``M``; repeats: the circular repeats ``R``.
     """
     stages = shape.get(STAGE.name, 1)
     if stages <= 1:
         return []
     slot = rows * tokens * hidden * act_itemsize
-    ticks = micro_batches + stages - 1
+    ticks = schedule(stages, micro_batches, repeats)[1]
     out = [Traffic("collective-permute", slot, (STAGE.name,), 2 * ticks,
                    "pipeline: hidden states to the next stage, gradients back", True),
            Traffic("all-reduce", slot, (STAGE.name,), ticks,
@@ -426,7 +430,7 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
         elements = math.prod(param.shape) / others
         if FSDP.name in axes and shape[FSDP.name] > 1:
             out.append(Traffic("all-gather", elements * compute_itemsize, (FSDP.name,),
-                               (2 if recompute else 1) * accumulation,
+                               (2 if recompute or param.stacked else 1) * accumulation,
                                "FSDP: a parameter gathered", False))
             kind = "reduce-scatter" if hardware.reduce_scatter else "all-reduce"
             out.append(Traffic(kind, elements * param.itemsize, (FSDP.name,), accumulation,

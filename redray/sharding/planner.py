@@ -281,8 +281,9 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
         * facts.compute_itemsize
     if stages > 1:
         memory = totals(pipelined_parts(memory["parts"], stages, micro_batches, slot), None)
-    params = [Parameter(tuple(s), _itemsize(d), tuple(spec))
-              for s, d, spec in zip(facts.shapes, facts.dtypes, specs)]
+    scanned = facts.trace.scanned if facts.trace is not None else {}
+    params = [Parameter(tuple(s), _itemsize(d), tuple(spec), stacked=bool(scanned.get(i)))
+              for i, (s, d, spec) in enumerate(zip(facts.shapes, facts.dtypes, specs))]
     recompute = candidate.remat != "none"
     tensor = [] if facts.trace is None else tensor_traffic(
         facts.trace, params, shape, candidate.micro_batch_size / facts.trace_examples,
