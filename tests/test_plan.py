@@ -293,3 +293,23 @@ def test_the_planner_ranks_plans_when_no_axis_is_given(capsys):
     assert result["plans"] and all(p["plan"]["model"] == 4 for p in result["plans"])
     times = [p["step_seconds"] for p in result["plans"]]
     assert times == sorted(times)
+
+
+@pytest.mark.parametrize("axes", [dict(fsdp_axis=2), dict(model_axis=2)])
+def test_the_stacked_arrays_are_found_whatever_the_plan(axes):
+    """A scanned model's stacked arrays (path -> layers) come from the trace, which runs
+    for them even where no spec pass needs it (FSDP alone): ``plan_model`` judges a
+    replicated stacked array by one layer's size."""
+    from transformers import LlamaConfig
+
+    from redray.models.hub import model_specs
+    from redray.models.plan import abstract_model
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=4, num_attention_heads=4)
+    fam, graphdef, params, extra = abstract_model(config, scan=True)
+    stacked: dict = {}
+    model_specs(graphdef, (params, extra), plan_parallelism(2, **axes),
+                fam.trace_inputs(config), [], stacked)
+    assert stacked and set(stacked.values()) == {4}
+    assert all(p.startswith("layers/") for p in stacked), sorted(stacked)

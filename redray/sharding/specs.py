@@ -61,7 +61,8 @@ def derive_specs(tree, mesh: Mesh | AbstractMesh, fn: Callable | None = None, ar
       passes: the spec passes to run (default: ``Parallelism.spec_passes`` with
         ``rules``).
       stacked: if given, a dict that receives, for every array of scanned layers found
-        by the trace, its path -> the layers it stacks (nothing without a trace).
+        by the trace, its path -> the layers it stacks (``fn`` is then traced whatever
+        the plan; nothing without ``fn``).
     """
     if passes is None:
         passes = Parallelism.of(rules=rules).spec_passes()
@@ -70,13 +71,15 @@ def derive_specs(tree, mesh: Mesh | AbstractMesh, fn: Callable | None = None, ar
     paths, leaves, treedef = flatten(tree)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     trace = None
-    if fn is not None and any(p.traces(dict(mesh.shape)) for p in passes):
+    needed = fn is not None and any(p.traces(dict(mesh.shape)) for p in passes)
+    if needed or (fn is not None and stacked is not None):
         trace = trace_tree(tree, fn, args)
     if stacked is not None and trace is not None:
         stacked.update({paths[i]: abstract[i].shape[min(dims)]
                         for i, dims in trace.scanned.items() if dims})
     specs = partition_specs(passes, paths, [a.shape for a in abstract],
-                            [a.dtype for a in abstract], dict(mesh.shape), trace, whole)
+                            [a.dtype for a in abstract], dict(mesh.shape),
+                            trace if needed else None, whole)
     return jax.tree.unflatten(treedef, specs)
 
 
