@@ -84,6 +84,7 @@ def measure_model(name: str, family: str, s: Sizes, rounds: int, steps: int,
     import redray
     from redray.engine.probe import probe
     from redray.models import build
+    from redray.sharding import AXES
     from redray.sharding.memory import compiled_memory
 
     model_config = config(family, s)
@@ -103,8 +104,7 @@ def measure_model(name: str, family: str, s: Sizes, rounds: int, steps: int,
         c = scored.candidate
         shape = c.shape
         trainers[c] = redray.Trainer(model, collate, step_loss, optax.adamw(1e-3),
-                                     data_axis=shape["data"], fsdp_axis=shape["fsdp"],
-                                     model_axis=shape["model"],
+                                     **{a.keyword: shape[a.name] for a in AXES},
                                      micro_batch_size=c.micro_batch_size, **options)
         trainers[c].init(data)
     batches = [collate(data[i * s.batch:(i + 1) * s.batch]) for i in range(steps + 1)]
