@@ -15,10 +15,10 @@ from flax import nnx
 import redray
 from redray.engine.runtime import ModelRuntime
 from redray.models import build
-from redray.models.pipeline import (flops_ratio, layer_order, merge_micro, reorder, schedule,
-                                    split_micro)
+from redray.models.pipeline import flops_ratio, merge_micro, split_micro
 from redray.sharding import STAGE, Parallelism
-from redray.sharding.parallelism import default_micro_batches, hybrid_shapes
+from redray.sharding.parallelism import (default_micro_batches, hybrid_shapes, layer_order,
+                                         reorder, schedule)
 
 TINY = dict(vocab_size=64, num_hidden_layers=4)
 CONFIGS = {

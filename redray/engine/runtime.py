@@ -11,9 +11,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from redray.engine.model import abstract_state, adapter, cast_floating
-from redray.models import pipeline
 from redray.rngs import KeyStream, stream_key
 from redray.sharding.activations import rows_split
+from redray.sharding.parallelism import reorder
 from redray.sharding import (MODEL, STAGE, Parallelism, derive_specs, format_placement,
                              format_whole, placement, shardings)
 from redray.sharding.reductions import fuse_reductions
@@ -47,7 +47,7 @@ class ModelRuntime:
         # a pass's rows are one micro-batch
         self.micro_rows: int | None = None
         # the pipeline's circular repeats: above 1, the stacked parameters this runtime
-        # makes, places and runs are held in ``pipeline.layer_order`` (``reorder``)
+        # makes, places and runs are held in ``parallelism.layer_order`` (``reorder``)
         self.stage_repeats = 1
 
     def use(self, parallelism: Parallelism) -> None:
@@ -115,13 +115,13 @@ class ModelRuntime:
 
     def _reordered(self, tree, shardings, to_plan: bool):
         stages = self.parallelism.size(STAGE) if self.parallelism is not None else 1
-        return pipeline.reorder(tree, shardings, stages, self.stage_repeats, to_plan)
+        return reorder(tree, shardings, stages, self.stage_repeats, to_plan)
 
     def reorder(self, tree, shardings, to_plan: bool):
         """``tree`` (arrays on ``shardings``) with its stacked arrays moved from the
         layers' own order into the one this runtime holds them in (``to_plan``), or
         back: the same tree without circular pipeline repeats. Checkpoints and the
-        model a user reads hold the layers' own order (``pipeline.layer_order``)."""
+        model a user reads hold the layers' own order (``parallelism.layer_order``)."""
         if self.stage_repeats == 1 or self.parallelism is None or self.parallelism.size(STAGE) == 1:
             return tree
         return jax.jit(lambda t: self._reordered(t, shardings, to_plan),

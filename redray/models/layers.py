@@ -15,6 +15,7 @@ from redray.models import pipeline
 from redray.models.attention import AttentionMask, attend
 from redray.sharding.activations import (constrain_rows, gathered_features, loop_unroll,
                                          pipeline_stages, stage_repeats)
+from redray.sharding.parallelism import layer_order
 
 ACTIVATIONS: dict[str, Callable] = {
     "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
@@ -414,7 +415,7 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
 def _in_layer_order(blocks):
     """Stacked ``blocks`` with their parameters in the layers' own order, for a pass
     that is not pipelined (a short batch, decoding) on a plan with circular repeats,
-    which holds them in ``pipeline.layer_order`` (a gather across the stages); the
+    which holds them in ``parallelism.layer_order`` (a gather across the stages); the
     blocks themselves elsewhere. What the pass changes in their other state (RNG
     counts) is written back on leaving."""
     stages, repeats = stage_repeats()
@@ -423,7 +424,7 @@ def _in_layer_order(blocks):
         return
     graphdef, params, rest = nnx.split(blocks, nnx.Param, ...)
     layers = jax.tree.leaves(params)[0].shape[0]
-    inverse = np.argsort(pipeline.layer_order(layers, stages, repeats))
+    inverse = np.argsort(layer_order(layers, stages, repeats))
     ordered = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.take(a, inverse, axis=0), params),
                         rest)
     yield ordered

@@ -11,9 +11,9 @@ their part):
   holds its chunks of ``L/(S R)`` layers and runs one as a scan. Without repeats
   (``R = 1``) a stage's chunk is its ``L/S`` consecutive layers. With ``R`` repeats
   chunk ``c`` of the ``S R`` runs on stage ``c mod S``: a run holds its stacked
-  parameters (and their optimizer state) in that order for good (``layer_order``:
+  parameters (and their optimizer state) in that order for good (``parallelism.layer_order``:
   no parameter moves between stages, ever); checkpoints and the model a user reads
-  keep the layers' own order (``reorder``, at those edges only).
+  keep the layers' own order (``parallelism.reorder``, at those edges only).
 - The rows are cut into ``M`` micro-batches (row ``r * M + m`` goes to micro-batch
   ``m``, as gradient accumulation cuts them: each keeps the batch's split over the
   data axes). A buffer of ``S`` micro-batches' activations, split over ``stage``,
@@ -49,7 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redray.sharding.activations import loop_unroll
-from redray.sharding.parallelism import BATCH_AXES, STAGE, schedule
+from redray.sharding.parallelism import BATCH_AXES, STAGE, check_stages, layer_order, schedule
 
 
 CHUNK = "redray_stage_chunk"  # a tick's chunk of a stage's parameters (circular repeats)
@@ -119,50 +119,6 @@ def flops_ratio(stages: int, micro: int, layer_share: float, repeats: int = 1) -
     return layers + (1 - layer_share) / stages
 
 
-def check_stages(layers: int, stages: int, repeats: int = 1) -> None:
-    if layers % (stages * repeats):
-        chunks = stages * repeats
-        divisors = [d for d in range(1, layers + 1) if layers % d == 0]
-        if repeats == 1:
-            raise ValueError(f"stage_axis={stages} does not divide the model's {layers} "
-                             f"layers: use a stage axis among {divisors}")
-        raise ValueError(f"stage_axis={stages} x stage_repeats={repeats} = {chunks} chunks do "
-                         f"not divide the model's {layers} layers: use a product among "
-                         f"{divisors}")
-
-
-def layer_order(layers: int, stages: int, repeats: int) -> np.ndarray:
-    """The order in which a plan with circular repeats holds stacked parameters:
-    position ``p`` of the layer axis holds layer ``order[p]``.
-
-    With ``R`` repeats the layers form ``S R`` chunks of ``k = L / (S R)`` and chunk
-    ``c`` runs on stage ``c mod S``: a micro-batch passes the stages ``R`` times. The
-    layer axis is split over ``stage`` in consecutive blocks, so stage ``s``'s block
-    holds its chunks ``s, S + s, ..., (R - 1) S + s`` in turn. Without repeats the
-    order is the layers' own. The state (and its optimizer moments) keeps this order
-    for the whole run, so no parameter moves between stages; checkpoints and the
-    model a user reads hold the layers' own order (``ModelRuntime.reorder``)."""
-    check_stages(layers, stages, repeats)
-    k = layers // (stages * repeats)
-    return np.arange(layers).reshape(repeats, stages, k).transpose(1, 0, 2).reshape(layers)
-
-
-def reorder(tree, shardings, stages: int, repeats: int, to_plan: bool):
-    """``tree``'s stacked arrays (those whose ``shardings`` split their leading axis over
-    ``stage``: parameters and what follows them, as optimizer moments) from the
-    layers' own order into ``layer_order`` (``to_plan``), or back; every other leaf as
-    it is. Traceable: jit it with ``shardings`` as the output's."""
-    def move(x, sharding):
-        spec = getattr(sharding, "spec", None)
-        lead = spec[0] if spec else None
-        if repeats == 1 or STAGE.name not in (lead if isinstance(lead, tuple) else (lead,)):
-            return x
-        order = layer_order(x.shape[0], stages, repeats)
-        return jnp.take(x, order if to_plan else np.argsort(order), axis=0)
-
-    return jax.tree.map(move, tree, shardings)
-
-
 def _item(j, stages: int, repeats: int):
     """(repeat, micro-batch) of work item ``j``: the items go in groups of ``S R``, each
     group ``S`` micro-batches, ``R`` times round (an item's previous repeat is ``S``
@@ -175,7 +131,7 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
                stages: int, micro: int, repeats: int = 1):
     """The stacked ``blocks`` on ``x`` (rows, ...) as a pipeline of ``stages`` stages
     over ``micro`` micro-batches (``repeats`` times round the stages: a circular
-    schedule, its parameters held in ``layer_order``); returns the blocks' output
+    schedule, its parameters held in ``parallelism.layer_order``); returns the blocks' output
     (rows, ...), split over the batch axes and ``stage``.
 
     ``run_layers(block, x, args, per_layer)`` runs a stack of layers (one stage's) on

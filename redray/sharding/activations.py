@@ -34,7 +34,7 @@ def rows_split(mesh, ways: int, micro_rows: int | None = None, repeats: int = 1)
     all); ``mesh`` None turns it off. ``micro_rows``: the rows of one pipeline
     micro-batch over all devices (``pipeline``), None: a pass's rows are one.
     ``repeats``: the pipeline's circular repeats (its stacked parameters are then held
-    in ``pipeline.layer_order``)."""
+    in ``parallelism.layer_order``)."""
     token = _ROWS.set(None if mesh is None else (mesh, ways, micro_rows, repeats))
     try:
         yield
@@ -97,7 +97,7 @@ def pipeline_stages(rows: int) -> tuple | None:
 
 def stage_repeats() -> tuple[int, int]:
     """(stages, circular repeats) of the plan a step is being traced on ((1, 1): none):
-    how its stacked parameters are ordered (``pipeline.layer_order``), whether or not
+    how its stacked parameters are ordered (``parallelism.layer_order``), whether or not
     this pass is pipelined."""
     active = _ROWS.get()
     if active is None:

@@ -248,6 +248,50 @@ def schedule(stages: int, micro: int, repeats: int = 1) -> tuple[int, int]:
     return padded, padded * repeats + stages - 1
 
 
+def check_stages(layers: int, stages: int, repeats: int = 1) -> None:
+    if layers % (stages * repeats):
+        chunks = stages * repeats
+        divisors = [d for d in range(1, layers + 1) if layers % d == 0]
+        if repeats == 1:
+            raise ValueError(f"stage_axis={stages} does not divide the model's {layers} "
+                             f"layers: use a stage axis among {divisors}")
+        raise ValueError(f"stage_axis={stages} x stage_repeats={repeats} = {chunks} chunks do "
+                         f"not divide the model's {layers} layers: use a product among "
+                         f"{divisors}")
+
+
+def layer_order(layers: int, stages: int, repeats: int) -> np.ndarray:
+    """The order in which a plan with circular repeats holds stacked parameters:
+    position ``p`` of the layer axis holds layer ``order[p]``.
+
+    With ``R`` repeats the layers form ``S R`` chunks of ``k = L / (S R)`` and chunk
+    ``c`` runs on stage ``c mod S``: a micro-batch passes the stages ``R`` times. The
+    layer axis is split over ``stage`` in consecutive blocks, so stage ``s``'s block
+    holds its chunks ``s, S + s, ..., (R - 1) S + s`` in turn. Without repeats the
+    order is the layers' own. The state (and its optimizer moments) keeps this order
+    for the whole run, so no parameter moves between stages; checkpoints and the
+    model a user reads hold the layers' own order (``ModelRuntime.reorder``)."""
+    check_stages(layers, stages, repeats)
+    k = layers // (stages * repeats)
+    return np.arange(layers).reshape(repeats, stages, k).transpose(1, 0, 2).reshape(layers)
+
+
+def reorder(tree, shardings, stages: int, repeats: int, to_plan: bool):
+    """``tree``'s stacked arrays (those whose ``shardings`` split their leading axis over
+    ``stage``: parameters and what follows them, as optimizer moments) from the
+    layers' own order into ``layer_order`` (``to_plan``), or back; every other leaf as
+    it is. Traceable: jit it with ``shardings`` as the output's."""
+    def move(x, sharding):
+        spec = getattr(sharding, "spec", None)
+        lead = spec[0] if spec else None
+        if repeats == 1 or STAGE.name not in (lead if isinstance(lead, tuple) else (lead,)):
+            return x
+        order = layer_order(x.shape[0], stages, repeats)
+        return x[order if to_plan else np.argsort(order)]
+
+    return jax.tree.map(move, tree, shardings)
+
+
 def _check_batch_size(batch_size) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
