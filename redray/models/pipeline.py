@@ -45,14 +45,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redray.sharding.activations import loop_unroll
 from redray.sharding.parallelism import BATCH_AXES, STAGE, check_stages, layer_order, schedule
 
 
-CHUNK = "redray_stage_chunk"  # a tick's chunk of a stage's parameters (circular repeats)
 # what only moves or slices values: recomputed in a circular tick's backward pass
 _MOVES = {"dynamic_slice", "squeeze", "reshape", "transpose", "convert_element_type", "copy",
           "broadcast_in_dim", "name", "slice", "gather"}
@@ -166,8 +164,7 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
         def pick(z):  # this tick's chunk
             if R == 1:  # the same at every tick: the scan's backward reads the parameters
                 return z[0]
-            return checkpoint_name(jax.lax.dynamic_index_in_dim(z, rep, 0, keepdims=False),
-                                   CHUNK)
+            return jax.lax.dynamic_index_in_dim(z, rep, 0, keepdims=False)
 
         block = nnx.merge(graphdef, *jax.tree.map(pick, (p, r)))
         h = run_layers(block, h, a, jax.tree.map(pick, own))
