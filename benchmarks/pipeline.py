@@ -1,6 +1,6 @@
 """Pipeline parallelism, read from XLA's compiled steps: the schedule's FLOPs against its
-formula (``pipeline/flops_over_unpipelined``), and the bytes that cross hosts against
-FSDP's (``pipeline/cross_host_bytes_over_fsdp``).
+formula (``pipeline/flops_over_unpipelined``), the bytes that cross hosts against
+FSDP's (``pipeline/cross_host_bytes_over_fsdp``), and 1F1B's memory against GPipe's.
 
 Both compile a LLaMA-shaped model's training step (loss and gradients, float32,
 ``redray.models.build(..., scan=True)``) through redray's model runtime, the way a
@@ -25,9 +25,18 @@ group spans both hosts. The prediction beside it is
 the cost model's (``cost.stage_traffic`` and ``cost.state_traffic``, which sums the
 gradients of the parameters the stages hold whole over ``stage``).
 
+Memory: 1F1B's temporary bytes (XLA's memory analysis of the compiled step) over
+GPipe's, 4 stages, 8 and 16 micro-batches (``pipeline/temp_bytes_1f1b_over_gpipe``),
+and what one more micro-batch adds to each
+(``pipeline/bytes_per_micro_batch_1f1b_over_gpipe``); GPipe without remat, and with
+full remat in the details (1F1B recomputes a stage's forward in its backward, as much
+as full remat does). The 1F1B step is the model cut by hand
+(``tests/pipeline_pieces.py``).
+
     python benchmarks/pipeline.py
 """
 
+import functools
 import math
 import os
 import sys
@@ -55,26 +64,31 @@ def config(s: dict, layers: int | None = None):
                        tie_word_embeddings=False)
 
 
-def loss(model, ids):
-    logits = model(ids[:, :-1]).astype(jnp.float32)
+def loss(model, ids, train: bool = False):
+    logits = model(ids[:, :-1], train=train).astype(jnp.float32)
     labels = ids[:, 1:]
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1).mean()
 
 
-def compiled_step(cfg, plan, rows: int, seq: int, micro_rows=None, repeats: int = 1):
-    """(compiled loss-and-gradient step, runtime) of ``cfg``'s scanned model on ``plan``."""
+def compiled_step(cfg, plan, rows: int, seq: int, micro_rows=None, repeats: int = 1,
+                  remat=False, unrolled: bool = True, train: bool = False):
+    """(compiled loss-and-gradient step, runtime) of ``cfg``'s scanned model on ``plan``
+    (its scans unrolled, or, with ``unrolled=False``, loops as a Trainer compiles them)."""
     from redray.engine.runtime import ModelRuntime
     from redray.models import build
     from redray.sharding.activations import unrolled_loops
 
-    runtime = ModelRuntime(lambda rngs: build(cfg, rngs=rngs, scan=True), plan)
+    runtime = ModelRuntime(lambda rngs: build(cfg, rngs=rngs, scan=True, remat=remat), plan)
     batch = jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32)
-    runtime.derive(loss, batch)
+    fn = functools.partial(loss, train=train)
+    runtime.derive(fn, batch)
     runtime.micro_rows, runtime.stage_repeats = micro_rows, repeats
     params, extra = runtime.abstract
     step = jax.jit(jax.value_and_grad(
-        lambda p, e, ids: runtime.apply(loss, p, e, jax.random.key(0), ids)[0]),
+        lambda p, e, ids: runtime.apply(fn, p, e, jax.random.key(0), ids)[0]),
         in_shardings=(*runtime.shardings, plan.batch_sharding()))
+    if not unrolled:
+        return step.lower(params, extra, batch).compile(), runtime
     with unrolled_loops():
         return step.lower(params, extra, batch).compile(), runtime
 
@@ -181,11 +195,63 @@ def bytes_figure(s: dict, rows: int, micro_rows: int) -> dict:
                          "fsdp": "fsdp=8"}, model=s)
 
 
+def memory_figures(s: dict, stages: int, micros) -> list[dict]:
+    """1F1B's temporary bytes (XLA's memory analysis of the compiled step: what is
+    neither an argument nor an output, i.e. the activations kept for the backward pass
+    and the buffers) over GPipe's, on ``stages`` stages over M micro-batches of one row.
+    GPipe keeps every tick's activations (``remat=False``) or every tick's layer inputs
+    (``remat="full"``, its least memory); 1F1B keeps at most ``2 S - 1`` stage inputs
+    and recomputes a stage's forward in its backward. The loops are compiled as loops,
+    as a Trainer runs them."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "tests"))
+    from pipeline_pieces import decoder_pieces
+
+    from redray.models.pipeline import one_f_one_b_schedule
+    from redray.sharding import Parallelism
+
+    plan = Parallelism.of(stage_axis=stages, data_axis=1).build(jax.devices()[:stages])
+    rng = np.random.default_rng(0)
+    temp = {}
+    for micro in micros:
+        ids = rng.integers(0, s["vocab"], (micro, s["seq"] + 1)).astype(np.int32)
+        pieces = decoder_pieces(config(s), ids, micro)
+        compiled = jax.jit(lambda p: pieces.one_f_one_b(p, plan.mesh)).lower(
+            pieces.params).compile()
+        temp["1f1b", micro] = compiled.memory_analysis().temp_size_in_bytes
+        for remat in (False, "full"):
+            compiled = compiled_step(config(s), plan, micro, s["seq"], 1, remat=remat,
+                                     unrolled=False, train=True)[0]
+            temp[f"gpipe_remat_{remat}", micro] = compiled.memory_analysis().temp_size_in_bytes
+    out = []
+    for micro in micros:
+        ticks, slots = one_f_one_b_schedule(stages, micro)
+        out.append(figure(
+            f"pipeline/temp_bytes_1f1b_over_gpipe/s{stages}_m{micro}",
+            temp["1f1b", micro] / temp["gpipe_remat_False", micro], "x",
+            "GPipe's step without remat (XLA memory analysis: temporary bytes per device)",
+            "< 1", COMMAND, temp_bytes={f"{k}": v for (k, m), v in temp.items() if m == micro},
+            over_gpipe_remat_full=temp["1f1b", micro] / temp["gpipe_remat_full", micro],
+            ring_slots=slots, ticks=ticks, stages=stages, micro_batches=micro, model=s))
+    if len(micros) > 1:  # what one more micro-batch costs each schedule
+        lo, hi = micros[0], micros[-1]
+        growth = {k: (temp[k, hi] - temp[k, lo]) / (hi - lo)
+                  for k in ("1f1b", "gpipe_remat_False", "gpipe_remat_full")}
+        out.append(figure(
+            f"pipeline/bytes_per_micro_batch_1f1b_over_gpipe/s{stages}",
+            growth["1f1b"] / growth["gpipe_remat_False"], "x",
+            f"GPipe's (temporary bytes per added micro-batch, {lo} to {hi})", "< 1",
+            COMMAND, bytes_per_micro_batch=growth,
+            over_gpipe_remat_full=growth["1f1b"] / growth["gpipe_remat_full"], model=s))
+    return out
+
+
 def main(argv=None) -> None:
     args = parser(__doc__).parse_args(argv)
     s = TINY if args.tiny else FULL
     figures = flops_figures(s, 4, (8,) if args.tiny else (8, 16))
     figures.append(bytes_figure(s, 8 if args.tiny else 16, 4 if args.tiny else 4))
+    figures += memory_figures(s, 4, (8,) if args.tiny else (8, 16))
     save(figures, args.out)
 
 

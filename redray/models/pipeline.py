@@ -298,8 +298,6 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh)
         chunk = jax.tree.map(lambda a: a[0], chunk)
         s = jax.lax.axis_index(STAGE.name)
         zero_h = jnp.zeros_like(x_m[0])
-        no_grads = jax.tree.map(jnp.zeros_like, chunk)
-        no_tail = jax.tree.map(jnp.zeros_like, tail_params)
 
         def run(p, h, m):
             return stage_fn(p, h, m, consts)
@@ -315,14 +313,14 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh)
             out = jax.lax.cond(forward, lambda: run(chunk, h, m), lambda: zero_h)
             ring = jax.lax.cond(forward, lambda: ring.at[m % slots].set(h), lambda: ring)
 
-            def tail():
+            def tail():  # the gradients added where they are kept: no zeros made
                 value, (d_tail, d_out) = jax.value_and_grad(tail_fn, (0, 1))(
                     tail_params, out, m, consts)
-                return value.astype(jnp.float32), d_tail, d_out
+                return (loss + value.astype(jnp.float32),
+                        jax.tree.map(jnp.add, tail_grads, d_tail), d_out)
 
-            value, d_tail, d_out = jax.lax.cond(
-                forward & (s == S - 1), tail,
-                lambda: (jnp.zeros((), jnp.float32), no_tail, zero_h))
+            loss, tail_grads, d_out = jax.lax.cond(
+                forward & (s == S - 1), tail, lambda: (loss, tail_grads, zero_h))
             # backward of micro-batch t - 2 (S - 1) + s: its output's gradient came from
             # the next stage (the last: from the tail, this tick)
             b = t - 2 * (S - 1) + s
@@ -332,19 +330,20 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh)
 
             def back():
                 _, vjp = jax.vjp(lambda p, x: run(p, x, b), chunk, ring[b % slots])
-                return vjp(d_h)
+                d_chunk, d_in = vjp(d_h)
+                return jax.tree.map(jnp.add, grads, d_chunk), d_in
 
-            d_chunk, d_in = jax.lax.cond(backward, back, lambda: (no_grads, zero_h))
+            grads, d_in = jax.lax.cond(backward, back, lambda: (grads, zero_h))
             x_grads = jax.lax.cond(backward & (s == 0), lambda: x_grads.at[b].set(d_in),
                                    lambda: x_grads)
             carry = (jax.lax.ppermute(out, STAGE.name, [(i, i + 1) for i in range(S - 1)]),
                      jax.lax.ppermute(d_in, STAGE.name, [(i + 1, i) for i in range(S - 1)]),
-                     ring, jax.tree.map(jnp.add, grads, d_chunk),
-                     jax.tree.map(jnp.add, tail_grads, d_tail), x_grads, loss + value)
+                     ring, grads, tail_grads, x_grads, loss)
             return carry, None
 
-        carry = (zero_h, zero_h, jnp.zeros((slots, *zero_h.shape), zero_h.dtype), no_grads,
-                 no_tail, jnp.zeros_like(x_m), jnp.zeros((), jnp.float32))
+        carry = (zero_h, zero_h, jnp.zeros((slots, *zero_h.shape), zero_h.dtype),
+                 jax.tree.map(jnp.zeros_like, chunk), jax.tree.map(jnp.zeros_like, tail_params),
+                 jnp.zeros_like(x_m), jnp.zeros((), jnp.float32))
         (_, _, _, grads, tail_grads, x_grads, loss), _ = jax.lax.scan(
             tick, carry, jnp.arange(ticks), unroll=loop_unroll())
         # the loss and the tail's gradients live on the last stage, x_m's on the first
