@@ -195,6 +195,7 @@ def test_a_trainer_on_stages_trains_as_one_device_and_its_checkpoint_loads_witho
                      stage_repeats=repeats)
     first = [r["loss"] for r in staged.fit(data, epochs=1, max_steps=2)]
     assert staged.describe()["accumulation_steps"] == 4  # 4 pipeline micro-batches
+    assert staged.describe()["stage_repeats"] == 2
     np.testing.assert_allclose(first, one[:2], rtol=1e-5)
     # the same parameter tree: a run without stages resumes from the pipelined
     # checkpoint, and a pipelined run from its checkpoint in turn

@@ -337,7 +337,8 @@ class Trainer:
 
     def describe(self) -> dict:
         """The run's shape: hosts, devices, mesh, parameter count, bytes per device,
-        batch sizes, accumulation steps (after ``init``)."""
+        batch sizes, accumulation steps (or pipeline micro-batches), circular pipeline
+        repeats where there are any (after ``init``)."""
         self._require_init("describe")
         rows = placement(self.runtime.abstract[0], self.runtime.specs[0], self.mesh)
         opt = sum(x.nbytes for x in jax.tree.leaves(self.state.opt_state)
@@ -352,6 +353,8 @@ class Trainer:
                 "batch_size": self.batch_size,
                 "micro_batch_size": self.geometry.micro_batch_size,
                 "accumulation_steps": self.geometry.accumulation,
+                **({"stage_repeats": self.runtime.stage_repeats}
+                   if self.runtime.stage_repeats > 1 else {}),
                 **({} if self.plan_ranking is None else {"plan": self._plan_facts()})}
 
     def _plan_facts(self) -> dict:
