@@ -26,12 +26,11 @@ the cost model's (``cost.stage_traffic`` and ``cost.state_traffic``, which sums 
 gradients of the parameters the stages hold whole over ``stage``).
 
 Memory: 1F1B's temporary bytes (XLA's memory analysis of the compiled step) over
-GPipe's, 4 stages, 8 and 16 micro-batches (``pipeline/temp_bytes_1f1b_over_gpipe``),
-and what one more micro-batch adds to each
-(``pipeline/bytes_per_micro_batch_1f1b_over_gpipe``); GPipe without remat, and with
-full remat in the details (1F1B recomputes a stage's forward in its backward, as much
-as full remat does). The 1F1B step is the model cut by hand
-(``tests/pipeline_pieces.py``).
+GPipe's, the Trainer's compiled steps (``pipeline_schedule="1f1b"`` and the default),
+4 stages, 8 and 16 micro-batches (``pipeline/temp_bytes_1f1b_over_gpipe``), and what
+one more micro-batch adds to each (``pipeline/bytes_per_micro_batch_1f1b_over_gpipe``);
+GPipe without remat, and with full remat in the details (1F1B recomputes a stage's
+forward in its backward, as much as full remat does).
 
     python benchmarks/pipeline.py
 """
@@ -196,50 +195,54 @@ def bytes_figure(s: dict, rows: int, micro_rows: int) -> dict:
 
 
 def memory_figures(s: dict, stages: int, micros) -> list[dict]:
-    """1F1B's temporary bytes (XLA's memory analysis of the compiled step: what is
+    """1F1B's temporary bytes over GPipe's: XLA's memory analysis of a Trainer's
+    compiled training step (``trainer.memory()["compiled"]["temporaries"]``: what is
     neither an argument nor an output, i.e. the activations kept for the backward pass
-    and the buffers) over GPipe's, on ``stages`` stages over M micro-batches of one row.
-    GPipe keeps every tick's activations (``remat=False``) or every tick's layer inputs
-    (``remat="full"``, its least memory); 1F1B keeps at most ``2 S - 1`` stage inputs
-    and recomputes a stage's forward in its backward. The loops are compiled as loops,
-    as a Trainer runs them."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "tests"))
-    from pipeline_pieces import decoder_pieces
+    and the buffers), ``stages`` stages over M micro-batches of one row, adamw. GPipe
+    keeps every tick's activations (``remat=False``) or every tick's layer inputs
+    (``remat="full"``, its least memory); 1F1B (``pipeline_schedule="1f1b"``) keeps at
+    most ``2 S - 1`` stage inputs and recomputes a stage's forward in its backward."""
+    import optax
 
-    from redray.models.pipeline import one_f_one_b_schedule
+    import redray
+    from redray.models import build
     from redray.sharding import Parallelism
+    from redray.sharding.stages import one_f_one_b_schedule
 
     plan = Parallelism.of(stage_axis=stages, data_axis=1).build(jax.devices()[:stages])
     rng = np.random.default_rng(0)
     temp = {}
     for micro in micros:
-        ids = rng.integers(0, s["vocab"], (micro, s["seq"] + 1)).astype(np.int32)
-        pieces = decoder_pieces(config(s), ids, micro)
-        compiled = jax.jit(lambda p: pieces.one_f_one_b(p, plan.mesh)).lower(
-            pieces.params).compile()
-        temp["1f1b", micro] = compiled.memory_analysis().temp_size_in_bytes
-        for remat in (False, "full"):
-            compiled = compiled_step(config(s), plan, micro, s["seq"], 1, remat=remat,
-                                     unrolled=False, train=True)[0]
-            temp[f"gpipe_remat_{remat}", micro] = compiled.memory_analysis().temp_size_in_bytes
+        data = [{"ids": r} for r in rng.integers(0, s["vocab"], (micro, s["seq"] + 1),
+                                                 dtype=np.int32)]
+        for name, remat, schedule in (("1f1b", False, "1f1b"), ("gpipe", False, "gpipe"),
+                                      ("gpipe_remat_full", "full", "gpipe")):
+            trainer = redray.Trainer(
+                lambda rngs, remat=remat: build(config(s), rngs=rngs, scan=True, remat=remat),
+                lambda e: {"ids": np.stack([x["ids"] for x in e])},
+                lambda model, batch, rng, train: loss(model, batch["ids"], train),
+                optax.adamw(1e-3), batch_size=micro, micro_batch_size=1, progress=False,
+                parallelism=plan, pipeline_schedule=schedule)
+            trainer.init(data)
+            temp[name, micro] = trainer.memory()["compiled"]["temporaries"]
     out = []
     for micro in micros:
         ticks, slots = one_f_one_b_schedule(stages, micro)
         out.append(figure(
             f"pipeline/temp_bytes_1f1b_over_gpipe/s{stages}_m{micro}",
-            temp["1f1b", micro] / temp["gpipe_remat_False", micro], "x",
-            "GPipe's step without remat (XLA memory analysis: temporary bytes per device)",
-            "< 1", COMMAND, temp_bytes={f"{k}": v for (k, m), v in temp.items() if m == micro},
+            temp["1f1b", micro] / temp["gpipe", micro], "x",
+            "GPipe's Trainer step without remat (XLA memory analysis: temporary bytes per "
+            "device)", "< 1", COMMAND,
+            temp_bytes={k: v for (k, m), v in temp.items() if m == micro},
             over_gpipe_remat_full=temp["1f1b", micro] / temp["gpipe_remat_full", micro],
             ring_slots=slots, ticks=ticks, stages=stages, micro_batches=micro, model=s))
     if len(micros) > 1:  # what one more micro-batch costs each schedule
         lo, hi = micros[0], micros[-1]
         growth = {k: (temp[k, hi] - temp[k, lo]) / (hi - lo)
-                  for k in ("1f1b", "gpipe_remat_False", "gpipe_remat_full")}
+                  for k in ("1f1b", "gpipe", "gpipe_remat_full")}
         out.append(figure(
             f"pipeline/bytes_per_micro_batch_1f1b_over_gpipe/s{stages}",
-            growth["1f1b"] / growth["gpipe_remat_False"], "x",
+            growth["1f1b"] / growth["gpipe"], "x",
             f"GPipe's (temporary bytes per added micro-batch, {lo} to {hi})", "< 1",
             COMMAND, bytes_per_micro_batch=growth,
             over_gpipe_remat_full=growth["1f1b"] / growth["gpipe_remat_full"], model=s))

@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 from redray.models import build, layers
-from redray.models.pipeline import one_f_one_b
+from redray.sharding.stages import one_f_one_b
 
 
 @dataclasses.dataclass
@@ -80,9 +80,9 @@ def decoder_pieces(config, ids, micro: int, remat=False) -> Pieces:
         # the tail's parameters: all but the stacked layers (held by their stages)
         others = nnx.State({k: v for k, v in p.items() if k != name})
         unused = jax.tree.map(lambda a: jnp.zeros((0,), a.dtype), p[name])  # the tail's
-        loss, d_blocks, d_tail, d_x = one_f_one_b(
-            lambda chunk, h, m, c: run_layers(chunk, h, jax.tree.map(lambda a: a[m], c)),
-            lambda q, h, m, c: tail(nnx.State({**q, name: unused}), h, m),
+        loss, _, d_blocks, d_tail, d_x = one_f_one_b(
+            lambda chunk, _, h, m, c: run_layers(chunk, h, jax.tree.map(lambda a: a[m], c)),
+            lambda q, h, m, c: (tail(nnx.State({**q, name: unused}), h, m), {}),
             blocks, others, x_m, shared_m, mesh)
         (grads,) = head_vjp(d_x)
         grads = nnx.State({k: (jax.tree.map(jnp.add, v, d_tail[k]) if k != name else

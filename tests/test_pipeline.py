@@ -15,7 +15,8 @@ from flax import nnx
 import redray
 from redray.engine.runtime import ModelRuntime
 from redray.models import build
-from redray.models.pipeline import flops_ratio, merge_micro, split_micro
+from redray.models.pipeline import flops_ratio
+from redray.sharding.stages import merge_micro, split_micro
 from redray.sharding import STAGE, Parallelism
 from redray.sharding.parallelism import (default_micro_batches, hybrid_shapes, layer_order,
                                          reorder, schedule)
@@ -320,7 +321,7 @@ def test_one_f_one_b_equals_the_unpipelined_gradient(family, axes, micro):
 
 
 def test_the_one_f_one_b_schedule_holds_2s_minus_1_inputs_whatever_the_micro_batches():
-    from redray.models.pipeline import one_f_one_b_schedule
+    from redray.sharding.stages import one_f_one_b_schedule
 
     assert one_f_one_b_schedule(4, 8) == (14, 7)
     assert one_f_one_b_schedule(4, 64) == (70, 7)
@@ -332,3 +333,53 @@ def test_the_one_f_one_b_schedule_holds_2s_minus_1_inputs_whatever_the_micro_bat
         held = max(sum(m + s <= t <= m + 2 * (S - 1) - s for m in range(M))
                    for s in range(S) for t in range(M + 2 * (S - 1)))
         assert held == one_f_one_b_schedule(S, M)[1]
+
+
+@pytest.mark.parametrize("family,axes", [("llama", dict(stage_axis=2, data_axis=2)),
+                                         ("gpt2", dict(stage_axis=2, fsdp_axis=2))],
+                         ids=["llama-s2-data2", "gpt2-s2-fsdp2"])
+def test_a_trainer_on_1f1b_trains_as_one_device(family, axes):
+    """``pipeline_schedule="1f1b"``: the user's loss cut at the stacked layers, each
+    micro-batch's loss averaged; the losses of 3 steps and the parameters after them
+    those of one device (the loss's token mean over equal micro-batches is the mean
+    of their means)."""
+    config = CONFIGS[family]()
+    data = [{"ids": row} for row in np.random.default_rng(1).integers(0, 64, (24, SEQ))]
+
+    def loss(model, batch, rng, train):
+        value = lm_loss(model, batch["ids"])
+        return value, {"twice": 2 * value}
+
+    def trainer(**kw):
+        return redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
+                              lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
+                              optax.sgd(0.5, momentum=0.5), batch_size=8, progress=False,
+                              log_every=1, **kw)
+
+    one = trainer(mesh=redray.make_mesh(devices=jax.devices()[:1]))
+    expected = [r["loss"] for r in one.fit(data, epochs=1)]
+    staged = trainer(micro_batch_size=1, pipeline_schedule="1f1b", **axes)
+    history = staged.fit(data, epochs=1)
+    np.testing.assert_allclose([r["loss"] for r in history], expected, rtol=1e-5)
+    np.testing.assert_allclose([r["twice"] for r in history], 2 * np.array(expected), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(nnx.state(staged.model, nnx.Param)),
+                         jax.tree.leaves(nnx.state(one.model, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                                   atol=1e-5 * float(np.max(np.abs(want))) + 1e-7)
+
+
+def test_1f1b_refuses_what_it_does_not_run_yet():
+    make = lambda rngs: build(CONFIGS["llama"](), rngs=rngs, scan=True)  # noqa: E731
+    common = dict(collate=lambda ex: {"ids": np.stack(ex)}, optimizer=optax.sgd(0.1),
+                  batch_size=4, progress=False, stage_axis=2, data_axis=2)
+    ids_loss = lambda m, b, r, t: lm_loss(m, b["ids"])  # noqa: E731
+    with pytest.raises(ValueError, match="pipeline_schedule='zigzag': use one of 'gpipe', '1f1b'"):
+        redray.Trainer(make, loss=ids_loss, pipeline_schedule="zigzag", **common)
+    with pytest.raises(ValueError, match="does not take stage_repeats > 1 yet"):
+        redray.Trainer(make, loss=ids_loss, pipeline_schedule="1f1b", stage_repeats=2, **common)
+    # an encoder-decoder runs two stacks of layers: refused when the step is traced
+    t5 = redray.Trainer(lambda rngs: build(FAMILIES["t5"](), rngs=rngs, scan=True),
+                        loss=lambda m, b, r, t: t5_loss(m, b["ids"]), pipeline_schedule="1f1b",
+                        micro_batch_size=1, **common)
+    with pytest.raises(ValueError, match="one stack of layers; this one runs several"):
+        t5.fit(list(IDS[:8]), epochs=1, max_steps=1)

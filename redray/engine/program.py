@@ -22,6 +22,7 @@ from redray.engine.model import split_trainable
 from redray.engine.nonfinite import zero_flag
 from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.engine.state import StateLayout, TrainState, counters
+from redray.engine.staged import one_f_one_b_gradients
 from redray.engine.steps import (eval_step, microbatched, model_gradients, model_loss,
                                  train_step, user_loss_fn)
 from redray.functions import UserFunctionError, UserFunctions, split_loss_output
@@ -134,9 +135,14 @@ class TrainProgram:
             rt, g, plan = self.runtime, self.geometry, self.runtime.parallelism
             # with pipeline stages the micro-batches are the pipeline's, in one pass
             accumulation = 1 if rt.micro_rows else g.accumulation
-            gradients = microbatched(
-                model_gradients(model_loss(rt.train_apply, self.functions.loss), self.grad_fn),
-                accumulation, g.micro_rows, plan.micro_batches_sharding(), self.metric_names)
+            if rt.micro_rows and rt.schedule == "1f1b":
+                gradients = one_f_one_b_gradients(rt, self.functions.loss)
+            else:
+                gradients = microbatched(
+                    model_gradients(model_loss(rt.train_apply, self.functions.loss),
+                                    self.grad_fn),
+                    accumulation, g.micro_rows, plan.micro_batches_sharding(),
+                    self.metric_names)
             self.jitted["train"] = jax.jit(
                 functools.partial(train_step, gradients=gradients, optimizer=self.optimizer,
                                   on_nonfinite=self.on_nonfinite),

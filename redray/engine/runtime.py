@@ -49,6 +49,7 @@ class ModelRuntime:
         # the pipeline's circular repeats: above 1, the stacked parameters this runtime
         # makes, places and runs are held in ``parallelism.layer_order`` (``reorder``)
         self.stage_repeats = 1
+        self.schedule = "gpipe"  # with stages: "gpipe" or "1f1b" (engine/staged.py)
 
     def use(self, parallelism: Parallelism) -> None:
         """Runs the model on ``parallelism`` (built) from now on."""

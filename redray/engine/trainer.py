@@ -30,6 +30,7 @@ from redray.engine.program import TrainProgram
 from redray.engine.runtime import ModelRuntime
 from redray.engine.schedule import follow_budget
 from redray.engine import watchdog
+from redray.engine.staged import SCHEDULES
 from redray.engine.state import CHECKPOINT_ITEMS, TrainState
 from redray.engine.steps import NONFINITE_POLICIES
 from redray.functions import WEIGHT, UserFunctions, UserFunctionError
@@ -74,6 +75,15 @@ class Trainer:
         ``R`` times shorter); the hidden states cross between stages ``R`` times as
         often. 1 (default): GPipe's schedule. Micro-batches go round in groups of
         ``S``: make their count a multiple of the stage axis, or the rest are bubbles.
+      pipeline_schedule: with ``stage_axis`` > 1, ``"gpipe"`` (default: the pipeline
+        inside the model's forward, every micro-batch's activations kept until the
+        backward pass) or ``"1f1b"``: each stage alternates one micro-batch's forward
+        and an earlier one's backward and keeps at most ``2 stage_axis - 1``
+        micro-batches' inputs whatever their count, recomputing a stage's forward in
+        its backward (``redray/engine/staged.py``). 1F1B cuts the loss at the model's
+        stacked layers (one stack: no encoder-decoder), averages it over the
+        micro-batches as accumulation does, and does not yet take circular repeats,
+        dropout inside the layers, ``trainable=`` or ``grad_fn=``.
       eval_batch_size: examples per evaluation step (default: ``batch_size``).
       parallelism: ``"auto"`` (the default when no mesh and no axis size is given):
         the planner chooses the axis sizes and the micro-batch at ``init`` from the
@@ -140,7 +150,7 @@ class Trainer:
                  prefetch: int = 2, checkpoint=None, config: dict | None = None,
                  trainable: str | None = None, grad_fn: Callable | None = None,
                  hooks: Sequence[Hook] = (), on_nonfinite: str = "stop", hardware=None,
-                 stage_repeats: int = 1, **axes):
+                 stage_repeats: int = 1, pipeline_schedule: str = "gpipe", **axes):
         self.functions = UserFunctions(collate, loss, predict)
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use one of "
@@ -179,6 +189,15 @@ class Trainer:
                 or stage_repeats < 1:
             raise ValueError(f"stage_repeats must be a positive int, got {stage_repeats!r}")
         self.runtime.stage_repeats = stage_repeats
+        if pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_schedule={pipeline_schedule!r}: use one of "
+                             f"{', '.join(map(repr, SCHEDULES))}")
+        if pipeline_schedule == "1f1b" and (stage_repeats > 1 or grad_fn or trainable):
+            given = "stage_repeats > 1" if stage_repeats > 1 else \
+                "grad_fn" if grad_fn else "trainable"
+            raise ValueError(f"pipeline_schedule='1f1b' does not take {given} yet: use "
+                             "pipeline_schedule='gpipe' (the default)")
+        self.runtime.schedule = pipeline_schedule
         self.learning_rate = learning_rate
         self.budget: int | None = None  # the run's total steps, as the last fit asked
         self.seed = seed

@@ -13,8 +13,8 @@ from flax import nnx
 
 from redray.models import pipeline
 from redray.models.attention import AttentionMask, attend
-from redray.sharding.activations import (constrain_rows, gathered_features, loop_unroll,
-                                         pipeline_stages, stage_repeats)
+from redray.sharding.activations import (blocks_cut, constrain_rows, gathered_features,
+                                         loop_unroll, pipeline_stages, stage_repeats)
 from redray.sharding.parallelism import layer_order
 
 ACTIVATIONS: dict[str, Callable] = {
@@ -391,6 +391,21 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
             x, report = step(block, x, *a)
             return constrain_rows(x), report
 
+        cut = blocks_cut()
+        if cut is not None:  # a 1F1B step's head or tail pass (engine/staged.py)
+            cut.calls += 1
+            if cut.calls > 1:
+                raise ValueError("pipeline_schedule='1f1b' cuts a model at one stack of "
+                                 "layers; this one runs several (an encoder-decoder): use "
+                                 "pipeline_schedule='gpipe'")
+            if reports:
+                raise ValueError("aux=True (the experts' router statistics) is not available "
+                                 "with pipeline_schedule='1f1b' yet: use 'gpipe'")
+            if cut.output is not None:
+                return cut.output, None
+            cut.found = dict(blocks=blocks, x=x, args=args, per_layer=per_layer,
+                             run=lambda b, h, a, own: forward(b, h, *a, *own)[0])
+            return x, None
         staged = pipeline_stages(x.shape[0])
         if staged is not None:
             if reports:

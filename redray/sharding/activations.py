@@ -122,3 +122,34 @@ def loop_unroll() -> int | bool:
     """What the layer and tick scans pass as ``unroll``: True within
     ``unrolled_loops``, else 1."""
     return True if _UNROLL.get() else 1
+
+
+_CUT: contextvars.ContextVar = contextvars.ContextVar("redray_cut", default=None)
+
+
+class BlocksCut:
+    """A model's forward cut at its stacked layers, for a 1F1B step
+    (``redray/engine/staged.py``): within ``cut_at_blocks``, the stacked layers'
+    ``run_blocks`` does not run them. A head pass (``output`` None) records what they
+    would get (``found``: the blocks module, their input, the inputs every layer gets,
+    the per-layer inputs, and ``run(blocks, h, args, per_layer)``, their own scan with
+    its remat) and passes the input on; a tail pass returns ``output`` as their output."""
+
+    def __init__(self, output=None):
+        self.output = output
+        self.found = None
+        self.calls = 0
+
+
+@contextlib.contextmanager
+def cut_at_blocks(cut: BlocksCut):
+    token = _CUT.set(cut)
+    try:
+        yield cut
+    finally:
+        _CUT.reset(token)
+
+
+def blocks_cut() -> BlocksCut | None:
+    """The ``BlocksCut`` a pass is traced within, or None."""
+    return _CUT.get()

@@ -1,0 +1,158 @@
+"""The gradient of a user's loss by the 1F1B pipeline schedule
+(``Trainer(pipeline_schedule="1f1b")``).
+
+GPipe runs inside the model's forward, so the user's loss is one function of the whole
+batch. 1F1B needs each micro-batch's loss as soon as that micro-batch leaves the last
+stage, so the loss is cut at the model's stacked layers (``activations.BlocksCut``,
+which ``layers.run_blocks`` obeys) into three pieces:
+
+- the head: the loss traced on the whole batch up to the layers, whose input (the
+  embeddings) and the layers' other inputs (masks, rotary tables) it records; its vjp
+  takes the first stage's input gradients at the end;
+- the stages: the layers' own scan on one stage's chunk of the stacked parameters;
+- the tail: the loss traced on one micro-batch, the layers' output given, run by the
+  last stage as each micro-batch leaves it.
+
+``sharding.stages.one_f_one_b`` runs them. The micro-batches are cut as GPipe cuts them
+(``stages.split_micro``: each keeps the batch's split over the data axes) and the loss
+and its metrics are averaged over them, as gradient accumulation averages them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redray.functions import split_loss_output
+from redray.sharding.activations import BlocksCut, cut_at_blocks
+from redray.sharding.parallelism import BATCH_AXES, STAGE
+from redray.sharding.stages import merge_micro, one_f_one_b, rows_flags, split_micro
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _path_of(model, target) -> tuple:
+    for path, node in nnx.iter_graph(model):
+        if node is target:
+            return tuple(path)
+    raise ValueError("pipeline_schedule='1f1b': the stacked layers are not a submodule of "
+                     "the model the loss was given")
+
+
+def _key(entry):
+    for name in ("key", "name", "idx"):
+        if hasattr(entry, name):
+            return getattr(entry, name)
+    return entry
+
+
+def _split_at(tree, path: tuple) -> tuple[list[bool], list, object]:
+    """(whether each leaf lies under ``path``, the leaves, the treedef) of ``tree``."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    under = [tuple(_key(k) for k in p[:len(path)]) == path for p, _ in flat]
+    return under, [leaf for _, leaf in flat], treedef
+
+
+def check_dropout(blocks, train: bool) -> None:
+    """1F1B recomputes a stage's forward in its backward pass; dropout inside the layers
+    would draw other masks the second time."""
+    if not train:
+        return
+    for path, node in nnx.iter_graph(blocks):
+        if isinstance(node, nnx.Dropout) and node.rate > 0 and not node.deterministic:
+            raise ValueError(
+                f"pipeline_schedule='1f1b' does not run dropout inside the layers yet "
+                f"({'/'.join(map(str, path))}: rate {node.rate}): set the model's dropout "
+                "to 0 or use pipeline_schedule='gpipe'")
+
+
+def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
+    """A gradient function ``(params, frozen, extra, batch, rng) -> (loss, metrics, new
+    extra, grads)`` (``steps.model_gradients``' signature) of the user's ``loss`` by the
+    1F1B schedule over the plan's ``stage`` axis, on micro-batches of the runtime's
+    ``micro_rows``. The model's other state (``extra``) is read, not advanced."""
+    mesh = runtime.parallelism.mesh
+    stages = mesh.shape[STAGE.name]
+    ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+    def gradients(params, frozen, extra, batch, rng):
+        if frozen is not None:
+            raise ValueError("pipeline_schedule='1f1b' trains every parameter: drop "
+                             "trainable= or use pipeline_schedule='gpipe'")
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        micro = rows // runtime.micro_rows
+        head_cut = BlocksCut()
+
+        def head(p):
+            def fn(model, b):
+                with cut_at_blocks(head_cut):
+                    loss(model, b, rng, True)
+                if head_cut.found is None:
+                    raise ValueError("pipeline_schedule='1f1b' needs a model with stacked "
+                                     "layers (scan=True) that the loss runs")
+                head_cut.path = _path_of(model, head_cut.found["blocks"])
+                check_dropout(head_cut.found["blocks"], True)
+                return head_cut.found["x"], (head_cut.found["args"], head_cut.found["per_layer"])
+
+            (x, found), _ = runtime.apply(fn, p, extra, rng, batch)
+            return x, found
+
+        x, head_vjp, (args, per_layer) = jax.vjp(head, params, has_aux=True)
+        found, path = head_cut.found, head_cut.path
+        graphdef, block_params, block_rest = nnx.split(found["blocks"], nnx.Param, ...)
+        param_tree, rest_tree = jax.tree.structure(block_params), jax.tree.structure(block_rest)
+        under, leaves, treedef = _split_at(params, path)
+        layers = next(a for a, u in zip(leaves, under) if u).shape[0]
+        by_stage = lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:])  # noqa: E731
+        stage_params = [by_stage(a) for a, u in zip(leaves, under) if u]
+        tail_params = [a for a, u in zip(leaves, under) if not u]
+        # each stage's share of the layers' other state (RNG counts) and per-layer inputs
+        rest_under, rest_leaves, _ = _split_at(extra, path)
+        own = ([by_stage(a) for a, u in zip(rest_leaves, rest_under) if u],
+               jax.tree.map(by_stage, per_layer))
+        x_m = split_micro(x, micro, ways)
+        flags = rows_flags(args, rows)
+        args_leaves, args_tree = jax.tree.flatten(args)
+        consts = {"args": [split_micro(a, micro, ways) if f else a
+                           for a, f in zip(args_leaves, flags)],
+                  "batch": jax.tree.map(lambda a: split_micro(a, micro, ways), batch),
+                  "extra": extra}
+
+        def stage_fn(chunk, own, h, m, consts):
+            rest, per_layer = own
+            blocks = nnx.merge(graphdef, param_tree.unflatten(chunk),
+                               rest_tree.unflatten(rest))
+            a = args_tree.unflatten([z[m] if f else z for z, f in zip(consts["args"], flags)])
+            return found["run"](blocks, h, a, per_layer)
+
+        def tail_fn(tail_params, h, m, consts):
+            it = iter(tail_params)
+            # the stacked layers' place filled with empty arrays: the tail never reads them
+            whole = treedef.unflatten([jnp.zeros((0,), a.dtype) if u else next(it)
+                                       for a, u in zip(leaves, under)])
+            micro_batch = jax.tree.map(lambda a: a[m], consts["batch"])
+            tail_cut = BlocksCut(output=h)
+
+            def fn(model, b):
+                with cut_at_blocks(tail_cut):
+                    return loss(model, b, jax.random.fold_in(rng, m), True)
+
+            out, _ = runtime.apply(fn, whole, consts["extra"], rng, micro_batch)
+            value, metrics = split_loss_output(out)
+            return value, metrics
+
+        total, metrics, d_stages, d_tail, d_x = one_f_one_b(
+            stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh, own)
+        (grads,) = head_vjp(merge_micro(d_x, ways))
+        g_leaves = jax.tree.leaves(grads)
+        d_stages, d_tail = iter(d_stages), iter(d_tail)
+        summed = [g + (next(d_stages).reshape(layers, *g.shape[1:]) if u else next(d_tail))
+                  for g, u in zip(g_leaves, under)]
+        grads = jax.tree.structure(grads).unflatten([g / micro for g in summed])
+        return (total / micro, jax.tree.map(lambda v: v / micro, metrics), extra, grads)
+
+    return gradients
