@@ -266,8 +266,10 @@ def test_other_families_pipeline_exactly(family):
         assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), family
 
 
-@pytest.mark.parametrize("repeats", [1, 2], ids=["gpipe", "circular"])
-def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_step(repeats):
+@pytest.mark.parametrize("repeats,schedule", [(1, "gpipe"), (2, "gpipe"), (1, "1f1b")],
+                         ids=["gpipe", "circular", "1f1b"])
+def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_step(repeats,
+                                                                                   schedule):
     """``plan_model``'s count of a pipelined step (every tick's activations kept,
     ``pipelined_parts``) within 0.8-1.25 of XLA's compiled peak on CPU, GPipe's and the
     circular one's (whose ticks keep no copy of their chunk of the parameters)."""
@@ -286,12 +288,13 @@ def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_ste
     trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
                              lambda e: {"ids": np.stack([x["ids"] for x in e])}, loss,
                              optax.adamw(1e-3), batch_size=16, micro_batch_size=1,
-                             progress=False, stage_axis=2, data_axis=2, stage_repeats=repeats)
+                             progress=False, stage_axis=2, data_axis=2, stage_repeats=repeats,
+                             pipeline_schedule=schedule)
     trainer.init(data)
     peak = trainer.memory(device_gib=1)["compiled"]["peak"]
     planned = plan_model(config, 4, stage_axis=2, data_axis=2,
                          step=StepShape(batch_size=16, seq_len=64, micro_batch_size=2,
-                                        stage_repeats=repeats))
+                                        stage_repeats=repeats, pipeline_schedule=schedule))
     assert planned["memory"]["parts"]["pipeline_buffers"] > 0
     assert 0.8 <= planned["memory"]["total"] / peak <= 1.25, (planned["memory"], peak)
 

@@ -59,6 +59,7 @@ class StepShape:
         default); what the backward pass keeps of a scanned stack is not a list's.
       stage_repeats: the pipeline's circular repeats on a stage axis
         (``Trainer(stage_repeats=)``).
+      pipeline_schedule: "gpipe" or "1f1b" (``Trainer(pipeline_schedule=)``).
     """
 
     batch_size: int
@@ -69,6 +70,7 @@ class StepShape:
     micro_batch_size: int | None = None
     scan: bool | None = None
     stage_repeats: int = 1
+    pipeline_schedule: str = "gpipe"
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "stage_repeats"):
@@ -76,6 +78,9 @@ class StepShape:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         remat_policy(self.remat)  # a clear error naming the policies
+        if self.pipeline_schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"pipeline_schedule {self.pipeline_schedule!r}: use 'gpipe' or "
+                             "'1f1b'")
         if self.compute_dtype is not None:
             try:
                 jnp.dtype(self.compute_dtype)
@@ -254,7 +259,8 @@ def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
             every_layer=step.remat in ("none", "dots"))
     if pipeline:
         parts = pipelined_parts(parts, parallelism.size(STAGE), geometry.accumulation,
-                                per_device * step.seq_len * hidden * item, step.stage_repeats)
+                                per_device * step.seq_len * hidden * item, step.stage_repeats,
+                                step.pipeline_schedule)
     return {**totals(parts, device_gib), "per_device_batch": per_device,
             "activations_per_layer": acts["per_layer"], "offloaded_to_host": acts["host"],
             "step": dataclasses.asdict(step)}

@@ -92,7 +92,7 @@ def layer_gather_bytes(param_rows, fsdp: int) -> int:
 
 
 def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int,
-                    repeats: int = 1) -> dict:
+                    repeats: int = 1, order: str = "gpipe") -> dict:
     """A step's memory ``parts`` (for one micro-batch of one device, as the memory
     models count it) on ``stages`` pipeline stages over ``micro_batches`` micro-batches
     (``redray/models/pipeline.py``, GPipe or circular): each stage keeps what its
@@ -103,10 +103,22 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
     without repeats (measured against XLA's compiled peak on CPU, LLaMA of 4 layers:
     0.85 at stage 2 x data 2, 0.96 at stage 4, against 0.90 without stages); the
     pipeline's buffers add the micro-batches' inputs and outputs (``2 M`` hidden states
-    of ``act_bytes``) and the two slots in flight."""
+    of ``act_bytes``) and the two slots in flight.
+
+    ``order="1f1b"`` (the 1F1B schedule, ``redray/sharding/stages.py``): a stage recomputes one
+    micro-batch's share of the layers at a time (``1/S`` of one micro-batch's saved
+    activations), and keeps a ring of ``2 S - 1`` stage inputs beside the first
+    stage's inputs and their gradients (``2 M``) and the two passes in flight, and
+    its gradients are summed in the loop's carry before they meet the embeddings'
+    (``pipeline_gradients``: one more copy of the gradients)."""
     if stages <= 1:
         return parts
     out = dict(parts)
+    if order == "1f1b":
+        out["activations"] = parts.get("activations", 0) / stages
+        out["pipeline_buffers"] = (2 * micro_batches + 2 * stages + 1) * act_bytes
+        out["pipeline_gradients"] = parts.get("gradients", 0)
+        return out
     ticks = schedule(stages, micro_batches, repeats)[1]
     out["activations"] = parts.get("activations", 0) * ticks / (stages * repeats)
     out["pipeline_buffers"] = (2 * micro_batches + 2) * act_bytes
