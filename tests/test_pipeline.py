@@ -386,3 +386,40 @@ def test_1f1b_refuses_what_it_does_not_run_yet():
                         micro_batch_size=1, **common)
     with pytest.raises(ValueError, match="one stack of layers; this one runs several"):
         t5.fit(list(IDS[:8]), epochs=1, max_steps=1)
+
+
+def test_1f1b_with_dropout_gives_the_gradient_of_its_own_loss():
+    """Dropout inside the stages: a stage's backward recomputes its forward, which must
+    draw the same masks (the keys salted by the step and the micro-batch,
+    ``staged.salted``). The gradient then agrees with the loss's central difference
+    along it; another step's RNG draws other masks (another loss)."""
+    from redray.engine.staged import one_f_one_b_gradients
+
+    config = transformers.GPT2Config(vocab_size=64, n_layer=4, n_embd=32, n_head=4,
+                                      n_positions=64, resid_pdrop=0.2, embd_pdrop=0.2,
+                                      attn_pdrop=0.2, bos_token_id=1, eos_token_id=2)
+    plan = Parallelism.of(stage_axis=2, data_axis=2).build(jax.devices()[:4])
+    runtime = ModelRuntime(lambda rngs: build(config, rngs=rngs, scan=True), plan)
+
+    def loss(model, ids, rng, train):
+        logits = model(ids[:, :-1], train=train).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+    runtime.derive(lambda m, ids: loss(m, ids, None, True),
+                   jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
+    runtime.micro_rows, runtime.schedule = 4, "1f1b"
+    params, extra = runtime.init()
+    gradients = jax.jit(one_f_one_b_gradients(runtime, loss))
+    rng = jax.random.key(3)
+    value, _, _, grads = gradients(params, None, extra, IDS, rng)
+    norm = float(optax.tree.norm(grads))
+    eps = 1e-2
+
+    def at(t):
+        moved = jax.tree.map(lambda p, g: p + t * g / norm, params, grads)
+        return float(gradients(moved, None, extra, IDS, rng)[0])
+
+    slope = (at(eps) - at(-eps)) / (2 * eps)
+    assert abs(slope - norm) <= 0.02 * norm, (slope, norm)
+    other = float(gradients(params, None, extra, IDS, jax.random.key(4))[0])
+    assert abs(other - float(value)) > 1e-3, (other, float(value))

@@ -57,24 +57,28 @@ def _split_at(tree, path: tuple) -> tuple[list[bool], list, object]:
     return under, [leaf for _, leaf in flat], treedef
 
 
-def check_dropout(blocks, train: bool) -> None:
-    """1F1B recomputes a stage's forward in its backward pass; dropout inside the layers
-    would draw other masks the second time."""
-    if not train:
-        return
-    for path, node in nnx.iter_graph(blocks):
-        if isinstance(node, nnx.Dropout) and node.rate > 0 and not node.deterministic:
-            raise ValueError(
-                f"pipeline_schedule='1f1b' does not run dropout inside the layers yet "
-                f"({'/'.join(map(str, path))}: rate {node.rate}): set the model's dropout "
-                "to 0 or use pipeline_schedule='gpipe'")
+def salted(tree, salt, m):
+    """``tree`` with every RNG key in it folded with ``salt`` and micro-batch ``m``: what
+    the stages' and the tail's dropout draw from. A stage's backward recomputes its
+    forward; both see the same keys, so they draw the same masks, and other
+    micro-batches and other steps (``salt``: from the step's RNG) other ones."""
+    def fold(a):
+        if not jax.dtypes.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key):
+            return a
+        flat = a.reshape(-1)
+        folded = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, salt), m))(flat)
+        return folded.reshape(a.shape)
+
+    return jax.tree.map(fold, tree)
 
 
 def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
     """A gradient function ``(params, frozen, extra, batch, rng) -> (loss, metrics, new
     extra, grads)`` (``steps.model_gradients``' signature) of the user's ``loss`` by the
     1F1B schedule over the plan's ``stage`` axis, on micro-batches of the runtime's
-    ``micro_rows``. The model's other state (``extra``) is read, not advanced."""
+    ``micro_rows``. The model's other state (``extra``) comes back as the head's pass
+    leaves it; the stages and the tail draw their dropout from its keys salted by the
+    step and the micro-batch (``salted``)."""
     mesh = runtime.parallelism.mesh
     stages = mesh.shape[STAGE.name]
     ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
@@ -95,13 +99,13 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
                     raise ValueError("pipeline_schedule='1f1b' needs a model with stacked "
                                      "layers (scan=True) that the loss runs")
                 head_cut.path = _path_of(model, head_cut.found["blocks"])
-                check_dropout(head_cut.found["blocks"], True)
                 return head_cut.found["x"], (head_cut.found["args"], head_cut.found["per_layer"])
 
-            (x, found), _ = runtime.apply(fn, p, extra, rng, batch)
-            return x, found
+            (x, found), new_extra = runtime.apply(fn, p, extra, rng, batch)
+            return x, (*found, new_extra)
 
-        x, head_vjp, (args, per_layer) = jax.vjp(head, params, has_aux=True)
+        x, head_vjp, (args, per_layer, new_extra) = jax.vjp(head, params, has_aux=True)
+        salt = jax.random.bits(jax.random.fold_in(rng, 1), dtype=jnp.uint32)
         found, path = head_cut.found, head_cut.path
         graphdef, block_params, block_rest = nnx.split(found["blocks"], nnx.Param, ...)
         param_tree, rest_tree = jax.tree.structure(block_params), jax.tree.structure(block_rest)
@@ -125,7 +129,7 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
         def stage_fn(chunk, own, h, m, consts):
             rest, per_layer = own
             blocks = nnx.merge(graphdef, param_tree.unflatten(chunk),
-                               rest_tree.unflatten(rest))
+                               rest_tree.unflatten(salted(rest, salt, m)))
             a = args_tree.unflatten([z[m] if f else z for z, f in zip(consts["args"], flags)])
             return found["run"](blocks, h, a, per_layer)
 
@@ -141,7 +145,8 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
                 with cut_at_blocks(tail_cut):
                     return loss(model, b, jax.random.fold_in(rng, m), True)
 
-            out, _ = runtime.apply(fn, whole, consts["extra"], rng, micro_batch)
+            out, _ = runtime.apply(fn, whole, salted(consts["extra"], salt, m), rng,
+                                   micro_batch)
             value, metrics = split_loss_output(out)
             return value, metrics
 
@@ -153,6 +158,6 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
         summed = [g + (next(d_stages).reshape(layers, *g.shape[1:]) if u else next(d_tail))
                   for g, u in zip(g_leaves, under)]
         grads = jax.tree.structure(grads).unflatten([g / micro for g in summed])
-        return (total / micro, jax.tree.map(lambda v: v / micro, metrics), extra, grads)
+        return (total / micro, jax.tree.map(lambda v: v / micro, metrics), new_extra, grads)
 
     return gradients

@@ -83,7 +83,7 @@ class Trainer:
         its backward (``redray/engine/staged.py``). 1F1B cuts the loss at the model's
         stacked layers (one stack: no encoder-decoder), averages it over the
         micro-batches as accumulation does, and does not yet take circular repeats,
-        dropout inside the layers, ``trainable=`` or ``grad_fn=``.
+        ``trainable=`` or ``grad_fn=``.
       eval_batch_size: examples per evaluation step (default: ``batch_size``).
       parallelism: ``"auto"`` (the default when no mesh and no axis size is given):
         the planner chooses the axis sizes and the micro-batch at ``init`` from the
