@@ -235,6 +235,44 @@ def test_the_planner_puts_stages_across_a_slow_link_and_not_a_fast_one():
     assert best.memory["parts"]["pipeline_buffers"] > 0
 
 
+def test_the_planner_weighs_1f1b_beside_gpipe_and_takes_it_where_gpipe_does_not_fit():
+    """Every plan with stages is tried with both schedules. 1F1B's layers cost a forward
+    more (its backward recomputes each stage's) and its activations one micro-batch's
+    share of a stage: LLaMA-7B on 2 hosts over Ethernet, 30 GB per device, the pick is
+    a 1F1B plan whose GPipe twin does not fit."""
+    import dataclasses
+
+    from redray.models.plan import ConfigFacts
+    from redray.sharding.hardware import PRESETS, ethernet
+    from redray.sharding.planner import ONE_F_ONE_B_RERUN, layer_share, rank
+
+    facts = ConfigFacts("llama-7b", 4096, "bfloat16", scan=True)
+    assert facts.one_f_one_b
+    small = dataclasses.replace(ethernet(PRESETS["h100"]), device_memory=30e9)
+    ranking = rank(facts, 16, 2, 64, small)
+    best = ranking.best
+    assert best.candidate.schedule == "1f1b" and best.candidate.shape["stage"] == 2
+    twin = next(s for s in ranking.over
+                if s.candidate == dataclasses.replace(best.candidate, schedule="gpipe"))
+    assert twin.memory["total"] > best.memory["total"]
+    assert twin.memory["parts"]["activations"] > 4 * best.memory["parts"]["activations"]
+    # the recomputed forward, in the FLOPs the compute is charged for (remat none)
+    every = ranking.ranked + ranking.over
+    one = next(s for s in every if s.candidate.schedule == "1f1b"
+               and s.candidate.remat == "none" and s.candidate.shape["model"] == 1)
+    gpipe = next(s for s in every if s.candidate == dataclasses.replace(
+        one.candidate, schedule="gpipe"))
+    share = layer_share(facts)
+    stages, micro = one.candidate.shape["stage"], one.accumulation
+    ticks = (micro + stages - 1) / micro  # M + S - 1 ticks, M of them real
+    expected = (share * (1 + ONE_F_ONE_B_RERUN) * ticks + 1 - share) / (share * ticks + 1 - share)
+    assert one.cost.compute / gpipe.cost.compute == pytest.approx(expected, rel=1e-9)
+    # pinned, or a model it cannot cut (an encoder-decoder): GPipe only
+    pinned = rank(facts, 16, 2, 64, ethernet(PRESETS["h100"]), {"pipeline_schedule": "gpipe"})
+    assert {s.candidate.schedule for s in pinned.ranked + pinned.over} == {"gpipe"}
+    assert not ConfigFacts("t5-11b", 512, "bfloat16", scan=True).one_f_one_b
+
+
 OTHER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2)
 FAMILIES = {
@@ -423,3 +461,19 @@ def test_1f1b_with_dropout_gives_the_gradient_of_its_own_loss():
     assert abs(slope - norm) <= 0.02 * norm, (slope, norm)
     other = float(gradients(params, None, extra, IDS, jax.random.key(4))[0])
     assert abs(other - float(value)) > 1e-3, (other, float(value))
+
+
+def test_an_automatic_plan_takes_the_schedule_it_chose():
+    """``parallelism="auto"`` with the stages and the schedule pinned: the planner's pick
+    carries the schedule and the Trainer runs it."""
+    config = CONFIGS["llama"]()
+    data = [{"ids": row} for row in IDS]
+    trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
+                             lambda ex: {"ids": np.stack([e["ids"] for e in ex])},
+                             lambda m, b, r, t: lm_loss(m, b["ids"]), optax.sgd(0.1),
+                             batch_size=8, progress=False, parallelism="auto", stage_axis=2,
+                             pipeline_schedule="1f1b", hardware="cpu")
+    history = trainer.fit(data, epochs=1, max_steps=1)
+    assert trainer.plan_ranking.best.candidate.schedule == "1f1b"
+    assert trainer.runtime.schedule == "1f1b" and np.isfinite(history[0]["loss"])
+    assert "1f1b" in trainer.plan_ranking.why()

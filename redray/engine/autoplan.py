@@ -30,7 +30,7 @@ from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.engine.steps import model_loss
 from redray.sharding import EXPERT, FSDP, MODEL, Parallelism, flatten
 from redray.sharding.cost import ModelTiming, expert_exchange_bytes
-from redray.sharding.activations import unrolled_loops
+from redray.sharding.activations import BlocksCut, cut_at_blocks, unrolled_loops
 from redray.sharding.hardware import Hardware
 from redray.sharding.memory import GATHERED_LAYERS, layer_gather_bytes, totals
 from redray.sharding.planner import Ranking, rank
@@ -82,6 +82,8 @@ class RuntimeFacts:
         self._residuals: dict = {}
         self.timing: ModelTiming | None = None
         self.experts = _expert_layers(runtime)
+        self.one_f_one_b = trainable is None and runtime.stage_repeats == 1 \
+            and cuts_at_one_stack(runtime, loss, params, extra, self.batch)
 
     def flops(self, remat: str) -> float:
         if self._flops is None:
@@ -122,6 +124,25 @@ class RuntimeFacts:
                 self.experts, parallelism.shape, per_device_batch * self.tokens_per_example,
                 self.compute_itemsize)
         return totals(parts, None)
+
+
+def cuts_at_one_stack(runtime: ModelRuntime, loss: Callable, params, extra, batch) -> bool:
+    """Whether the loss can be cut at one stack of stacked layers, as the 1F1B schedule
+    cuts it (``engine/staged.py``): traced abstractly with the cut."""
+    rng = jax.random.key(0)
+    cut = BlocksCut()
+
+    def head(params, batch):
+        def fn(model, b):
+            with cut_at_blocks(cut):
+                loss(model, b, rng, True)
+        runtime.apply(fn, params, extra, rng, batch, planned=False)
+
+    try:
+        jax.eval_shape(head, params, batch)
+    except ValueError:  # several stacks, or what the cut does not take (aux=True)
+        return False
+    return cut.found is not None
 
 
 def choose(facts: RuntimeFacts, batch_size: int, hardware: Hardware, pinned: dict,

@@ -75,9 +75,10 @@ class Trainer:
         ``R`` times shorter); the hidden states cross between stages ``R`` times as
         often. 1 (default): GPipe's schedule. Micro-batches go round in groups of
         ``S``: make their count a multiple of the stage axis, or the rest are bubbles.
-      pipeline_schedule: with ``stage_axis`` > 1, ``"gpipe"`` (default: the pipeline
-        inside the model's forward, every micro-batch's activations kept until the
-        backward pass) or ``"1f1b"``: each stage alternates one micro-batch's forward
+      pipeline_schedule: with ``stage_axis`` > 1, ``"gpipe"`` (the default, and under
+        ``parallelism="auto"`` the planner's choice: the pipeline inside the model's
+        forward, every micro-batch's activations kept until the backward pass) or
+        ``"1f1b"``: each stage alternates one micro-batch's forward
         and an earlier one's backward and keeps at most ``2 stage_axis - 1``
         micro-batches' inputs whatever their count, recomputing a stage's forward in
         its backward (``redray/engine/staged.py``). 1F1B cuts the loss at the model's
@@ -150,7 +151,7 @@ class Trainer:
                  prefetch: int = 2, checkpoint=None, config: dict | None = None,
                  trainable: str | None = None, grad_fn: Callable | None = None,
                  hooks: Sequence[Hook] = (), on_nonfinite: str = "stop", hardware=None,
-                 stage_repeats: int = 1, pipeline_schedule: str = "gpipe", **axes):
+                 stage_repeats: int = 1, pipeline_schedule: str | None = None, **axes):
         self.functions = UserFunctions(collate, loss, predict)
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use one of "
@@ -176,7 +177,8 @@ class Trainer:
                 raise ValueError("give either parallelism='auto' or a mesh, not both: the "
                                  "planner builds the mesh")
             Parallelism.of(caller="Trainer", **axes)  # an unknown keyword fails as such
-            self._pinned = pins(micro_batch_size=micro_batch_size, **axes)
+            self._pinned = pins(micro_batch_size=micro_batch_size,
+                                pipeline_schedule=pipeline_schedule, **axes)
             self._rules = tuple(rules or ())
             self.parallelism = self.mesh = self.geometry = None  # chosen at init
         else:
@@ -189,7 +191,7 @@ class Trainer:
                 or stage_repeats < 1:
             raise ValueError(f"stage_repeats must be a positive int, got {stage_repeats!r}")
         self.runtime.stage_repeats = stage_repeats
-        if pipeline_schedule not in SCHEDULES:
+        if pipeline_schedule is not None and pipeline_schedule not in SCHEDULES:
             raise ValueError(f"pipeline_schedule={pipeline_schedule!r}: use one of "
                              f"{', '.join(map(repr, SCHEDULES))}")
         if pipeline_schedule == "1f1b" and (stage_repeats > 1 or grad_fn or trainable):
@@ -197,7 +199,7 @@ class Trainer:
                 "grad_fn" if grad_fn else "trainable"
             raise ValueError(f"pipeline_schedule='1f1b' does not take {given} yet: use "
                              "pipeline_schedule='gpipe' (the default)")
-        self.runtime.schedule = pipeline_schedule
+        self.runtime.schedule = pipeline_schedule or "gpipe"
         self.learning_rate = learning_rate
         self.budget: int | None = None  # the run's total steps, as the last fit asked
         self.seed = seed
@@ -301,11 +303,13 @@ class Trainer:
             hardware = preset(hardware)
         facts = RuntimeFacts(self.runtime, self.functions.loss, self.optimizer, sample,
                              self.trainable, tokens_per_example(sample))
+        facts.one_f_one_b = facts.one_f_one_b and self.grad_fn is None
         self.plan_ranking = choose(facts, self.batch_size, hardware, self._pinned, self._rules)
         best = self.plan_ranking.best.candidate
         self.parallelism = Parallelism.of(rules=self._rules, **dict(best.sizes)).build()
         self.mesh = self.parallelism.mesh
         self.geometry = self.parallelism.geometry(self.batch_size, best.micro_batch_size)
+        self.runtime.schedule = best.schedule
         self.runtime.use(self.parallelism)
         if self.progress and jax.process_index() == 0:
             self.console.say(self.plan_ranking.why())

@@ -432,6 +432,8 @@ class ConfigFacts:
         self.tokens_per_example = seq_len
         self.compute_itemsize = jnp.dtype(compute_dtype or jnp.float32).itemsize
         self.remat_policies = REMAT_POLICIES
+        # the 1F1B schedule cuts a model at one stack of layers: not an encoder-decoder
+        self.one_f_one_b = "decoder_input_ids" not in inputs
         self._flops: float | None = None
         self._traces: dict = {}
 

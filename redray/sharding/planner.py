@@ -51,7 +51,8 @@ class ModelFacts(Protocol):
 
     # optional: ``timing``, the model's pass timed on the live devices (``ModelTiming``)
     # or None; ``experts``, its mixture-of-experts layers
-    # (``redray.models.moe.ExpertLayers``), empty for a dense model
+    # (``redray.models.moe.ExpertLayers``), empty for a dense model; ``one_f_one_b``,
+    # whether its plans with stages may run the 1F1B schedule
 
     def memory(self, parallelism: Parallelism, rows: list[Placement], per_device_batch: int,
                remat: str) -> dict:
@@ -66,10 +67,12 @@ class Candidate:
       sizes: axis keyword -> size.
       micro_batch_size: examples per device in one forward/backward pass.
       remat: the remat policy.
+      schedule: with pipeline stages, "gpipe" or "1f1b" (``Trainer(pipeline_schedule=)``).
     """
     sizes: tuple[tuple[str, int], ...]
     micro_batch_size: int
     remat: str
+    schedule: str = "gpipe"
 
     @property
     def shape(self) -> dict[str, int]:
@@ -78,7 +81,8 @@ class Candidate:
 
     def describe(self) -> str:
         axes = describe_shape(self.shape)
-        return f"{axes}, micro {self.micro_batch_size}, remat {self.remat}"
+        order = ", 1f1b" if self.schedule == "1f1b" else ""
+        return f"{axes}, micro {self.micro_batch_size}, remat {self.remat}{order}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +210,7 @@ def axis_sizes(devices: int, hosts: int, pinned: dict) -> list[dict[str, int]]:
 
 def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequence[str],
                pinned: dict | None = None, experts: int = 0,
-               layers: int = 0) -> list[Candidate]:
+               layers: int = 0, one_f_one_b: bool = False) -> list[Candidate]:
     """Every candidate of the grid (see the module docstring).
 
     Args:
@@ -221,6 +225,10 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
       layers: the stacked (scanned) layers of the model, 0 where it has none: the stage
         axis takes the sizes that divide them, with at least as many micro-batches as
         stages (a model without stacked layers cannot be pipelined: only 1).
+      one_f_one_b: the model can run the 1F1B schedule (one stack of layers, a Trainer
+        that allows it): plans with stages are also tried with it, without remat inside
+        any remat inside the layers (its backward recomputes a stage's forward, and the
+        layers' remat what that forward keeps).
     """
     pinned = dict(pinned or {})
     if not experts:
@@ -231,6 +239,9 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     rows_pin = pinned.pop("micro_rows", None)
     remat_pin = pinned.pop("remat", None)
     remats = [remat_pin] if remat_pin is not None else list(remat_policies)
+    schedule_pin = pinned.pop("pipeline_schedule", None)
+    schedules = [schedule_pin] if schedule_pin is not None else \
+        ["gpipe", "1f1b"] if one_f_one_b else ["gpipe"]
     out = []
     for sizes in axis_sizes(devices, hosts, pinned):
         if experts and experts % sizes[EXPERT.keyword]:
@@ -251,7 +262,8 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
             if per_device % micro or (stages > 1 and per_device // micro < stages):
                 continue
             for remat in remats:
-                out.append(Candidate(tuple(sizes.items()), micro, remat))
+                for schedule in schedules if stages > 1 else ["gpipe"]:
+                    out.append(Candidate(tuple(sizes.items()), micro, remat, schedule))
     return out
 
 
@@ -279,12 +291,14 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     hidden = _hidden(facts)
     slot = candidate.micro_batch_size * facts.tokens_per_example * hidden \
         * facts.compute_itemsize
+    one_f_one_b = stages > 1 and candidate.schedule == "1f1b"
     if stages > 1:
-        memory = totals(pipelined_parts(memory["parts"], stages, micro_batches, slot), None)
+        memory = totals(pipelined_parts(memory["parts"], stages, micro_batches, slot,
+                                        order=candidate.schedule), None)
     scanned = facts.trace.scanned if facts.trace is not None else {}
     params = [Parameter(tuple(s), _itemsize(d), tuple(spec), stacked=bool(scanned.get(i)))
               for i, (s, d, spec) in enumerate(zip(facts.shapes, facts.dtypes, specs))]
-    recompute = candidate.remat != "none"
+    recompute = candidate.remat != "none" or one_f_one_b
     tensor = [] if facts.trace is None else tensor_traffic(
         facts.trace, params, shape, candidate.micro_batch_size / facts.trace_examples,
         facts.compute_itemsize, recompute, ticks / stages)
@@ -292,10 +306,14 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     flops = facts.flops(candidate.remat) * batch_size / devices
     if stages > 1:  # the bubble: the layers run on M + S - 1 slots, M of them real
         share = layer_share(facts)
-        flops *= share * ticks / micro_batches + 1 - share
+        # 1F1B's backward recomputes a stage's forward: a forward more of the layers'
+        again = 1 + facts.flops("none") * ONE_F_ONE_B_RERUN / facts.flops(candidate.remat) \
+            if one_f_one_b else 1.0
+        flops *= share * again * ticks / micro_batches + 1 - share
     model = shape[MODEL.name]
     if model > 1 and facts.trace is not None:  # layers left whole run whole on each device
-        rerun = facts.flops(candidate.remat) / facts.flops("none")
+        rerun = facts.flops(candidate.remat) / facts.flops("none") \
+            + (ONE_F_ONE_B_RERUN if one_f_one_b else 0.0)
         flops += (rerun * whole_flops(facts.trace, params, facts.trace_examples)
                   * batch_size * model / devices * (1 - 1 / model))
     trained = getattr(facts, "trained", None) or [True] * len(params)
@@ -328,7 +346,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
     layers = getattr(facts, "experts", ())
     grid = candidates(devices, hosts, batch_size, facts.remat_policies, pinned,
                       math.gcd(*(e.experts for e in layers)) if layers else 0,
-                      stacked_layers(facts))
+                      stacked_layers(facts), getattr(facts, "one_f_one_b", False))
     if not grid:
         raise ValueError(f"no plan of {devices} devices on {hosts} host(s) takes a batch of "
                          f"{batch_size} with {pinned or 'nothing'} pinned: check that the "
@@ -350,6 +368,11 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
             f"{size_text(smallest.memory['total'])}. Use more devices, a smaller batch or "
             "sequence, compute_dtype='bfloat16', or unpin what you pinned")
     return ranking
+
+
+# What 1F1B's backward adds to the layers' work, over a pass without remat: each
+# stage's forward once more (a forward is about a third of forward and backward).
+ONE_F_ONE_B_RERUN = 1 / 3
 
 
 def stacked_layers(facts: ModelFacts) -> int:
@@ -389,7 +412,7 @@ def pins(**given) -> dict:
     defaults = axis_defaults()
     out = {k: v for k, v in given.items() if k in defaults and v != defaults[k]
            and v != "auto"}
-    for key in ("micro_batch_size", "micro_rows", "remat"):
+    for key in ("micro_batch_size", "micro_rows", "remat", "pipeline_schedule"):
         if given.get(key) is not None:
             out[key] = given[key]
     return out
