@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 
 from redray.engine.model import abstract_state, adapter, cast_floating
 from redray.rngs import KeyStream, stream_key
-from redray.sharding.activations import rows_split
+from redray.sharding.activations import parameter_specs, rows_split
 from redray.sharding.parallelism import reorder
 from redray.sharding import (MODEL, STAGE, Parallelism, derive_specs, format_placement,
                              format_whole, placement, shardings)
@@ -60,11 +60,19 @@ class ModelRuntime:
         ``planned``: the model's layers place their activations on the plan's mesh
         (``redray.sharding.activations``); False runs them as on one device (the
         model's own dataflow, what the spec rules read)."""
-        model = self.adapter.bind(cast_floating(params, self.compute_dtype), extra, rng)
+        cast = cast_floating(params, self.compute_dtype)
+        model = self.adapter.bind(cast, extra, rng)
         plan = self.parallelism if planned else None
+        specs = None
+        if plan is not None and self.specs is not None:  # what run_stages keeps split
+            leaves, treedef = jax.tree.flatten(cast)
+            try:
+                specs = {id(x): s for x, s in zip(leaves, treedef.flatten_up_to(self.specs[0]))}
+            except ValueError:  # not the model's parameters (a part of them)
+                specs = None
         with rows_split(None if plan is None else plan.mesh,
                         1 if plan is None else plan.data_parallel, self.micro_rows,
-                        self.stage_repeats):
+                        self.stage_repeats), parameter_specs(specs):
             out = fn(model, *args)
         return out, self.adapter.extra_of(model, extra)
 

@@ -47,8 +47,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from redray.sharding.activations import loop_unroll
-from redray.sharding.parallelism import BATCH_AXES, STAGE, check_stages, layer_order, schedule
+from redray.sharding.activations import loop_unroll, parameter_spec
+from redray.sharding.parallelism import (BATCH_AXES, FSDP, STAGE, check_stages, layer_order,
+                                         schedule)
 from redray.sharding.stages import merge_micro, rows_flags, split_micro
 
 
@@ -63,6 +64,13 @@ def _not_chunks(prim, *_, **__) -> bool:
     slice (and so are the layers' slices of it), and would otherwise be kept once per
     tick: ``S R`` copies of the stage's parameters, more than its activations."""
     return prim.name not in _MOVES
+
+
+def _without_fsdp(entry):
+    """A PartitionSpec entry without the fsdp axis (None where nothing is left)."""
+    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,))
+                  if n is not None and n != FSDP.name)
+    return None if not names else names[0] if len(names) == 1 else names
 
 
 def _constrain(x, mesh, spec):
@@ -114,16 +122,23 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
     rows = x.shape[0]
     S, M, R, k = stages, micro, repeats, layers // (stages * repeats)
     padded, ticks = schedule(S, M, R)
-    stage_split = P(STAGE.name)
     order = layer_order(layers, S, R)
 
-    def by_stage(a):
-        return _constrain(a.reshape(S, R, k, *a.shape[1:]), mesh, stage_split)
+    def by_stage(a, spec=None):
+        # split over ``stage``; a parameter's other dimensions keep the plan's split
+        # over the model and expert axes (the layers compute on those shards inside
+        # the stages) and are gathered over fsdp once, before the loop (inside it
+        # FSDP's gathers would repeat at every tick); without its spec, whole
+        rest = [None] * (a.ndim - 1)
+        if spec is not None:
+            rest = [_without_fsdp(e) for e in tuple(spec)[1:]] + rest[len(spec) - 1:]
+        return _constrain(a.reshape(S, R, k, *a.shape[1:]), mesh,
+                          P(STAGE.name, None, None, *rest))
 
     def ordered(a):  # the other state and the per-layer inputs come in the layers' order
         return a if R == 1 else jnp.take(a, order, axis=0)
 
-    params_s = jax.tree.map(by_stage, params)
+    params_s = jax.tree.map(lambda a: by_stage(a, parameter_spec(a)), params)
     rest_s, own_s = jax.tree.map(lambda a: by_stage(ordered(a)), (rest, per_layer))
     ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
     x_m = split_micro(x, M, ways)

@@ -26,6 +26,7 @@ from redray.sharding.parallelism import BATCH_AXES, STAGE
 
 _ROWS: contextvars.ContextVar = contextvars.ContextVar("redray_rows", default=None)
 _UNROLL: contextvars.ContextVar = contextvars.ContextVar("redray_unroll", default=False)
+_SPECS: contextvars.ContextVar = contextvars.ContextVar("redray_param_specs", default=None)
 
 
 @contextlib.contextmanager
@@ -40,6 +41,25 @@ def rows_split(mesh, ways: int, micro_rows: int | None = None, repeats: int = 1)
         yield
     finally:
         _ROWS.reset(token)
+
+
+@contextlib.contextmanager
+def parameter_specs(specs: dict | None):
+    """Within: ``parameter_spec`` finds the plan's spec of each parameter array a model
+    is bound to (``specs``: id of the array -> its PartitionSpec; the step's trace
+    holds the arrays, so their ids are theirs while it runs)."""
+    token = _SPECS.set(specs)
+    try:
+        yield
+    finally:
+        _SPECS.reset(token)
+
+
+def parameter_spec(x) -> P | None:
+    """The plan's PartitionSpec of parameter array ``x`` while a step is traced on a
+    plan (``ModelRuntime.apply``), else None."""
+    specs = _SPECS.get()
+    return None if specs is None else specs.get(id(x))
 
 
 def constrain_rows(x: jax.Array, whole: bool = True) -> jax.Array:
