@@ -64,7 +64,8 @@ class ModelRuntime:
         model = self.adapter.bind(cast, extra, rng)
         plan = self.parallelism if planned else None
         specs = None
-        if plan is not None and self.specs is not None:  # what run_stages keeps split
+        if plan is not None and self.specs is not None and plan.size(STAGE) > 1:
+            # what run_stages keeps split (read only on a plan with stages)
             leaves, treedef = jax.tree.flatten(cast)
             try:
                 specs = {id(x): s for x, s in zip(leaves, treedef.flatten_up_to(self.specs[0]))}
