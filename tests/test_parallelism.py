@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import redray
-from redray.sharding import (AXES, BATCH_AXES, EXPERT, FSDP, MODEL, STAGE, Parallelism,
+from redray.sharding import (AXES, BATCH_AXES, CONTEXT, EXPERT, FSDP, MODEL, STAGE, Parallelism,
                              derive_specs, flatten, make_mesh)
 from redray.sharding.rules import SpecPass
 
@@ -41,18 +41,18 @@ DATA = [{"x": np.random.default_rng(i).normal(size=16)} for i in range(32)]
 
 
 def test_the_axes_are_named_once_and_say_what_they_do():
-    assert tuple(a.name for a in AXES) == ("stage", "data", "fsdp", "expert", "model")
+    assert tuple(a.name for a in AXES) == ("stage", "data", "fsdp", "expert", "context", "model")
     assert BATCH_AXES == ("data", "fsdp", "expert")
     assert [a.keyword for a in AXES] == ["stage_axis", "data_axis", "fsdp_axis", "expert_axis",
-                                         "model_axis"]
-    assert [a.splits_parameters for a in AXES] == [True, False, True, True, True]
+                                         "context_axis", "model_axis"]
+    assert [a.splits_parameters for a in AXES] == [True, False, True, True, False, True]
     assert MODEL.hosts == "inside" and FSDP.hosts == "prefer inside"
-    assert EXPERT.hosts == "inside" and STAGE.hosts == "outer"
+    assert EXPERT.hosts == "inside" and STAGE.hosts == "outer" and CONTEXT.hosts == "inside"
 
 
 def test_a_plan_builds_the_mesh_make_mesh_builds():
     plan = Parallelism.of(model_axis=2).build()
-    assert plan.shape == {"stage": 1, "data": 2, "fsdp": 1, "expert": 1, "model": 2}
+    assert plan.shape == {"stage": 1, "data": 2, "fsdp": 1, "expert": 1, "context": 1, "model": 2}
     assert plan.shape == dict(make_mesh(model_axis=2).shape)
     assert plan.data_parallel == 2 and plan.devices == 4
     assert plan.describe() == "data=2 x fsdp=1 x model=2"
@@ -67,12 +67,12 @@ def test_a_plan_builds_the_mesh_make_mesh_builds():
 def test_an_abstract_plan_needs_no_devices():
     plan = Parallelism.of(model_axis=8, fsdp_axis=2).abstract(64)
     assert isinstance(plan.mesh, AbstractMesh)
-    assert plan.shape == {"stage": 1, "data": 4, "fsdp": 2, "expert": 1, "model": 8}
+    assert plan.shape == {"stage": 1, "data": 4, "fsdp": 2, "expert": 1, "context": 1, "model": 8}
     g = plan.step_geometry(64, 16)
     assert (g.micro_batch_size, g.accumulation, g.process_rows) == (2, 4, slice(0, 64))
     # given to a Trainer, an abstract plan is built on the devices there are
     built = Parallelism.of(model_axis=2).abstract(4).build()
-    assert built.mesh.devices.shape == (1, 2, 1, 1, 2)
+    assert built.mesh.devices.shape == (1, 2, 1, 1, 1, 2)
     with pytest.raises(ValueError, match="model_axis=8 does not divide the 4 devices"):
         plan.build()
 

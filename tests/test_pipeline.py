@@ -20,6 +20,7 @@ from redray.sharding.stages import merge_micro, split_micro
 from redray.sharding import STAGE, Parallelism
 from redray.sharding.parallelism import (default_micro_batches, hybrid_shapes, layer_order,
                                          reorder, schedule)
+from tiny import assert_trains_as_one_device
 
 TINY = dict(vocab_size=64, num_hidden_layers=4)
 CONFIGS = {
@@ -144,12 +145,12 @@ def test_default_micro_batches_leave_a_small_bubble():
 
 def test_stages_cross_hosts_first():
     # 2 hosts of 4 devices: stage 2 x data 4 puts the stages across the hosts, the data
-    # axis inside them (AXES order: stage, data, fsdp, expert, model)
-    across, inside = hybrid_shapes((2, 4, 1, 1, 1), 2, 4)
-    assert across == (2, 1, 1, 1, 1) and inside == (1, 4, 1, 1, 1)
+    # axis inside them (AXES order: stage, data, fsdp, expert, context, model)
+    across, inside = hybrid_shapes((2, 4, 1, 1, 1, 1), 2, 4)
+    assert across == (2, 1, 1, 1, 1, 1) and inside == (1, 4, 1, 1, 1, 1)
     # and fsdp stays inside while stages cross
-    across, inside = hybrid_shapes((2, 1, 4, 1, 1), 2, 4)
-    assert across == (2, 1, 1, 1, 1)
+    across, inside = hybrid_shapes((2, 1, 4, 1, 1, 1), 2, 4)
+    assert across == (2, 1, 1, 1, 1, 1)
 
 
 def test_stages_need_scanned_layers_that_divide():
@@ -384,29 +385,13 @@ def test_a_trainer_on_1f1b_trains_as_one_device(family, axes):
     micro-batch's loss averaged; the losses of 3 steps and the parameters after them
     those of one device (the loss's token mean over equal micro-batches is the mean
     of their means)."""
-    config = CONFIGS[family]()
-    data = [{"ids": row} for row in np.random.default_rng(1).integers(0, 64, (24, SEQ))]
-
     def loss(model, batch, rng, train):
         value = lm_loss(model, batch["ids"])
         return value, {"twice": 2 * value}
 
-    def trainer(**kw):
-        return redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
-                              lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
-                              optax.sgd(0.5, momentum=0.5), batch_size=8, progress=False,
-                              log_every=1, **kw)
-
-    one = trainer(mesh=redray.make_mesh(devices=jax.devices()[:1]))
-    expected = [r["loss"] for r in one.fit(data, epochs=1)]
-    staged = trainer(micro_batch_size=1, pipeline_schedule="1f1b", **axes)
-    history = staged.fit(data, epochs=1)
-    np.testing.assert_allclose([r["loss"] for r in history], expected, rtol=1e-5)
+    history, expected = assert_trains_as_one_device(
+        CONFIGS[family](), loss, SEQ, micro_batch_size=1, pipeline_schedule="1f1b", **axes)
     np.testing.assert_allclose([r["twice"] for r in history], 2 * np.array(expected), rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(nnx.state(staged.model, nnx.Param)),
-                         jax.tree.leaves(nnx.state(one.model, nnx.Param))):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
-                                   atol=1e-5 * float(np.max(np.abs(want))) + 1e-7)
 
 
 def test_1f1b_refuses_what_it_does_not_run_yet():

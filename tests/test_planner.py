@@ -116,7 +116,7 @@ def test_an_all_to_all_sends_all_but_a_device_own_share_over_the_link_it_crosses
 
 
 def test_host_spans_follow_the_hybrid_mesh():
-    one = {"stage": (1, 1), "expert": (1, 1)}
+    one = {"stage": (1, 1), "expert": (1, 1), "context": (1, 1)}
     spans = host_spans({"data": 2, "fsdp": 2, "model": 2}, hosts=2)
     assert spans == {**one, "data": (1, 2), "fsdp": (2, 1), "model": (2, 1)}
     spans = host_spans({"data": 1, "fsdp": 8, "model": 4}, hosts=4)  # fsdp 2 inside each host

@@ -685,7 +685,8 @@ def test_cnn():
 
 def test_fsdp_only_largest_divisible_dim():
     mesh = make_mesh(fsdp_axis=4)                 # model 1: no trace, fsdp only
-    assert dict(mesh.shape) == {"stage": 1, "data": 1, "fsdp": 4, "expert": 1, "model": 1}
+    assert dict(mesh.shape) == {"stage": 1, "data": 1, "fsdp": 4, "expert": 1, "context": 1,
+                                "model": 1}
     got, _, _ = nnx_specs(Llama(), tokens(), mesh=mesh)
     f = P("fsdp")
     # vectors (norm scales, biases) stay whole: a gather each would cost more than they hold
@@ -703,7 +704,8 @@ def test_fsdp_only_largest_divisible_dim():
 
 def test_model_and_fsdp_combined_llama():
     mesh = make_mesh(model_axis=2, fsdp_axis=2)
-    assert dict(mesh.shape) == {"stage": 1, "data": 1, "fsdp": 2, "expert": 1, "model": 2}
+    assert dict(mesh.shape) == {"stage": 1, "data": 1, "fsdp": 2, "expert": 1, "context": 1,
+                                "model": 2}
     got, _, _ = nnx_specs(Llama(), tokens(), mesh=mesh)
     expected = {
         "embed_tokens/embedding": P("model", "fsdp"),
@@ -880,11 +882,11 @@ def test_make_mesh_not_covering_all_devices():
 
 def test_make_mesh_shapes():
     assert dict(make_mesh(model_axis=4).shape) == {"stage": 1, "data": 1, "fsdp": 1,
-                                                   "expert": 1, "model": 4}
+                                                   "expert": 1, "context": 1, "model": 4}
     assert dict(make_mesh().shape) == {"stage": 1, "data": 4, "fsdp": 1, "expert": 1,
-                                       "model": 1}
+                                       "context": 1, "model": 1}
     assert dict(make_mesh(data_axis=1, fsdp_axis="auto", model_axis=2).shape) == {
-        "stage": 1, "data": 1, "fsdp": 2, "expert": 1, "model": 2}
+        "stage": 1, "data": 1, "fsdp": 2, "expert": 1, "context": 1, "model": 2}
     # model-parallel peers are neighbours in device order
     mesh = make_mesh(data_axis=2, model_axis=2)
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
@@ -941,19 +943,19 @@ def test_a_layer_writing_the_residual_stream_stays_replicated():
 def test_hybrid_mesh_keeps_the_model_axis_inside_a_host():
     from redray.sharding.parallelism import hybrid_shapes
 
-    # (stage, data, fsdp, expert, model); 4 hosts x 8 GPUs, model 8: data across hosts,
+    # (stage, data, fsdp, expert, context, model); 4 hosts x 8 GPUs, model 8: data across hosts,
     # model inside
-    assert hybrid_shapes((1, 4, 1, 1, 8), 4, 8) == ((1, 4, 1, 1, 1), (1, 1, 1, 1, 8))
+    assert hybrid_shapes((1, 4, 1, 1, 1, 8), 4, 8) == ((1, 4, 1, 1, 1, 1), (1, 1, 1, 1, 1, 8))
     # model 4, fsdp 8 of 32 devices: fsdp 2 inside each host, 4 across
-    assert hybrid_shapes((1, 1, 8, 1, 4), 4, 8) == ((1, 1, 4, 1, 1), (1, 1, 2, 1, 4))
+    assert hybrid_shapes((1, 1, 8, 1, 1, 4), 4, 8) == ((1, 1, 4, 1, 1, 1), (1, 1, 2, 1, 1, 4))
     # data 2 x fsdp 2 x model 2 on 2 hosts of 4: one data replica per host
-    assert hybrid_shapes((1, 2, 2, 1, 2), 2, 4) == ((1, 2, 1, 1, 1), (1, 1, 2, 1, 2))
-    assert hybrid_shapes((1, 1, 1, 1, 16), 2, 8) is None  # model needs 2 hosts
+    assert hybrid_shapes((1, 2, 2, 1, 1, 2), 2, 4) == ((1, 2, 1, 1, 1, 1), (1, 1, 2, 1, 1, 2))
+    assert hybrid_shapes((1, 1, 1, 1, 1, 16), 2, 8) is None  # model needs 2 hosts
     # expert 4 x model 2 stays inside a host; fsdp goes across
-    assert hybrid_shapes((1, 1, 2, 4, 2), 2, 8) == ((1, 1, 2, 1, 1), (1, 1, 1, 4, 2))
+    assert hybrid_shapes((1, 1, 2, 4, 1, 2), 2, 8) == ((1, 1, 2, 1, 1, 1), (1, 1, 1, 4, 1, 2))
     # stage 2 x data 2 x model 2 on 2 hosts of 4: the stages across, data inside
-    assert hybrid_shapes((2, 2, 1, 1, 2), 2, 4) == ((2, 1, 1, 1, 1), (1, 2, 1, 1, 2))
-    assert hybrid_shapes((1, 1, 1, 8, 2), 2, 8) is None  # experts need 2 hosts
+    assert hybrid_shapes((2, 2, 1, 1, 1, 2), 2, 4) == ((2, 1, 1, 1, 1, 1), (1, 2, 1, 1, 1, 2))
+    assert hybrid_shapes((1, 1, 1, 8, 1, 2), 2, 8) is None  # experts need 2 hosts
 
 
 # ------------------------------------------------------------- mixtures of experts

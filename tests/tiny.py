@@ -78,3 +78,31 @@ def assert_same(a, b):
         return np.asarray(jax.random.key_data(x) if is_key else x)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(host(x), host(y))
+
+
+def assert_trains_as_one_device(config, loss, seq: int, **split):
+    """Trains a stacked-layer redray model of ``config`` for 3 steps of 8 rows of ``seq``
+    token ids (``batch["ids"]``) with ``loss`` on one device and on the plan ``split``
+    asks for (Trainer keywords); asserts the same losses (1e-5 relative) and the same
+    parameters after them. Returns (the split run's history, one device's losses)."""
+    import redray
+    from redray.models import build
+
+    data = [{"ids": row} for row in np.random.default_rng(1).integers(0, 64, (24, seq))]
+
+    def trainer(**kw):
+        return redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
+                              lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
+                              optax.sgd(0.5, momentum=0.5), batch_size=8, progress=False,
+                              log_every=1, **kw)
+
+    one = trainer(mesh=redray.make_mesh(devices=jax.devices()[:1]))
+    expected = [r["loss"] for r in one.fit(data, epochs=1)]
+    other = trainer(**split)
+    history = other.fit(data, epochs=1)
+    np.testing.assert_allclose([r["loss"] for r in history], expected, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(nnx.state(other.model, nnx.Param)),
+                         jax.tree.leaves(nnx.state(one.model, nnx.Param)), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                                   atol=1e-5 * float(np.max(np.abs(want))) + 1e-7)
+    return history, expected

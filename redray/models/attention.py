@@ -52,6 +52,9 @@ class AttentionMask:
       window: a query sees the ``window`` latest keys only (sliding window), or None.
       layer_window: ``window`` as an int32 scalar array, where scanned layers differ
         in their windows (Gemma's); None: ``window`` says.
+      kv_slots: (keys,) int32: each key's slot, where the keys are not in slot order (a
+        sequence split over the context axis, ``redray/models/context.py``); None: a
+        key's slot is its index.
     """
     kv_valid: jax.Array
     q_slots: jax.Array
@@ -60,6 +63,7 @@ class AttentionMask:
     causal: bool = flax.struct.field(pytree_node=False, default=True)
     window: int | None = flax.struct.field(pytree_node=False, default=None)
     layer_window: jax.Array | None = None
+    kv_slots: jax.Array | None = None
 
     def block(self, q_slots, kv_slots, kv_valid, q_segments=None, kv_segments=None):
         """The (batch, queries, keys) boolean mask of some queries and keys."""
@@ -85,10 +89,14 @@ class AttentionMask:
         """Whether a sliding window applies (the same in every layer, or this layer's)."""
         return self.window is not None or self.layer_window is not None
 
+    def key_slots(self) -> jax.Array:
+        """Each key's slot (``kv_slots``, or the keys' indices)."""
+        return jnp.arange(self.kv_valid.shape[1]) if self.kv_slots is None else self.kv_slots
+
     def dense(self) -> jax.Array:
         """The whole (batch, queries, keys) boolean mask."""
-        return self.block(self.q_slots, jnp.arange(self.kv_valid.shape[1]), self.kv_valid,
-                          self.q_segments, self.kv_segments)
+        return self.block(self.q_slots, self.key_slots(), self.kv_valid, self.q_segments,
+                          self.kv_segments)
 
     @property
     def segmented(self) -> bool:
@@ -188,6 +196,46 @@ def flash_attention(q, k, v, mask: AttentionMask, scale: float, block: int = BLO
     forward and a backward that recomputes each block's probabilities from the saved
     softmax statistics (the FlashAttention algorithm, in plain JAX): memory linear in the
     sequence. ``softcap``: as ``attend``'s."""
+    t = q.shape[1]
+    lay, args = _padded(q, k, v, mask, scale, block, softcap)
+    return _flash(lay, *args)[:, :t].astype(v.dtype)
+
+
+def flash_forward(q, k, v, mask: AttentionMask, scale: float, softcap: float | None = None,
+                  block: int = BLOCK):
+    """``flash_attention``'s forward, not differentiable, with its softmax statistics:
+    (output (B, T, H, D) float32, statistics (2, B, KV, G, T): each query's largest
+    score and its sum of exponentials per key/value head and group). Attention over
+    keys in parts (a ring, ``redray/models/context.py``) merges the parts' outputs by
+    their statistics and computes its gradients with ``flash_backward``."""
+    t = q.shape[1]
+    lay, args = _padded(q, k, v, mask, scale, block, softcap)
+    out, residuals = _flash_forward(lay, *args)
+    return out[:, :t], residuals[-1][..., :t]
+
+
+def flash_backward(q, k, v, mask: AttentionMask, scale: float, out, stats, d_out,
+                   softcap: float | None = None, block: int = BLOCK):
+    """The gradients (dq, dk, dv) that reach ``q``, ``k`` and ``v`` through attention
+    over these keys, where ``out`` and ``stats`` are the attention's output and
+    statistics over all the keys the queries see (``flash_forward``'s, merged) and
+    ``d_out`` the output's gradient."""
+    t, s = q.shape[1], k.shape[1]
+    lay, args = _padded(q, k, v, mask, scale, block, softcap)
+    pad = args[0].shape[1] - t
+    if pad:  # alignment queries: no output, no gradient, statistics that divide by 1
+        out = jnp.pad(out, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        d_out = jnp.pad(d_out, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        stats = jnp.concatenate([jnp.pad(stats[:1], [(0, 0)] * 4 + [(0, pad)]),
+                                 jnp.pad(stats[1:], [(0, 0)] * 4 + [(0, pad)],
+                                         constant_values=1.0)])
+    dq, dk, dv = _flash_bwd(lay, (*args, out, stats), d_out)[:3]
+    return dq[:, :t], dk[:, :s], dv[:, :s]
+
+
+def _padded(q, k, v, mask: AttentionMask, scale: float, block: int, softcap):
+    """(layout, the arguments of ``_flash``) of a flash attention: queries and keys
+    padded to whole blocks, the mask's facts as arrays."""
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     tq, tk = min(block, t), min(block, s)
@@ -195,7 +243,7 @@ def flash_attention(q, k, v, mask: AttentionMask, scale: float, block: int = BLO
     segments = mask.segmented
     q_seg = mask.q_segments if segments else jnp.zeros((b, t), jnp.int32)
     kv_seg = mask.kv_segments if segments else jnp.zeros((b, s), jnp.int32)
-    q_slots = mask.q_slots
+    q_slots, kv_slots = mask.q_slots, mask.key_slots()
     if pad_q:
         q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
         q_slots = jnp.pad(q_slots, (0, pad_q), constant_values=q_slots[-1])
@@ -205,13 +253,13 @@ def flash_attention(q, k, v, mask: AttentionMask, scale: float, block: int = BLO
         k = jnp.pad(k, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
         v = jnp.pad(v, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
         kv_seg = jnp.pad(kv_seg, ((0, 0), (0, pad_k)))
+        kv_slots = jnp.pad(kv_slots, (0, pad_k))
     kv_valid = jnp.pad(mask.kv_valid.astype(bool), ((0, 0), (0, pad_k)))
     # the window travels as an array: a scanned layer's is traced
     window = mask.window if mask.layer_window is None else mask.layer_window
     layout = _Layout(mask.causal, window is not None, segments, tq, tk, h // kv, scale, softcap)
     window = jnp.asarray(0 if window is None else window, jnp.int32)
-    out = _flash(layout, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window)
-    return out[:, :t].astype(v.dtype)
+    return layout, (q, k, v, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real, window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +279,12 @@ def _block_scores(lay, window, qb, kb, q_slots, q_seg, kv_slots, kv_valid, kv_se
     masked (the float32 minimum, as the dense path) and alignment keys at -inf; and where
     the mask allows (B, tq, tk)."""
     b, tq, h, d = qb.shape
+    # The mask's facts are the same in every layer: XLA would hoist the masks of every
+    # block out of the layers' loop and hold them all at once (memory quadratic in the
+    # sequence, measured). Tied to this block's keys they are made where they are used.
+    kb, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real, window = \
+        jax.lax.optimization_barrier((kb, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real,
+                                      window))
     qg = qb.reshape(b, tq, h // lay.groups, lay.groups, d)
     scores = soft_cap(jnp.einsum("btkgd,bskd->bkgts", qg, kb,
                                  preferred_element_type=jnp.float32) * lay.scale, lay.softcap)
@@ -242,7 +296,7 @@ def _block_scores(lay, window, qb, kb, q_slots, q_seg, kv_slots, kv_valid, kv_se
     return jnp.where(kv_real[None, None, None, None, :], scores, -jnp.inf), allowed
 
 
-def _key_blocks(lay, k, v, kv_valid, kv_seg, kv_real):
+def _key_blocks(lay, k, v, kv_slots, kv_valid, kv_seg, kv_real):
     """Keys, values and their facts cut into blocks along a leading axis."""
     b, s = k.shape[:2]
     n = s // lay.tk
@@ -251,7 +305,7 @@ def _key_blocks(lay, k, v, kv_valid, kv_seg, kv_real):
         shape = x.shape[:axis] + (n, lay.tk) + x.shape[axis + 1:]
         return jnp.moveaxis(x.reshape(shape), axis, 0)
 
-    return (cut(k), cut(v), cut(jnp.arange(s)[None])[:, 0], cut(kv_valid), cut(kv_seg),
+    return (cut(k), cut(v), cut(kv_slots[None])[:, 0], cut(kv_valid), cut(kv_seg),
             cut(kv_real[None])[:, 0])
 
 
@@ -283,8 +337,9 @@ def _forward_block(lay, window, qb, q_slots, q_seg, keys):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window):
-    return _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window)[0]
+def _flash(lay, q, k, v, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real, window):
+    return _flash_forward(lay, q, k, v, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real,
+                          window)[0]
 
 
 def _query_blocks(lay, x, axis=1):
@@ -300,9 +355,9 @@ def _unblock(x, axis):
     return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
 
-def _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window):
+def _flash_forward(lay, q, k, v, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real, window):
     b, t, h, d = q.shape
-    keys = _key_blocks(lay, k, v, kv_valid, kv_seg, kv_real)
+    keys = _key_blocks(lay, k, v, kv_slots, kv_valid, kv_seg, kv_real)
 
     def one(args):
         qb, slots, seg = args
@@ -314,24 +369,24 @@ def _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, wind
     # out: (nq, B, KV, G, tq, D) -> (B, T, H, D); stats: (nq, 2, B, KV, G, tq) ->
     # (2, B, KV, G, T): each query's max score and sum of exponentials
     out = jnp.moveaxis(_unblock(out, 3), 3, 1).reshape(b, t, h, d)
-    return out, (q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window, out,
+    return out, (q, k, v, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real, window, out,
                  _unblock(stats, 4))
 
 
-def _flash_fwd(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window):
-    out, residuals = _flash_forward(lay, q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real,
-                                    window)
+def _flash_fwd(lay, q, k, v, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real, window):
+    out, residuals = _flash_forward(lay, q, k, v, q_slots, q_seg, kv_slots, kv_valid, kv_seg,
+                                    kv_real, window)
     return out, residuals
 
 
 def _flash_bwd(lay, residuals, d_out):
-    q, k, v, q_slots, q_seg, kv_valid, kv_seg, kv_real, window, out, stats = residuals
+    q, k, v, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real, window, out, stats = residuals
     b, t, h, d = q.shape
     kvh, g = h // lay.groups, lay.groups
     # D_i = rowsum(dO * O), per query and head: (B, KV, G, T)
     delta = jnp.einsum("bthd,bthd->bth", d_out.astype(jnp.float32), out.astype(jnp.float32))
     delta = jnp.moveaxis(delta.reshape(b, t, kvh, g), 1, 3)
-    keys = _key_blocks(lay, k, v, kv_valid, kv_seg, kv_real)
+    keys = _key_blocks(lay, k, v, kv_slots, kv_valid, kv_seg, kv_real)
     n_k = keys[0].shape[0]
 
     def one_query_block(dk_dv, args):
@@ -367,7 +422,7 @@ def _flash_bwd(lay, residuals, d_out):
     (dk, dv), dq = jax.lax.scan(one_query_block, zeros, blocks)
     dq = _unblock(dq, 1)
     dk, dv = _unblock(dk, 1), _unblock(dv, 1)
-    none = (None,) * 6  # slots, segments, validity and window: integers
+    none = (None,) * 7  # slots, segments, validity and window: integers
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *none)
 
 

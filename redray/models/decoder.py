@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from redray.models import layers
+from redray.models import context, layers
 from redray.models.hub import HFConfig
 
 
@@ -123,8 +123,18 @@ class CausalLM(nnx.Module):
                              "qwen3_moe)")
         if aux and cache is not None:
             raise ValueError("aux=True is for training and scoring: call without a cache")
+        length = input_ids.shape[1]
+        split = None if cache is not None else context.split_sequence(input_ids, attention_mask,
+                                                                       segment_ids)
+        if split is not None:
+            if self.REPORTS:
+                raise ValueError(f"context_axis > 1 does not split {self.config.model_type}'s "
+                                 "mixture-of-experts layers yet: train it with context_axis=1")
+            ways, input_ids, attention_mask, segment_ids = split
         mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
                                                window=self.window, segment_ids=segment_ids)
+        if split is not None:  # each device of the context axis a part of the sequence
+            input_ids, mask, positions = context.zigzag_inputs(ways, input_ids, mask, positions)
         shared, per_layer = self.block_inputs(positions, mask)
         x = self.embed(input_ids, positions, train)
         x, new_cache, *reports = layers.run_blocks(getattr(self, self.BLOCKS), x, shared, cache,
@@ -133,6 +143,8 @@ class CausalLM(nnx.Module):
         final_norm = getattr(self, self.FINAL_NORM, None)
         if final_norm is not None:
             x = final_norm(x)
+        if split is not None:
+            x = context.merge_sequence(x, length)
         out = x if hidden else self.logits(x)
         if aux:
             return out, self.auxiliary(reports[0])

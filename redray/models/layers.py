@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from redray.models import pipeline
+from redray.models import context, pipeline
 from redray.models.attention import AttentionMask, attend
 from redray.sharding.activations import (blocks_cut, constrain_rows, gathered_features,
                                          loop_unroll, pipeline_stages, stage_repeats)
@@ -205,7 +205,13 @@ def self_attention(q, k, v, mask: AttentionMask, scale: float, cache: dict | Non
     new_cache = None
     if cache is not None:
         k, v, new_cache = update_cache(cache, k, v, cache_index)
-    drop = (lambda p: dropout(p, deterministic=False)) if train else None
+    elif mask.kv_slots is not None:  # a sequence split over the context axis
+        if train and dropout.rate > 0:
+            raise ValueError(f"attention dropout ({dropout.rate}) is not available with "
+                             "context_axis > 1: set the config's attention dropout to 0")
+        return context.attention(q, k, v, mask, scale, softcap), None
+    # a rate of 0 drops nothing: without it the scores need not be materialized (flash)
+    drop = (lambda p: dropout(p, deterministic=False)) if train and dropout.rate > 0 else None
     return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap), new_cache
 
 

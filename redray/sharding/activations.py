@@ -22,7 +22,7 @@ import contextvars
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from redray.sharding.parallelism import BATCH_AXES, STAGE
+from redray.sharding.parallelism import BATCH_AXES, CONTEXT, STAGE
 
 _ROWS: contextvars.ContextVar = contextvars.ContextVar("redray_rows", default=None)
 _UNROLL: contextvars.ContextVar = contextvars.ContextVar("redray_unroll", default=False)
@@ -66,14 +66,32 @@ def constrain_rows(x: jax.Array, whole: bool = True) -> jax.Array:
     """``x`` (rows, ...) split over the batch axes, where a step is being traced on a
     plan whose batch axes divide its rows; else ``x``. Its other dimensions whole
     (``whole``: the residual stream), or left to XLA (a layer's inner activation, which
-    tensor parallelism splits)."""
+    tensor parallelism splits). On a plan with a context axis, a sequence (rows,
+    tokens, features) is split over it on its tokens (``redray/models/context.py``)."""
     active = _ROWS.get()
-    if active is None or active[1] <= 1 or x.ndim == 0 or x.shape[0] % active[1]:
+    if active is None or x.ndim == 0:
         return x
-    mesh = active[0]
+    mesh, ways = active[0], active[1]
+    rows = BATCH_AXES if ways > 1 and x.shape[0] % ways == 0 else None
+    context = mesh.shape.get(CONTEXT.name, 1)
+    tokens = CONTEXT.name if context > 1 and x.ndim >= 3 and x.shape[1] % context == 0 \
+        else None
+    if rows is None and tokens is None:
+        return x
     rest = None if whole else P.UNCONSTRAINED
+    dims = (rows,) if tokens is None else (rows, tokens)
     return jax.lax.with_sharding_constraint(
-        x, NamedSharding(mesh, P(BATCH_AXES, *(rest,) * (x.ndim - 1))))
+        x, NamedSharding(mesh, P(*dims, *(rest,) * (x.ndim - len(dims)))))
+
+
+def context_split() -> tuple | None:
+    """(mesh, ways) of the context axis where a step is being traced on a plan whose
+    context axis is larger than 1; else None."""
+    active = _ROWS.get()
+    if active is None:
+        return None
+    ways = active[0].shape.get(CONTEXT.name, 1)
+    return (active[0], ways) if ways > 1 else None
 
 
 def gathered_features(table: jax.Array) -> jax.Array:

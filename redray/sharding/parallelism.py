@@ -10,7 +10,7 @@ rows) and the ordered spec passes that give every parameter its ``PartitionSpec`
 (user rules, tensor parallel from the dataflow, FSDP, large arrays over the model
 axis; ``redray/sharding/rules.py``).
 
-Adding an axis (expert, stage, context) is an entry in ``AXES`` and, if it splits
+Adding an axis (as expert, stage and context were) is an entry in ``AXES`` and, if it splits
 parameters, a pass in ``Parallelism.spec_passes``; docs/architecture.md walks through it.
 """
 
@@ -74,11 +74,15 @@ EXPERT = Axis("expert", "expert_axis", 1, True, True, INSIDE,
               "expert parallelism: a mixture of experts' experts split, tokens sent to "
               "theirs by all-to-all; data parallelism for the other layers",
               shown_at_one=False)
+CONTEXT = Axis("context", "context_axis", 1, False, False, INSIDE,
+               "context parallelism: each sequence split over it, attention passing keys "
+               "and values around (long sequences whose activations one device cannot hold)",
+               shown_at_one=False)
 MODEL = Axis("model", "model_axis", 1, False, True, INSIDE,
              "tensor parallelism: layers split, one all-reduce per column/row pair")
 
 # In mesh order: the last is innermost, its peers neighbours in the device order.
-AXES: tuple[Axis, ...] = (STAGE, DATA, FSDP, EXPERT, MODEL)
+AXES: tuple[Axis, ...] = (STAGE, DATA, FSDP, EXPERT, CONTEXT, MODEL)
 BATCH_AXES: tuple[str, ...] = tuple(a.name for a in AXES if a.splits_batch)
 KEYWORDS: tuple[str, ...] = tuple(a.keyword for a in AXES)
 # The axes that split parameters, innermost first.

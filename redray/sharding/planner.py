@@ -23,7 +23,7 @@ from redray.sharding.cost import (ModelTiming, Parameter, StepCost, expert_traff
 from redray.sharding.dataflow import Trace
 from redray.sharding.hardware import Hardware
 from redray.sharding.memory import pipelined_parts, size_text, totals
-from redray.sharding.parallelism import (AXES, EXPERT, INSIDE, MODEL, STAGE, Parallelism,
+from redray.sharding.parallelism import (AXES, CONTEXT, EXPERT, INSIDE, MODEL, STAGE, Parallelism,
                                          axis_defaults, describe_shape, hybrid_shapes)
 from redray.sharding.placement import Placement, placement
 from redray.sharding.rules import partition_specs
@@ -233,6 +233,10 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     pinned = dict(pinned or {})
     if not experts:
         pinned.setdefault(EXPERT.keyword, 1)
+    if pinned.setdefault(CONTEXT.keyword, 1) != 1:
+        raise ValueError(f"{CONTEXT.keyword}={pinned[CONTEXT.keyword]}: the planner does not "
+                         "cost the context axis yet; give every axis size yourself (a Trainer "
+                         "given them runs that plan)")
     if not layers:
         pinned.setdefault(STAGE.keyword, 1)
     micro_pin = pinned.pop("micro_batch_size", None)

@@ -1,0 +1,396 @@
+"""One sequence split over the context axis: its layout, and attention across it.
+
+**Layout.** On a plan with ``context_axis=C`` a decoder cuts each sequence into ``2C``
+chunks and device ``i`` of the axis holds chunks ``i`` and ``2C - 1 - i`` (the "zigzag"
+layout): under a causal mask the late chunks see the most keys, and pairing each early
+chunk with a late one gives every device the same work. ``CausalLM`` pads the sequence
+to a multiple of ``2C`` (keys nobody sees), reorders its tokens into this layout before
+the embedding (``to_zigzag``: the ids are whole on every device of the axis, so that is
+a local gather), computes positions and the mask's slots on the tokens' own order (RoPE
+and learned positions are those of the unsplit sequence), and puts the final hidden
+states back into the tokens' order (``from_zigzag``: two ``ppermute``s of half the local
+chunk each) so that the user's loss reads the sequence as it wrote it.
+
+**Attention** keeps each device's queries and moves keys and values (``attention``),
+in one of two ways (``METHODS``):
+
+* ``"ring"``: ``C`` steps; at each the device attends its queries to the keys and
+  values it holds while passing them on to its neighbour (``ppermute``; the next
+  block's transfer does not depend on this block's compute, so the scheduler can
+  overlap them). The parts are merged by their softmax statistics (the online softmax
+  of flash attention, ``attention.flash_forward``). With the zigzag layout a block from
+  an earlier device is seen by all local queries through its first chunk only, and one
+  from a later device only by the local late chunk: half of each off-diagonal step is
+  skipped. The backward pass goes round the ring again, the keys' and values'
+  gradients travelling with them and arriving home after ``C`` steps.
+* ``"all_gather"``: keys and values are gathered whole on every device of the axis and
+  the local queries attend to them (flash attention; MaxText's default on GPU). One
+  collective per layer instead of ``C - 1``, but no skipped blocks and the whole keys
+  and values held.
+
+``choose`` picks by a cost model: the ring's steps cost the larger of their compute and
+their transfer, the gather its whole compute plus what of its transfer the scheduler
+cannot hide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from redray.models.attention import (AttentionMask, flash_attention, flash_backward,
+                                     flash_forward)
+from redray.sharding.activations import context_split
+from redray.sharding.hardware import Hardware, preset
+from redray.sharding.parallelism import CONTEXT, STAGE
+
+METHODS = ("auto", "ring", "all_gather")
+AXIS = CONTEXT.name
+
+
+def method() -> str:
+    """How attention crosses the context axis: ``REDRAY_CONTEXT_ATTENTION`` (default
+    "auto": ``choose``)."""
+    name = os.environ.get("REDRAY_CONTEXT_ATTENTION", "auto")
+    if name not in METHODS:
+        raise ValueError(f"REDRAY_CONTEXT_ATTENTION={name!r}: use one of {', '.join(METHODS)}")
+    return name
+
+
+# ------------------------------------------------------------------ layout
+def padded_length(length: int, ways: int) -> int:
+    """``length`` rounded up to a multiple of ``2 * ways`` (whole zigzag chunks)."""
+    return -(-length // (2 * ways)) * 2 * ways
+
+
+def zigzag_order(length: int, ways: int) -> np.ndarray:
+    """The token at each position of the zigzag layout: position ``p`` holds token
+    ``order[p]``; ``length`` a multiple of ``2 * ways``."""
+    chunks = np.arange(length).reshape(2 * ways, length // (2 * ways))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * ways - 1 - i]])
+                           for i in range(ways)])
+
+
+def to_zigzag(x: jax.Array, ways: int, axis: int = 1) -> jax.Array:
+    """``x`` with its ``axis`` (the tokens) in the zigzag layout."""
+    return jnp.take(x, jnp.asarray(zigzag_order(x.shape[axis], ways)), axis=axis)
+
+
+def _chunk_routes(ways: int) -> tuple[list, list]:
+    """(even, odd) ``ppermute`` routes of ``from_zigzag``: device ``i`` holds exactly one
+    even and one odd chunk (``i`` and ``2C - 1 - i`` differ in parity), and chunk ``c``
+    belongs to device ``c // 2`` in the tokens' order; so each route is a permutation."""
+    even, odd = [], []
+    for i in range(ways):
+        e, o = (i, 2 * ways - 1 - i) if i % 2 == 0 else (2 * ways - 1 - i, i)
+        even.append((i, e // 2))
+        odd.append((i, o // 2))
+    return even, odd
+
+
+def from_zigzag(x: jax.Array, mesh, ways: int) -> jax.Array:
+    """``x`` (rows, tokens, ...) in the zigzag layout, split over the context axis on its
+    tokens, back in the tokens' order (split the same way)."""
+    even_route, odd_route = _chunk_routes(ways)
+
+    def local(xl):
+        half = xl.shape[1] // 2
+        first, second = xl[:, :half], xl[:, half:]
+        even_first = jax.lax.axis_index(AXIS) % 2 == 0
+        even = jnp.where(even_first, first, second)
+        odd = jnp.where(even_first, second, first)
+        return jnp.concatenate([jax.lax.ppermute(even, AXIS, even_route),
+                                jax.lax.ppermute(odd, AXIS, odd_route)], axis=1)
+
+    spec = P(None, AXIS)
+    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec,
+                         axis_names={AXIS}, check_vma=False)(x)
+
+
+def split_sequence(ids: jax.Array, attention_mask, segment_ids):
+    """(ways, padded ids, attention mask, segment ids) of a decoder's inputs where a step
+    is traced on a plan with a context axis (the sequence padded with keys nobody sees
+    to whole zigzag chunks); None elsewhere."""
+    split = context_split()
+    if split is None:
+        return None
+    mesh, ways = split
+    if mesh.shape.get(STAGE.name, 1) > 1:
+        raise ValueError(f"context_axis={ways} with stage_axis={mesh.shape[STAGE.name]}: "
+                         "pipeline stages do not split a sequence yet; use one or the other")
+    b, t = ids.shape
+    pad = padded_length(t, ways) - t
+    if attention_mask is None and segment_ids is None:
+        attention_mask = jnp.ones((b, t), jnp.int32)
+    if pad:
+        ids = jnp.pad(ids, ((0, 0), (0, pad)))
+        if attention_mask is not None:
+            attention_mask = jnp.pad(attention_mask, ((0, 0), (0, pad)))
+        if segment_ids is not None:
+            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+    return ways, ids, attention_mask, segment_ids
+
+
+def zigzag_inputs(ways: int, ids, mask: AttentionMask, positions):
+    """The ids, mask and positions of a sequence in the tokens' order, in the zigzag
+    layout: the mask's query and key slots say where each token sits in the sequence."""
+    order = jnp.asarray(zigzag_order(ids.shape[1], ways), jnp.int32)
+    take = functools.partial(jnp.take, indices=order, axis=1)
+    segments = None if mask.q_segments is None else take(mask.q_segments)
+    mask = mask.replace(kv_valid=take(mask.kv_valid), q_slots=mask.q_slots[order],
+                        q_segments=segments, kv_segments=segments, kv_slots=order)
+    return take(ids), mask, take(positions)
+
+
+def merge_sequence(x: jax.Array, length: int) -> jax.Array:
+    """A decoder's final hidden states in the zigzag layout back in the tokens' order,
+    the padding cut off."""
+    mesh, ways = context_split()
+    return from_zigzag(x, mesh, ways)[:, :length]
+
+
+# ------------------------------------------------------------------ choosing
+def _hardware() -> Hardware:
+    backend = jax.default_backend()
+    return preset({"gpu": "h100", "tpu": "tpu-v5e"}.get(backend, "cpu"))
+
+
+def choose(batch: int, tokens: int, ways: int, heads: int, kv_heads: int, head_dim: int,
+           itemsize: int, hardware: Hardware | None = None) -> str:
+    """"ring" or "all_gather" for one layer's attention over ``tokens`` split ``ways``
+    ways, whichever the cost model predicts faster (ties: "all_gather").
+
+    Per device, with ``n = tokens / ways`` local queries, ``F(q, k)`` the FLOPs of ``q``
+    queries over ``k`` keys (``4 q k heads head_dim`` per row: scores and values) and
+    ``X`` the transfer of one device's keys and values (``2 n kv_heads head_dim``
+    elements per row) over the link inside a host, latency included:
+
+    * all-gather: ``F(n, tokens) / rate + (1 - overlap) (ways - 1) X``: every block
+      computed; the gather is one collective that the scheduler may start during the
+      layer before (the hardware's ``overlap``: 1 on GPU and TPU, 0 on XLA:CPU);
+    * ring: ``F(n, n) / rate + (ways - 1) max(F(n, n / 2) / rate, X)``: the diagonal
+      block, then steps of half a block each, every step waiting for its transfer.
+
+    So the ring wins where each step's half block outlasts its transfer (long
+    sequences), the gather where the transfers would be exposed (short local chunks).
+    """
+    hw = hardware or _hardware()
+    n = tokens // ways
+    flops = lambda q, k: 4.0 * batch * q * k * heads * head_dim  # noqa: E731
+    transfer = 2.0 * batch * n * kv_heads * head_dim * itemsize / hw.intra.bandwidth \
+        + hw.intra.latency
+    gather = flops(n, tokens) / hw.matmul_flops + (1 - hw.overlap) * (ways - 1) * transfer
+    ring = flops(n, n) / hw.matmul_flops \
+        + (ways - 1) * max(flops(n, n / 2) / hw.matmul_flops, transfer)
+    return "ring" if ring < gather else "all_gather"
+
+
+# ------------------------------------------------------------------ attention
+def attention(q, k, v, mask: AttentionMask, scale: float, softcap: float | None = None):
+    """Attention of a sequence split over the context axis in the zigzag layout (``q``
+    (B, T, H, D), ``k`` and ``v`` (B, T, KV, D), ``mask`` with its key slots): each
+    device's queries over every key, by a ring or an all-gather (``method``)."""
+    mesh, ways = context_split()
+    if not mask.causal:
+        raise ValueError("context parallelism splits causal attention only")
+    how = method()
+    if how == "auto":
+        b, t, h, d = q.shape
+        how = choose(b, t, ways, h, k.shape[2], d, k.dtype.itemsize)
+    segmented = mask.segmented
+    window = mask.layer_window if mask.layer_window is not None else mask.window
+    ring = _Ring(ways, scale, softcap, segmented, window is not None)
+    b, t = q.shape[:2]
+    segments = mask.q_segments if segmented else jnp.zeros((b, t), jnp.int32)
+    facts = (mask.q_slots, mask.key_slots(), mask.kv_valid, segments,
+             jnp.asarray(0 if window is None else window, jnp.int32))
+    seq, rows = P(None, AXIS), P(AXIS)
+    body = _ring_attention if how == "ring" else _gathered_attention
+    return jax.shard_map(functools.partial(body, ring), mesh=mesh,
+                         in_specs=(seq, seq, seq, rows, rows, seq, seq, P()),
+                         out_specs=seq, axis_names={AXIS}, check_vma=False)(q, k, v, *facts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """What one attention across the context axis is: its static settings, and the mask
+    of some queries over some keys."""
+    ways: int
+    scale: float
+    softcap: float | None
+    segmented: bool
+    windowed: bool
+
+    def mask(self, q_slots, q_seg, kv_slots, kv_valid, kv_seg, window) -> AttentionMask:
+        return AttentionMask(kv_valid, q_slots, q_seg if self.segmented else None,
+                             kv_seg if self.segmented else None, causal=True,
+                             layer_window=window if self.windowed else None,
+                             kv_slots=kv_slots)
+
+
+def _gathered_attention(ring: _Ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window):
+    gather = functools.partial(jax.lax.all_gather, axis_name=AXIS, tiled=True)
+    k_all, v_all = gather(k, axis=1), gather(v, axis=1)
+    kv_segments = gather(segments, axis=1) if ring.segmented else None
+    mask = ring.mask(q_slots, segments, gather(kv_slots, axis=0), gather(kv_valid, axis=1),
+                     kv_segments, window)
+    return flash_attention(q, k_all, v_all, mask, ring.scale, softcap=ring.softcap)
+
+
+def _ring_attention(ring: _Ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window):
+    segments = segments if ring.segmented else None  # not sent round without packing
+    return _ring(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window).astype(v.dtype)
+
+
+def _shift(tree):
+    """Each device's ``tree`` sent to the next device of the context axis."""
+    ways = jax.lax.axis_size(AXIS)
+    return jax.lax.ppermute(tree, AXIS, [(i, (i + 1) % ways) for i in range(ways)])
+
+
+def _half(x, which: int, axis: int | None = None):
+    """The first (``which`` 0) or second half of ``x`` along ``axis`` (default: the
+    tokens, axis 0 of a vector, else 1); None stays None."""
+    if x is None:
+        return None
+    axis = (0 if x.ndim == 1 else 1) if axis is None else axis
+    half = x.shape[axis] // 2
+    return jax.lax.slice_in_dim(x, which * half, (which + 1) * half, axis=axis)
+
+
+def _per_query(stats):
+    """(2, B, KV, G, T) softmax statistics as (top, total), each (B, T, H)."""
+    two, b, kv, g, t = stats.shape
+    per = jnp.moveaxis(stats, 4, 2).reshape(two, b, t, kv * g)
+    return per[0], per[1]
+
+
+def _per_head(top, total, kv: int):
+    b, t, h = top.shape
+    return jnp.moveaxis(jnp.stack([top, total]).reshape(2, b, t, kv, h // kv), 2, 4)
+
+
+def _merge(a, b):
+    """Two parts of one attention (output, top, total) over disjoint keys, as one."""
+    (out_a, top_a, total_a), (out_b, top_b, total_b) = a, b
+    top = jnp.maximum(top_a, top_b)
+    w_a, w_b = total_a * jnp.exp(top_a - top), total_b * jnp.exp(top_b - top)
+    total = w_a + w_b
+    out = (out_a * w_a[..., None] + out_b * w_b[..., None]) / total[..., None]
+    return out, top, total
+
+
+def _nothing(q_like):
+    """No part: an output of zeros whose statistics weigh nothing in ``_merge`` (merged
+    into a part whose top is finite: the diagonal block's, which every query has)."""
+    b, t, h, _ = q_like.shape
+    return (jnp.zeros(q_like.shape, jnp.float32), jnp.full((b, t, h), -jnp.inf, jnp.float32),
+            jnp.zeros((b, t, h), jnp.float32))
+
+
+def _part(ring: _Ring, q, keys, q_facts, window):
+    k, v, kv_slots, kv_valid, kv_seg = keys
+    out, stats = flash_forward(q, k, v, ring.mask(*q_facts, kv_slots, kv_valid, kv_seg, window),
+                               ring.scale, ring.softcap)
+    return (out, *_per_query(stats))
+
+
+def _ring_steps(ring: _Ring, keys, compute, state, travel: bool = False):
+    """Runs ``compute(state, keys, which)`` once per block of the ring (``which``: 0 the
+    device's own block, 1 a block from an earlier device, 2 from a later one) and
+    returns the last state. Each step first sends the block it holds on to the next
+    device, so that transfer and this step's compute are independent (the scheduler
+    may overlap them); the last step sends nothing. ``travel``: the state's last entry
+    (the blocks' gradients) belongs to the block and follows it, sent on after each
+    step's compute (after the last: home)."""
+    i = jax.lax.axis_index(AXIS)
+
+    def send(state):
+        return (*state[:-1], _shift(state[-1])) if travel else state
+
+    def at(s, state, block):
+        earlier = (i - s) % ring.ways < i
+        return jax.lax.cond(earlier, functools.partial(compute, which=1),
+                            functools.partial(compute, which=2), state, block)
+
+    following = _shift(keys)
+    state = send(compute(state, keys, which=0))
+    for s in range(1, ring.ways):
+        block = following
+        if s < ring.ways - 1:
+            following = _shift(block)
+        state = send(at(s, state, block))
+    return state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window):
+    return _ring_forward(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window)[0]
+
+
+def _ring_forward(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window):
+    q_facts = (q_slots, segments)
+    keys = (k, v, kv_slots, kv_valid, segments)
+
+    def step(state, ks, which):
+        if which == 0:
+            return _part(ring, q, ks, q_facts, window)
+        if which == 1:  # an earlier device's block: its first chunk only is seen
+            first = tuple(_half(x, 0) for x in ks)
+            return _merge(state, _part(ring, q, first, q_facts, window))
+        q_late = _half(q, 1)  # a later device's block: seen by the local late chunk only
+        late_facts = (_half(q_slots, 1), _half(segments, 1))
+        early = _nothing(_half(q, 0))
+        part = _part(ring, q_late, ks, late_facts, window)
+        both = tuple(jnp.concatenate([e, p], axis=1) for e, p in zip(early, part))
+        return _merge(state, both)
+
+    out, top, total = _ring_steps(ring, keys, step, None)
+    stats = _per_head(top, total, k.shape[2])
+    return out, (q, k, v, q_slots, kv_slots, kv_valid, segments, window, out, stats)
+
+
+def _ring_fwd(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window):
+    return _ring_forward(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window)
+
+
+def _ring_bwd(ring, residuals, d_out):
+    q, k, v, q_slots, kv_slots, kv_valid, segments, window, out, stats = residuals
+    d_out = d_out.astype(jnp.float32)
+    q_facts = (q_slots, segments)
+    keys = (k, v, kv_slots, kv_valid, segments)
+
+    def grads(qq, ks, facts, o, st, do):
+        kk, vv, slots, valid, seg = ks
+        mask = ring.mask(*facts, slots, valid, seg, window)
+        return flash_backward(qq, kk, vv, mask, ring.scale, o, st, do, ring.softcap)
+
+    def step(state, ks, which):
+        dq, (dk, dv) = state
+        if which in (0, 1):
+            seen = ks if which == 0 else tuple(_half(x, 0) for x in ks)
+            gq, gk, gv = grads(q, seen, q_facts, out, stats, d_out)
+            if which == 1:
+                gk = jnp.concatenate([gk, jnp.zeros_like(gk)], axis=1)
+                gv = jnp.concatenate([gv, jnp.zeros_like(gv)], axis=1)
+        else:
+            gq, gk, gv = grads(_half(q, 1), ks, (_half(q_slots, 1), _half(segments, 1)),
+                               _half(out, 1), _half(stats, 1, axis=4), _half(d_out, 1))
+            gq = jnp.concatenate([jnp.zeros_like(gq), gq], axis=1)
+        return (dq + gq.astype(jnp.float32),
+                (dk + gk.astype(jnp.float32), dv + gv.astype(jnp.float32)))
+
+    init = (jnp.zeros(q.shape, jnp.float32),
+            (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)))
+    dq, (dk, dv) = _ring_steps(ring, keys, step, init, travel=True)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None,
+            None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,188 @@
+"""Context parallelism: one sequence split over the context axis (redray/models/context.py)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+
+from redray.engine.runtime import ModelRuntime
+from redray.models import build, context, next_token_loss
+from redray.sharding import Parallelism
+from redray.sharding.hardware import preset
+from redray.sharding.planner import candidates
+from tiny import assert_trains_as_one_device
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=64, num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2),
+    "mistral": lambda: transformers.MistralConfig(  # LLaMA with a sliding window
+        vocab_size=64, num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=5),
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2),
+}
+ROWS, SEQ = 4, 32  # the model sees 31 tokens: padded to whole zigzag chunks inside
+IDS = np.random.default_rng(0).integers(0, 64, (ROWS, SEQ)).astype(np.int32)
+
+
+def packed_segments(rows: int, seq: int, seed: int = 1) -> np.ndarray:
+    """Rows of 2-4 documents of random lengths, the last tokens padding (segment 0)."""
+    rs = np.random.default_rng(seed)
+    out = np.zeros((rows, seq), np.int32)
+    for r in range(rows):
+        cuts = np.sort(rs.choice(np.arange(3, seq - 3), rs.integers(1, 4), replace=False))
+        ends = [*cuts, seq - rs.integers(0, 4)]
+        start = 0
+        for doc, end in enumerate(ends, 1):
+            out[r, start:end] = doc
+            start = end
+    return out
+
+
+SEGMENTS = packed_segments(ROWS, SEQ)
+
+
+def causal_loss(model, ids, segments):
+    return next_token_loss(model, ids)
+
+
+def packed_loss(model, ids, segments):
+    return next_token_loss(model, ids, segments, chunk=16)
+
+
+LOSSES = {"causal": causal_loss, "packed": packed_loss}
+
+
+def loss_and_grads(family, loss, method=None, **axes):
+    n = int(np.prod(list(axes.values()))) if axes else 1
+    plan = Parallelism.of(**({"data_axis": 1} | axes)).build(jax.devices()[:n])
+    runtime = ModelRuntime(lambda rngs: build(CONFIGS[family](), rngs=rngs, scan=True), plan)
+    abstract = jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32)
+    runtime.derive(loss, abstract, abstract)
+    params, extra = runtime.init()
+    step = jax.jit(jax.value_and_grad(
+        lambda p, e, ids, seg: runtime.apply(loss, p, e, jax.random.key(0), ids, seg)[0]))
+    old = os.environ.get("REDRAY_CONTEXT_ATTENTION")
+    os.environ["REDRAY_CONTEXT_ATTENTION"] = method or "auto"
+    try:
+        compiled = step.lower(params, extra, IDS, SEGMENTS).compile()
+    finally:
+        if old is None:
+            del os.environ["REDRAY_CONTEXT_ATTENTION"]
+        else:
+            os.environ["REDRAY_CONTEXT_ATTENTION"] = old
+    value, grads = compiled(params, extra, IDS, SEGMENTS)
+    return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)], compiled.as_text()
+
+
+_REFERENCE = {}
+
+
+def reference(family, kind):
+    if (family, kind) not in _REFERENCE:
+        _REFERENCE[family, kind] = loss_and_grads(family, LOSSES[kind])[:2]
+    return _REFERENCE[family, kind]
+
+
+def assert_same(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * float(np.max(np.abs(w))))
+
+
+# every model and mask by a ring of 4 and a gather over 2; LLaMA's causal case by both
+# on both
+CASES = [(f, k, c, m) for f, k in (("llama", "causal"), ("gpt2", "causal"), ("llama", "packed"),
+                                   ("gpt2", "packed"), ("mistral", "causal"))
+         for c, m in ((4, "ring"), (2, "all_gather"))] + \
+    [("llama", "causal", 2, "ring"), ("llama", "causal", 4, "all_gather")]
+
+
+@pytest.mark.parametrize("family,kind,ways,method", CASES,
+                         ids=[f"{f}-{k}-context{c}-{m}" for f, k, c, m in CASES])
+def test_context_parallel_loss_and_gradients_equal_one_device(family, kind, ways, method):
+    """The loss and every gradient with the sequence split 2 and 4 ways, by a ring and by
+    an all-gather, equal the unsplit sequence's (float32, 1e-5 relative): causal, packed
+    rows (segments, padding, the chunked loss) and a sliding window (Mistral's, 5 keys:
+    it crosses the 4-token chunks); 31 tokens, padded inside to whole chunks."""
+    got = loss_and_grads(family, LOSSES[kind], method, context_axis=ways)
+    assert_same(got, reference(family, kind))
+    hlo = got[2]
+    if method == "ring":  # keys and values go round: a permute per step and layer
+        assert "collective-permute" in hlo
+    else:
+        assert "all-gather" in hlo
+
+
+@pytest.mark.parametrize("family,axes", [("llama", dict(context_axis=2, model_axis=2)),
+                                         ("gpt2", dict(context_axis=2, fsdp_axis=2)),
+                                         ("llama", dict(data_axis=2, context_axis=2))],
+                         ids=["llama-context2-model2", "gpt2-context2-fsdp2",
+                              "llama-data2-context2"])
+def test_context_composes_with_the_other_axes(family, axes):
+    """Context parallelism beside tensor parallelism, FSDP and data parallelism: the same
+    loss and gradients as one device."""
+    assert_same(loss_and_grads(family, causal_loss, "ring", **axes), reference(family, "causal"))
+
+
+def test_zigzag_layout_and_its_inverse():
+    """Device i holds chunks i and 2C-1-i; ``from_zigzag`` puts a split sequence back in
+    order (each of its two routes a permutation)."""
+    order = context.zigzag_order(16, 4)
+    np.testing.assert_array_equal(order.reshape(8, 2)[:, 0] // 2, [0, 7, 1, 6, 2, 5, 3, 4])
+    for ways in (2, 3, 4, 8):
+        for route in context._chunk_routes(ways):
+            assert sorted(d for _, d in route) == list(range(ways))
+    plan = Parallelism.of(data_axis=1, context_axis=4).build(jax.devices()[:4])
+    x = np.arange(2 * 16 * 3, dtype=np.float32).reshape(2, 16, 3)
+    back = jax.jit(lambda a: context.from_zigzag(context.to_zigzag(a, 4), plan.mesh, 4))(x)
+    np.testing.assert_array_equal(np.asarray(back), x)
+
+
+def test_the_cost_model_picks_the_ring_where_its_transfers_hide():
+    """On H100s a 32k sequence over 4 devices: each ring step's half block outlasts its
+    transfer, and the ring skips half the blocks: the ring. 4k over 8: the steps would
+    wait for their transfers, which the gather hides behind the layer before: the
+    gather. On XLA:CPU nothing hides a collective: the ring, which computes less."""
+    h100, cpu = preset("h100"), preset("cpu")
+    assert context.choose(1, 32768, 4, 32, 8, 128, 2, h100) == "ring"
+    assert context.choose(1, 4096, 8, 32, 8, 128, 2, h100) == "all_gather"
+    assert context.choose(1, 512, 8, 32, 8, 128, 4, cpu) == "ring"
+
+
+def test_context_refuses_what_it_does_not_split():
+    config = transformers.GPT2Config(vocab_size=64, n_layer=2, n_embd=32, n_head=4,
+                                     n_positions=64, attn_pdrop=0.1)
+    plan = Parallelism.of(data_axis=1, context_axis=2).build(jax.devices()[:2])
+    runtime = ModelRuntime(lambda rngs: build(config, rngs=rngs, scan=True), plan)
+
+    def loss(model, ids):
+        return next_token_loss(model, ids, train=True)
+
+    runtime.derive(loss, jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
+    params, extra = runtime.init()
+    with pytest.raises(ValueError, match="attention dropout.*context_axis"):
+        runtime.apply(loss, params, extra, jax.random.key(0), IDS)
+
+    staged = Parallelism.of(data_axis=1, stage_axis=2, context_axis=2).build(jax.devices()[:4])
+    runtime = ModelRuntime(lambda rngs: build(CONFIGS["llama"](), rngs=rngs, scan=True), staged)
+    runtime.derive(causal_loss, *[jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32)] * 2)
+    params, extra = runtime.init()
+    with pytest.raises(ValueError, match="context_axis=2 with stage_axis=2"):
+        runtime.apply(causal_loss, params, extra, jax.random.key(0), IDS, SEGMENTS)
+    with pytest.raises(ValueError, match="context_axis=2: the planner does not cost"):
+        candidates(4, 1, 8, ["none"], pinned={"context_axis": 2})
+
+
+def test_a_trainer_with_a_context_axis_trains_as_one_device():
+    """``Trainer(context_axis=2, data_axis=2)``: the losses of 3 steps and the parameters
+    after them those of one device."""
+    def loss(model, batch, rng, train):
+        return next_token_loss(model, batch["ids"], train=train)
+
+    assert_trains_as_one_device(CONFIGS["llama"](), loss, SEQ, context_axis=2, data_axis=2)
