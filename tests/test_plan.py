@@ -70,8 +70,7 @@ def test_paper_setting_fits(name):
     result = plan_model(name, devices, model, fsdp)
     assert result["n_params"] == n_params
     assert result["mesh"] == {"stage": 1, "data": devices // (model * fsdp), "fsdp": fsdp,
-                              "expert": 1,
-                              "model": model}
+                              "expert": 1, "context": 1, "model": model}
     ideal = {"params": result["ideal_param_bytes_per_device"],
              "opt": result["ideal_opt_bytes_per_device"]}
     assert result["ideal_bytes_per_device"] == pytest.approx(ideal["params"] + ideal["opt"], abs=2)
@@ -114,7 +113,8 @@ def test_replicated_parameters_are_listed_with_their_axes():
 def test_data_axis_replicates_without_changing_the_ideal():
     one = plan_model("llama-7b", 16, 8, 2)
     four = plan_model("llama-7b", 64, 8, 2)
-    assert four["mesh"] == {"stage": 1, "data": 4, "fsdp": 2, "expert": 1, "model": 8}
+    assert four["mesh"] == {"stage": 1, "data": 4, "fsdp": 2, "expert": 1, "context": 1,
+                            "model": 8}
     for key in ("param_bytes_per_device", "opt_bytes_per_device", "ideal_bytes_per_device"):
         assert four[key] == one[key]
 
@@ -167,7 +167,8 @@ def test_cli_json():
     assert KEYS <= set(result)
     assert result["n_params"] == 6_738_415_616
     assert result["devices"] == 32
-    assert result["mesh"] == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "model": 8}
+    assert result["mesh"] == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1,
+                              "context": 1, "model": 8}
     assert isinstance(result["replicated"], list)
     assert isinstance(result["ideal_bytes_per_device"], int)
     assert result["param_bytes_per_device"] <= MAX_RATIO * result["ideal_param_bytes_per_device"]

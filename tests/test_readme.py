@@ -335,7 +335,8 @@ def test_the_python_blocks_run_and_do_what_they_say(program, work):
     np.testing.assert_allclose(np.mean(outputs == labels), evals[70]["eval_accuracy"])
 
     # one Parallelism value: a Trainer built from it, and the same plan on 64 devices
-    assert program["plans"] == [{"stage": 1, "data": 16, "fsdp": 2, "expert": 1, "model": 2},
+    assert program["plans"] == [{"stage": 1, "data": 16, "fsdp": 2, "expert": 1, "context": 1,
+                                 "model": 2},
                                 "data=1 x fsdp=2 x model=2"]
 
     # redray.fit on 2 simulated hosts x 2 devices: the same batches, so the same eval as

@@ -124,7 +124,7 @@ def test_a_checkpoint_from_two_hosts_reshards_onto_one_host_with_fsdp(tmp_path, 
     trainer.init(DATA)
     assert trainer.resumed_from["step"] == 24
     assert dict(trainer.mesh.shape) == {"stage": 1, "data": 1, "fsdp": 4, "expert": 1,
-                                        "model": 1}
+                                        "context": 1, "model": 1}
     sharded = [x for x in jax.tree.leaves(trainer.state.params) if x.ndim == 2]
     assert any(x.sharding.spec != jax.sharding.PartitionSpec() for x in sharded)
     assert_same(trainer.state.params, reference_params[0])
