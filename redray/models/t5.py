@@ -150,8 +150,7 @@ class Attention(nnx.Module):
         return kv[..., 0, :], kv[..., 1, :]
 
     def __call__(self, q, k, v, mask, bias, train):
-        drop = (lambda p: self.dropout(p, deterministic=False)) if train and self.dropout.rate > 0 \
-            else None
+        drop = (lambda p: self.dropout(p, deterministic=False)) if train else None
         return self.o(layers.dot_attention(q, k, v, mask, 1.0, bias=bias, dropout=drop))
 
 
