@@ -373,12 +373,6 @@ def _flash_forward(lay, q, k, v, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_
                  _unblock(stats, 4))
 
 
-def _flash_fwd(lay, q, k, v, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real, window):
-    out, residuals = _flash_forward(lay, q, k, v, q_slots, q_seg, kv_slots, kv_valid, kv_seg,
-                                    kv_real, window)
-    return out, residuals
-
-
 def _flash_bwd(lay, residuals, d_out):
     q, k, v, q_slots, q_seg, kv_slots, kv_valid, kv_seg, kv_real, window, out, stats = residuals
     b, t, h, d = q.shape
@@ -426,6 +420,6 @@ def _flash_bwd(lay, residuals, d_out):
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *none)
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash.defvjp(_flash_forward, _flash_bwd)
 
 

@@ -199,14 +199,13 @@ def attention(q, k, v, mask: AttentionMask, scale: float, softcap: float | None 
     mesh, ways = context_split()
     if not mask.causal:
         raise ValueError("context parallelism splits causal attention only")
+    b, t, h, d = q.shape
     how = method()
     if how == "auto":
-        b, t, h, d = q.shape
         how = choose(b, t, ways, h, k.shape[2], d, k.dtype.itemsize)
     segmented = mask.segmented
     window = mask.layer_window if mask.layer_window is not None else mask.window
     ring = _Ring(ways, scale, softcap, segmented, window is not None)
-    b, t = q.shape[:2]
     segments = mask.q_segments if segmented else jnp.zeros((b, t), jnp.int32)
     facts = (mask.q_slots, mask.key_slots(), mask.kv_valid, segments,
              jnp.asarray(0 if window is None else window, jnp.int32))
@@ -356,10 +355,6 @@ def _ring_forward(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window):
     return out, (q, k, v, q_slots, kv_slots, kv_valid, segments, window, out, stats)
 
 
-def _ring_fwd(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window):
-    return _ring_forward(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window)
-
-
 def _ring_bwd(ring, residuals, d_out):
     q, k, v, q_slots, kv_slots, kv_valid, segments, window, out, stats = residuals
     d_out = d_out.astype(jnp.float32)
@@ -393,4 +388,4 @@ def _ring_bwd(ring, residuals, d_out):
             None)
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_ring.defvjp(_ring_forward, _ring_bwd)

@@ -202,16 +202,16 @@ def self_attention(q, k, v, mask: AttentionMask, scale: float, cache: dict | Non
     probabilities in training; ``softcap``: as ``dot_attention``'s. Returns (output
     (B, T, H, D), the new cache or None).
     """
+    # a rate of 0 drops nothing: without it the scores need not be materialized (flash)
+    drop = (lambda p: dropout(p, deterministic=False)) if train and dropout.rate > 0 else None
     new_cache = None
     if cache is not None:
         k, v, new_cache = update_cache(cache, k, v, cache_index)
     elif mask.kv_slots is not None:  # a sequence split over the context axis
-        if train and dropout.rate > 0:
+        if drop is not None:
             raise ValueError(f"attention dropout ({dropout.rate}) is not available with "
                              "context_axis > 1: set the config's attention dropout to 0")
         return context.attention(q, k, v, mask, scale, softcap), None
-    # a rate of 0 drops nothing: without it the scores need not be materialized (flash)
-    drop = (lambda p: dropout(p, deterministic=False)) if train and dropout.rate > 0 else None
     return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap), new_cache
 
 
