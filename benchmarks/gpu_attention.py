@@ -1,0 +1,161 @@
+"""GPU: redray's attention paths on one GPU: their speed and their error, side by side.
+
+Causal self-attention, bfloat16 inputs, grouped-query heads (32 query heads, 8
+key/value heads of 128, LLaMA-3-8B's shape), one forward and backward pass (the
+gradient of ``sum(out * g)`` for a fixed random ``g``, jitted), through
+``redray.models.attention.attend`` with each implementation forced:
+
+* ``cudnn``: cuDNN's fused flash attention (``jax.nn.dot_product_attention``), what
+  "auto" takes on a GPU for plain causal rows;
+* ``chunked``: redray's blockwise flash attention in plain JAX (``flash_attention``),
+  what "auto" takes for packed rows, windows and soft-capping from 2048 keys, and the
+  kernel every step of the context axis's ring runs (``flash_forward`` and
+  ``flash_backward``, ``redray/models/context.py``);
+* ``xla``: the materialized mask (shorter sequences only: its scores are quadratic).
+
+Time: the median of ``--repeats`` timed windows of ``--window`` calls (after a warm-up
+call), interleaved across the implementations. Error: the output's and every input
+gradient's ``|x - ref| / |ref|`` (Frobenius norms) against the same attention in
+float32 (``dense``), at a shorter sequence (``--check-seq``).
+
+Figures: ``gpu_attention/chunked_over_cudnn`` (time of redray's blockwise kernel over
+cuDNN's, at the longest sequence; no target: a finding) and
+``gpu_attention/cudnn_error_over_xla`` (cuDNN's worst error over XLA's bf16 path's:
+cuDNN's kernel is as exact as the path it replaces, target <= 1.5).
+
+    python benchmarks/gpu_attention.py [--seqs 4096 16384] [--tokens 32768]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import figure, parser, save, stats  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from redray.models.attention import AttentionMask, attend  # noqa: E402
+
+COMMAND = "python benchmarks/gpu_attention.py"
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+XLA_UP_TO = 8192  # keys: the materialized path's scores beyond this are too big to time
+
+
+def inputs(batch: int, seq: int, heads: int, kv_heads: int, dim: int, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (batch, seq, heads, dim), jnp.float32)
+    k = jax.random.normal(keys[1], (batch, seq, kv_heads, dim), jnp.float32)
+    v = jax.random.normal(keys[2], (batch, seq, kv_heads, dim), jnp.float32)
+    g = jax.random.normal(keys[3], (batch, seq, heads, dim), jnp.float32)
+    return q, k, v, g
+
+
+def step(impl: str):
+    """jit(forward and backward) of ``impl``: returns (out, dq, dk, dv)."""
+    def run(q, k, v, g):
+        mask = AttentionMask(kv_valid=jnp.ones(k.shape[:2], bool),
+                             q_slots=jnp.arange(q.shape[1]))
+        scale = q.shape[-1] ** -0.5
+
+        def loss(q, k, v):
+            out = attend(q, k, v, mask, scale, impl=impl)
+            return jnp.sum(out.astype(jnp.float32) * g), out
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return (out, *grads)
+    return jax.jit(run)
+
+
+def relative_error(x, ref) -> float:
+    x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
+    return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
+
+
+def errors(impls, seq: int, heads: int, kv_heads: int, dim: int) -> dict:
+    """Each implementation's worst relative error (output and gradients) against float32."""
+    q, k, v, g = inputs(1, seq, heads, kv_heads, dim, seed=1)
+    ref = step("dense")(q, k, v, g)
+    low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    out = {}
+    for impl in impls:
+        got = step(impl)(*low, g)
+        out[impl] = {name: relative_error(x, r)
+                     for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+    return out
+
+
+def timings(impls, batch: int, seq: int, heads: int, kv_heads: int, dim: int,
+            window: int, repeats: int) -> dict:
+    q, k, v, g = inputs(batch, seq, heads, kv_heads, dim)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    fns = {impl: step(impl) for impl in impls}
+    for fn in fns.values():
+        jax.block_until_ready(fn(q, k, v, g))
+    seconds = {impl: [] for impl in impls}
+    for _ in range(repeats):
+        for impl, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(window):
+                result = fn(q, k, v, g)
+            jax.block_until_ready(result)
+            seconds[impl].append((time.perf_counter() - start) / window)
+    return seconds
+
+
+def main(argv=None) -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--tokens", type=int, default=32768,
+                    help="tokens per call: the batch is tokens / seq")
+    ap.add_argument("--check-seq", type=int, default=2048)
+    ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    heads, kv_heads, dim = HEADS, KV_HEADS, HEAD_DIM
+    device = jax.devices()[0]
+    gpu = device.platform == "gpu"
+    if args.tiny:
+        args.seqs, args.tokens, args.check_seq, args.window, args.repeats = [256], 512, 128, 1, 2
+        heads, kv_heads, dim = 4, 2, 16
+    elif not gpu:
+        raise SystemExit(f"gpu_attention.py measures a GPU; this machine's JAX device is "
+                         f"{device.device_kind!r}: run it on a GPU, or with --tiny")
+    fused = ["cudnn"] if gpu else []
+    err = errors(fused + ["chunked", "xla"], args.check_seq, heads, kv_heads, dim)
+    per_seq = {}
+    for seq in args.seqs:
+        impls = fused + ["chunked"] + (["xla"] if seq <= XLA_UP_TO else [])
+        batch = max(1, args.tokens // seq)
+        seconds = timings(impls, batch, seq, heads, kv_heads, dim, args.window, args.repeats)
+        per_seq[seq] = {"batch": batch, "seconds": {k: stats(v) for k, v in seconds.items()}}
+        print(f"seq {seq} batch {batch}: " + ", ".join(
+            f"{k} {statistics.median(v) * 1e3:.2f} ms" for k, v in seconds.items()))
+    print("relative errors against float32:", err)
+    detail = dict(device=device.device_kind, heads=heads, kv_heads=kv_heads, head_dim=dim,
+                  tokens=args.tokens, per_seq=per_seq, errors=err, check_seq=args.check_seq,
+                  window=args.window, repeats=args.repeats, jax=jax.__version__,
+                  date=time.strftime("%Y-%m-%d"))
+    longest = per_seq[max(args.seqs)]["seconds"]
+    base = "cudnn" if gpu else "xla" if "xla" in longest else None
+    figures = []
+    if base is not None:
+        figures.append(figure(
+            "gpu_attention/chunked_over_cudnn",
+            longest["chunked"]["median"] / longest[base]["median"], "x",
+            f"{base} attention's time, forward and backward, causal, bf16, seq "
+            f"{max(args.seqs)}, on {device.device_kind}", None, COMMAND, **detail))
+    worst = {impl: max(e.values()) for impl, e in err.items()}
+    figures.append(figure(
+        "gpu_attention/cudnn_error_over_xla",
+        worst["cudnn" if gpu else "chunked"] / worst["xla"], "x",
+        f"XLA's bf16 attention's worst relative error (output, dq, dk, dv) against float32,"
+        f" seq {args.check_seq}, on {device.device_kind}", "<= 1.5", COMMAND, **detail))
+    save(figures, args.out)
+
+
+if __name__ == "__main__":
+    main()
