@@ -23,7 +23,9 @@ bytes a device needs) and the collectives of ``as_text()``.
   permutes, so that pass costs nothing. Besides the layers, the final hidden states
   leave the zigzag layout and their gradient returns (``B n d s`` bytes each way). The
   keys' slots and validity travel with them (5 bytes a token, counted in the
-  measurement, not in the ideal).
+  measurement, not in the ideal). The ideal is the planner's own count
+  (``redray.sharding.cost.context_traffic``), so this figure checks what the planner
+  charges a context plan.
 
     python benchmarks/context.py
 """
@@ -113,17 +115,18 @@ def longest(s: dict, ways: int) -> tuple[int, list]:
 
 def ring_bytes(s: dict, ways: int) -> tuple[int, float, dict]:
     from redray.sharding.collectives import collectives
+    from redray.sharding.cost import context_traffic
 
     seq = s["ring_seq"]
     found = [c for c in collectives(compiled(s, seq, ways, "ring", unrolled=True).as_text())
              if c.kind == "collective-permute"]
     measured = sum(c.bytes for c in found)
-    n, head_dim = seq // ways, s["hidden"] // s["heads"]
-    block = 2 * n * s["kv_heads"] * head_dim * 4  # keys and values, float32
-    grads = 2 * n * s["kv_heads"] * head_dim * 4
-    per_layer = 2 * (ways - 1) * block + ways * grads
-    zigzag = 2 * n * s["hidden"] * 4
-    ideal = s["layers"] * per_layer + zigzag
+    # the planner's count of the ring (redray.sharding.cost.context_traffic): float32
+    traffic = context_traffic({"context": ways}, 1, seq, s["kv_heads"] * s["hidden"] // s["heads"],
+                              s["hidden"], s["layers"], 4, 1)
+    ideal = sum(t.bytes * t.times for t in traffic)
+    per_layer = sum(t.bytes * t.times for t in traffic[:2]) / s["layers"]
+    zigzag = traffic[2].bytes * traffic[2].times
     return measured, ideal, dict(permutes=len(found), per_layer_ideal=per_layer,
                                  zigzag_ideal=zigzag)
 

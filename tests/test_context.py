@@ -13,7 +13,7 @@ from redray.models import build, context, next_token_loss
 from redray.sharding import Parallelism
 from redray.sharding.hardware import preset
 from redray.sharding.planner import candidates
-from tiny import assert_trains_as_one_device
+from tiny import assert_trains_as_one_device, memory_case
 
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(
@@ -175,8 +175,69 @@ def test_context_refuses_what_it_does_not_split():
     params, extra = runtime.init()
     with pytest.raises(ValueError, match="context_axis=2 with stage_axis=2"):
         runtime.apply(causal_loss, params, extra, jax.random.key(0), IDS, SEGMENTS)
-    with pytest.raises(ValueError, match="context_axis=2: the planner does not cost"):
-        candidates(4, 1, 8, ["none"], pinned={"context_axis": 2})
+    with pytest.raises(ValueError, match="context_axis=2 with stage_axis=2"):
+        candidates(4, 1, 8, ["none"], pinned={"context_axis": 2, "stage_axis": 2}, layers=2)
+    with pytest.raises(ValueError, match="context_axis=2: a mixture-of-experts"):
+        candidates(4, 1, 8, ["none"], pinned={"context_axis": 2}, experts=4)
+
+
+def test_the_planner_costs_a_context_axis_it_is_given():
+    """``rank`` with a pinned context axis: every plan splits the sequence and none
+    pipelines it, the ring's passes are in the predicted step, and a device's
+    activations are those of its share of the tokens (the memory model's trace of the
+    ring's blockwise attention, 1/context of each sequence)."""
+    from redray.models.plan import ConfigFacts
+    from redray.sharding.planner import rank
+
+    facts = ConfigFacts(CONFIGS["llama"](), 1024)
+    h100 = preset("h100")
+    split = rank(facts, 8, 1, 8, h100, pinned={"context_axis": 4})
+    assert split.ranked and all(p.candidate.shape["context"] == 4
+                                and p.candidate.shape["stage"] == 1 for p in split.ranked)
+    whole = rank(facts, 8, 1, 8, h100)
+    assert all(p.candidate.shape["context"] == 1 for p in whole.ranked)  # never unasked
+    for plan in split.ranked:
+        ring = [t for t in plan.cost.traffic if t.axes == ("context",)]
+        assert len(ring) == 3 and plan.cost.context > 0
+    # the same examples per device and model axis, whole sequences against quarters of
+    # them: a quarter of the tokens' bytes (what holds no token counts whole), and less
+    # where the whole sequence's attention would keep its scores (under 2048 keys)
+
+    def key(p):
+        return p.candidate.micro_batch_size, p.candidate.shape["model"]
+
+    rows = {key(p): p.memory["parts"]["activations"] for p in whole.ranked}
+    quarters = {key(p): p.memory["parts"]["activations"] for p in split.ranked}
+    assert rows.keys() & quarters.keys()
+    for k in rows.keys() & quarters.keys():
+        assert 0 < quarters[k] <= 0.4 * rows[k], (k, quarters[k], rows[k])
+
+
+def test_the_memory_plan_of_a_context_step_is_checked_against_the_compiled_step():
+    """``plan_model``'s count (from the config) and ``Trainer.memory``'s (the built
+    model under its ring) agree at context 4 and at context 2 x model 2, and their ratio
+    to XLA's compiled peak is within 0.05 of the same ratio for the data-parallel plan
+    with as many tokens per device: the context axis adds nothing the model misses."""
+    import optax
+
+    import redray
+    from redray.models.memory import StepShape
+    from redray.models.plan import plan_model
+
+    config, data, collate, loss = memory_case(2, 8)
+    ratios = {}
+    for axes in (dict(data_axis=4), dict(context_axis=4), dict(context_axis=2, model_axis=2)):
+        trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs), collate, loss,
+                                 optax.adamw(1e-3), batch_size=8, progress=False, **axes)
+        trainer.init(data)
+        measured = trainer.memory(device_gib=1)
+        planned = plan_model(config, 4, step=StepShape(batch_size=8, seq_len=64),
+                             **axes)["memory"]
+        acts = planned["parts"]["activations"]
+        assert acts == pytest.approx(measured["parts"]["activations"], rel=0.01), axes
+        ratios[tuple(axes)] = planned["total"] / measured["compiled"]["peak"]
+    for axes, ratio in ratios.items():
+        assert abs(ratio - ratios[("data_axis",)]) <= 0.05, ratios
 
 
 def test_a_trainer_with_a_context_axis_trains_as_one_device():

@@ -312,20 +312,13 @@ def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_ste
     """``plan_model``'s count of a pipelined step (every tick's activations kept,
     ``pipelined_parts``) within 0.8-1.25 of XLA's compiled peak on CPU, GPipe's and the
     circular one's (whose ticks keep no copy of their chunk of the parameters)."""
-    from redray.models import next_token_loss
     from redray.models.memory import StepShape
     from redray.models.plan import plan_model
 
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=512,
-                                      num_hidden_layers=4, num_attention_heads=4,
-                                      vocab_size=512, tie_word_embeddings=False)
-    data = [{"ids": r} for r in np.random.default_rng(0).integers(0, 512, (16, 65), np.int32)]
+    from tiny import memory_case
 
-    def loss(model, batch, rng, train):
-        return next_token_loss(model, batch["ids"], train=train)
-
-    trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
-                             lambda e: {"ids": np.stack([x["ids"] for x in e])}, loss,
+    config, data, collate, loss = memory_case(4, 16)
+    trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True), collate, loss,
                              optax.adamw(1e-3), batch_size=16, micro_batch_size=1,
                              progress=False, stage_axis=2, data_axis=2, stage_repeats=repeats,
                              pipeline_schedule=schedule)

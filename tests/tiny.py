@@ -106,3 +106,22 @@ def assert_trains_as_one_device(config, loss, seq: int, **split):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                    atol=1e-5 * float(np.max(np.abs(want))) + 1e-7)
     return history, expected
+
+
+def memory_case(layers: int, rows: int):
+    """The memory tests' model and data: a LLaMA of ``layers`` layers (hidden 128,
+    vocabulary 512, untied head), ``rows`` random rows of 65 ids, and the collate and
+    ``next_token_loss`` loss a Trainer runs them with."""
+    import transformers
+
+    from redray.models import next_token_loss
+
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=512,
+                                      num_hidden_layers=layers, num_attention_heads=4,
+                                      vocab_size=512, tie_word_embeddings=False)
+    data = [{"ids": r} for r in np.random.default_rng(0).integers(0, 512, (rows, 65), np.int32)]
+
+    def loss(model, batch, rng, train):
+        return next_token_loss(model, batch["ids"], train=train)
+
+    return config, data, lm_collate, loss

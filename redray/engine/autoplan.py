@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from redray.engine.program import activation_bytes
 from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.engine.steps import model_loss
-from redray.sharding import EXPERT, FSDP, MODEL, Parallelism, flatten
+from redray.sharding import CONTEXT, EXPERT, FSDP, MODEL, Parallelism, flatten
 from redray.sharding.cost import ModelTiming, expert_exchange_bytes
 from redray.sharding.activations import BlocksCut, cut_at_blocks, unrolled_loops
 from redray.sharding.hardware import Hardware
@@ -79,7 +79,7 @@ class RuntimeFacts:
                                    for x in jax.tree.leaves(opt)) / max(trained, 1)
         self.sample, self.optimizer = sample, optimizer
         self._flops: float | None = None
-        self._residuals: dict = {}
+        self._residuals: dict = {}  # with a context axis or not -> rows -> trace
         self.timing: ModelTiming | None = None
         self.experts = _expert_layers(runtime)
         self.one_f_one_b = trainable is None and runtime.stage_repeats == 1 \
@@ -113,9 +113,10 @@ class RuntimeFacts:
             item = self.compute_itemsize
             gathered = GATHERED_LAYERS * layer_gather_bytes(rows, fsdp) * item // 4
         params_abs, extra = self.runtime.abstract
+        ways = parallelism.size(CONTEXT)
         acts = activation_bytes(self.runtime, self.loss, params_abs, None, extra, self.batch,
                                 per_device_batch, rows, parallelism.size(MODEL),
-                                self._residuals)
+                                self._residuals.setdefault(ways > 1, {}), ways)
         parts = {"parameters": params, "optimizer": int(self.optimizer_ratio * trained),
                  "gradients": trained, "compute_copies": copies, "fsdp_gathered": gathered,
                  "activations": acts}

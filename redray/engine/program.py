@@ -9,6 +9,7 @@ checkpoint folders.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from redray.engine.model import split_trainable
+from redray.models import attention
 from redray.engine.nonfinite import zero_flag
 from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.engine.state import StateLayout, TrainState, counters
@@ -26,7 +28,7 @@ from redray.engine.staged import one_f_one_b_gradients
 from redray.engine.steps import (eval_step, microbatched, model_gradients, model_loss,
                                  train_step, user_loss_fn)
 from redray.functions import UserFunctionError, UserFunctions, split_loss_output
-from redray.sharding import FSDP, MODEL, STAGE, BatchGeometry, placement
+from redray.sharding import CONTEXT, FSDP, MODEL, STAGE, BatchGeometry, placement
 from redray.sharding.memory import (GATHERED_LAYERS, compiled_memory, layer_gather_bytes,
                                     saved_residuals, split_residual_bytes, split_sizes, totals)
 
@@ -206,12 +208,13 @@ class TrainProgram:
         return activation_bytes(self.runtime, self.functions.loss, state.params, state.frozen,
                                 state.extra, self.global_batch,
                                 self.geometry.micro_batch_size, rows,
-                                self.runtime.parallelism.size(MODEL))
+                                self.runtime.parallelism.size(MODEL),
+                                context=self.runtime.parallelism.size(CONTEXT))
 
 
 def activation_bytes(runtime: ModelRuntime, loss: Callable, params, frozen, extra,
                      batch: dict, rows_per_device: int, placement_rows, model_axis: int,
-                     residuals: dict | None = None) -> int:
+                     residuals: dict | None = None, context: int = 1) -> int:
     """Residual bytes per device of ``loss``'s backward pass on ``rows_per_device``
     examples (see ``redray.sharding.memory``), under the split ``placement_rows`` show.
 
@@ -225,6 +228,8 @@ def activation_bytes(runtime: ModelRuntime, loss: Callable, params, frozen, extr
       model_axis: the plan's model axis size.
       residuals: a dict kept between calls (the planner's): the traces are reused and
         rows beyond 2 extrapolated from 1 and 2 (the count is linear in the rows).
+      context: the plan's context axis size (residuals holding a sequence length count
+        1/context).
     """
     cd = runtime.compute_dtype
 
@@ -243,9 +248,11 @@ def activation_bytes(runtime: ModelRuntime, loss: Callable, params, frozen, extr
     def traced(rows: int) -> list:
         if residuals is not None and rows in residuals:
             return residuals[rows]
-        found = saved_residuals(value, params, frozen, extra,
-                                {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype)
-                                 for k, v in batch.items()}, rng)
+        # on a context axis redray's attention is blockwise (the ring's): what it saves
+        with attention.forced("chunked") if context > 1 else contextlib.nullcontext():
+            found = saved_residuals(value, params, frozen, extra,
+                                    {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype)
+                                     for k, v in batch.items()}, rng)
         if residuals is not None:
             residuals[rows] = found
         return found
@@ -254,7 +261,8 @@ def activation_bytes(runtime: ModelRuntime, loss: Callable, params, frozen, extr
     split = split_sizes(placement_rows)
 
     def at(rows: int) -> int:
-        return split_residual_bytes(traced(rows), traced(1), split, model_axis, lengths)
+        return split_residual_bytes(traced(rows), traced(1), split, model_axis, lengths,
+                                    context)
 
     if residuals is None or rows_per_device <= 2:
         return at(rows_per_device)

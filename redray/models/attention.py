@@ -22,6 +22,8 @@ soft-capping. Every path computes the softmax in float32.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
@@ -103,9 +105,27 @@ class AttentionMask:
         return self.q_segments is not None
 
 
+_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention", default=None)
+
+
+@contextlib.contextmanager
+def forced(name: str):
+    """Within the block, attention is computed by ``name`` (one of ``IMPLEMENTATIONS``)
+    whatever ``REDRAY_ATTENTION`` says: e.g. the memory model's trace of a context
+    plan, whose every attention is blockwise (the ring's)."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"attention {name!r}: use one of {', '.join(IMPLEMENTATIONS)}")
+    token = _FORCED.set(name)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
 def implementation() -> str:
-    """The attention implementation asked for: ``REDRAY_ATTENTION`` (default "auto")."""
-    name = os.environ.get("REDRAY_ATTENTION", "auto")
+    """The attention implementation asked for: ``forced``'s, else ``REDRAY_ATTENTION``
+    (default "auto")."""
+    name = _FORCED.get() or os.environ.get("REDRAY_ATTENTION", "auto")
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"REDRAY_ATTENTION={name!r}: use one of {', '.join(IMPLEMENTATIONS)}")
     return name

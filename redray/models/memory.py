@@ -13,7 +13,8 @@ step holds:
   (``jax.ad_checkpoint``'s saved residuals of the loss's linearization) on the
   per-device batch and sequence, under the remat policy. Residuals whose shape holds a
   size the rules split over ``model`` (heads, intermediate size, vocabulary) count
-  1/model per device; the residual stream counts whole, as in Megatron;
+  1/model per device; the residual stream counts whole, as in Megatron; residuals
+  that hold the sequence count 1/context on a context axis;
 * the recompute buffer: with a remat policy the backward pass re-runs one layer's
   forward, holding what that layer would have saved without remat.
 
@@ -25,13 +26,15 @@ small sizes on CPU (``benchmarks/memory.py``, ``memory/plan_over_compiled``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
+from redray.models import attention
 from redray.models.layers import remat_policy
-from redray.sharding import EXPERT, FSDP, MODEL, STAGE, Parallelism
+from redray.sharding import CONTEXT, EXPERT, FSDP, MODEL, STAGE, Parallelism
 from redray.sharding.cost import expert_exchange_bytes
 from redray.sharding.memory import (GATHERED_LAYERS, layer_gather_bytes, pipelined_parts,
                                     saved_residuals, split_residual_bytes, split_sizes, totals)
@@ -168,7 +171,8 @@ def _with_layers(config, fields, counts):
 
 
 def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_axis: int,
-                     split_sizes: set[int], traces: dict | None = None) -> dict:
+                     split_sizes: set[int], traces: dict | None = None,
+                     context: int = 1) -> dict:
     """{"saved": residual bytes per device for the whole model, "recompute": one
     layer's rematerialized residuals (0 without remat), "per_layer": saved bytes of one
     layer, "host": residual bytes offloaded to host memory ("offload" policy)}.
@@ -186,8 +190,10 @@ def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_
     def residuals(counts, batch: int, name: str) -> list:
         key = (tuple(counts), batch, name)
         if traces is None or key not in traces:
-            found = _trace(fam, _with_layers(config, fields, counts), batch, step.seq_len, name,
-                           step.compute_dtype, step.loss_chunk, step.scan)
+            # on a context axis every attention is blockwise (the ring's): what it saves
+            with attention.forced("chunked") if context > 1 else contextlib.nullcontext():
+                found = _trace(fam, _with_layers(config, fields, counts), batch, step.seq_len,
+                               name, step.compute_dtype, step.loss_chunk, step.scan)
             if traces is None:
                 return found
             traces[key] = found
@@ -199,7 +205,8 @@ def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_
 
             def rows(batch: int) -> int:
                 return split_residual_bytes(residuals(counts, batch, name), probe, split_sizes,
-                                            model_axis, frozenset({step.seq_len, step.seq_len + 1}))
+                                            model_axis, frozenset({step.seq_len, step.seq_len + 1}),
+                                            context)
 
             if traces is None or per_device_batch <= 2:
                 return rows(per_device_batch)
@@ -242,7 +249,7 @@ def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
     params = sum(r.bytes_per_device for r in param_rows)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model", 0)
     acts = activation_bytes(fam, config, step, per_device, parallelism.size(MODEL),
-                            split_sizes(param_rows, hidden), traces)
+                            split_sizes(param_rows, hidden), traces, parallelism.size(CONTEXT))
     copies = 0
     item = jnp.dtype(step.compute_dtype).itemsize if step.compute_dtype else 4
     if step.compute_dtype and jnp.dtype(step.compute_dtype) != jnp.float32:

@@ -430,6 +430,11 @@ class ConfigFacts:
         tokens = math.prod(next(iter(inputs.values())).shape)
         self.trace_examples = tokens / seq_len  # in the step's examples
         self.tokens_per_example = seq_len
+        heads = getattr(self.config, "num_attention_heads", None)
+        if heads:  # a context axis's ring moves keys and values of this width
+            dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // heads
+            self.kv_width = (getattr(self.config, "num_key_value_heads", None) or heads) * dim
+            self.attention_layers = getattr(self.config, "num_hidden_layers", None)
         self.compute_itemsize = jnp.dtype(compute_dtype or jnp.float32).itemsize
         self.remat_policies = REMAT_POLICIES
         # the 1F1B schedule cuts a model at one stack of layers: not an encoder-decoder

@@ -64,8 +64,8 @@ from typing import Sequence
 
 from redray.sharding.dataflow import Trace
 from redray.sharding.hardware import Hardware, Link
-from redray.sharding.parallelism import (AXES, BATCH_AXES, EXPERT, FSDP, MODEL, STAGE,
-                                         hybrid_shapes, schedule)
+from redray.sharding.parallelism import (AXES, BATCH_AXES, CONTEXT, EXPERT, FSDP, MODEL,
+                                         STAGE, hybrid_shapes, schedule)
 from redray.sharding.rules import axes_of
 
 
@@ -103,6 +103,8 @@ class StepCost:
       update: the optimizer's pass over the parameters a device holds (where timed).
       experts: expert parallelism's all-to-alls (critical path).
       pipeline: pipeline stages' point-to-point passes (critical path).
+      context: the context axis's ring passes before overlap (hidden behind the
+        compute together with ``gradients``: ``exposed`` counts what is not).
     """
     compute: float
     tensor: float
@@ -113,6 +115,7 @@ class StepCost:
     update: float = 0.0
     experts: float = 0.0
     pipeline: float = 0.0
+    context: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -374,6 +377,40 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
     return out
 
 
+def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int,
+                    hidden: int, layers: int, act_itemsize: int,
+                    micro_batches: int) -> list[Traffic]:
+    """The context axis's ring (``redray/models/context.py``), per step: in each
+    attention layer's forward ``C - 1`` passes of the device's keys and values (``rows x
+    tokens / C x kv_width`` elements each), in its backward ``C - 1`` passes again and
+    ``C`` of their float32 gradients (which travel with them and are sent home at the
+    end); per micro-batch the hidden states put back in order after the zigzag layout
+    and their gradients. Remat's recomputation sends nothing more: XLA merges its passes
+    with the backward's (measured, ``benchmarks/context.py``). The all-gather moves the
+    same keys and values (``C - 1`` blocks a device receives), so one count serves both.
+
+    Args:
+      shape: the mesh's axis sizes; rows: examples per device in a micro-batch;
+      tokens: tokens per example (the whole sequence); kv_width: elements of a token's
+      key or value (key/value heads x head dimension); hidden: the hidden states' width;
+      layers: attention layers; micro_batches: per step.
+    """
+    ways = shape.get(CONTEXT.name, 1)
+    if ways <= 1:
+        return []
+    local = rows * -(-tokens // ways)
+    block = local * 2 * kv_width * act_itemsize
+    grads = local * 2 * kv_width * 4
+    return [Traffic("collective-permute", block, (CONTEXT.name,),
+                    2 * (ways - 1) * layers * micro_batches,
+                    "context: keys and values round the ring (forward, backward)", False),
+            Traffic("collective-permute", grads, (CONTEXT.name,), ways * layers * micro_batches,
+                    "context: the keys' and values' gradients, with them", False),
+            Traffic("collective-permute", local * hidden * act_itemsize, (CONTEXT.name,),
+                    2 * micro_batches, "context: the hidden states out of the zigzag layout, "
+                    "gradients back", False)]
+
+
 def expert_exchange_bytes(layers: Sequence[ExpertLayers], shape: dict[str, int], tokens: int,
                           itemsize: int, every_layer: bool = True) -> int:
     """What expert parallelism's exchange keeps per device for the backward pass beyond
@@ -452,7 +489,7 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
               shape: dict[str, int], hosts: int, hardware: Hardware,
               timing: ModelTiming | None = None, elements: float = 0.0,
               experts: Sequence[Traffic] = (), held: float = 1.0,
-              stages: Sequence[Traffic] = ()) -> StepCost:
+              stages: Sequence[Traffic] = (), context: Sequence[Traffic] = ()) -> StepCost:
     """The predicted step.
 
     Args:
@@ -468,6 +505,8 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
       held: the share of the trained parameters one device holds (``elements`` over
         all of them): the timed cost per micro-batch is charged at this share.
       stages: pipeline parallelism's traffic (``stage_traffic``).
+      context: the context axis's ring (``context_traffic``): hidden behind the compute
+        with the state's traffic (each step's pass is sent before the step computes).
     """
     spans = host_spans(shape, hosts)
     if timing is None:
@@ -478,8 +517,10 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
         update = elements * timing.update_per_element
     tensor_s = sum(traffic_seconds(t, spans, hardware) for t in tensor)
     state_s = sum(traffic_seconds(t, spans, hardware) for t in state)
-    exposed = max(0.0, state_s - hardware.overlap * compute)
+    context_s = sum(traffic_seconds(t, spans, hardware) for t in context)
+    exposed = max(0.0, state_s + context_s - hardware.overlap * compute)
     experts_s = sum(traffic_seconds(t, spans, hardware) for t in experts)
     stages_s = sum(traffic_seconds(t, spans, hardware) for t in stages)
     return StepCost(compute, tensor_s, state_s, exposed, accumulation * per_micro,
-                    (*tensor, *state, *experts, *stages), update, experts_s, stages_s)
+                    (*tensor, *state, *experts, *stages, *context), update, experts_s,
+                    stages_s, context_s)

@@ -7,7 +7,9 @@ the loss's linearization (``jax.ad_checkpoint``), traced on abstract values. Und
 tensor parallelism a residual counts 1/model per device when its shape holds a size the
 rules split over ``model`` (heads, intermediate size, vocabulary), found on a trace of
 a one-row batch aligned with the real one; the residual stream's width is never such a
-size (Megatron keeps it whole).
+size (Megatron keeps it whole). Under context parallelism a residual whose shape holds
+the sequence length counts 1/context: the axis splits every sequence's tokens, and the
+ring keeps of the keys and values only the device's own (``redray/models/context.py``).
 """
 
 from __future__ import annotations
@@ -33,18 +35,25 @@ def saved_residuals(f, *args) -> list:
 
 
 def split_residual_bytes(residuals, probes, split: set[int], model_axis: int,
-                         exclude: frozenset = frozenset()) -> int:
-    """Bytes per device of ``residuals`` under tensor parallelism: those whose shape in
-    ``probes`` (the same trace on a batch of one row, aligned by position) holds a size
-    in ``split`` (and not in ``exclude``, e.g. the sequence length) count 1/model_axis."""
+                         lengths: frozenset = frozenset(), context: int = 1) -> int:
+    """Bytes per device of ``residuals`` under tensor and context parallelism.
+
+    A residual whose shape in ``probes`` (the same trace on a batch of one row, aligned
+    by position) holds a size in ``split`` (and not in ``lengths``, the sequence lengths)
+    counts 1/model_axis; one whose shape holds a size in ``lengths`` counts 1/context
+    more (the context axis splits every sequence's tokens)."""
     if len(residuals) != len(probes):  # not the same program: count every one whole
         probes = [None] * len(residuals)
     total = 0
     for aval, probe in zip(residuals, probes):
         size = math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
-        is_split = probe is not None and model_axis > 1 and any(
-            d in split and d not in exclude and d % model_axis == 0 for d in probe.shape[1:])
-        total += size // model_axis if is_split else size
+        dims = () if probe is None else probe.shape[1:]
+        if model_axis > 1 and any(d in split and d not in lengths and d % model_axis == 0
+                                  for d in dims):
+            size //= model_axis
+        if context > 1 and any(d in lengths for d in dims):
+            size = -(-size // context)
+        total += size
     return total
 
 

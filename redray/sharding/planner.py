@@ -17,9 +17,9 @@ import dataclasses
 import math
 from typing import Protocol, Sequence
 
-from redray.sharding.cost import (ModelTiming, Parameter, StepCost, expert_traffic,
-                                  stage_traffic, state_traffic, step_cost, tensor_traffic,
-                                  whole_flops)
+from redray.sharding.cost import (ModelTiming, Parameter, StepCost, context_traffic,
+                                  expert_traffic, stage_traffic, state_traffic, step_cost,
+                                  tensor_traffic, whole_flops)
 from redray.sharding.dataflow import Trace
 from redray.sharding.hardware import Hardware
 from redray.sharding.memory import pipelined_parts, size_text, totals
@@ -52,7 +52,9 @@ class ModelFacts(Protocol):
     # optional: ``timing``, the model's pass timed on the live devices (``ModelTiming``)
     # or None; ``experts``, its mixture-of-experts layers
     # (``redray.models.moe.ExpertLayers``), empty for a dense model; ``one_f_one_b``,
-    # whether its plans with stages may run the 1F1B schedule
+    # whether its plans with stages may run the 1F1B schedule; ``kv_width`` (a token's
+    # key or value elements) and ``attention_layers``, for a context axis's ring (else
+    # the hidden width and the stacked layers)
 
     def memory(self, parallelism: Parallelism, rows: list[Placement], per_device_batch: int,
                remat: str) -> dict:
@@ -233,10 +235,18 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     pinned = dict(pinned or {})
     if not experts:
         pinned.setdefault(EXPERT.keyword, 1)
-    if pinned.setdefault(CONTEXT.keyword, 1) != 1:
-        raise ValueError(f"{CONTEXT.keyword}={pinned[CONTEXT.keyword]}: the planner does not "
-                         "cost the context axis yet; give every axis size yourself (a Trainer "
-                         "given them runs that plan)")
+    # the context axis is tried where the user gives it: a plan splits sequences only
+    # when asked (its memory and traffic are costed, not searched for)
+    ways = pinned.setdefault(CONTEXT.keyword, 1)
+    if ways > 1 and experts:
+        raise ValueError(f"{CONTEXT.keyword}={ways}: a mixture-of-experts model does not run "
+                         "on a context axis yet; leave it at 1")
+    if ways > 1:  # context and pipeline stages do not compose (the model refuses them)
+        if pinned.get(STAGE.keyword, 1) > 1:
+            raise ValueError(f"{CONTEXT.keyword}={ways} with {STAGE.keyword}="
+                             f"{pinned[STAGE.keyword]}: a sequence split over a context axis "
+                             "does not run through pipeline stages yet; pin one of them to 1")
+        pinned[STAGE.keyword] = 1
     if not layers:
         pinned.setdefault(STAGE.keyword, 1)
     micro_pin = pinned.pop("micro_batch_size", None)
@@ -303,8 +313,9 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     params = [Parameter(tuple(s), _itemsize(d), tuple(spec), stacked=bool(scanned.get(i)))
               for i, (s, d, spec) in enumerate(zip(facts.shapes, facts.dtypes, specs))]
     recompute = candidate.remat != "none" or one_f_one_b
+    ways = shape[CONTEXT.name]  # a device computes 1/context of each sequence's tokens
     tensor = [] if facts.trace is None else tensor_traffic(
-        facts.trace, params, shape, candidate.micro_batch_size / facts.trace_examples,
+        facts.trace, params, shape, candidate.micro_batch_size / facts.trace_examples / ways,
         facts.compute_itemsize, recompute, ticks / stages)
     state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute, ticks)
     flops = facts.flops(candidate.remat) * batch_size / devices
@@ -329,9 +340,13 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
     pipeline = stage_traffic(shape, candidate.micro_batch_size, facts.tokens_per_example,
                              hidden, facts.compute_itemsize, micro_batches)
+    ring = context_traffic(shape, candidate.micro_batch_size, facts.tokens_per_example,
+                           getattr(facts, "kv_width", None) or hidden, hidden,
+                           getattr(facts, "attention_layers", None) or stacked_layers(facts)
+                           or 1, facts.compute_itemsize, micro_batches)
     cost = step_cost(flops, tensor, state, ticks, shape, hosts, hardware,
                      getattr(facts, "timing", None), elements, experts,
-                     elements / total if total else 1.0, pipeline)
+                     elements / total if total else 1.0, pipeline, ring)
     tokens = batch_size * facts.tokens_per_example / cost.seconds
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
     return Scored(candidate, geometry.accumulation, memory, cost, memory["total"] <= budget,
