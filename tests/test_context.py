@@ -247,3 +247,38 @@ def test_a_trainer_with_a_context_axis_trains_as_one_device():
         return next_token_loss(model, batch["ids"], train=train)
 
     assert_trains_as_one_device(CONFIGS["llama"](), loss, SEQ, context_axis=2, data_axis=2)
+
+
+def generated(family, **axes):
+    """Greedy continuations of left-padded prompts (their last 8 tokens new) and the
+    compiled program, on the plan ``axes`` give."""
+    from redray.models import generate
+
+    n = int(np.prod(list(axes.values()))) if axes else 1
+    plan = Parallelism.of(**({"data_axis": 1} | axes)).build(jax.devices()[:n])
+    runtime = ModelRuntime(lambda rngs: build(CONFIGS[family](), rngs=rngs, scan=True), plan)
+    mask = (np.arange(SEQ)[None] >= np.array([0, 3, 7, 12])[:, None]).astype(np.int32)
+
+    def continue_(model, ids, mask):
+        return generate(model, ids, mask, max_new_tokens=8, eos_token_id=-1)
+
+    abstract = jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32)
+    runtime.derive(continue_, abstract, abstract)
+    params, extra = runtime.init()
+    compiled = jax.jit(lambda p, e, ids, m: runtime.apply(
+        continue_, p, e, jax.random.key(0), ids, m)[0]).lower(params, extra, IDS, mask).compile()
+    return np.asarray(compiled(params, extra, IDS, mask)), compiled.as_text()
+
+
+@pytest.mark.parametrize("family,axes", [("llama", dict(context_axis=4)),
+                                         ("gpt2", dict(context_axis=2, model_axis=2))],
+                         ids=["llama-context4", "gpt2-context2-model2"])
+def test_a_prompt_prefilled_over_the_context_axis_generates_as_one_device(family, axes):
+    """``generate`` on a context plan: the prompt's prefill is split over the axis (the
+    ring fills the KV cache, put back in the tokens' order), the decoding reads it;
+    left-padded prompts of 31 tokens (padded inside to whole chunks) continue greedily
+    with the tokens one device gives."""
+    want, _ = generated(family)
+    got, hlo = generated(family, **axes)
+    np.testing.assert_array_equal(got, want)
+    assert "collective-permute" in hlo  # the ring's passes, and the cache's reorder

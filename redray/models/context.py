@@ -113,6 +113,15 @@ def from_zigzag(x: jax.Array, mesh, ways: int) -> jax.Array:
                          axis_names={AXIS}, check_vma=False)(x)
 
 
+def in_order(x: jax.Array, slots: int) -> jax.Array:
+    """A prompt's keys or values split over the context axis (the zigzag layout,
+    padded) in the tokens' order, its first ``slots`` (as far as a KV cache reaches:
+    the padding's slots are overwritten by the first decoded tokens before a query sees
+    them, each reading only slots up to its own)."""
+    mesh, ways = context_split()
+    return from_zigzag(x, mesh, ways)[:, :slots]
+
+
 def split_sequence(ids: jax.Array, attention_mask, segment_ids):
     """(ways, padded ids, attention mask, segment ids) of a decoder's inputs where a step
     is traced on a plan with a context axis (the sequence padded with keys nobody sees

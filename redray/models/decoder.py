@@ -124,14 +124,24 @@ class CausalLM(nnx.Module):
         if aux and cache is not None:
             raise ValueError("aux=True is for training and scoring: call without a cache")
         length = input_ids.shape[1]
-        split = None if cache is not None else context.split_sequence(input_ids, attention_mask,
-                                                                       segment_ids)
+        # a prefill (a cache filled from slot 0) splits its prompt over a context axis as
+        # training does; decoding one token at a time does not
+        prefill = cache is not None and isinstance(cache_index, int) and cache_index == 0
+        split = None
+        if cache is None:
+            split = context.split_sequence(input_ids, attention_mask, segment_ids)
+        elif prefill and not self.REPORTS:
+            split = context.split_sequence(
+                input_ids, None if attention_mask is None else attention_mask[:, :length],
+                segment_ids)
         if split is not None:
             if self.REPORTS:
                 raise ValueError(f"context_axis > 1 does not split {self.config.model_type}'s "
                                  "mixture-of-experts layers yet: train it with context_axis=1")
             ways, input_ids, attention_mask, segment_ids = split
-        mask, positions = layers.decoder_masks(input_ids, attention_mask, cache, cache_index,
+        # a split prefill's mask is its prompt's (the cache's later slots are empty)
+        mask, positions = layers.decoder_masks(input_ids, attention_mask,
+                                               None if split else cache, cache_index,
                                                window=self.window, segment_ids=segment_ids)
         if split is not None:  # each device of the context axis a part of the sequence
             input_ids, mask, positions = context.zigzag_inputs(ways, input_ids, mask, positions)

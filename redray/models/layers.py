@@ -204,14 +204,20 @@ def self_attention(q, k, v, mask: AttentionMask, scale: float, cache: dict | Non
     """
     # a rate of 0 drops nothing: without it the scores need not be materialized (flash)
     drop = (lambda p: dropout(p, deterministic=False)) if train and dropout.rate > 0 else None
-    new_cache = None
-    if cache is not None:
-        k, v, new_cache = update_cache(cache, k, v, cache_index)
-    elif mask.kv_slots is not None:  # a sequence split over the context axis
+    if mask.kv_slots is not None:  # a sequence split over the context axis
         if drop is not None:
             raise ValueError(f"attention dropout ({dropout.rate}) is not available with "
                              "context_axis > 1: set the config's attention dropout to 0")
-        return context.attention(q, k, v, mask, scale, softcap), None
+        out = context.attention(q, k, v, mask, scale, softcap)
+        # a prefill: the prompt's keys and values into the cache, in the tokens' order
+        if cache is None:
+            return out, None
+        slots = cache["k"].shape[1]
+        return out, update_cache(cache, context.in_order(k, slots), context.in_order(v, slots),
+                                 0)[2]
+    new_cache = None
+    if cache is not None:
+        k, v, new_cache = update_cache(cache, k, v, cache_index)
     return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap), new_cache
 
 
