@@ -73,9 +73,8 @@ def constrain_rows(x: jax.Array, whole: bool = True) -> jax.Array:
         return x
     mesh, ways = active[0], active[1]
     rows = BATCH_AXES if ways > 1 and x.shape[0] % ways == 0 else None
-    context = mesh.shape.get(CONTEXT.name, 1)
-    tokens = CONTEXT.name if context > 1 and x.ndim >= 3 and x.shape[1] % context == 0 \
-        else None
+    split = context_split()
+    tokens = CONTEXT.name if split and x.ndim >= 3 and x.shape[1] % split[1] == 0 else None
     if rows is None and tokens is None:
         return x
     rest = None if whole else P.UNCONSTRAINED

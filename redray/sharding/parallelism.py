@@ -148,6 +148,9 @@ def hybrid_shapes(shape: Sequence[int], processes: int,
     they fit, ``ACROSS`` ones take the rest, and ``OUTER`` ones (pipeline stages) are
     the first to cross hosts; None when an ``INSIDE`` axis needs more devices than a
     host has."""
+    if len(shape) != len(AXES):
+        raise ValueError(f"a mesh shape of {len(shape)} sizes: give one per axis of AXES "
+                         f"({', '.join(a.name for a in AXES)})")
     inside = [1] * len(AXES)
     room = local
     for where in (INSIDE, PREFER_INSIDE, ACROSS, OUTER):
