@@ -22,6 +22,10 @@ CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(  # LLaMA with a sliding window
         vocab_size=64, num_hidden_layers=2, hidden_size=32, intermediate_size=64,
         num_attention_heads=4, num_key_value_heads=2, sliding_window=5),
+    "mixtral": lambda: transformers.MixtralConfig(  # experts: each token its own route
+        vocab_size=64, num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2),
@@ -100,7 +104,8 @@ def assert_same(got, want):
 CASES = [(f, k, c, m) for f, k in (("llama", "causal"), ("gpt2", "causal"), ("llama", "packed"),
                                    ("gpt2", "packed"), ("mistral", "causal"))
          for c, m in ((4, "ring"), (2, "all_gather"))] + \
-    [("llama", "causal", 2, "ring"), ("llama", "causal", 4, "all_gather")]
+    [("llama", "causal", 2, "ring"), ("llama", "causal", 4, "all_gather"),
+     ("mixtral", "packed", 4, "ring")]
 
 
 @pytest.mark.parametrize("family,kind,ways,method", CASES,
@@ -177,8 +182,6 @@ def test_context_refuses_what_it_does_not_split():
         runtime.apply(causal_loss, params, extra, jax.random.key(0), IDS, SEGMENTS)
     with pytest.raises(ValueError, match="context_axis=2 with stage_axis=2"):
         candidates(4, 1, 8, ["none"], pinned={"context_axis": 2, "stage_axis": 2}, layers=2)
-    with pytest.raises(ValueError, match="context_axis=2: a mixture-of-experts"):
-        candidates(4, 1, 8, ["none"], pinned={"context_axis": 2}, experts=4)
 
 
 def test_the_planner_costs_a_context_axis_it_is_given():
@@ -271,8 +274,10 @@ def generated(family, **axes):
 
 
 @pytest.mark.parametrize("family,axes", [("llama", dict(context_axis=4)),
-                                         ("gpt2", dict(context_axis=2, model_axis=2))],
-                         ids=["llama-context4", "gpt2-context2-model2"])
+                                         ("gpt2", dict(context_axis=2, model_axis=2)),
+                                         ("mixtral", dict(context_axis=2, expert_axis=2))],
+                         ids=["llama-context4", "gpt2-context2-model2",
+                              "mixtral-context2-expert2"])
 def test_a_prompt_prefilled_over_the_context_axis_generates_as_one_device(family, axes):
     """``generate`` on a context plan: the prompt's prefill is split over the axis (the
     ring fills the KV cache, put back in the tokens' order), the decoding reads it;

@@ -240,7 +240,9 @@ def test_training_with_the_auxiliary_loss_and_expert_metrics():
 
 @pytest.mark.parametrize("axes", [dict(data_axis=4), dict(model_axis=4), dict(expert_axis=4),
                                   dict(expert_axis=2, model_axis=2),
-                                  dict(expert_axis=2, fsdp_axis=2)])
+                                  dict(expert_axis=2, fsdp_axis=2),
+                                  dict(context_axis=2, data_axis=2),
+                                  dict(context_axis=2, expert_axis=2)])
 def test_a_split_step_equals_one_device_and_data_parallel_tokens_stay_home(axes):
     from redray.sharding import collectives
 

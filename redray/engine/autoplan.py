@@ -122,7 +122,8 @@ class RuntimeFacts:
                  "activations": acts}
         if parallelism.size(EXPERT) > 1:  # the user's model keeps its own remat: none
             parts["expert_exchange"] = expert_exchange_bytes(
-                self.experts, parallelism.shape, per_device_batch * self.tokens_per_example,
+                self.experts, parallelism.shape,
+                per_device_batch * -(-self.tokens_per_example // ways),
                 self.compute_itemsize)
         return totals(parts, None)
 

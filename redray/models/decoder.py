@@ -130,14 +130,11 @@ class CausalLM(nnx.Module):
         split = None
         if cache is None:
             split = context.split_sequence(input_ids, attention_mask, segment_ids)
-        elif prefill and not self.REPORTS:
+        elif prefill:
             split = context.split_sequence(
                 input_ids, None if attention_mask is None else attention_mask[:, :length],
                 segment_ids)
         if split is not None:
-            if self.REPORTS:
-                raise ValueError(f"context_axis > 1 does not split {self.config.model_type}'s "
-                                 "mixture-of-experts layers yet: train it with context_axis=1")
             ways, input_ids, attention_mask, segment_ids = split
         # a split prefill's mask is its prompt's (the cache's later slots are empty)
         mask, positions = layers.decoder_masks(input_ids, attention_mask,

@@ -262,7 +262,8 @@ def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
              "activations": acts["saved"], "recompute": acts["recompute"]}
     if parallelism.size(EXPERT) > 1:
         parts["expert_exchange"] = expert_exchange_bytes(
-            experts, parallelism.shape, per_device * step.seq_len, item,
+            experts, parallelism.shape,
+            per_device * -(-step.seq_len // parallelism.size(CONTEXT)), item,
             every_layer=step.remat in ("none", "dots"))
     if pipeline:
         parts = pipelined_parts(parts, parallelism.size(STAGE), geometry.accumulation,

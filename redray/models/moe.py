@@ -21,7 +21,9 @@ capacity-bound recipe computes. The compute stays dropless.
 Under a plan (a step traced on a mesh), the layer runs in ``shard_map``
 (``MoE.routed``): each device sorts and computes its own tokens (without it XLA
 gathers every device's assignments at each layer), and the capacity is counted per
-device, over its own tokens. The rules split the experts' kernels as Megatron splits an
+device, over its own tokens; on a context axis a device takes its part of each of its
+rows' sequences (the tokens are never flattened across it, which would gather them).
+The rules split the experts' kernels as Megatron splits an
 MLP, inside every expert: gate and up on their inner width over ``model``, down on its
 input (the router stays whole), so a device computes its share of every expert's width
 and one all-reduce (``psum`` over ``model``) sums the output. With an ``expert`` axis the
@@ -77,9 +79,9 @@ from jax.sharding import PartitionSpec as P
 
 from redray.models import layers
 from redray.models.hub import Tensor, linear
-from redray.sharding.activations import traced_mesh
+from redray.sharding.activations import context_split, traced_mesh
 from redray.sharding.cost import ExpertLayers, expert_capacity
-from redray.sharding.parallelism import BATCH_AXES, EXPERT, MODEL
+from redray.sharding.parallelism import BATCH_AXES, CONTEXT, EXPERT, MODEL
 
 
 class MoE(nnx.Module):
@@ -121,8 +123,7 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> tuple:
         """(output like ``x``, report) for ``x`` (..., hidden); ``valid`` (...): which
         tokens are real (None: all), for the report only."""
-        tokens = x.reshape(-1, x.shape[-1])
-        logits = self.router(tokens)
+        logits = self.router(x)
         probs = jax.nn.softmax(logits.astype(jnp.float32), -1)
         weights, chosen = jax.lax.top_k(probs, self.top_k)
         if self.renormalize:
@@ -131,18 +132,20 @@ class MoE(nnx.Module):
             weights = weights.astype(logits.dtype)
         experts = probs.shape[-1]
 
-        out, kept = self.routed(tokens, chosen, weights)
-        real = jnp.ones(tokens.shape[:1], jnp.float32) if valid is None else \
-            valid.reshape(-1).astype(jnp.float32)
-        per_choice = jnp.broadcast_to(real[:, None], chosen.shape)
+        out, kept = self.routed(x, chosen, weights)
+        real = jnp.ones(x.shape[:-1], jnp.float32) if valid is None else \
+            valid.astype(jnp.float32)
+        per_choice = jnp.broadcast_to(real[..., None], chosen.shape)
+        every = tuple(range(real.ndim))  # sums over every token, left in place (no reshape:
+        # a sequence split over the context axis stays split)
         report = {
             "expert_tokens": jnp.zeros(experts, jnp.float32).at[chosen].add(per_choice),
-            "router_probs": (probs * real[:, None]).sum(0),
+            "router_probs": (probs * real[..., None]).sum(every),
             "router_z": (jax.nn.logsumexp(logits.astype(jnp.float32), -1) ** 2 * real).sum(),
             "tokens": real.sum(),
             "dropped": (per_choice * (1.0 - kept)).sum(),
         }
-        return out.reshape(x.shape).astype(x.dtype), report
+        return out.astype(x.dtype), report
 
     def expert_layers(self) -> ExpertLayers:
         """This layer as the planner's cost model sees it (``cost.expert_layers``)."""
@@ -150,10 +153,12 @@ class MoE(nnx.Module):
         return ExpertLayers(math.prod(shape[:-4]), shape[-4], self.top_k, shape[-3], shape[-1],
                             self.capacity_factor)
 
-    def routed(self, tokens, chosen, weights) -> tuple:
-        """(output, kept) of ``tokens`` through their ``chosen`` experts: on one device's
-        whole batch, or on the plan's mesh where a step is traced on one (each device
-        its own tokens, its experts over ``expert``, their inner width over ``model``)."""
+    def routed(self, x, chosen, weights) -> tuple:
+        """(output like ``x``, kept like ``chosen``) of the tokens ``x`` (..., hidden)
+        through their ``chosen`` experts (..., k): on one device's whole batch, or on the
+        plan's mesh where a step is traced on one (each device its own tokens, its
+        experts over ``expert``, their inner width over ``model``; on a context axis, its
+        part of every sequence (rows, sequence, hidden))."""
         gate_up = self.gate_up_proj[...].astype(self.dtype)
         down = self.down_proj[...].astype(self.dtype)
         experts = gate_up.shape[0]
@@ -161,10 +166,18 @@ class MoE(nnx.Module):
         def capacity(n: int) -> int | None:  # per device, over its own tokens
             return expert_capacity(self.capacity_factor, n, self.top_k, experts)
 
-        mesh = traced_mesh(tokens.shape[0])
+        split = context_split()
+        if split is not None and (x.ndim != 3 or x.shape[1] % split[1]
+                                  or traced_mesh(x.shape[0]) is None):
+            split = None
+        lead = x.shape[:-1]
+        if split is None:  # the tokens in one list, split over the batch axes
+            x, chosen, weights = (a.reshape(-1, a.shape[-1]) for a in (x, chosen, weights))
+        mesh = traced_mesh(x.shape[0])
         if mesh is None:
-            return dispatch(tokens, chosen, weights, gate_up, down, self.act,
-                            capacity(tokens.shape[0]))
+            out, kept = dispatch(x, chosen, weights, gate_up, down, self.act,
+                                 capacity(x.shape[0]))
+            return out.reshape(*lead, -1), kept.reshape(*lead, -1)
         ways, inner = mesh.shape[EXPERT.name], mesh.shape[MODEL.name]
         if experts % ways:
             raise ValueError(f"expert_axis={ways} does not divide the {experts} experts: use "
@@ -173,6 +186,9 @@ class MoE(nnx.Module):
         by_model = MODEL.name if inner > 1 and gate_up.shape[-1] % inner == 0 else None
 
         def local(tokens, chosen, weights, gate_up, down):
+            shape = tokens.shape[:-1]  # (rows, its part of the sequence) on a context axis
+            tokens, chosen, weights = (a.reshape(-1, a.shape[-1])
+                                       for a in (tokens, chosen, weights))
             if by_expert is None:
                 out, kept = dispatch(tokens, chosen, weights, gate_up, down, self.act,
                                      capacity(tokens.shape[0]))
@@ -181,12 +197,14 @@ class MoE(nnx.Module):
                                      capacity(tokens.shape[0]), by_expert, ways)
             if by_model is not None:  # each device summed over its share of the width
                 out = jax.lax.psum(out, by_model)
-            return out, kept
+            return out.reshape(*shape, -1), kept.reshape(*shape, -1)
 
-        rows = P(BATCH_AXES)
-        return jax.shard_map(local, mesh=mesh, in_specs=(
+        # each device its own rows; on a context axis its part of each of their sequences
+        rows = P(BATCH_AXES) if split is None else P(BATCH_AXES, CONTEXT.name)
+        out, kept = jax.shard_map(local, mesh=mesh, in_specs=(
             rows, rows, rows, P(by_expert, None, None, by_model), P(by_expert, by_model)),
-            out_specs=(rows, rows))(tokens, chosen, weights, gate_up, down)
+            out_specs=(rows, rows))(x, chosen, weights, gate_up, down)
+        return out.reshape(*lead, -1), kept.reshape(*lead, -1)
 
 
 # rows (m, hidden) x kernels (experts, hidden, 2, inner) -> (m, 2, inner), row groups

@@ -238,9 +238,6 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     # the context axis is tried where the user gives it: a plan splits sequences only
     # when asked (its memory and traffic are costed, not searched for)
     ways = pinned.setdefault(CONTEXT.keyword, 1)
-    if ways > 1 and experts:
-        raise ValueError(f"{CONTEXT.keyword}={ways}: a mixture-of-experts model does not run "
-                         "on a context axis yet; leave it at 1")
     if ways > 1:  # context and pipeline stages do not compose (the model refuses them)
         if pinned.get(STAGE.keyword, 1) > 1:
             raise ValueError(f"{CONTEXT.keyword}={ways} with {STAGE.keyword}="
@@ -335,7 +332,7 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     elements = sum(math.prod(p.shape) / math.prod(shape[a] for a in p.axes())
                    for p, t in zip(params, trained) if t)
     experts = expert_traffic(getattr(facts, "experts", ()), shape,
-                             candidate.micro_batch_size * facts.tokens_per_example,
+                             candidate.micro_batch_size * -(-facts.tokens_per_example // ways),
                              facts.compute_itemsize, recompute, geometry.accumulation)
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
     pipeline = stage_traffic(shape, candidate.micro_batch_size, facts.tokens_per_example,
