@@ -19,9 +19,13 @@ gradient's ``|x - ref| / |ref|`` (Frobenius norms) against the same attention in
 float32 (``dense``), at a shorter sequence (``--check-seq``).
 
 Figures: ``gpu_attention/chunked_over_cudnn`` (time of redray's blockwise kernel over
-cuDNN's, at the longest sequence; no target: a finding) and
+cuDNN's, at the longest sequence; no target: a finding),
 ``gpu_attention/cudnn_error_over_xla`` (cuDNN's worst error over XLA's bf16 path's:
-cuDNN's kernel is as exact as the path it replaces, target <= 1.5).
+cuDNN's kernel is as exact as the path it replaces, target <= 1.5) and
+``gpu_attention/cudnn_padded_error_over_xla`` (the same where the rows end or begin in
+64 padding slots: cuDNN runs the first with the rows' lengths; the second, which its
+lengths cannot describe, takes the other path at run time; target <= 1.5). The time of
+"cudnn trailing" (the lengths given) is beside plain cuDNN's in ``detail``.
 
     python benchmarks/gpu_attention.py [--seqs 4096 16384] [--tokens 32768]
 """
@@ -55,12 +59,23 @@ def inputs(batch: int, seq: int, heads: int, kv_heads: int, dim: int, seed: int 
     return q, k, v, g
 
 
-def step(impl: str):
-    """jit(forward and backward) of ``impl``: returns (out, dq, dk, dv)."""
+def real_slots(padding: str, batch: int, t: int) -> jax.Array:
+    """(batch, t) bool: the slots holding real tokens under ``padding`` (``step``'s)."""
+    slots = jnp.arange(t)[None]
+    valid = {"none": slots >= 0, "trailing": slots < t - 64, "leading": slots >= 64}[padding]
+    return jnp.broadcast_to(valid, (batch, t))
+
+
+def step(impl: str, padding: str = "none"):
+    """jit(forward and backward) of ``impl``: returns (out, dq, dk, dv). ``padding``:
+    "none" (a mask known to hold none), "trailing" (a mask that may hold padding, whose
+    rows end in 64 padding slots) or "leading" (rows that begin with them)."""
     def run(q, k, v, g):
-        mask = AttentionMask(kv_valid=jnp.ones(k.shape[:2], bool),
-                             q_slots=jnp.arange(q.shape[1]))
+        valid = real_slots(padding, *k.shape[:2])
+        mask = AttentionMask(kv_valid=valid, q_slots=jnp.arange(q.shape[1]),
+                             padded=padding != "none")
         scale = q.shape[-1] ** -0.5
+        g = g * valid[:, :, None, None]  # the padding's outputs are nobody's
 
         def loss(q, k, v):
             out = attend(q, k, v, mask, scale, impl=impl)
@@ -75,16 +90,23 @@ def relative_error(x, ref) -> float:
     return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
 
 
-def errors(impls, seq: int, heads: int, kv_heads: int, dim: int) -> dict:
-    """Each implementation's worst relative error (output and gradients) against float32."""
+def errors(impls, seq: int, heads: int, kv_heads: int, dim: int,
+           paddings=("none",)) -> dict:
+    """Each implementation's worst relative error (output and gradients, the real
+    tokens') against float32, for each padding (``step``'s)."""
     q, k, v, g = inputs(1, seq, heads, kv_heads, dim, seed=1)
-    ref = step("dense")(q, k, v, g)
     low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     out = {}
-    for impl in impls:
-        got = step(impl)(*low, g)
-        out[impl] = {name: relative_error(x, r)
-                     for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+    for padding in paddings:
+        ref = step("dense", padding)(q, k, v, g)
+        real = real_slots(padding, *q.shape[:2])[:, :, None, None]
+        for impl in impls:
+            got = step(impl, padding)(*low, g)
+            name = impl if padding == "none" else f"{impl} {padding}"
+            # the padding's outputs are nobody's (its queries' gradients are zero)
+            out[name] = {part: relative_error(x * real, r * real) if part == "out"
+                         else relative_error(x, r)
+                         for part, x, r in zip(("out", "dq", "dk", "dv"), got, ref)}
     return out
 
 
@@ -92,7 +114,8 @@ def timings(impls, batch: int, seq: int, heads: int, kv_heads: int, dim: int,
             window: int, repeats: int) -> dict:
     q, k, v, g = inputs(batch, seq, heads, kv_heads, dim)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    fns = {impl: step(impl) for impl in impls}
+    # "cudnn trailing": cuDNN with the rows' lengths (a mask that may hold padding)
+    fns = {impl: step(*impl.split(" ")) for impl in impls}
     for fn in fns.values():
         jax.block_until_ready(fn(q, k, v, g))
     seconds = {impl: [] for impl in impls}
@@ -125,10 +148,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"gpu_attention.py measures a GPU; this machine's JAX device is "
                          f"{device.device_kind!r}: run it on a GPU, or with --tiny")
     fused = ["cudnn"] if gpu else []
-    err = errors(fused + ["chunked", "xla"], args.check_seq, heads, kv_heads, dim)
+    err = errors(fused + ["chunked", "xla"], args.check_seq, heads, kv_heads, dim,
+                 ("none", "trailing", "leading"))
     per_seq = {}
     for seq in args.seqs:
-        impls = fused + ["chunked"] + (["xla"] if seq <= XLA_UP_TO else [])
+        impls = fused + [f"{f} trailing" for f in fused] + ["chunked"] + \
+            (["xla"] if seq <= XLA_UP_TO else [])
         batch = max(1, args.tokens // seq)
         seconds = timings(impls, batch, seq, heads, kv_heads, dim, args.window, args.repeats)
         per_seq[seq] = {"batch": batch, "seconds": {k: stats(v) for k, v in seconds.items()}}
@@ -149,11 +174,20 @@ def main(argv=None) -> None:
             f"{base} attention's time, forward and backward, causal, bf16, seq "
             f"{max(args.seqs)}, on {device.device_kind}", None, COMMAND, **detail))
     worst = {impl: max(e.values()) for impl, e in err.items()}
+    fused_name = "cudnn" if gpu else "chunked"
     figures.append(figure(
         "gpu_attention/cudnn_error_over_xla",
-        worst["cudnn" if gpu else "chunked"] / worst["xla"], "x",
+        worst[fused_name] / worst["xla"], "x",
         f"XLA's bf16 attention's worst relative error (output, dq, dk, dv) against float32,"
         f" seq {args.check_seq}, on {device.device_kind}", "<= 1.5", COMMAND, **detail))
+    padded = [p for p in ("trailing", "leading")]
+    figures.append(figure(
+        "gpu_attention/cudnn_padded_error_over_xla",
+        max(worst[f"{fused_name} {p}"] for p in padded)
+        / max(worst[f"xla {p}"] for p in padded), "x",
+        f"XLA's worst relative error on rows padded at their end or start (64 of "
+        f"{args.check_seq} slots; cuDNN takes the first with the rows' lengths, the second"
+        f" goes the other way), on {device.device_kind}", "<= 1.5", COMMAND, **detail))
     save(figures, args.out)
 
 

@@ -108,10 +108,13 @@ def test_blockwise_memory_grows_with_the_sequence_not_its_square():
     assert chunked < 6 and xla > 12, (chunked, xla)
 
 
-def test_the_gpu_path_lowers_to_cudnn_flash_attention(monkeypatch):
+@pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "maybe-padded"])
+def test_the_gpu_path_lowers_to_cudnn_flash_attention(monkeypatch, padded):
     # No GPU here: lower a bf16 training step's attention for CUDA with jax.export.
     # JAX asks the installed cuDNN for its version while tracing; these two stand-ins
-    # (private to jax 0.10, pinned) answer as cuDNN 9.10 on Hopper would.
+    # (private to jax 0.10, pinned) answer as cuDNN 9.10 on Hopper would. A mask that
+    # may hold padding runs cuDNN with the rows' lengths (its padding mask), or where
+    # the padding does not trail the XLA path, picked at run time.
     from jax import export
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
@@ -123,7 +126,7 @@ def test_the_gpu_path_lowers_to_cudnn_flash_attention(monkeypatch):
     monkeypatch.setattr(cudnn, "cuda_versions", Version)
     monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    mask = AttentionMask(jnp.ones((2, 128), bool), jnp.arange(128))
+    mask = AttentionMask(jnp.ones((2, 128), bool), jnp.arange(128), padded=padded)
     assert choose(*qkv(128, 128, jnp.bfloat16)[:2], mask, None, None, "auto") == "cudnn"
 
     def loss(q, k, v):
@@ -138,7 +141,24 @@ def test_the_gpu_path_lowers_to_cudnn_flash_attention(monkeypatch):
     text = exported.mlir_module()
     assert set(re.findall(r"@(__cudnn\$\w+)", text)) == set(targets)
     config = text.replace("\\22", '"')  # the backend config, a JSON string in the module
-    assert '"is_flash_attention": true' in config and '"mask_type": "CAUSAL"' in config
+    kind = "PADDING_CAUSAL" if padded else "CAUSAL"
+    assert '"is_flash_attention": true' in config and f'"mask_type": "{kind}"' in config
+    assert ("stablehlo.case" in text or "stablehlo.if" in text) == padded
+
+
+def test_cudnn_runs_only_where_the_padding_trails():
+    """cuDNN's lengths describe padding after each row's real tokens; left padding,
+    padding inside a row and an all-padding row go the other way."""
+    from redray.models.attention import trailing_padding
+
+    def check(rows):
+        lengths, trailing = trailing_padding(jnp.asarray(rows, bool))
+        return lengths.tolist(), bool(trailing)
+
+    assert check([[1, 1, 1, 0], [1, 1, 1, 1]]) == ([3, 4], True)
+    assert check([[0, 1, 1, 1], [1, 1, 1, 1]]) == ([3, 4], False)  # left-padded
+    assert check([[1, 0, 1, 1]]) == ([3], False)
+    assert check([[0, 0, 0, 0], [1, 1, 1, 1]]) == ([0, 4], False)
 
 
 @pytest.mark.parametrize("kind", ["left padding", "sliding window", "segments"])

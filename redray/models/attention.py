@@ -5,8 +5,10 @@
 and optional segment ids (packed rows). ``attend`` picks how to compute attention:
 
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's fused
-  flash attention, on GPU for the plain causal case (no padding, segments, window,
-  bias, soft-capping or dropout; bf16/fp16): what MaxText and JAX's own docs use;
+  flash attention, on GPU for the plain causal case (no segments, window, bias,
+  soft-capping or dropout; bf16/fp16): what MaxText and JAX's own docs use. Padding
+  it takes as each row's length, where it trails the row's tokens; where it does not,
+  ``fused_attention`` takes another path at run time;
 * ``"xla"``: ``jax.nn.dot_product_attention(implementation="xla")`` with the mask
   materialized as booleans: short sequences, and everywhere the others do not apply;
 * ``"chunked"``: blockwise attention with an online softmax and a backward pass that
@@ -57,6 +59,8 @@ class AttentionMask:
       kv_slots: (keys,) int32: each key's slot, where the keys are not in slot order (a
         sequence split over the context axis, ``redray/models/context.py``); None: a
         key's slot is its index.
+      padded: ``kv_valid`` may mark padding (False: every key is real, known where the
+        mask was made, e.g. a call without an attention mask).
     """
     kv_valid: jax.Array
     q_slots: jax.Array
@@ -66,6 +70,7 @@ class AttentionMask:
     window: int | None = flax.struct.field(pytree_node=False, default=None)
     layer_window: jax.Array | None = None
     kv_slots: jax.Array | None = None
+    padded: bool = flax.struct.field(pytree_node=False, default=True)
 
     def block(self, q_slots, kv_slots, kv_valid, q_segments=None, kv_segments=None):
         """The (batch, queries, keys) boolean mask of some queries and keys."""
@@ -181,12 +186,49 @@ def attend(q, k, v, mask: AttentionMask, scale: float, bias=None,
             raise ValueError("chunked attention takes no bias: use 'xla' or 'dense'")
         return flash_attention(q, k, v, mask, scale, softcap=softcap)
     if chosen == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                            implementation="cudnn")
+        return fused_attention(q, k, v, mask, scale)
+    return _xla(q, k, v, mask, scale, bias)
+
+
+def _xla(q, k, v, mask: AttentionMask, scale: float, bias=None):
     out = jax.nn.dot_product_attention(
         q, k, v, bias=None if bias is None else bias.astype(jnp.float32),
         mask=mask.dense()[:, None], scale=scale, implementation="xla")
     return out.astype(v.dtype)
+
+
+def trailing_padding(kv_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(each row's real keys (batch,) int32, whether every row's real keys come first
+    and number at least one: the padding cuDNN's per-row lengths describe)."""
+    valid = kv_valid.astype(bool)
+    lengths = valid.sum(-1, dtype=jnp.int32)
+    prefix = jnp.arange(valid.shape[1])[None] < lengths[:, None]
+    return lengths, jnp.all(valid == prefix) & jnp.all(lengths > 0)
+
+
+def fused_attention(q, k, v, mask: AttentionMask, scale: float):
+    """cuDNN's fused causal attention. It takes no mask, only each row's length (its
+    real tokens first, the padding after: what a collate makes). A mask made without
+    padding runs the plain kernel; one that may hold padding runs it with the rows'
+    lengths where the padding trails, and otherwise (left-padded rows scored whole,
+    padding inside a row) the path "auto" takes without cuDNN, picked at run time: cuDNN
+    would let the real tokens attend to the padding."""
+    def fused(q, k, v, lengths=None):
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                            query_seq_lengths=lengths,
+                                            key_value_seq_lengths=lengths,
+                                            implementation="cudnn")
+
+    if not mask.padded:
+        return fused(q, k, v)
+
+    def general(q, k, v):
+        if k.shape[1] >= CHUNKED_FROM:
+            return flash_attention(q, k, v, mask, scale).astype(v.dtype)
+        return _xla(q, k, v, mask, scale)
+
+    lengths, trailing = trailing_padding(mask.kv_valid)
+    return jax.lax.cond(trailing, lambda q, k, v: fused(q, k, v, lengths), general, q, k, v)
 
 
 def dense_attention(q, k, v, mask, scale: float, bias=None, dropout: Callable | None = None,

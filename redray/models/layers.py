@@ -106,14 +106,16 @@ def query_slots(length: int, cache_index) -> jax.Array:
 
 
 def attention_mask_for(kv_valid: jax.Array, q_slots: jax.Array, causal: bool = True,
-                       window: int | None = None) -> AttentionMask:
+                       window: int | None = None, padded: bool = True) -> AttentionMask:
     """Which keys each query sees: valid key slots, causal, optionally a sliding window.
 
     Args:
       kv_valid: (batch, kv_len) 1 where a key slot holds a real token (0 for padding).
       q_slots: (q_len,) absolute slot of each query.
+      padded: ``kv_valid`` may mark padding (False: every slot is real).
     """
-    return AttentionMask(kv_valid.astype(bool), q_slots, causal=causal, window=window)
+    return AttentionMask(kv_valid.astype(bool), q_slots, causal=causal, window=window,
+                         padded=padded)
 
 
 def positions_for(kv_valid: jax.Array, q_slots: jax.Array) -> jax.Array:
@@ -297,11 +299,12 @@ def decoder_masks(input_ids, attention_mask, cache, cache_index, window: int | N
         mask = AttentionMask(attention_mask.astype(bool), query_slots(t, 0), segment_ids,
                              segment_ids, causal=True, window=window)
         return mask, segment_positions(segment_ids)
+    padded = attention_mask is not None
     if attention_mask is None:
         slots_total = t if cache is None else cache[0]["k"].shape[1]
         attention_mask = jnp.ones((input_ids.shape[0], slots_total), jnp.int32)
     slots = query_slots(t, cache_index)
-    return (attention_mask_for(attention_mask, slots, window=window),
+    return (attention_mask_for(attention_mask, slots, window=window, padded=padded),
             positions_for(attention_mask, slots))
 
 
