@@ -200,8 +200,11 @@ def test_the_planner_costs_a_context_axis_it_is_given():
     whole = rank(facts, 8, 1, 8, h100)
     assert all(p.candidate.shape["context"] == 1 for p in whole.ranked)  # never unasked
     for plan in split.ranked:
-        ring = [t for t in plan.cost.traffic if t.axes == ("context",)]
+        ring = [t for t in plan.cost.traffic if t.what.startswith("context:")]
         assert len(ring) == 3 and plan.cost.context > 0
+        # the gradients are summed over the context axis too
+        assert any(t.what.startswith("data parallel") and "context" in t.axes
+                   for t in plan.cost.traffic)
     # the same examples per device and model axis, whole sequences against quarters of
     # them: a quarter of the tokens' bytes (what holds no token counts whole), and less
     # where the whole sequence's attention would keep its scores (under 2048 keys)
@@ -214,6 +217,31 @@ def test_the_planner_costs_a_context_axis_it_is_given():
     assert rows.keys() & quarters.keys()
     for k in rows.keys() & quarters.keys():
         assert 0 < quarters[k] <= 0.4 * rows[k], (k, quarters[k], rows[k])
+
+
+def test_the_planner_splits_sequences_only_where_nothing_else_fits():
+    """Two sequences on 8 devices: on devices too small for a whole sequence's
+    activations and too large for nothing, the planner (nothing pinned) takes a context
+    axis; where a plan fits whole sequences, it keeps them whole."""
+    import dataclasses
+
+    from redray.models.plan import ConfigFacts
+    from redray.sharding.planner import MARGIN, NoPlanFits, rank
+
+    facts = ConfigFacts(CONFIGS["llama"](), 4096)
+    h100 = preset("h100")
+    whole = rank(facts, 8, 1, 2, h100)
+    assert all(p.candidate.shape["context"] == 1 for p in whole.ranked)
+    smallest_whole = min(p.memory["total"] for p in whole.ranked)
+    split = rank(facts, 8, 1, 2, h100, pinned={"context_axis": 4})
+    smallest_split = min(p.memory["total"] for p in split.ranked)
+    assert smallest_split < smallest_whole
+    small = dataclasses.replace(
+        h100, device_memory=(smallest_split + smallest_whole) / 2 / (1 - MARGIN))
+    chosen = rank(facts, 8, 1, 2, small).best
+    assert chosen.candidate.shape["context"] > 1 and chosen.fits
+    with pytest.raises(NoPlanFits):  # pinned whole: the planner does not override a pin
+        rank(facts, 8, 1, 2, small, pinned={"context_axis": 1})
 
 
 def test_the_memory_plan_of_a_context_step_is_checked_against_the_compiled_step():

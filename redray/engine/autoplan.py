@@ -82,6 +82,7 @@ class RuntimeFacts:
         self._residuals: dict = {}  # with a context axis or not -> rows -> trace
         self.timing: ModelTiming | None = None
         self.experts = _expert_layers(runtime)
+        self.splits_sequences = _splits_sequences(runtime)
         self.one_f_one_b = trainable is None and runtime.stage_repeats == 1 \
             and cuts_at_one_stack(runtime, loss, params, extra, self.batch)
 
@@ -260,6 +261,18 @@ def _expert_layers(runtime: ModelRuntime) -> list:
     if graphdef is None:
         return []
     return expert_layers(nnx.merge(graphdef, *runtime.abstract))
+
+
+def _splits_sequences(runtime: ModelRuntime) -> bool:
+    """Whether the model is one of redray's decoders, which split a sequence over a
+    context axis (a model of the user's own does not: the planner keeps it whole)."""
+    from flax import nnx
+
+    from redray.models.decoder import CausalLM
+
+    graphdef = getattr(runtime.adapter, "graphdef", None)
+    return graphdef is not None and isinstance(nnx.merge(graphdef, *runtime.abstract),
+                                               CausalLM)
 
 
 def _filled(x):

@@ -435,6 +435,8 @@ class ConfigFacts:
             dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // heads
             self.kv_width = (getattr(self.config, "num_key_value_heads", None) or heads) * dim
             self.attention_layers = getattr(self.config, "num_hidden_layers", None)
+        # redray's decoders split a sequence over a context axis (T5 does not)
+        self.splits_sequences = not getattr(self.config, "is_encoder_decoder", False)
         self.compute_itemsize = jnp.dtype(compute_dtype or jnp.float32).itemsize
         self.remat_policies = REMAT_POLICIES
         # the 1F1B schedule cuts a model at one stack of layers: not an encoder-decoder

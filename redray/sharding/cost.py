@@ -458,7 +458,9 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
     With pipeline stages the parameters the stages hold whole (embeddings, head) see
     rows split over ``stage`` too: their gradients are summed over it as well."""
     out = []
-    head_rows = (STAGE.name,)
+    # the gradients are summed over the axes splitting the batch, the context axis
+    # splitting its sequences, and (for what the stages hold whole) the stages
+    head_rows = (CONTEXT.name, STAGE.name)
     for param in params:
         if not param.trained:
             continue

@@ -54,7 +54,9 @@ class ModelFacts(Protocol):
     # (``redray.models.moe.ExpertLayers``), empty for a dense model; ``one_f_one_b``,
     # whether its plans with stages may run the 1F1B schedule; ``kv_width`` (a token's
     # key or value elements) and ``attention_layers``, for a context axis's ring (else
-    # the hidden width and the stacked layers)
+    # the hidden width and the stacked layers); ``splits_sequences``, whether its model
+    # splits a sequence over a context axis (redray's decoders), which the planner then
+    # tries where no plan fits whole sequences
 
     def memory(self, parallelism: Parallelism, rows: list[Placement], per_device_batch: int,
                remat: str) -> dict:
@@ -370,6 +372,19 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
                          "by a host's devices) and the batch the data-parallel size")
     cache: dict = {}
     scored = [score(facts, c, batch_size, hosts, hardware, budget, rules, cache) for c in grid]
+    pinned = dict(pinned or {})
+    if (not any(s.fits for s in scored) and getattr(facts, "splits_sequences", False)
+            and CONTEXT.keyword not in pinned and pinned.get(STAGE.keyword, 1) == 1):
+        # nothing fits whole sequences: split them over a context axis (never otherwise:
+        # its ring costs transfers a plan that fits without it does not pay)
+        local = devices // hosts
+        for ways in (w for w in _divisors(local) if w > 1):
+            grid = candidates(devices, hosts, batch_size, facts.remat_policies,
+                              {**pinned, CONTEXT.keyword: ways},
+                              math.gcd(*(e.experts for e in layers)) if layers else 0,
+                              stacked_layers(facts), getattr(facts, "one_f_one_b", False))
+            scored += [score(facts, c, batch_size, hosts, hardware, budget, rules, cache)
+                       for c in grid]
     # equal times (traffic the compute hides): the less traffic, then the less memory
     fitting = sorted((s for s in scored if s.fits),
                      key=lambda s: (round(s.cost.seconds, 9), s.cost.gradients + s.cost.tensor,
