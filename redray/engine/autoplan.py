@@ -268,11 +268,9 @@ def _splits_sequences(runtime: ModelRuntime) -> bool:
     context axis (a model of the user's own does not: the planner keeps it whole)."""
     from flax import nnx
 
-    from redray.models.decoder import CausalLM
-
     graphdef = getattr(runtime.adapter, "graphdef", None)
-    return graphdef is not None and isinstance(nnx.merge(graphdef, *runtime.abstract),
-                                               CausalLM)
+    return graphdef is not None and getattr(
+        type(nnx.merge(graphdef, *runtime.abstract)), "SPLITS_SEQUENCES", False)
 
 
 def _filled(x):

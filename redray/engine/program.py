@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import optax
 
 from redray.engine.model import split_trainable
-from redray.models import attention
 from redray.engine.nonfinite import zero_flag
 from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.engine.state import StateLayout, TrainState, counters
@@ -29,6 +28,7 @@ from redray.engine.steps import (eval_step, microbatched, model_gradients, model
                                  train_step, user_loss_fn)
 from redray.functions import UserFunctionError, UserFunctions, split_loss_output
 from redray.sharding import CONTEXT, FSDP, MODEL, STAGE, BatchGeometry, placement
+from redray.sharding.activations import blockwise_attention
 from redray.sharding.memory import (GATHERED_LAYERS, compiled_memory, layer_gather_bytes,
                                     saved_residuals, split_residual_bytes, split_sizes, totals)
 
@@ -249,7 +249,7 @@ def activation_bytes(runtime: ModelRuntime, loss: Callable, params, frozen, extr
         if residuals is not None and rows in residuals:
             return residuals[rows]
         # on a context axis redray's attention is blockwise (the ring's): what it saves
-        with attention.forced("chunked") if context > 1 else contextlib.nullcontext():
+        with blockwise_attention() if context > 1 else contextlib.nullcontext():
             found = saved_residuals(value, params, frozen, extra,
                                     {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype)
                                      for k, v in batch.items()}, rng)

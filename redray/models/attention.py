@@ -24,8 +24,6 @@ soft-capping. Every path computes the softmax in float32.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import os
@@ -34,6 +32,8 @@ from typing import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+from redray.sharding.activations import attention_forced
 
 # Keys from which "auto" attention is computed in chunks where no fused kernel exists.
 CHUNKED_FROM = 2048
@@ -110,27 +110,11 @@ class AttentionMask:
         return self.q_segments is not None
 
 
-_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention", default=None)
-
-
-@contextlib.contextmanager
-def forced(name: str):
-    """Within the block, attention is computed by ``name`` (one of ``IMPLEMENTATIONS``)
-    whatever ``REDRAY_ATTENTION`` says: e.g. the memory model's trace of a context
-    plan, whose every attention is blockwise (the ring's)."""
-    if name not in IMPLEMENTATIONS:
-        raise ValueError(f"attention {name!r}: use one of {', '.join(IMPLEMENTATIONS)}")
-    token = _FORCED.set(name)
-    try:
-        yield
-    finally:
-        _FORCED.reset(token)
-
-
 def implementation() -> str:
-    """The attention implementation asked for: ``forced``'s, else ``REDRAY_ATTENTION``
+    """The attention implementation asked for: the trace's
+    (``redray.sharding.activations.attention_forced``), else ``REDRAY_ATTENTION``
     (default "auto")."""
-    name = _FORCED.get() or os.environ.get("REDRAY_ATTENTION", "auto")
+    name = attention_forced() or os.environ.get("REDRAY_ATTENTION", "auto")
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"REDRAY_ATTENTION={name!r}: use one of {', '.join(IMPLEMENTATIONS)}")
     return name

@@ -50,6 +50,8 @@ class CausalLM(nnx.Module):
         depth: what pipeline stages split); None (the default): stacked unless the
         config makes its layers differ (``layers_differ``), then a list.
     """
+    # splits a sequence over a context axis (the planner may then choose one)
+    SPLITS_SEQUENCES = True
 
     # The attributes holding the token embedding, the blocks and the final norm (a
     # config may leave the last one out: OPT with post-LayerNorm blocks).

@@ -32,9 +32,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from redray.models import attention
 from redray.models.layers import remat_policy
 from redray.sharding import CONTEXT, EXPERT, FSDP, MODEL, STAGE, Parallelism
+from redray.sharding.activations import blockwise_attention
 from redray.sharding.cost import expert_exchange_bytes
 from redray.sharding.memory import (GATHERED_LAYERS, layer_gather_bytes, pipelined_parts,
                                     saved_residuals, split_residual_bytes, split_sizes, totals)
@@ -191,7 +191,7 @@ def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_
         key = (tuple(counts), batch, name)
         if traces is None or key not in traces:
             # on a context axis every attention is blockwise (the ring's): what it saves
-            with attention.forced("chunked") if context > 1 else contextlib.nullcontext():
+            with blockwise_attention() if context > 1 else contextlib.nullcontext():
                 found = _trace(fam, _with_layers(config, fields, counts), batch, step.seq_len,
                                name, step.compute_dtype, step.loss_chunk, step.scan)
             if traces is None:

@@ -27,6 +27,24 @@ from redray.sharding.parallelism import BATCH_AXES, CONTEXT, STAGE
 _ROWS: contextvars.ContextVar = contextvars.ContextVar("redray_rows", default=None)
 _UNROLL: contextvars.ContextVar = contextvars.ContextVar("redray_unroll", default=False)
 _SPECS: contextvars.ContextVar = contextvars.ContextVar("redray_param_specs", default=None)
+_ATTENTION: contextvars.ContextVar = contextvars.ContextVar("redray_attention", default=None)
+
+
+@contextlib.contextmanager
+def blockwise_attention():
+    """Within: redray's models compute attention blockwise (``"chunked"``), whatever
+    ``REDRAY_ATTENTION`` says: what the memory models trace for a plan with a context
+    axis, whose every attention is blockwise (the ring's)."""
+    token = _ATTENTION.set("chunked")
+    try:
+        yield
+    finally:
+        _ATTENTION.reset(token)
+
+
+def attention_forced() -> str | None:
+    """The attention implementation the trace forces (``blockwise_attention``), or None."""
+    return _ATTENTION.get()
 
 
 @contextlib.contextmanager
