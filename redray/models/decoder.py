@@ -128,14 +128,12 @@ class CausalLM(nnx.Module):
         length = input_ids.shape[1]
         # a prefill (a cache filled from slot 0) splits its prompt over a context axis as
         # training does; decoding one token at a time does not
-        prefill = cache is not None and isinstance(cache_index, int) and cache_index == 0
         split = None
-        if cache is None:
-            split = context.split_sequence(input_ids, attention_mask, segment_ids)
-        elif prefill:
-            split = context.split_sequence(
-                input_ids, None if attention_mask is None else attention_mask[:, :length],
-                segment_ids)
+        if cache is None or (isinstance(cache_index, int) and cache_index == 0):
+            # a prefill's attention mask covers the whole cache: its prompt's slots
+            prompt = attention_mask if cache is None or attention_mask is None \
+                else attention_mask[:, :length]
+            split = context.split_sequence(input_ids, prompt, segment_ids)
         if split is not None:
             ways, input_ids, attention_mask, segment_ids = split
         # a split prefill's mask is its prompt's (the cache's later slots are empty)

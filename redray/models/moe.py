@@ -167,13 +167,14 @@ class MoE(nnx.Module):
             return expert_capacity(self.capacity_factor, n, self.top_k, experts)
 
         split = context_split()
-        if split is not None and (x.ndim != 3 or x.shape[1] % split[1]
-                                  or traced_mesh(x.shape[0]) is None):
-            split = None
         lead = x.shape[:-1]
-        if split is None:  # the tokens in one list, split over the batch axes
+        mesh = traced_mesh(x.shape[0]) \
+            if split and x.ndim == 3 and x.shape[1] % split[1] == 0 else None
+        # each device its own rows; on a context axis its part of each of their sequences
+        rows = P(BATCH_AXES, CONTEXT.name)
+        if mesh is None:  # the tokens in one list, split over the batch axes
             x, chosen, weights = (a.reshape(-1, a.shape[-1]) for a in (x, chosen, weights))
-        mesh = traced_mesh(x.shape[0])
+            mesh, rows = traced_mesh(x.shape[0]), P(BATCH_AXES)
         if mesh is None:
             out, kept = dispatch(x, chosen, weights, gate_up, down, self.act,
                                  capacity(x.shape[0]))
@@ -199,8 +200,6 @@ class MoE(nnx.Module):
                 out = jax.lax.psum(out, by_model)
             return out.reshape(*shape, -1), kept.reshape(*shape, -1)
 
-        # each device its own rows; on a context axis its part of each of their sequences
-        rows = P(BATCH_AXES) if split is None else P(BATCH_AXES, CONTEXT.name)
         out, kept = jax.shard_map(local, mesh=mesh, in_specs=(
             rows, rows, rows, P(by_expert, None, None, by_model), P(by_expert, by_model)),
             out_specs=(rows, rows))(x, chosen, weights, gate_up, down)
