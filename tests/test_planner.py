@@ -219,6 +219,36 @@ def test_a_trainer_with_parallelism_auto_runs_the_planners_pick():
         make(parallelism="auto", mesh=redray.make_mesh())
 
 
+def test_a_resumed_run_keeps_its_plan_on_the_same_devices_and_replans_on_others(tmp_path):
+    config = LlamaConfig(**TINY)
+
+    def make(**kw):
+        return redray.Trainer(lambda rngs: build(config, rngs=rngs), collate, loss,
+                              optax.adam(1e-3), progress=False, log_every=1,
+                              **{"batch_size": 8, "checkpoint": str(tmp_path), **kw})
+
+    first = make(hardware="cpu")
+    first.fit(DATA, epochs=1)
+    chosen = first.plan_ranking.best.candidate
+    # resumed with the same devices, batch and hardware: no planning, the same plan
+    # (the planner's pick follows timings, and another plan would round differently)
+    again = make(hardware="cpu")
+    again.init(DATA)
+    assert again.resumed_from["step"] == first.step and again.plan_ranking is None
+    assert again.parallelism.shape == chosen.shape
+    assert again.geometry.micro_batch_size == chosen.micro_batch_size
+    shape = chosen.shape  # the uninterrupted run, on that plan given by hand
+    whole = make(checkpoint=None, data_axis=shape["data"], fsdp_axis=shape["fsdp"],
+                 model_axis=shape["model"], micro_batch_size=chosen.micro_batch_size)
+    resumed = [r["loss"] for r in again.fit(DATA, epochs=2) if "loss" in r]
+    assert resumed and resumed == [r["loss"] for r in whole.fit(DATA, epochs=2)
+                                   if "loss" in r and r["epoch"] == 1]
+    # another batch (or other devices, other pins, other hardware): planned again
+    other = make(hardware="cpu", batch_size=4)
+    other.init(DATA)
+    assert other.plan_ranking is not None
+
+
 def test_the_probe_measures_this_runtime_and_keeps_its_numbers(tmp_path):
     from redray.engine.probe import cluster_key, probe
 

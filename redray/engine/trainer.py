@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from redray.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatch
+from redray.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatch, latest_meta
 from redray.engine.batches import collate_checked, each_batch, first_examples, to_global
 from redray.engine.console import Console
 from redray.engine.fit_hooks import Checkpoints, Evaluation, LogWindow, Recorder
@@ -37,7 +37,7 @@ from redray.functions import WEIGHT, UserFunctions, UserFunctionError
 from redray.rngs import KeyStream, stream_key
 from redray.sharding import Parallelism, placement
 from redray.sharding.parallelism import describe_shape
-from redray.sharding.planner import pins
+from redray.sharding.planner import Candidate, pins
 from redray.sharding.memory import memory_text
 
 # What a Trainer's checkpoint meta holds beyond the step (and reads back on resume): the
@@ -169,6 +169,7 @@ class Trainer:
         self.optimizer = optimizer
         self.batch_size = batch_size
         self.hardware, self.plan_ranking = hardware, None
+        self._plan_meta: dict | None = None  # a chosen plan, as checkpoints keep it
         axes = {k: v for k, v in axes.items() if v is not None}  # None: not given
         if parallelism is None and mesh is None and not axes:
             parallelism = "auto"  # nothing of the plan given: the planner chooses it
@@ -266,7 +267,7 @@ class Trainer:
             raise ValueError("init needs at least one example to learn the batch's shapes")
         sample = collate_checked(self.functions.collate,
                                  first_examples(examples, self.batch_size))
-        if self.parallelism is None:
+        if self.parallelism is None and not self._keep_plan():
             self._choose_plan(sample)
         self.program = TrainProgram.build(
             self.runtime, self.functions, self.optimizer, self.geometry, sample,
@@ -290,6 +291,42 @@ class Trainer:
             for hook in self.hooks:
                 hook.on_restore(self, int(meta["step"]), path, meta)
 
+    def _plan_key(self) -> dict:
+        """What a chosen plan holds for: the devices, the batch, what the user pinned and
+        the hardware they named."""
+        return {"devices": jax.device_count(), "processes": jax.process_count(),
+                "batch_size": self.batch_size, "pinned": repr(self._pinned),
+                "hardware": repr(self.hardware)}
+
+    def _keep_plan(self) -> bool:
+        """A run resuming on the devices its checkpoint's plan was chosen for keeps that
+        plan: the planner's pick follows timings (the machine's load at init), and
+        another plan rounds differently, so the resumed run would not continue exactly as
+        it was going. On other devices (fewer hosts, an elastic regroup) it plans again.
+        Whether it kept one."""
+        config = self.checkpoint_config
+        if config is None or not config.resume or config.directory is None:
+            return False
+        saved = (latest_meta(config.directory) or {}).get("plan")
+        if not saved or saved["key"] != self._plan_key():
+            return False
+        self._use_plan(Candidate(tuple(map(tuple, saved["sizes"])), saved["micro_batch_size"],
+                                 saved["remat"], saved["schedule"]))
+        if self.progress and jax.process_index() == 0:
+            self.console.say(f"plan: {self._plan_meta['chosen']}, kept from the checkpoint "
+                             "this run resumes (the same devices)")
+        return True
+
+    def _use_plan(self, best: Candidate) -> None:
+        self.parallelism = Parallelism.of(rules=self._rules, **dict(best.sizes)).build()
+        self.mesh = self.parallelism.mesh
+        self.geometry = self.parallelism.geometry(self.batch_size, best.micro_batch_size)
+        self.runtime.schedule = best.schedule
+        self.runtime.use(self.parallelism)
+        self._plan_meta = {"key": self._plan_key(), "sizes": list(best.sizes),
+                           "micro_batch_size": best.micro_batch_size, "remat": best.remat,
+                           "schedule": best.schedule, "chosen": best.describe()}
+
     def _choose_plan(self, sample: dict) -> None:
         """Runs the planner on this model, loss and batch, and takes its pick."""
         from redray.engine.autoplan import RuntimeFacts, choose
@@ -305,12 +342,7 @@ class Trainer:
                              self.trainable, tokens_per_example(sample))
         facts.one_f_one_b = facts.one_f_one_b and self.grad_fn is None
         self.plan_ranking = choose(facts, self.batch_size, hardware, self._pinned, self._rules)
-        best = self.plan_ranking.best.candidate
-        self.parallelism = Parallelism.of(rules=self._rules, **dict(best.sizes)).build()
-        self.mesh = self.parallelism.mesh
-        self.geometry = self.parallelism.geometry(self.batch_size, best.micro_batch_size)
-        self.runtime.schedule = best.schedule
-        self.runtime.use(self.parallelism)
+        self._use_plan(self.plan_ranking.best.candidate)
         if self.progress and jax.process_index() == 0:
             self.console.say(self.plan_ranking.why())
 
@@ -623,7 +655,8 @@ class Trainer:
         meta = {"step": self.step, "epoch": position.epoch, "batch": position.batch,
                 "epoch_done": position.epoch_done, **data_settings, "metrics": metrics or {},
                 "config": self.config, "trainable": self.trainable, "run": self._run_meta(),
-                "budget": self.budget, "schedule": self._schedule_meta, "time": time.time()}
+                "budget": self.budget, "schedule": self._schedule_meta, "plan": self._plan_meta,
+                "time": time.time()}
 
         def committed(step, path, meta):
             for hook in self._listening():
