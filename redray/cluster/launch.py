@@ -12,7 +12,7 @@ from redray.cluster.config import ClusterConfig
 from redray.cluster.console import DriverView, Watcher
 from redray.cluster.job import CallCode, CallTask, FitCode, FitTask, HostJob, free_for
 from redray.cluster.run_lock import RunLock
-from redray.data.ray_local import join, quiet_ray_logs, start_local
+from redray.data.ray_local import join, on_driver_node, quiet_ray_logs, start_local
 from redray.verbosity import ADVICE_ENV, VERBOSE_ENV, verbose
 
 
@@ -93,7 +93,6 @@ class HostError(RuntimeError):
 
 def _results_actor():
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     @ray.remote(num_cpus=0)
     class Results:
@@ -141,10 +140,7 @@ def _results_actor():
         def get(self):
             return self.value, self.failures
 
-    # on the driver's node, like the tracker: a worker node may leave mid-run
-    node = ray.get_runtime_context().get_node_id()
-    return Results.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote()
+    return Results.options(scheduling_strategy=on_driver_node()).remote()
 
 
 def connect(address: str | None = None, num_cpus: int | None = None) -> None:

@@ -78,10 +78,8 @@ def start_tracker(folders, experiment: str, resume: bool, checkpoint_config, con
       checkpoint_config: the run's ``CheckpointConfig``, or None (no checkpoints).
       config: the run's settings, logged as MLflow params.
     """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     from redray.checkpoint import latest_meta
+    from redray.data.ray_local import on_driver_node
     from redray.version import __version__
 
     run_id = None
@@ -92,9 +90,7 @@ def start_tracker(folders, experiment: str, resume: bool, checkpoint_config, con
     commit = git_commit()
     if commit:
         tags["redray.git_commit"] = commit
-    node = ray.get_runtime_context().get_node_id()
-    return _actor_class().options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(
+    return _actor_class().options(scheduling_strategy=on_driver_node()).remote(
         folders.tracking_uri, folders.name, folders.run, experiment, resume, run_id, config,
         tags)
 

@@ -73,6 +73,17 @@ def own_address_hook():
     return own_address
 
 
+def on_driver_node():
+    """The scheduling strategy that keeps a driver's actor (results, tracker) on the
+    driver's own node: a worker node may leave mid-run, the driver's node lives as long as
+    the driver. Hard affinity: a soft one was seen placed on a worker node (CI, an elastic
+    run whose head node has no CPUs), which the node's loss then took down."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
 def limit_data_to_cores() -> None:
     """Ray Data on this driver runs at most a task per core of the machine, not one per
     logical CPU of the local instance (which counts more: see above). Each task beyond
