@@ -15,6 +15,13 @@ Layout of a storage folder::
     <storage>/<name>/tokenizer/           the tokenizer export ships with that model
     <storage>/<name>/redray.lock          held while the run is running (its driver's
                                           host, pid and start; redray.cluster.run_lock)
+    <storage>/hardware/                   the probed numbers of each cluster its runs
+                                          ran on (redray.engine.probe)
+
+``REDRAY_CACHE_DIR``, where set, is one folder for what runs can share beyond their
+storage: the compiled programs (``<cache>/compile_cache``: a sweep's runs of one model
+compile its step once) and the probed hardware numbers (``<cache>/hardware``). Like a
+storage folder, on several machines it belongs on storage they share.
 
 A run's folders are resolved once, into a ``RunFolders`` (``ClusterConfig.resolved()``
 on the driver, the command line for the run it is given), and passed along from there.
@@ -30,6 +37,13 @@ DEFAULT_STORAGE = "~/redray_runs"
 CHECKPOINTS = "checkpoints"  # a run folder's checkpoint folder
 LOCK = "redray.lock"  # a run folder's lock file, there while the run is running
 SQLITE = "sqlite:///"
+CACHE_ENV = "REDRAY_CACHE_DIR"  # one folder of compiled programs and probes for all runs
+
+
+def _shared_cache() -> str | None:
+    """``REDRAY_CACHE_DIR``, absolute (a URI as it is), or None where unset."""
+    folder = os.environ.get(CACHE_ENV)
+    return absolute(folder) if folder else None
 
 
 def is_uri(path: str) -> bool:
@@ -139,14 +153,15 @@ class RunFolders:
     @property
     def compile_cache(self) -> str:
         """``<storage>/<name>/compile_cache``: the run's compiled programs, reused on
-        restart."""
-        return f"{self.run}/compile_cache"
+        restart (``<REDRAY_CACHE_DIR>/compile_cache`` where that is set)."""
+        return f"{_shared_cache() or self.run}/compile_cache"
 
     @property
     def hardware(self) -> str:
         """``<storage>/hardware``: the probed numbers of each cluster the storage's runs
-        ran on (``redray.engine.probe``), shared by its runs."""
-        return f"{self.storage}/hardware"
+        ran on (``redray.engine.probe``), shared by its runs
+        (``<REDRAY_CACHE_DIR>/hardware`` where that is set)."""
+        return f"{_shared_cache() or self.storage}/hardware"
 
     @property
     def model_config(self) -> str:

@@ -6,14 +6,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # steps, in test after test): JAX's persistent compilation cache, in a folder of this
 # session's own (made by the first process, inherited by pytest-xdist's workers and by
 # every process a test starts), loads a program compiled before instead of compiling it
-# again. A clean run starts empty; the folder is removed when that first process exits.
+# again. The runs on a Ray cluster share it too, and the hardware numbers the first
+# of them probed (REDRAY_CACHE_DIR, redray.storage): each would otherwise compile and
+# probe afresh in its own new storage folder. A clean run starts empty; the folder is
+# removed when that first process exits.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
     import tempfile
 
-    _cache = tempfile.mkdtemp(prefix="redray-tests-xla-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    _cache = tempfile.mkdtemp(prefix="redray-tests-cache-")
+    os.environ["REDRAY_CACHE_DIR"] = _cache
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_cache, "compile_cache")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)

@@ -98,7 +98,8 @@ def train_step_programs(storage: str, name: str) -> list:
                   if f.startswith("jit_train_step-"))
 
 
-def test_a_resubmitted_run_trains_only_what_is_left(tmp_path, uninterrupted):
+def test_a_resubmitted_run_trains_only_what_is_left(tmp_path, uninterrupted, monkeypatch):
+    monkeypatch.delenv("REDRAY_CACHE_DIR", raising=False)  # the run's own compile cache
     reference, reference_params = uninterrupted
     common = dict(train_data=DATA, name="again", storage_path=str(tmp_path),
                   checkpoint=CheckpointConfig(save_every=4), **OPTIONS)
@@ -146,7 +147,8 @@ def test_killing_a_host_while_a_save_is_in_flight_keeps_the_previous_checkpoint(
     assert_same(load_params(f"{tmp_path}/run", model), reference_params)
 
 
-def test_a_run_choosing_its_plan_replans_when_resumed_on_fewer_hosts(tmp_path):
+def test_a_run_choosing_its_plan_replans_when_resumed_on_fewer_hosts(tmp_path, monkeypatch):
+    monkeypatch.delenv("REDRAY_CACHE_DIR", raising=False)  # the storage's own probe
     common = dict(train_data=DATA, name="auto", storage_path=str(tmp_path), batch_size=8,
                   parallelism="auto", log_every=1, seed=0, progress=False, devices_per_host=2,
                   checkpoint=CheckpointConfig(save_every=4))

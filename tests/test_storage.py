@@ -44,14 +44,22 @@ def test_the_mlflow_store_follows_the_storage_folder(monkeypatch, tmp_path):
 def test_a_runs_folders_are_resolved_once_into_one_value(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("REDRAY_CACHE_DIR", raising=False)
     folders = storage.RunFolders.of("runs/", "lm")
     run = f"{tmp_path}/runs/lm"
     assert folders == storage.RunFolders(storage=f"{tmp_path}/runs", name="lm",
                                          tracking_uri=f"sqlite:///{tmp_path}/runs/mlflow.db")
     assert (folders.run, folders.checkpoints, folders.lock, folders.compile_cache,
-            folders.model_config, folders.tokenizer) == (
+            folders.hardware, folders.model_config, folders.tokenizer) == (
         run, f"{run}/checkpoints", f"{run}/redray.lock", f"{run}/compile_cache",
-        f"{run}/config.json", f"{run}/tokenizer")
+        f"{tmp_path}/runs/hardware", f"{run}/config.json", f"{run}/tokenizer")
+    # one folder for the compiled programs and probes of every run, where set
+    monkeypatch.setenv("REDRAY_CACHE_DIR", "shared/")
+    assert (folders.compile_cache, folders.hardware, folders.checkpoints) == (
+        f"{tmp_path}/shared/compile_cache", f"{tmp_path}/shared/hardware", f"{run}/checkpoints")
+    monkeypatch.setenv("REDRAY_CACHE_DIR", "gs://bucket/cache/")
+    assert folders.compile_cache == "gs://bucket/cache/compile_cache"
+    monkeypatch.delenv("REDRAY_CACHE_DIR")
     assert storage.RunFolders.of().name.startswith("redray-")  # a new timestamped run
     # the driver resolves them once, and the run's checkpoints, lock, tracker and
     # compile cache all take them from the resolved config
