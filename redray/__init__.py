@@ -42,6 +42,10 @@ and redray does the rest. Public API:
 * ``UserFunctions``: the three functions, checked; ``UserFunctionError``: what a user
   function returned that cannot be used, and the fix.
 * ``NonFiniteError``: a step's loss or gradient norm was NaN/inf (``on_nonfinite="stop"``).
+
+Beside them, ``redray.models`` (model families, Hugging Face import/export, ``generate``)
+and ``redray.post_training`` (``Sampler`` with continuous batching; the SFT, DPO and GRPO
+losses).
 """
 
 from redray import verbosity  # noqa: F401 - first: it quiets transformers before its import

@@ -216,22 +216,26 @@ def fused_attention(q, k, v, mask: AttentionMask, scale: float):
 
 
 def dense_attention(q, k, v, mask, scale: float, bias=None, dropout: Callable | None = None,
-                    softcap: float | None = None):
-    """Attention through a materialized (B, T, S) boolean ``mask``, float32 scores."""
+                    softcap: float | None = None, heads_first: bool = False):
+    """Attention through a materialized (B, T, S) boolean ``mask``, float32 scores.
+    ``heads_first``: k and v are (B, KV, S, D) (a KV cache's layout), not (B, S, KV, D)."""
     b, t, h, d = q.shape
-    kv = k.shape[2]
+    kv = k.shape[1 if heads_first else 2]
+    keys = k.shape[2 if heads_first else 1]
     g = h // kv
     qg = q.reshape(b, t, kv, g, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    layout = "bksd" if heads_first else "bskd"
+    scores = jnp.einsum(f"btkgd,{layout}->bkgts", qg, k,
+                        preferred_element_type=jnp.float32) * scale
     scores = soft_cap(scores, softcap)
     if bias is not None:
-        bias = jnp.broadcast_to(bias, (bias.shape[0], h, t, k.shape[1]))
-        scores = scores + bias.reshape(bias.shape[0], kv, g, t, k.shape[1]).astype(jnp.float32)
+        bias = jnp.broadcast_to(bias, (bias.shape[0], h, t, keys))
+        scores = scores + bias.reshape(bias.shape[0], kv, g, t, keys).astype(jnp.float32)
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, -1).astype(v.dtype)
     if dropout is not None:
         probs = dropout(probs)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.einsum(f"bkgts,{layout}->btkgd", probs, v)
     return out.reshape(b, t, h, v.shape[-1])
 
 

@@ -166,11 +166,11 @@ class CausalLM(nnx.Module):
         return logits if bias is None else logits + bias[...].astype(x.dtype)
 
     def init_cache(self, batch: int, length: int, dtype=None):
-        """An empty KV cache for ``batch`` sequences of up to ``length`` tokens."""
+        """An empty KV cache for ``batch`` sequences of up to ``length`` tokens: one
+        {"k", "v"} per layer, stacked layers too (``layers._unrolled`` says why)."""
         kv_heads, head_dim = self.key_value_heads()
         return layers.empty_cache(self.config.num_hidden_layers, batch, length, kv_heads,
-                                  head_dim, dtype or self.dtype,
-                                  layers.is_stacked(getattr(self, self.BLOCKS)))
+                                  head_dim, dtype or self.dtype)
 
 
 def default_scan(model, c, scan: bool | None) -> bool:

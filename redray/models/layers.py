@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from redray.models import context, pipeline
-from redray.models.attention import AttentionMask, attend
+from redray.models.attention import AttentionMask, attend, dense_attention
 from redray.sharding.activations import (blocks_cut, constrain_rows, gathered_features,
                                          loop_unroll, pipeline_stages, stage_repeats)
 from redray.sharding.parallelism import layer_order
@@ -214,29 +214,51 @@ def self_attention(q, k, v, mask: AttentionMask, scale: float, cache: dict | Non
         # a prefill: the prompt's keys and values into the cache, in the tokens' order
         if cache is None:
             return out, None
-        slots = cache["k"].shape[1]
+        slots = cache_length(cache)
         return out, update_cache(cache, context.in_order(k, slots), context.in_order(v, slots),
-                                 0)[2]
-    new_cache = None
-    if cache is not None:
-        k, v, new_cache = update_cache(cache, k, v, cache_index)
-    return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap), new_cache
+                                 0)
+    if cache is None:
+        return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap), None
+    cache = update_cache(cache, k, v, cache_index)
+    if q.shape[1] <= DECODE_QUERIES:  # decoding: the cache read in its own layout
+        return dense_attention(q, cache["k"], cache["v"], mask.dense(), scale, dropout=drop,
+                               softcap=softcap, heads_first=True), cache
+    k, v = cached_keys(cache)
+    return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap), cache
 
 
-def update_cache(layer_cache: dict, k: jax.Array, v: jax.Array, index) -> tuple:
-    """Writes new keys/values at ``index``; returns (all keys, all values, new cache)."""
-    ks = jax.lax.dynamic_update_slice(layer_cache["k"], k.astype(layer_cache["k"].dtype),
-                                      (0, index, 0, 0))
-    vs = jax.lax.dynamic_update_slice(layer_cache["v"], v.astype(layer_cache["v"].dtype),
-                                      (0, index, 0, 0))
-    return ks, vs, {"k": ks, "v": vs}
+# The KV cache holds (batch, kv_heads, length, head_dim): a decoding step's attention
+# then reads it with the heads as batch dimensions of two matmuls, where the tokens-first
+# layout of the activations made XLA transpose the whole cache on every step (5x slower
+# attention on XLA:CPU at 64 rows x 176 slots). Calls of more than this many queries (a
+# prefill) see it as (batch, length, kv_heads, head_dim) for the fused kernels.
+DECODE_QUERIES = 16
+
+
+def update_cache(layer_cache: dict, k: jax.Array, v: jax.Array, index) -> dict:
+    """A layer's cache with new keys/values (batch, tokens, kv_heads, head_dim) written
+    from slot ``index`` on."""
+    def write(old, new):
+        new = jnp.swapaxes(new, -3, -2).astype(old.dtype)
+        return jax.lax.dynamic_update_slice(old, new, (0, 0, index, 0))
+    return {**layer_cache, "k": write(layer_cache["k"], k), "v": write(layer_cache["v"], v)}
+
+
+def cached_keys(layer_cache: dict) -> tuple[jax.Array, jax.Array]:
+    """A layer's cached keys and values as (batch, length, kv_heads, head_dim)."""
+    return jnp.swapaxes(layer_cache["k"], -3, -2), jnp.swapaxes(layer_cache["v"], -3, -2)
+
+
+def cache_length(cache) -> int:
+    """The slots of a cache (a layer's, a list of layers', or a stacked one)."""
+    return (cache if isinstance(cache, dict) else cache[0])["k"].shape[-2]
 
 
 def empty_cache(layers: int, batch: int, length: int, kv_heads: int, head_dim: int,
                 dtype=jnp.float32, stacked: bool = False) -> list[dict] | dict:
-    """A zeroed KV cache: one {"k", "v"} of (batch, length, kv_heads, head_dim) per layer,
+    """A zeroed KV cache: one {"k", "v"} of (batch, kv_heads, length, head_dim) per layer,
     or with ``stacked`` one {"k", "v"} of (layers, batch, ...) (for scanned blocks)."""
-    shape = (batch, length, kv_heads, head_dim)
+    shape = (batch, kv_heads, length, head_dim)
     if stacked:
         return {"k": jnp.zeros((layers, *shape), dtype), "v": jnp.zeros((layers, *shape), dtype)}
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(layers)]
@@ -301,7 +323,7 @@ def decoder_masks(input_ids, attention_mask, cache, cache_index, window: int | N
         return mask, segment_positions(segment_ids)
     padded = attention_mask is not None
     if attention_mask is None:
-        slots_total = t if cache is None else cache[0]["k"].shape[1]
+        slots_total = t if cache is None else cache_length(cache)
         attention_mask = jnp.ones((input_ids.shape[0], slots_total), jnp.int32)
     slots = query_slots(t, cache_index)
     return (attention_mask_for(attention_mask, slots, window=window, padded=padded),
@@ -358,8 +380,9 @@ def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat,
     with one entry per block; block i gets entry i of each as ``own``. Stacked blocks
     take them as arrays, scanned over their leading axis with the blocks. Without a
     cache each block may be rematerialized (training); with one, the new cache is
-    collected. Stacked blocks run in one ``scan`` (their cache stacked too). Returns (x,
-    new cache or None).
+    collected. Stacked blocks run in one ``scan``; decoding, they run unrolled over a
+    cache per layer (``_unrolled``), or scanned over a stacked one. Returns (x, new
+    cache or None).
 
     Blocks may return a third output, a report of what they measured (a pytree: a
     mixture of experts' router statistics). With ``reports`` (and no cache) the reports
@@ -378,6 +401,11 @@ def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat,
             x = constrain_rows(x)
             found.append(report)
         return (x, None, jax.tree.map(lambda *r: jnp.stack(r), *found)) if reports else (x, None)
+    return _decode_layers(blocks, owns, x, args, cache, cache_index, train)
+
+
+def _decode_layers(blocks, owns, x, args, cache: list, cache_index, train):
+    """Each block in turn with its own layer's cache; returns (x, the new caches)."""
     new_cache = []
     for block, own, layer_cache in zip(blocks, owns, cache):
         x, layer_cache = block(x, *args, *own, layer_cache, cache_index, train)[:2]
@@ -433,12 +461,45 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
             x, found = forward(ordered, x, *args, *per_layer)
         return (x, None, found) if reports else (x, None)
 
-    @nnx.scan(in_axes=(0, nnx.Carry, 0, *broadcast, *scanned), out_axes=(nnx.Carry, 0))
-    def decode(block, x, layer_cache, *a):
-        return block(x, *a, layer_cache, cache_index, train)[:2]
-
     with _in_layer_order(blocks) as ordered:
-        return decode(ordered, x, cache, *args, *per_layer)
+        if isinstance(cache, list):  # decoding with a cache per layer: the layers unrolled
+            return _unrolled(ordered, x, args, per_layer, cache, cache_index, train)
+        return _scanned_decode(ordered, x, args, per_layer, cache, cache_index, train)
+
+
+def _scanned_decode(blocks, x, args, per_layer, cache, cache_index, train):
+    """Stacked blocks over a stacked cache (an encoder-decoder's). The cache is carried,
+    not scanned over: a scanned output would be the whole cache rewritten on every
+    call; carried, each layer writes its new tokens in place."""
+    broadcast, scanned = (None,) * len(args), (0,) * len(per_layer)
+
+    @nnx.scan(in_axes=(0, nnx.Carry, *broadcast, *scanned), out_axes=nnx.Carry)
+    def decode(block, carry, *a):
+        x, cache, layer = carry
+        x, written = block(x, *a, jax.tree.map(lambda c: c[layer], cache), cache_index,
+                           train)[:2]
+        tokens = x.shape[1]
+
+        def put(stacked, new):
+            new = jax.lax.dynamic_slice_in_dim(new, cache_index, tokens, new.ndim - 2)
+            return jax.lax.dynamic_update_slice(stacked, new[None], (layer, 0, 0, cache_index, 0))
+        return x, {**cache, "k": put(cache["k"], written["k"]),
+                   "v": put(cache["v"], written["v"])}, layer + 1
+
+    x, cache, _ = decode(blocks, (x, cache, jnp.int32(0)), *args, *per_layer)
+    return x, cache
+
+
+def _unrolled(blocks, x, args, per_layer, cache: list, cache_index, train):
+    """Stacked blocks run one by one, each with its own layer's cache. XLA:CPU copies a
+    layer's slice of a stacked cache before attention reads it (a copy of the whole
+    cache per decoding step, 3x the step's time at 64 rows x 176 slots); separate
+    per-layer arrays are read and written in place."""
+    graphdef, state = nnx.split(blocks)
+    layers = [nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], state))
+              for i in range(len(cache))]
+    owns = [tuple(a[i] for a in per_layer) for i in range(len(cache))]
+    return _decode_layers(layers, owns, x, args, cache, cache_index, train)
 
 
 @contextlib.contextmanager

@@ -206,8 +206,8 @@ class Block(nnx.Module):
         q, k, v = self.self_attn.queries_keys_values(self.self_attn_norm(x))
         new_cache = None
         if cache is not None:
-            k, v, written = layers.update_cache(cache, k, v, cache_index)
-            new_cache = {**cache, **written}
+            new_cache = layers.update_cache(cache, k, v, cache_index)
+            k, v = layers.cached_keys(new_cache)
         x = x + drop(self.self_attn(q, k, v, mask, bias, train))
         if encoder_out is not None:
             if cache is not None and "cross_k" in cache:
@@ -323,8 +323,8 @@ class Model(nnx.Module):
         b, t = decoder_input_ids.shape
         if cache is None:
             kv_len = t
-        else:  # a list of layers' caches, or one stacked (layers, batch, length, ...)
-            kv_len = (cache["k"].shape[2] if isinstance(cache, dict) else cache[0]["k"].shape[1])
+        else:
+            kv_len = layers.cache_length(cache)
         if decoder_attention_mask is None:
             decoder_attention_mask = jnp.ones((b, kv_len), jnp.int32)
         if encoder_mask is None:

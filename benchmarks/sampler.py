@@ -1,0 +1,168 @@
+"""The continuous-batching sampler against redray's static ``generate`` and against
+transformers' PyTorch ``generate`` (``sampler/tokens_per_s_over_generate``,
+``sampler/tokens_per_s_over_transformers``).
+
+64 prompts (16 to 32 tokens) whose completions have lengths spread evenly on a log
+scale from 1x to 16x a base length (``--base`` tokens): most answers short, a few
+long, as reinforcement learning's rollouts are. Greedy, one random LLaMA (float32, one
+CPU device: the whole machine), the same prompts and lengths for all three:
+
+- redray's ``generate``: the 64 prompts as one left-padded batch and
+  ``max_new_tokens`` = the longest completion (a static batch decodes until its
+  longest row ends: that is the reference's cost). Its useful tokens are each row's
+  first ``length`` tokens.
+- the ``Sampler`` (``--slots`` sequences in flight): each request asks for its own
+  length (``SamplingParams.max_new_tokens``), so a slot frees as soon as its completion
+  is done and takes the next prompt.
+- transformers' ``generate`` with its static cache on the same weights (exported with
+  ``save_pretrained``), the same batch as redray's ``generate``, on as many torch
+  threads as the machine has cores (what XLA:CPU uses).
+
+The completion lengths are set by the request, not by an EOS the random model would
+emit: a static batch's cost is the same either way (it decodes until its longest row
+is done), and the sampler's is what EOS would give it. The figure is useful (asked)
+tokens per second over the reference's, medians over ``--rounds`` rounds in
+alternating order after a compiling warm-up; beside it the ideal ratio of the length
+schedule alone (the longest length times 64 over the sum of lengths), which is what
+continuous batching removes at equal cost per decoded row.
+
+    python benchmarks/sampler.py [--slots 16] [--base 8] [--rounds 3]
+"""
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import figure, parser, save, stats  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+COMMAND = "python benchmarks/sampler.py"
+FULL = dict(vocab=2048, hidden=256, intermediate=688, layers=4, heads=8, prompts=64, base=8)
+TINY = dict(vocab=64, hidden=32, intermediate=64, layers=1, heads=4, prompts=8, base=2)
+
+
+def workload(s: dict, base: int):
+    """(prompts, completion lengths): lengths base x 2^(4 i / (n-1)), rounded, shuffled."""
+    rs = np.random.default_rng(0)
+    n = s["prompts"]
+    prompts = [rs.integers(1, s["vocab"], rs.integers(16, 33)).tolist() for _ in range(n)]
+    lengths = np.rint(base * 2.0 ** (4 * np.arange(n) / (n - 1))).astype(int)
+    return prompts, rs.permutation(lengths).tolist()
+
+
+def left_padded(prompts):
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int32)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    return ids, mask
+
+
+def main(argv=None) -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--base", type=int, help="the shortest completion (default: 8 tokens)")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    s = TINY if args.tiny else FULL
+    rounds = 1 if args.tiny else args.rounds
+    base = args.base or s["base"]
+    slots = min(args.slots, s["prompts"])
+    from flax import nnx
+    from transformers import LlamaConfig
+
+    from redray.models import build, generate
+    from redray.post_training import Sampler, SamplingParams
+
+    config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
+                         intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
+                         num_attention_heads=s["heads"], max_position_embeddings=512,
+                         eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+    model = build(config, rngs=nnx.Rngs(0))
+    prompts, lengths = workload(s, base)
+    useful = sum(lengths)
+    ids, mask = left_padded(prompts)
+    longest = max(lengths)
+    sampler = Sampler(model, slots=slots, max_length=-(-ids.shape[1] // 16) * 16 + longest)
+    requests = [SamplingParams(max_new_tokens=n) for n in lengths]
+    static = jax.jit(lambda m, i, a: generate(m, i, a, max_new_tokens=longest))
+
+    def run_generate():
+        return np.asarray(static(model, ids, mask))
+
+    def run_sampler():
+        return sampler.sample(prompts, requests)
+
+    runs = {"generate": run_generate, "sampler": run_sampler}
+    torch_model = transformers_reference(model, config, ids, mask, longest)
+    if torch_model is not None:
+        runs["transformers"] = torch_model
+    outputs = {name: fn() for name, fn in runs.items()}  # compiled and warm
+    done = outputs["sampler"]
+    assert [len(c.tokens) for c in done] == lengths, "the sampler ignored a request's length"
+    same = sum(np.array_equal(c.tokens, outputs["generate"][i, :n])
+               for i, (c, n) in enumerate(zip(done, lengths)))
+    times = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    per_s = {name: useful / statistics.median(t) for name, t in times.items()}
+    ideal = longest * len(lengths) / useful
+    per_round = [g / m for g, m in zip(times["generate"], times["sampler"])]
+    detail = dict(seconds={k: stats(v) for k, v in times.items()}, useful_tokens_per_s=per_s,
+                  ratio_to_generate_per_round=stats(per_round),
+                  useful_tokens=useful, ideal_schedule_ratio=ideal, slots=slots,
+                  lengths=dict(min=min(lengths), max=longest, mean=useful / len(lengths)),
+                  greedy_rows_equal_to_generate=f"{same}/{len(lengths)}",
+                  model={k: s[k] for k in ("vocab", "hidden", "intermediate", "layers", "heads")},
+                  threads=os.cpu_count(), backend=jax.default_backend())
+    print(f"useful tokens/s: {', '.join(f'{k} {v:.0f}' for k, v in per_s.items())}; "
+          f"over generate per round {min(per_round):.2f}-{max(per_round):.2f}; schedule's ideal "
+          f"ratio {ideal:.2f}; greedy rows equal {same}/{len(lengths)}")
+    figures = [figure(
+        "sampler/tokens_per_s_over_generate", per_s["sampler"] / per_s["generate"], "x",
+        f"redray's generate: the {len(lengths)} prompts as one left-padded batch decoded to "
+        "the longest completion; same model, weights, device and greedy tokens", ">= 3",
+        COMMAND, **detail)]
+    if "transformers" in per_s:
+        figures.append(figure(
+            "sampler/tokens_per_s_over_transformers", per_s["sampler"] / per_s["transformers"],
+            "x", "transformers' PyTorch generate (static cache, greedy) on the same weights and "
+            f"batch, {os.cpu_count()} torch threads", None, COMMAND, **detail))
+    save(figures, args.out)
+
+
+def transformers_reference(model, config, ids, mask, new_tokens):
+    """transformers' generate on the same weights, or None without torch."""
+    try:
+        import torch
+        from transformers import LlamaForCausalLM
+    except ImportError:
+        print("torch is not installed: no transformers reference (pip install -e '.[test]')")
+        return None
+    from redray.models import save_pretrained
+
+    torch.set_num_threads(os.cpu_count())
+    folder = tempfile.mkdtemp(prefix="sampler-bench-")
+    save_pretrained(model, folder)
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids_t, mask_t = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
+
+    def run():
+        with torch.no_grad():
+            return hf.generate(ids_t, attention_mask=mask_t, max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False,
+                               cache_implementation="static", pad_token_id=0)
+    return run
+
+
+if __name__ == "__main__":
+    main()

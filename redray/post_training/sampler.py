@@ -1,0 +1,509 @@
+"""A sampler with continuous batching: a finished sequence's slot takes the next prompt.
+
+``redray.models.generate`` decodes a static batch: every row runs until the longest one
+ends. Where output lengths vary (reinforcement learning's rollouts), most of that work
+is padding. The ``Sampler`` keeps ``slots`` sequences in flight instead and fills a
+slot with the next waiting prompt as soon as its sequence ends, so the rows decoded are
+rows still writing.
+
+The KV cache. Every slot writes its next token at the same cache slot ``t`` (one
+``cache_index`` for the batch, which is what every redray model's call takes), and a
+prompt joining at ``t`` is written right-aligned behind it, at ``[t - P, t)``. A row's
+tokens are always contiguous and end at ``t``; the key mask (``kv_valid``) marks them,
+and position ids count a row's real tokens (``layers.positions_for``), so where a
+sequence sits in its row changes nothing it computes. When ``t`` reaches the cache's
+end, every row is shifted left by the same amount (the oldest live sequence's start):
+one copy of the cache, rarely. The cache holds ``slots x length`` tokens, ``length``
+the longest prompt and completion plus a quarter of slack for those shifts: its size
+is set by the sequences in flight, not by the number of prompts.
+
+Prefill runs beside decoding: between two decoding rounds, the prompts taking the free
+slots are run through the model together (left-padded to a bucket of 16 tokens) and
+their keys and values scattered into their rows.
+
+Sampling is per request (``SamplingParams``: temperature, top-k, top-p, maximum new
+tokens), and so is its randomness: the key of a request's n-th token is
+``fold_in(fold_in(key(seed), request_id), n)``, whatever slot or batch it shares.
+A run that resumes with the same request ids samples the same tokens.
+
+Sharded as the model is: the model's parameters keep their placement (or are placed by
+``parallelism=``'s automatic specs); the cache's slots are split over the batch axes
+(data-parallel replicas) and its key/value heads over ``model``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from redray.models.generate import special_tokens
+from redray.sharding import BATCH_AXES, MODEL, Parallelism
+
+PROMPT_BUCKET = 16  # prompts are left-padded to a multiple of this (one compile per size)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is continued.
+
+    Attributes:
+      max_new_tokens: the most tokens to add (the completion ends earlier at EOS).
+      temperature: 0 is greedy (argmax); else the logits are divided by it.
+      top_k: sample among the k most likely tokens only (0: all).
+      top_p: sample among the smallest set of tokens whose probability reaches it (1.0:
+        all).
+    """
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: ask for at least 1 token")
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"{self}: temperature and top_k must be >= 0 and top_p in (0, 1]")
+
+
+@dataclasses.dataclass
+class Completion:
+    """One request's result.
+
+    Attributes:
+      request_id: the request's id (its key of randomness).
+      tokens: (n,) int32 new tokens, the EOS that ended it included.
+      logprobs: (n,) float32 log-probability of each token under the distribution it
+        was sampled from before top-k/top-p: the model's softmax at the request's
+        temperature (at 1 for a greedy request). What a policy-gradient loss compares
+        its own log-probabilities with.
+      finish_reason: "eos" (an end-of-sequence token) or "length" (max_new_tokens).
+    """
+    request_id: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+
+
+def sample_rows(logits, keys, temperature, top_k, top_p, greedy_only: bool = False):
+    """One token per row of (rows, vocab) logits, each row with its own sampling.
+
+    Args:
+      logits: (rows, vocab). keys: (rows,) typed PRNG keys.
+      temperature, top_k, top_p: (rows,) arrays, as ``SamplingParams``'.
+      greedy_only: every row's temperature is 0 (static): no sort, no draw.
+
+    Returns:
+      (tokens (rows,) int32, their log-probabilities (rows,) float32; see
+      ``Completion.logprobs``).
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    logp = jax.nn.log_softmax(scaled, -1)
+    best = jnp.argmax(logits, -1).astype(jnp.int32)
+    if greedy_only:
+        return best, jnp.take_along_axis(logp, best[:, None], -1)[:, 0]
+    vocab = logits.shape[-1]
+    ordered = -jnp.sort(-scaled, -1)  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], -1)
+    ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
+    probs = jax.nn.softmax(ordered, -1)
+    before = jnp.cumsum(probs, -1) - probs  # the mass of strictly more likely tokens
+    kept = jnp.where(before < top_p[:, None], ordered, jnp.inf)
+    floor = jnp.maximum(kth, jnp.min(kept, -1, keepdims=True))
+    drawn = jax.vmap(jax.random.categorical)(keys, jnp.where(scaled < floor, -jnp.inf, scaled))
+    token = jnp.where(greedy, best, drawn.astype(jnp.int32))
+    return token, jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
+
+
+class Sampler:
+    """Continues prompts with continuous batching on a redray decoder-only model.
+
+    Args:
+      model: a redray causal LM (``from_pretrained``, ``build``, a Trainer's ``model()``),
+        as placed; or unplaced with ``parallelism``.
+      slots: sequences decoded at once (a multiple of the plan's data-parallel size).
+      max_length: the longest prompt plus completion a request may have (the cache's
+        rows hold this and a quarter more).
+      eos_token_id, pad_token_id: as ``generate``'s (default: the config's).
+      seed: the key every request's randomness is folded from (an attribute: it may
+        change between calls).
+      parallelism: place ``model``'s parameters on this plan (automatic specs); None:
+        leave them where they are.
+      steps_per_call: decoding steps per compiled call at most (the host refills slots
+        between calls).
+    """
+
+    def __init__(self, model, *, slots: int = 16, max_length: int, eos_token_id=None,
+                 pad_token_id: int | None = None, seed: int = 0,
+                 parallelism: Parallelism | None = None, steps_per_call: int = 32):
+        config = model.config
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError("Sampler serves decoder-only models; an encoder-decoder model "
+                             "(T5) generates with redray.models.generate")
+        eos, self.pad = special_tokens(config, eos_token_id, pad_token_id)
+        self.eos = np.asarray([] if eos is None else np.atleast_1d(eos), np.int32)
+        self.slots, self.max_length, self.seed = slots, max_length, seed
+        self.length = max_length + max(PROMPT_BUCKET, max_length // 4)
+        self.steps_per_call = steps_per_call
+        self.graphdef, self.state = nnx.split(model)
+        if parallelism is not None:
+            self.state = _placed(model, self.state, parallelism)
+        self.mesh = _mesh_of(self.state)
+        self.data_parallel = 1
+        if self.mesh is not None:
+            dp = self.data_parallel = math.prod(self.mesh.shape.get(a, 1) for a in BATCH_AXES)
+            if slots % dp:
+                raise ValueError(f"slots={slots} must be a multiple of the plan's data-parallel "
+                                 f"size ({dp}): each replica decodes its share of the slots")
+        self._compiled = {}
+        self.reset()
+
+    # ------------------------------------------------------------------ public
+    def reset(self) -> None:
+        """An empty cache (every slot free); the weights are kept."""
+        model = nnx.merge(self.graphdef, self.state)
+        self._place(model.init_cache(self.slots, self.length),
+                    jnp.zeros((self.slots, self.length), jnp.int32))
+        self.t = 0
+        self.start = np.zeros(self.slots, np.int64)  # each slot's first cache slot
+        self.shifts = 0  # times the rows were moved left (see the module)
+
+    def update_weights(self, model_or_state) -> None:
+        """Decode with new weights (an updated policy): a model or its ``nnx.state``,
+        of the same structure. In flight sequences continue with the new weights."""
+        state = model_or_state if isinstance(model_or_state, nnx.State) \
+            else nnx.state(model_or_state)
+        self.state = jax.tree.map(
+            lambda new, old: jax.device_put(new, old.sharding)
+            if isinstance(old, jax.Array) else new, state, self.state)
+
+    def sample(self, prompts: Sequence[Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams],
+               request_ids: Sequence[int] | None = None) -> list[Completion]:
+        """Completes every prompt; returns their completions in the prompts' order.
+
+        Args:
+          prompts: token id lists (no padding).
+          params: one ``SamplingParams`` for all, or one per prompt.
+          request_ids: each request's id, the key of its randomness (default: its index
+            in ``prompts``).
+        """
+        n = len(prompts)
+        params = [params] * n if isinstance(params, SamplingParams) else list(params)
+        ids = list(range(n)) if request_ids is None else [int(i) for i in request_ids]
+        if len(params) != n or len(ids) != n:
+            raise ValueError(f"{n} prompts but {len(params)} SamplingParams and {len(ids)} "
+                             "request ids: give one per prompt (or one SamplingParams)")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if len(prompt) < 1:
+                raise ValueError(f"prompt {i} is empty: give at least one token (a BOS)")
+            if _bucket(len(prompt)) + p.max_new_tokens > self.max_length:
+                raise ValueError(
+                    f"prompt {i}: {len(prompt)} tokens (padded to {_bucket(len(prompt))}) + "
+                    f"max_new_tokens={p.max_new_tokens} exceeds the Sampler's max_length="
+                    f"{self.max_length}: build the Sampler with a larger max_length")
+        greedy_only = all(p.temperature == 0 for p in params)
+        if self.kv_valid.shape[0] != self.slots:  # narrowed by the last call's tail
+            self.reset()
+        pending = collections.deque(range(n))
+        tokens = [[] for _ in range(n)]
+        logprobs = [[] for _ in range(n)]
+        reason = [""] * n
+        owner = np.full(self.slots, -1)  # the request each slot decodes (-1: free)
+        rows = _Rows(self.slots, self.seed)
+
+        def emit(slot_tokens, slot_logprobs, written, finished_by_eos, now_active):
+            for s in np.nonzero(owner >= 0)[0]:
+                r = owner[s]
+                tokens[r] += slot_tokens[s][written[s]].tolist()
+                logprobs[r] += slot_logprobs[s][written[s]].tolist()
+                if not now_active[s]:
+                    reason[r] = "eos" if finished_by_eos[s] else "length"
+                    owner[s] = -1
+
+        while pending or (owner >= 0).any():
+            free = np.nonzero(owner < 0)[0]
+            if pending and len(free):
+                take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+                slots = free[:len(take)]
+                owner[slots] = take
+                rows.assign(slots, [params[r] for r in take], [ids[r] for r in take])
+                emit(*self._prefill([prompts[r] for r in take], slots, rows, greedy_only))
+            if not rows.active.any():
+                continue
+            if not pending:
+                owner = self._narrow(rows, owner)
+            # a round ends when enough slots are free to refill, or, with no prompt
+            # waiting, to narrow the batch to half
+            size, waiting = len(owner), len(pending)
+            refill_at = min(waiting, max(1, size // 8)) if waiting else \
+                size // 2 if self._halves(size) else size + 1
+            emit(*self._decode(rows, refill_at, greedy_only))
+        return [Completion(ids[r], np.asarray(tokens[r], np.int32),
+                           np.asarray(logprobs[r], np.float32), reason[r]) for r in range(n)]
+
+    # ------------------------------------------------------------------ device steps
+    def _prefill(self, prompts, slots, rows: "_Rows", greedy_only: bool):
+        k = len(prompts)
+        width = _bucket(max(len(p) for p in prompts))
+        batch = 1 << (k - 1).bit_length()  # padded to a power of two: few compiles
+        ids = np.full((batch, width), self.pad, np.int32)
+        mask = np.zeros((batch, width), np.int32)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+        where = np.full(batch, self.slots, np.int32)  # a padding row writes nowhere
+        where[:k] = slots
+        if self.t >= self.length:
+            self._shift(rows)
+        if self.t < width:  # the pointer may jump: the skipped slots stay unused
+            self.t = width
+        self.start[slots] = self.t - width
+        fn = self._compile("prefill", batch, width, greedy_only)
+        self.cache, self.kv_valid, token, logprob = fn(
+            self.state, self.cache, self.kv_valid, jnp.int32(self.t), ids, mask, where,
+            rows.keys[where % self.slots], *(x[where % self.slots] for x in rows.sampling()))
+        token, logprob = np.asarray(token)[:k], np.asarray(logprob)[:k]
+        rows.token[slots] = token
+        rows.counts[slots] = 1
+        rows.remaining[slots] -= 1
+        by_eos = np.isin(token, self.eos)
+        rows.active[slots] = ~by_eos & (rows.remaining[slots] > 0)
+        written = np.zeros((self.slots, 1), bool)
+        written[slots, 0] = True
+        full_tokens = np.zeros((self.slots, 1), np.int32)
+        full_tokens[slots, 0] = token
+        full_lp = np.zeros((self.slots, 1), np.float32)
+        full_lp[slots, 0] = logprob
+        eos_rows = np.zeros(self.slots, bool)
+        eos_rows[slots] = by_eos
+        return full_tokens, full_lp, written, eos_rows, rows.active
+
+    def _decode(self, rows: "_Rows", refill_at: int, greedy_only: bool):
+        if self.t >= self.length:
+            self._shift(rows)
+        fn = self._compile("decode", self.steps_per_call, len(rows.token), greedy_only)
+        (self.cache, self.kv_valid, t, token, active, counts, remaining, out, lps, written,
+         by_eos) = fn(self.state, self.cache, self.kv_valid, jnp.int32(self.t), rows.token,
+                      rows.active, rows.counts, rows.remaining, rows.keys, *rows.sampling(),
+                      jnp.int32(refill_at))
+        self.t = int(t)
+        rows.token, rows.counts, rows.remaining = (np.array(token), np.array(counts),
+                                                   np.array(remaining))
+        active = np.array(active)
+        rows.active = active
+        return np.asarray(out), np.asarray(lps), np.asarray(written), np.asarray(by_eos), active
+
+    def _narrow(self, rows: "_Rows", owner):
+        """With no prompt waiting, the live sequences moved into the fewest slots (halved
+        while they fit): a decoding step costs about its rows, and the last, long
+        sequences would otherwise run with most of the batch idle. Returns the owners."""
+        size, live = len(owner), np.nonzero(rows.active)[0]
+        while self._halves(size) and size // 2 >= len(live):
+            size //= 2
+        if size == len(owner):
+            return owner
+        idle = np.setdiff1d(np.arange(len(owner)), live)
+        keep = np.concatenate([live, idle[:size - len(live)]])
+        self._place(*_take_rows(self.cache, self.kv_valid, keep))
+        self.start = self.start[keep]
+        rows.take(keep)
+        return owner[keep]
+
+    def _halves(self, size: int) -> bool:
+        """Whether ``size`` slots can be halved and stay split over the data axes."""
+        return size % 2 == 0 and (size // 2) % self.data_parallel == 0
+
+    def _shift(self, rows: "_Rows") -> None:
+        """Moves every row left by the oldest live sequence's start (see the module)."""
+        live = rows.active
+        shift = int(self.start[live].min()) if live.any() else self.t
+        if shift <= 0:
+            raise RuntimeError("the KV cache is full of one live sequence: max_length is "
+                               "smaller than a request's prompt plus completion")
+        self.cache, self.kv_valid = _shifted(self.cache, self.kv_valid, jnp.int32(shift))
+        self.t -= shift
+        self.start -= shift
+        self.shifts += 1
+
+    def _place(self, cache, kv_valid) -> None:
+        """Keeps the cache and its key mask, split over the plan's mesh (see the module)."""
+        if self.mesh is not None:
+            cache = jax.device_put(cache, self._cache_sharding(cache))
+            kv_valid = jax.device_put(kv_valid, NamedSharding(self.mesh, P(BATCH_AXES)))
+        self.cache, self.kv_valid = cache, kv_valid
+
+    def _cache_sharding(self, cache):
+        kv_heads = jax.tree.leaves(cache)[0].shape[-3]
+        heads = MODEL.name if kv_heads % self.mesh.shape.get(MODEL.name, 1) == 0 else None
+
+        def spec(leaf):
+            lead = (None,) * (leaf.ndim - 4)  # the layer axis of a stacked cache
+            return NamedSharding(self.mesh, P(*lead, BATCH_AXES, heads, None, None))
+        return jax.tree.map(spec, cache)
+
+    def _compile(self, kind: str, a: int, b: int, greedy_only: bool):
+        key = (kind, a, b, greedy_only)
+        if key not in self._compiled:
+            make = {"prefill": self._prefill_fn, "decode": self._decode_fn}[kind]
+            self._compiled[key] = make(a, b, greedy_only)
+        return self._compiled[key]
+
+    def _prefill_fn(self, batch: int, width: int, greedy_only: bool):
+        graphdef, length = self.graphdef, self.length
+
+        def prefill(state, cache, kv_valid, t, ids, mask, where, keys, temperature, top_k,
+                    top_p):
+            model = nnx.merge(graphdef, state)
+            logits, small = model(ids, mask, cache=model.init_cache(batch, width),
+                                  cache_index=0)
+            cols = t - width + jnp.arange(width)
+            cache = jax.tree.map(lambda big, new: _write(big, new, where, cols), cache, small)
+            row = jnp.zeros((batch, length), jnp.int32).at[:, cols].set(mask)
+            kv_valid = kv_valid.at[where].set(row, mode="drop")
+            first = jax.vmap(lambda key: jax.random.fold_in(key, 0))(keys)
+            token, logprob = sample_rows(logits[:, -1], first, temperature, top_k, top_p,
+                                         greedy_only)
+            return cache, kv_valid, token, logprob
+
+        return jax.jit(prefill, donate_argnums=(1, 2))
+
+    def _decode_fn(self, steps: int, slots: int, greedy_only: bool):
+        graphdef, length, pad = self.graphdef, self.length, self.pad
+        eos = jnp.asarray(self.eos)
+
+        def decode(state, cache, kv_valid, t, token, active, counts, remaining, keys,
+                   temperature, top_k, top_p, refill_at):
+            out = jnp.full((slots, steps), pad, jnp.int32)
+            lps = jnp.zeros((slots, steps), jnp.float32)
+            written = jnp.zeros((slots, steps), bool)
+            by_eos = jnp.zeros((slots,), bool)
+
+            def cond(c):
+                i, t, active = c[0], c[1], c[4]
+                free = slots - active.sum()
+                return (i < steps) & (t < length) & active.any() & (free < refill_at)
+
+            def body(c):
+                i, t, cache, kv_valid, active, token, counts, remaining, out, lps, written, \
+                    by_eos = c
+                kv_valid = jax.lax.dynamic_update_slice(
+                    kv_valid, active.astype(jnp.int32)[:, None], (0, t))
+                model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+                logits, cache = model(token[:, None], kv_valid, cache=cache, cache_index=t)
+                step_keys = jax.vmap(jax.random.fold_in)(keys, counts)
+                new, lp = sample_rows(logits[:, -1], step_keys, temperature, top_k, top_p,
+                                      greedy_only)
+                out = out.at[:, i].set(jnp.where(active, new, pad))
+                lps = lps.at[:, i].set(jnp.where(active, lp, 0.0))
+                written = written.at[:, i].set(active)
+                ended = jnp.isin(new, eos)
+                remaining = remaining - active
+                finished = active & (ended | (remaining <= 0))
+                by_eos = by_eos | (active & ended)
+                counts = counts + active
+                token = jnp.where(active, new, token)
+                return (i + 1, t + 1, cache, kv_valid, active & ~finished, token, counts,
+                        remaining, out, lps, written, by_eos)
+
+            c = jax.lax.while_loop(cond, body, (jnp.int32(0), t, cache, kv_valid, active,
+                                                token, counts, remaining, out, lps, written,
+                                                by_eos))
+            _, t, cache, kv_valid, active, token, counts, remaining, out, lps, written, \
+                by_eos = c
+            return (cache, kv_valid, t, token, active, counts, remaining, out, lps, written,
+                    by_eos)
+
+        return jax.jit(decode, donate_argnums=(1, 2))
+
+
+class _Rows:
+    """The host's copy of every slot's request: its key, sampling, tokens so far."""
+
+    def __init__(self, slots: int, seed: int):
+        self.seed = seed
+        self.keys = jax.random.split(jax.random.key(seed), slots)
+        self.token = np.zeros(slots, np.int32)
+        self.active = np.zeros(slots, bool)
+        self.counts = np.zeros(slots, np.int32)
+        self.remaining = np.zeros(slots, np.int32)
+        self.temperature = np.zeros(slots, np.float32)
+        self.top_k = np.zeros(slots, np.int32)
+        self.top_p = np.ones(slots, np.float32)
+
+    def assign(self, slots, params: list[SamplingParams], ids: list[int]) -> None:
+        base = jax.random.key(self.seed)
+        keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(ids, jnp.int32))
+        self.keys = self.keys.at[jnp.asarray(slots)].set(keys)
+        self.counts[slots] = 0
+        self.remaining[slots] = [p.max_new_tokens for p in params]
+        self.temperature[slots] = [p.temperature for p in params]
+        self.top_k[slots] = [p.top_k for p in params]
+        self.top_p[slots] = [p.top_p for p in params]
+
+    def sampling(self):
+        return self.temperature, self.top_k, self.top_p
+
+    def take(self, keep) -> None:
+        """Keeps the slots ``keep``, in that order (``Sampler._narrow``)."""
+        for name in ("keys", "token", "active", "counts", "remaining", "temperature",
+                     "top_k", "top_p"):
+            setattr(self, name, getattr(self, name)[keep])
+
+
+def _bucket(n: int) -> int:
+    return -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
+
+
+def _write(big, new, rows, cols):
+    """``new``'s (rows, heads, width) tokens into ``big`` at rows ``rows``, columns
+    ``cols`` (a stacked cache's layer axis leads both); rows out of range write nothing."""
+    lead = (slice(None),) * (big.ndim - 4)
+    heads = jnp.arange(big.shape[-3])
+    return big.at[(*lead, rows[:, None, None], heads[None, :, None], cols[None, None, :])].set(
+        new.astype(big.dtype), mode="drop")
+
+
+@jax.jit
+def _take_rows(cache, kv_valid, keep):
+    return jax.tree.map(lambda x: x[..., keep, :, :, :], cache), kv_valid[keep]
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _shifted(cache, kv_valid, by):
+    """Every row moved ``by`` slots left; the slots freed at the end are masked."""
+    cache = jax.tree.map(lambda x: jnp.roll(x, -by, axis=x.ndim - 2), cache)
+    length = kv_valid.shape[1]
+    return cache, jnp.where(jnp.arange(length) < length - by, jnp.roll(kv_valid, -by, 1), 0)
+
+
+def _mesh_of(state):
+    for leaf in jax.tree.leaves(state):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def _placed(model, state, parallelism: Parallelism):
+    from redray.models.hub import family, model_specs
+
+    plan = parallelism.build() if parallelism.mesh is None else parallelism
+    inputs = family(model.config.model_type).trace_inputs(model.config)
+    graphdef, params, extra = nnx.split(model, nnx.Param, ...)
+    specs = model_specs(graphdef, (params, extra), plan, inputs)
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(plan.mesh, s)),
+                          (params, extra), specs,
+                          is_leaf=lambda x: isinstance(x, P))
+    return nnx.state(nnx.merge(graphdef, *placed))
