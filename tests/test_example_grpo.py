@@ -1,0 +1,76 @@
+"""examples/grpo's loop at a tiny size, in this process (the loop ``redray.run`` runs on a
+host): the rows it trains on line up with what the sampler drew, and a run stopped at a
+checkpoint and started again trains exactly as one that never stopped (each
+iteration's prompts and samples are keyed by its number; the Trainer restores its
+state). Stopping at a checkpoint stands for a kill: a killed run restarts from its last
+checkpoint the same way, redoing what came after it (tests/test_resume_cluster.py kills
+hosts mid-epoch)."""
+
+import jax
+import numpy as np
+import pytest
+
+import redray
+from example_runs import example_module
+
+TRAINER = redray.Trainer  # the example's, monkeypatched below: a subclass of this one
+TINY = ["--warmup", "2", "--prompts", "4", "--group", "4"]
+
+
+def example():
+    return example_module("grpo")
+
+
+def run(module, monkeypatch, folder, iterations):
+    """The example's loop with checkpoints in ``folder``; its trainer and logged rows."""
+    made, logged = [], []
+
+    class Checkpointed(TRAINER):
+        def __init__(self, *args, **kwargs):
+            # one plan for every run: the planner's pick follows timings (this machine's
+            # load), and another plan rounds differently
+            super().__init__(*args, checkpoint=redray.CheckpointConfig(str(folder)),
+                             data_axis=4, **kwargs)
+            made.append(self)
+
+        def log(self, row):
+            logged.append({k: float(v) for k, v in row.items()})
+            return super().log(row)
+
+    monkeypatch.setattr(module.redray, "Trainer", Checkpointed)
+    out = module.grpo(module.parse([*TINY, "--iterations", str(iterations)]))
+    return out, made[0], logged
+
+
+def test_rows_follow_the_samples():
+    g = example()
+    pair = 3745  # 37 + 45
+    assert g.prompt(pair) == [g.BOS, 3, 7, 10, 4, 5, 11] and g.answer(pair) == [8, 2, g.EOS]
+    assert g.reward(pair, [8, 2, g.EOS]) == 1.0
+    assert g.reward(pair, [8, 2]) == g.reward(pair, [8, 3, g.EOS]) == 0.0
+    r = g.row(pair, [8, 3, g.EOS], [-0.5, -1.0, -0.25], advantage=-2.0)
+    assert r["ids"].tolist() == [g.BOS, 3, 7, 10, 4, 5, 11, 8, 3, g.EOS, g.PAD, g.PAD]
+    # the completion's tokens, and the sampler's log-probabilities at their positions
+    assert r["completion"].tolist() == [0] * 7 + [1] * 3 + [0] * 2
+    assert r["old_logp"][7:10].tolist() == [-0.5, -1.0, -0.25] and r["old_logp"][:7].sum() == 0
+    assert not r["warmup"] and r["advantage"] == -2.0
+    assert g.row(pair, g.answer(pair))["warmup"]
+
+
+@pytest.mark.slow
+def test_a_stopped_run_resumes_exactly(tmp_path, monkeypatch):
+    g = example()
+    whole, trainer, whole_log = run(g, monkeypatch, tmp_path / "whole", iterations=3)
+    assert whole == {"first_epoch": 0, "step": 5}  # 2 warm-up epochs + 3 iterations
+    rewards = [row["reward"] for row in whole_log if "reward" in row]
+    held_out = [row["heldout_accuracy"] for row in whole_log if "heldout_accuracy" in row]
+    assert len(rewards) == 3 and len(held_out) == 4  # before each iteration, and at the end
+    assert all(0 <= r <= 1 for r in rewards + held_out)
+    params = jax.device_get(trainer.state.params)
+
+    first, _, _ = run(g, monkeypatch, tmp_path / "stopped", iterations=1)
+    assert first["step"] == 3
+    again, resumed, again_log = run(g, monkeypatch, tmp_path / "stopped", iterations=3)
+    assert again == {"first_epoch": 3, "step": 5}  # from the checkpoint of step 3
+    assert again_log == whole_log[-len(again_log):]  # the same samples and rewards
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state.params), params)
