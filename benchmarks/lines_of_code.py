@@ -34,6 +34,11 @@ PIPELINES = {
     "differentially private training": (["examples/differential_privacy/train.py"],
                                         "differential_private_training", 165),
     "LoRA fine-tuning": (["examples/lora/train.py"], "lora", 220),
+    # redco has no GRPO: its closest pipeline is its reinforcement learning (PPO)
+    "reinforcement learning from a verifier (GRPO)": (["examples/grpo/train.py"],
+                                                      "reinforcement_learning", 218),
+    # redco has no DPO: its closest pipeline fine-tunes a causal LM (its language modeling)
+    "preference learning (DPO)": (["examples/dpo/train.py"], "language_modeling", 113),
 }
 
 SKIPPED = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,

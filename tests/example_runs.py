@@ -1,5 +1,6 @@
 """Running an example script the way a user does, for the example tests."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,3 +20,12 @@ def run_example(name: str, *args: str) -> tuple[str, dict | None]:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return done.stdout, json.loads(lines[-1]) if lines else None
+
+
+def example_module(name: str):
+    """``examples/<name>/train.py`` as a module: its functions, not its main."""
+    spec = importlib.util.spec_from_file_location(
+        f"{name}_example", os.path.join(ROOT, "examples", name, "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,21 +1,18 @@
 """Tiny random Hugging Face checkpoints written by transformers + torch, for the tests."""
 
-import importlib.util
 import json
 import os
 
 import numpy as np
+
+from example_runs import example_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def demo_module():
     """examples/language_modeling/train.py as a module (its functions, not its main)."""
-    spec = importlib.util.spec_from_file_location(
-        "lm_demo", os.path.join(ROOT, "examples", "language_modeling", "train.py"))
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
-    return demo
+    return example_module("language_modeling")
 
 
 def gpt2_tokenizer():
