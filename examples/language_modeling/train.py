@@ -22,14 +22,10 @@ import optax
 
 import redray
 
-# LLaMA's MLP is ~8/3 x hidden wide, rounded up to a multiple of 8 so it splits over
-# any model axis up to 8 (341 would divide by none: every device would hold it whole).
-SIZES = {"tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                      num_attention_heads=4),
-         "small": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                       num_attention_heads=4),
-         "base": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                      num_attention_heads=8)}
+# (hidden size, MLP width, layers, heads). LLaMA's MLP is ~8/3 x hidden wide, rounded up
+# to a multiple of 8 so it splits over any model axis up to 8 (341 would divide by none:
+# every device would hold it whole).
+SIZES = {"tiny": (64, 176, 2, 4), "small": (128, 344, 2, 4), "base": (256, 688, 4, 8)}
 
 
 def parse(argv=None):
@@ -45,9 +41,9 @@ def parse(argv=None):
 
 
 class Tokenize:
-    """text -> token ids, run by ``redray.data.prepare``. From scratch the ids are
-    renumbered to the BPE tokens the text uses (~5k of GPT-2's 50k), which keeps the
-    output layer small on a laptop; a fine-tuned checkpoint keeps its own tokenizer."""
+    """text -> token ids, run by ``redray.data.prepare``."""
+    # From scratch the ids are renumbered to the BPE tokens the text uses (~5k of GPT-2's
+    # 50k), which keeps the output layer small on a laptop; a checkpoint keeps its own.
 
     def __init__(self, used=None, model_path=None):
         self.used, self.model_path, self.tokenizer = used, model_path, None
@@ -66,11 +62,9 @@ class Tokenize:
 
 
 def corpus(folder, seq, model_path=None):
-    """(train, eval) streams of packed rows of seq+1 token ids, and the vocabulary size.
-
-    The documents (every tenth held out for evaluation) are tokenized and packed once,
-    into ``folder``; a later run (a resume) streams the same files.
-    """
+    """(train, eval) streams of packed rows of seq+1 token ids, and the vocabulary size."""
+    # tokenized and packed once into ``folder`` (every tenth document held out for
+    # evaluation); a later run (a resume) streams the same files
     from pydoc_data.topics import topics
 
     from redray.models import gpt2_tokenizer
@@ -120,8 +114,10 @@ def main(argv=None):
     if args.model:
         config, model = load_config(args.model), from_pretrained(args.model)
     else:
+        hidden, mlp, layers, heads = SIZES[args.size]
         config = LlamaConfig(vocab_size=vocab, max_position_embeddings=args.seq,
-                             tie_word_embeddings=False, **SIZES[args.size])
+                             hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                             num_attention_heads=heads, tie_word_embeddings=False)
         model = lambda rngs: build(config, rngs=rngs)  # noqa: E731 - built on each host
     os.makedirs(folders.run, exist_ok=True)  # the model `redray export` builds
     config.to_json_file(folders.model_config)
