@@ -271,6 +271,34 @@ def test_why_names_the_part_the_runner_up_loses_on_or_the_tie_break():
     assert _loses_on(best, hidden) == ("as fast predicted, with more traffic for the compute "
                                        "to hide: +300 ms")
     assert _loses_on(best, best) == "as fast predicted, with no less traffic and more memory"
+    assert _loses_on(best, best, 1, 4) == ("as fast predicted, with no less traffic and 4 "
+                                           "micro-batches a step, not 1")
+
+
+def test_a_pass_timed_faster_with_more_rows_still_charges_each_micro_batch(tiny_facts):
+    from redray.engine.autoplan import timed_line
+    from redray.sharding.cost import ModelTiming
+    from redray.sharding.planner import rank
+
+    assert timed_line(0.010, 0.012, 1e-6) == pytest.approx((0.008, 0.002))  # a clean line
+    # the noise above the second row's cost (2 rows timed faster than 1): each example
+    # costs its FLOPs at the matmul rate, the rest of the faster pass is the micro-batch's
+    assert timed_line(0.010, 0.009, 1e-4) == pytest.approx((0.009 - 1e-4, 1e-4))
+    # a matmul rate slower than the pass itself: at most half of the faster pass per row
+    assert timed_line(0.010, 0.009, 1.0) == pytest.approx((0.0045, 0.0045))
+    # planned with such a timing, the fewest micro-batches that fit win (charged nothing
+    # per micro-batch, the tie went to the least memory: micro-batches of 1)
+    hw = dataclasses.replace(PRESETS["cpu"], device_memory=64 * (1 << 20))
+    flops = tiny_facts.flops("none")
+    for t_few, t_many in ((0.010, 0.009), (0.010, 0.010)):
+        fixed, per_example = timed_line(t_few, t_many, flops / hw.matmul_flops)
+        tiny_facts.timing = ModelTiming(fixed, per_example, flops)
+        try:
+            ranking = rank(tiny_facts, 4, 1, 32, hw, {"data_axis": 4})
+        finally:
+            tiny_facts.timing = None
+        assert ranking.best.accumulation == 1, ranking.table()
+        assert ranking.best.candidate.micro_batch_size == 8
 
 
 def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():

@@ -153,7 +153,7 @@ def choose(facts: RuntimeFacts, batch_size: int, hardware: Hardware, pinned: dic
     """The ranked plans of ``facts`` on every device of this runtime (``rank``); on the
     live devices (``hardware.live``), with the model's pass timed there."""
     if hardware.live and facts.timing is None:
-        facts.timing = model_timing(facts, hardware.device_memory)
+        facts.timing = model_timing(facts, hardware)
     return rank(facts, jax.device_count(), jax.process_count(), batch_size, hardware, pinned,
                 rules)
 
@@ -169,7 +169,7 @@ TIMED_SHARE = 0.6
 UPDATE_ELEMENTS = 1 << 20
 
 
-def model_timing(facts: RuntimeFacts, device_memory: float) -> ModelTiming | None:
+def model_timing(facts: RuntimeFacts, hardware: Hardware) -> ModelTiming | None:
     """The model's gradient timed on every device at once (each on its own rows of the
     first batch, the parameters whole, no collectives), at ``TIMED_ROWS`` examples:
     ``fixed + rows * per_example`` (median of ``probe.REPEATS`` runs each). Process 0's
@@ -179,7 +179,7 @@ def model_timing(facts: RuntimeFacts, device_memory: float) -> ModelTiming | Non
 
     params_abs, extra_abs = facts.runtime.abstract
     nbytes = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params_abs))
-    if 2 * nbytes > TIMED_SHARE * device_memory:
+    if 2 * nbytes > TIMED_SHARE * hardware.device_memory:
         return None
     mesh = _grid()
     rows_spec = P(("hosts", "local"))
@@ -212,15 +212,29 @@ def model_timing(facts: RuntimeFacts, device_memory: float) -> ModelTiming | Non
         seconds.append(_update_seconds(facts.optimizer, mesh, rows_spec) / UPDATE_ELEMENTS)
     except Exception:  # noqa: BLE001 - the planner then uses the hardware's matmul rate
         seconds = [0.0, 0.0, 0.0]
-    (few, many) = TIMED_ROWS
     t_few, t_many, update = broadcast(np.array(seconds, np.float64)).tolist()
     if not t_few > 0:
         return None
+    flops = facts.flops("none")
+    fixed, per_example = timed_line(t_few, t_many, flops / hardware.matmul_flops)
+    return ModelTiming(fixed, per_example, flops, update)
+
+
+def timed_line(t_few: float, t_many: float, at_matmul_rate: float) -> tuple[float, float]:
+    """(fixed, per_example) of the line through the passes timed at ``TIMED_ROWS``.
+
+    Where the larger pass was not the slower one (the timer's noise above what the extra
+    rows cost: a tiny model, a loaded machine), the rows' cost is below what the timing
+    can see: each example is charged its FLOPs at the matmul rate (``at_matmul_rate``
+    seconds) and the rest of the faster pass is the micro-batch's own. Charging all of it
+    per example instead made a micro-batch cost nothing: accumulation was free, and a
+    MAML run on a loaded machine chose micro-batches of 1 (32 per step, 50x slower).
+    """
+    (few, many) = TIMED_ROWS
     per_example = (t_many - t_few) / (many - few)
-    if per_example <= 0:  # noise larger than the rows' cost: all of it per example
-        return ModelTiming(0.0, t_many / many, facts.flops("none"), update)
-    return ModelTiming(max(0.0, t_few - few * per_example), per_example, facts.flops("none"),
-                       update)
+    if per_example <= 0:
+        per_example = min(at_matmul_rate, min(t_few, t_many) / many)
+    return max(0.0, min(t_few, t_many) - few * per_example), per_example
 
 
 def _update_seconds(optimizer, mesh, spec) -> float:

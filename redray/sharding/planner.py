@@ -130,9 +130,9 @@ class Ranking:
                 f"{size_text(self.budget)} per device)")
         if len(self.ranked) > 1:
             second = self.ranked[1]
+            loses = _loses_on(best.cost, second.cost, best.accumulation, second.accumulation)
             line += (f"; runner-up {second.candidate.describe()}: "
-                     f"{second.cost.seconds / best.cost.seconds:.3f}x the time "
-                     f"({_loses_on(best.cost, second.cost)})")
+                     f"{second.cost.seconds / best.cost.seconds:.3f}x the time ({loses})")
         return line
 
     def table(self, rows: int = 10) -> str:
@@ -164,7 +164,8 @@ class NoPlanFits(ValueError):
     change."""
 
 
-def _loses_on(best: StepCost, other: StepCost) -> str:
+def _loses_on(best: StepCost, other: StepCost, best_micro_batches: int = 1,
+              other_micro_batches: int = 1) -> str:
     parts = {"compute": other.compute - best.compute, "tensor-parallel traffic":
              other.tensor - best.tensor, "gradient and FSDP traffic":
              other.exposed - best.exposed, "micro-batch overhead": other.overhead - best.overhead,
@@ -179,6 +180,9 @@ def _loses_on(best: StepCost, other: StepCost) -> str:
     if hidden > 0:
         return (f"as fast predicted, with more traffic for the compute to hide: "
                 f"+{hidden * 1e3:.3g} ms")
+    if other_micro_batches > best_micro_batches:
+        return (f"as fast predicted, with no less traffic and {other_micro_batches} "
+                f"micro-batches a step, not {best_micro_batches}")
     return "as fast predicted, with no less traffic and more memory"
 
 
@@ -385,10 +389,11 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
                               stacked_layers(facts), getattr(facts, "one_f_one_b", False))
             scored += [score(facts, c, batch_size, hosts, hardware, budget, rules, cache)
                        for c in grid]
-    # equal times (traffic the compute hides): the less traffic, then the less memory
+    # equal times (traffic the compute hides): the less traffic, then the fewer
+    # micro-batches (a cost per micro-batch the model did not see), then the less memory
     fitting = sorted((s for s in scored if s.fits),
                      key=lambda s: (round(s.cost.seconds, 9), s.cost.gradients + s.cost.tensor,
-                                    s.memory["total"]))
+                                    s.accumulation, s.memory["total"]))
     over = sorted((s for s in scored if not s.fits), key=lambda s: s.memory["total"])
     ranking = Ranking(fitting, over, budget, hardware, getattr(facts, "timing", None))
     if not fitting:
