@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import redray
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -29,3 +31,29 @@ def example_module(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+TRAINER = redray.Trainer  # as imported: the class run_loop's subclasses extend
+
+
+def run_loop(module, loop: str, args: list[str], folder, monkeypatch):
+    """An example's loop (``module.<loop>``, what ``redray.run`` runs on a host) in this
+    process, its Trainer checkpointing into ``<folder>/checkpoints`` on one fixed plan
+    (data over 4 devices: the planner's pick follows timings, this machine's load, and
+    another plan rounds differently). Returns what the loop returned, the first Trainer
+    it made and the rows it logged."""
+    made, logged = [], []
+
+    class Checkpointed(TRAINER):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, checkpoint=redray.CheckpointConfig(
+                os.path.join(folder, "checkpoints")), data_axis=4, **kw)
+            made.append(self)
+
+        def log(self, row):
+            logged.append({k: float(v) for k, v in row.items()})
+            return super().log(row)
+
+    monkeypatch.setattr(module.redray, "Trainer", Checkpointed)
+    out = getattr(module, loop)(module.parse(args))
+    return out, made[0], logged

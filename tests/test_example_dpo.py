@@ -8,32 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-import redray
-from example_runs import example_module
+from example_runs import example_module, run_loop
 
-TRAINER = redray.Trainer  # the example's, monkeypatched below: a subclass of this one
 TINY = ["--warmup", "2", "--pairs", "256"]
 
 
 def run(module, monkeypatch, folder, epochs):
-    """The example's loop with checkpoints in ``folder``; its trainer and logged rows."""
-    made, logged = [], []
-
-    class Checkpointed(TRAINER):
-        def __init__(self, *args, **kwargs):
-            # one plan for every run: the planner's pick follows timings (this machine's
-            # load), and another plan rounds differently
-            super().__init__(*args, checkpoint=redray.CheckpointConfig(
-                str(folder / "checkpoints")), data_axis=4, **kwargs)
-            made.append(self)
-
-        def log(self, row):
-            logged.append({k: float(v) for k, v in row.items()})
-            return super().log(row)
-
-    monkeypatch.setattr(module.redray, "Trainer", Checkpointed)
-    out = module.dpo(module.parse([*TINY, "--epochs", str(epochs)]))
-    return out, made[0], logged
+    return run_loop(module, "dpo", [*TINY, "--epochs", str(epochs)], folder, monkeypatch)
 
 
 def test_a_row_is_a_prompt_with_its_right_sum_and_a_near_miss():

@@ -10,10 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-import redray
-from example_runs import example_module
+from example_runs import example_module, run_loop
 
-TRAINER = redray.Trainer  # the example's, monkeypatched below: a subclass of this one
 TINY = ["--warmup", "2", "--prompts", "4", "--group", "4"]
 
 
@@ -22,24 +20,8 @@ def example():
 
 
 def run(module, monkeypatch, folder, iterations):
-    """The example's loop with checkpoints in ``folder``; its trainer and logged rows."""
-    made, logged = [], []
-
-    class Checkpointed(TRAINER):
-        def __init__(self, *args, **kwargs):
-            # one plan for every run: the planner's pick follows timings (this machine's
-            # load), and another plan rounds differently
-            super().__init__(*args, checkpoint=redray.CheckpointConfig(str(folder)),
-                             data_axis=4, **kwargs)
-            made.append(self)
-
-        def log(self, row):
-            logged.append({k: float(v) for k, v in row.items()})
-            return super().log(row)
-
-    monkeypatch.setattr(module.redray, "Trainer", Checkpointed)
-    out = module.grpo(module.parse([*TINY, "--iterations", str(iterations)]))
-    return out, made[0], logged
+    return run_loop(module, "grpo", [*TINY, "--iterations", str(iterations)], folder,
+                    monkeypatch)
 
 
 def test_rows_follow_the_samples():
