@@ -5,11 +5,12 @@ A LLaMA-architecture decoder (``redray.models``) over 16 characters answers prom
 warm-up (``--warmup`` epochs of worked sums) teaches the format, then each GRPO
 iteration: ``redray.post_training.Sampler`` continues ``--prompts`` training prompts
 ``--group`` times each at temperature 1 (continuous batching, on the trainer's own
-weights and devices), the rewards become group-relative advantages, and the Trainer
-takes one epoch of GRPO's clipped loss over them. The held-out accuracy (greedy answers
-to prompts never trained on) is logged each iteration. ``redray.run`` runs the loop on
-every host; MLflow and checkpoints go to ``--storage``, and the same command resumes the
-run exactly (each iteration's prompts and samples are keyed by its number).
+weights and devices, or on ``--sampler-replicas`` Ray actors sent the weights), the
+rewards become group-relative advantages, and the Trainer takes one epoch of GRPO's
+clipped loss over them. The held-out accuracy (greedy answers to prompts never trained
+on) is logged each iteration. ``redray.run`` runs the loop on every host; MLflow and
+checkpoints go to ``--storage``, and the same command resumes the run exactly (each
+iteration's prompts and samples are keyed by its number).
 
     python examples/grpo/train.py [--iterations 20] [--storage DIR] [--name RUN]
 """
@@ -24,8 +25,8 @@ import numpy as np
 import optax
 
 import redray
-from redray.post_training import (Sampler, SamplingParams, grpo_loss, group_advantages,
-                                  token_logprobs)
+from redray.post_training import (Sampler, SamplerGroup, SamplingParams, grpo_loss,
+                                  group_advantages, score, token_logprobs)
 
 CHARS = "0123456789+="
 BOS, EOS, PAD, VOCAB, LENGTH = 12, 13, 14, 16, 12  # a row: BOS a+b= digits EOS, padded
@@ -40,6 +41,10 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3, help="warm-up learning rate (Adam)")
     ap.add_argument("--rl-lr", type=float, default=2e-4, help="GRPO's learning rate")
     ap.add_argument("--seed", type=int, default=0, help="seeds the model, prompts, samples")
+    ap.add_argument("--sampler-replicas", type=int, default=0, help="samplers on Ray actors "
+                    "of their own, sent the weights each iteration (0: on the trainer's)")
+    ap.add_argument("--reward-workers", type=int, default=0,
+                    help="score the completions on this many Ray tasks (0: in the loop)")
     return redray.add_cluster_args(ap, name="grpo", hosts=1, devices_per_host=2).parse_args(argv)
 
 
@@ -112,7 +117,11 @@ def grpo(args):
     trainer = redray.Trainer(model, collate, loss, optax.adam(lr), batch_size=batch_size,
                              seed=args.seed, log_every=updates, progress=False)
     trainer.init([row(0, answer(0))])  # the model (restored when the run resumes)
-    sampler = Sampler(trainer.model, slots=128, max_length=32, seed=args.seed)
+    if args.sampler_replicas:  # separate roles: the same samples, on other processes
+        sampler = SamplerGroup(model, replicas=args.sampler_replicas, slots=128, max_length=32,
+                               devices_per_replica=args.devices_per_host, seed=args.seed)
+    else:  # colocated: on the trainer's devices, its weights shared in place
+        sampler = Sampler(trainer.model, slots=128, max_length=32, seed=args.seed)
     first = trainer.step // updates
     for epoch in range(first, args.warmup + args.iterations):
         rng = np.random.default_rng([args.seed, epoch])  # this epoch's prompts, on resume too
@@ -124,7 +133,8 @@ def grpo(args):
             chosen = np.repeat(rng.choice(train, args.prompts, replace=False), args.group)
             done = sampler.sample([prompt(p) for p in chosen], SamplingParams(
                 max_new_tokens=4, temperature=1.0), request_ids=epoch * rows + np.arange(rows))
-            rewards = np.array([reward(p, c.tokens) for p, c in zip(chosen, done)])
+            rewards = score(reward, chosen, [c.tokens for c in done],
+                            workers=args.reward_workers)
             advantages = np.asarray(group_advantages(rewards, args.group))
             data = [row(p, c.tokens, c.logprobs, a) for p, c, a in zip(chosen, done, advantages)]
             trainer.log({"reward": rewards.mean(), "iteration": epoch - args.warmup})

@@ -1,14 +1,19 @@
 """Post-training: a sampler with continuous batching, and the losses of SFT, DPO and GRPO.
 
 ``Sampler(model, slots=..., max_length=...).sample(prompts, SamplingParams(...))``
-continues prompts on the same model classes training uses (``sampler.py``); the losses
-a user's ``loss`` calls are in ``losses.py``.
+continues prompts on the same model classes training uses (``sampler.py``);
+``SamplerGroup`` runs Samplers on Ray actors of their own, fed the trainer's weights
+(``remote.py``); ``score`` runs a reward function here or on Ray workers
+(``rewards.py``); the losses a user's ``loss`` calls are in ``losses.py``.
 """
 
 from redray.post_training.losses import (dpo_loss, group_advantages, grpo_loss, masked_mean,
                                          sequence_logprobs, sft_loss, token_logprobs)
+from redray.post_training.remote import Pending, SamplerGroup, WeightSync
+from redray.post_training.rewards import RewardError, score
 from redray.post_training.sampler import Completion, Sampler, SamplingParams, sample_rows
 
-__all__ = ["Completion", "Sampler", "SamplingParams", "dpo_loss", "group_advantages",
-           "grpo_loss", "masked_mean", "sample_rows", "sequence_logprobs", "sft_loss",
+__all__ = ["Completion", "Pending", "RewardError", "Sampler", "SamplerGroup",
+           "SamplingParams", "WeightSync", "dpo_loss", "group_advantages", "grpo_loss",
+           "masked_mean", "sample_rows", "score", "sequence_logprobs", "sft_loss",
            "token_logprobs"]

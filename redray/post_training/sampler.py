@@ -127,6 +127,17 @@ def sample_rows(logits, keys, temperature, top_k, top_p, greedy_only: bool = Fal
     return token, jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
 
 
+def requests(n: int, params, request_ids) -> tuple[list[SamplingParams], list[int]]:
+    """One ``SamplingParams`` and one id for each of ``n`` prompts (``Sampler.sample``'s
+    arguments: one SamplingParams for all, ids by default their indices)."""
+    params = [params] * n if isinstance(params, SamplingParams) else list(params)
+    ids = list(range(n)) if request_ids is None else [int(i) for i in request_ids]
+    if len(params) != n or len(ids) != n:
+        raise ValueError(f"{n} prompts but {len(params)} SamplingParams and {len(ids)} "
+                         "request ids: give one per prompt (or one SamplingParams)")
+    return params, ids
+
+
 class Sampler:
     """Continues prompts with continuous batching on a redray decoder-only model.
 
@@ -201,11 +212,7 @@ class Sampler:
             in ``prompts``).
         """
         n = len(prompts)
-        params = [params] * n if isinstance(params, SamplingParams) else list(params)
-        ids = list(range(n)) if request_ids is None else [int(i) for i in request_ids]
-        if len(params) != n or len(ids) != n:
-            raise ValueError(f"{n} prompts but {len(params)} SamplingParams and {len(ids)} "
-                             "request ids: give one per prompt (or one SamplingParams)")
+        params, ids = requests(n, params, request_ids)
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             if len(prompt) < 1:
                 raise ValueError(f"prompt {i} is empty: give at least one token (a BOS)")

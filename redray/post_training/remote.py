@@ -1,0 +1,234 @@
+"""Samplers on Ray actors of their own: post-training's separate-roles layout.
+
+Colocated, a ``Sampler`` decodes on the trainer's model and devices, the weights shared
+in place. A ``SamplerGroup`` puts the sampling on ``replicas`` Ray actors instead: each
+a process with devices and a JAX runtime of its own, holding the model (built by the
+same function the Trainer builds it with) and a ``Sampler``. The trainer sends its
+weights after an update (``update_weights``): gathered to the host, cast to the
+sampler's dtype, put into Ray's object store once and read by every replica (Ray moves
+the bytes between nodes). Requests are split over the replicas in order; a request's
+randomness is keyed by its id (``Sampler``), so its completion does not depend on the
+replica that ran it.
+
+``submit`` returns at once and ``Pending.result()`` waits: a loop may train on one batch
+of rollouts while the next is sampled on weights one update older (a bounded staleness
+of one update: GRPO's ratio to the sampler's own log-probabilities corrects for it).
+
+On a trainer of several hosts every host calls the same methods (as with the
+Trainer): host 0 owns the actors and sends and asks; the completions reach the other
+hosts through the JAX runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from redray.post_training.sampler import Completion, Sampler, SamplingParams, requests
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSync:
+    """What one ``update_weights`` moved: bytes (as sent, in the sampler's dtype) and
+    seconds, from the trainer's arrays to every replica's devices, acknowledged."""
+    bytes: int
+    seconds: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+class _Replica:
+    """One sampler process (a Ray actor's class; see ``SamplerGroup``)."""
+
+    def __init__(self, model_fn, seed: int, sampler_kwargs: dict):
+        from redray.sharding import Parallelism
+
+        model = model_fn(nnx.Rngs(seed))
+        if "parallelism" not in sampler_kwargs and jax.device_count() > 1:
+            # the slots split over this process's devices
+            sampler_kwargs = {**sampler_kwargs,
+                              "parallelism": Parallelism.of(data_axis=jax.device_count())}
+        self.sampler = Sampler(model, seed=seed, **sampler_kwargs)
+        leaves, self.treedef = jax.tree.flatten(nnx.filter_state(self.sampler.state,
+                                                                 nnx.Param))
+        self.shapes = [(tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves]
+
+    def layout(self) -> list:
+        """The (shape, dtype) of every parameter, in the order they are sent."""
+        return self.shapes
+
+    def update(self, leaves: list) -> int:
+        params = jax.tree.unflatten(self.treedef, leaves)
+        self.sampler.update_weights(nnx.merge_state(self.sampler.state, params))
+        jax.block_until_ready(self.sampler.state)
+        return sum(x.nbytes for x in leaves)
+
+    def sample(self, prompts, params, request_ids) -> list[Completion]:
+        return self.sampler.sample(prompts, params, request_ids)
+
+    def devices(self) -> int:
+        return jax.device_count()
+
+
+class Pending:
+    """Completions being sampled (``SamplerGroup.submit``); ``result()`` waits."""
+
+    def __init__(self, refs, n: int, longest: int):
+        self._refs, self._n, self._longest, self._done = refs, n, longest, None
+
+    def result(self) -> list[Completion]:
+        if self._done is None:
+            import ray
+
+            parts = ray.get(self._refs) if self._refs is not None else []
+            self._done = _on_every_host([c for part in parts for c in part], self._n,
+                                        self._longest)
+        return self._done
+
+
+class SamplerGroup:
+    """``replicas`` Samplers on Ray actors, fed the trainer's weights.
+
+    Args:
+      model_fn: builds the model from ``nnx.Rngs`` (the Trainer's model function); each
+        replica builds it once (its weights come with the first ``update_weights``).
+      replicas: sampler processes; requests are split over them in order.
+      devices_per_replica: devices each replica decodes on (CPU devices simulated where
+        not ``use_gpu``; GPUs otherwise), its slots split over them data-parallel
+        (``parallelism=``, a ``redray.Parallelism``, plans them otherwise).
+      use_gpu: each replica takes ``devices_per_replica`` GPUs.
+      dtype: the dtype the weights are sent and decoded in (default: as the replica's
+        model holds them, e.g. its compute dtype where it keeps its weights in it).
+      seed: the Sampler's seed (the key of every request's randomness).
+      actor_options: more Ray actor options (``resources``, a ``scheduling_strategy``:
+        where the replicas run).
+      **sampler_kwargs: the ``Sampler``'s (``slots``, ``max_length``, ...).
+    """
+
+    def __init__(self, model_fn: Callable, *, replicas: int = 1, devices_per_replica: int = 1,
+                 use_gpu: bool = False, dtype=None, seed: int = 0,
+                 actor_options: dict | None = None, **sampler_kwargs):
+        if replicas < 1 or devices_per_replica < 1:
+            raise ValueError(f"replicas={replicas}, devices_per_replica={devices_per_replica}:"
+                             " give at least one of each")
+        if "max_length" not in sampler_kwargs:
+            raise TypeError("SamplerGroup needs max_length= (the Sampler's: the longest "
+                            "prompt plus completion)")
+        self.dtype = None if dtype is None else jnp.dtype(dtype)
+        self.replicas = self._layouts = None
+        if jax.process_index() != 0:
+            return  # host 0 owns the actors
+        import ray
+
+        from redray.data.ray_local import ensure_ray
+
+        ensure_ray()
+        options = {"num_cpus": 1, **(actor_options or {})}
+        if use_gpu:
+            options["num_gpus"] = devices_per_replica
+        else:
+            options["runtime_env"] = {"env_vars": {
+                "JAX_PLATFORMS": "cpu",
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_replica}"}}
+        actor = ray.remote(_Replica).options(**options)
+        self.replicas = [actor.remote(model_fn, seed, sampler_kwargs) for _ in range(replicas)]
+        self._layouts = ray.get([r.layout.remote() for r in self.replicas])
+
+    def update_weights(self, model_or_state) -> WeightSync:
+        """Sends a model's weights (or its ``nnx.state``) to every replica and waits for
+        them to be on its devices. Every host of the trainer calls it (a sharded
+        weight is gathered across them first)."""
+        start = time.perf_counter()
+        state = nnx.filter_state(model_or_state, nnx.Param) \
+            if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+        leaves = [_host_copy(x) for x in jax.tree.leaves(state)]
+        if self.replicas is None:
+            return WeightSync(0, time.perf_counter() - start)
+        import ray
+
+        layout = self._layouts[0]
+        if len(leaves) != len(layout):
+            raise ValueError(f"update_weights got {len(leaves)} parameters, but the "
+                             f"sampler's model has {len(layout)}: send the model built by the "
+                             "SamplerGroup's model_fn (the Trainer's model)")
+        sent = []
+        for i, (x, (shape, dtype)) in enumerate(zip(leaves, layout)):
+            if tuple(x.shape) != shape:
+                raise ValueError(f"update_weights: parameter {i} is {tuple(x.shape)}, the "
+                                 f"sampler's model holds {shape}: send the model built by "
+                                 "the SamplerGroup's model_fn")
+            want = self.dtype if self.dtype is not None and jnp.issubdtype(
+                dtype, jnp.floating) else dtype
+            sent.append(np.asarray(x, want))
+        ref = ray.put(sent)
+        sizes = ray.get([r.update.remote(ref) for r in self.replicas])
+        return WeightSync(int(sizes[0]), time.perf_counter() - start)
+
+    def submit(self, prompts: Sequence[Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams],
+               request_ids: Sequence[int] | None = None) -> Pending:
+        """Starts sampling ``prompts`` (as ``Sampler.sample``) and returns at once."""
+        n = len(prompts)
+        params, ids = requests(n, params, request_ids)
+        longest = max((p.max_new_tokens for p in params), default=0)
+        if self.replicas is None:
+            return Pending(None, n, longest)
+        cuts = np.linspace(0, n, len(self.replicas) + 1).astype(int)
+        refs = [r.sample.remote([list(map(int, p)) for p in prompts[a:b]], params[a:b],
+                                ids[a:b])
+                for r, a, b in zip(self.replicas, cuts[:-1], cuts[1:]) if b > a]
+        return Pending(refs, n, longest)
+
+    def sample(self, prompts: Sequence[Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams],
+               request_ids: Sequence[int] | None = None) -> list[Completion]:
+        """Completes every prompt on the replicas (as ``Sampler.sample``)."""
+        return self.submit(prompts, params, request_ids).result()
+
+    def shutdown(self) -> None:
+        """Ends the replicas' processes."""
+        if self.replicas:
+            import ray
+
+            for r in self.replicas:
+                ray.kill(r)
+        self.replicas = None
+
+
+def _host_copy(x):
+    """A weight as one host array on every host (gathered where the trainer shards it
+    over hosts)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def _on_every_host(done: list[Completion], n: int, longest: int) -> list[Completion]:
+    """Host 0's completions on every host (one host: as they are)."""
+    if jax.process_count() == 1:
+        return done
+    from jax.experimental import multihost_utils
+
+    tokens = np.zeros((n, longest), np.int32)
+    logprobs = np.zeros((n, longest), np.float32)
+    head = np.zeros((n, 3), np.int64)  # request id, length, ended by EOS
+    for i, c in enumerate(done):
+        tokens[i, :len(c.tokens)], logprobs[i, :len(c.tokens)] = c.tokens, c.logprobs
+        head[i] = c.request_id, len(c.tokens), c.finish_reason == "eos"
+    tokens, logprobs, head = multihost_utils.broadcast_one_to_all((tokens, logprobs, head))
+    return [Completion(int(h[0]), np.asarray(t[:h[1]]), np.asarray(lp[:h[1]]),
+                       "eos" if h[2] else "length")
+            for t, lp, h in zip(tokens, logprobs, np.asarray(head))]
+
+
+__all__ = ["Pending", "SamplerGroup", "WeightSync"]

@@ -1,0 +1,141 @@
+"""Samplers on Ray actors of their own (``SamplerGroup``): on the weights the trainer
+sends, they complete requests as a Sampler in this process does, token for token, the
+split over replicas and devices changing nothing; a batch submitted before an update
+keeps the weights it was submitted on; weights in another dtype arrive as that dtype;
+weights of another model are refused with the fix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from flax import nnx
+
+from redray.models import build
+from redray.post_training import RewardError, Sampler, SamplerGroup, SamplingParams, score
+
+pytestmark = pytest.mark.ray  # Ray actors (the conftest's local_ray)
+
+CONFIG = transformers.LlamaConfig(
+    vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, eos_token_id=5)
+LENGTH = 40
+
+
+def builder():
+    """The model function: nested, so that Ray ships it by value (an actor process
+    cannot import this test module)."""
+    def model_fn(rngs):
+        return build(CONFIG, rngs=rngs)
+    return model_fn
+
+
+model_fn = builder()
+
+
+def same(remote, local):
+    assert [c.request_id for c in remote] == [c.request_id for c in local]
+    for r, m in zip(remote, local):
+        assert r.tokens.tolist() == m.tokens.tolist() and r.finish_reason == m.finish_reason
+        np.testing.assert_allclose(r.logprobs, m.logprobs, rtol=1e-4, atol=1e-5)
+
+
+def test_replicas_complete_as_a_local_sampler_on_the_weights_sent(local_ray):
+    rs = np.random.default_rng(0)
+    prompts = [rs.integers(6, 61, rs.integers(1, 9)).tolist() for _ in range(10)]
+    ids = list(range(100, 110))
+    trained = model_fn(nnx.Rngs(1))  # not the replicas' own initial weights (seed 0)
+    group = SamplerGroup(model_fn, replicas=2, devices_per_replica=2, slots=4,
+                         max_length=LENGTH)
+    try:
+        sync = group.update_weights(trained)
+        params = nnx.state(trained, nnx.Param)
+        assert sync.bytes == sum(x.nbytes for x in jax.tree.leaves(params))
+        local = Sampler(trained, slots=3, max_length=LENGTH)
+        for how in (SamplingParams(max_new_tokens=8),
+                    SamplingParams(max_new_tokens=8, temperature=1.0, top_k=20)):
+            same(group.sample(prompts, how, request_ids=ids),
+                 local.sample(prompts, how, request_ids=ids))
+        # submitted before an update: sampled on the weights it was submitted on
+        greedy = SamplingParams(max_new_tokens=8)
+        before = local.sample(prompts, greedy)
+        pending = group.submit(prompts, greedy)
+        newer = jax.tree.map(lambda x: x * 1.5, params)
+        group.update_weights(newer)
+        same(pending.result(), before)
+        local.update_weights(nnx.merge_state(nnx.state(trained), newer))
+        after = local.sample(prompts, greedy)
+        assert [c.tokens.tolist() for c in after] != [c.tokens.tolist() for c in before]
+        same(group.sample(prompts, greedy), after)
+        # another model's weights: refused, naming the fix
+        other = build(transformers.LlamaConfig(**{**CONFIG.to_dict(), "hidden_size": 48}),
+                      rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match="parameter .* the sampler's model holds .* "
+                                             "model_fn"):
+            group.update_weights(other)
+    finally:
+        group.shutdown()
+
+
+def test_weights_are_sent_in_the_dtype_asked_for(local_ray):
+    trained = model_fn(nnx.Rngs(1))
+    group = SamplerGroup(model_fn, dtype=jnp.bfloat16, slots=2, max_length=LENGTH)
+    try:
+        sync = group.update_weights(trained)
+        params = nnx.state(trained, nnx.Param)
+        assert sync.bytes == sum(x.size * 2 for x in jax.tree.leaves(params))
+        halved = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+        local = Sampler(trained, slots=2, max_length=LENGTH)
+        local.update_weights(nnx.merge_state(nnx.state(trained), halved))
+        prompts = [[7, 8, 9], [10, 11]]
+        same(group.sample(prompts, SamplingParams(max_new_tokens=6)),
+             local.sample(prompts, SamplingParams(max_new_tokens=6)))
+    finally:
+        group.shutdown()
+
+
+def test_the_grpo_example_trains_alike_with_its_sampler_on_an_actor(local_ray, tmp_path,
+                                                                    monkeypatch):
+    """The example's loop in this process, colocated, then with its sampler on an actor
+    and its rewards on Ray tasks: the same samples (each request keyed by its id), so
+    the same rewards and training."""
+    from example_runs import example_module, run_loop
+
+    g = example_module("grpo")
+    tiny = ["--warmup", "1", "--prompts", "4", "--group", "4", "--iterations", "2"]
+    _, here, here_log = run_loop(g, "grpo", tiny, tmp_path / "here", monkeypatch)
+    _, apart, apart_log = run_loop(
+        g, "grpo", [*tiny, "--sampler-replicas", "1", "--reward-workers", "2"],
+        tmp_path / "apart", monkeypatch)
+    assert [sorted(r) for r in here_log] == [sorted(r) for r in apart_log]
+    rewards = [r["reward"] for r in here_log if "reward" in r]
+    assert len(rewards) == 2 and rewards == [r["reward"] for r in apart_log if "reward" in r]
+    for a, b in zip(here_log, apart_log):  # the sampler's log-probabilities, to rounding
+        np.testing.assert_allclose([a[k] for k in sorted(a)], [b[k] for k in sorted(b)],
+                                   rtol=1e-4, atol=1e-6)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
+                 jax.device_get(here.state.params), jax.device_get(apart.state.params))
+
+
+def test_rewards_are_scored_on_ray_tasks_in_the_rows_order(local_ray):
+    import os
+
+    def pid_reward(a, b):  # nested: shipped by value
+        import os
+
+        if a == 13:
+            raise KeyError("no verifier for 13")
+        return float(os.getpid()) if b == "pid" else float(a + len(b))
+
+    prompts, answers = list(range(9)), ["x" * i for i in range(9)]
+    here = score(pid_reward, prompts, answers)
+    assert here.dtype == np.float32 and here.tolist() == [2.0 * i for i in range(9)]
+    assert score(pid_reward, prompts, answers, workers=2).tolist() == here.tolist()
+    pids = set(score(pid_reward, [0] * 4, ["pid"] * 4, workers=2).tolist())
+    assert os.getpid() not in pids and 1 <= len(pids) <= 2  # other processes
+    with pytest.raises(RewardError, match=r"failed on row 13 \(13, 'b'\): KeyError"):
+        score(pid_reward, list(range(16)), ["b"] * 16, workers=2)
+    with pytest.raises(RewardError, match="returned nan for row 1"):
+        score(lambda a: a, [0.0, float("nan")])
+    with pytest.raises(ValueError, match="lengths \\[1, 2\\]"):
+        score(pid_reward, [1], ["a", "b"])
