@@ -29,7 +29,7 @@ def check(fig):
 # The scripts that start a Ray cluster of their own (the others run in one process, so
 # `make bench-check` runs them two at a time).
 STARTS_RAY = {"fsdp_torch.py", "hosts.py", "input_pipeline.py", "planner.py",
-              "post_training_examples.py", "streaming.py"}
+              "post_training_examples.py", "streaming.py", "weight_sync.py"}
 
 
 @pytest.mark.slow
