@@ -53,7 +53,7 @@ bench-check: lint
 	$(PY) -m pytest -q -m "bench and ray" tests/test_benchmarks.py
 
 # The inner loop: lint, then everything but the Ray-cluster and slow end-to-end tiers,
-# in 2 processes (about 20 minutes on 2 cores).
+# in 2 processes (about 10 minutes on 2 cores).
 test-fast: lint
 	XLA_FLAGS='$(FAST_COMPILE)' $(PY) -m pytest -q -n 2 -m "not slow and not ray"
 

@@ -62,12 +62,12 @@ WALKTHROUGH = (
 )
 
 COVERED_ELSEWHERE = {
-    "make test   # same set-up, then the test suite (CPU only, about 75 minutes on 2 cores)":
+    "make test   # same set-up, then the test suite (CPU only, about 50 minutes on 2 cores)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
     "make bench-check   # every benchmark script at a tiny size: each still runs (about 7 min)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
     "make test-fast   # the inner loop: lint + all but the Ray-cluster and slow tiers "
-    "(about 20 min)":
+    "(about 10 min)":
         "tests/test_readme.py::test_make_test_fast_lints_then_leaves_out_the_ray_and_slow_tiers",
     "redray submit train.py --address http://HEAD:8265 -- --steps 500  # as a Ray job; "
     "streams logs":
@@ -253,7 +253,7 @@ FAST_COMPILE = ("--xla_force_host_platform_device_count=4 --xla_backend_optimiza
 
 
 def test_make_test_installs_then_runs_the_whole_suite():
-    """`make test` (the whole suite, about 75 minutes) cannot run inside the suite: its recipe
+    """`make test` (the whole suite, about 50 minutes) cannot run inside the suite: its recipe
     is checked instead: install, lint, then every test but the benchmark scripts' tiny runs
     (those without Ray in 2 processes, then the others: every test is in exactly one of the
     two selections); `make bench-check` runs the tiny runs, in the same two parts."""

@@ -102,15 +102,35 @@ def test_the_grpo_example_trains_alike_with_its_sampler_on_an_actor(local_ray, t
     from example_runs import example_module, run_loop
 
     g = example_module("grpo")
+    made = g.row
+    # a reward that varies within every group at this size (an untrained model rarely
+    # adds right), so that the samples' advantages train the model
+    monkeypatch.setattr(g, "reward", lambda pair, tokens: float(sum(tokens) % 2))
+
+    def recording(into):
+        def row(pair, completion, old_logp=None, advantage=1.0):
+            if old_logp is not None:  # a sample
+                into.append((int(pair), [int(t) for t in completion], np.asarray(old_logp)))
+            return made(pair, completion, old_logp, advantage)
+        return row
+
     tiny = ["--warmup", "1", "--prompts", "4", "--group", "4", "--iterations", "2"]
+    here_rows, apart_rows = [], []
+    monkeypatch.setattr(g, "row", recording(here_rows))
     _, here, here_log = run_loop(g, "grpo", tiny, tmp_path / "here", monkeypatch)
+    monkeypatch.setattr(g, "row", recording(apart_rows))
     _, apart, apart_log = run_loop(
         g, "grpo", [*tiny, "--sampler-replicas", "1", "--reward-workers", "2"],
         tmp_path / "apart", monkeypatch)
-    assert [sorted(r) for r in here_log] == [sorted(r) for r in apart_log]
+    assert len(here_rows) == 2 * 16
+    assert [r[:2] for r in here_rows] == [r[:2] for r in apart_rows]  # the same samples
+    for (_, _, a), (_, _, b) in zip(here_rows, apart_rows):  # decoded on other devices
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     rewards = [r["reward"] for r in here_log if "reward" in r]
-    assert len(rewards) == 2 and rewards == [r["reward"] for r in apart_log if "reward" in r]
-    for a, b in zip(here_log, apart_log):  # the sampler's log-probabilities, to rounding
+    assert len(rewards) == 2 and all(0 < r < 1 for r in rewards)
+    assert rewards == [r["reward"] for r in apart_log if "reward" in r]
+    assert [sorted(r) for r in here_log] == [sorted(r) for r in apart_log]
+    for a, b in zip(here_log, apart_log):  # losses, held-out accuracies: to rounding
         np.testing.assert_allclose([a[k] for k in sorted(a)], [b[k] for k in sorted(b)],
                                    rtol=1e-4, atol=1e-6)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
