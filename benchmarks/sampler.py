@@ -11,7 +11,8 @@ CPU device: the whole machine), the same prompts and lengths for all three:
   ``max_new_tokens`` = the longest completion (a static batch decodes until its
   longest row ends: that is the reference's cost). Its useful tokens are each row's
   first ``length`` tokens.
-- the ``Sampler`` (``--slots`` sequences in flight): each request asks for its own
+- the ``Sampler`` (``--slots`` sequences in flight, by default all 64: a server's
+  batch, vLLM's ``max_num_seqs``, is as wide as that): each request asks for its own
   length (``SamplingParams.max_new_tokens``), so a slot frees as soon as its completion
   is done and takes the next prompt.
 - transformers' ``generate`` with its static cache on the same weights (exported with
@@ -26,7 +27,7 @@ alternating order after a compiling warm-up; beside it the ideal ratio of the le
 schedule alone (the longest length times 64 over the sum of lengths), which is what
 continuous batching removes at equal cost per decoded row.
 
-    python benchmarks/sampler.py [--slots 16] [--base 8] [--rounds 3]
+    python benchmarks/sampler.py [--slots 64] [--base 8] [--rounds 3]
 """
 
 import os
@@ -66,7 +67,7 @@ def left_padded(prompts):
 
 def main(argv=None) -> None:
     ap = parser(__doc__)
-    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--base", type=int, help="the shortest completion (default: 8 tokens)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)

@@ -78,6 +78,24 @@ def test_greedy_completions_equal_generate_token_for_token(name):
     assert [list(c.tokens) for c in short] == [until_eos(r[:n], eos)
                                                for r, n in zip(ref, lengths)]
     assert sampler.kv_valid.shape[0] < 4  # the last ones ran narrowed
+    # the rounds read windows narrower than the longest request's row
+    widths = {key[2][1] for key in sampler._compiled if key[0] == "decode"}
+    assert min(widths) < sampler.max_length and max(widths) <= sampler.length
+
+
+def test_the_cache_windows_and_batch_sizes_come_from_few_compiled_shapes():
+    from redray.post_training.sampler import PROMPT_BUCKET, _window
+    widths = [_window(n, 10_000) for n in range(1, 400)]
+    assert all(w >= n for n, w in enumerate(widths, 1))
+    assert sorted(set(widths)) == [PROMPT_BUCKET * k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)]
+    assert _window(300, 200) == 200
+    model = build(CONFIGS["gpt2"](), rngs=nnx.Rngs(0))
+    sampler = Sampler(model, slots=64, max_length=32)
+    ladder, size = [], 64
+    while size:
+        ladder.append(size)
+        size = sampler._smaller(size)
+    assert ladder == [64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1]
 
 
 def test_sampled_tokens_depend_on_the_request_not_its_slot_and_their_logprobs_are_the_models():
