@@ -159,3 +159,34 @@ def test_rewards_are_scored_on_ray_tasks_in_the_rows_order(local_ray):
         score(lambda a: a, [0.0, float("nan")])
     with pytest.raises(ValueError, match="lengths \\[1, 2\\]"):
         score(pid_reward, [1], ["a", "b"])
+
+
+def test_the_grpo_example_overlapped_resumes_on_the_rollouts_it_drew(local_ray, tmp_path,
+                                                                      monkeypatch):
+    """--overlap: the next iteration's rollouts are sampled while this one trains, on
+    weights one update older, and kept in the checkpoint; a run stopped after its first
+    iteration (as a kill would leave it: the next rollouts drawn) resumes on those very
+    rollouts, so it ends as the run that never stopped."""
+    from example_runs import example_module, run_loop
+
+    g = example_module("grpo")
+    monkeypatch.setattr(g, "reward", lambda pair, tokens: float(sum(tokens) % 2))
+    tiny = ["--warmup", "1", "--prompts", "4", "--group", "4", "--sampler-replicas", "1",
+            "--overlap"]
+    with pytest.raises(SystemExit):  # overlapping needs samplers of their own
+        g.parse(["--overlap"])
+    whole, trainer, whole_log = run_loop(g, "grpo", [*tiny, "--iterations", "2"],
+                                         tmp_path / "whole", monkeypatch)
+    assert whole == {"first_epoch": 0, "step": 3}
+    first, _, _ = run_loop(g, "grpo", [*tiny, "--iterations", "1"], tmp_path / "stopped",
+                           monkeypatch)
+    assert first["step"] == 2
+    again, resumed, again_log = run_loop(g, "grpo", [*tiny, "--iterations", "2"],
+                                         tmp_path / "stopped", monkeypatch)
+    assert again == {"first_epoch": 2, "step": 3}
+    # the checkpoint of step 2 held the rollouts of iteration 2 (epoch 2), drawn on the
+    # weights before iteration 1's update
+    assert list(resumed.resumed_from["run"]["rollouts"]) == ["2"]
+    assert again_log == whole_log[-len(again_log):]  # the same samples and rewards
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state.params),
+                 jax.device_get(trainer.state.params))

@@ -12,6 +12,12 @@ on) is logged each iteration. ``redray.run`` runs the loop on every host; MLflow
 checkpoints go to ``--storage``, and the same command resumes the run exactly (each
 iteration's prompts and samples are keyed by its number).
 
+``--overlap`` (with ``--sampler-replicas``) samples the next iteration's rollouts while
+the trainer trains on this one's, on the weights of one update before: a staleness of
+one update, which GRPO's ratio to the sampler's own log-probabilities corrects. Those
+rollouts are kept in every checkpoint, so a resumed run trains on the very samples the
+killed one drew.
+
     python examples/grpo/train.py [--iterations 20] [--storage DIR] [--name RUN]
 """
 
@@ -45,7 +51,12 @@ def parse(argv=None):
                     "of their own, sent the weights each iteration (0: on the trainer's)")
     ap.add_argument("--reward-workers", type=int, default=0,
                     help="score the completions on this many Ray tasks (0: in the loop)")
-    return redray.add_cluster_args(ap, name="grpo", hosts=1, devices_per_host=2).parse_args(argv)
+    ap.add_argument("--overlap", action="store_true", help="sample the next iteration "
+                    "while training on this one (needs --sampler-replicas)")
+    args = redray.add_cluster_args(ap, name="grpo", hosts=1, devices_per_host=2).parse_args(argv)
+    if args.overlap and not args.sampler_replicas:
+        ap.error("--overlap samples on Ray actors beside the trainer: add --sampler-replicas 1")
+    return args
 
 
 def model(rngs):
@@ -101,6 +112,29 @@ def loss(model, batch, rng, train):
     return grpo_loss(logp, old, batch["advantage"], batch["completion"])
 
 
+class Ahead(redray.Hook):
+    """The rollouts sampled ahead (--overlap), kept in every checkpoint's meta."""
+
+    def __init__(self):
+        self.pending, self.saved = {}, {}
+
+    def on_restore(self, trainer, step, path, meta):
+        self.saved = dict(meta["run"].get("rollouts", {}))
+
+    def take(self, epoch):  # (tokens, logprobs) per row, or None: never sampled
+        if epoch in self.pending:
+            done = self.pending.pop(epoch).result()
+            self.saved[str(epoch)] = [(c.tokens.tolist(), c.logprobs.tolist()) for c in done]
+        return self.saved.get(str(epoch))
+
+    def run_meta(self, trainer):
+        for epoch in list(self.pending):
+            self.take(epoch)
+        first = trainer.position.resume_point()[0]  # what a resumed run still trains
+        self.saved = {k: v for k, v in self.saved.items() if int(k) >= first}
+        return {"rollouts": self.saved}
+
+
 def accuracy(sampler, pairs):
     done = sampler.sample([prompt(p) for p in pairs], SamplingParams(max_new_tokens=4))
     return float(np.mean([reward(p, c.tokens) for p, c in zip(pairs, done)]))
@@ -114,32 +148,45 @@ def grpo(args):
     batch_size = min(rows, 128)
     updates = rows // batch_size  # one Trainer epoch per warm-up epoch or iteration
     lr = optax.piecewise_constant_schedule(args.lr, {args.warmup * updates: args.rl_lr / args.lr})
+    ahead = Ahead()
     trainer = redray.Trainer(model, collate, loss, optax.adam(lr), batch_size=batch_size,
-                             seed=args.seed, log_every=updates, progress=False)
+                             seed=args.seed, log_every=updates, progress=False,
+                             hooks=[ahead] if args.overlap else [])
     trainer.init([row(0, answer(0))])  # the model (restored when the run resumes)
     if args.sampler_replicas:  # separate roles: the same samples, on other processes
         sampler = SamplerGroup(model, replicas=args.sampler_replicas, slots=128, max_length=32,
                                devices_per_replica=args.devices_per_host, seed=args.seed)
     else:  # colocated: on the trainer's devices, its weights shared in place
         sampler = Sampler(trainer.model, slots=128, max_length=32, seed=args.seed)
-    first = trainer.step // updates
-    for epoch in range(first, args.warmup + args.iterations):
-        rng = np.random.default_rng([args.seed, epoch])  # this epoch's prompts, on resume too
+    def chosen(epoch):  # this epoch's prompts, on resume too
+        rng = np.random.default_rng([args.seed, epoch])
+        return rng.choice(train, rows) if epoch < args.warmup else \
+            np.repeat(rng.choice(train, args.prompts, replace=False), args.group)
+
+    def draw(epoch, ask):
+        return ask([prompt(p) for p in chosen(epoch)], SamplingParams(
+            max_new_tokens=4, temperature=1.0), request_ids=epoch * rows + np.arange(rows))
+
+    first, last = trainer.step // updates, args.warmup + args.iterations
+    for epoch in range(first, last):
         if epoch < args.warmup:
-            data = [row(p, answer(p)) for p in rng.choice(train, rows)]
+            data = [row(p, answer(p)) for p in chosen(epoch)]
         else:
             sampler.update_weights(trainer.model)
             trainer.log({"heldout_accuracy": accuracy(sampler, held_out)})
-            chosen = np.repeat(rng.choice(train, args.prompts, replace=False), args.group)
-            done = sampler.sample([prompt(p) for p in chosen], SamplingParams(
-                max_new_tokens=4, temperature=1.0), request_ids=epoch * rows + np.arange(rows))
-            rewards = score(reward, chosen, [c.tokens for c in done],
+            done = ahead.take(epoch) or [(c.tokens, c.logprobs)
+                                         for c in draw(epoch, sampler.sample)]
+            if args.overlap:  # sampled while this epoch trains (after the last one too:
+                # a run resumed with more --iterations goes on as if never stopped)
+                ahead.pending[epoch + 1] = draw(epoch + 1, sampler.submit)
+            rewards = score(reward, chosen(epoch), [tokens for tokens, _ in done],
                             workers=args.reward_workers)
             advantages = np.asarray(group_advantages(rewards, args.group))
-            data = [row(p, c.tokens, c.logprobs, a) for p, c, a in zip(chosen, done, advantages)]
+            data = [row(p, tokens, logp, a)
+                    for p, (tokens, logp), a in zip(chosen(epoch), done, advantages)]
             trainer.log({"reward": rewards.mean(), "iteration": epoch - args.warmup})
         trainer.fit(data, epochs=epoch + 1, shuffle=False)
-    if first < args.warmup + args.iterations:
+    if first < last:
         sampler.update_weights(trainer.model)
         trainer.log({"heldout_accuracy": accuracy(sampler, held_out)})
     return {"first_epoch": first, "step": trainer.step}
