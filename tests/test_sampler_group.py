@@ -77,6 +77,33 @@ def test_replicas_complete_as_a_local_sampler_on_the_weights_sent(local_ray):
         group.shutdown()
 
 
+def test_a_replica_over_two_processes_completes_as_a_local_sampler(local_ray):
+    """hosts_per_replica=2: one replica's 2 actors form a JAX runtime of their own, the
+    model and cache split over its 4 devices, both running the Sampler's loop."""
+    rs = np.random.default_rng(1)
+    prompts = [rs.integers(6, 61, rs.integers(1, 9)).tolist() for _ in range(6)]
+    trained = model_fn(nnx.Rngs(1))
+    with pytest.raises(ValueError, match="devices_per_replica=3 does not split over "
+                                         "hosts_per_replica=2"):
+        SamplerGroup(model_fn, devices_per_replica=3, hosts_per_replica=2, max_length=LENGTH)
+    group = SamplerGroup(model_fn, hosts_per_replica=2, devices_per_replica=4, slots=4,
+                         max_length=LENGTH)
+    try:
+        assert ray_get(group.replicas[0].devices.remote()) == 4  # of both processes
+        group.update_weights(trained)
+        local = Sampler(trained, slots=4, max_length=LENGTH)
+        how = SamplingParams(max_new_tokens=8, temperature=1.0)
+        same(group.sample(prompts, how), local.sample(prompts, how))
+    finally:
+        group.shutdown()
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref)
+
+
 def test_weights_are_sent_in_the_dtype_asked_for(local_ray):
     trained = model_fn(nnx.Rngs(1))
     group = SamplerGroup(model_fn, dtype=jnp.bfloat16, slots=2, max_length=LENGTH)

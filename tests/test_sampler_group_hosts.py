@@ -1,6 +1,7 @@
 """A SamplerGroup and ``score`` under a trainer of 2 hosts (``redray.run``, 2 simulated
 hosts x 2 devices): the parameters, sharded over both hosts, are gathered and sent by
-host 0, and every host gets the completions and rewards that host 0 asked for."""
+host 0, and every host gets the completions and rewards that host 0 asked for; and a
+Sampler colocated on the trainer's mesh over both hosts completes them alike."""
 
 import numpy as np
 import optax
@@ -73,6 +74,13 @@ def loop():
         assert c.tokens.tolist() == m.tokens.tolist() and c.request_id == m.request_id
         np.testing.assert_allclose(c.logprobs, m.logprobs, rtol=1e-4, atol=1e-5)
     assert rewards.tolist() == [len(c.tokens) + p[0] for p, c in zip(prompts, done)]
+    # colocated on the trainer's own mesh over both hosts: every host runs the Sampler's
+    # loop, the cache split over the 4 devices of 2 processes
+    together = Sampler(trainer.model, slots=4, max_length=32)
+    assert together.spmd
+    for c, m in zip(together.sample(prompts, how, request_ids=[4, 5, 6, 7]), mine):
+        assert c.tokens.tolist() == m.tokens.tolist()
+        np.testing.assert_allclose(c.logprobs, m.logprobs, rtol=1e-4, atol=1e-5)
     group.shutdown()
     return {"host": jax.process_index(), "bytes": sync.bytes, "lengths": [len(c.tokens)
                                                                             for c in done]}

@@ -276,10 +276,10 @@ class Regrow(Hook):
             return
         import numpy as np
 
-        from redray.engine.probe import broadcast
+        from redray.sharding.hosts import from_process_zero
 
         room = self._room() if jax.process_index() == 0 else False
-        if not bool(broadcast(np.int32(room))):  # every host acts on process 0's answer
+        if not bool(from_process_zero(np.int32(room))):  # every host acts on process 0's answer
             return
         checkpointer.wait()  # the checkpoint of this step is complete before the group ends
         if jax.process_index() == 0:

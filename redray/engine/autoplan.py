@@ -175,7 +175,8 @@ def model_timing(facts: RuntimeFacts, hardware: Hardware) -> ModelTiming | None:
     ``fixed + rows * per_example`` (median of ``probe.REPEATS`` runs each). Process 0's
     numbers for every host. None for a model too large to hold whole on a device, or a
     pass that does not run as one program per device."""
-    from redray.engine.probe import _grid, _timed, broadcast
+    from redray.engine.probe import _grid, _timed
+    from redray.sharding.hosts import from_process_zero
 
     params_abs, extra_abs = facts.runtime.abstract
     nbytes = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params_abs))
@@ -212,7 +213,7 @@ def model_timing(facts: RuntimeFacts, hardware: Hardware) -> ModelTiming | None:
         seconds.append(_update_seconds(facts.optimizer, mesh, rows_spec) / UPDATE_ELEMENTS)
     except Exception:  # noqa: BLE001 - the planner then uses the hardware's matmul rate
         seconds = [0.0, 0.0, 0.0]
-    t_few, t_many, update = broadcast(np.array(seconds, np.float64)).tolist()
+    t_few, t_many, update = from_process_zero(np.array(seconds, np.float64)).tolist()
     if not t_few > 0:
         return None
     flops = facts.flops("none")

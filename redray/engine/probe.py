@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.sharding.hardware import PRESETS, Hardware, Link
+from redray.sharding.hosts import from_process_zero
 
 # Two all-reduce sizes: the small one's time is mostly latency, the large one's
 # bandwidth, at the size of a model's gradients rather than a cache's (measured on
@@ -163,7 +164,7 @@ def _measure() -> Hardware:
         _matmul_rate(mesh, dtype, 4096 if accelerated else 512),
         *_flat(_link(mesh, "local", dtype)), *_flat(_link(mesh, "hosts", dtype)),
         _overhead(mesh), _device_memory(device)], np.float64)
-    numbers = broadcast(numbers)  # every host plans from process 0's numbers
+    numbers = from_process_zero(numbers)  # every host plans from process 0's numbers
     rate, intra_bw, intra_lat, inter_bw, inter_lat, overhead, memory = numbers.tolist()
     base = like or dataclasses.replace(PRESETS["h100"], intra=UNMEASURED, inter=UNMEASURED)
     intra = Link(intra_bw, intra_lat) if intra_bw > 0 else base.intra
@@ -177,15 +178,6 @@ def _measure() -> Hardware:
         micro_batch_overhead=overhead, live=True,
         source=f"measured by redray's probe on {time.strftime('%Y-%m-%d %H:%M')}; peak from "
                f"{like.name if like else 'the measured rate'}")
-
-
-def broadcast(numbers: np.ndarray) -> np.ndarray:
-    """Process 0's ``numbers`` on every process."""
-    if jax.process_count() == 1:
-        return numbers
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.broadcast_one_to_all(numbers))
 
 
 def _flat(link: Link | None) -> tuple[float, float]:

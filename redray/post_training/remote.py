@@ -17,6 +17,12 @@ of one update: GRPO's ratio to the sampler's own log-probabilities corrects for 
 On a trainer of several hosts every host calls the same methods (as with the
 Trainer): host 0 owns the actors and sends and asks; the completions reach the other
 hosts through the JAX runtime.
+
+A replica may span several processes (``hosts_per_replica``: a model one process's
+devices cannot hold): its actors join a JAX runtime of their own (the first serves it),
+each receives the whole weights and places its shards, and each runs the Sampler's
+loop on the same requests (the Sampler on a mesh over several processes); the first
+one's completions are the replica's.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from redray.post_training.sampler import Completion, Sampler, SamplingParams, requests
+from redray.sharding.hosts import from_process_zero
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +53,29 @@ class WeightSync:
 
 
 class _Replica:
-    """One sampler process (a Ray actor's class; see ``SamplerGroup``)."""
+    """One sampler process (a Ray actor's class; see ``SamplerGroup``): a replica's only
+    process, or one of its ``hosts`` processes, which form a JAX runtime of their own
+    (``join``) and run the same Sampler loop on the same requests."""
 
-    def __init__(self, model_fn, seed: int, sampler_kwargs: dict):
+    def address(self) -> str:
+        """Where this process (a replica's first) serves the replica's runtime."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, address: str, hosts: int, rank: int) -> None:
+        """Joins the replica's runtime (waits until its ``hosts`` processes have)."""
+        if jax.config.jax_platforms in (None, "", "cpu"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(address, num_processes=hosts, process_id=rank,
+                                   heartbeat_timeout_seconds=30)
+
+    def build(self, model_fn, seed: int, sampler_kwargs: dict) -> None:
         from redray.sharding import Parallelism
 
         model = model_fn(nnx.Rngs(seed))
@@ -78,16 +105,31 @@ class _Replica:
         return jax.device_count()
 
 
+def _start(actor, hosts: int, model_fn, seed: int, sampler_kwargs: dict) -> list:
+    """One replica's ``hosts`` actors, joined into one runtime where more than one, each
+    holding the model and a Sampler."""
+    import ray
+
+    ranks = [actor.remote() for _ in range(hosts)]
+    if hosts > 1:
+        address = ray.get(ranks[0].address.remote())
+        ray.get([r.join.remote(address, hosts, i) for i, r in enumerate(ranks)])
+    ray.get([r.build.remote(model_fn, seed, sampler_kwargs) for r in ranks])
+    return ranks
+
+
 class Pending:
     """Completions being sampled (``SamplerGroup.submit``); ``result()`` waits."""
 
-    def __init__(self, refs, n: int, longest: int):
+    def __init__(self, refs, n: int, longest: int, others=()):
         self._refs, self._n, self._longest, self._done = refs, n, longest, None
+        self._others = list(others)  # a replica's other processes' calls (the same)
 
     def result(self) -> list[Completion]:
         if self._done is None:
             import ray
 
+            ray.get(self._others)
             parts = ray.get(self._refs) if self._refs is not None else []
             self._done = _on_every_host([c for part in parts for c in part], self._n,
                                         self._longest)
@@ -104,6 +146,9 @@ class SamplerGroup:
       devices_per_replica: devices each replica decodes on (CPU devices simulated where
         not ``use_gpu``; GPUs otherwise), its slots split over them data-parallel
         (``parallelism=``, a ``redray.Parallelism``, plans them otherwise).
+      hosts_per_replica: processes each replica spans (Ray actors, on any nodes), its
+        devices split evenly over them: one JAX runtime per replica, the model and
+        cache sharded over all its devices (a model one process's devices cannot hold).
       use_gpu: each replica takes ``devices_per_replica`` GPUs.
       dtype: the dtype the weights are sent and decoded in (default: as the replica's
         model holds them, e.g. its compute dtype where it keeps its weights in it).
@@ -114,16 +159,21 @@ class SamplerGroup:
     """
 
     def __init__(self, model_fn: Callable, *, replicas: int = 1, devices_per_replica: int = 1,
-                 use_gpu: bool = False, dtype=None, seed: int = 0,
+                 hosts_per_replica: int = 1, use_gpu: bool = False, dtype=None, seed: int = 0,
                  actor_options: dict | None = None, **sampler_kwargs):
-        if replicas < 1 or devices_per_replica < 1:
-            raise ValueError(f"replicas={replicas}, devices_per_replica={devices_per_replica}:"
-                             " give at least one of each")
+        if replicas < 1 or devices_per_replica < 1 or hosts_per_replica < 1:
+            raise ValueError(f"replicas={replicas}, devices_per_replica={devices_per_replica},"
+                             f" hosts_per_replica={hosts_per_replica}: give at least one of "
+                             "each")
+        if devices_per_replica % hosts_per_replica:
+            raise ValueError(f"devices_per_replica={devices_per_replica} does not split over "
+                             f"hosts_per_replica={hosts_per_replica}: give a multiple of it")
         if "max_length" not in sampler_kwargs:
             raise TypeError("SamplerGroup needs max_length= (the Sampler's: the longest "
                             "prompt plus completion)")
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.replicas = self._layouts = None
+        self._hosts = []
         if jax.process_index() != 0:
             return  # host 0 owns the actors
         import ray
@@ -131,15 +181,19 @@ class SamplerGroup:
         from redray.data.ray_local import ensure_ray
 
         ensure_ray()
+        per_host = devices_per_replica // hosts_per_replica
         options = {"num_cpus": 1, **(actor_options or {})}
         if use_gpu:
-            options["num_gpus"] = devices_per_replica
+            options["num_gpus"] = per_host
         else:
             options["runtime_env"] = {"env_vars": {
                 "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_replica}"}}
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={per_host}"}}
         actor = ray.remote(_Replica).options(**options)
-        self.replicas = [actor.remote(model_fn, seed, sampler_kwargs) for _ in range(replicas)]
+        # each replica's processes: its first answers, the others run the same loop
+        self._hosts = [_start(actor, hosts_per_replica, model_fn, seed, sampler_kwargs)
+                       for _ in range(replicas)]
+        self.replicas = [ranks[0] for ranks in self._hosts]
         self._layouts = ray.get([r.layout.remote() for r in self.replicas])
 
     def update_weights(self, model_or_state) -> WeightSync:
@@ -169,7 +223,7 @@ class SamplerGroup:
                 dtype, jnp.floating) else dtype
             sent.append(np.asarray(x, want))
         ref = ray.put(sent)
-        sizes = ray.get([r.update.remote(ref) for r in self.replicas])
+        sizes = ray.get([r.update.remote(ref) for ranks in self._hosts for r in ranks])
         return WeightSync(int(sizes[0]), time.perf_counter() - start)
 
     def submit(self, prompts: Sequence[Sequence[int]],
@@ -182,10 +236,14 @@ class SamplerGroup:
         if self.replicas is None:
             return Pending(None, n, longest)
         cuts = np.linspace(0, n, len(self.replicas) + 1).astype(int)
-        refs = [r.sample.remote([list(map(int, p)) for p in prompts[a:b]], params[a:b],
-                                ids[a:b])
-                for r, a, b in zip(self.replicas, cuts[:-1], cuts[1:]) if b > a]
-        return Pending(refs, n, longest)
+        refs, others = [], []
+        for ranks, a, b in zip(self._hosts, cuts[:-1], cuts[1:]):
+            if b > a:
+                asked = [r.sample.remote([list(map(int, p)) for p in prompts[a:b]],
+                                         params[a:b], ids[a:b]) for r in ranks]
+                refs.append(asked[0])
+                others.extend(asked[1:])
+        return Pending(refs, n, longest, others)
 
     def sample(self, prompts: Sequence[Sequence[int]],
                params: SamplingParams | Sequence[SamplingParams],
@@ -198,8 +256,9 @@ class SamplerGroup:
         if self.replicas:
             import ray
 
-            for r in self.replicas:
-                ray.kill(r)
+            for ranks in self._hosts:
+                for r in ranks:
+                    ray.kill(r)
         self.replicas = None
 
 
@@ -217,15 +276,13 @@ def _on_every_host(done: list[Completion], n: int, longest: int) -> list[Complet
     """Host 0's completions on every host (one host: as they are)."""
     if jax.process_count() == 1:
         return done
-    from jax.experimental import multihost_utils
-
     tokens = np.zeros((n, longest), np.int32)
     logprobs = np.zeros((n, longest), np.float32)
     head = np.zeros((n, 3), np.int64)  # request id, length, ended by EOS
     for i, c in enumerate(done):
         tokens[i, :len(c.tokens)], logprobs[i, :len(c.tokens)] = c.tokens, c.logprobs
         head[i] = c.request_id, len(c.tokens), c.finish_reason == "eos"
-    tokens, logprobs, head = multihost_utils.broadcast_one_to_all((tokens, logprobs, head))
+    tokens, logprobs, head = from_process_zero((tokens, logprobs, head))
     return [Completion(int(h[0]), np.asarray(t[:h[1]]), np.asarray(lp[:h[1]]),
                        "eos" if h[2] else "length")
             for t, lp, h in zip(tokens, logprobs, np.asarray(head))]

@@ -16,6 +16,8 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from redray.sharding.hosts import from_process_zero
+
 
 def _scored(reward: Callable, rows: list, first: int) -> list[float]:
     out = []
@@ -70,11 +72,7 @@ def score(reward: Callable[..., float], *columns: Sequence, workers: int = 0,
         values = np.asarray(values, np.float32)
     else:
         values = np.zeros(len(rows), np.float32)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        values = np.asarray(multihost_utils.broadcast_one_to_all(values))
-    return values
+    return from_process_zero(values)
 
 
 def _on_tasks(reward, rows: list, workers: int, options: dict) -> list[float]:

@@ -34,14 +34,17 @@ A run that resumes with the same request ids samples the same tokens.
 
 Sharded as the model is: the model's parameters keep their placement (or are placed by
 ``parallelism=``'s automatic specs); the cache's slots are split over the batch axes
-(data-parallel replicas) and its key/value heads over ``model``.
+(data-parallel replicas) and its key/value heads over ``model``. A mesh over several
+processes (a Trainer of several hosts, a ``SamplerGroup`` replica of several) works as
+the Trainer does: every process runs this same loop on the same requests; the host's
+inputs to a compiled step become global arrays and what the loop reads back is
+replicated on every device.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 from typing import Sequence
 
@@ -182,6 +185,11 @@ class Sampler:
         if parallelism is not None:
             self.state = _placed(model, self.state, parallelism)
         self.mesh = _mesh_of(self.state)
+        # a mesh over several processes (a trainer of several hosts): every process runs
+        # this same host loop on the same requests, its inputs made global arrays and
+        # what it reads back replicated (``_host``, ``_jit``)
+        self.spmd = self.mesh is not None and any(
+            d.process_index != jax.process_index() for d in self.mesh.devices.flat)
         self.data_parallel = 1
         if self.mesh is not None:
             dp = self.data_parallel = math.prod(self.mesh.shape.get(a, 1) for a in BATCH_AXES)
@@ -189,14 +197,20 @@ class Sampler:
                 raise ValueError(f"slots={slots} must be a multiple of the plan's data-parallel "
                                  f"size ({dp}): each replica decodes its share of the slots")
         self._compiled = {}
+        self._rewindow = self._empty = None
         self.reset()
 
     # ------------------------------------------------------------------ public
     def reset(self) -> None:
         """An empty cache (every slot free); the weights are kept."""
-        model = nnx.merge(self.graphdef, self.state)
-        self._place(model.init_cache(self.slots, PROMPT_BUCKET),
-                    jnp.zeros((self.slots, PROMPT_BUCKET), jnp.int32))
+        if self._empty is None:
+            graphdef, slots = self.graphdef, self.slots
+
+            def empty(state):
+                return (nnx.merge(graphdef, state).init_cache(slots, PROMPT_BUCKET),
+                        jnp.zeros((slots, PROMPT_BUCKET), jnp.int32))
+            self._empty = self._jit(empty, jax.eval_shape(empty, self.state)[0], 0)
+        self.cache, self.kv_valid = self._empty(self.state)
         self.t = 0
         self.start = np.zeros(self.slots, np.int64)  # each slot's first cache column
         self.shifts = 0  # times the rows were moved left (``_fit``)
@@ -212,7 +226,7 @@ class Sampler:
         state = model_or_state if isinstance(model_or_state, nnx.State) \
             else nnx.state(model_or_state)
         self.state = jax.tree.map(
-            lambda new, old: jax.device_put(new, old.sharding)
+            lambda new, old: _put(new, old.sharding)
             if isinstance(old, jax.Array) else new, state, self.state)
 
     def sample(self, prompts: Sequence[Sequence[int]],
@@ -296,8 +310,9 @@ class Sampler:
         self.start[slots] = self.t - width
         fn = self._compile("prefill", batch, (width, self.width), greedy_only)
         self.cache, self.kv_valid, token, logprob = fn(
-            self.state, self.cache, self.kv_valid, jnp.int32(self.t), ids, mask, where,
-            rows.keys[where % self.slots], *(x[where % self.slots] for x in rows.sampling()))
+            self.state, self.cache, self.kv_valid, *self._host(
+                np.int32(self.t), ids, mask, where, rows.keys[where % self.slots],
+                *(x[where % self.slots] for x in rows.sampling())))
         token, logprob = np.asarray(token)[:k], np.asarray(logprob)[:k]
         rows.token[slots] = token
         rows.counts[slots] = 1
@@ -319,9 +334,9 @@ class Sampler:
         fn = self._compile("decode", self.steps_per_call, (len(rows.token), self.width),
                            greedy_only)
         (self.cache, self.kv_valid, t, token, active, counts, remaining, out, lps, written,
-         by_eos) = fn(self.state, self.cache, self.kv_valid, jnp.int32(self.t), rows.token,
-                      rows.active, rows.counts, rows.remaining, rows.keys, *rows.sampling(),
-                      jnp.int32(refill_at))
+         by_eos) = fn(self.state, self.cache, self.kv_valid, *self._host(
+             np.int32(self.t), rows.token, rows.active, rows.counts, rows.remaining, rows.keys,
+             *rows.sampling(), np.int32(refill_at)))
         self.t = int(t)
         rows.token, rows.counts, rows.remaining = (np.array(token), np.array(counts),
                                                    np.array(remaining))
@@ -370,19 +385,34 @@ class Sampler:
             raise RuntimeError("the KV cache is full of one live sequence: max_length is "
                                "smaller than a request's prompt plus completion")
         inside = 0 <= begin and begin + width <= self.width
-        self._place(*_rewindowed(self.cache, self.kv_valid,
-                                 None if keep is None else jnp.asarray(keep, jnp.int32),
-                                 jnp.int32(begin), width, inside))
+        if self._rewindow is None:
+            self._rewindow = self._jit(_rewindowed, self.cache, 0, static_argnums=(4, 5))
+        keep = None if keep is None else self._host(np.asarray(keep, np.int32))[0]
+        self.cache, self.kv_valid = self._rewindow(
+            self.cache, self.kv_valid, keep, *self._host(np.int32(begin)), width, inside)
         self.t -= begin
         self.start -= begin
         self.shifts += begin > 0
 
-    def _place(self, cache, kv_valid) -> None:
-        """Keeps the cache and its key mask, split over the plan's mesh (see the module)."""
-        if self.mesh is not None:
-            cache = jax.device_put(cache, self._cache_sharding(cache))
-            kv_valid = jax.device_put(kv_valid, NamedSharding(self.mesh, P(BATCH_AXES)))
-        self.cache, self.kv_valid = cache, kv_valid
+    def _jit(self, fn, cache, replicated: int, **jit):
+        """``fn`` compiled; on a mesh, its outputs placed: the cache (of ``cache``'s
+        structure) and its key mask split as the module says, then ``replicated``
+        outputs the host reads, whole on every device (on every process)."""
+        if self.mesh is None:
+            return jax.jit(fn, **jit)
+        whole = NamedSharding(self.mesh, P())
+        return jax.jit(fn, out_shardings=(
+            self._cache_sharding(cache), NamedSharding(self.mesh, P(BATCH_AXES)),
+            *[whole] * replicated), **jit)
+
+    def _host(self, *arrays):
+        """The host's inputs to a compiled step: as they are in one process; over
+        several, global arrays of the same value on every process (each process passes
+        the same, as it runs the same loop)."""
+        if not self.spmd:
+            return arrays
+        whole = NamedSharding(self.mesh, P())
+        return [_put(x, whole) for x in arrays]
 
     def _cache_sharding(self, cache):
         kv_heads = jax.tree.leaves(cache)[0].shape[-3]
@@ -412,12 +442,13 @@ class Sampler:
             cache = jax.tree.map(lambda big, new: _write(big, new, where, cols), cache, small)
             row = jnp.zeros((batch, length), jnp.int32).at[:, cols].set(mask)
             kv_valid = kv_valid.at[where].set(row, mode="drop")
-            first = jax.vmap(lambda key: jax.random.fold_in(key, 0))(keys)
+            first = jax.vmap(lambda key: jax.random.fold_in(key, 0))(
+                jax.random.wrap_key_data(keys))
             token, logprob = sample_rows(logits[:, -1], first, temperature, top_k, top_p,
                                          greedy_only)
             return cache, kv_valid, token, logprob
 
-        return jax.jit(prefill, donate_argnums=(1, 2))
+        return self._jit(prefill, self.cache, 2, donate_argnums=(1, 2))
 
     def _decode_fn(self, steps: int, rows_and_width: tuple[int, int], greedy_only: bool):
         (slots, length), graphdef, pad = rows_and_width, self.graphdef, self.pad
@@ -442,7 +473,8 @@ class Sampler:
                     kv_valid, active.astype(jnp.int32)[:, None], (0, t))
                 model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
                 logits, cache = model(token[:, None], kv_valid, cache=cache, cache_index=t)
-                step_keys = jax.vmap(jax.random.fold_in)(keys, counts)
+                step_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(keys),
+                                                         counts)
                 new, lp = sample_rows(logits[:, -1], step_keys, temperature, top_k, top_p,
                                       greedy_only)
                 out = out.at[:, i].set(jnp.where(active, new, pad))
@@ -465,7 +497,7 @@ class Sampler:
             return (cache, kv_valid, t, token, active, counts, remaining, out, lps, written,
                     by_eos)
 
-        return jax.jit(decode, donate_argnums=(1, 2))
+        return self._jit(decode, self.cache, 9, donate_argnums=(1, 2))
 
 
 class _Rows:
@@ -473,7 +505,8 @@ class _Rows:
 
     def __init__(self, slots: int, seed: int):
         self.seed = seed
-        self.keys = jax.random.split(jax.random.key(seed), slots)
+        # key data (uint32), not typed keys: host values, made global with the rest
+        self.keys = np.array(jax.random.key_data(jax.random.split(jax.random.key(seed), slots)))
         self.token = np.zeros(slots, np.int32)
         self.active = np.zeros(slots, bool)
         self.counts = np.zeros(slots, np.int32)
@@ -485,7 +518,7 @@ class _Rows:
     def assign(self, slots, params: list[SamplingParams], ids: list[int]) -> None:
         base = jax.random.key(self.seed)
         keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(ids, jnp.int32))
-        self.keys = self.keys.at[jnp.asarray(slots)].set(keys)
+        self.keys[slots] = np.asarray(jax.random.key_data(keys))
         self.counts[slots] = 0
         self.remaining[slots] = [p.max_new_tokens for p in params]
         self.temperature[slots] = [p.temperature for p in params]
@@ -531,7 +564,6 @@ def _write(big, new, rows, cols):
         new.astype(big.dtype), mode="drop")
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5))
 def _rewindowed(cache, kv_valid, keep, begin, width: int, inside: bool):
     """The rows ``keep`` (None: all; sorted: a gather of sorted rows runs 4x faster on
     XLA:CPU) and the columns ``[begin, begin + width)`` of the cache and its key mask;
@@ -560,6 +592,19 @@ def _mesh_of(state):
     return None
 
 
+def _put(x, sharding):
+    """``x`` placed on ``sharding``; one over several processes from a host value (the
+    same on every process), sliced here without ``device_put``'s check that it is."""
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array)
+                                         and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a model's RNG stream
+        return jax.random.wrap_key_data(_put(jax.random.key_data(x), sharding),
+                                        impl=jax.random.key_impl(x))
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def _placed(model, state, parallelism: Parallelism):
     from redray.models.hub import family, model_specs
 
@@ -567,7 +612,7 @@ def _placed(model, state, parallelism: Parallelism):
     inputs = family(model.config.model_type).trace_inputs(model.config)
     graphdef, params, extra = nnx.split(model, nnx.Param, ...)
     specs = model_specs(graphdef, (params, extra), plan, inputs)
-    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(plan.mesh, s)),
+    placed = jax.tree.map(lambda x, s: _put(x, NamedSharding(plan.mesh, s)),
                           (params, extra), specs,
                           is_leaf=lambda x: isinstance(x, P))
     return nnx.state(nnx.merge(graphdef, *placed))
