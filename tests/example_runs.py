@@ -36,18 +36,35 @@ def example_module(name: str):
 TRAINER = redray.Trainer  # as imported: the class run_loop's subclasses extend
 
 
-def run_loop(module, loop: str, args: list[str], folder, monkeypatch):
+class Killed(Exception):
+    """What ``run_loop(kill_at=...)`` raises in place of a kill."""
+
+
+class _Kill(redray.Hook):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step(self, trainer, info):
+        if info.step == self.step:
+            trainer.checkpointer.wait()  # what a kill leaves: the checkpoints written so far
+            raise Killed(f"killed after step {info.step}")
+
+
+def run_loop(module, loop: str, args: list[str], folder, monkeypatch, kill_at=None):
     """An example's loop (``module.<loop>``, what ``redray.run`` runs on a host) in this
     process, its Trainer checkpointing into ``<folder>/checkpoints`` on one fixed plan
     (data over 4 devices: the planner's pick follows timings, this machine's load, and
     another plan rounds differently). Returns what the loop returned, the first Trainer
-    it made and the rows it logged."""
+    it made and the rows it logged. ``kill_at``: the loop dies (``Killed``) right after
+    that optimizer step, as a killed process would, with whatever was done since the
+    last checkpoint lost."""
     made, logged = [], []
 
     class Checkpointed(TRAINER):
-        def __init__(self, *a, **kw):
+        def __init__(self, *a, hooks=(), **kw):
+            hooks = [*hooks, *([_Kill(kill_at)] if kill_at else [])]
             super().__init__(*a, checkpoint=redray.CheckpointConfig(
-                os.path.join(folder, "checkpoints")), data_axis=4, **kw)
+                os.path.join(folder, "checkpoints")), data_axis=4, hooks=hooks, **kw)
             made.append(self)
 
         def log(self, row):

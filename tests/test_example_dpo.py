@@ -1,5 +1,6 @@
 """examples/dpo's loop at a tiny size, in this process (the loop ``redray.run`` runs on a
-host): its rows hold what the loss reads, and a run stopped after its warm-up and
+host): its rows hold what the loss reads, and a run killed in its first DPO epoch (an
+exception after an optimizer step: the work since the last checkpoint lost) and
 started again trains exactly as one that never stopped: the reference's
 log-probabilities, computed once when the warm-up ends, come back from the run's
 folder, not from the model the run resumes with."""
@@ -8,13 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from example_runs import example_module, run_loop
+from example_runs import Killed, example_module, run_loop
 
 TINY = ["--warmup", "2", "--pairs", "256"]
 
 
-def run(module, monkeypatch, folder, epochs):
-    return run_loop(module, "dpo", [*TINY, "--epochs", str(epochs)], folder, monkeypatch)
+def run(module, monkeypatch, folder, epochs, kill_at=None):
+    return run_loop(module, "dpo", [*TINY, "--epochs", str(epochs)], folder, monkeypatch,
+                    kill_at)
 
 
 def test_a_row_is_a_prompt_with_its_right_sum_and_a_near_miss():
@@ -31,7 +33,7 @@ def test_a_row_is_a_prompt_with_its_right_sum_and_a_near_miss():
 
 
 @pytest.mark.slow
-def test_a_stopped_run_resumes_exactly_with_its_saved_reference(tmp_path, monkeypatch):
+def test_a_killed_run_resumes_exactly_with_its_saved_reference(tmp_path, monkeypatch):
     d = example_module("dpo")
     whole, trainer, whole_log = run(d, monkeypatch, tmp_path / "whole", epochs=3)
     assert whole == {"first_epoch": 0, "step": 10}  # (2 warm-up + 3 DPO epochs) x 2 updates
@@ -39,8 +41,9 @@ def test_a_stopped_run_resumes_exactly_with_its_saved_reference(tmp_path, monkey
     assert len(accuracy) == 4 and all(0 <= a <= 1 for a in accuracy)
     params = jax.device_get(trainer.state.params)
 
-    first, stopped, _ = run(d, monkeypatch, tmp_path / "stopped", epochs=1)
-    assert first["step"] == 6 and (tmp_path / "stopped" / "reference.npy").exists()
+    # killed after the first update of the second DPO epoch (step 7 of 10)
+    with pytest.raises(Killed):
+        run(d, monkeypatch, tmp_path / "stopped", epochs=3, kill_at=7)
     np.testing.assert_array_equal(np.load(tmp_path / "stopped" / "reference.npy"),
                                   np.load(tmp_path / "whole" / "reference.npy"))
     again, resumed, again_log = run(d, monkeypatch, tmp_path / "stopped", epochs=3)

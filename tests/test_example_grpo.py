@@ -1,16 +1,16 @@
 """examples/grpo's loop at a tiny size, in this process (the loop ``redray.run`` runs on a
-host): the rows it trains on line up with what the sampler drew, and a run stopped at a
-checkpoint and started again trains exactly as one that never stopped (each
-iteration's prompts and samples are keyed by its number; the Trainer restores its
-state). Stopping at a checkpoint stands for a kill: a killed run restarts from its last
-checkpoint the same way, redoing what came after it (tests/test_resume_cluster.py kills
-hosts mid-epoch)."""
+host): the rows it trains on line up with what the sampler drew, and a run killed in
+the middle of an iteration and started again trains exactly as one that never stopped
+(each iteration's prompts and samples are keyed by its number; the Trainer restores
+its state). The kill is an exception raised after an optimizer step, the work since the
+last checkpoint lost, as a killed process loses it (tests/test_resume_cluster.py kills
+the processes of hosts mid-epoch)."""
 
 import jax
 import numpy as np
 import pytest
 
-from example_runs import example_module, run_loop
+from example_runs import Killed, example_module, run_loop
 
 TINY = ["--warmup", "2", "--prompts", "4", "--group", "4"]
 
@@ -19,9 +19,9 @@ def example():
     return example_module("grpo")
 
 
-def run(module, monkeypatch, folder, iterations):
+def run(module, monkeypatch, folder, iterations, kill_at=None):
     return run_loop(module, "grpo", [*TINY, "--iterations", str(iterations)], folder,
-                    monkeypatch)
+                    monkeypatch, kill_at)
 
 
 def test_rows_follow_the_samples():
@@ -40,7 +40,7 @@ def test_rows_follow_the_samples():
 
 
 @pytest.mark.slow
-def test_a_stopped_run_resumes_exactly(tmp_path, monkeypatch):
+def test_a_run_killed_mid_iteration_resumes_exactly(tmp_path, monkeypatch):
     g = example()
     whole, trainer, whole_log = run(g, monkeypatch, tmp_path / "whole", iterations=3)
     assert whole == {"first_epoch": 0, "step": 5}  # 2 warm-up epochs + 3 iterations
@@ -50,8 +50,10 @@ def test_a_stopped_run_resumes_exactly(tmp_path, monkeypatch):
     assert all(0 <= r <= 1 for r in rewards + held_out)
     params = jax.device_get(trainer.state.params)
 
-    first, _, _ = run(g, monkeypatch, tmp_path / "stopped", iterations=1)
-    assert first["step"] == 3
+    # killed in the middle of the second iteration: its samples drawn, its update done,
+    # its checkpoint not written
+    with pytest.raises(Killed):
+        run(g, monkeypatch, tmp_path / "stopped", iterations=3, kill_at=4)
     again, resumed, again_log = run(g, monkeypatch, tmp_path / "stopped", iterations=3)
     assert again == {"first_epoch": 3, "step": 5}  # from the checkpoint of step 3
     assert again_log == whole_log[-len(again_log):]  # the same samples and rewards
