@@ -61,7 +61,8 @@ from redray.sharding import BATCH_AXES, MODEL, Parallelism
 PROMPT_BUCKET = 16  # prompts are left-padded to a multiple of this (one compile per size)
 # columns a decoding round's window keeps ahead of ``t`` at least: a round that reaches
 # the window's end stops and the window grows (one copy); more room makes every step
-# read more (16: measured best of 1, 8, 16 and 32 for the benchmark's workload)
+# read more (of 1, 8, 16 and 32, 8 and 16 ran the benchmark's workload fastest, within
+# the noise of each other)
 ROOM = 16
 
 
