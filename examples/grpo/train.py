@@ -158,6 +158,7 @@ def grpo(args):
                                devices_per_replica=args.devices_per_host, seed=args.seed)
     else:  # colocated: on the trainer's devices, its weights shared in place
         sampler = Sampler(trainer.model, slots=128, max_length=32, seed=args.seed)
+
     def chosen(epoch):  # this epoch's prompts, on resume too
         rng = np.random.default_rng([args.seed, epoch])
         return rng.choice(train, rows) if epoch < args.warmup else \
