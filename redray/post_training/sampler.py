@@ -305,9 +305,7 @@ class Sampler:
         where[:k] = slots
         # the window keeps the live rows and the new prompts, right-aligned behind t,
         # and room for the next round
-        live = rows.active
-        oldest = min(self.t - width, int(self.start[live].min()) if live.any() else self.t)
-        self._fit(oldest, self.t + min(ROOM, self.steps_per_call))
+        self._fit(min(self.t - width, self._oldest(rows)))
         self.start[slots] = self.t - width
         fn = self._compile("prefill", batch, (width, self.width), greedy_only)
         self.cache, self.kv_valid, token, logprob = fn(
@@ -331,7 +329,7 @@ class Sampler:
         return full_tokens, full_lp, written, eos_rows, rows.active
 
     def _decode(self, rows: "_Rows", refill_at: int, greedy_only: bool):
-        self._fit(int(self.start[rows.active].min()), self.t + min(ROOM, self.steps_per_call))
+        self._fit(self._oldest(rows))
         fn = self._compile("decode", self.steps_per_call, (len(rows.token), self.width),
                            greedy_only)
         (self.cache, self.kv_valid, t, token, active, counts, remaining, out, lps, written,
@@ -351,16 +349,15 @@ class Sampler:
         the last, long sequences would otherwise run with most of the batch idle. The
         same copy takes the new live window (``_fit``). Returns the owners."""
         size, live = len(owner), np.nonzero(rows.active)[0]
-        while self._smaller(size) and self._smaller(size) >= len(live):
-            size = self._smaller(size)
+        while (smaller := self._smaller(size)) and smaller >= len(live):
+            size = smaller
         if size == len(owner):
             return owner
         idle = np.setdiff1d(np.arange(len(owner)), live)
         keep = np.sort(np.concatenate([live, idle[:size - len(live)]]))
         rows.take(keep)
         self.start = self.start[keep]
-        self._fit(int(self.start[rows.active].min()), self.t + min(ROOM, self.steps_per_call),
-                  keep)
+        self._fit(self._oldest(rows), keep)
         return owner[keep]
 
     def _smaller(self, size: int) -> int | None:
@@ -372,12 +369,18 @@ class Sampler:
                 return below
         return None
 
-    def _fit(self, begin: int, end: int, keep=None) -> None:
-        """Makes the cache's window hold columns ``[begin, end)`` (``begin`` may be
-        negative: room on the left for a prompt), copying it (and its rows ``keep``)
-        when they do not fit, or when a window of at most two thirds of its width
-        would, or when ``keep`` is given. Columns are renumbered from the window's
-        start (see the module)."""
+    def _oldest(self, rows: "_Rows") -> int:
+        """The first column of the oldest live sequence (``t`` when none is live)."""
+        live = rows.active
+        return int(self.start[live].min()) if live.any() else self.t
+
+    def _fit(self, begin: int, keep=None) -> None:
+        """Makes the cache's window hold columns ``[begin, end)``, ``end`` the next
+        round's room past ``t`` (``begin`` may be negative: room on the left for a
+        prompt), copying it (and its rows ``keep``) when they do not fit, or when a
+        window of at most two thirds of its width would, or when ``keep`` is given.
+        Columns are renumbered from the window's start (see the module)."""
+        end = self.t + min(ROOM, self.steps_per_call)
         width = _window(end - begin, self.length)
         fits = 0 <= begin and end <= self.width and width > self.width * 2 // 3
         if fits and keep is None:
