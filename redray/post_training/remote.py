@@ -59,21 +59,15 @@ class _Replica:
 
     def address(self) -> str:
         """Where this process (a replica's first) serves the replica's runtime."""
-        import socket
+        from redray.cluster.distributed import serve_address
 
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"{ray.util.get_node_ip_address()}:{port}"
+        return serve_address()
 
     def join(self, address: str, hosts: int, rank: int) -> None:
         """Joins the replica's runtime (waits until its ``hosts`` processes have)."""
-        if jax.config.jax_platforms in (None, "", "cpu"):
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(address, num_processes=hosts, process_id=rank,
-                                   heartbeat_timeout_seconds=30)
+        from redray.cluster.distributed import join
+
+        join(address, hosts, rank)
 
     def build(self, model_fn, seed: int, sampler_kwargs: dict) -> None:
         from redray.sharding import Parallelism
