@@ -472,9 +472,34 @@ def _run_group(config: ClusterConfig, job: HostJob, quiet: bool, tracker, result
                              worker_runtime_env={"env_vars": _worker_env(config, quiet)},
                              logging_config=LoggingConfig(log_level="WARNING"),
                              callbacks=[] if tracker is None else [CheckpointsToTracker(tracker)]))
-    with Watcher(results, view):
-        trainer.fit()
+    controller_env = _controller_env(config, os.environ)
+    os.environ.update(controller_env)  # the driver's: Ray Train hands it to its controller
+    try:
+        with Watcher(results, view):
+            trainer.fit()
+    finally:
+        for name in controller_env:
+            del os.environ[name]
     return ray.get(results.take_regroup.remote())
+
+
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+ELASTIC_START_TIMEOUT_S = 10
+
+
+def _controller_env(config: ClusterConfig, environ) -> dict:
+    """What the driver's environment gains for Ray Train's controller while a group runs.
+
+    An elastic group is sized on Ray's view of the free resources, which lags a lost node
+    (the autoscaling coordinator reads the nodes every 20 s): a group sized on that view
+    waits for a placement that never comes, 60 s by default, before Ray sizes it again
+    (a timed-out start is retried, not counted as a failure). In benchmarks/elastic.py
+    that wait was most of the 70 s from a node's loss to the next step. A fixed-size
+    group waits the default (an autoscaler may be adding its nodes). The user's own
+    setting wins."""
+    if not config.elastic or START_TIMEOUT_ENV in environ:
+        return {}
+    return {START_TIMEOUT_ENV: str(ELASTIC_START_TIMEOUT_S)}
 
 
 def _await_room(hosts: int, resources: dict, seconds: float = 60.0) -> None:
