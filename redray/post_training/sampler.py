@@ -318,15 +318,13 @@ class Sampler:
         rows.remaining[slots] -= 1
         by_eos = np.isin(token, self.eos)
         rows.active[slots] = ~by_eos & (rows.remaining[slots] > 0)
-        written = np.zeros((self.slots, 1), bool)
-        written[slots, 0] = True
-        full_tokens = np.zeros((self.slots, 1), np.int32)
-        full_tokens[slots, 0] = token
-        full_lp = np.zeros((self.slots, 1), np.float32)
-        full_lp[slots, 0] = logprob
-        eos_rows = np.zeros(self.slots, bool)
-        eos_rows[slots] = by_eos
-        return full_tokens, full_lp, written, eos_rows, rows.active
+
+        def per_slot(values, dtype, shape=(1,)):  # as a decoding round gives them
+            full = np.zeros((self.slots, *shape), dtype)
+            full[slots] = np.reshape(values, (-1, *shape))
+            return full
+        return (per_slot(token, np.int32), per_slot(logprob, np.float32),
+                per_slot(np.ones(k, bool), bool), per_slot(by_eos, bool, ()), rows.active)
 
     def _decode(self, rows: "_Rows", refill_at: int, greedy_only: bool):
         self._fit(self._oldest(rows))
