@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from redray.post_training.sampler import Completion, Sampler, SamplingParams, requests
-from redray.sharding.hosts import from_process_zero
+from redray.sharding.hosts import from_process_zero, join, served_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +59,12 @@ class _Replica:
 
     def address(self) -> str:
         """Where this process (a replica's first) serves the replica's runtime."""
-        from redray.cluster.distributed import serve_address
+        import ray
 
-        return serve_address()
+        return served_at(ray.util.get_node_ip_address())
 
     def join(self, address: str, hosts: int, rank: int) -> None:
         """Joins the replica's runtime (waits until its ``hosts`` processes have)."""
-        from redray.cluster.distributed import join
-
         join(address, hosts, rank)
 
     def build(self, model_fn, seed: int, sampler_kwargs: dict) -> None:

@@ -1,10 +1,37 @@
-"""Host values the processes of one runtime agree on: process 0's, sent to every process
-(a plan's timings, a reward, a completion), so that every host acts alike."""
+"""The processes of one JAX runtime: joining it (``join``, at ``served_at``), and host
+values they agree on: process 0's, sent to every process (a plan's timings, a reward, a
+completion), so that every host acts alike."""
 
 from __future__ import annotations
 
+import socket
+
 import jax
 import numpy as np
+
+# A dead peer must end a runtime quickly, never leave the others in a long hang.
+HEARTBEAT_TIMEOUT_S = 30
+SHUTDOWN_TIMEOUT_S = 10
+
+
+def served_at(host: str) -> str:
+    """``host:port``, the port free on this machine now: where a runtime's process 0
+    serves it (``host``: this node's address as the others reach it)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+def join(address: str, world: int, rank: int) -> None:
+    """Joins the JAX runtime served at ``address`` as process ``rank`` of ``world``
+    (waits until all have); on CPU over gloo collectives. A Ray Train worker group's
+    hosts (``redray.cluster.distributed``) and a sampler replica's processes
+    (``redray.post_training.remote``) join theirs so."""
+    if jax.config.jax_platforms in (None, "", "cpu"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(address, num_processes=world, process_id=rank,
+                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+                               shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
 
 
 def from_process_zero(tree):
