@@ -174,6 +174,53 @@ def test_new_weights_reach_the_sampler_and_bad_requests_are_refused():
         Sampler(build(t5, rngs=nnx.Rngs(0)), max_length=8)
 
 
+def _slices_in_loops(closed, shapes) -> list:
+    """The equations inside a while loop's body that slice an operand of one of
+    ``shapes``."""
+    found = []
+
+    def walk(jaxpr, inside):
+        for eqn in jaxpr.eqns:
+            if inside and eqn.primitive.name in ("slice", "dynamic_slice", "gather", "squeeze") \
+                    and any(getattr(v.aval, "shape", None) in shapes for v in eqn.invars):
+                found.append(eqn)
+            loop = eqn.primitive.name == "while"
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else [value]:
+                    sub = getattr(sub, "jaxpr", sub)
+                    if isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub, inside or loop)
+    walk(closed.jaxpr, False)
+    return found
+
+
+def test_decoding_loops_read_stacked_layers_sliced_once_before_the_loop():
+    """XLA does not hoist the slices of a loop's invariant stacked weights: ``generate``
+    and the sampler's decoding round split them before their loops."""
+    model = build(CONFIGS["llama"](), rngs=nnx.Rngs(0))
+    stacked = {x.shape for x in jax.tree.leaves(nnx.state(model.layers, nnx.Param))}
+    assert all(shape[0] == 2 for shape in stacked)  # the layer axis
+    ids, mask = left_padded(prompts_of(3))
+    looped = jax.make_jaxpr(lambda m, i, a: generate(m, i, a, max_new_tokens=4))(model, ids, mask)
+    assert _slices_in_loops(looped, stacked) == []
+    sampler = Sampler(model, slots=4, max_length=32)
+    from redray.post_training.sampler import _Rows
+    rows = _Rows(4, 0)
+    decode = sampler._decode_fn(3, (4, sampler.width), True)
+    traced = jax.make_jaxpr(decode)(
+        sampler.state, sampler.cache, sampler.kv_valid, np.int32(0), rows.token, rows.active,
+        rows.counts, rows.remaining, rows.keys, *rows.sampling(), np.int32(5))
+    assert _slices_in_loops(traced, stacked) == []
+    # what the check finds when a loop slices them (the body before the split)
+    state = nnx.state(model)
+
+    def per_step(s):
+        def body(c):
+            return c + nnx.merge(nnx.graphdef(model), s).layers.mlp.down_proj.kernel[...][1].sum()
+        return jax.lax.while_loop(lambda c: c < 1, body, 0.0)
+    assert len(_slices_in_loops(jax.make_jaxpr(per_step)(state), stacked)) >= 1
+
+
 # ------------------------------------------------------------------ the losses
 def test_token_logprobs_and_sft_loss_score_the_completion_only():
     model = build(CONFIGS["llama"](), rngs=nnx.Rngs(0))

@@ -165,6 +165,19 @@ class CausalLM(nnx.Module):
         bias = getattr(self, "lm_head_bias", None)
         return logits if bias is None else logits + bias[...].astype(x.dtype)
 
+    def unstacked(self):
+        """This model for a decoding loop: stacked blocks become the list of their
+        layers (``layers.split_layers``), sliced once before the loop where each step
+        would slice them again. Called under ``jit`` before the loop, the copy holds
+        the layers' weights a second time while the loop runs (as MaxText decodes with
+        unscanned layers). A model with a list of blocks is returned as it is."""
+        blocks = getattr(self, self.BLOCKS)
+        if not layers.is_stacked(blocks):
+            return self
+        copy = nnx.merge(*nnx.split(self))
+        setattr(copy, self.BLOCKS, layers.split_layers(blocks))
+        return copy
+
     def init_cache(self, batch: int, length: int, dtype=None):
         """An empty KV cache for ``batch`` sequences of up to ``length`` tokens: one
         {"k", "v"} per layer, stacked layers too (``layers._unrolled`` says why)."""

@@ -109,9 +109,9 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens: int, rng=
                                 jnp.ones((batch, max_new_tokens), jnp.int32)], 1)
     cache = model.init_cache(batch, prompt + max_new_tokens)
     logits, cache = model(input_ids, kv_valid, cache=cache, cache_index=0)
-    # The model is rebuilt inside the loop's trace: NNX's own transforms (the scan of
-    # stacked layers) refuse a module from an outer trace.
-    graphdef, state = nnx.split(model)
+    # The model is rebuilt inside the loop's trace: NNX's own transforms refuse a module
+    # from an outer trace. Its stacked layers are split before the loop (``unstacked``).
+    graphdef, state = nnx.split(for_decoding(model))
 
     def step(token, cache, t):
         inner = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
@@ -121,6 +121,13 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens: int, rng=
     return decode_loop(step, logits[:, -1], cache, max_new_tokens=max_new_tokens, rng=rng,
                        temperature=temperature, top_k=top_k, top_p=top_p,
                        eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
+def for_decoding(model):
+    """``model`` as a decoding loop should close over it: a redray decoder's stacked
+    layers split once (``DecoderLM.unstacked``); any other model as it is."""
+    unstacked = getattr(model, "unstacked", None)
+    return model if unstacked is None else unstacked()
 
 
 def special_tokens(config, eos_token_id, pad_token_id):

@@ -55,7 +55,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redray.models.generate import special_tokens
+from redray.models.generate import for_decoding, special_tokens
 from redray.sharding import BATCH_AXES, MODEL, Parallelism
 
 PROMPT_BUCKET = 16  # prompts are left-padded to a multiple of this (one compile per size)
@@ -462,6 +462,7 @@ class Sampler:
             lps = jnp.zeros((slots, steps), jnp.float32)
             written = jnp.zeros((slots, steps), bool)
             by_eos = jnp.zeros((slots,), bool)
+            inner, weights = nnx.split(for_decoding(nnx.merge(graphdef, state)))
 
             def cond(c):
                 i, t, active = c[0], c[1], c[4]
@@ -473,7 +474,7 @@ class Sampler:
                     by_eos = c
                 kv_valid = jax.lax.dynamic_update_slice(
                     kv_valid, active.astype(jnp.int32)[:, None], (0, t))
-                model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+                model = nnx.merge(inner, jax.tree.map(lambda x: x, weights))
                 logits, cache = model(token[:, None], kv_valid, cache=cache, cache_index=t)
                 step_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(keys),
                                                          counts)
