@@ -505,7 +505,7 @@ def split_layers(blocks) -> nnx.List:
 
     A decoding loop calls this once, outside the loop (``unstacked``): XLA does not
     hoist the slices of the loop's invariant stacked weights, so each step would copy
-    every layer's weights before reading them (1.2 ms of a 1.4 ms step for one row of
+    every layer's weights before reading them (0.7 ms of a 1.4 ms step for one row of
     ``benchmarks/sampler.py``'s model on XLA:CPU)."""
     with _in_layer_order(blocks) as ordered:
         graphdef, state = nnx.split(ordered)
