@@ -206,9 +206,11 @@ def test_decoding_loops_read_stacked_layers_sliced_once_before_the_loop():
     sampler = Sampler(model, slots=4, max_length=32)
     from redray.post_training.sampler import _Rows
     rows = _Rows(4, 0)
+    layers = sampler._split_layers()  # once per sample call, outside the rounds
+    assert not any(x.shape in stacked for x in jax.tree.leaves(layers))
     decode = sampler._decode_fn(3, (4, sampler.width), True)
     traced = jax.make_jaxpr(decode)(
-        sampler.state, sampler.cache, sampler.kv_valid, np.int32(0), rows.token, rows.active,
+        layers, sampler.cache, sampler.kv_valid, np.int32(0), rows.token, rows.active,
         rows.counts, rows.remaining, rows.keys, *rows.sampling(), np.int32(5))
     assert _slices_in_loops(traced, stacked) == []
     # what the check finds when a loop slices them (the body before the split)

@@ -198,7 +198,8 @@ class Sampler:
                 raise ValueError(f"slots={slots} must be a multiple of the plan's data-parallel "
                                  f"size ({dp}): each replica decodes its share of the slots")
         self._compiled = {}
-        self._rewindow = self._empty = None
+        self._rewindow = self._empty = self._split = None
+        self._layers = None  # the weights as the decoding rounds read them (``_split_layers``)
         self.reset()
 
     # ------------------------------------------------------------------ public
@@ -254,6 +255,14 @@ class Sampler:
         greedy_only = all(p.temperature == 0 for p in params)
         if self.kv_valid.shape[0] != self.slots:  # narrowed by the last call's tail
             self.reset()
+        self._layers = self._split_layers()
+        try:
+            return self._sample(prompts, params, ids, greedy_only)
+        finally:
+            self._layers = None  # the split copy lives while a call samples
+
+    def _sample(self, prompts, params, ids, greedy_only: bool) -> list[Completion]:
+        n = len(prompts)
         pending = collections.deque(range(n))
         tokens = [[] for _ in range(n)]
         logprobs = [[] for _ in range(n)]
@@ -293,6 +302,21 @@ class Sampler:
                            np.asarray(logprobs[r], np.float32), reason[r]) for r in range(n)]
 
     # ------------------------------------------------------------------ device steps
+    def _split_layers(self):
+        """The weights as a decoding round reads them: stacked layers split into each
+        layer's (``redray.models.generate.for_decoding``: XLA would copy each layer's
+        slice at every step of the loop). Split once per ``sample`` call, not per round:
+        the copy costs about a step's weight reads."""
+        if self._split is None:
+            graphdef, self._inner = self.graphdef, []
+
+            def split(state):  # traced once: its graph is the decoding rounds' model's
+                inner, weights = nnx.split(for_decoding(nnx.merge(graphdef, state)))
+                self._inner[:] = [inner]
+                return weights
+            self._split = jax.jit(split)
+        return self._split(self.state)
+
     def _prefill(self, prompts, slots, rows: "_Rows", greedy_only: bool):
         k = len(prompts)
         width = _bucket(max(len(p) for p in prompts))
@@ -331,7 +355,7 @@ class Sampler:
         fn = self._compile("decode", self.steps_per_call, (len(rows.token), self.width),
                            greedy_only)
         (self.cache, self.kv_valid, t, token, active, counts, remaining, out, lps, written,
-         by_eos) = fn(self.state, self.cache, self.kv_valid, *self._host(
+         by_eos) = fn(self._layers, self.cache, self.kv_valid, *self._host(
              np.int32(self.t), rows.token, rows.active, rows.counts, rows.remaining, rows.keys,
              *rows.sampling(), np.int32(refill_at)))
         self.t = int(t)
@@ -453,16 +477,15 @@ class Sampler:
         return self._jit(prefill, self.cache, 2, donate_argnums=(1, 2))
 
     def _decode_fn(self, steps: int, rows_and_width: tuple[int, int], greedy_only: bool):
-        (slots, length), graphdef, pad = rows_and_width, self.graphdef, self.pad
+        (slots, length), (inner,), pad = rows_and_width, self._inner, self.pad
         eos = jnp.asarray(self.eos)
 
-        def decode(state, cache, kv_valid, t, token, active, counts, remaining, keys,
+        def decode(weights, cache, kv_valid, t, token, active, counts, remaining, keys,
                    temperature, top_k, top_p, refill_at):
             out = jnp.full((slots, steps), pad, jnp.int32)
             lps = jnp.zeros((slots, steps), jnp.float32)
             written = jnp.zeros((slots, steps), bool)
             by_eos = jnp.zeros((slots,), bool)
-            inner, weights = nnx.split(for_decoding(nnx.merge(graphdef, state)))
 
             def cond(c):
                 i, t, active = c[0], c[1], c[4]
