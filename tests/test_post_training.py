@@ -194,15 +194,34 @@ def _slices_in_loops(closed, shapes) -> list:
     return found
 
 
+def _shapes(closed) -> set:
+    """The shapes of every value a jaxpr (and the jaxprs inside it) computes."""
+    found = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            found.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else [value]:
+                    sub = getattr(sub, "jaxpr", sub)
+                    if isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+    walk(closed.jaxpr)
+    return found
+
+
 def test_decoding_loops_read_stacked_layers_sliced_once_before_the_loop():
     """XLA does not hoist the slices of a loop's invariant stacked weights: ``generate``
-    and the sampler's decoding round split them before their loops."""
+    and the sampler's decoding round split them before their loops. Their prefill
+    projects each prompt's last token only on the vocabulary."""
     model = build(CONFIGS["llama"](), rngs=nnx.Rngs(0))
     stacked = {x.shape for x in jax.tree.leaves(nnx.state(model.layers, nnx.Param))}
     assert all(shape[0] == 2 for shape in stacked)  # the layer axis
     ids, mask = left_padded(prompts_of(3))
     looped = jax.make_jaxpr(lambda m, i, a: generate(m, i, a, max_new_tokens=4))(model, ids, mask)
     assert _slices_in_loops(looped, stacked) == []
+    vocab = model.config.vocab_size
+    assert (3, vocab) in _shapes(looped) and (3, ids.shape[1], vocab) not in _shapes(looped)
     sampler = Sampler(model, slots=4, max_length=32)
     from redray.post_training.sampler import _Rows
     rows = _Rows(4, 0)
@@ -213,6 +232,11 @@ def test_decoding_loops_read_stacked_layers_sliced_once_before_the_loop():
         layers, sampler.cache, sampler.kv_valid, np.int32(0), rows.token, rows.active,
         rows.counts, rows.remaining, rows.keys, *rows.sampling(), np.int32(5))
     assert _slices_in_loops(traced, stacked) == []
+    prefill = sampler._prefill_fn(4, (16, sampler.width), True)
+    filled = jax.make_jaxpr(prefill)(
+        sampler.state, sampler.cache, sampler.kv_valid, np.int32(16), np.ones((4, 16), np.int32),
+        np.ones((4, 16), np.int32), np.arange(4, dtype=np.int32), rows.keys, *rows.sampling())
+    assert (4, 16, vocab) not in _shapes(filled) and (4, 1, vocab) in _shapes(filled)
     # what the check finds when a loop slices them (the body before the split)
     state = nnx.state(model)
 

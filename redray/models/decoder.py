@@ -28,7 +28,8 @@ class CausalLM(nnx.Module):
     ``redray.data.pack``); with ``cache=model.init_cache(...)`` and ``cache_index`` for
     incremental decoding, which returns (logits, cache); with ``hidden=True`` the final
     hidden states instead of logits (``model.logits(hidden)`` applies the LM head: a
-    loss can then project a part of the sequence at a time, ``next_token_loss``); with
+    loss can then project a part of the sequence at a time, ``next_token_loss``, and a
+    prefill only its last token, ``generate.prompt_prefill``); with
     ``aux=True`` (logits or hidden states, auxiliary outputs) where the blocks report
     what they measured (``REPORTS``: the mixtures of experts, ``redray/models/moe.py``).
 
@@ -155,7 +156,7 @@ class CausalLM(nnx.Module):
         out = x if hidden else self.logits(x)
         if aux:
             return out, self.auxiliary(reports[0])
-        return out if hidden or cache is None else (out, new_cache)
+        return out if cache is None else (out, new_cache)
 
     def logits(self, x):
         """The LM head on final hidden states (``model(..., hidden=True)``)."""

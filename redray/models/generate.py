@@ -107,8 +107,8 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens: int, rng=
     eos_token_id, pad_token_id = special_tokens(model.config, eos_token_id, pad_token_id)
     kv_valid = jnp.concatenate([jnp.asarray(attention_mask, jnp.int32),
                                 jnp.ones((batch, max_new_tokens), jnp.int32)], 1)
-    cache = model.init_cache(batch, prompt + max_new_tokens)
-    logits, cache = model(input_ids, kv_valid, cache=cache, cache_index=0)
+    logits, cache = prompt_prefill(model, input_ids, kv_valid,
+                                   model.init_cache(batch, prompt + max_new_tokens))
     # The model is rebuilt inside the loop's trace: NNX's own transforms refuse a module
     # from an outer trace. Its stacked layers are split before the loop (``unstacked``).
     graphdef, state = nnx.split(for_decoding(model))
@@ -118,9 +118,23 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens: int, rng=
         logits, cache = inner(token[:, None], kv_valid, cache=cache, cache_index=prompt + t)
         return logits[:, -1], cache
 
-    return decode_loop(step, logits[:, -1], cache, max_new_tokens=max_new_tokens, rng=rng,
+    return decode_loop(step, logits, cache, max_new_tokens=max_new_tokens, rng=rng,
                        temperature=temperature, top_k=top_k, top_p=top_p,
                        eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
+def prompt_prefill(model, input_ids, attention_mask, cache):
+    """Prompts written into an empty ``cache`` from slot 0; returns (the logits of
+    each row's last token (batch, vocab), the cache). The LM head runs on the last
+    token only (a redray decoder's ``hidden=True`` and ``logits``): over every prompt
+    token it would be a (batch, prompt, vocab) array of which one row per prompt is
+    read (with a vocabulary of 150k, 600 kB a token in float32)."""
+    head = getattr(model, "logits", None)
+    if head is None:
+        logits, cache = model(input_ids, attention_mask, cache=cache, cache_index=0)
+        return logits[:, -1], cache
+    hidden, cache = model(input_ids, attention_mask, cache=cache, cache_index=0, hidden=True)
+    return head(hidden[:, -1:])[:, 0], cache
 
 
 def for_decoding(model):

@@ -55,7 +55,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redray.models.generate import for_decoding, special_tokens
+from redray.models.generate import for_decoding, prompt_prefill, special_tokens
 from redray.sharding import BATCH_AXES, MODEL, Parallelism
 
 PROMPT_BUCKET = 16  # prompts are left-padded to a multiple of this (one compile per size)
@@ -462,15 +462,14 @@ class Sampler:
         def prefill(state, cache, kv_valid, t, ids, mask, where, keys, temperature, top_k,
                     top_p):
             model = nnx.merge(graphdef, state)
-            logits, small = model(ids, mask, cache=model.init_cache(batch, width),
-                                  cache_index=0)
+            logits, small = prompt_prefill(model, ids, mask, model.init_cache(batch, width))
             cols = t - width + jnp.arange(width)
             cache = jax.tree.map(lambda big, new: _write(big, new, where, cols), cache, small)
             row = jnp.zeros((batch, length), jnp.int32).at[:, cols].set(mask)
             kv_valid = kv_valid.at[where].set(row, mode="drop")
             first = jax.vmap(lambda key: jax.random.fold_in(key, 0))(
                 jax.random.wrap_key_data(keys))
-            token, logprob = sample_rows(logits[:, -1], first, temperature, top_k, top_p,
+            token, logprob = sample_rows(logits, first, temperature, top_k, top_p,
                                          greedy_only)
             return cache, kv_valid, token, logprob
 
