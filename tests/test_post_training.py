@@ -174,40 +174,33 @@ def test_new_weights_reach_the_sampler_and_bad_requests_are_refused():
         Sampler(build(t5, rngs=nnx.Rngs(0)), max_length=8)
 
 
-def _slices_in_loops(closed, shapes) -> list:
-    """The equations inside a while loop's body that slice an operand of one of
-    ``shapes``."""
-    found = []
-
+def _equations(closed):
+    """Every equation of a jaxpr and of the jaxprs inside it, each with whether it runs
+    inside a while loop's body."""
     def walk(jaxpr, inside):
         for eqn in jaxpr.eqns:
-            if inside and eqn.primitive.name in ("slice", "dynamic_slice", "gather", "squeeze") \
-                    and any(getattr(v.aval, "shape", None) in shapes for v in eqn.invars):
-                found.append(eqn)
+            yield eqn, inside
             loop = eqn.primitive.name == "while"
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else [value]:
                     sub = getattr(sub, "jaxpr", sub)
                     if isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub, inside or loop)
-    walk(closed.jaxpr, False)
-    return found
+                        yield from walk(sub, inside or loop)
+    return walk(closed.jaxpr, False)
+
+
+def _slices_in_loops(closed, shapes) -> list:
+    """The equations inside a while loop's body that slice an operand of one of
+    ``shapes``."""
+    return [eqn for eqn, inside in _equations(closed)
+            if inside and eqn.primitive.name in ("slice", "dynamic_slice", "gather", "squeeze")
+            and any(getattr(v.aval, "shape", None) in shapes for v in eqn.invars)]
 
 
 def _shapes(closed) -> set:
     """The shapes of every value a jaxpr (and the jaxprs inside it) computes."""
-    found = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            found.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else [value]:
-                    sub = getattr(sub, "jaxpr", sub)
-                    if isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
-    walk(closed.jaxpr)
-    return found
+    return {tuple(v.aval.shape) for eqn, _ in _equations(closed) for v in eqn.outvars
+            if hasattr(v.aval, "shape")}
 
 
 def test_decoding_loops_read_stacked_layers_sliced_once_before_the_loop():
