@@ -84,10 +84,17 @@ def test_greedy_completions_equal_generate_token_for_token(name):
 
 
 def test_the_cache_windows_and_batch_sizes_come_from_few_compiled_shapes():
-    from redray.post_training.sampler import PROMPT_BUCKET, _window
-    widths = [_window(n, 10_000) for n in range(1, 400)]
-    assert all(w >= n for n, w in enumerate(widths, 1))
-    assert sorted(set(widths)) == [PROMPT_BUCKET * k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)]
+    from redray.post_training.sampler import PROMPT_BUCKET, WINDOW_RUNGS, _window
+    widths = [_window(n, 10_000) for n in range(1, 2049)]
+    assert all(w >= n and w % PROMPT_BUCKET == 0 for n, w in enumerate(widths, 1))
+    # every bucket up to 2 x WINDOW_RUNGS of them, then WINDOW_RUNGS widths per doubling,
+    # none with as many idle columns as 1 / WINDOW_RUNGS of it
+    short = 2 * WINDOW_RUNGS * PROMPT_BUCKET
+    assert sorted({w for w in widths if w <= short}) == list(range(PROMPT_BUCKET, short + 1,
+                                                                   PROMPT_BUCKET))
+    for low in (short, 2 * short, 4 * short):
+        assert len({w for w in widths if low < w <= 2 * low}) == WINDOW_RUNGS
+    assert all((w - n) * WINDOW_RUNGS < w for n, w in enumerate(widths, 1) if n > short)
     assert _window(300, 200) == 200
     model = build(CONFIGS["gpt2"](), rngs=nnx.Rngs(0))
     sampler = Sampler(model, slots=64, max_length=32)

@@ -14,8 +14,8 @@ and position ids count a row's real tokens (``layers.positions_for``), so where 
 sequence sits in its row changes nothing it computes.
 
 The cache holds the live window only: its columns run from the oldest live sequence's
-start to as far as the next decoding round may write, rounded up to one of a few
-widths (``_window``), so a step's attention reads what the live rows can attend to
+start to as far as the next decoding round may write, rounded up to one of 8 widths
+per doubling (``_window``), so a step's attention reads what the live rows can attend to
 and not a maximum length (a step's cost grows with the slots it reads: 5.7 ms at 32,
 14.8 ms at 176 for 64 rows of the benchmark's model). When the window no longer fits
 (``t`` at its end, a prompt longer than the room behind ``t``) or fits a much smaller
@@ -64,6 +64,12 @@ PROMPT_BUCKET = 16  # prompts are left-padded to a multiple of this (one compile
 # read more (of 1, 8, 16 and 32, 8 and 16 ran the benchmark's workload fastest, within
 # the noise of each other)
 ROOM = 16
+# widths a window takes per doubling of its columns (``_window``): every multiple of
+# ``PROMPT_BUCKET`` up to 16 of them (256 columns), then 8 per doubling. Each width a
+# round reads is one compile. Of a ladder of 2 widths per doubling (up to a third of
+# the columns idle) and of 8 (under an eighth), 8 ran the benchmark's workload 7-8%
+# faster with as many compiles: its rounds change width where they narrow the batch
+WINDOW_RUNGS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,14 +211,7 @@ class Sampler:
     # ------------------------------------------------------------------ public
     def reset(self) -> None:
         """An empty cache (every slot free); the weights are kept."""
-        if self._empty is None:
-            graphdef, slots = self.graphdef, self.slots
-
-            def empty(state):
-                return (nnx.merge(graphdef, state).init_cache(slots, PROMPT_BUCKET),
-                        jnp.zeros((slots, PROMPT_BUCKET), jnp.int32))
-            self._empty = self._jit(empty, jax.eval_shape(empty, self.state)[0], 0)
-        self.cache, self.kv_valid = self._empty(self.state)
+        self.cache, self.kv_valid = self._empty_window(self.slots, PROMPT_BUCKET)
         self.t = 0
         self.start = np.zeros(self.slots, np.int64)  # each slot's first cache column
         self.shifts = 0  # times the rows were moved left (``_fit``)
@@ -329,7 +328,7 @@ class Sampler:
         where[:k] = slots
         # the window keeps the live rows and the new prompts, right-aligned behind t,
         # and room for the next round
-        self._fit(min(self.t - width, self._oldest(rows)))
+        self._fit(min(self.t - width, self._oldest(rows)), empty=not rows.active.any())
         self.start[slots] = self.t - width
         fn = self._compile("prefill", batch, (width, self.width), greedy_only)
         self.cache, self.kv_valid, token, logprob = fn(
@@ -396,11 +395,24 @@ class Sampler:
         live = rows.active
         return int(self.start[live].min()) if live.any() else self.t
 
-    def _fit(self, begin: int, keep=None) -> None:
+    def _empty_window(self, rows: int, width: int):
+        """An empty cache and key mask of ``rows`` x ``width``."""
+        if self._empty is None:
+            graphdef = self.graphdef
+
+            def empty(state, rows, width):
+                return (nnx.merge(graphdef, state).init_cache(rows, width),
+                        jnp.zeros((rows, width), jnp.int32))
+            structure = jax.eval_shape(lambda state: empty(state, 1, 1), self.state)[0]
+            self._empty = self._jit(empty, structure, 0, static_argnums=(1, 2))
+        return self._empty(self.state, rows, width)
+
+    def _fit(self, begin: int, keep=None, empty: bool = False) -> None:
         """Makes the cache's window hold columns ``[begin, end)``, ``end`` the next
         round's room past ``t`` (``begin`` may be negative: room on the left for a
         prompt), copying it (and its rows ``keep``) when they do not fit, or when a
-        window of at most two thirds of its width would, or when ``keep`` is given.
+        window of at most two thirds of its width would, or when ``keep`` is given;
+        ``empty``: no row is live, a new window is made empty rather than copied.
         Columns are renumbered from the window's start (see the module)."""
         end = self.t + min(ROOM, self.steps_per_call)
         width = _window(end - begin, self.length)
@@ -411,11 +423,14 @@ class Sampler:
             raise RuntimeError("the KV cache is full of one live sequence: max_length is "
                                "smaller than a request's prompt plus completion")
         inside = 0 <= begin and begin + width <= self.width
-        if self._rewindow is None:
-            self._rewindow = self._jit(_rewindowed, self.cache, 0, static_argnums=(4, 5))
-        keep = None if keep is None else self._host(np.asarray(keep, np.int32))[0]
-        self.cache, self.kv_valid = self._rewindow(
-            self.cache, self.kv_valid, keep, *self._host(np.int32(begin)), width, inside)
+        if empty:
+            self.cache, self.kv_valid = self._empty_window(len(self.kv_valid), width)
+        else:
+            if self._rewindow is None:
+                self._rewindow = self._jit(_rewindowed, self.cache, 0, static_argnums=(4, 5))
+            keep = None if keep is None else self._host(np.asarray(keep, np.int32))[0]
+            self.cache, self.kv_valid = self._rewindow(
+                self.cache, self.kv_valid, keep, *self._host(np.int32(begin)), width, inside)
         self.t -= begin
         self.start -= begin
         self.shifts += begin > 0
@@ -565,19 +580,20 @@ def _bucket(n: int) -> int:
 
 
 def _on_ladder(n: int) -> bool:
-    """Whether ``n`` is 2^k or 3 x 2^k (the sizes that the cache's rows and columns take:
-    few compiled shapes, at most a third of them idle)."""
+    """Whether ``n`` is 2^k or 3 x 2^k (the batch sizes a narrowed cache takes: few
+    compiled shapes, at most a third of the rows idle)."""
     odd = n // 3 if n % 3 == 0 else n
     return odd > 0 and odd & (odd - 1) == 0
 
 
 def _window(n: int, length: int) -> int:
-    """The cache columns for a window of ``n``: the least of ``PROMPT_BUCKET`` times a
-    ladder size (``_on_ladder``) that holds it, at most ``length``."""
-    scale = -(-n // PROMPT_BUCKET)
-    while not _on_ladder(scale):
-        scale += 1
-    return min(scale * PROMPT_BUCKET, length)
+    """The cache columns for a window of ``n``, at most ``length``: ``n`` rounded up to
+    ``PROMPT_BUCKET`` columns, then, past ``2 * WINDOW_RUNGS`` buckets, to one of
+    ``WINDOW_RUNGS`` widths per doubling (less than 1/``WINDOW_RUNGS`` of the columns
+    idle, and few compiled widths however long the sequences grow)."""
+    units = -(-n // PROMPT_BUCKET)
+    step = 1 << max(0, units.bit_length() - WINDOW_RUNGS.bit_length())
+    return min(-(-units // step) * step * PROMPT_BUCKET, length)
 
 
 def _write(big, new, rows, cols):
