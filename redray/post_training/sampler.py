@@ -204,7 +204,7 @@ class Sampler:
                 raise ValueError(f"slots={slots} must be a multiple of the plan's data-parallel "
                                  f"size ({dp}): each replica decodes its share of the slots")
         self._compiled = {}
-        self._rewindow = self._empty = self._split = None
+        self._rewindow = self._empty = self._split = self._inner = None
         self._layers = None  # the weights as the decoding rounds read them (``_split_layers``)
         self.reset()
 
@@ -307,13 +307,13 @@ class Sampler:
         slice at every step of the loop). Split once per ``sample`` call, not per round:
         the copy costs about a step's weight reads."""
         if self._split is None:
-            graphdef, self._inner = self.graphdef, []
+            graphdef = self.graphdef
 
-            def split(state):  # traced once: its graph is the decoding rounds' model's
-                inner, weights = nnx.split(for_decoding(nnx.merge(graphdef, state)))
-                self._inner[:] = [inner]
-                return weights
-            self._split = jax.jit(split)
+            def decoding(state):
+                return for_decoding(nnx.merge(graphdef, state))
+            # the graph of the model the decoding rounds run (``_decode_fn``)
+            self._inner = nnx.graphdef(nnx.eval_shape(decoding, self.state))
+            self._split = jax.jit(lambda state: nnx.state(decoding(state)))
         return self._split(self.state)
 
     def _prefill(self, prompts, slots, rows: "_Rows", greedy_only: bool):
@@ -491,7 +491,7 @@ class Sampler:
         return self._jit(prefill, self.cache, 2, donate_argnums=(1, 2))
 
     def _decode_fn(self, steps: int, rows_and_width: tuple[int, int], greedy_only: bool):
-        (slots, length), (inner,), pad = rows_and_width, self._inner, self.pad
+        (slots, length), inner, pad = rows_and_width, self._inner, self.pad
         eos = jnp.asarray(self.eos)
 
         def decode(weights, cache, kv_valid, t, token, active, counts, remaining, keys,
