@@ -64,11 +64,12 @@ PROMPT_BUCKET = 16  # prompts are left-padded to a multiple of this (one compile
 # read more (of 1, 8, 16 and 32, 8 and 16 ran the benchmark's workload fastest, within
 # the noise of each other)
 ROOM = 16
-# widths a window takes per doubling of its columns (``_window``): every multiple of
-# ``PROMPT_BUCKET`` up to 16 of them (256 columns), then 8 per doubling. Each width a
-# round reads is one compile. Of a ladder of 2 widths per doubling (up to a third of
-# the columns idle) and of 8 (under an eighth), 8 ran the benchmark's workload 7-8%
-# faster with as many compiles: its rounds change width where they narrow the batch
+# widths a window takes per doubling of its columns (``_window``; a power of two):
+# every multiple of ``PROMPT_BUCKET`` up to 16 of them (256 columns), then 8 per
+# doubling. Each width a round reads is one compile. Of a ladder of 2 widths per
+# doubling (up to a third of the columns idle) and of 8 (under an eighth), 8 ran the
+# benchmark's workload 4-11% faster (five runs side by side, BENCHMARKS.md section 15)
+# with as many compiles: its rounds change width where they narrow the batch
 WINDOW_RUNGS = 8
 
 
