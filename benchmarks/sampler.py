@@ -72,9 +72,16 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     s = TINY if args.tiny else FULL
-    rounds = 1 if args.tiny else args.rounds
-    base = args.base or s["base"]
-    slots = min(args.slots, s["prompts"])
+    per_s, detail = measure(s, args.base or s["base"], min(args.slots, s["prompts"]),
+                            1 if args.tiny else args.rounds)
+    save(figures("sampler", "", per_s, detail, COMMAND, ">= 3"), args.out)
+
+
+def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False):
+    """Useful tokens/s of the three (``generate``, ``sampler``, ``transformers`` where
+    torch is installed) on the workload of size ``s``, and the run's detail; ``bf16``:
+    the weights and the computation in bfloat16 (float32 otherwise)."""
+    import jax.numpy as jnp
     from flax import nnx
     from transformers import LlamaConfig
 
@@ -83,9 +90,15 @@ def main(argv=None) -> None:
 
     config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
                          intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
-                         num_attention_heads=s["heads"], max_position_embeddings=512,
-                         eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
-    model = build(config, rngs=nnx.Rngs(0))
+                         num_attention_heads=s["heads"],
+                         num_key_value_heads=s.get("kv_heads", s["heads"]),
+                         max_position_embeddings=512, eos_token_id=None, pad_token_id=0,
+                         tie_word_embeddings=False)
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    model = build(config, rngs=nnx.Rngs(0), dtype=dtype)
+    if bf16:  # the parameters too, as an inference checkpoint holds them
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), params))
     prompts, lengths = workload(s, base)
     useful = sum(lengths)
     ids, mask = left_padded(prompts)
@@ -101,7 +114,7 @@ def main(argv=None) -> None:
         return sampler.sample(prompts, requests)
 
     runs = {"generate": run_generate, "sampler": run_sampler}
-    torch_model = transformers_reference(model, config, ids, mask, longest)
+    torch_model = transformers_reference(model, config, ids, mask, longest, bf16)
     if torch_model is not None:
         runs["transformers"] = torch_model
     outputs = {name: fn() for name, fn in runs.items()}  # compiled and warm
@@ -121,28 +134,43 @@ def main(argv=None) -> None:
     detail = dict(seconds={k: stats(v) for k, v in times.items()}, useful_tokens_per_s=per_s,
                   ratio_to_generate_per_round=stats(per_round),
                   useful_tokens=useful, ideal_schedule_ratio=ideal, slots=slots,
+                  prompts=len(lengths),
                   lengths=dict(min=min(lengths), max=longest, mean=useful / len(lengths)),
                   greedy_rows_equal_to_generate=f"{same}/{len(lengths)}",
-                  model={k: s[k] for k in ("vocab", "hidden", "intermediate", "layers", "heads")},
-                  threads=os.cpu_count(), backend=jax.default_backend())
+                  model={k: s[k] for k in ("vocab", "hidden", "intermediate", "layers", "heads")
+                         } | dict(kv_heads=config.num_key_value_heads,
+                                  dtype="bfloat16" if bf16 else "float32"),
+                  threads=os.cpu_count(), backend=jax.default_backend(),
+                  device=jax.devices()[0].device_kind)
     print(f"useful tokens/s: {', '.join(f'{k} {v:.0f}' for k, v in per_s.items())}; "
           f"over generate per round {min(per_round):.2f}-{max(per_round):.2f}; schedule's ideal "
           f"ratio {ideal:.2f}; greedy rows equal {same}/{len(lengths)}")
-    figures = [figure(
-        "sampler/tokens_per_s_over_generate", per_s["sampler"] / per_s["generate"], "x",
-        f"redray's generate: the {len(lengths)} prompts as one left-padded batch decoded to "
-        "the longest completion; same model, weights, device and greedy tokens", ">= 3",
-        COMMAND, **detail)]
+    return per_s, detail
+
+
+def figures(prefix: str, suffix: str, per_s: dict, detail: dict, command: str,
+            target: str | None) -> list[dict]:
+    """``{prefix}/tokens_per_s_over_generate{suffix}`` and, where transformers ran,
+    ``..._over_transformers{suffix}``."""
+    where = detail["device"]
+    out = [figure(
+        f"{prefix}/tokens_per_s_over_generate{suffix}", per_s["sampler"] / per_s["generate"],
+        "x", f"redray's generate: the {detail['prompts']} prompts as one left-padded batch "
+        f"decoded to the longest completion; same model, weights, device ({where}) and "
+        "greedy tokens", target, command, **detail)]
     if "transformers" in per_s:
-        figures.append(figure(
-            "sampler/tokens_per_s_over_transformers", per_s["sampler"] / per_s["transformers"],
-            "x", "transformers' PyTorch generate (static cache, greedy) on the same weights and "
-            f"batch, {os.cpu_count()} torch threads", None, COMMAND, **detail))
-    save(figures, args.out)
+        torch_on = "the GPU" if detail["backend"] == "gpu" else f"{os.cpu_count()} torch threads"
+        out.append(figure(
+            f"{prefix}/tokens_per_s_over_transformers{suffix}",
+            per_s["sampler"] / per_s["transformers"], "x",
+            "transformers' PyTorch generate (static cache, greedy) on the same weights and "
+            f"batch, {torch_on}", None, command, **detail))
+    return out
 
 
-def transformers_reference(model, config, ids, mask, new_tokens):
-    """transformers' generate on the same weights, or None without torch."""
+def transformers_reference(model, config, ids, mask, new_tokens, bf16: bool = False):
+    """transformers' generate on the same weights, on the GPU where JAX has one (else
+    on every core), or None without torch."""
     try:
         import torch
         from transformers import LlamaForCausalLM
@@ -152,16 +180,19 @@ def transformers_reference(model, config, ids, mask, new_tokens):
     from redray.models import save_pretrained
 
     torch.set_num_threads(os.cpu_count())
+    device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
     folder = tempfile.mkdtemp(prefix="sampler-bench-")
     save_pretrained(model, folder)
-    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids_t, mask_t = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval().to(device)
+    ids_t = torch.from_numpy(ids.astype(np.int64)).to(device)
+    mask_t = torch.from_numpy(mask.astype(np.int64)).to(device)
 
     def run():
         with torch.no_grad():
             return hf.generate(ids_t, attention_mask=mask_t, max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens, do_sample=False,
-                               cache_implementation="static", pad_token_id=0)
+                               cache_implementation="static", pad_token_id=0).cpu()
     return run
 
 

@@ -38,7 +38,8 @@ STARTS_RAY = {"fsdp_torch.py", "hosts.py", "input_pipeline.py", "planner.py",
 # (elastic.py's tiny run is test_elastic's scenario: run there, checked in detail)
 @pytest.mark.parametrize("script", [
     pytest.param(s, marks=[pytest.mark.ray] if s in STARTS_RAY else [])
-    for s in [s for s in scripts() if s != "elastic.py"] + ["gpu_mfu.py", "gpu_attention.py"]])
+    for s in [s for s in scripts() if s != "elastic.py"]
+    + ["gpu_mfu.py", "gpu_attention.py", "gpu_sampler.py"]])
 def test_benchmark_runs_tiny_and_writes_valid_figures(script, tmp_path):
     out = tmp_path / "results.json"
     done = subprocess.run([sys.executable, f"benchmarks/{script}", "--tiny", "--out", str(out)],

@@ -81,6 +81,14 @@ def test_greedy_completions_equal_generate_token_for_token(name):
     # the rounds read windows narrower than the longest request's row
     widths = {key[2][1] for key in sampler._compiled if key[0] == "decode"}
     assert min(widths) < sampler.max_length and max(widths) <= sampler.length
+    if name == "llama":  # several steps between two checks (the default off CPUs), 2
+        # not dividing a call's 5: the same tokens, the rows ending mid-run still cut
+        every = Sampler(model, slots=4, max_length=36, steps_per_call=5, eos_token_id=eos,
+                        check_every=2)
+        done = every.sample(prompts, SamplingParams(max_new_tokens=new))
+        assert [list(c.tokens) for c in done] == [until_eos(r, eos) for r in ref]
+        with pytest.raises(ValueError, match="check_every=6"):
+            Sampler(model, slots=4, max_length=36, steps_per_call=5, check_every=6)
 
 
 def test_the_cache_windows_and_batch_sizes_come_from_few_compiled_shapes():
@@ -228,14 +236,15 @@ def test_decoding_loops_read_stacked_layers_sliced_once_before_the_loop():
     layers = sampler._split_layers()  # once per sample call, outside the rounds
     assert not any(x.shape in stacked for x in jax.tree.leaves(layers))
     decode = sampler._decode_fn(3, (4, sampler.width), True)
-    traced = jax.make_jaxpr(decode)(
-        layers, sampler.cache, sampler.kv_valid, np.int32(0), rows.token, rows.active,
-        rows.counts, rows.remaining, rows.keys, *rows.sampling(), np.int32(5))
+    traced = jax.make_jaxpr(decode)(layers, sampler.cache, sampler.kv_valid,
+                                    sampler._decode_inputs(rows, 5))
     assert _slices_in_loops(traced, stacked) == []
     prefill = sampler._prefill_fn(4, (16, sampler.width), True)
-    filled = jax.make_jaxpr(prefill)(
-        sampler.state, sampler.cache, sampler.kv_valid, np.int32(16), np.ones((4, 16), np.int32),
-        np.ones((4, 16), np.int32), np.arange(4, dtype=np.int32), rows.keys, *rows.sampling())
+    sampler.t = 16
+    filled = jax.make_jaxpr(prefill)(sampler.state, sampler.cache, sampler.kv_valid,
+                                     sampler._prefill_inputs(
+                                         np.ones((4, 16), np.int32), np.ones((4, 16), np.int32),
+                                         np.arange(4, dtype=np.int32), rows))
     assert (4, 16, vocab) not in _shapes(filled) and (4, 1, vocab) in _shapes(filled)
     # what the check finds when a loop slices them (the body before the split)
     state = nnx.state(model)

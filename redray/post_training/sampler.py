@@ -175,11 +175,17 @@ class Sampler:
         leave them where they are.
       steps_per_call: decoding steps per compiled call at most (the host refills slots
         between calls).
+      check_every: decoding steps between two checks of whether a call should end (a
+        slot to refill, a batch to narrow): the device decodes as many in a row, and a
+        freed slot may wait up to that many steps. None: 1 on CPUs, where a check is
+        free, else 16, where each check waits for the device (measured on one H200:
+        BENCHMARKS.md section 15).
     """
 
     def __init__(self, model, *, slots: int = 16, max_length: int, eos_token_id=None,
                  pad_token_id: int | None = None, seed: int = 0,
-                 parallelism: Parallelism | None = None, steps_per_call: int = 32):
+                 parallelism: Parallelism | None = None, steps_per_call: int = 32,
+                 check_every: int | None = None):
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("Sampler serves decoder-only models; an encoder-decoder model "
@@ -187,12 +193,19 @@ class Sampler:
         eos, self.pad = special_tokens(config, eos_token_id, pad_token_id)
         self.eos = np.asarray([] if eos is None else np.atleast_1d(eos), np.int32)
         self.slots, self.max_length, self.seed = slots, max_length, seed
-        self.length = max_length + max(PROMPT_BUCKET, max_length // 4)
         self.steps_per_call = steps_per_call
         self.graphdef, self.state = nnx.split(model)
         if parallelism is not None:
             self.state = _placed(model, self.state, parallelism)
         self.mesh = _mesh_of(self.state)
+        if check_every is None:
+            check_every = 1 if _platform(self.state) == "cpu" else min(16, steps_per_call)
+        if not 1 <= check_every <= steps_per_call:
+            raise ValueError(f"check_every={check_every}: give 1 to steps_per_call="
+                             f"{steps_per_call} decoding steps between two checks")
+        self.check_every = check_every
+        # the widest window: room for the longest sequence and a round's steps
+        self.length = max_length + max(PROMPT_BUCKET, max_length // 4, check_every)
         # a mesh over several processes (a trainer of several hosts): every process runs
         # this same host loop on the same requests, its inputs made global arrays and
         # what it reads back replicated (``_host``, ``_jit``)
@@ -332,11 +345,10 @@ class Sampler:
         self._fit(min(self.t - width, self._oldest(rows)), empty=not rows.active.any())
         self.start[slots] = self.t - width
         fn = self._compile("prefill", batch, (width, self.width), greedy_only)
-        self.cache, self.kv_valid, token, logprob = fn(
-            self.state, self.cache, self.kv_valid, *self._host(
-                np.int32(self.t), ids, mask, where, rows.keys[where % self.slots],
-                *(x[where % self.slots] for x in rows.sampling())))
-        token, logprob = np.asarray(token)[:k], np.asarray(logprob)[:k]
+        self.cache, self.kv_valid, got = fn(self.state, self.cache, self.kv_valid, *self._host(
+            self._prefill_inputs(ids, mask, where, rows)))
+        got = np.asarray(got)[:k]  # one transfer: each row's token and its log-probability
+        token, logprob = got[:, 0], got[:, 1].view(np.float32)
         rows.token[slots] = token
         rows.counts[slots] = 1
         rows.remaining[slots] -= 1
@@ -354,16 +366,29 @@ class Sampler:
         self._fit(self._oldest(rows))
         fn = self._compile("decode", self.steps_per_call, (len(rows.token), self.width),
                            greedy_only)
-        (self.cache, self.kv_valid, t, token, active, counts, remaining, out, lps, written,
-         by_eos) = fn(self._layers, self.cache, self.kv_valid, *self._host(
-             np.int32(self.t), rows.token, rows.active, rows.counts, rows.remaining, rows.keys,
-             *rows.sampling(), np.int32(refill_at)))
-        self.t = int(t)
-        rows.token, rows.counts, rows.remaining = (np.array(token), np.array(counts),
-                                                   np.array(remaining))
-        active = np.array(active)
-        rows.active = active
-        return np.asarray(out), np.asarray(lps), np.asarray(written), np.asarray(by_eos), active
+        self.cache, self.kv_valid, got = fn(self._layers, self.cache, self.kv_valid, *self._host(
+            self._decode_inputs(rows, refill_at)))
+        # one transfer (``_decode_fn``'s columns): on a GPU each read of a device array
+        # costs more than a short round's steps
+        got = np.array(got)  # writable: the rows' state is kept in it
+        steps = self.steps_per_call
+        out, written, lps = (got[:, i * steps:(i + 1) * steps] for i in range(3))
+        rows.token, active, rows.counts, rows.remaining, by_eos, t = got[:, 3 * steps:].T
+        self.t = int(t[0])
+        rows.active = active = active.astype(bool)
+        return out, lps.view(np.float32), written.astype(bool), by_eos.astype(bool), active
+
+    def _prefill_inputs(self, ids, mask, where, rows: "_Rows") -> np.ndarray:
+        """A prefill's inputs in one array (``_prefill_fn`` unpacks them)."""
+        at = where % self.slots
+        return _packed(np.full(len(ids), self.t), ids, mask, where, rows.keys[at],
+                       *(x[at] for x in rows.sampling()))
+
+    def _decode_inputs(self, rows: "_Rows", refill_at: int) -> np.ndarray:
+        """A decoding round's inputs in one array (``_decode_fn`` unpacks them)."""
+        n = len(rows.token)
+        return _packed(np.full(n, self.t), np.full(n, refill_at), rows.token, rows.active,
+                       rows.counts, rows.remaining, rows.keys, *rows.sampling())
 
     def _narrow(self, rows: "_Rows", owner):
         """With no prompt waiting, the live sequences moved into the fewest slots (down
@@ -415,7 +440,7 @@ class Sampler:
         window of at most two thirds of its width would, or when ``keep`` is given;
         ``empty``: no row is live, a new window is made empty rather than copied.
         Columns are renumbered from the window's start (see the module)."""
-        end = self.t + min(ROOM, self.steps_per_call)
+        end = self.t + max(min(ROOM, self.steps_per_call), self.check_every)
         width = _window(end - begin, self.length)
         fits = 0 <= begin and end <= self.width and width > self.width * 2 // 3
         if fits and keep is None:
@@ -475,8 +500,11 @@ class Sampler:
     def _prefill_fn(self, batch: int, widths: tuple[int, int], greedy_only: bool):
         (width, length), graphdef = widths, self.graphdef
 
-        def prefill(state, cache, kv_valid, t, ids, mask, where, keys, temperature, top_k,
-                    top_p):
+        def prefill(state, cache, kv_valid, packed):
+            t, ids, mask, where, keys, temperature, top_k, top_p = _unpacked(
+                packed, (1, width, width, 1, 2, 1, 1, 1),
+                (jnp.int32,) * 4 + (jnp.uint32, jnp.float32, jnp.int32, jnp.float32))
+            t = t[0]
             model = nnx.merge(graphdef, state)
             logits, small = prompt_prefill(model, ids, mask, model.init_cache(batch, width))
             cols = t - width + jnp.arange(width)
@@ -487,25 +515,31 @@ class Sampler:
                 jax.random.wrap_key_data(keys))
             token, logprob = sample_rows(logits, first, temperature, top_k, top_p,
                                          greedy_only)
-            return cache, kv_valid, token, logprob
+            return cache, kv_valid, _packed_device(token, logprob)
 
-        return self._jit(prefill, self.cache, 2, donate_argnums=(1, 2))
+        return self._jit(prefill, self.cache, 1, donate_argnums=(1, 2))
 
     def _decode_fn(self, steps: int, rows_and_width: tuple[int, int], greedy_only: bool):
         (slots, length), inner, pad = rows_and_width, self._inner, self.pad
+        every = self.check_every
         eos = jnp.asarray(self.eos)
 
-        def decode(weights, cache, kv_valid, t, token, active, counts, remaining, keys,
-                   temperature, top_k, top_p, refill_at):
+        def decode(weights, cache, kv_valid, packed):
+            (t, refill_at, token, active, counts, remaining, keys, temperature, top_k,
+             top_p) = _unpacked(packed, (1, 1, 1, 1, 1, 1, 2, 1, 1, 1),
+                                (jnp.int32,) * 3 + (bool,) + (jnp.int32,) * 2
+                                + (jnp.uint32, jnp.float32, jnp.int32, jnp.float32))
+            t, refill_at = t[0], refill_at[0]
             out = jnp.full((slots, steps), pad, jnp.int32)
             lps = jnp.zeros((slots, steps), jnp.float32)
             written = jnp.zeros((slots, steps), bool)
             by_eos = jnp.zeros((slots,), bool)
 
-            def cond(c):
+            def cond(c):  # checked every ``every`` steps: room for as many more
                 i, t, active = c[0], c[1], c[4]
                 free = slots - active.sum()
-                return (i < steps) & (t < length) & active.any() & (free < refill_at)
+                return ((i + every <= steps) & (t + every <= length) & active.any()
+                        & (free < refill_at))
 
             def body(c):
                 i, t, cache, kv_valid, active, token, counts, remaining, out, lps, written, \
@@ -530,15 +564,18 @@ class Sampler:
                 return (i + 1, t + 1, cache, kv_valid, active & ~finished, token, counts,
                         remaining, out, lps, written, by_eos)
 
-            c = jax.lax.while_loop(cond, body, (jnp.int32(0), t, cache, kv_valid, active,
-                                                token, counts, remaining, out, lps, written,
-                                                by_eos))
+            steps_run = body if every == 1 else \
+                lambda c: jax.lax.fori_loop(0, every, lambda _, c: body(c), c)
+            c = jax.lax.while_loop(cond, steps_run, (jnp.int32(0), t, cache, kv_valid, active,
+                                                     token, counts, remaining, out, lps,
+                                                     written, by_eos))
             _, t, cache, kv_valid, active, token, counts, remaining, out, lps, written, \
                 by_eos = c
-            return (cache, kv_valid, t, token, active, counts, remaining, out, lps, written,
-                    by_eos)
+            return cache, kv_valid, _packed_device(
+                out, written, lps, token, active, counts, remaining, by_eos,
+                jnp.broadcast_to(t, token.shape))
 
-        return self._jit(decode, self.cache, 9, donate_argnums=(1, 2))
+        return self._jit(decode, self.cache, 1, donate_argnums=(1, 2))
 
 
 class _Rows:
@@ -574,6 +611,44 @@ class _Rows:
         for name in ("keys", "token", "active", "counts", "remaining", "temperature",
                      "top_k", "top_p"):
             setattr(self, name, getattr(self, name)[keep])
+
+
+def _packed(*columns) -> np.ndarray:
+    """Host values of one row each (``(rows,)`` or ``(rows, k)``; int, uint32, float32 or
+    bool) side by side in one int32 array, their bits kept: a compiled call's inputs in
+    one transfer (``_unpacked`` splits them)."""
+    return np.concatenate([_bits(np.asarray(c)).reshape(len(c), -1) for c in columns], 1)
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    if x.dtype in (np.float32, np.uint32):
+        return x.view(np.int32)
+    return x.astype(np.int32)
+
+
+def _packed_device(*columns) -> jax.Array:
+    """``_packed`` inside a compiled call: its outputs the host reads, in one array."""
+    def bits(x):
+        x = x.reshape(x.shape[0], -1)
+        if x.dtype in (jnp.float32, jnp.uint32):
+            return jax.lax.bitcast_convert_type(x, jnp.int32)
+        return x.astype(jnp.int32)
+    return jnp.concatenate([bits(c) for c in columns], 1)
+
+
+def _unpacked(packed, widths, dtypes):
+    """The columns ``_packed`` joined: blocks of ``widths`` columns as ``dtypes`` (a
+    width of 1 as a vector)."""
+    out, at = [], 0
+    for width, dtype in zip(widths, dtypes):
+        x = packed[:, at:at + width]
+        at += width
+        if dtype in (jnp.float32, jnp.uint32):
+            x = jax.lax.bitcast_convert_type(x, dtype)
+        else:
+            x = x != 0 if dtype is bool else x.astype(dtype)
+        out.append(x[:, 0] if width == 1 else x)
+    return out
 
 
 def _bucket(n: int) -> int:
@@ -624,6 +699,14 @@ def _rewindowed(cache, kv_valid, keep, begin, width: int, inside: bool):
         return x
     return (jax.tree.map(lambda x: take(x, x.ndim - 4, x.ndim - 2), cache),
             take(kv_valid, 0, 1))
+
+
+def _platform(state) -> str:
+    """The platform of the devices ``state``'s first array is on ("cpu", "gpu", ...)."""
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array):
+            return next(iter(leaf.devices())).platform
+    return jax.default_backend()
 
 
 def _mesh_of(state):
