@@ -13,12 +13,16 @@ in flight (``--slots``). It runs with two models, one after the other:
   is served. A step reads 2.2 GB of weights, so its time hardly depends on the number of
   rows.
 
-transformers' ``generate`` runs on the same GPU with its static cache and no
-``torch.compile``, which is how its documentation's plain call runs. ``run_all.py``
-skips ``gpu_*`` scripts. ``--tiny`` runs tiny models on any backend (CPU included) to
-check the script; its figures measure nothing.
+Samplers built otherwise (``--variants``: ``;``-separated lists of ``Sampler``
+keyword arguments; by default one checking after every step, the CPU's default, and
+one that keeps its batch whole) run in the same rounds; their ratios to ``generate``
+are in the figures' detail. transformers' ``generate`` runs on the same GPU with its
+static cache and no ``torch.compile``, which is how its documentation's plain call
+runs. ``run_all.py`` skips ``gpu_*`` scripts. ``--tiny`` runs tiny models on any
+backend (CPU included) to check the script; its figures measure nothing.
 
     python benchmarks/gpu_sampler.py [--rounds 5] [--base 8] [--slots 64] [--sizes small,1b]
+                                     [--variants "check_every=1;narrow=false"]
 """
 
 import os
@@ -42,7 +46,9 @@ def main(argv=None) -> None:
     ap.add_argument("--base", type=int, help="the shortest completion (default: 8 tokens)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sizes", default="small,1b")
+    ap.add_argument("--variants", default="check_every=1;narrow=false")
     args = ap.parse_args(argv)
+    variants = {v: dict(map(keyword, v.split(","))) for v in args.variants.split(";") if v}
     out = []
     for size in args.sizes.split(","):
         if size not in SIZES:
@@ -50,10 +56,18 @@ def main(argv=None) -> None:
         s, bf16 = SIZES[size]
         s = TINY if args.tiny else s
         per_s, detail = measure(s, args.base or s["base"], min(args.slots, s["prompts"]),
-                                1 if args.tiny else args.rounds, bf16=bf16)
+                                1 if args.tiny else args.rounds, bf16=bf16,
+                                variants=variants)
         out += figures("gpu_sampler", f"_{size}", per_s, detail | dict(size=size), COMMAND,
                        None)
         save(out, args.out)  # each size's figures kept as soon as they exist
+
+
+def keyword(text: str) -> tuple[str, object]:
+    """``"name=value"`` -> (name, value as an int or a bool)."""
+    name, _, value = text.partition("=")
+    low = value.strip().lower()
+    return name.strip(), (low == "true") if low in ("true", "false") else int(value)
 
 
 if __name__ == "__main__":

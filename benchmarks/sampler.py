@@ -77,10 +77,13 @@ def main(argv=None) -> None:
     save(figures("sampler", "", per_s, detail, COMMAND, ">= 3"), args.out)
 
 
-def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False):
+def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
+            variants: dict | None = None):
     """Useful tokens/s of the three (``generate``, ``sampler``, ``transformers`` where
     torch is installed) on the workload of size ``s``, and the run's detail; ``bf16``:
-    the weights and the computation in bfloat16 (float32 otherwise)."""
+    the weights and the computation in bfloat16 (float32 otherwise); ``variants``:
+    name -> keyword arguments of more Samplers timed in the same rounds (their figures
+    in the detail)."""
     import jax.numpy as jnp
     from flax import nnx
     from transformers import LlamaConfig
@@ -114,6 +117,9 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False):
         return sampler.sample(prompts, requests)
 
     runs = {"generate": run_generate, "sampler": run_sampler}
+    for name, kwargs in (variants or {}).items():
+        other = Sampler(model, slots=slots, max_length=sampler.max_length, **kwargs)
+        runs[name] = (lambda other: lambda: other.sample(prompts, requests))(other)
     torch_model = transformers_reference(model, config, ids, mask, longest, bf16)
     if torch_model is not None:
         runs["transformers"] = torch_model
@@ -131,8 +137,10 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False):
     per_s = {name: useful / statistics.median(t) for name, t in times.items()}
     ideal = longest * len(lengths) / useful
     per_round = [g / m for g, m in zip(times["generate"], times["sampler"])]
+    variant_detail = {name: dict(kwargs=variants[name], over_generate=stats(
+        [g / m for g, m in zip(times["generate"], times[name])])) for name in variants or {}}
     detail = dict(seconds={k: stats(v) for k, v in times.items()}, useful_tokens_per_s=per_s,
-                  ratio_to_generate_per_round=stats(per_round),
+                  ratio_to_generate_per_round=stats(per_round), variants=variant_detail,
                   useful_tokens=useful, ideal_schedule_ratio=ideal, slots=slots,
                   prompts=len(lengths),
                   lengths=dict(min=min(lengths), max=longest, mean=useful / len(lengths)),

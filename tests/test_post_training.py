@@ -87,6 +87,13 @@ def test_greedy_completions_equal_generate_token_for_token(name):
                         check_every=2)
         done = every.sample(prompts, SamplingParams(max_new_tokens=new))
         assert [list(c.tokens) for c in done] == [until_eos(r, eos) for r in ref]
+        # and the batch kept whole to the end
+        wide = Sampler(model, slots=4, max_length=36, steps_per_call=5, eos_token_id=eos,
+                       narrow=False)
+        done = wide.sample(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])
+        assert [list(c.tokens) for c in done] == [until_eos(r[:n], eos)
+                                                  for r, n in zip(ref, lengths)]
+        assert wide.kv_valid.shape[0] == 4
         with pytest.raises(ValueError, match="check_every=6"):
             Sampler(model, slots=4, max_length=36, steps_per_call=5, check_every=6)
 

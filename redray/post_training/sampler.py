@@ -180,12 +180,15 @@ class Sampler:
         freed slot may wait up to that many steps. None: 1 on CPUs, where a check is
         free, else 16, where each check waits for the device (measured on one H200:
         BENCHMARKS.md section 15).
+      narrow: with no prompt waiting, move the live sequences into fewer slots as they
+        end (a step costs about its rows on a CPU; a GPU decodes a few rows about as
+        fast as many, and narrowing costs a copy and a round).
     """
 
     def __init__(self, model, *, slots: int = 16, max_length: int, eos_token_id=None,
                  pad_token_id: int | None = None, seed: int = 0,
                  parallelism: Parallelism | None = None, steps_per_call: int = 32,
-                 check_every: int | None = None):
+                 check_every: int | None = None, narrow: bool = True):
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("Sampler serves decoder-only models; an encoder-decoder model "
@@ -194,6 +197,7 @@ class Sampler:
         self.eos = np.asarray([] if eos is None else np.atleast_1d(eos), np.int32)
         self.slots, self.max_length, self.seed = slots, max_length, seed
         self.steps_per_call = steps_per_call
+        self.narrow = narrow
         self.graphdef, self.state = nnx.split(model)
         if parallelism is not None:
             self.state = _placed(model, self.state, parallelism)
@@ -302,12 +306,12 @@ class Sampler:
                 emit(*self._prefill([prompts[r] for r in take], slots, rows, greedy_only))
             if not rows.active.any():
                 continue
-            if not pending:
+            if not pending and self.narrow:
                 owner = self._narrow(rows, owner)
             # a round ends when enough slots are free to refill, or, with no prompt
             # waiting, to narrow the batch to its next size down
             size, waiting = len(owner), len(pending)
-            smaller = self._smaller(size)
+            smaller = self._smaller(size) if self.narrow else None
             refill_at = min(waiting, max(1, size // 8)) if waiting else \
                 size - smaller if smaller else size + 1
             emit(*self._decode(rows, refill_at, greedy_only))
