@@ -120,9 +120,9 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
     for name, kwargs in (variants or {}).items():
         other = Sampler(model, slots=slots, max_length=sampler.max_length, **kwargs)
         runs[name] = (lambda other: lambda: other.sample(prompts, requests))(other)
-    torch_model = transformers_reference(model, config, ids, mask, longest, bf16)
-    if torch_model is not None:
-        runs["transformers"] = torch_model
+    reference = transformers_reference(model, config, ids, mask, longest, bf16)
+    if reference is not None:
+        runs["transformers"], torch_on = reference
     outputs = {name: fn() for name, fn in runs.items()}  # compiled and warm
     done = outputs["sampler"]
     assert [len(c.tokens) for c in done] == lengths, "the sampler ignored a request's length"
@@ -150,6 +150,8 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
                                   dtype="bfloat16" if bf16 else "float32"),
                   threads=os.cpu_count(), backend=jax.default_backend(),
                   device=jax.devices()[0].device_kind)
+    if reference is not None:
+        detail["transformers_on"] = torch_on
     print(f"useful tokens/s: {', '.join(f'{k} {v:.0f}' for k, v in per_s.items())}; "
           f"over generate per round {min(per_round):.2f}-{max(per_round):.2f}; schedule's ideal "
           f"ratio {ideal:.2f}; greedy rows equal {same}/{len(lengths)}")
@@ -167,18 +169,17 @@ def figures(prefix: str, suffix: str, per_s: dict, detail: dict, command: str,
         f"decoded to the longest completion; same model, weights, device ({where}) and "
         "greedy tokens", target, command, **detail)]
     if "transformers" in per_s:
-        torch_on = "the GPU" if detail["backend"] == "gpu" else f"{os.cpu_count()} torch threads"
         out.append(figure(
             f"{prefix}/tokens_per_s_over_transformers{suffix}",
             per_s["sampler"] / per_s["transformers"], "x",
             "transformers' PyTorch generate (static cache, greedy) on the same weights and "
-            f"batch, {torch_on}", None, command, **detail))
+            f"batch, {detail['transformers_on']}", None, command, **detail))
     return out
 
 
 def transformers_reference(model, config, ids, mask, new_tokens, bf16: bool = False):
-    """transformers' generate on the same weights, on the GPU where JAX has one (else
-    on every core), or None without torch."""
+    """transformers' generate on the same weights, on the GPU where JAX and torch have
+    one (else on every core), and where it runs, in words; or None without torch."""
     try:
         import torch
         from transformers import LlamaForCausalLM
@@ -201,7 +202,7 @@ def transformers_reference(model, config, ids, mask, new_tokens, bf16: bool = Fa
             return hf.generate(ids_t, attention_mask=mask_t, max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens, do_sample=False,
                                cache_implementation="static", pad_token_id=0).cpu()
-    return run
+    return run, "the GPU" if device == "cuda" else f"{os.cpu_count()} torch threads"
 
 
 if __name__ == "__main__":
