@@ -14,15 +14,15 @@ in flight (``--slots``). It runs with two models, one after the other:
   rows.
 
 Samplers built otherwise (``--variants``: ``;``-separated lists of ``Sampler``
-keyword arguments; by default one checking after every step, the CPU's default, and
-one that keeps its batch whole) run in the same rounds; their ratios to ``generate``
+keyword arguments; by default one checking after every step and one narrowing its
+batch as rows end, the CPU's defaults) run in the same rounds; their ratios to ``generate``
 are in the figures' detail. transformers' ``generate`` runs on the same GPU with its
 static cache and no ``torch.compile``, which is how its documentation's plain call
 runs. ``run_all.py`` skips ``gpu_*`` scripts. ``--tiny`` runs tiny models on any
 backend (CPU included) to check the script; its figures measure nothing.
 
     python benchmarks/gpu_sampler.py [--rounds 5] [--base 8] [--slots 64] [--sizes small,1b]
-                                     [--variants "check_every=1;narrow=false"]
+                                     [--variants "check_every=1;narrow=true"]
 """
 
 import os
@@ -46,7 +46,7 @@ def main(argv=None) -> None:
     ap.add_argument("--base", type=int, help="the shortest completion (default: 8 tokens)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sizes", default="small,1b")
-    ap.add_argument("--variants", default="check_every=1;narrow=false")
+    ap.add_argument("--variants", default="check_every=1;narrow=true")
     args = ap.parse_args(argv)
     variants = {v: dict(map(keyword, v.split(","))) for v in args.variants.split(";") if v}
     out = []

@@ -87,13 +87,17 @@ def test_greedy_completions_equal_generate_token_for_token(name):
                         check_every=2)
         done = every.sample(prompts, SamplingParams(max_new_tokens=new))
         assert [list(c.tokens) for c in done] == [until_eos(r, eos) for r in ref]
-        # and the batch kept whole to the end
+        # and the batch kept whole to the end, the rest decoded in one call once no
+        # prompt waits (a call as long as the longest rest, past steps_per_call)
         wide = Sampler(model, slots=4, max_length=36, steps_per_call=5, eos_token_id=eos,
                        narrow=False)
         done = wide.sample(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])
         assert [list(c.tokens) for c in done] == [until_eos(r[:n], eos)
                                                   for r, n in zip(ref, lengths)]
         assert wide.kv_valid.shape[0] == 4
+        done = wide.sample(prompts[:4], SamplingParams(max_new_tokens=new))
+        assert [list(c.tokens) for c in done] == [until_eos(r, eos) for r in ref[:4]]
+        assert wide.rounds == 1
         with pytest.raises(ValueError, match="check_every=6"):
             Sampler(model, slots=4, max_length=36, steps_per_call=5, check_every=6)
 

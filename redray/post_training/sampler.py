@@ -180,15 +180,20 @@ class Sampler:
         freed slot may wait up to that many steps. None: 1 on CPUs, where a check is
         free, else 16, where each check waits for the device (measured on one H200:
         BENCHMARKS.md section 15).
-      narrow: with no prompt waiting, move the live sequences into fewer slots as they
-        end (a step costs about its rows on a CPU; a GPU decodes a few rows about as
-        fast as many, and narrowing costs a copy and a round).
+      narrow: what a call does once no prompt is waiting. True: move the live sequences
+        into fewer slots as they end (a round per size: a step costs about its rows on
+        a CPU). False: keep the batch whole and decode the rest in one call, its window
+        sized for the longest remaining completion (a GPU decodes a few rows about as
+        fast as many, and each round costs a call, a copy and a wait for the device).
+        None: True on CPUs, else False.
+
+    After a ``sample`` call, ``rounds`` is how many decoding calls it made.
     """
 
     def __init__(self, model, *, slots: int = 16, max_length: int, eos_token_id=None,
                  pad_token_id: int | None = None, seed: int = 0,
                  parallelism: Parallelism | None = None, steps_per_call: int = 32,
-                 check_every: int | None = None, narrow: bool = True):
+                 check_every: int | None = None, narrow: bool | None = None):
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("Sampler serves decoder-only models; an encoder-decoder model "
@@ -197,13 +202,14 @@ class Sampler:
         self.eos = np.asarray([] if eos is None else np.atleast_1d(eos), np.int32)
         self.slots, self.max_length, self.seed = slots, max_length, seed
         self.steps_per_call = steps_per_call
-        self.narrow = narrow
         self.graphdef, self.state = nnx.split(model)
         if parallelism is not None:
             self.state = _placed(model, self.state, parallelism)
         self.mesh = _mesh_of(self.state)
+        on_cpu = _platform(self.state) == "cpu"
+        self.narrow = on_cpu if narrow is None else narrow
         if check_every is None:
-            check_every = 1 if _platform(self.state) == "cpu" else min(16, steps_per_call)
+            check_every = 1 if on_cpu else min(16, steps_per_call)
         if not 1 <= check_every <= steps_per_call:
             raise ValueError(f"check_every={check_every}: give 1 to steps_per_call="
                              f"{steps_per_call} decoding steps between two checks")
@@ -222,6 +228,7 @@ class Sampler:
                 raise ValueError(f"slots={slots} must be a multiple of the plan's data-parallel "
                                  f"size ({dp}): each replica decodes its share of the slots")
         self._compiled = {}
+        self.rounds = 0
         self._rewindow = self._empty = self._split = self._inner = None
         self._layers = None  # the weights as the decoding rounds read them (``_split_layers``)
         self.reset()
@@ -286,6 +293,7 @@ class Sampler:
         reason = [""] * n
         owner = np.full(self.slots, -1)  # the request each slot decodes (-1: free)
         rows = _Rows(self.slots, self.seed)
+        self.rounds = 0
 
         def emit(slot_tokens, slot_logprobs, written, finished_by_eos, now_active):
             for s in np.nonzero(owner >= 0)[0]:
@@ -303,7 +311,8 @@ class Sampler:
                 slots = free[:len(take)]
                 owner[slots] = take
                 rows.assign(slots, [params[r] for r in take], [ids[r] for r in take])
-                emit(*self._prefill([prompts[r] for r in take], slots, rows, greedy_only))
+                emit(*self._prefill([prompts[r] for r in take], slots, rows, greedy_only,
+                                    to_the_end=not pending and not self.narrow))
             if not rows.active.any():
                 continue
             if not pending and self.narrow:
@@ -314,11 +323,17 @@ class Sampler:
             smaller = self._smaller(size) if self.narrow else None
             refill_at = min(waiting, max(1, size // 8)) if waiting else \
                 size - smaller if smaller else size + 1
-            emit(*self._decode(rows, refill_at, greedy_only))
+            emit(*self._decode(rows, refill_at, greedy_only,
+                               to_the_end=not waiting and not self.narrow))
         return [Completion(ids[r], np.asarray(tokens[r], np.int32),
                            np.asarray(logprobs[r], np.float32), reason[r]) for r in range(n)]
 
     # ------------------------------------------------------------------ device steps
+    def _ahead(self, remaining) -> int:
+        """The steps for completions of ``remaining`` tokens to end, in whole checks."""
+        every = self.check_every
+        return -(-int(np.max(remaining, initial=1)) // every) * every
+
     def _split_layers(self):
         """The weights as a decoding round reads them: stacked layers split into each
         layer's (``redray.models.generate.for_decoding``: XLA would copy each layer's
@@ -334,7 +349,7 @@ class Sampler:
             self._split = jax.jit(lambda state: nnx.state(decoding(state)))
         return self._split(self.state)
 
-    def _prefill(self, prompts, slots, rows: "_Rows", greedy_only: bool):
+    def _prefill(self, prompts, slots, rows: "_Rows", greedy_only: bool, to_the_end: bool):
         k = len(prompts)
         width = _bucket(max(len(p) for p in prompts))
         batch = 1 << (k - 1).bit_length()  # padded to a power of two: few compiles
@@ -345,8 +360,12 @@ class Sampler:
         where = np.full(batch, self.slots, np.int32)  # a padding row writes nowhere
         where[:k] = slots
         # the window keeps the live rows and the new prompts, right-aligned behind t,
-        # and room for the next round
-        self._fit(min(self.t - width, self._oldest(rows)), empty=not rows.active.any())
+        # and room for the next round (or, before the tail's one call, for every live
+        # and new sequence to end: ``_decode``)
+        live = rows.active.copy()
+        live[slots] = True
+        self._fit(min(self.t - width, self._oldest(rows)), empty=not rows.active.any(),
+                  ahead=self._ahead(rows.remaining[live]) if to_the_end else None)
         self.start[slots] = self.t - width
         fn = self._compile("prefill", batch, (width, self.width), greedy_only)
         self.cache, self.kv_valid, got = fn(self.state, self.cache, self.kv_valid, *self._host(
@@ -366,16 +385,21 @@ class Sampler:
         return (per_slot(token, np.int32), per_slot(logprob, np.float32),
                 per_slot(np.ones(k, bool), bool), per_slot(by_eos, bool, ()), rows.active)
 
-    def _decode(self, rows: "_Rows", refill_at: int, greedy_only: bool):
-        self._fit(self._oldest(rows))
-        fn = self._compile("decode", self.steps_per_call, (len(rows.token), self.width),
-                           greedy_only)
+    def _decode(self, rows: "_Rows", refill_at: int, greedy_only: bool, to_the_end: bool):
+        """One decoding call; ``to_the_end``: room and steps for every live sequence to
+        end in it (the window permitting), on a power of two of steps (few compiles)."""
+        steps, ahead = self.steps_per_call, None
+        if to_the_end:
+            ahead = self._ahead(rows.remaining[rows.active])
+            steps = max(steps, 1 << (ahead - 1).bit_length())
+        self._fit(self._oldest(rows), ahead=ahead)
+        self.rounds += 1
+        fn = self._compile("decode", steps, (len(rows.token), self.width), greedy_only)
         self.cache, self.kv_valid, got = fn(self._layers, self.cache, self.kv_valid, *self._host(
             self._decode_inputs(rows, refill_at)))
         # one transfer (``_decode_fn``'s columns): on a GPU each read of a device array
         # costs more than a short round's steps
         got = np.array(got)  # writable: the rows' state is kept in it
-        steps = self.steps_per_call
         out, written, lps = (got[:, i * steps:(i + 1) * steps] for i in range(3))
         rows.token, active, rows.counts, rows.remaining, by_eos, t = got[:, 3 * steps:].T
         self.t = int(t[0])
@@ -437,14 +461,17 @@ class Sampler:
             self._empty = self._jit(empty, structure, 0, static_argnums=(1, 2))
         return self._empty(self.state, rows, width)
 
-    def _fit(self, begin: int, keep=None, empty: bool = False) -> None:
+    def _fit(self, begin: int, keep=None, empty: bool = False, ahead: int | None = None) -> None:
         """Makes the cache's window hold columns ``[begin, end)``, ``end`` the next
         round's room past ``t`` (``begin`` may be negative: room on the left for a
         prompt), copying it (and its rows ``keep``) when they do not fit, or when a
         window of at most two thirds of its width would, or when ``keep`` is given;
-        ``empty``: no row is live, a new window is made empty rather than copied.
+        ``empty``: no row is live, a new window is made empty rather than copied;
+        ``ahead``: room for that many steps past ``t`` (within the widest window).
         Columns are renumbered from the window's start (see the module)."""
         end = self.t + max(min(ROOM, self.steps_per_call), self.check_every)
+        if ahead is not None:
+            end = max(end, min(self.t + ahead, begin + self.length))
         width = _window(end - begin, self.length)
         fits = 0 <= begin and end <= self.width and width > self.width * 2 // 3
         if fits and keep is None:
