@@ -91,6 +91,23 @@ def test_greedy_generation_matches_transformers(pair):
     assert np.all(ours[:, ref.shape[1]:] == pad)
 
 
+def test_a_prefill_attends_over_its_prompt_not_the_whole_cache():
+    # generate's cache holds the prompt and every new token; a prefill from slot 0 sees
+    # none of the later slots, and computes as much however many there are
+    model = rm.build(CONFIGS["llama"](), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = IDS.shape[1]
+
+    def flops(slots):
+        def prefill(state):
+            m = nnx.merge(graphdef, state)
+            mask = jnp.pad(jnp.asarray(MASK), ((0, 0), (0, slots - tokens)))
+            return m(jnp.asarray(IDS), mask, cache=m.init_cache(2, slots), cache_index=0)[0]
+        analysis = jax.jit(prefill).lower(state).compile().cost_analysis()
+        return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+    assert flops(tokens + 500) == pytest.approx(flops(tokens), rel=0.01)
+
+
 def test_export_round_trip(pair, tmp_path):
     name, hf, _, model = pair
     tokenizer = transformers.GPT2TokenizerFast(tokenizer_object=rm.gpt2_tokenizer())

@@ -220,6 +220,14 @@ def self_attention(q, k, v, mask: AttentionMask, scale: float, cache: dict | Non
     if cache is None:
         return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap), None
     cache = update_cache(cache, k, v, cache_index)
+    if isinstance(cache_index, int) and cache_index == 0 and mask.causal and not mask.segmented:
+        # a prefill from slot 0: causal, its queries see none of the cache's later slots,
+        # so they attend over their own keys (as cached), not the cache's whole length
+        # (``generate``'s cache of prompt + new tokens: 1.4x the prefill's time on CPU)
+        dtype, tokens = cache["k"].dtype, k.shape[1]
+        mask = mask.replace(kv_valid=mask.kv_valid[:, :tokens])
+        return dot_attention(q, k.astype(dtype), v.astype(dtype), mask, scale, dropout=drop,
+                             softcap=softcap), cache
     if q.shape[1] <= DECODE_QUERIES:  # decoding: the cache read in its own layout
         return dense_attention(q, cache["k"], cache["v"], mask.dense(), scale, dropout=drop,
                                softcap=softcap, heads_first=True), cache
