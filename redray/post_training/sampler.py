@@ -27,6 +27,12 @@ Prefill runs beside decoding: between two decoding rounds, the prompts taking th
 slots are run through the model together (left-padded to a bucket of 16 tokens) and
 their keys and values scattered into their rows.
 
+Once no prompt waits (``narrow``): on CPUs, where a step costs about its rows, the live
+sequences move into fewer slots as others end (``_narrow``), a round per batch size;
+elsewhere the rest is decoded in one call, its window wide enough for the longest
+remaining completion, as ``generate`` decodes (a GPU's step costs about as much for a
+few rows as for many, and every round costs a call and a wait for the device).
+
 Sampling is per request (``SamplingParams``: temperature, top-k, top-p, maximum new
 tokens), and so is its randomness: the key of a request's n-th token is
 ``fold_in(fold_in(key(seed), request_id), n)``, whatever slot or batch it shares.
