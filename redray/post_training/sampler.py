@@ -312,13 +312,15 @@ class Sampler:
 
         while pending or (owner >= 0).any():
             free = np.nonzero(owner < 0)[0]
-            if pending and len(free):
-                take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+            take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+            # no prompt left waiting and no narrowing: the rest decodes in one call
+            to_the_end = not pending and not self.narrow
+            if take:
                 slots = free[:len(take)]
                 owner[slots] = take
                 rows.assign(slots, [params[r] for r in take], [ids[r] for r in take])
                 emit(*self._prefill([prompts[r] for r in take], slots, rows, greedy_only,
-                                    to_the_end=not pending and not self.narrow))
+                                    to_the_end))
             if not rows.active.any():
                 continue
             if not pending and self.narrow:
@@ -329,8 +331,7 @@ class Sampler:
             smaller = self._smaller(size) if self.narrow else None
             refill_at = min(waiting, max(1, size // 8)) if waiting else \
                 size - smaller if smaller else size + 1
-            emit(*self._decode(rows, refill_at, greedy_only,
-                               to_the_end=not waiting and not self.narrow))
+            emit(*self._decode(rows, refill_at, greedy_only, to_the_end))
         return [Completion(ids[r], np.asarray(tokens[r], np.int32),
                            np.asarray(logprobs[r], np.float32), reason[r]) for r in range(n)]
 
@@ -368,10 +369,13 @@ class Sampler:
         # the window keeps the live rows and the new prompts, right-aligned behind t,
         # and room for the next round (or, before the tail's one call, for every live
         # and new sequence to end: ``_decode``)
-        live = rows.active.copy()
-        live[slots] = True
+        ahead = None
+        if to_the_end:
+            live = rows.active.copy()
+            live[slots] = True
+            ahead = self._ahead(rows.remaining[live])
         self._fit(min(self.t - width, self._oldest(rows)), empty=not rows.active.any(),
-                  ahead=self._ahead(rows.remaining[live]) if to_the_end else None)
+                  ahead=ahead)
         self.start[slots] = self.t - width
         fn = self._compile("prefill", batch, (width, self.width), greedy_only)
         self.cache, self.kv_valid, got = fn(self.state, self.cache, self.kv_valid, *self._host(
