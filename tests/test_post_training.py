@@ -124,6 +124,20 @@ def test_the_cache_windows_and_batch_sizes_come_from_few_compiled_shapes():
     assert ladder == [64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1]
 
 
+def test_a_prefill_of_every_slot_writes_what_the_scatter_writes():
+    """``_write(every=True)`` (one slice: a prefill that fills every slot) and the scatter
+    (any rows) leave the same cache, a stacked cache's layer axis included."""
+    from redray.post_training.sampler import _write
+    rs = np.random.default_rng(0)
+    for lead in ((), (2,)):
+        big = jnp.asarray(rs.normal(size=(*lead, 3, 2, 9, 4)), jnp.float32)
+        new = jnp.asarray(rs.normal(size=(*lead, 4, 2, 5, 4)), jnp.float32)  # a padding row
+        rows, cols = jnp.asarray([0, 1, 2, 3]), jnp.arange(3, 8)
+        scattered = _write(big, new, rows, cols)
+        assert not np.array_equal(scattered, big)
+        np.testing.assert_array_equal(_write(big, new, rows, cols, every=True), scattered)
+
+
 def test_sampled_tokens_depend_on_the_request_not_its_slot_and_their_logprobs_are_the_models():
     model = build(CONFIGS["llama"](), rngs=nnx.Rngs(1))
     prompts = prompts_of(9, seed=1)
@@ -250,7 +264,7 @@ def test_decoding_loops_read_stacked_layers_sliced_once_before_the_loop():
     traced = jax.make_jaxpr(decode)(layers, sampler.cache, sampler.kv_valid,
                                     sampler._decode_inputs(rows, 5))
     assert _slices_in_loops(traced, stacked) == []
-    prefill = sampler._prefill_fn(4, (16, sampler.width), True)
+    prefill = sampler._prefill_fn((4, True), (16, sampler.width), True)
     sampler.t = 16
     filled = jax.make_jaxpr(prefill)(sampler.state, sampler.cache, sampler.kv_valid,
                                      sampler._prefill_inputs(

@@ -377,7 +377,10 @@ class Sampler:
         self._fit(min(self.t - width, self._oldest(rows)), empty=not rows.active.any(),
                   ahead=ahead)
         self.start[slots] = self.t - width
-        fn = self._compile("prefill", batch, (width, self.width), greedy_only)
+        # every slot takes a prompt (a call's first prefill, as many prompts as slots):
+        # the rows are written as one slice, not scattered (``_write``)
+        every = k == len(self.kv_valid)
+        fn = self._compile("prefill", (batch, every), (width, self.width), greedy_only)
         self.cache, self.kv_valid, got = fn(self.state, self.cache, self.kv_valid, *self._host(
             self._prefill_inputs(ids, mask, where, rows)))
         got = np.asarray(got)[:k]  # one transfer: each row's token and its log-probability
@@ -531,15 +534,15 @@ class Sampler:
             return NamedSharding(self.mesh, P(*lead, BATCH_AXES, heads, None, None))
         return jax.tree.map(spec, cache)
 
-    def _compile(self, kind: str, a: int, b: tuple[int, int], greedy_only: bool):
+    def _compile(self, kind: str, a, b: tuple[int, int], greedy_only: bool):
         key = (kind, a, b, greedy_only)
         if key not in self._compiled:
             make = {"prefill": self._prefill_fn, "decode": self._decode_fn}[kind]
             self._compiled[key] = make(a, b, greedy_only)
         return self._compiled[key]
 
-    def _prefill_fn(self, batch: int, widths: tuple[int, int], greedy_only: bool):
-        (width, length), graphdef = widths, self.graphdef
+    def _prefill_fn(self, rows: tuple[int, bool], widths: tuple[int, int], greedy_only: bool):
+        (batch, every), (width, length), graphdef = rows, widths, self.graphdef
 
         def prefill(state, cache, kv_valid, packed):
             t, ids, mask, where, keys, temperature, top_k, top_p = _unpacked(
@@ -549,9 +552,10 @@ class Sampler:
             model = nnx.merge(graphdef, state)
             logits, small = prompt_prefill(model, ids, mask, model.init_cache(batch, width))
             cols = t - width + jnp.arange(width)
-            cache = jax.tree.map(lambda big, new: _write(big, new, where, cols), cache, small)
+            cache = jax.tree.map(lambda big, new: _write(big, new, where, cols, every), cache,
+                                 small)
             row = jnp.zeros((batch, length), jnp.int32).at[:, cols].set(mask)
-            kv_valid = kv_valid.at[where].set(row, mode="drop")
+            kv_valid = row[:len(kv_valid)] if every else kv_valid.at[where].set(row, mode="drop")
             first = jax.vmap(lambda key: jax.random.fold_in(key, 0))(
                 jax.random.wrap_key_data(keys))
             token, logprob = sample_rows(logits, first, temperature, top_k, top_p,
@@ -713,13 +717,21 @@ def _window(n: int, length: int) -> int:
     return min(-(-units // step) * step * PROMPT_BUCKET, length)
 
 
-def _write(big, new, rows, cols):
+def _write(big, new, rows, cols, every: bool = False):
     """``new``'s (rows, heads, width) tokens into ``big`` at rows ``rows``, columns
-    ``cols`` (a stacked cache's layer axis leads both); rows out of range write nothing."""
-    lead = (slice(None),) * (big.ndim - 4)
+    ``cols`` (a stacked cache's layer axis leads both); rows out of range write nothing.
+    ``every``: ``rows`` are all of ``big``'s, in order (``new`` may have more: padding),
+    and ``cols`` consecutive: one slice is written, not scattered (on XLA:CPU the
+    scatter took 8 ms more of a 64 x 32-token prefill's 85)."""
+    axis = big.ndim - 4
+    new = new.astype(big.dtype)
+    if every:
+        new = jax.lax.slice_in_dim(new, 0, big.shape[axis], axis=axis)
+        return jax.lax.dynamic_update_slice_in_dim(big, new, cols[0], axis + 2)
+    lead = (slice(None),) * axis
     heads = jnp.arange(big.shape[-3])
     return big.at[(*lead, rows[:, None, None], heads[None, :, None], cols[None, None, :])].set(
-        new.astype(big.dtype), mode="drop")
+        new, mode="drop")
 
 
 def _rewindowed(cache, kv_valid, keep, begin, width: int, inside: bool):
