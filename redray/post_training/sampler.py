@@ -77,6 +77,14 @@ ROOM = 16
 # benchmark's workload 4-11% faster (five runs side by side, BENCHMARKS.md section 15)
 # with as many compiles: its rounds change width where they narrow the batch
 WINDOW_RUNGS = 8
+# a compiled call's inputs, a row per slot, in one int32 array (``_packed``, one
+# transfer): (name, columns, dtype) in their order; None columns: the prompts' width
+SAMPLING = (("temperature", 1, np.float32), ("top_k", 1, np.int32), ("top_p", 1, np.float32))
+PREFILL_INPUTS = (("t", 1, np.int32), ("ids", None, np.int32), ("mask", None, np.int32),
+                  ("where", 1, np.int32), ("keys", 2, np.uint32)) + SAMPLING
+DECODE_INPUTS = (("t", 1, np.int32), ("refill_at", 1, np.int32), ("token", 1, np.int32),
+                 ("active", 1, np.bool_), ("counts", 1, np.int32), ("remaining", 1, np.int32),
+                 ("keys", 2, np.uint32)) + SAMPLING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,16 +428,19 @@ class Sampler:
         return out, lps.view(np.float32), written.astype(bool), by_eos.astype(bool), active
 
     def _prefill_inputs(self, ids, mask, where, rows: "_Rows") -> np.ndarray:
-        """A prefill's inputs in one array (``_prefill_fn`` unpacks them)."""
+        """A prefill's inputs in one array (``PREFILL_INPUTS``)."""
         at = where % self.slots
-        return _packed(np.full(len(ids), self.t), ids, mask, where, rows.keys[at],
-                       *(x[at] for x in rows.sampling()))
+        return _packed(PREFILL_INPUTS, dict(
+            t=np.full(len(ids), self.t), ids=ids, mask=mask, where=where, keys=rows.keys[at],
+            **{name: x[at] for name, x in rows.sampling().items()}))
 
     def _decode_inputs(self, rows: "_Rows", refill_at: int) -> np.ndarray:
-        """A decoding round's inputs in one array (``_decode_fn`` unpacks them)."""
+        """A decoding round's inputs in one array (``DECODE_INPUTS``)."""
         n = len(rows.token)
-        return _packed(np.full(n, self.t), np.full(n, refill_at), rows.token, rows.active,
-                       rows.counts, rows.remaining, rows.keys, *rows.sampling())
+        return _packed(DECODE_INPUTS, dict(
+            t=np.full(n, self.t), refill_at=np.full(n, refill_at), token=rows.token,
+            active=rows.active, counts=rows.counts, remaining=rows.remaining, keys=rows.keys,
+            **rows.sampling()))
 
     def _narrow(self, rows: "_Rows", owner):
         """With no prompt waiting, the live sequences moved into the fewest slots (down
@@ -545,9 +556,8 @@ class Sampler:
         (batch, every), (width, length), graphdef = rows, widths, self.graphdef
 
         def prefill(state, cache, kv_valid, packed):
-            t, ids, mask, where, keys, temperature, top_k, top_p = _unpacked(
-                packed, (1, width, width, 1, 2, 1, 1, 1),
-                (jnp.int32,) * 4 + (jnp.uint32, jnp.float32, jnp.int32, jnp.float32))
+            inputs = _unpacked(packed, PREFILL_INPUTS, width)
+            t, ids, mask, where = (inputs[k] for k in ("t", "ids", "mask", "where"))
             t = t[0]
             model = nnx.merge(graphdef, state)
             logits, small = prompt_prefill(model, ids, mask, model.init_cache(batch, width))
@@ -557,9 +567,8 @@ class Sampler:
             row = jnp.zeros((batch, length), jnp.int32).at[:, cols].set(mask)
             kv_valid = row[:len(kv_valid)] if every else kv_valid.at[where].set(row, mode="drop")
             first = jax.vmap(lambda key: jax.random.fold_in(key, 0))(
-                jax.random.wrap_key_data(keys))
-            token, logprob = sample_rows(logits, first, temperature, top_k, top_p,
-                                         greedy_only)
+                jax.random.wrap_key_data(inputs["keys"]))
+            token, logprob = sample_rows(logits, first, *_sampling(inputs), greedy_only)
             return cache, kv_valid, _packed_device(token, logprob)
 
         return self._jit(prefill, self.cache, 1, donate_argnums=(1, 2))
@@ -570,11 +579,10 @@ class Sampler:
         eos = jnp.asarray(self.eos)
 
         def decode(weights, cache, kv_valid, packed):
-            (t, refill_at, token, active, counts, remaining, keys, temperature, top_k,
-             top_p) = _unpacked(packed, (1, 1, 1, 1, 1, 1, 2, 1, 1, 1),
-                                (jnp.int32,) * 3 + (bool,) + (jnp.int32,) * 2
-                                + (jnp.uint32, jnp.float32, jnp.int32, jnp.float32))
-            t, refill_at = t[0], refill_at[0]
+            inputs = _unpacked(packed, DECODE_INPUTS)
+            t, refill_at, token, active, counts, remaining, keys = (inputs[k] for k in (
+                "t", "refill_at", "token", "active", "counts", "remaining", "keys"))
+            t, refill_at, sampling = t[0], refill_at[0], _sampling(inputs)
             out = jnp.full((slots, steps), pad, jnp.int32)
             lps = jnp.zeros((slots, steps), jnp.float32)
             written = jnp.zeros((slots, steps), bool)
@@ -595,8 +603,7 @@ class Sampler:
                 logits, cache = model(token[:, None], kv_valid, cache=cache, cache_index=t)
                 step_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(keys),
                                                          counts)
-                new, lp = sample_rows(logits[:, -1], step_keys, temperature, top_k, top_p,
-                                      greedy_only)
+                new, lp = sample_rows(logits[:, -1], step_keys, *sampling, greedy_only)
                 out = out.at[:, i].set(jnp.where(active, new, pad))
                 lps = lps.at[:, i].set(jnp.where(active, lp, 0.0))
                 written = written.at[:, i].set(active)
@@ -648,8 +655,8 @@ class _Rows:
         self.top_k[slots] = [p.top_k for p in params]
         self.top_p[slots] = [p.top_p for p in params]
 
-    def sampling(self):
-        return self.temperature, self.top_k, self.top_p
+    def sampling(self) -> dict:
+        return {name: getattr(self, name) for name, _, _ in SAMPLING}
 
     def take(self, keep) -> None:
         """Keeps the slots ``keep``, in that order (``Sampler._narrow``)."""
@@ -658,11 +665,20 @@ class _Rows:
             setattr(self, name, getattr(self, name)[keep])
 
 
-def _packed(*columns) -> np.ndarray:
-    """Host values of one row each (``(rows,)`` or ``(rows, k)``; int, uint32, float32 or
-    bool) side by side in one int32 array, their bits kept: a compiled call's inputs in
-    one transfer (``_unpacked`` splits them)."""
-    return np.concatenate([_bits(np.asarray(c)).reshape(len(c), -1) for c in columns], 1)
+def _packed(layout, values: dict) -> np.ndarray:
+    """Host values of one row each (``(rows,)`` or ``(rows, k)``), named as in ``layout``
+    (``DECODE_INPUTS``, ...), side by side in one int32 array, their bits kept: a compiled
+    call's inputs in one transfer (``_unpacked`` splits them by the same layout)."""
+    if set(values) != {name for name, _, _ in layout}:
+        raise KeyError(f"packed inputs {sorted(values)} are not the layout's {layout}")
+    columns = []
+    for name, width, dtype in layout:
+        x = np.asarray(values[name]).astype(dtype, copy=False)
+        x = x.reshape(len(x), -1)
+        if width is not None and x.shape[1] != width:
+            raise ValueError(f"input {name!r} has {x.shape[1]} columns, the layout {width}")
+        columns.append(_bits(x))
+    return np.concatenate(columns, 1)
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
@@ -681,19 +697,25 @@ def _packed_device(*columns) -> jax.Array:
     return jnp.concatenate([bits(c) for c in columns], 1)
 
 
-def _unpacked(packed, widths, dtypes):
-    """The columns ``_packed`` joined: blocks of ``widths`` columns as ``dtypes`` (a
-    width of 1 as a vector)."""
-    out, at = [], 0
-    for width, dtype in zip(widths, dtypes):
-        x = packed[:, at:at + width]
-        at += width
-        if dtype in (jnp.float32, jnp.uint32):
+def _unpacked(packed, layout, width: int | None = None) -> dict:
+    """The columns ``_packed`` joined by ``layout``, by name (a block of 1 column as a
+    vector; ``width``: the columns of the layout's None blocks)."""
+    out, at = {}, 0
+    for name, columns, dtype in layout:
+        columns = width if columns is None else columns
+        x = packed[:, at:at + columns]
+        at += columns
+        if dtype in (np.float32, np.uint32):
             x = jax.lax.bitcast_convert_type(x, dtype)
         else:
-            x = x != 0 if dtype is bool else x.astype(dtype)
-        out.append(x[:, 0] if width == 1 else x)
+            x = x != 0 if dtype is np.bool_ else x.astype(dtype)
+        out[name] = x[:, 0] if columns == 1 else x
     return out
+
+
+def _sampling(inputs: dict) -> tuple:
+    """The sampling columns of unpacked inputs, in ``sample_rows``' order."""
+    return tuple(inputs[name] for name, _, _ in SAMPLING)
 
 
 def _bucket(n: int) -> int:
