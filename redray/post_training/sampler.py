@@ -25,7 +25,8 @@ the number of prompts nor by the longest request.
 
 Prefill runs beside decoding: between two decoding rounds, the prompts taking the free
 slots are run through the model together (left-padded to a bucket of 16 tokens) and
-their keys and values scattered into their rows.
+their keys and values scattered into their rows (written as one slice when they take
+every slot, as a call's first prefill does).
 
 Once no prompt waits (``narrow``): on CPUs, where a step costs about its rows, the live
 sequences move into fewer slots as others end (``_narrow``), a round per batch size;
