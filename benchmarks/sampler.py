@@ -121,6 +121,7 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
         other = Sampler(model, slots=slots, max_length=sampler.max_length, **kwargs)
         runs[name] = (lambda other: lambda: other.sample(prompts, requests))(other)
     reference = transformers_reference(model, config, ids, mask, longest, bf16)
+    torch_on = None  # where transformers ran (None: torch is not installed)
     if reference is not None:
         runs["transformers"], torch_on = reference
     outputs = {name: fn() for name, fn in runs.items()}  # compiled and warm
@@ -148,10 +149,8 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
                   model={k: s[k] for k in ("vocab", "hidden", "intermediate", "layers", "heads")
                          } | dict(kv_heads=config.num_key_value_heads,
                                   dtype="bfloat16" if bf16 else "float32"),
-                  threads=os.cpu_count(), backend=jax.default_backend(),
+                  threads=os.cpu_count(), backend=jax.default_backend(), transformers_on=torch_on,
                   device=jax.devices()[0].device_kind)
-    if reference is not None:
-        detail["transformers_on"] = torch_on
     print(f"useful tokens/s: {', '.join(f'{k} {v:.0f}' for k, v in per_s.items())}; "
           f"over generate per round {min(per_round):.2f}-{max(per_round):.2f}; schedule's ideal "
           f"ratio {ideal:.2f}; greedy rows equal {same}/{len(lengths)}")
