@@ -78,14 +78,20 @@ ROOM = 16
 # benchmark's workload 4-11% faster (five runs side by side, BENCHMARKS.md section 15)
 # with as many compiles: its rounds change width where they narrow the batch
 WINDOW_RUNGS = 8
-# a compiled call's inputs, a row per slot, in one int32 array (``_packed``, one
-# transfer): (name, columns, dtype) in their order; None columns: the prompts' width
+# a compiled call's inputs and the outputs the host reads, a row per slot, each in one
+# int32 array (``_packed``: one transfer): (name, columns, dtype) in their order; None
+# columns: the prompts' width (inputs), the call's steps (outputs)
 SAMPLING = (("temperature", 1, np.float32), ("top_k", 1, np.int32), ("top_p", 1, np.float32))
 PREFILL_INPUTS = (("t", 1, np.int32), ("ids", None, np.int32), ("mask", None, np.int32),
                   ("where", 1, np.int32), ("keys", 2, np.uint32)) + SAMPLING
 DECODE_INPUTS = (("t", 1, np.int32), ("refill_at", 1, np.int32), ("token", 1, np.int32),
                  ("active", 1, np.bool_), ("counts", 1, np.int32), ("remaining", 1, np.int32),
                  ("keys", 2, np.uint32)) + SAMPLING
+PREFILL_OUTPUTS = (("token", 1, np.int32), ("logprob", 1, np.float32))
+DECODE_OUTPUTS = (("out", None, np.int32), ("written", None, np.bool_),
+                  ("lps", None, np.float32), ("token", 1, np.int32), ("active", 1, np.bool_),
+                  ("counts", 1, np.int32), ("remaining", 1, np.int32), ("by_eos", 1, np.bool_),
+                  ("t", 1, np.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,8 +398,8 @@ class Sampler:
         fn = self._compile("prefill", (batch, every), (width, self.width), greedy_only)
         self.cache, self.kv_valid, got = fn(self.state, self.cache, self.kv_valid, *self._host(
             self._prefill_inputs(ids, mask, where, rows)))
-        got = np.asarray(got)[:k]  # one transfer: each row's token and its log-probability
-        token, logprob = got[:, 0], got[:, 1].view(np.float32)
+        got = _unpacked(np.asarray(got)[:k], PREFILL_OUTPUTS)  # one transfer
+        token, logprob = got["token"], got["logprob"]
         rows.token[slots] = token
         rows.counts[slots] = 1
         rows.remaining[slots] -= 1
@@ -419,14 +425,13 @@ class Sampler:
         fn = self._compile("decode", steps, (len(rows.token), self.width), greedy_only)
         self.cache, self.kv_valid, got = fn(self._layers, self.cache, self.kv_valid, *self._host(
             self._decode_inputs(rows, refill_at)))
-        # one transfer (``_decode_fn``'s columns): on a GPU each read of a device array
-        # costs more than a short round's steps
-        got = np.array(got)  # writable: the rows' state is kept in it
-        out, written, lps = (got[:, i * steps:(i + 1) * steps] for i in range(3))
-        rows.token, active, rows.counts, rows.remaining, by_eos, t = got[:, 3 * steps:].T
-        self.t = int(t[0])
-        rows.active = active = active.astype(bool)
-        return out, lps.view(np.float32), written.astype(bool), by_eos.astype(bool), active
+        # one transfer (``DECODE_OUTPUTS``): on a GPU each read of a device array costs
+        # more than a short round's steps
+        got = _unpacked(np.asarray(got), DECODE_OUTPUTS, steps)
+        rows.token, rows.active, rows.counts, rows.remaining = (
+            got[k] for k in ("token", "active", "counts", "remaining"))
+        self.t = int(got["t"][0])
+        return got["out"], got["lps"], got["written"], got["by_eos"], got["active"]
 
     def _prefill_inputs(self, ids, mask, where, rows: "_Rows") -> np.ndarray:
         """A prefill's inputs in one array (``PREFILL_INPUTS``)."""
@@ -570,7 +575,7 @@ class Sampler:
             first = jax.vmap(lambda key: jax.random.fold_in(key, 0))(
                 jax.random.wrap_key_data(inputs["keys"]))
             token, logprob = sample_rows(logits, first, *_sampling(inputs), greedy_only)
-            return cache, kv_valid, _packed_device(token, logprob)
+            return cache, kv_valid, _packed(PREFILL_OUTPUTS, dict(token=token, logprob=logprob))
 
         return self._jit(prefill, self.cache, 1, donate_argnums=(1, 2))
 
@@ -624,9 +629,9 @@ class Sampler:
                                                      written, by_eos))
             _, t, cache, kv_valid, active, token, counts, remaining, out, lps, written, \
                 by_eos = c
-            return cache, kv_valid, _packed_device(
-                out, written, lps, token, active, counts, remaining, by_eos,
-                jnp.broadcast_to(t, token.shape))
+            return cache, kv_valid, _packed(DECODE_OUTPUTS, dict(
+                out=out, written=written, lps=lps, token=token, active=active, counts=counts,
+                remaining=remaining, by_eos=by_eos, t=jnp.broadcast_to(t, token.shape)), steps)
 
         return self._jit(decode, self.cache, 1, donate_argnums=(1, 2))
 
@@ -666,52 +671,47 @@ class _Rows:
             setattr(self, name, getattr(self, name)[keep])
 
 
-def _packed(layout, values: dict) -> np.ndarray:
-    """Host values of one row each (``(rows,)`` or ``(rows, k)``), named as in ``layout``
+def _packed(layout, values: dict, width: int | None = None):
+    """Values of one row each (``(rows,)`` or ``(rows, k)``), named as in ``layout``
     (``DECODE_INPUTS``, ...), side by side in one int32 array, their bits kept: a compiled
-    call's inputs in one transfer (``_unpacked`` splits them by the same layout)."""
+    call's inputs, or the outputs it returns, in one transfer (``_unpacked`` splits them
+    by the same layout). Host values give a NumPy array, traced ones a traced one;
+    ``width``: the columns of the layout's None blocks (None: any)."""
     if set(values) != {name for name, _, _ in layout}:
-        raise KeyError(f"packed inputs {sorted(values)} are not the layout's {layout}")
+        raise KeyError(f"packed values {sorted(values)} are not the layout's {layout}")
+    xp = jnp if any(isinstance(v, jax.Array) for v in values.values()) else np
     columns = []
-    for name, width, dtype in layout:
-        x = np.asarray(values[name]).astype(dtype, copy=False)
-        x = x.reshape(len(x), -1)
-        if width is not None and x.shape[1] != width:
-            raise ValueError(f"input {name!r} has {x.shape[1]} columns, the layout {width}")
-        columns.append(_bits(x))
-    return np.concatenate(columns, 1)
-
-
-def _bits(x: np.ndarray) -> np.ndarray:
-    if x.dtype in (np.float32, np.uint32):
-        return x.view(np.int32)
-    return x.astype(np.int32)
-
-
-def _packed_device(*columns) -> jax.Array:
-    """``_packed`` inside a compiled call: its outputs the host reads, in one array."""
-    def bits(x):
+    for name, n, dtype in layout:
+        x = xp.asarray(values[name]).astype(dtype)
         x = x.reshape(x.shape[0], -1)
-        if x.dtype in (jnp.float32, jnp.uint32):
-            return jax.lax.bitcast_convert_type(x, jnp.int32)
-        return x.astype(jnp.int32)
-    return jnp.concatenate([bits(c) for c in columns], 1)
+        n = width if n is None else n
+        if n is not None and x.shape[1] != n:
+            raise ValueError(f"{name!r} has {x.shape[1]} columns, the layout {n}")
+        columns.append(_bitcast(x, np.int32) if dtype in (np.float32, np.uint32)
+                       else x.astype(np.int32))
+    return xp.concatenate(columns, 1)
 
 
 def _unpacked(packed, layout, width: int | None = None) -> dict:
-    """The columns ``_packed`` joined by ``layout``, by name (a block of 1 column as a
-    vector; ``width``: the columns of the layout's None blocks)."""
+    """The columns ``_packed`` joined by ``layout``, by name, from a NumPy or a traced
+    array (a block of 1 column as a vector; ``width``: the columns of the layout's None
+    blocks)."""
     out, at = {}, 0
-    for name, columns, dtype in layout:
-        columns = width if columns is None else columns
-        x = packed[:, at:at + columns]
-        at += columns
+    for name, n, dtype in layout:
+        n = width if n is None else n
+        x = packed[:, at:at + n]
+        at += n
         if dtype in (np.float32, np.uint32):
-            x = jax.lax.bitcast_convert_type(x, dtype)
+            x = _bitcast(x, dtype)
         else:
             x = x != 0 if dtype is np.bool_ else x.astype(dtype)
-        out[name] = x[:, 0] if columns == 1 else x
+        out[name] = x[:, 0] if n == 1 else x
     return out
+
+
+def _bitcast(x, dtype):
+    """``x``'s bits as ``dtype`` (of the same size), on the host or traced."""
+    return x.view(dtype) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, dtype)
 
 
 def _sampling(inputs: dict) -> tuple:
