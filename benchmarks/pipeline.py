@@ -121,13 +121,15 @@ def flops_figures(s: dict, stages: int, micros, repeats=(1, 2)) -> list[dict]:
     return out
 
 
-def hybrid_mesh(shape, hosts: int):
-    """A mesh of ``shape`` (``AXES`` order) on 8 simulated devices as ``hosts`` hosts of
-    consecutive devices, laid out as ``Parallelism.build`` lays out hosts."""
+def hybrid_mesh(sizes: dict, hosts: int):
+    """A mesh of ``sizes`` (axis name -> size, the others 1) on 8 simulated devices as
+    ``hosts`` hosts of consecutive devices, laid out as ``Parallelism.build`` lays out
+    hosts."""
     from jax.sharding import Mesh
 
     from redray.sharding.parallelism import AXES, hybrid_shapes
 
+    shape = tuple(sizes.get(a.name, 1) for a in AXES)
     devices = np.array(jax.devices()[:math.prod(shape)], dtype=object)
     across, inside = hybrid_shapes(shape, hosts, len(devices) // hosts)
     grid = devices.reshape(*across, *inside)
@@ -158,8 +160,8 @@ def bytes_figure(s: dict, rows: int, micro_rows: int) -> dict:
     from redray.sharding.hardware import PRESETS
 
     hosts = 2
-    pipe_mesh = hybrid_mesh((2, 1, 4, 1, 1), hosts)
-    fsdp_mesh = hybrid_mesh((1, 1, 8, 1, 1), hosts)
+    pipe_mesh = hybrid_mesh(dict(stage=2, fsdp=4), hosts)
+    fsdp_mesh = hybrid_mesh(dict(fsdp=8), hosts)
     seq = s["seq"]
     measured, predicted, stacked = {}, {}, None
     for name, mesh, micro in (("pipelined", pipe_mesh, micro_rows), ("fsdp", fsdp_mesh, None)):
