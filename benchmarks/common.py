@@ -83,6 +83,24 @@ def save(figures: list[dict], path: str = RESULTS) -> None:
         f.write("\n")
 
 
+def machine() -> dict:
+    """The host CPU as /proc/cpuinfo names it (model, family/model numbers, the vector
+    extensions XLA:CPU's kernels choose by) and its cores: runs on two machines compare
+    only beside this."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return {"cores": os.cpu_count()}
+    flags = set(info.get("flags", "").split())
+    return {"cpu": info.get("model name"), "family": info.get("cpu family"),
+            "model": info.get("model"), "cores": os.cpu_count(),
+            "vector": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_tile"})}
+
+
 def repeat(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
     """Seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
     for _ in range(warmup):

@@ -27,7 +27,14 @@ alternating order after a compiling warm-up; beside it the ideal ratio of the le
 schedule alone (the longest length times 64 over the sum of lengths), which is what
 continuous batching removes at equal cost per decoded row.
 
-    python benchmarks/sampler.py [--slots 64] [--base 8] [--rounds 3]
+With ``--prompts`` above ``--slots`` (``--prompts 256``: the refill workload, figures
+``..._refills``), slots are refilled as they free, which the default workload (as many
+prompts as slots) never does: the reference decodes the prompts in static batches of
+``--slots``, each to its own longest completion (the least a static batch can do), and
+transformers the same; the schedule's ideal ratio is then the batches' rows times their
+longest completions over the sum of lengths.
+
+    python benchmarks/sampler.py [--slots 64] [--base 8] [--rounds 3] [--prompts 256]
 """
 
 import os
@@ -37,7 +44,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import figure, parser, save, stats  # noqa: E402
+from common import figure, machine, parser, save, stats  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -56,8 +63,8 @@ def workload(s: dict, base: int):
     return prompts, rs.permutation(lengths).tolist()
 
 
-def left_padded(prompts):
-    width = max(map(len, prompts))
+def left_padded(prompts, width: int | None = None):
+    width = width or max(map(len, prompts))
     ids = np.zeros((len(prompts), width), np.int32)
     mask = np.zeros_like(ids)
     for i, p in enumerate(prompts):
@@ -70,11 +77,19 @@ def main(argv=None) -> None:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--base", type=int, help="the shortest completion (default: 8 tokens)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, help="requests (default: 64, as many as slots; "
+                    "more: the refill workload, figures ..._refills)")
     args = ap.parse_args(argv)
     s = TINY if args.tiny else FULL
-    per_s, detail = measure(s, args.base or s["base"], min(args.slots, s["prompts"]),
-                            1 if args.tiny else args.rounds)
-    save(figures("sampler", "", per_s, detail, COMMAND, ">= 3"), args.out)
+    slots = min(args.slots, s["prompts"])
+    if args.prompts:
+        s = dict(s, prompts=args.prompts)
+    per_s, detail = measure(s, args.base or s["base"], slots, 1 if args.tiny else args.rounds)
+    if s["prompts"] > slots:
+        save(figures("sampler", "_refills", per_s, detail, f"{COMMAND} --prompts {args.prompts}",
+                     None), args.out)
+    else:
+        save(figures("sampler", "", per_s, detail, COMMAND, ">= 3"), args.out)
 
 
 def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
@@ -104,14 +119,19 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
         nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), params))
     prompts, lengths = workload(s, base)
     useful = sum(lengths)
-    ids, mask = left_padded(prompts)
-    longest = max(lengths)
-    sampler = Sampler(model, slots=slots, max_length=-(-ids.shape[1] // 16) * 16 + longest)
+    width, longest = max(map(len, prompts)), max(lengths)
+    # the reference's static batches: as many prompts as the sampler has slots, each
+    # decoded to its own longest completion
+    batches = [(left_padded(prompts[i:i + slots], width), max(lengths[i:i + slots]))
+               for i in range(0, len(prompts), slots)]
+    sampler = Sampler(model, slots=slots, max_length=-(-width // 16) * 16 + longest)
     requests = [SamplingParams(max_new_tokens=n) for n in lengths]
-    static = jax.jit(lambda m, i, a: generate(m, i, a, max_new_tokens=longest))
+    static = {n: jax.jit(lambda m, i, a, n=n: generate(m, i, a, max_new_tokens=n))
+              for n in {n for _, n in batches}}
 
-    def run_generate():
-        return np.asarray(static(model, ids, mask))
+    def run_generate():  # each row's tokens
+        return [row for (ids, mask), n in batches
+                for row in np.asarray(static[n](model, ids, mask))]
 
     def run_sampler():
         return sampler.sample(prompts, requests)
@@ -120,14 +140,14 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
     for name, kwargs in (variants or {}).items():
         other = Sampler(model, slots=slots, max_length=sampler.max_length, **kwargs)
         runs[name] = (lambda other: lambda: other.sample(prompts, requests))(other)
-    reference = transformers_reference(model, config, ids, mask, longest, bf16)
+    reference = transformers_reference(model, config, batches, bf16)
     torch_on = None  # where transformers ran (None: torch is not installed)
     if reference is not None:
         runs["transformers"], torch_on = reference
     outputs = {name: fn() for name, fn in runs.items()}  # compiled and warm
     done = outputs["sampler"]
     assert [len(c.tokens) for c in done] == lengths, "the sampler ignored a request's length"
-    same = sum(np.array_equal(c.tokens, outputs["generate"][i, :n])
+    same = sum(np.array_equal(c.tokens, outputs["generate"][i][:n])
                for i, (c, n) in enumerate(zip(done, lengths)))
     times = {name: [] for name in runs}
     for r in range(rounds):
@@ -136,7 +156,7 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
             runs[name]()
             times[name].append(time.perf_counter() - start)
     per_s = {name: useful / statistics.median(t) for name, t in times.items()}
-    ideal = longest * len(lengths) / useful
+    ideal = sum(n * len(ids) for (ids, _), n in batches) / useful  # the rows' decoded tokens
     per_round = [g / m for g, m in zip(times["generate"], times["sampler"])]
     variant_detail = {name: dict(kwargs=variants[name], over_generate=stats(
         [g / m for g, m in zip(times["generate"], times[name])])) for name in variants or {}}
@@ -150,7 +170,7 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
                          } | dict(kv_heads=config.num_key_value_heads,
                                   dtype="bfloat16" if bf16 else "float32"),
                   threads=os.cpu_count(), backend=jax.default_backend(), transformers_on=torch_on,
-                  device=jax.devices()[0].device_kind)
+                  device=jax.devices()[0].device_kind, machine=machine())
     print(f"useful tokens/s: {', '.join(f'{k} {v:.0f}' for k, v in per_s.items())}; "
           f"over generate per round {min(per_round):.2f}-{max(per_round):.2f}; schedule's ideal "
           f"ratio {ideal:.2f}; greedy rows equal {same}/{len(lengths)}")
@@ -162,23 +182,26 @@ def figures(prefix: str, suffix: str, per_s: dict, detail: dict, command: str,
     """``{prefix}/tokens_per_s_over_generate{suffix}`` and, where transformers ran,
     ``..._over_transformers{suffix}``."""
     where = detail["device"]
+    batches = "one left-padded batch" if detail["prompts"] <= detail["slots"] else \
+        f"left-padded batches of {detail['slots']}, each"
     out = [figure(
         f"{prefix}/tokens_per_s_over_generate{suffix}", per_s["sampler"] / per_s["generate"],
-        "x", f"redray's generate: the {detail['prompts']} prompts as one left-padded batch "
-        f"decoded to the longest completion; same model, weights, device ({where}) and "
-        "greedy tokens", target, command, **detail)]
+        "x", f"redray's generate: the {detail['prompts']} prompts as {batches} decoded to the "
+        f"longest completion; same model, weights, device ({where}) and greedy tokens", target,
+        command, **detail)]
     if "transformers" in per_s:
         out.append(figure(
             f"{prefix}/tokens_per_s_over_transformers{suffix}",
             per_s["sampler"] / per_s["transformers"], "x",
             "transformers' PyTorch generate (static cache, greedy) on the same weights and "
-            f"batch, {detail['transformers_on']}", None, command, **detail))
+            f"batches, {detail['transformers_on']}", None, command, **detail))
     return out
 
 
-def transformers_reference(model, config, ids, mask, new_tokens, bf16: bool = False):
-    """transformers' generate on the same weights, on the GPU where JAX and torch have
-    one (else on every core), and where it runs, in words; or None without torch."""
+def transformers_reference(model, config, batches, bf16: bool = False):
+    """transformers' generate on the same weights and static ``batches`` ((ids, mask),
+    new tokens), on the GPU where JAX and torch have one (else on every core), and
+    where it runs, in words; or None without torch."""
     try:
         import torch
         from transformers import LlamaForCausalLM
@@ -193,14 +216,14 @@ def transformers_reference(model, config, ids, mask, new_tokens, bf16: bool = Fa
     save_pretrained(model, folder)
     dtype = torch.bfloat16 if bf16 else torch.float32
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval().to(device)
-    ids_t = torch.from_numpy(ids.astype(np.int64)).to(device)
-    mask_t = torch.from_numpy(mask.astype(np.int64)).to(device)
+    on = [(torch.from_numpy(ids.astype(np.int64)).to(device),
+           torch.from_numpy(mask.astype(np.int64)).to(device), n) for (ids, mask), n in batches]
 
     def run():
         with torch.no_grad():
-            return hf.generate(ids_t, attention_mask=mask_t, max_new_tokens=new_tokens,
-                               min_new_tokens=new_tokens, do_sample=False,
-                               cache_implementation="static", pad_token_id=0).cpu()
+            return [hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, cache_implementation="static",
+                                pad_token_id=0).cpu() for ids, mask, n in on]
     return run, "the GPU" if device == "cuda" else f"{os.cpu_count()} torch threads"
 
 
