@@ -77,19 +77,18 @@ def main(argv=None) -> None:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--base", type=int, help="the shortest completion (default: 8 tokens)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompts", type=int, help="requests (default: 64, as many as slots; "
-                    "more: the refill workload, figures ..._refills)")
+    ap.add_argument("--prompts", type=int, help="requests (default: the workload's, as many "
+                    "as slots; more: the refill workload, figures ..._refills)")
     args = ap.parse_args(argv)
     s = TINY if args.tiny else FULL
     slots = min(args.slots, s["prompts"])
     if args.prompts:
         s = dict(s, prompts=args.prompts)
     per_s, detail = measure(s, args.base or s["base"], slots, 1 if args.tiny else args.rounds)
-    if s["prompts"] > slots:
-        save(figures("sampler", "_refills", per_s, detail, f"{COMMAND} --prompts {args.prompts}",
-                     None), args.out)
-    else:
-        save(figures("sampler", "", per_s, detail, COMMAND, ">= 3"), args.out)
+    refills = s["prompts"] > slots  # the target is the workload without refills
+    save(figures("sampler", "_refills" if refills else "", per_s, detail,
+                 f"{COMMAND} --prompts {s['prompts']}" if refills else COMMAND,
+                 None if refills else ">= 3"), args.out)
 
 
 def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
