@@ -7,10 +7,12 @@ held-out measure after the supervised warm-up and at the end:
 - ``examples/grpo/train.py`` (1 host x 2 CPU devices, 60 warm-up epochs, then 20 GRPO
   iterations of 64 prompts x 8 completions): the held-out accuracy, greedy answers to
   256 prompts never trained on;
-- ``examples/dpo/train.py`` (1 host x 2 CPU devices, 3 supervised epochs, then 3 DPO
+- ``examples/dpo/train.py`` (1 host x 2 CPU devices, 3 supervised epochs, then 12 DPO
   epochs over 8192 preference pairs): the held-out preference accuracy, the share of
   1024 prompts never trained on where the model gives the right sum a higher
-  log-probability than a near miss.
+  log-probability than a near miss. Then the same run with its DPO epochs spent on more
+  of the warm-up instead (supervised on the chosen answers): what a user would get
+  without DPO for the same epochs.
 
 Figures:
 - ``grpo/heldout_accuracy_gain``, ``dpo/heldout_preference_accuracy_gain``: the measure
@@ -18,12 +20,15 @@ Figures:
   issue asks that it rise).
 - ``grpo/minutes_on_cpu``, ``dpo/minutes_on_cpu``: the whole run's wall time, Ray's
   start included. Target: under 10 minutes.
+- ``dpo/heldout_preference_accuracy_over_more_sft``: the held-out preference accuracy
+  after DPO over that of the supervised run of as many epochs (no target: a finding).
 
     python benchmarks/post_training_examples.py [--only grpo|dpo] [--tiny]
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -49,22 +54,51 @@ EXAMPLES = {
 }
 
 
-def run(name: str, tiny: bool) -> list[dict]:
-    sizes, (before, after), gain_name, unit, reference, target = EXAMPLES[name]
+def example(name: str, args: list[str]) -> tuple[dict, float]:
+    """Runs ``examples/<name>/train.py args`` in a fresh storage folder: (the JSON line it
+    prints last, its wall time in seconds)."""
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, f"examples/{name}/train.py",
-                               *(sizes if tiny else []), "--storage", folder], cwd=ROOT,
-                              capture_output=True, text=True, timeout=1800)
+        done = subprocess.run([sys.executable, f"examples/{name}/train.py", *args,
+                               "--storage", folder], cwd=ROOT, capture_output=True, text=True,
+                              timeout=1800)
         seconds = time.perf_counter() - start
     if done.returncode:
-        raise RuntimeError(f"examples/{name} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    out = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+        raise RuntimeError(f"examples/{name} {' '.join(args)} failed:\n"
+                           f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1]), \
+        seconds
+
+
+def more_sft(sizes: list[str]) -> list[str]:
+    """The DPO example's arguments with its DPO epochs spent on more warm-up instead."""
+    spec = importlib.util.spec_from_file_location(
+        "dpo_example", os.path.join(ROOT, "examples", "dpo", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse(sizes)
+    return [*sizes, "--warmup", str(args.warmup + args.epochs), "--epochs", "0"]
+
+
+def run(name: str, tiny: bool) -> list[dict]:
+    sizes, (before, after), gain_name, unit, reference, target = EXAMPLES[name]
+    sizes = sizes if tiny else []
+    out, seconds = example(name, sizes)
     command = f"{COMMAND} --only {name}"
-    return [figure(gain_name, out[after] - out[before], unit, reference, target, command, **out),
-            figure(f"{name}/minutes_on_cpu", seconds / 60, "min",
-                   "the issue's bound for the example on CPU", "< 10", command,
-                   cpus=os.cpu_count())]
+    figures = [figure(gain_name, out[after] - out[before], unit, reference, target, command,
+                      **out),
+               figure(f"{name}/minutes_on_cpu", seconds / 60, "min",
+                      "the issue's bound for the example on CPU", "< 10", command,
+                      cpus=os.cpu_count())]
+    if name == "dpo":
+        control, _ = example(name, more_sft(sizes))
+        figures.append(figure(
+            "dpo/heldout_preference_accuracy_over_more_sft",
+            out[after] / control[after], "ratio",
+            "the held-out preference accuracy of the same run with its DPO epochs spent on "
+            "more supervised warm-up (the chosen answers)", None, command,
+            dpo=out[after], more_sft=control[after], step=control["step"]))
+    return figures
 
 
 def main(argv=None) -> None:

@@ -6,7 +6,7 @@ near miss (rejected: off by 1 or 10), with the warm-up's model as the frozen ref
 (its log-probabilities computed once and kept in the run's folder, for resuming). The
 held-out preference accuracy is logged each epoch; the same command resumes exactly.
 
-    python examples/dpo/train.py [--epochs 3] [--storage DIR] [--name RUN]
+    python examples/dpo/train.py [--epochs 12] [--storage DIR] [--name RUN]
 """
 
 import argparse
@@ -30,11 +30,11 @@ OFFSETS = (-10, -1, 1, 10)  # a near miss: the sum off by one of these
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--epochs", type=int, default=3, help="DPO epochs over the pairs")
+    ap.add_argument("--epochs", type=int, default=12, help="DPO epochs over the pairs")
     ap.add_argument("--warmup", type=int, default=3, help="supervised epochs first, on the chosen")
     ap.add_argument("--pairs", type=int, default=8192, help="preference pairs")
     ap.add_argument("--lr", type=float, default=3e-3, help="warm-up learning rate (Adam)")
-    ap.add_argument("--dpo-lr", type=float, default=3e-4, help="DPO's learning rate")
+    ap.add_argument("--dpo-lr", type=float, default=1e-3, help="DPO's learning rate")
     ap.add_argument("--seed", type=int, default=0, help="seeds the model and the data")
     return redray.add_cluster_args(ap, name="dpo", hosts=1, devices_per_host=2).parse_args(argv)
 
