@@ -34,7 +34,14 @@ prompts as slots) never does: the reference decodes the prompts in static batche
 transformers the same; the schedule's ideal ratio is then the batches' rows times their
 longest completions over the sum of lengths.
 
+With ``--group G`` (``--prompts 256 --group 8``: GRPO's rollouts, figures
+``..._groups``), each prompt is asked G times in a row, each request with its own
+length; beside the sampler, the same sampler with every slot's prompt run through the
+model on its own (``each_prompt_run`` in the detail: the prefill before a prompt taken
+by several slots was run once).
+
     python benchmarks/sampler.py [--slots 64] [--base 8] [--rounds 3] [--prompts 256]
+                                 [--group 8]
 """
 
 import os
@@ -55,10 +62,12 @@ TINY = dict(vocab=64, hidden=32, intermediate=64, layers=1, heads=4, prompts=8, 
 
 
 def workload(s: dict, base: int):
-    """(prompts, completion lengths): lengths base x 2^(4 i / (n-1)), rounded, shuffled."""
+    """(prompts, completion lengths): lengths base x 2^(4 i / (n-1)), rounded, shuffled;
+    each prompt ``s["group"]`` times in a row (default once)."""
     rs = np.random.default_rng(0)
-    n = s["prompts"]
-    prompts = [rs.integers(1, s["vocab"], rs.integers(16, 33)).tolist() for _ in range(n)]
+    n, group = s["prompts"], s.get("group", 1)
+    prompts = [p for _ in range(-(-n // group))
+               for p in [rs.integers(1, s["vocab"], rs.integers(16, 33)).tolist()] * group][:n]
     lengths = np.rint(base * 2.0 ** (4 * np.arange(n) / (n - 1))).astype(int)
     return prompts, rs.permutation(lengths).tolist()
 
@@ -79,16 +88,19 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, help="requests (default: the workload's, as many "
                     "as slots; more: the refill workload, figures ..._refills)")
+    ap.add_argument("--group", type=int, default=1, help="requests per prompt, side by side "
+                    "(GRPO's group; above 1: figures ..._groups)")
     args = ap.parse_args(argv)
     s = TINY if args.tiny else FULL
     slots = min(args.slots, s["prompts"])
-    if args.prompts:
-        s = dict(s, prompts=args.prompts)
+    s = dict(s, prompts=args.prompts or s["prompts"], group=args.group)
     per_s, detail = measure(s, args.base or s["base"], slots, 1 if args.tiny else args.rounds)
-    refills = s["prompts"] > slots  # the issue's target is the workload without refills
-    save(figures("sampler", "_refills" if refills else "", per_s, detail,
-                 f"{COMMAND} --prompts {s['prompts']}" if refills else COMMAND,
-                 None if refills else ">= 3"), args.out)
+    # the issue's target is the workload without refills nor groups
+    suffix = "_groups" if args.group > 1 else "_refills" if s["prompts"] > slots else ""
+    command = COMMAND + (f" --prompts {s['prompts']}" if s["prompts"] > slots else "") + (
+        f" --group {args.group}" if args.group > 1 else "")
+    save(figures("sampler", suffix, per_s, detail, command, None if suffix else ">= 3"),
+         args.out)
 
 
 def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
@@ -136,8 +148,13 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
         return sampler.sample(prompts, requests)
 
     runs = {"generate": run_generate, "sampler": run_sampler}
-    for name, kwargs in (variants or {}).items():
-        other = Sampler(model, slots=slots, max_length=sampler.max_length, **kwargs)
+    variants = dict(variants or {})
+    if s.get("group", 1) > 1:  # the same, every slot's prompt run on its own
+        variants["each_prompt_run"] = dict(kind=_each_prompt_run())
+    for name, kwargs in variants.items():
+        kind = kwargs.get("kind", Sampler)
+        other = kind(model, slots=slots, max_length=sampler.max_length,
+                     **{k: v for k, v in kwargs.items() if k != "kind"})
         runs[name] = (lambda other: lambda: other.sample(prompts, requests))(other)
     reference = transformers_reference(model, config, batches, bf16)
     torch_on = None  # where transformers ran (None: torch is not installed)
@@ -157,12 +174,13 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
     per_s = {name: useful / statistics.median(t) for name, t in times.items()}
     ideal = sum(n * len(ids) for (ids, _), n in batches) / useful  # the rows' decoded tokens
     per_round = [g / m for g, m in zip(times["generate"], times["sampler"])]
-    variant_detail = {name: dict(kwargs=variants[name], over_generate=stats(
-        [g / m for g, m in zip(times["generate"], times[name])])) for name in variants or {}}
+    variant_detail = {name: dict(kwargs={k: getattr(v, "__name__", v) for k, v in
+                                         variants[name].items()}, over_generate=stats(
+        [g / m for g, m in zip(times["generate"], times[name])])) for name in variants}
     detail = dict(seconds={k: stats(v) for k, v in times.items()}, useful_tokens_per_s=per_s,
                   ratio_to_generate_per_round=stats(per_round), variants=variant_detail,
                   useful_tokens=useful, ideal_schedule_ratio=ideal, slots=slots,
-                  prompts=len(lengths),
+                  prompts=len(lengths), group=s.get("group", 1),
                   lengths=dict(min=min(lengths), max=longest, mean=useful / len(lengths)),
                   greedy_rows_equal_to_generate=f"{same}/{len(lengths)}",
                   model={k: s[k] for k in ("vocab", "hidden", "intermediate", "layers", "heads")
@@ -174,6 +192,17 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
           f"over generate per round {min(per_round):.2f}-{max(per_round):.2f}; schedule's ideal "
           f"ratio {ideal:.2f}; greedy rows equal {same}/{len(lengths)}")
     return per_s, detail
+
+
+def _each_prompt_run():
+    from redray.post_training import Sampler
+
+    class EachPromptRun(Sampler):
+        """The Sampler with every slot's prompt run through the model on its own."""
+        @staticmethod
+        def _distinct(prompts):
+            return prompts, np.arange(1 << (len(prompts) - 1).bit_length(), dtype=np.int32)
+    return EachPromptRun
 
 
 def figures(prefix: str, suffix: str, per_s: dict, detail: dict, command: str,

@@ -151,6 +151,17 @@ def test_sampled_tokens_depend_on_the_request_not_its_slot_and_their_logprobs_ar
     assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
     np.testing.assert_allclose(np.concatenate([x.logprobs for x in a]),
                                np.concatenate([y.logprobs for y in b]), atol=1e-5)
+    # a group of one prompt's requests (GRPO's) runs the prompt through the model once
+    # per prefill, each slot sampling its own request: as when each prompt ran alone
+    group, group_ids = [prompts[0]] * 4 + [prompts[1]] * 4, list(range(200, 208))
+    together = Sampler(model, slots=8, max_length=32, seed=3)
+    c = together.sample(group, params[0], group_ids)
+    assert ("prefill", (8, True, 2)) in {key[:2] for key in together._compiled}
+    d = Sampler(model, slots=1, max_length=32, seed=3).sample(group, params[0], group_ids)
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(c, d))
+    np.testing.assert_allclose(np.concatenate([x.logprobs for x in c]),
+                               np.concatenate([y.logprobs for y in d]), atol=1e-5)
+    assert len({tuple(x.tokens) for x in c}) > 2  # each request sampled its own
     sampler.seed = 4
     other_seed = sampler.sample(prompts, params, ids)
     assert any(not np.array_equal(x.tokens, y.tokens) for x, y in zip(a, other_seed))
@@ -264,11 +275,12 @@ def test_decoding_loops_read_stacked_layers_sliced_once_before_the_loop():
     traced = jax.make_jaxpr(decode)(layers, sampler.cache, sampler.kv_valid,
                                     sampler._decode_inputs(rows, 5))
     assert _slices_in_loops(traced, stacked) == []
-    prefill = sampler._prefill_fn((4, True), (16, sampler.width), True)
+    prefill = sampler._prefill_fn((4, True, None), (16, sampler.width), True)
     sampler.t = 16
     filled = jax.make_jaxpr(prefill)(sampler.state, sampler.cache, sampler.kv_valid,
                                      sampler._prefill_inputs(
                                          np.ones((4, 16), np.int32), np.ones((4, 16), np.int32),
+                                         np.arange(4, dtype=np.int32),
                                          np.arange(4, dtype=np.int32), rows))
     assert (4, 16, vocab) not in _shapes(filled) and (4, 1, vocab) in _shapes(filled)
     # what the check finds when a loop slices them (the body before the split)

@@ -26,7 +26,9 @@ the number of prompts nor by the longest request.
 Prefill runs beside decoding: between two decoding rounds, the prompts taking the free
 slots are run through the model together (left-padded to a bucket of 16 tokens) and
 their keys and values scattered into their rows (written as one slice when they take
-every slot, as a call's first prefill does).
+every slot, as a call's first prefill does). A prompt that several of them take (the
+requests of a GRPO group, side by side) is run once and its keys and values copied to
+each of its slots.
 
 Once no prompt waits (``narrow``): on CPUs, where a step costs about its rows, the live
 sequences move into fewer slots as others end (``_narrow``), a round per batch size;
@@ -83,7 +85,8 @@ WINDOW_RUNGS = 8
 # columns: the prompts' width (inputs), the call's steps (outputs)
 SAMPLING = (("temperature", 1, np.float32), ("top_k", 1, np.int32), ("top_p", 1, np.float32))
 PREFILL_INPUTS = (("t", 1, np.int32), ("ids", None, np.int32), ("mask", None, np.int32),
-                  ("where", 1, np.int32), ("keys", 2, np.uint32)) + SAMPLING
+                  ("where", 1, np.int32), ("source", 1, np.int32),
+                  ("keys", 2, np.uint32)) + SAMPLING
 DECODE_INPUTS = (("t", 1, np.int32), ("refill_at", 1, np.int32), ("token", 1, np.int32),
                  ("active", 1, np.bool_), ("counts", 1, np.int32), ("remaining", 1, np.int32),
                  ("keys", 2, np.uint32)) + SAMPLING
@@ -373,11 +376,14 @@ class Sampler:
 
     def _prefill(self, prompts, slots, rows: "_Rows", greedy_only: bool, to_the_end: bool):
         k = len(prompts)
-        width = _bucket(max(len(p) for p in prompts))
-        batch = 1 << (k - 1).bit_length()  # padded to a power of two: few compiles
+        first, source = self._distinct(prompts)
+        width = _bucket(max(len(p) for p in first))
+        batch = len(source)  # slots, padded to a power of two: few compiles
+        # the prompts run, padded so too; None: one per slot (no gather)
+        run = 1 << (len(first) - 1).bit_length() if len(first) < k else None
         ids = np.full((batch, width), self.pad, np.int32)
         mask = np.zeros((batch, width), np.int32)
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(first):
             ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
         where = np.full(batch, self.slots, np.int32)  # a padding row writes nowhere
         where[:k] = slots
@@ -395,9 +401,9 @@ class Sampler:
         # every slot takes a prompt (a call's first prefill, as many prompts as slots):
         # the rows are written as one slice, not scattered (``_write``)
         every = k == len(self.kv_valid)
-        fn = self._compile("prefill", (batch, every), (width, self.width), greedy_only)
+        fn = self._compile("prefill", (batch, every, run), (width, self.width), greedy_only)
         self.cache, self.kv_valid, got = fn(self.state, self.cache, self.kv_valid, *self._host(
-            self._prefill_inputs(ids, mask, where, rows)))
+            self._prefill_inputs(ids, mask, where, source, rows)))
         got = _unpacked(np.asarray(got)[:k], PREFILL_OUTPUTS)  # one transfer
         token, logprob = got["token"], got["logprob"]
         rows.token[slots] = token
@@ -412,6 +418,16 @@ class Sampler:
             return full
         return (per_slot(token, np.int32), per_slot(logprob, np.float32),
                 per_slot(np.ones(k, bool), bool), per_slot(by_eos, bool, ()), rows.active)
+
+    @staticmethod
+    def _distinct(prompts):
+        """A prompt taken by several slots (a group of GRPO completions) is run through
+        the model once: (the distinct prompts, in order; each slot's index among them,
+        padded to a power of two of slots)."""
+        first, source = {}, np.zeros(1 << (len(prompts) - 1).bit_length(), np.int32)
+        for i, p in enumerate(prompts):
+            source[i] = first.setdefault(tuple(p), len(first))
+        return list(first), source
 
     def _decode(self, rows: "_Rows", refill_at: int, greedy_only: bool, to_the_end: bool):
         """One decoding call; ``to_the_end``: room and steps for every live sequence to
@@ -433,11 +449,12 @@ class Sampler:
         self.t = int(got["t"][0])
         return got["out"], got["lps"], got["written"], got["by_eos"], got["active"]
 
-    def _prefill_inputs(self, ids, mask, where, rows: "_Rows") -> np.ndarray:
+    def _prefill_inputs(self, ids, mask, where, source, rows: "_Rows") -> np.ndarray:
         """A prefill's inputs in one array (``PREFILL_INPUTS``)."""
         at = where % self.slots
         return _packed(PREFILL_INPUTS, dict(
-            t=np.full(len(ids), self.t), ids=ids, mask=mask, where=where, keys=rows.keys[at],
+            t=np.full(len(ids), self.t), ids=ids, mask=mask, where=where, source=source,
+            keys=rows.keys[at],
             **{name: x[at] for name, x in rows.sampling().items()}))
 
     def _decode_inputs(self, rows: "_Rows", refill_at: int) -> np.ndarray:
@@ -558,15 +575,23 @@ class Sampler:
             self._compiled[key] = make(a, b, greedy_only)
         return self._compiled[key]
 
-    def _prefill_fn(self, rows: tuple[int, bool], widths: tuple[int, int], greedy_only: bool):
-        (batch, every), (width, length), graphdef = rows, widths, self.graphdef
+    def _prefill_fn(self, rows: tuple[int, bool, int | None], widths: tuple[int, int],
+                    greedy_only: bool):
+        (batch, every, run), (width, length), graphdef = rows, widths, self.graphdef
 
         def prefill(state, cache, kv_valid, packed):
             inputs = _unpacked(packed, PREFILL_INPUTS, width)
             t, ids, mask, where = (inputs[k] for k in ("t", "ids", "mask", "where"))
             t = t[0]
             model = nnx.merge(graphdef, state)
-            logits, small = prompt_prefill(model, ids, mask, model.init_cache(batch, width))
+            if run is None:  # a prompt per slot
+                logits, small = prompt_prefill(model, ids, mask, model.init_cache(batch, width))
+            else:  # the ``run`` distinct prompts, then each slot's copied from its source
+                source = inputs["source"]
+                logits, small = prompt_prefill(model, ids[:run], mask[:run],
+                                               model.init_cache(run, width))
+                logits, mask = logits[source], mask[source]
+                small = jax.tree.map(lambda x: jnp.take(x, source, axis=x.ndim - 4), small)
             cols = t - width + jnp.arange(width)
             cache = jax.tree.map(lambda big, new: _write(big, new, where, cols, every), cache,
                                  small)
