@@ -201,7 +201,7 @@ def _each_prompt_run():
         """The Sampler with every slot's prompt run through the model on its own."""
         @staticmethod
         def _distinct(prompts):
-            return prompts, np.arange(1 << (len(prompts) - 1).bit_length(), dtype=np.int32)
+            return prompts, np.arange(len(prompts))
     return EachPromptRun
 
 

@@ -378,7 +378,8 @@ class Sampler:
         k = len(prompts)
         first, source = self._distinct(prompts)
         width = _bucket(max(len(p) for p in first))
-        batch = len(source)  # slots, padded to a power of two: few compiles
+        batch = 1 << (k - 1).bit_length()  # padded to a power of two: few compiles
+        source = np.pad(source, (0, batch - k)).astype(np.int32)  # padding rows: any
         # the prompts run, padded so too; None: one per slot (no gather)
         run = 1 << (len(first) - 1).bit_length() if len(first) < k else None
         ids = np.full((batch, width), self.pad, np.int32)
@@ -422,12 +423,10 @@ class Sampler:
     @staticmethod
     def _distinct(prompts):
         """A prompt taken by several slots (a group of GRPO completions) is run through
-        the model once: (the distinct prompts, in order; each slot's index among them,
-        padded to a power of two of slots)."""
-        first, source = {}, np.zeros(1 << (len(prompts) - 1).bit_length(), np.int32)
-        for i, p in enumerate(prompts):
-            source[i] = first.setdefault(tuple(p), len(first))
-        return list(first), source
+        the model once: (the distinct prompts, in order; each slot's index among them)."""
+        first = {}
+        source = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        return list(first), np.asarray(source)
 
     def _decode(self, rows: "_Rows", refill_at: int, greedy_only: bool, to_the_end: bool):
         """One decoding call; ``to_the_end``: room and steps for every live sequence to
