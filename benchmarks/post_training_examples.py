@@ -10,9 +10,11 @@ held-out measure after the supervised warm-up and at the end:
 - ``examples/dpo/train.py`` (1 host x 2 CPU devices, 3 supervised epochs, then 12 DPO
   epochs over 8192 preference pairs): the held-out preference accuracy, the share of
   1024 prompts never trained on where the model gives the right sum a higher
-  log-probability than a near miss. Then the same run with its DPO epochs spent on more
-  of the warm-up instead (supervised on the chosen answers): what a user would get
-  without DPO for the same epochs.
+  log-probability than a near miss.
+
+Then each again with its post-training epochs (GRPO's iterations, DPO's epochs) spent on
+more of the warm-up instead (supervised on the right answers, at the warm-up's rate):
+what a user would get without GRPO or DPO for as many epochs.
 
 Figures:
 - ``grpo/heldout_accuracy_gain``, ``dpo/heldout_preference_accuracy_gain``: the measure
@@ -20,8 +22,9 @@ Figures:
   issue asks that it rise).
 - ``grpo/minutes_on_cpu``, ``dpo/minutes_on_cpu``: the whole run's wall time, Ray's
   start included. Target: under 10 minutes.
-- ``dpo/heldout_preference_accuracy_over_more_sft``: the held-out preference accuracy
-  after DPO over that of the supervised run of as many epochs (no target: a finding).
+- ``grpo/heldout_accuracy_minus_more_sft``,
+  ``dpo/heldout_preference_accuracy_minus_more_sft``: the held-out measure at the end
+  minus that of the supervised run of as many epochs (no target: a finding).
 
     python benchmarks/post_training_examples.py [--only grpo|dpo] [--tiny]
 """
@@ -41,16 +44,17 @@ from common import ROOT, figure, parser, save
 COMMAND = "python benchmarks/post_training_examples.py"
 
 # example -> (its tiny sizes, the JSON keys of its measure before and after, the gain's
-# figure name and unit, the reference, the target)
+# figure name and unit, the reference, the target, the flag of its post-training epochs)
 EXAMPLES = {
     "grpo": (["--warmup", "2", "--iterations", "1", "--prompts", "4", "--group", "4"],
              ("accuracy_before", "accuracy_after"), "grpo/heldout_accuracy_gain", "accuracy",
-             "the held-out accuracy after the supervised warm-up, before GRPO", ">= 0.10"),
+             "the held-out accuracy after the supervised warm-up, before GRPO", ">= 0.10",
+             "iterations"),
     "dpo": (["--warmup", "1", "--epochs", "1", "--pairs", "256"],
             ("preference_accuracy_before", "preference_accuracy_after"),
             "dpo/heldout_preference_accuracy_gain", "preference accuracy",
             "the held-out preference accuracy after the supervised warm-up, before DPO",
-            "> 0"),
+            "> 0", "epochs"),
 }
 
 
@@ -70,18 +74,19 @@ def example(name: str, args: list[str]) -> tuple[dict, float]:
         seconds
 
 
-def more_sft(sizes: list[str]) -> list[str]:
-    """The DPO example's arguments with its DPO epochs spent on more warm-up instead."""
+def more_sft(name: str, sizes: list[str]) -> list[str]:
+    """An example's arguments with its post-training epochs (DPO's epochs, GRPO's
+    iterations) spent on more supervised warm-up instead, at the warm-up's rate."""
     spec = importlib.util.spec_from_file_location(
-        "dpo_example", os.path.join(ROOT, "examples", "dpo", "train.py"))
+        f"{name}_example", os.path.join(ROOT, "examples", name, "train.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    args = module.parse(sizes)
-    return [*sizes, "--warmup", str(args.warmup + args.epochs), "--epochs", "0"]
+    args, flag = module.parse(sizes), EXAMPLES[name][-1]
+    return [*sizes, "--warmup", str(args.warmup + getattr(args, flag)), f"--{flag}", "0"]
 
 
 def run(name: str, tiny: bool) -> list[dict]:
-    sizes, (before, after), gain_name, unit, reference, target = EXAMPLES[name]
+    sizes, (before, after), gain_name, unit, reference, target, _ = EXAMPLES[name]
     sizes = sizes if tiny else []
     out, seconds = example(name, sizes)
     command = f"{COMMAND} --only {name}"
@@ -90,14 +95,12 @@ def run(name: str, tiny: bool) -> list[dict]:
                figure(f"{name}/minutes_on_cpu", seconds / 60, "min",
                       "the issue's bound for the example on CPU", "< 10", command,
                       cpus=os.cpu_count())]
-    if name == "dpo":
-        control, _ = example(name, more_sft(sizes))
-        figures.append(figure(
-            "dpo/heldout_preference_accuracy_over_more_sft",
-            out[after] / control[after], "ratio",
-            "the held-out preference accuracy of the same run with its DPO epochs spent on "
-            "more supervised warm-up (the chosen answers)", None, command,
-            dpo=out[after], more_sft=control[after], step=control["step"]))
+    control, _ = example(name, more_sft(name, sizes))
+    figures.append(figure(
+        f"{gain_name.rsplit('_gain', 1)[0]}_minus_more_sft", out[after] - control[after],
+        unit, f"the {unit} of the same run with its {name.upper()} epochs spent on more "
+        "supervised warm-up (the right answers)", None, command,
+        **{name: out[after], "more_sft": control[after], "step": control["step"]}))
     return figures
 
 

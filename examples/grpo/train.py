@@ -205,9 +205,9 @@ def main(argv=None):
                                                                        "reward")}
     print("\nmean reward per iteration: " + " ".join(f"{r:.2f}" for r in metric["reward"]))
     print("\n" + result.summary())
-    accuracy = metric["heldout_accuracy"]
+    accuracy, reward = metric["heldout_accuracy"], metric["reward"] or [None]  # none sampled
     print(json.dumps({"accuracy_before": accuracy[0], "accuracy_after": accuracy[-1],
-                      "reward_first": metric["reward"][0], "reward_last": metric["reward"][-1],
+                      "reward_first": reward[0], "reward_last": reward[-1],
                       "step": result.value["step"]}))
     return result
 
