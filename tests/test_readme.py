@@ -62,7 +62,7 @@ WALKTHROUGH = (
 )
 
 COVERED_ELSEWHERE = {
-    "make test   # same set-up, then the test suite (CPU only, about 50 minutes on 2 cores)":
+    "make test   # same set-up, then the test suite (CPU only, 47 to 71 minutes on 2 cores)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
     "make bench-check   # every benchmark script at a tiny size: each still runs (about 7 min)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
@@ -253,10 +253,11 @@ FAST_COMPILE = ("--xla_force_host_platform_device_count=4 --xla_backend_optimiza
 
 
 def test_make_test_installs_then_runs_the_whole_suite():
-    """`make test` (the whole suite, about 50 minutes) cannot run inside the suite: its recipe
-    is checked instead: install, lint, then every test but the benchmark scripts' tiny runs
-    (those without Ray in 2 processes, then the others: every test is in exactly one of the
-    two selections); `make bench-check` runs the tiny runs, in the same two parts."""
+    """`make test` (the whole suite, 47 to 71 minutes on 2 cores) cannot run inside the
+    suite: its recipe is checked instead: install, lint, then every test but the benchmark
+    scripts' tiny runs (those without Ray in 2 processes, then the others: every test is in
+    exactly one of the two selections); `make bench-check` runs the tiny runs, in the same
+    two parts."""
     commands = recipe("test")
     install = next(i for i, c in enumerate(commands) if 'pip install -q -e ".[test]"' in c)
     lint = next(i for i, c in enumerate(commands) if c.endswith("-m ruff check ."))
