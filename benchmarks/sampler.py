@@ -27,6 +27,11 @@ alternating order after a compiling warm-up; beside it the ideal ratio of the le
 schedule alone (the longest length times 64 over the sum of lengths), which is what
 continuous batching removes at equal cost per decoded row.
 
+For that workload the detail also holds this machine's ceiling (``ceiling``): a
+decoding step timed alone at a few sizes and fitted, from which ``generate``'s time and
+a perfect sampler's follow (``ceiling()``); where attention is a small share of a step,
+no sampler reaches 3 (BENCHMARKS.md section 15).
+
 With ``--prompts`` above ``--slots`` (``--prompts 256``: the refill workload, figures
 ``..._refills``), slots are refilled as they free, which the default workload (as many
 prompts as slots) never does: the reference decodes the prompts in static batches of
@@ -97,6 +102,11 @@ def main(argv=None) -> None:
     per_s, detail = measure(s, args.base or s["base"], slots, 1 if args.tiny else args.rounds)
     # the issue's target is the workload without refills nor groups
     suffix = "_groups" if args.group > 1 else "_refills" if s["prompts"] > slots else ""
+    if not suffix:
+        detail["ceiling"] = found = ceiling(s, args.base or s["base"],
+                                            repeats=1 if args.tiny else 7)
+        print(f"this machine's ceiling for the workload: {found['ratio']:.2f} (a step: "
+              + ", ".join(f"{k} {v:.4f} ms" for k, v in found["step_fit_ms"].items()) + ")")
     command = COMMAND + (f" --prompts {s['prompts']}" if s["prompts"] > slots else "") + (
         f" --group {args.group}" if args.group > 1 else "")
     save(figures("sampler", suffix, per_s, detail, command, None if suffix else ">= 3"),
@@ -110,24 +120,10 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
     the weights and the computation in bfloat16 (float32 otherwise); ``variants``:
     name -> keyword arguments of more Samplers timed in the same rounds (their figures
     in the detail)."""
-    import jax.numpy as jnp
-    from flax import nnx
-    from transformers import LlamaConfig
-
-    from redray.models import build, generate
+    from redray.models import generate
     from redray.post_training import Sampler, SamplingParams
 
-    config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
-                         intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
-                         num_attention_heads=s["heads"],
-                         num_key_value_heads=s.get("kv_heads", s["heads"]),
-                         max_position_embeddings=512, eos_token_id=None, pad_token_id=0,
-                         tie_word_embeddings=False)
-    dtype = jnp.bfloat16 if bf16 else jnp.float32
-    model = build(config, rngs=nnx.Rngs(0), dtype=dtype)
-    if bf16:  # the parameters too, as an inference checkpoint holds them
-        params = nnx.state(model, nnx.Param)
-        nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), params))
+    config, model = built(s, bf16)
     prompts, lengths = workload(s, base)
     useful = sum(lengths)
     width, longest = max(map(len, prompts)), max(lengths)
@@ -192,6 +188,85 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
           f"over generate per round {min(per_round):.2f}-{max(per_round):.2f}; schedule's ideal "
           f"ratio {ideal:.2f}; greedy rows equal {same}/{len(lengths)}")
     return per_s, detail
+
+
+def built(s: dict, bf16: bool = False):
+    """(config, model): the random LLaMA of size ``s``, in float32 or bfloat16."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from transformers import LlamaConfig
+
+    from redray.models import build
+
+    config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
+                         intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
+                         num_attention_heads=s["heads"],
+                         num_key_value_heads=s.get("kv_heads", s["heads"]),
+                         max_position_embeddings=512, eos_token_id=None, pad_token_id=0,
+                         tie_word_embeddings=False)
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    model = build(config, rngs=nnx.Rngs(0), dtype=dtype)
+    if bf16:  # the parameters too, as an inference checkpoint holds them
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), params))
+    return config, model
+
+
+def ceiling(s: dict, base: int, rows=(1, 8, 64), columns=(48, 176), steps: int = 32,
+            repeats: int = 7) -> dict:
+    """What bounds the figure on this machine, for the workload of as many prompts as
+    slots: a decoding step of the model timed alone at ``rows`` x ``columns`` (``steps``
+    in one compiled loop, medians of ``repeats``), fitted as a fixed cost + a cost a row +
+    a cost a row and column (the attention's stream of the cached keys and values). From
+    the fit and ``generate``'s prefill (timed: one new token), ``generate``'s time (every
+    row to the longest completion, its cache as wide from the first step) and a perfect
+    sampler's (every decoded row live, its window exactly the live span, no copy, no
+    host time); their ratio is the most any sampler reaches here at this model's cost
+    per step."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from redray.engine.probe import _timed
+    from redray.models import generate
+    from redray.models.generate import for_decoding
+
+    config, model = built(s)
+    prompts, lengths = workload(s, base)
+    ids, mask = left_padded(prompts)
+    width = -(-ids.shape[1] // 16) * 16  # the prompts' bucket, as the sampler pads them
+    graphdef, state = nnx.split(for_decoding(model))
+
+    def median_time(fn, *args):
+        return _timed(fn, *args, repeats=repeats)
+
+    def loop(state, cache, valid, token):
+        def step(i, c):
+            cache, token = c
+            logits, cache = nnx.merge(graphdef, state)(
+                token[:, None], valid, cache=cache, cache_index=valid.shape[1] - steps + i)
+            return cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, steps, step, (cache, token))[1]
+
+    loop = jax.jit(loop)
+    points = [(r, c, median_time(loop, state, model.init_cache(r, c), jnp.ones((r, c), jnp.int32),
+                                 jnp.ones((r,), jnp.int32)) / steps)
+              for r in rows for c in columns]
+    fixed, per_row, per_cell = np.linalg.lstsq(
+        np.array([[1, r, r * c] for r, c, _ in points]), np.array([t for *_, t in points]),
+        rcond=None)[0]
+    prefill = median_time(jax.jit(lambda m, i, a: generate(m, i, a, max_new_tokens=1)),
+                          model, ids, mask)
+    n, longest = len(lengths), max(lengths)
+    live = [sum(length > t for length in lengths) for t in range(longest)]
+    static = prefill + longest * (fixed + per_row * n + per_cell * n * (width + longest))
+    perfect = prefill + sum(fixed + per_row * k + per_cell * k * (width + t)
+                            for t, k in enumerate(live))
+    return dict(step_fit_ms=dict(fixed=fixed * 1e3, a_row=per_row * 1e3,
+                                 a_row_and_column=per_cell * 1e3),
+                steps_ms={f"{r}x{c}": t * 1e3 for r, c, t in points}, prefill_s=prefill,
+                generate_s=static, perfect_sampler_s=perfect, ratio=static / perfect,
+                attention_share_of_generate_step=per_cell * n * (width + longest) / (
+                    fixed + per_row * n + per_cell * n * (width + longest)))
 
 
 def _each_prompt_run():

@@ -35,11 +35,11 @@ REPEATS = 5
 UNMEASURED = Link(10e9, 10e-6)
 
 
-def _timed(fn, *args) -> float:
-    """Median seconds of ``fn(*args)`` after one warm-up call."""
+def _timed(fn, *args, repeats: int = REPEATS) -> float:
+    """Median seconds of ``fn(*args)`` over ``repeats`` calls after one warm-up call."""
     jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
