@@ -229,15 +229,13 @@ def ceiling(s: dict, base: int, rows=(1, 8, 64), columns=(48, 176), steps: int =
     from redray.engine.probe import _timed
     from redray.models import generate
     from redray.models.generate import for_decoding
+    from redray.post_training.sampler import _bucket
 
     config, model = built(s)
     prompts, lengths = workload(s, base)
     ids, mask = left_padded(prompts)
-    width = -(-ids.shape[1] // 16) * 16  # the prompts' bucket, as the sampler pads them
+    width = _bucket(ids.shape[1])  # the prompts' columns, as the sampler pads them
     graphdef, state = nnx.split(for_decoding(model))
-
-    def median_time(fn, *args):
-        return _timed(fn, *args, repeats=repeats)
 
     def loop(state, cache, valid, token):
         def step(i, c):
@@ -248,25 +246,28 @@ def ceiling(s: dict, base: int, rows=(1, 8, 64), columns=(48, 176), steps: int =
         return jax.lax.fori_loop(0, steps, step, (cache, token))[1]
 
     loop = jax.jit(loop)
-    points = [(r, c, median_time(loop, state, model.init_cache(r, c), jnp.ones((r, c), jnp.int32),
-                                 jnp.ones((r,), jnp.int32)) / steps)
+    points = [(r, c, _timed(loop, state, model.init_cache(r, c), jnp.ones((r, c), jnp.int32),
+                            jnp.ones((r,), jnp.int32), repeats=repeats) / steps)
               for r in rows for c in columns]
     fixed, per_row, per_cell = np.linalg.lstsq(
         np.array([[1, r, r * c] for r, c, _ in points]), np.array([t for *_, t in points]),
         rcond=None)[0]
-    prefill = median_time(jax.jit(lambda m, i, a: generate(m, i, a, max_new_tokens=1)),
-                          model, ids, mask)
+    prefill = _timed(jax.jit(lambda m, i, a: generate(m, i, a, max_new_tokens=1)),
+                     model, ids, mask, repeats=repeats)
+
+    def step(rows, columns):  # the fit's seconds
+        return fixed + per_row * rows + per_cell * rows * columns
+
     n, longest = len(lengths), max(lengths)
     live = [sum(length > t for length in lengths) for t in range(longest)]
-    static = prefill + longest * (fixed + per_row * n + per_cell * n * (width + longest))
-    perfect = prefill + sum(fixed + per_row * k + per_cell * k * (width + t)
-                            for t, k in enumerate(live))
+    static = prefill + longest * step(n, width + longest)
+    perfect = prefill + sum(step(k, width + t) for t, k in enumerate(live))
     return dict(step_fit_ms=dict(fixed=fixed * 1e3, a_row=per_row * 1e3,
                                  a_row_and_column=per_cell * 1e3),
                 steps_ms={f"{r}x{c}": t * 1e3 for r, c, t in points}, prefill_s=prefill,
                 generate_s=static, perfect_sampler_s=perfect, ratio=static / perfect,
-                attention_share_of_generate_step=per_cell * n * (width + longest) / (
-                    fixed + per_row * n + per_cell * n * (width + longest)))
+                attention_share_of_generate_step=per_cell * n * (width + longest) / step(
+                    n, width + longest))
 
 
 def _each_prompt_run():
