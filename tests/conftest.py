@@ -53,3 +53,38 @@ def no_ray_left_behind():
 
         if ray.is_initialized():
             ray.shutdown()
+
+
+# A session that dies without a word (Ray ending its driver, the OOM killer) is reported
+# by a watcher beside it: the test it was running and why Ray says it ended
+# (tests/crash_report.py). One per pytest process that runs tests itself (not
+# pytest-xdist's controller, whose workers it reports itself).
+_CRASH_STATE = None
+
+
+def pytest_configure(config):
+    global _CRASH_STATE
+    import subprocess
+    import sys
+    import tempfile
+
+    if config.option.collectonly or getattr(config.option, "numprocesses", None):
+        return
+    _CRASH_STATE = tempfile.mkdtemp(prefix="redray-tests-state-")
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # the watcher writes to the real stderr
+        subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                       "crash_report.py"),
+                          str(os.getpid()), _CRASH_STATE],
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _CRASH_STATE:
+        with open(os.path.join(_CRASH_STATE, "current"), "w") as f:
+            f.write(nodeid + "\n")
+
+
+def pytest_unconfigure(config):
+    if _CRASH_STATE:
+        open(os.path.join(_CRASH_STATE, "finished"), "w").close()
