@@ -57,13 +57,14 @@ def no_ray_left_behind():
 
 # A session that dies without a word (Ray ending its driver, the OOM killer) is reported
 # by a watcher beside it: the test it was running and why Ray says it ended
-# (tests/crash_report.py). One per pytest process that runs tests itself (not
-# pytest-xdist's controller, whose workers it reports itself).
+# (tests/crash_report.py). Not under pytest-xdist (-n): it names a crashed worker's test
+# itself.
 _CRASH_STATE = None
 
 
 def pytest_configure(config):
     global _CRASH_STATE
+    import contextlib
     import subprocess
     import sys
     import tempfile
@@ -71,8 +72,9 @@ def pytest_configure(config):
     if config.option.collectonly or getattr(config.option, "numprocesses", None):
         return
     _CRASH_STATE = tempfile.mkdtemp(prefix="redray-tests-state-")
-    capture = config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():  # the watcher writes to the real stderr
+    capture = config.pluginmanager.getplugin("capturemanager")  # None under -p no:capture
+    # started with the session's real stderr, not the capture's file
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
         subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
                                                        "crash_report.py"),
                           str(os.getpid()), _CRASH_STATE],
