@@ -83,10 +83,14 @@ def pytest_configure(config):
 
 def pytest_runtest_logstart(nodeid, location):
     if _CRASH_STATE:
-        with open(os.path.join(_CRASH_STATE, "current"), "w") as f:
+        from crash_report import CURRENT
+
+        with open(os.path.join(_CRASH_STATE, CURRENT), "w") as f:
             f.write(nodeid + "\n")
 
 
 def pytest_unconfigure(config):
     if _CRASH_STATE:
-        open(os.path.join(_CRASH_STATE, "finished"), "w").close()
+        from crash_report import FINISHED
+
+        open(os.path.join(_CRASH_STATE, FINISHED), "w").close()

@@ -92,17 +92,17 @@ def test_each_host_reads_an_equal_disjoint_deterministic_share(tmp_path):
                optax.sgd(0.1), train_data=str(tmp_path / "*.parquet"), epochs=2, hosts=2,
                devices_per_host=2, storage_path=str(tmp_path / "runs"), progress=False,
                **OPTIONS)
-    first = [seen(folder, h, 4) for h in range(2)]
+    collated = [seen(folder, h, 4) for h in range(2)]
     # Deterministic: each host's batches are exactly its share of the order that the seed
     # and epoch give, so another run of the same seed reads the same batches
     for epoch in range(2):
-        per_host = [sum(calls[epoch * 6:(epoch + 1) * 6], []) for calls in first]
+        per_host = [sum(calls[epoch * 6:(epoch + 1) * 6], []) for calls in collated]
         assert [len(h) for h in per_host] == [24, 24]  # 6 batches each, remainder of 2 dropped
         assert not set(per_host[0]) & set(per_host[1])
         order = epoch_order(50, 0, epoch)[:48].reshape(6, 8)
         assert per_host[0] == order[:, :4].ravel().tolist()  # the Core engine's order
         assert per_host[1] == order[:, 4:].ravel().tolist()
-    assert sum(first[0][:6], []) != sum(first[0][6:], [])  # epochs differ
+    assert sum(collated[0][:6], []) != sum(collated[0][6:], [])  # epochs differ
 
 
 def test_every_source_kind_gives_the_same_rows(tmp_path):
