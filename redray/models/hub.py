@@ -463,24 +463,13 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
 
     from safetensors.numpy import save_file
 
-    fam = family(model.config.model_type)
     os.makedirs(path, exist_ok=True)
     config = copy.deepcopy(model.config.hf)
     config.architectures = [ARCHITECTURES[config.model_type]]
     config.save_pretrained(path)
     if tokenizer is not None:
         save_tokenizer(tokenizer, path)
-    _, params, _ = nnx.split(model, nnx.Param, ...)
-    paths, leaves, _ = flatten(params)
-    values = dict(zip(paths, leaves))
-    tensors = {}
-    for row in fam.weight_table(model.config):
-        model_path, layer = _model_path(row.path, values, fam)
-        value = np.asarray(jax.device_get(values[model_path]), dtype=np.float32)
-        if layer is not None:
-            value = value[layer]
-        for part, array in zip(row.parts, row.write(value)):
-            tensors[part.hf] = np.ascontiguousarray(array)
+    tensors = hf_tensors(model.config, nnx.state(model, nnx.Param))
     if max_shard_bytes is None:
         save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
         return
@@ -500,6 +489,28 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
     with open(os.path.join(path, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
                    "weight_map": weight_map}, f, indent=2)
+
+
+def hf_tensors(config, params) -> dict[str, np.ndarray]:
+    """The Hugging Face tensors (name -> float32 numpy array, in ``transformers``' layout)
+    of a redray model's parameters, or of a tree shaped as them (their gradients).
+
+    Args:
+      config: the model's ``config``.
+      params: ``nnx.state(model, nnx.Param)``, or a tree of the same structure.
+    """
+    fam = family(config.model_type)
+    paths, leaves, _ = flatten(params)
+    values = dict(zip(paths, leaves))
+    tensors = {}
+    for row in fam.weight_table(config):
+        model_path, layer = _model_path(row.path, values, fam)
+        value = np.asarray(jax.device_get(values[model_path]), dtype=np.float32)
+        if layer is not None:
+            value = value[layer]
+        for part, array in zip(row.parts, row.write(value)):
+            tensors[part.hf] = np.ascontiguousarray(array)
+    return tensors
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -369,14 +369,50 @@ def is_stacked(blocks) -> bool:
 class Embed(nnx.Embed):
     """``nnx.Embed`` (the same parameter, ``embedding``) whose lookup reads the table
     whole on its features under a plan (``gathered_features``): a token or position
-    table, whose entries the model axis may split and whose features FSDP may."""
+    table, whose entries the model axis may split and whose features FSDP may.
+
+    ``padding_idx``: a row whose lookups pass no gradient back to it, as torch's
+    ``nn.Embedding(padding_idx=...)`` (``padding_row`` reads it from a config). A
+    checkpoint's pad row is all zeros (``transformers`` zeroes it), so the hidden state
+    of a pad token that leads its row stays exactly zero through every norm until
+    attention mixes in other tokens, and a norm's backward at zero multiplies by
+    ``1 / sqrt(epsilon)``: over four layers the row's gradient passed 1e21 and the
+    gradient norm overflowed (Gemma 2). Its uses elsewhere (a tied LM head) still train
+    it, as in torch.
+    """
+
+    def __init__(self, num_embeddings: int, features: int, *, padding_idx: int | None = None,
+                 **kwargs):
+        super().__init__(num_embeddings, features, **kwargs)
+        self.padding_idx = padding_idx
 
     def __call__(self, inputs):
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise ValueError(f"an embedding looks up integer ids, got {inputs.dtype}")
         (table,) = self.promote_dtype((gathered_features(self.embedding[...]),),
                                       dtype=self.dtype, inexact=False)
-        return jnp.take(table, inputs, axis=0)
+        rows = jnp.take(table, inputs, axis=0)
+        if self.padding_idx is None:
+            return rows
+        # a select, not a product: a pad position's cotangent is dropped even where it
+        # is infinite
+        return jnp.where((inputs == self.padding_idx)[..., None], jax.lax.stop_gradient(rows),
+                         rows)
+
+
+def padding_row(config) -> int | None:
+    """The token embedding's padding row of a family whose Hugging Face model declares
+    one (``nn.Embedding(..., padding_idx=config.pad_token_id)``): ``pad_token_id``,
+    counted from the end when negative as torch does, or None."""
+    pad, vocab_size = getattr(config, "pad_token_id", None), config.vocab_size
+    if pad is None:
+        return None
+    if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) \
+            or not -vocab_size <= pad < vocab_size:
+        raise ValueError(f"{config.model_type} config: pad_token_id {pad!r} is not a row of the "
+                         f"token embedding (vocab_size {vocab_size}); transformers refuses it "
+                         "too: set it to a token id below vocab_size, or to None")
+    return int(pad) % vocab_size
 
 
 def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat,

@@ -125,7 +125,8 @@ class Model(llama.Model):
 
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         _check(c)
-        self.embed_tokens = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_tokens = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs,
+                                         padding_idx=layers.padding_row(c))
         self.layers = layers.make_blocks(lambda r: Block(c, rngs=r, dtype=dtype),
                                          c.num_hidden_layers, rngs, scan)
         self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)

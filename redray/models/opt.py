@@ -92,7 +92,8 @@ class Model(CausalLM):
 
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         embed = dict(dtype=dtype, rngs=rngs)
-        self.embed_tokens = layers.Embed(c.vocab_size, c.word_embed_proj_dim, **embed)
+        self.embed_tokens = layers.Embed(c.vocab_size, c.word_embed_proj_dim, **embed,
+                                         padding_idx=layers.padding_row(c))
         self.embed_positions = layers.Embed(c.max_position_embeddings + POSITION_OFFSET,
                                          c.hidden_size, **embed)
         if _projected(c):
