@@ -149,8 +149,8 @@ def host_only_node(nodes: list):
     deadline = time.time() + 60  # the state API lists actors late on a busy machine
     while True:
         alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-        hosts = {a.node_id for a in alive if a.class_name == "RayTrainWorker"}
-        others = {a.node_id for a in alive if a.class_name != "RayTrainWorker"}
+        hosts = {a.node_id for a in alive if a.class_name == "Host"}
+        others = {a.node_id for a in alive if a.class_name != "Host"}
         others.add(ray.get_runtime_context().get_node_id())
         found = [n for n in nodes if n.node_id in hosts and n.node_id not in others]
         if found or time.time() > deadline:

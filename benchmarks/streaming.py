@@ -99,10 +99,10 @@ class Sampler:
                     continue
                 if p.info["pid"] == me:
                     role = "driver"
-                elif "RayTrainWorker" in title:
+                elif title.startswith("ray::Host"):
                     role = "host"
                 elif title.startswith("ray::") and not any(
-                        k in title for k in ("TrainController", "Tracker", "_Results")):
+                        k in title for k in ("Tracker", "Results")):
                     role = "ray_worker"
                 else:
                     continue

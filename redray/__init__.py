@@ -49,19 +49,20 @@ losses).
 """
 
 from redray import verbosity  # noqa: F401 - first: it quiets transformers before its import
-from redray.checkpoint import CheckpointConfig, CheckpointMismatch
-from redray.cluster import (ClusterConfig, FitResult, RunResult, add_cluster_args,
-                            cluster_options, fit, run)
-from redray.data import Stream
-from redray.engine import (Hook, LinenModel, NonFiniteError, Predictor, Schedule, Trainer,
-                           load_model, load_params)
-from redray.functions import UserFunctions, UserFunctionError
-from redray.sharding import Parallelism, derive_specs, format_placement, make_mesh, placement
-from redray.version import __version__
+from redray.lazy import exports
+from redray.version import __version__  # noqa: F401 - public
 
-__all__ = ["CheckpointConfig", "CheckpointMismatch", "ClusterConfig", "FitResult", "Hook",
-           "LinenModel", "NonFiniteError", "Parallelism", "Predictor", "RunResult", "Schedule",
-           "Stream",
-           "Trainer", "UserFunctionError", "UserFunctions", "__version__",
-           "add_cluster_args", "cluster_options", "derive_specs", "fit", "format_placement",
-           "load_model", "load_params", "make_mesh", "placement", "run"]
+# Each name is imported from its module when first used: ``import redray`` itself
+# imports no JAX, Ray or MLflow, so a process that needs one part (the run's MLflow
+# tracker, its results actor) loads only that part, and a script starts at once.
+__all__, __getattr__, __dir__ = exports(__name__, {
+    "redray.checkpoint": ["CheckpointConfig", "CheckpointMismatch"],
+    "redray.cluster": ["ClusterConfig", "FitResult", "RunResult", "add_cluster_args",
+                       "cluster_options", "fit", "run"],
+    "redray.data": ["Stream"],
+    "redray.engine": ["Hook", "LinenModel", "NonFiniteError", "Predictor", "Schedule", "Trainer",
+                      "load_model", "load_params"],
+    "redray.functions": ["UserFunctions", "UserFunctionError"],
+    "redray.sharding": ["Parallelism", "derive_specs", "format_placement", "make_mesh",
+                        "placement"],
+}, extra=["__version__"])

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from redray.storage import RunFolders, sqlite_file
+from redray.storage import CACHE_ENV, SQLITE, RunFolders, sqlite_file
 
 log = logging.getLogger("redray.tracking")
 
@@ -152,6 +152,8 @@ class MlflowLogger:
         database = sqlite_file(self.uri)
         if database is not None:
             os.makedirs(os.path.dirname(database), exist_ok=True)
+            if not os.path.exists(database):
+                new_store(database)
         client = MlflowClient(self.uri)
         experiment = client.get_experiment_by_name(self.experiment)
         if experiment is not None:
@@ -254,6 +256,56 @@ class MlflowLogger:
 
 
 PARAMS_CHANGED = "redray.params_changed"
+
+
+def store_template() -> str:
+    """Where this machine keeps an empty MLflow SQLite store of the installed MLflow's
+    schema: ``REDRAY_CACHE_DIR`` where set (``redray.storage``), else ``~/.cache/redray``."""
+    import mlflow
+
+    folder = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache",
+                                                       "redray")
+    return os.path.join(folder, f"mlflow-{mlflow.__version__}-empty.db")
+
+
+def new_store(database: str) -> None:
+    """Creates the SQLite store ``database`` as a copy of the machine's template
+    (``store_template``), made once: MLflow creates a new store's tables by running
+    every schema migration since its first release, 2.6 s on 2 cores, which every run
+    in a new storage folder paid. The template holds no experiment; MLflow adds its
+    Default one (pointing next to the new store) when it first opens the copy. Where
+    the template cannot be written, MLflow creates the store itself."""
+    import shutil
+    import tempfile
+
+    template = store_template()
+    try:
+        if not os.path.exists(template):
+            os.makedirs(os.path.dirname(template), exist_ok=True)
+            fd, fresh = tempfile.mkstemp(suffix=".db", dir=os.path.dirname(template))
+            os.close(fd)
+            os.remove(fresh)  # MLflow creates the file; an empty one would not be migrated
+            _empty_store(fresh)
+            os.replace(fresh, template)
+        fd, copy = tempfile.mkstemp(suffix=".db", dir=os.path.dirname(database))
+        os.close(fd)
+        shutil.copyfile(template, copy)
+        os.replace(copy, database)
+    except OSError as error:
+        log.info("no MLflow store template (%s): MLflow creates %s itself", error, database)
+
+
+def _empty_store(database: str) -> None:
+    """A migrated MLflow SQLite store at ``database`` without its Default experiment."""
+    import sqlite3
+
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    store = SqlAlchemyStore(f"{SQLITE}{database}", os.path.dirname(database))
+    store.engine.dispose()
+    with sqlite3.connect(database) as connection:
+        connection.execute("DELETE FROM experiments")
+    connection.close()
 
 
 def _rewrite_params(client, run_id: str, changed: dict[str, str]) -> bool:

@@ -28,7 +28,7 @@ def check(fig):
 
 # The scripts that start a Ray cluster of their own (the others run in one process, so
 # `make bench-check` runs them two at a time).
-STARTS_RAY = {"fsdp_torch.py", "hosts.py", "input_pipeline.py", "planner.py",
+STARTS_RAY = {"fsdp_torch.py", "hosts.py", "input_pipeline.py", "planner.py", "startup.py",
               "post_training_examples.py", "streaming.py", "weight_sync.py"}
 
 

@@ -29,12 +29,6 @@ NOISE = [
     "enable_progress_bars = True`.",
     "WARNING: 8 PYTHON worker processes have been started on node: 33318eb111adc931d0aad0 "
     "with address: 192.0.2.2, which is 4x the maximum expected startup concurrency (2).",
-    "[2026-11-25 10:52:12,090 E 5673 5740] core_worker.cc:2465: Actor with class name: "
-    "'PreemptionWatcher' and ID: 'c521c2161623f9eb4ac4e3fe01000000' has constructor "
-    "arguments in the object store and max_restarts > 0. If the arguments in the object "
-    "store go out of scope or are lost, the actor restart will fail.",
-    "Failed to query Ray Train Controller actor state. State API may be temporarily "
-    "unavailable. Continuing to monitor.",
     "2026/11/25 10:52:09 INFO mlflow.store.db.utils: Creating initial MLflow database "
     "tables...",
     "2026/11/25 10:52:09 INFO mlflow.store.db.utils: Updating database tables",

@@ -48,12 +48,3 @@ def test_elastic_hosts_are_a_min_and_a_max_with_restarts_by_default():
         redray.ClusterConfig(hosts=(1, 2), max_failures=0)
     with pytest.raises(SystemExit):
         parser.parse_args(["--hosts", "2:x"])
-
-
-def test_an_elastic_group_waits_less_for_a_placement_unless_the_user_said():
-    from redray.cluster.launch import START_TIMEOUT_ENV, _controller_env
-
-    elastic, fixed = redray.ClusterConfig(hosts=(2, 3)), redray.ClusterConfig(hosts=3)
-    assert _controller_env(elastic, {}) == {START_TIMEOUT_ENV: "10"}
-    assert _controller_env(fixed, {}) == {}  # the default 60 s: an autoscaler may be adding nodes
-    assert _controller_env(elastic, {START_TIMEOUT_ENV: "120"}) == {}

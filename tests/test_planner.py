@@ -340,6 +340,36 @@ def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():
     assert on_paper.plan_ranking.timing is None
 
 
+def test_a_model_timed_once_is_read_back_until_its_programs_change(tmp_path, monkeypatch):
+    from redray.engine import probe
+    from redray.engine.autoplan import RuntimeFacts, model_timing
+    from redray.engine.runtime import ModelRuntime
+
+    config = LlamaConfig(**TINY)
+    runtime = ModelRuntime(lambda rngs: build(config, rngs=rngs), None)
+    hardware = probe.probe(str(tmp_path))
+    timed = []
+    monkeypatch.setattr(probe, "_timed", lambda fn, *a, **k: timed.append(fn) or 1e-3 * len(timed))
+
+    def facts(loss_fn, optimizer):
+        return RuntimeFacts(runtime, loss_fn, optimizer, collate(DATA[:8]), None, SEQ)
+
+    first = model_timing(facts(loss, optax.adam(1e-3)), hardware, str(tmp_path))
+    assert len(timed) == 3  # the pass at 1 and 2 rows, the update
+    kept = list((tmp_path / "timings").iterdir())
+    assert len(kept) == 1 and kept[0].name.startswith(probe.cluster_key())
+    again = model_timing(facts(loss, optax.adam(1e-3)), hardware, str(tmp_path))
+    assert len(timed) == 3 and again == first  # read back: nothing compiled or timed
+    # another learning rate: the same programs, but for a constant: read back
+    model_timing(facts(loss, optax.adam(3e-4)), hardware, str(tmp_path))
+    assert len(timed) == 3
+    # another loss, or another optimizer, is another program: timed again, kept beside
+    model_timing(facts(lambda m, b, r, t: 2 * loss(m, b, r, t), optax.adam(1e-3)), hardware,
+                 str(tmp_path))
+    model_timing(facts(loss, optax.sgd(1e-3)), hardware, str(tmp_path))
+    assert len(timed) == 9 and len(list((tmp_path / "timings").iterdir())) == 3
+
+
 def test_layers_the_model_axis_leaves_whole_cost_their_whole_flops(tiny_facts):
     hw = dataclasses.replace(PRESETS["cpu"], device_memory=1 << 30)
     split = choose_plan(LlamaConfig(**TINY), 4, 1, 8, SEQ, hw, model_axis=4, micro_batch_size=2)

@@ -1,7 +1,7 @@
 """The local Ray the data layer starts when none runs: logical CPUs to spare for hosts,
-Ray Data kept to the machine's real cores, on the driver and (through Ray Train, which
-hands the driver's DataContext to its workers) in the hosts' processes, and workers
-that know which of the machine's Ray instances is theirs."""
+Ray Data kept to the machine's real cores, on the driver and (the driver hands its
+DataContext to the hosts) in the hosts' processes, and a run beside another Ray
+instance on the machine."""
 
 import glob
 import os
@@ -41,8 +41,9 @@ def test_a_local_ray_spares_cpus_keeps_ray_data_to_the_cores_and_knows_its_insta
     from ray.data import DataContext
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    # another run's Ray on the machine: Ray Train's placement-group cleaner, asking the
-    # state API without an address, found two instances and died with a traceback
+    # another run's Ray on the machine (Ray Train's placement-group cleaner, which redray
+    # used before it ran its own hosts, asked the state API without an address, found
+    # two instances and died with a traceback)
     other = subprocess.Popen([sys.executable, "-c", ANOTHER_RAY], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert other.stdout.readline().strip() == "up"

@@ -420,7 +420,7 @@ def quiet_console(out: str, err: str) -> list[str]:
     """The lines a run showed, checked to be the quiet default's."""
     lines = (out + err).splitlines()
     assert not [x for x in lines if "Traceback" in x or "Warning" in x or "WARNING" in x], lines
-    # nothing came through Ray's stream of the workers' output ("(RayTrainWorker pid=..)")
+    # nothing came through Ray's stream of the hosts' output ("(Host pid=..)")
     assert not [x for x in lines if "pid=" in x or x.startswith("(raylet)")], lines
     return lines
 
@@ -451,7 +451,7 @@ def check_demo(work, done):
     see VERBOSE) resumes the run `make demo` trained to step 6."""
     out = done.stdout + done.stderr
     # verbose: the workers' stream is back, set-up chatter included
-    assert "(RayTrainWorker pid=" in out and "JAX distributed service" in out
+    assert "(Host pid=" in out and "JAX distributed service" in out
     assert "resumed from " in out  # host 0's line, through the workers' stream
     numbers = last_numbers(done.stdout)
     assert numbers["step"] == 20 and numbers["perplexity_after"] < numbers["perplexity_before"]

@@ -158,9 +158,12 @@ def test_a_run_choosing_its_plan_replans_when_resumed_on_fewer_hosts(tmp_path, m
     chosen = tags["redray.plan.chosen"]
     assert "runner-up" in tags["redray.plan.why"] or tags["redray.plan.plans_weighed"] == "1"
     assert tags["redray.plan.hardware"] == "probed: 2 host(s) x 2 cpu"
-    # the cluster's numbers are kept in the storage folder, per cluster
-    assert [p.name for p in (tmp_path / "hardware").iterdir()] == [
-        "cpu-cpu-4-devices-2-hosts.json"]
+    # the cluster's numbers are kept in the storage folder, per cluster, and so are the
+    # model's timings (per cluster and program)
+    assert sorted(p.name for p in (tmp_path / "hardware").iterdir()) == [
+        "cpu-cpu-4-devices-2-hosts.json", "timings"]
+    (timing,) = (tmp_path / "hardware" / "timings").iterdir()
+    assert timing.name.startswith("cpu-cpu-4-devices-2-hosts-")
     second = redray.fit(model, lm_collate, lm_loss, optax.adam(1e-2), epochs=2, hosts=1,
                         **common)
     assert second.resumed_from_step == 12 and second.mlflow_run_id == first.mlflow_run_id

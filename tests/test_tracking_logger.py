@@ -120,3 +120,33 @@ def test_git_commit_outside_a_work_tree_is_what_submit_sent(tmp_path, monkeypatc
     subprocess.run([*git, "commit", "-qm", "a"], check=True)
     head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     assert git_commit(str(tmp_path)) == head.strip()  # a work tree's own commit wins
+
+
+def test_new_stores_are_copies_of_one_store_migrated_once(tmp_path, monkeypatch):
+    """MLflow builds a new SQLite store by running every schema migration (2.6 s); redray
+    migrates one template per machine (REDRAY_CACHE_DIR here) and copies it for each new
+    store, whose Default experiment MLflow then makes next to it."""
+    import mlflow.store.db.utils as db
+
+    from redray.tracking import store_template
+
+    monkeypatch.setenv("REDRAY_CACHE_DIR", str(tmp_path / "cache"))
+    migrations = []
+    initialize = db._initialize_tables
+    monkeypatch.setattr(db, "_initialize_tables",
+                        lambda engine: (migrations.append(engine.url), initialize(engine)))
+    runs = []
+    for store in ("a", "b", "a"):  # two new stores, then the first one again
+        uri = f"sqlite:///{tmp_path}/{store}/mlflow.db"
+        logger = MlflowLogger(uri, "r", f"{tmp_path}/{store}/r")
+        logger.log_metrics({"loss": 1.0}, 1)
+        report = logger.finish()
+        assert report["failure"] is None
+        runs.append((uri, report["run_id"]))
+    assert len(migrations) == 1 and str(tmp_path / "cache") in str(migrations[0])
+    assert store_template().startswith(str(tmp_path / "cache"))
+    for uri, run_id in runs:
+        assert history(uri, run_id, "loss") == [(1, 1.0)]
+        names = {e.name for e in MlflowClient(uri).search_experiments()}
+        assert names == {"Default", "redray"}
+    assert runs[0][1] == runs[2][1]  # the same run resumed in the first store

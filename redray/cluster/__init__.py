@@ -1,9 +1,12 @@
-"""Ray Train worker group: one worker per host, one jax.distributed runtime."""
+"""Runs on a Ray cluster: the hosts of a run (one Ray actor per host), one jax.distributed
+runtime over them, and the driver's side (``fit``, ``run``, the run's actors)."""
 
-from redray.cluster.config import ClusterConfig
-from redray.cluster.flags import add_cluster_args, cluster_options
-from redray.cluster.launch import FitResult, HostError, RunResult, connect, fit, run
-from redray.cluster.run_lock import RunLockedError
+from redray.lazy import exports
 
-__all__ = ["ClusterConfig", "FitResult", "HostError", "RunLockedError", "RunResult",
-           "add_cluster_args", "cluster_options", "connect", "fit", "run"]
+__all__, __getattr__, __dir__ = exports(__name__, {
+    "redray.cluster.config": ["ClusterConfig"],
+    "redray.cluster.flags": ["add_cluster_args", "cluster_options"],
+    "redray.cluster.hosts": ["release_hosts"],
+    "redray.cluster.launch": ["FitResult", "HostError", "RunResult", "connect", "fit", "run"],
+    "redray.cluster.run_lock": ["RunLockedError"],
+})

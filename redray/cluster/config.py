@@ -21,7 +21,7 @@ class ClusterConfig:
 
     Attributes:
       hosts: worker processes, one per host (on one machine: simulated hosts). Or
-        ``(min, max)``: elastic (Ray Train's elastic scaling). The run starts on as many
+        ``(min, max)``: elastic. The run starts on as many
         hosts as the cluster has (at least ``min``, at most ``max``); a host lost for
         good restarts it on the hosts left (one of ``max_failures``), from its last
         checkpoint, with a new plan when the Trainer chooses its own; a host that
@@ -35,9 +35,10 @@ class ClusterConfig:
         timestamped one.
       storage_path: the storage folder (an absolute path, or a URI); default
         ``~/redray_runs`` (``redray.storage``).
-      max_failures: worker-group restarts Ray Train allows before giving up; the
-        restarted group resumes from the last complete checkpoint. Default 0, and
-        ``ELASTIC_MAX_FAILURES`` (3) for an elastic run.
+      max_failures: restarts of the run's group of hosts after a host fails (its error,
+        its process or node lost) before the run gives up; the new group resumes from
+        the last complete checkpoint. Default 0, and ``ELASTIC_MAX_FAILURES`` (3) for an
+        elastic run.
       hang_timeout: seconds a host may go without progress (a training step, an
         evaluation or prediction batch, a checkpoint) before the job is stopped as
         stuck (a collective whose peer never arrives, a collate that never returns),
@@ -58,6 +59,12 @@ class ClusterConfig:
       compile_cache: keep the run's compiled programs in
         ``<storage_path>/<name>/compile_cache`` (JAX's persistent compilation cache), so
         a restart or a resumed run loads them instead of compiling again.
+      keep_hosts: keep the hosts' processes (and their JAX runtime) when the run ends
+        well, for the next run from this driver on the same hosts and devices: it starts
+        in a second instead of ten or more (``redray/cluster/hosts.py``). They hold
+        their resources (a CPU, or their GPUs) until then; a run of another shape, a
+        failure or ``redray.cluster.release_hosts()`` ends them. An elastic run's
+        are never kept. False: end them with the run.
       verbose: show everything the run's processes print (each host's progress bar,
         Ray's, JAX's, Gloo's and MLflow's set-up lines). Default (None): the
         ``REDRAY_VERBOSE`` variable, else quiet: the driver shows one progress line
@@ -78,6 +85,7 @@ class ClusterConfig:
     experiment: str = "redray"
     tracking: bool = True
     compile_cache: bool = True
+    keep_hosts: bool = True
     verbose: bool | None = None
 
     def __post_init__(self):

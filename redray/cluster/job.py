@@ -45,10 +45,12 @@ class FitTask:
     predict: Any = None
 
     def run(self, code: FitCode, rank: int) -> dict:
+        from redray import startup
         from redray.engine import Trainer
 
-        trainer = Trainer(code.model, code.collate, code.loss, code.optimizer, code.predict,
-                          progress=self.progress and rank == 0, **code.trainer_options)
+        with startup.phase("user_code"):
+            trainer = Trainer(code.model, code.collate, code.loss, code.optimizer, code.predict,
+                              progress=self.progress and rank == 0, **code.trainer_options)
         trainer.init(self.train)
         history = trainer.fit(self.train, epochs=self.epochs, eval_data=self.eval,
                               eval_metric=code.eval_metric, max_steps=self.max_steps,
@@ -90,6 +92,8 @@ class HostJob:
         checkpoint when the cluster has room for another host; None: a fixed group.
       worker_resources: what one host's worker reserves on its node (the room looked
         for).
+      data_context: the driver's Ray Data settings (``DataContext``), for the hosts'
+        own reads (a stream), or None.
     """
     task: FitTask | CallTask
     code: bytes
@@ -103,6 +107,7 @@ class HostJob:
     probe_cache: str | None = None
     grow_to: int | None = None
     worker_resources: dict | None = None
+    data_context: Any = None
 
 
 def free_for(resources: dict, hosts: int = 1) -> bool:

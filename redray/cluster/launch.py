@@ -1,4 +1,4 @@
-"""``redray.fit`` and ``redray.run``: work on every host of a Ray cluster, one worker per host."""
+"""``redray.fit`` and ``redray.run``: work on every host of a Ray cluster, one actor per host."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import sys
 import time
 from typing import Any, Callable
 
+from redray import startup
 from redray.cluster.config import ClusterConfig
 from redray.cluster.console import DriverView, Watcher
 from redray.cluster.job import CallCode, CallTask, FitCode, FitTask, HostJob, free_for
 from redray.cluster.run_lock import RunLock
-from redray.data.ray_local import join, on_driver_node, quiet_ray_logs, start_local
+from redray.data.ray_local import join, quiet_ray_logs, start_local
 from redray.verbosity import ADVICE_ENV, VERBOSE_ENV, verbose
 
 
@@ -22,8 +23,10 @@ class RunResult:
 
     Attributes:
       value: what the function returned on host 0 (``redray.run``).
-      name, storage_path: the Ray Train run.
-      seconds: wall-clock time of the run.
+      name, storage_path: the run's name and storage folder.
+      seconds: wall-clock time of the run, from the call to its return.
+      startup: where that time went: seconds per phase of ``redray.startup.PHASES``
+        (the run's start, its steps, its end); ``REDRAY_VERBOSE=1`` prints them.
       resumed_from_step: the checkpoint step the (last) worker group started from, or
         None for a run that started fresh (of the run's main Trainer: the first one
         made with the default checkpoint).
@@ -38,6 +41,7 @@ class RunResult:
     checkpoint: str | None = None
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    startup: dict = dataclasses.field(default_factory=dict)
 
     def summary(self) -> str:
         """Where the run's outputs are (checkpoint, MLflow store, the UI command) and
@@ -82,65 +86,13 @@ class HostError(RuntimeError):
     Attributes:
       host: the host that failed.
       full_traceback: its whole traceback, redray's frames included.
-      ray_error: what Ray Train raised for the worker group (for debugging Ray itself).
+      ray_error: what the driver saw of the hosts' end (for debugging Ray itself).
     """
 
     def __init__(self, message: str, host: int | None = None, full_traceback: str | None = None,
                  ray_error: BaseException | None = None):
         super().__init__(message)
         self.host, self.full_traceback, self.ray_error = host, full_traceback, ray_error
-
-
-def _results_actor():
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class Results:
-        def __init__(self):
-            self.value, self.failures, self.hosts = None, [], {}
-            self.regrouping = 0
-            # host 0's messages and progress for the driver's console, numbered from 0;
-            # kept until the driver has read them (a run may log for days)
-            self.news, self.first_news = [], 0
-
-        def tell(self, event):
-            self.news.append(event)
-
-        def read(self, since):
-            """The number of the next piece of news, and those from number ``since`` on
-            (the driver has shown the ones before: they are forgotten)."""
-            del self.news[:since - self.first_news]
-            self.first_news = since
-            return since + len(self.news), list(self.news)
-
-        def put(self, value):
-            self.value = value
-
-        def join(self, rank, actor):
-            self.hosts[rank] = actor
-
-        def fail(self, rank, text, full):
-            self.failures.append((rank, text, full))
-            # Every host stops now, before a peer waiting in a collective for the failed
-            # one is aborted by JAX (a C++ dump on the driver's screen). Ray Train sees
-            # its workers gone and ends (or restarts, with max_failures) the group.
-            for actor in self.hosts.values():
-                ray.kill(actor)
-            self.hosts.clear()
-
-        def regroup(self, hosts):
-            """Host 0: the group ends to regroup on ``hosts`` hosts (no value)."""
-            self.regrouping = hosts
-
-        def take_regroup(self):
-            regrouping, self.regrouping = self.regrouping, 0
-            self.hosts.clear()
-            return regrouping
-
-        def get(self):
-            return self.value, self.failures
-
-    return Results.options(scheduling_strategy=on_driver_node()).remote()
 
 
 def connect(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -261,7 +213,8 @@ def run(fn: Callable, *args, cluster: ClusterConfig | None = None, **kwargs) -> 
       *args, **kwargs: its arguments; keywords that name a ``ClusterConfig`` field
         (``hosts``, ``devices_per_host``, ``use_gpu``, ``use_tpu``, ``address``, ``name``,
         ``storage_path``, ``max_failures``, ``checkpoint``, ``resume``,
-        ``tracking_uri``, ``experiment``, ``tracking``, ``compile_cache``, ``verbose``)
+        ``tracking_uri``, ``experiment``, ``tracking``, ``compile_cache``, ``keep_hosts``,
+        ``verbose``)
         configure the run instead.
         ``checkpoint`` is the main Trainer's ``redray.CheckpointConfig`` (its directory
         defaults to ``<storage_path>/<name>/checkpoints``); ``False``: none.
@@ -298,7 +251,8 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
       cluster: a ``redray.ClusterConfig``; its fields may also be given as keywords
         here (``hosts``, ``devices_per_host``, ``use_gpu``, ``use_tpu``, ``address``,
         ``name``, ``storage_path``, ``max_failures``, ``checkpoint``, ``resume``,
-        ``tracking_uri``, ``experiment``, ``tracking``, ``compile_cache``, ``verbose``),
+        ``tracking_uri``, ``experiment``, ``tracking``, ``compile_cache``, ``keep_hosts``,
+        ``verbose``),
         which override its fields.
         Defaults: one host, a timestamped run under ``~/redray_runs``, a checkpoint at
         the end of every epoch and of the run (the last 3 kept), resumed when the
@@ -340,14 +294,19 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
     return FitResult(history=value["history"], predictions=value["predictions"], **out)
 
 
+def _streams(task) -> bool:
+    """Whether one of the task's sources is a ``redray.Stream`` (read through Ray Data)."""
+    from redray.data import Stream
+
+    return any(isinstance(getattr(task, k, None), Stream) for k in ("train", "eval", "predict"))
+
+
 def _check_data_cpus(config: ClusterConfig, task) -> None:
     """A streamed source needs a CPU beside the hosts' for Ray Data to read it: without
     one its reads wait forever."""
     import ray
 
-    from redray.data import Stream
-
-    if not any(isinstance(getattr(task, k, None), Stream) for k in ("train", "eval", "predict")):
+    if not _streams(task):
         return
     reserved = 0 if (config.use_gpu or config.use_tpu) else config.max_hosts
     total = ray.cluster_resources().get("CPU", 0)
@@ -377,162 +336,244 @@ def _check_trainer_options(options: dict) -> None:
 
 
 def _launch(config: ClusterConfig, make_task: Callable, settings: dict, code) -> dict:
-    """Runs the task ``make_task()`` builds on every host of one Ray Train worker group,
+    """Runs the task ``make_task()`` builds on every host of one group (``hosts.py``),
     holding the run's lock throughout; returns ``RunResult``'s fields (``value``: host 0's
     return value)."""
+    start = time.time()
     config = config.resolved()
     # A second run of this name and storage is refused here, before Ray or any host starts.
     with RunLock.acquire(config.folders):
-        return _launch_locked(config, make_task, settings, code)
+        return _launch_locked(config, make_task, settings, code, start)
 
 
-def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, code) -> dict:
-    import ray
+def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, code,
+                   start: float) -> dict:
+    spans = startup.Recorder()
+    with spans.phase("imports"):
+        import ray
 
-    from redray.cluster.tracker import finish_tracker, start_tracker
+        from redray.cluster import hosts, results as results_kept
+        from redray.cluster.tracker import finish_tracker, start_tracker
 
     connected_here = not ray.is_initialized()
     # Before the data: Ray Data would otherwise start a Ray of its own. A local cluster
     # counts one CPU more per host: each host reserves one, and the machine's cores stay
     # free for Ray Data's reads and transforms (which would wait forever for a CPU).
-    connect(config.address,
-            num_cpus=None if config.address else (os.cpu_count() or 1) + config.max_hosts)
-    task = make_task()
-    _check_data_cpus(config, task)
+    with spans.phase("ray"):
+        connect(config.address,
+                num_cpus=None if config.address else (os.cpu_count() or 1) + config.max_hosts)
+    with spans.phase("sources"):
+        task = make_task()
+        _check_data_cpus(config, task)
+        user_code = _user_bytes(code)
     recorded = {**config.settings(), **settings}
-    results = _results_actor()
     quiet = not verbose(config.verbose)
     view = DriverView()
     quiet_ray_logs(view, quiet)
     folders = config.folders
     tracker = None
-    if config.tracking:
-        tracker = start_tracker(folders, config.experiment, config.resume, config.checkpoint,
-                                recorded)
-    # Ray Train's controller collects reports (checkpoint registrations, a barrier on
-    # every host) only at this interval, 2 s by default: a loop that checkpoints
-    # often would stall that long each time. Ray passes it on to the controller.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    job = HostJob(task=task, code=_user_bytes(code), results=results, tracker=tracker,
+    with spans.phase("actors"):
+        results = results_kept.results_actor()
+        if config.tracking:
+            tracker = start_tracker(folders, config.experiment, config.resume,
+                                    config.checkpoint, recorded)
+    job = HostJob(task=task, code=user_code, results=results, tracker=tracker,
                   checkpoint=config.checkpoint, config=recorded,
                   hang_timeout=config.hang_timeout, console=quiet,
                   compile_cache=folders.compile_cache if config.compile_cache else None,
                   probe_cache=folders.hardware,
                   grow_to=config.max_hosts if config.elastic else None,
-                  worker_resources=worker_resources(config))
-    start = time.perf_counter()
+                  worker_resources=worker_resources(config), data_context=_data_context(task))
     try:
-        # An elastic run's group ends itself at a checkpoint when the cluster has room for
-        # more hosts (worker.Regrow): then a new group, as large as Ray can make it,
-        # resumes from that checkpoint.
+        # A group runs the job to its end; an elastic run's group may end itself at a
+        # checkpoint when the cluster has room for more hosts (worker.Regrow), and a
+        # failed group is followed by a new one while restarts are left: either new
+        # group resumes from the last checkpoint.
+        restarts = config.max_failures
         while True:
-            hosts = _run_group(config, job, quiet, tracker, results, view)
-            if not hosts:
-                break
-            _await_room(hosts, worker_resources(config))
+            group = _group(config, quiet, spans, view)
+            try:
+                outcome = _run_on(group, job, results, view)
+            except HostFailure as failure:
+                if restarts == 0:
+                    raise
+                restarts -= 1
+                view.write(f"redray: {failure}; restarting the run from its last checkpoint "
+                           f"({config.max_failures - restarts} of max_failures="
+                           f"{config.max_failures})")
+                continue
+            if outcome == REGROUP:
+                group.close()
+                _await_room(ray.get(results.take_regroup.remote()), worker_resources(config))
+                continue
+            if config.keep_hosts and not config.elastic:
+                hosts.keep(group)
+            else:
+                group.close()
+            break
     except Exception as error:
+        _finish_startup(spans, None, start, tracker, quiet)
         finish_tracker(tracker, "FAILED")
         _, failures = ray.get(results.get.remote())
+        results_kept.keep(results)
+        if not failures and isinstance(error, HostFailure):  # a host gone without a word
+            raise HostError(str(error), error.host, None, error.__cause__) from None
         if not failures:
             raise
-        host, text, full = failures[0]
+        host, text, full = failures[-1]
         if connected_here:
             # Ray prints the hosts' streamed output from a thread, and the lines it held
             # back to deduplicate at its shutdown: all of it must come before the error.
+            hosts.release_hosts()
             ray.shutdown()
         sys.stdout.flush()  # a redirected stdout holds lines until exit, after the error
         sys.stderr.flush()
-        # Ray's own error (the worker group's deaths) would only bury the user's traceback.
+        # Ray's own error (the hosts' deaths) would only bury the user's traceback.
         raise HostError(f"host {host} failed:\n{text}", host, full, error) from None
     out, _ = ray.get(results.get.remote())
+    results_kept.keep(results)
+    host_spans = out.pop("startup")
+    phases = _finish_startup(spans, host_spans, start, tracker, quiet, out["resumed_from_step"])
     report = finish_tracker(tracker, "FINISHED", out["checkpoint"])
     return {**out, "name": folders.name, "storage_path": folders.storage,
-            "seconds": time.perf_counter() - start,
+            "seconds": time.time() - start, "startup": phases,
             "tracking_uri": report and report["uri"],
             "mlflow_run_id": report and report["run_id"]}
 
 
-def _run_group(config: ClusterConfig, job: HostJob, quiet: bool, tracker, results,
-               view) -> bool:
-    """Runs one Ray Train worker group to its end; the hosts to regroup on when it ended
-    to regroup, else 0."""
+def _data_context(task):
+    """The driver's Ray Data settings, for the hosts' own reads of a stream (None for a
+    task without one: its hosts need not import Ray Data)."""
+    if not _streams(task):
+        return None
+    from ray.data import DataContext
+
+    return DataContext.get_current()
+
+
+def _finish_startup(spans: startup.Recorder, host_spans: list | None, start: float, tracker,
+                    quiet: bool, step: int | None = None) -> dict:
+    """The run's phases (the driver's, host 0's and the end: from host 0's last phase to
+    now), logged to MLflow at the step the run started from and, verbose, printed.
+    Returns the seconds per phase."""
     import ray
-    from ray.train import FailureConfig, LoggingConfig, RunConfig
-    from ray.train.v2.jax import JaxTrainer
 
-    from redray.cluster.tracker import CheckpointsToTracker
-
-    folders = config.folders
-    trainer = JaxTrainer(
-        # Ray's own serializer (cloudpickle plus object-ref and actor-handle ownership):
-        # the row sources' block references must stay valid on workers.
-        _entry, train_loop_config={"job": job}, scaling_config=_scaling(config),
-        run_config=RunConfig(name=folders.name, storage_path=folders.storage,
-                             failure_config=FailureConfig(max_failures=config.max_failures),
-                             worker_runtime_env={"env_vars": _worker_env(config, quiet)},
-                             logging_config=LoggingConfig(log_level="WARNING"),
-                             callbacks=[] if tracker is None else [CheckpointsToTracker(tracker)]))
-    controller_env = _controller_env(config, os.environ)
-    os.environ.update(controller_env)  # the driver's: Ray Train hands it to its controller
-    try:
-        with Watcher(results, view):
-            trainer.fit()
-    finally:
-        for name in controller_env:
-            del os.environ[name]
-    return ray.get(results.take_regroup.remote())
+    timeline = spans.spans + list(host_spans or [])
+    if host_spans:
+        spans.add("end", max(s.end for s in host_spans))
+        timeline.append(spans.spans[-1])
+    total = time.time() - start
+    if tracker is not None:
+        try:
+            ray.get(tracker.log.remote({"step": step or 0, **startup.metrics(timeline, total)}),
+                    timeout=10)
+        except Exception:  # noqa: BLE001 - tracking never fails a run
+            pass
+    if not quiet:
+        print(startup.table(timeline, total, f"redray: the run took {total:.1f} s"),
+              flush=True)
+    return startup.seconds(timeline)
 
 
-START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+class HostFailure(RuntimeError):
+    """A host's part of the run failed (its error, or its process gone)."""
+
+    def __init__(self, message: str, host: int):
+        super().__init__(message)
+        self.host = host
+
+
+# What a host's job returns (``worker.run_job``).
+DONE, REGROUP = "done", "regroup"
+# How long an elastic group of a given size may wait for its placement before a smaller
+# one is tried.
 ELASTIC_START_TIMEOUT_S = 10
 
 
-def _controller_env(config: ClusterConfig, environ) -> dict:
-    """What the driver's environment gains for Ray Train's controller while a group runs.
+def _group(config: ClusterConfig, quiet: bool, spans: startup.Recorder, view):
+    """The hosts for the next group: the kept group of this shape, or a new one (an
+    elastic run: as many hosts as the cluster places now, at least ``min_hosts``)."""
+    import ray
 
-    An elastic group is sized on Ray's view of the free resources, which lags a lost node
-    (the autoscaling coordinator reads the nodes every 20 s): a group sized on that view
-    waits for a placement that never comes, 60 s by default, before Ray sizes it again
-    (a timed-out start is retried, not counted as a failure). In benchmarks/elastic.py
-    that wait was most of the 70 s from a node's loss to the next step. A fixed-size
-    group waits the default (an autoscaler may be adding its nodes). The user's own
-    setting wins."""
-    if not config.elastic or START_TIMEOUT_ENV in environ:
-        return {}
-    return {START_TIMEOUT_ENV: str(ELASTIC_START_TIMEOUT_S)}
+    from redray.cluster import hosts
+
+    env = _worker_env(config, quiet)
+    resources = worker_resources(config)
+    if not config.elastic:
+        nodes = len([n for n in ray.nodes() if n.get("Alive")])
+        strategy = "STRICT_SPREAD" if nodes >= config.hosts > 1 else "SPREAD"
+        shape = hosts.Shape.of(config.hosts, resources, env, strategy)
+        return hosts.take(shape) or hosts.start(shape, spans, say=view.write)
+    hosts.release_hosts()  # an elastic group is sized anew for each run
+    told = False
+    while True:
+        for size in range(config.max_hosts, config.min_hosts - 1, -1):
+            if not free_for(resources, size):
+                continue
+            group = hosts.start(hosts.Shape.of(size, resources, env, "SPREAD"), spans,
+                                timeout=ELASTIC_START_TIMEOUT_S)
+            if group is not None:
+                return group
+        if not told:
+            told = True
+            view.write(f"redray: waiting for room for {config.min_hosts} host(s) of "
+                       f"{resources} each (the elastic run's fewest); the cluster has "
+                       f"{ray.available_resources()} free")
+        time.sleep(1.0)
+
+
+def _run_on(group, job: HostJob, results, view) -> str:
+    """Runs ``job`` on every host of ``group`` and waits for all; ``DONE`` or
+    ``REGROUP``. The first host that fails ends the group at once (its peers would
+    wait for it in a collective) and raises ``HostFailure``."""
+    import ray
+
+    refs = group.run(job)
+    outcomes = {}
+    pending = list(refs)
+    try:
+        with Watcher(results, view):
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                for ref in ready:
+                    try:
+                        outcomes[ref] = ray.get(ref)
+                    except ray.exceptions.RayActorError as error:
+                        host = refs.index(ref)
+                        raise HostFailure(
+                            f"host {host} ended without a Python error (killed, out of "
+                            f"memory, or its node lost: {_first_line(error)}); with "
+                            "max_failures=N a new group resumes from the last checkpoint",
+                            host) from error
+                    except ray.exceptions.RayError as error:
+                        host = refs.index(ref)
+                        raise HostFailure(f"host {host} failed ({_first_line(error)})",
+                                          host) from error
+    except BaseException:  # a host's end, or the driver's (Ctrl-C): no host goes on alone
+        group.close()
+        raise
+    return outcomes[refs[0]]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
 
 
 def _await_room(hosts: int, resources: dict, seconds: float = 60.0) -> None:
     """Waits (at most ``seconds``) until the cluster has room for ``hosts`` workers: the
-    group that ended frees its workers' resources asynchronously, and Ray sizes the next
-    group from what is free when it starts (a group started early would be the old size,
-    and regroup again at its next checkpoint)."""
-    import ray
-
+    group that ended frees its workers' resources asynchronously, and the next group is
+    sized from what is free when it starts (a group started early would be the old
+    size, and regroup again at its next checkpoint)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if free_for(resources, hosts):
             break
         time.sleep(0.2)
-    # Ray Train's elastic policy sizes the group from the reservations of Ray's
-    # autoscaling coordinator, which reads the cluster's nodes every 20 s (its tick): a
-    # node added since would not count. One tick now, as its API allows (recompute).
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator)
-
-        coordinator = get_or_create_autoscaling_coordinator()
-        ray.get(coordinator.get_reserved_resources.remote("redray-regroup", recompute=True),
-                timeout=30)
-    except Exception:  # noqa: BLE001 - another Ray: the next group may start smaller
-        pass
 
 
 def _worker_env(config: ClusterConfig, quiet: bool = True) -> dict:
-    # Ray Train's print patch logs every print again after teeing it to the console:
-    # each line a host prints would show twice.
-    env = {"PYTHONPATH": _local_paths(), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-           VERBOSE_ENV: "0" if quiet else "1"}
+    env = {"PYTHONPATH": _local_paths(), VERBOSE_ENV: "0" if quiet else "1"}
     if quiet:
         env[ADVICE_ENV] = "1"
     if not (config.use_gpu or config.use_tpu):
@@ -569,28 +610,6 @@ def gpu_xla_flags(user: str) -> str:
     return " ".join(ours + user.split())
 
 
-def _scaling(config: ClusterConfig):
-    import ray
-    from ray.train import ScalingConfig
-
-    resources = worker_resources(config)
-    if config.elastic:
-        # Ray's own resize of a running group kills it mid-step: redray grows the group
-        # at its checkpoints instead (worker.Regrow), and lets Ray size each new group.
-        return ScalingConfig(num_workers=config.hosts, use_gpu=config.use_gpu,
-                             use_tpu=config.use_tpu, resources_per_worker=resources,
-                             placement_strategy="SPREAD",
-                             elastic_resize_monitor_interval_s=NEVER)
-    nodes = len([n for n in ray.nodes() if n.get("Alive")])
-    return ScalingConfig(num_workers=config.hosts, use_gpu=config.use_gpu,
-                         use_tpu=config.use_tpu, resources_per_worker=resources,
-                         placement_strategy="STRICT_SPREAD" if nodes >= config.hosts > 1
-                         else "SPREAD")
-
-
-NEVER = 1e12  # seconds
-
-
 def worker_resources(config: ClusterConfig) -> dict:
     """What one host's worker reserves on its Ray node."""
     if config.use_gpu:
@@ -611,9 +630,3 @@ def _user_bytes(code) -> bytes:
         raise TypeError(f"cannot send the model, functions or arguments to the hosts "
                         f"({type(error).__name__}: {error}): they must pickle; define them at "
                         "module level or close over picklable values only") from None
-
-
-def _entry(config: dict):
-    from redray.cluster.worker import train_loop
-
-    train_loop(config["job"])

@@ -1,38 +1,51 @@
-"""What every host runs: join the runtime, run the job's task, report to the driver."""
+"""What every host runs for a job: the run's task, reporting to the driver.
+
+A host's process (``redray.cluster.hosts.Host``) has joined the group's JAX runtime
+already and may run several jobs one after another (a kept group): each job starts
+from nothing of the last one's but the imports and the runtime.
+"""
 
 from __future__ import annotations
 
+import gc
 import os
 import traceback
 
+from redray import startup
 from redray.cluster.console import DriverConsole
 from redray.cluster.job import HostJob, free_for
-from redray.cluster.tracker import CHECKPOINT_KEY, TrackerHook
+from redray.cluster.tracker import FINISH_TIMEOUT_S, RUN_ID_KEY
 from redray.engine.hooks import Adoption, Hook, trainer_scope
 from redray.engine.watchdog import Stall, Watchdog
+from redray.sharding.parallelism import describe_shape
+
+# What ``run_job`` returns: the job ran to its end, or its group ends at a checkpoint to
+# regroup (an elastic run with room for more hosts).
+DONE, REGROUP = "done", "regroup"
 
 
-def train_loop(job: HostJob) -> None:
-    """Ray Train's ``train_loop_per_worker``: one call per host."""
-    import logging
-
+def run_job(job: HostJob, rank: int) -> str:
+    """This host's part of ``job``: ``DONE`` or ``REGROUP``; a failure is told to the
+    driver (through the results actor) and raised."""
     import ray
     from ray import cloudpickle
 
-    from redray.cluster import distributed
-
-    _quiet_ray_train(logging)
-    rank, _ = distributed.initialize()
+    startup.begin()
     if job.compile_cache is not None:
         from redray.engine import compile_cache
 
         compile_cache.enable(job.compile_cache)
+    if job.data_context is not None:
+        from ray.data import DataContext
+
+        DataContext._set_current(job.data_context)
     watchdog = None
     try:
         ray.get(job.results.join.remote(rank, ray.get_runtime_context().current_actor))
         if job.hang_timeout is not None:
             watchdog = Watchdog(job.hang_timeout, lambda stall: _stuck(job, rank, stall)).start()
-        code = cloudpickle.loads(job.code)  # after JAX's runtime is up
+        with startup.phase("user_code"):
+            code = cloudpickle.loads(job.code)
         host_run = HostRun(job, rank, watchdog)
         try:
             with trainer_scope(host_run):
@@ -40,26 +53,28 @@ def train_loop(job: HostJob) -> None:
         except Regroup as regroup:  # every host, at one checkpoint: a larger group goes on
             if rank == 0:
                 ray.get(job.results.regroup.remote(regroup.hosts))
-            return
+            return REGROUP
         if rank == 0:
             ray.get(job.results.put.remote(host_run.result(value)))
+        return DONE
     except BaseException as error:
         # First thing: tell the driver what failed here; the results actor then stops every
         # host. Left alone, the others would wait in a collective for this one until JAX's
-        # coordination service aborts them (a C++ dump), and Ray would report their deaths
-        # (suggesting the OOM killer) instead of this error.
-        _drop_ray_train_error_log(logging)
+        # coordination service aborts them (a C++ dump), and the driver would see their
+        # deaths instead of this error.
         ray.get(job.results.fail.remote(rank, user_traceback(error), traceback.format_exc()))
         raise
     finally:
         if watchdog is not None:
             watchdog.stop()
-        distributed.shutdown()
+        # what the job left on the devices goes before the next job of a kept group
+        code = host_run = None
+        gc.collect()
 
 
 def _stuck(job: HostJob, rank: int, stall: Stall) -> None:
     """The watchdog's verdict: this host made no progress for ``hang_timeout``. Tells
-    the driver (whose results actor stops every host; Ray Train restarts the group if
+    the driver (whose results actor stops every host; the driver starts a new group if
     ``max_failures`` allows, resuming from the last checkpoint), then ends this process:
     its training thread may be blocked inside C++, where nothing else reaches it."""
     import sys
@@ -112,36 +127,14 @@ def user_traceback(error: BaseException) -> str:
     return "".join(shown.format())
 
 
-def _drop_ray_train_error_log(logging) -> None:
-    """Ray Train logs a failed training function's traceback on the host, which would
-    print it a second time: the driver raises it already."""
-    try:
-        from ray.train.v2._internal import util
-    except ImportError:  # another Ray layout: the duplicate stays
-        return
-    logging.getLogger(util.__name__).addFilter(
-        lambda record: not record.getMessage().startswith("Error in training function"))
-
-
-def _quiet_ray_train(logging) -> None:
-    """Ray Train logs a line per report (a checkpoint) on every host: noise to a user.
-    Its execution context names its logger by file path, not by module."""
-    logging.getLogger("ray.train").setLevel(logging.WARNING)
-    try:
-        from ray.train.v2._internal.execution import context
-    except ImportError:  # another Ray layout: its lines stay
-        return
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
-
-
 class HostRun:
     """The run on this host, as the scope every Trainer made here is adopted by.
 
-    Each Trainer gets the run's hooks: host 0 sends its logged rows to the MLflow
-    tracker and describes it there, and every host registers its complete checkpoints
-    with Ray Train. The first Trainer that leaves ``checkpoint`` at its default saves
-    into (and resumes from) the run's checkpoint folder; that Trainer is the run's
-    "main" one, whose resume step and last checkpoint the driver gets back.
+    Each Trainer gets the run's hooks: host 0 sends its logged rows and complete
+    checkpoints to the MLflow tracker and describes it there. The first Trainer that
+    leaves ``checkpoint`` at its default saves into (and resumes from) the run's
+    checkpoint folder; that Trainer is the run's "main" one, whose resume step and last
+    checkpoint the driver gets back.
     """
 
     def __init__(self, job: HostJob, rank: int, watchdog: Watchdog | None = None):
@@ -169,7 +162,7 @@ class HostRun:
             checkpoint = self.job.checkpoint
         tracker = TrackerHook(self.job.tracker, self.rank)
         self.trackers.append(tracker)
-        hooks = [tracker, RayTrainCheckpoints()]
+        hooks = [tracker]
         if self.main is None:
             self.main = NewestCheckpoint()
             hooks.append(self.main)
@@ -189,7 +182,74 @@ class HostRun:
             tracker.flush()
         main = self.main or NewestCheckpoint()
         return {"value": value, "resumed_from_step": main.resumed_from_step,
-                "checkpoint": main.path}
+                "checkpoint": main.path, "startup": list(startup.RECORDER.spans)}
+
+
+class TrackerHook(Hook):
+    """A host's Trainer hook: host 0 sends every logged row and every complete
+    checkpoint to the tracker (the other hosts send nothing), describes the run there
+    once the state exists, and keeps the MLflow run id in the Trainer's checkpoints
+    (``run_meta``) so a resume logs into the same MLflow run."""
+
+    def __init__(self, tracker, rank: int):
+        self.tracker = tracker if rank == 0 else None
+        self.sent: list = []
+        self.run_id: str | None = None
+
+    def on_restore(self, trainer, step: int, path: str, meta: dict) -> None:
+        self.run_id = meta.get("run", {}).get(RUN_ID_KEY) or self.run_id
+
+    def run_meta(self, trainer) -> dict:
+        return {RUN_ID_KEY: self.run_id} if self.run_id else {}
+
+    def on_init(self, trainer) -> None:
+        if self.tracker is None:
+            return
+        d = trainer.describe()
+        tags = {"redray.hosts": d["hosts"], "redray.devices": d["devices"],
+                "redray.mesh": describe_shape(d["mesh"]),
+                "redray.parameters": d["parameters"],
+                "redray.param_bytes_per_device": d["param_bytes_per_device"],
+                "redray.accumulation_steps": d["accumulation_steps"]}
+        # a chosen plan: what it is, why, its predicted step and the hardware numbers
+        tags.update({f"redray.plan.{k}": v for k, v in d.get("plan", {}).items()})
+        self.tracker.describe.remote(tags, trainer.plan())
+
+    def on_checkpoint(self, trainer, step: int, path: str, meta: dict) -> None:
+        if self.tracker is not None:
+            try:
+                self.tracker.checkpoint.remote(path)
+            except Exception:  # noqa: BLE001 - tracking never fails a run
+                pass
+
+    def on_log(self, trainer, row: dict) -> None:
+        import ray
+
+        if self.tracker is None:
+            return
+        try:
+            self.sent.append(self.tracker.log.remote(row))  # no waiting: the actor queues it
+            if len(self.sent) > 100:
+                _, pending = ray.wait(self.sent, num_returns=len(self.sent), timeout=0)
+                self.sent[:] = pending
+        except Exception:  # noqa: BLE001 - tracking never fails a run
+            return
+        if self.run_id is None:
+            try:
+                self.run_id = ray.get(self.tracker.run_id.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - tracking never fails a run
+                self.run_id = None
+
+    def flush(self) -> None:
+        """Waits (briefly) until the rows sent so far have reached the tracker: calls
+        still in flight when a worker exits could be lost."""
+        import ray
+
+        try:
+            if self.sent:
+                ray.wait(self.sent, num_returns=len(self.sent), timeout=FINISH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - tracking never fails a run
+            pass
 
 
 class NewestCheckpoint(Hook):
@@ -205,35 +265,6 @@ class NewestCheckpoint(Hook):
 
     def on_checkpoint(self, trainer, step: int, path: str, meta: dict) -> None:
         self.path = path
-
-
-class RayTrainCheckpoints(Hook):
-    """Tells Ray Train about every complete checkpoint (already in the run's storage).
-
-    Ray gets a pointer (a small JSON naming the Orbax folder), not the checkpoint:
-    Ray's run snapshot must only reference folders that stay, while redray's retention
-    deletes old checkpoints. ``ray.train.report`` is a barrier: every host calls it
-    for every checkpoint.
-    """
-
-    def on_checkpoint(self, trainer, step: int, path: str, meta: dict) -> None:
-        import json
-        import tempfile
-
-        import ray.train
-        from ray.train import Checkpoint
-
-        metrics = {"step": step, CHECKPOINT_KEY: path}
-        if ray.train.get_context().get_world_rank() != 0:
-            ray.train.report(metrics)
-            return
-        with tempfile.TemporaryDirectory() as folder:
-            with open(f"{folder}/{POINTER}", "w") as f:
-                json.dump({"path": path, "step": step, "epoch": meta["epoch"]}, f)
-            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
-
-
-POINTER = "redray_checkpoint.json"
 
 
 class Regroup(BaseException):

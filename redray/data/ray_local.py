@@ -5,8 +5,8 @@ started later on that instance (``redray.fit``) reserves one CPU per host, and R
 Data's reads and transforms then find none free and wait forever. So the data layer
 starts the local instance itself, with logical CPUs to spare for hosts (a logical CPU
 is a scheduling token: XLA and the reads still share the real cores), and keeps Ray
-Data to the real cores: on this driver, and in the hosts of a run, to which Ray Train
-hands the driver's DataContext.
+Data to the real cores: on this driver, and in the hosts of a run, to which the driver
+hands its DataContext (``HostJob.data_context``).
 
 A local instance is always a new one (``address="local"``): by default Ray would join
 a ``ray start`` cluster running on this machine instead, and then refuse ``num_cpus``.
@@ -43,34 +43,20 @@ def ensure_ray() -> None:
 
 
 def start_local(num_cpus: int | None) -> None:
-    """Starts a new Ray instance on this machine (with the dashboard: Ray Train's
-    placement-group cleaner asks its state API whether the controller lives, and warns
-    every second when it cannot). Its workers know its address (``own_address_hook``)."""
+    """Starts a new Ray instance on this machine, without the dashboard (nothing of a
+    run needs it, and it took 2 of the 7 s ``ray.init`` takes on 2 cores; start Ray
+    yourself, ``ray.init()``, to have it: a run joins the Ray this process runs) and
+    without idle workers started ahead: Ray starts one per CPU, each importing Ray,
+    and a run's hosts take none of them (their environment is their own), so on 2
+    cores they only slowed the hosts' start (a tiny run: 2-3 s of its 25)."""
     import ray
 
     with _quiet_start():
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=True,
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                  log_to_driver=True, logging_level=_ray_log_level(),
-                 runtime_env={"worker_process_setup_hook": own_address_hook()})
+                 _system_config={"enable_worker_prestart": False})
     quiet_ray_logs()
     limit_data_to_cores()
-
-
-def own_address_hook():
-    """What every worker process of a local instance runs as it starts: ``RAY_ADDRESS``
-    set to the instance the worker belongs to. Ray Train's placement-group cleaner asks
-    Ray's state API about the run's controller without an address; with a second Ray
-    instance on the machine (two runs at once) the state API finds both, and the
-    cleaner's thread died with a 30-line traceback on the driver. A nested function, so
-    that Ray ships it by value: by name, each worker would import redray (and JAX)."""
-    def own_address():
-        import os
-
-        import ray
-
-        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-
-    return own_address
 
 
 def on_driver_node():
@@ -127,9 +113,6 @@ NOISE = tuple(re.compile(p) for p in (
     r"(Starting|Connecting to) JAX distributed service on",  # jax.distributed
     r"Progress bars disabled\. To enable",  # Ray Data (redray turns its bars off)
     r"PYTHON worker processes have been started on node",  # the raylet, as actors start
-    r"has constructor arguments in the object store and max_restarts > 0",  # Ray Train
-    # Ray Train's placement-group cleaner, every second, on a Ray without its dashboard
-    r"Failed to query Ray Train Controller actor state\. State API may be",
     r"INFO mlflow\.store\.db\.utils|INFO  \[alembic",  # MLflow creating its SQLite tables
     r"PyTorch was not found\. Models won't be available",  # transformers without torch
     r"Token authentication is enabled for this Ray cluster",  # Ray 2.60's token auth

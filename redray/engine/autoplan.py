@@ -16,7 +16,9 @@ micro-batch.
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
 import re
 from typing import Callable
 
@@ -149,11 +151,12 @@ def cuts_at_one_stack(runtime: ModelRuntime, loss: Callable, params, extra, batc
 
 
 def choose(facts: RuntimeFacts, batch_size: int, hardware: Hardware, pinned: dict,
-           rules=()) -> Ranking:
+           rules=(), cache: str | None = None) -> Ranking:
     """The ranked plans of ``facts`` on every device of this runtime (``rank``); on the
-    live devices (``hardware.live``), with the model's pass timed there."""
+    live devices (``hardware.live``), with the model's pass timed there (kept in the
+    folder ``cache``, where given: ``model_timing``)."""
     if hardware.live and facts.timing is None:
-        facts.timing = model_timing(facts, hardware)
+        facts.timing = model_timing(facts, hardware, cache)
     return rank(facts, jax.device_count(), jax.process_count(), batch_size, hardware, pinned,
                 rules)
 
@@ -169,13 +172,21 @@ TIMED_SHARE = 0.6
 UPDATE_ELEMENTS = 1 << 20
 
 
-def model_timing(facts: RuntimeFacts, hardware: Hardware) -> ModelTiming | None:
+def model_timing(facts: RuntimeFacts, hardware: Hardware,
+                 cache: str | None = None) -> ModelTiming | None:
     """The model's gradient timed on every device at once (each on its own rows of the
     first batch, the parameters whole, no collectives), at ``TIMED_ROWS`` examples:
     ``fixed + rows * per_example`` (median of ``probe.REPEATS`` runs each). Process 0's
     numbers for every host. None for a model too large to hold whole on a device, or a
-    pass that does not run as one program per device."""
-    from redray.engine.probe import _grid, _timed
+    pass that does not run as one program per device.
+
+    ``cache``: a folder (the probe's) where the seconds are kept per cluster and per
+    program timed (a digest of the programs as lowered, their constants left out: the
+    model, the loss, the batch's shapes, the optimizer; a sweep over learning rates
+    times them once), so a new run of the same model and loss there plans without
+    compiling and timing them again (7 s of a tiny run's start on 2 cores). Process 0
+    reads and writes it; every host gets its numbers."""
+    from redray.engine.probe import _grid, _timed, cluster_key, ones
     from redray.sharding.hosts import from_process_zero
 
     params_abs, extra_abs = facts.runtime.abstract
@@ -184,6 +195,7 @@ def model_timing(facts: RuntimeFacts, hardware: Hardware) -> ModelTiming | None:
         return None
     mesh = _grid()
     rows_spec = P(("hosts", "local"))
+    whole, rows = NamedSharding(mesh, P()), NamedSharding(mesh, rows_spec)
     devices = mesh.devices.size
     unplanned = copy.copy(facts.runtime)  # no plan: no activation constraints in shard_map
     unplanned.parallelism = unplanned.mesh = None
@@ -195,30 +207,93 @@ def model_timing(facts: RuntimeFacts, hardware: Hardware) -> ModelTiming | None:
         total = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
         return jnp.reshape(total, (1,))
 
-    def batch_of(rows: int) -> dict:
+    def batch_of(count: int, abstract: bool = False) -> dict:
         out = {}
         for key, value in facts.sample.items():
             value = np.asarray(value)
-            whole = np.concatenate([np.resize(value, (rows, *value.shape[1:]))] * devices)
-            out[key] = jax.make_array_from_callback(
-                whole.shape, NamedSharding(mesh, rows_spec), lambda idx, w=whole: w[idx])
+            whole_rows = np.concatenate([np.resize(value, (count, *value.shape[1:]))] * devices)
+            out[key] = jax.ShapeDtypeStruct(whole_rows.shape, value.dtype, sharding=rows) \
+                if abstract else jax.make_array_from_callback(
+                    whole_rows.shape, rows, lambda idx, w=whole_rows: w[idx])
         return out
 
-    try:
-        params, extra = jax.jit(lambda: jax.tree.map(_filled, (params_abs, extra_abs)),
-                                out_shardings=NamedSharding(mesh, P()))()
-        run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), rows_spec),
-                                    out_specs=rows_spec, check_vma=False))
-        seconds = [_timed(run, params, extra, batch_of(r)) for r in TIMED_ROWS]
-        seconds.append(_update_seconds(facts.optimizer, mesh, rows_spec) / UPDATE_ELEMENTS)
-    except Exception:  # noqa: BLE001 - the planner then uses the hardware's matmul rate
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), rows_spec),
+                                out_specs=rows_spec, check_vma=False))
+    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
+                          (params_abs, extra_abs))
+    try:  # lowered once: what the digest reads and, untimed before, what is compiled
+        lowered = [run.lower(*placed, batch_of(r, abstract=True)) for r in TIMED_ROWS]
+        update = _update_program(facts.optimizer, mesh, rows_spec)
+        lowered.append(update.lower(*[jax.ShapeDtypeStruct(
+            (devices * UPDATE_ELEMENTS,), jnp.float32, sharding=rows)] * 2))
+    except Exception:  # noqa: BLE001 - not traceable now (a schedule with no budget yet):
+        lowered = None  # the planner uses the hardware's matmul rate
+    path = None
+    if cache is not None and lowered is not None:
+        path = os.path.join(cache, "timings", f"{cluster_key()}-{_digest(lowered)}.json")
+    kept = _kept_seconds(path)  # process 0's: every host measures, or none
+    hit, *kept = from_process_zero(np.array([kept is not None, *(kept or [0.0] * 3)],
+                                            np.float64)).tolist()
+    if hit:
+        seconds = kept
+    elif lowered is None:
         seconds = [0.0, 0.0, 0.0]
-    t_few, t_many, update = from_process_zero(np.array(seconds, np.float64)).tolist()
+    else:
+        try:
+            *passes, step = [program.compile() for program in lowered]
+            params, extra = jax.jit(lambda: jax.tree.map(_filled, (params_abs, extra_abs)),
+                                    out_shardings=whole)()
+            seconds = [_timed(p, params, extra, batch_of(r)) for p, r in zip(passes, TIMED_ROWS)]
+            vector = ones((devices * UPDATE_ELEMENTS,), jnp.float32, rows)
+            seconds.append(_timed(step, vector, vector) / UPDATE_ELEMENTS)
+        except Exception:  # noqa: BLE001 - the planner then uses the hardware's matmul rate
+            seconds = [0.0, 0.0, 0.0]
+    t_few, t_many, update_s = from_process_zero(np.array(seconds, np.float64)).tolist()
+    if not hit and t_few > 0 and path is not None and jax.process_index() == 0:
+        _keep_seconds(path, [t_few, t_many, update_s])
     if not t_few > 0:
         return None
     flops = facts.flops("none")
     fixed, per_example = timed_line(t_few, t_many, flops / hardware.matmul_flops)
-    return ModelTiming(fixed, per_example, flops, update)
+    return ModelTiming(fixed, per_example, flops, update_s)
+
+
+# A constant in a lowered program (``dense<1.000000e-03>``: a learning rate, a norm's
+# epsilon): what it computes with, not how long it takes.
+CONSTANT = re.compile(r"dense<[^>]*>")
+
+
+def _digest(lowered: list) -> str:
+    """The programs timed, as a digest of their StableHLO without their constants."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for program in lowered:
+        digest.update(CONSTANT.sub("dense<#>", program.as_text()).encode())
+    return digest.hexdigest()[:20]
+
+
+def _kept_seconds(path: str | None) -> list | None:
+    """The seconds kept at ``path`` (read on process 0 only), or None."""
+    if path is None or jax.process_index() != 0 or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            seconds = json.load(f)["seconds"]
+        return [float(s) for s in seconds] if len(seconds) == 3 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _keep_seconds(path: str, seconds: list) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"seconds": seconds, "rows": list(TIMED_ROWS),
+                       "elements": UPDATE_ELEMENTS}, f)
+        os.replace(path + ".tmp", path)
+    except OSError:  # a cache that cannot be written: the next run times again
+        pass
 
 
 def timed_line(t_few: float, t_many: float, at_matmul_rate: float) -> tuple[float, float]:
@@ -238,14 +313,12 @@ def timed_line(t_few: float, t_many: float, at_matmul_rate: float) -> tuple[floa
     return max(0.0, min(t_few, t_many) - few * per_example), per_example
 
 
-def _update_seconds(optimizer, mesh, spec) -> float:
-    """Seconds of a step's update on ``UPDATE_ELEMENTS`` parameters per device, every
-    device at once: the gradient's norm, ``optimizer.update``, the new parameters, and
-    the non-finite guard's select of them and of the optimizer state (as ``train_step``
-    runs them)."""
+def _update_program(optimizer, mesh, spec):
+    """A step's update on ``UPDATE_ELEMENTS`` parameters per device, every device at
+    once (params, grads -> a sum): the gradient's norm, ``optimizer.update``, the new
+    parameters, and the non-finite guard's select of them and of the optimizer state
+    (as ``train_step`` runs them)."""
     import optax
-
-    from redray.engine.probe import _timed
 
     def local(params, grads):
         state = optimizer.init(params)
@@ -256,13 +329,8 @@ def _update_seconds(optimizer, mesh, spec) -> float:
         return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(kept)
                    if jnp.issubdtype(x.dtype, jnp.inexact)).reshape(1)
 
-    sharding = NamedSharding(mesh, spec)
-    shape = (mesh.devices.size * UPDATE_ELEMENTS,)
-    params = jax.jit(lambda: jnp.full(shape, 0.01, jnp.float32), out_shardings=sharding)()
-    grads = jax.jit(lambda: jnp.full(shape, 1e-3, jnp.float32), out_shardings=sharding)()
-    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
-                                check_vma=False))
-    return _timed(run, params, grads)
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
+                                 check_vma=False))
 
 
 def _expert_layers(runtime: ModelRuntime) -> list:

@@ -4,10 +4,10 @@
 window of metrics, the progress bar, evaluation after each epoch, checkpoints) is a
 ``Hook`` that decides its own cadence from the events it receives. Code outside the
 engine adds its own the same way, ``Trainer(hooks=[...])`` or ``trainer.add_hook``;
-the cluster layer sends rows to MLflow and registers checkpoints with Ray Train so.
+the cluster layer sends rows and checkpoints to MLflow so.
 
-Every process runs the hooks that talk to other processes (a collective,
-``ray.train.report``) on the same events, so they are called equally often everywhere;
+Every process runs the hooks that talk to other processes (a collective) on the same
+events, so they are called equally often everywhere;
 what only shows or sends (the progress, the evaluation's console line, the tracker's
 rows) runs on process 0. A hook reaches the Trainer through its public methods
 (``record``, ``roll_back``, ``save_checkpoint``...) and keeps what it must in every

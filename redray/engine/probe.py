@@ -53,13 +53,21 @@ def _grid() -> Mesh:
     return Mesh(np.array(devices, dtype=object).reshape(hosts, -1), ("hosts", "local"))
 
 
+def ones(shape: tuple, dtype, sharding: NamedSharding) -> jax.Array:
+    """Ones of ``shape`` on ``sharding``, each device's shard made on the host: a
+    measurement's input costs no program of its own (each is a compile, ten of the
+    probe's twenty on a tiny run's start)."""
+    shard = np.ones(sharding.shard_shape(shape), jnp.dtype(dtype))
+    return jax.make_array_from_callback(shape, sharding, lambda idx: shard)
+
+
 def _matmul_rate(mesh: Mesh, dtype, n: int) -> float:
     """FLOPs per second each device sustains on an (n, n) x (n, n) matmul, all devices
     at once."""
     devices = mesh.devices.size
     spec = NamedSharding(mesh, P(("hosts", "local")))
-    x = jax.jit(lambda: jnp.ones((devices * n, n), dtype), out_shardings=spec)()
-    y = jax.jit(lambda: jnp.ones((n, n), dtype), out_shardings=NamedSharding(mesh, P()))()
+    x = ones((devices * n, n), dtype, spec)
+    y = ones((n, n), dtype, NamedSharding(mesh, P()))
     seconds = _timed(jax.jit(lambda a, b: a @ b, out_shardings=spec), x, y)
     return 2 * n ** 3 / seconds
 
@@ -74,8 +82,7 @@ def _link(mesh: Mesh, axis: str, dtype) -> Link | None:
 
     def reduce(size: int) -> float:
         spec = P(("hosts", "local"))
-        x = jax.jit(lambda: jnp.ones((mesh.devices.size, size // itemsize), dtype),
-                    out_shardings=NamedSharding(mesh, spec))()
+        x = ones((mesh.devices.size, size // itemsize), dtype, NamedSharding(mesh, spec))
         summed = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, axis), mesh=mesh,
                                        in_specs=spec, out_specs=spec))
         return _timed(summed, x)
@@ -89,8 +96,7 @@ def _link(mesh: Mesh, axis: str, dtype) -> Link | None:
 
 def _overhead(mesh: Mesh) -> float:
     """Seconds one small program costs to dispatch and run on every device."""
-    x = jax.jit(lambda: jnp.ones((mesh.devices.size, 8)),
-                out_shardings=NamedSharding(mesh, P(("hosts", "local"))))()
+    x = ones((mesh.devices.size, 8), jnp.float32, NamedSharding(mesh, P(("hosts", "local"))))
     return _timed(jax.jit(lambda v: v + 1), x)
 
 

@@ -21,7 +21,7 @@ import optax
 
 from redray.engine.model import split_trainable
 from redray.engine.nonfinite import zero_flag
-from redray.engine.runtime import ModelRuntime, abstract_batch
+from redray.engine.runtime import ModelRuntime, abstract_batch, once_options
 from redray.engine.state import StateLayout, TrainState, counters
 from redray.engine.staged import one_f_one_b_gradients
 from redray.engine.steps import (eval_step, microbatched, model_gradients, model_loss,
@@ -102,19 +102,29 @@ class TrainProgram:
         model as built), the non-finite flag and, starting fresh, the parameters, the
         counters and the optimizer state (one jitted function)."""
         params = extra = frozen = None
+        shardings = self.layout.shardings
+        seed, optimizer, runtime = self.seed, self.optimizer, self.runtime
+        counted = (shardings.step, shardings.rng, shardings.nonfinite_step, shardings.opt_state)
+        if items is None and self.trainable is None and runtime.from_factory:
+            # a fresh start: parameters, counters and optimizer state in one program
+            def fresh(key):
+                params, extra = runtime.fresh(key)
+                return params, extra, (*counters(seed), optimizer.init(params))
+
+            params, extra, (step, rng, nonfinite_step, opt_state) = jax.jit(
+                fresh, out_shardings=(*runtime.shardings, counted),
+                compiler_options=once_options(runtime.mesh))(runtime.init_key)
+            return TrainState(step=step, rng=rng, params=params, extra=extra,
+                              opt_state=opt_state, frozen=None, nonfinite_step=nonfinite_step)
         if items is None or self.trainable is not None:
-            params, extra = self.runtime.init()
+            params, extra = runtime.init()
             if self.trainable is not None:
                 params, frozen = split_trainable(params, self.trainable)
-        shardings = self.layout.shardings
         if items is not None:
             return self.from_checkpoint(items, frozen).replace(
                 nonfinite_step=zero_flag(shardings.nonfinite_step))
-        seed, optimizer = self.seed, self.optimizer
         step, rng, nonfinite_step, opt_state = jax.jit(
-            lambda p: (*counters(seed), optimizer.init(p)),
-            out_shardings=(shardings.step, shardings.rng, shardings.nonfinite_step,
-                           shardings.opt_state))(params)
+            lambda p: (*counters(seed), optimizer.init(p)), out_shardings=counted)(params)
         return TrainState(step=step, rng=rng, params=params, extra=extra, opt_state=opt_state,
                           frozen=frozen, nonfinite_step=nonfinite_step)
 

@@ -120,8 +120,20 @@ class ModelRuntime:
         values = getattr(self.adapter, "values", None)
         if values is not None:
             return self.place(*values)
-        return jax.jit(lambda key: self._reordered(self.adapter.init(key), self.shardings, True),
-                       out_shardings=self.shardings)(self.init_key)
+        return jax.jit(self.fresh, out_shardings=self.shardings,
+                       compiler_options=once_options(self.mesh))(self.init_key)
+
+    @property
+    def from_factory(self) -> bool:
+        """Whether ``init`` creates the parameters (a factory) rather than copying a
+        built module's arrays."""
+        return getattr(self.adapter, "values", None) is None
+
+    def fresh(self, key):
+        """(params, extra) of the model's factory at ``key``, in this runtime's layer
+        order: what ``init`` runs under ``jax.jit`` (traceable, to join other work in
+        one program)."""
+        return self._reordered(self.adapter.init(key), self.shardings, True)
 
     def _reordered(self, tree, shardings, to_plan: bool):
         stages = self.parallelism.size(STAGE) if self.parallelism is not None else 1
@@ -176,6 +188,17 @@ class ModelRuntime:
 
     def replicated(self) -> NamedSharding:
         return self.parallelism.replicated()
+
+
+def once_options(mesh) -> dict | None:
+    """XLA's options for a program that runs once (a fresh state's init): on CPU without
+    LLVM's optimizations, which took two thirds of its compile (1.8 s of a tiny model's
+    init on 2 cores) and nothing of note from its single run. Every fresh init compiles
+    so, whichever path makes it, so the same seed gives the same values everywhere (the
+    last bits of a random normal differ between optimization levels)."""
+    if mesh is None or mesh.devices.flat[0].platform != "cpu":
+        return None
+    return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def abstract_batch(batch: dict, rows: int) -> dict:

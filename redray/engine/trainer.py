@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from redray import startup
 from redray.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatch, latest_meta
 from redray.engine.batches import collate_checked, each_batch, first_examples, to_global
 from redray.engine.console import Console
@@ -208,6 +209,7 @@ class Trainer:
         self.progress = progress
         self.prefetch = prefetch
         self.state: TrainState | None = None
+        self._compiled = False  # whether the training step ran once (compiled)
         self.program: TrainProgram | None = None
         self.checkpoint_config = CheckpointConfig.of(checkpoint)
         self.checkpointer: Checkpointer | None = None
@@ -269,19 +271,23 @@ class Trainer:
                                  first_examples(examples, self.batch_size))
         if self.parallelism is None and not self._keep_plan():
             self._choose_plan(sample)
-        self.program = TrainProgram.build(
-            self.runtime, self.functions, self.optimizer, self.geometry, sample,
-            seed=self.seed, trainable=self.trainable, grad_fn=self.grad_fn,
-            on_nonfinite=self.on_nonfinite)
+        with startup.phase("build"):
+            self.program = TrainProgram.build(
+                self.runtime, self.functions, self.optimizer, self.geometry, sample,
+                seed=self.seed, trainable=self.trainable, grad_fn=self.grad_fn,
+                on_nonfinite=self.on_nonfinite)
         items = None
         if self.checkpoint_config is not None:
-            self.checkpointer = Checkpointer(self.checkpoint_config, CHECKPOINT_ITEMS)
-            found = self._restore_latest() if self.checkpoint_config.resume else None
+            with startup.phase("restore"):
+                self.checkpointer = Checkpointer(self.checkpoint_config, CHECKPOINT_ITEMS)
+                found = self._restore_latest() if self.checkpoint_config.resume else None
             if found is not None:
                 items, meta = found
                 self.resumed_from = meta
                 self.position = Position(meta["epoch"], meta["batch"], meta["epoch_done"])
-        self.state = self.program.initial_state(items)
+        with startup.phase("init"):
+            self.state = self.program.initial_state(items)
+        self._compiled = False
         if items is not None:
             meta = self.resumed_from
             path = self.checkpointer.step_path(meta["step"])
@@ -335,14 +341,17 @@ class Trainer:
 
         hardware = self.hardware
         if hardware is None:
-            hardware = probe(self._probe_cache)
+            with startup.phase("probe"):
+                hardware = probe(self._probe_cache)
         elif not isinstance(hardware, Hardware):
             hardware = preset(hardware)
-        facts = RuntimeFacts(self.runtime, self.functions.loss, self.optimizer, sample,
-                             self.trainable, tokens_per_example(sample))
-        facts.one_f_one_b = facts.one_f_one_b and self.grad_fn is None
-        self.plan_ranking = choose(facts, self.batch_size, hardware, self._pinned, self._rules)
-        self._use_plan(self.plan_ranking.best.candidate)
+        with startup.phase("planner"):
+            facts = RuntimeFacts(self.runtime, self.functions.loss, self.optimizer, sample,
+                                 self.trainable, tokens_per_example(sample))
+            facts.one_f_one_b = facts.one_f_one_b and self.grad_fn is None
+            self.plan_ranking = choose(facts, self.batch_size, hardware, self._pinned,
+                                       self._rules, cache=self._probe_cache)
+            self._use_plan(self.plan_ranking.best.candidate)
         if self.progress and jax.process_index() == 0:
             self.console.say(self.plan_ranking.why())
 
@@ -477,7 +486,15 @@ class Trainer:
 
     def _step(self, placed: dict[str, jax.Array]) -> dict[str, jax.Array]:
         self._require_init("train_step")
-        self.state, metrics = self.program.train_step()(self.state, placed)
+        if self._compiled:
+            self.state, metrics = self.program.train_step()(self.state, placed)
+        else:  # the first call traces and compiles the step, then dispatches it
+            start = time.time()
+            self.state, metrics = self.program.train_step()(self.state, placed)
+            startup.RECORDER.add("compile", start)
+            with startup.phase("first_step"):
+                jax.block_until_ready(metrics)
+            self._compiled = True
         watchdog.progress("a training step", training=True)
         return metrics
 
@@ -570,6 +587,7 @@ class Trainer:
             self._guard, recorder, LogWindow(self.log_every),
             self.console.progress(self, self.budget) if shown else None, evaluation,
             None if ckpt is None else Checkpoints(self, data.settings())) if hook is not None]
+        begun = time.time()
         try:
             first_epoch, _ = self.position.resume_point()
             if (eval_at_start and evaluation is not None and first_epoch < epochs
@@ -591,6 +609,7 @@ class Trainer:
                 hook.on_fit_end(self)
         finally:
             self._fit_hooks, self._guard = [], None
+            startup.RECORDER.fill("steps", begun)
         return recorder.rows
 
     def _learn_tokens(self, batch: dict) -> None:

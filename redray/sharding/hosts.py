@@ -24,8 +24,8 @@ def served_at(host: str) -> str:
 
 def join(address: str, world: int, rank: int) -> None:
     """Joins the JAX runtime served at ``address`` as process ``rank`` of ``world``
-    (waits until all have); on CPU over gloo collectives. A Ray Train worker group's
-    hosts (``redray.cluster.distributed``) and a sampler replica's processes
+    (waits until all have); on CPU over gloo collectives. A run's hosts
+    (``redray.cluster.hosts``) and a sampler replica's processes
     (``redray.post_training.remote``) join theirs so."""
     if jax.config.jax_platforms in (None, "", "cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
