@@ -10,6 +10,8 @@ import sys
 
 import numpy as np
 import optax
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import redray
@@ -58,8 +60,12 @@ def test_a_local_ray_spares_cpus_keeps_ray_data_to_the_cores_and_knows_its_insta
         ensure_ray()  # running: nothing changes
         assert ray.cluster_resources()["CPU"] == cores + SPARE_CPUS
         # the hosts of a run on it (whose Stream reads are Ray Data's) keep to them too
+        folder = tmp_path / "corpus"
+        folder.mkdir()
+        pq.write_table(pa.table({"ids": [e["ids"].tolist() for e in token_data(32)]}),
+                       str(folder / "part-0.parquet"))
         redray.fit(lambda rngs: TinyLM(rngs), recording_collate(str(tmp_path)), lm_loss,
-                   optax.adam(1e-2), train_data=token_data(16), max_steps=1, hosts=2,
+                   optax.adam(1e-2), train_data=redray.Stream(str(folder)), max_steps=1, hosts=2,
                    devices_per_host=1, batch_size=8, storage_path=str(tmp_path / "runs"),
                    progress=False)
         limits = [open(p).read() for p in glob.glob(str(tmp_path / "host-*"))]

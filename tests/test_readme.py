@@ -450,8 +450,9 @@ def check_demo(work, done):
     """The README's `redray run` of the demo (20 steps, verbose through the environment:
     see VERBOSE) resumes the run `make demo` trained to step 6."""
     out = done.stdout + done.stderr
-    # verbose: the workers' stream is back, set-up chatter included
-    assert "(Host pid=" in out and "JAX distributed service" in out
+    # verbose: the workers' stream is back, and the start-up table with it
+    assert "(Host pid=" in out and "redray: the run took" in out
+    assert re.search(r"^  first_step +\d+\.\d\d ", out, re.M), out[-3000:]
     assert "resumed from " in out  # host 0's line, through the workers' stream
     numbers = last_numbers(done.stdout)
     assert numbers["step"] == 20 and numbers["perplexity_after"] < numbers["perplexity_before"]
