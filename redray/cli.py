@@ -215,24 +215,49 @@ def _submit(args) -> int:
 
 
 def _follow(client, job: str) -> str:
-    """Prints a job's logs as they come until it ends; returns them."""
-    import asyncio
+    """Prints a job's logs as they come until it ends; returns them.
 
-    seen: list[str] = []
+    The logs are read by an event loop on a thread of its own, and printed here: Ctrl-C
+    (``KeyboardInterrupt`` in this, the main thread) then stops following at once. An
+    event loop on the main thread turns Ctrl-C into a cancellation of the task reading
+    the logs, and waits for it to end, which the job client's web socket did not always
+    do (the follower hung)."""
+    import asyncio
+    import queue
+    import threading
 
     from redray.data.ray_local import OutputState, drop_noise
 
+    seen: list[str] = []
     stream = OutputState()
+    arrived: queue.Queue = queue.Queue()
+    done = object()
 
-    async def tail():
-        async for lines in client.tail_job_logs(job):
-            seen.append(lines)
-            shown = lines.splitlines() if verbose() else drop_noise(lines.splitlines(), stream)
-            if shown:
-                print("\n".join(shown), flush=True)
+    def read():
+        async def tail():
+            async for lines in client.tail_job_logs(job):
+                arrived.put(lines)
 
-    asyncio.run(tail())
-    return "".join(seen)
+        try:
+            asyncio.run(tail())
+        except BaseException as error:  # noqa: BLE001 - raised again on the main thread
+            arrived.put(error)
+        arrived.put(done)
+
+    threading.Thread(target=read, name="redray-follow", daemon=True).start()
+    while True:
+        try:
+            lines = arrived.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if lines is done:
+            return "".join(seen)
+        if isinstance(lines, BaseException):
+            raise lines
+        seen.append(lines)
+        shown = lines.splitlines() if verbose() else drop_noise(lines.splitlines(), stream)
+        if shown:
+            print("\n".join(shown), flush=True)
 
 
 def _status_name(status) -> str:
