@@ -12,6 +12,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+# What a host's part of a job ends with (``worker.run_job``, read by the driver): the job
+# ran to its end, or its group ends at a checkpoint to regroup (an elastic run with room
+# for more hosts).
+DONE, REGROUP = "done", "regroup"
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FitCode:

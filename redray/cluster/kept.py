@@ -27,8 +27,9 @@ class Kept:
         self.session: str | None = None
 
     def take(self, usable: Callable[[Any], bool] = lambda item: True) -> Any:
-        """The kept item if it belongs to this session and ``usable(item)``, else None
-        (an unusable one is dropped; ``drop`` ends it)."""
+        """The kept item if it belongs to this session and ``usable(item)``, else None.
+        Either way nothing is kept after: an item that is not usable is forgotten
+        (``usable`` may end it, as ``hosts.take`` does)."""
         item, kept_session = self.item, self.session
         self.item = self.session = None
         if item is None or kept_session != session():

@@ -11,7 +11,8 @@ from typing import Any, Callable
 from redray import startup
 from redray.cluster.config import ClusterConfig
 from redray.cluster.console import DriverView, Watcher
-from redray.cluster.job import CallCode, CallTask, FitCode, FitTask, HostJob, free_for
+from redray.cluster.job import (REGROUP, CallCode, CallTask, FitCode, FitTask, HostJob,
+                               free_for)
 from redray.cluster.run_lock import RunLock
 from redray.data.ray_local import join, quiet_ray_logs, start_local
 from redray.verbosity import ADVICE_ENV, VERBOSE_ENV, verbose
@@ -483,8 +484,6 @@ class HostFailure(RuntimeError):
         self.host = host
 
 
-# What a host's job returns (``worker.run_job``).
-DONE, REGROUP = "done", "regroup"
 # How long an elastic group of a given size may wait for its placement before a smaller
 # one is tried.
 ELASTIC_START_TIMEOUT_S = 10

@@ -13,15 +13,12 @@ import traceback
 
 from redray import startup
 from redray.cluster.console import DriverConsole
-from redray.cluster.job import HostJob, free_for
+from redray.cluster.job import DONE, REGROUP, HostJob, free_for
 from redray.cluster.tracker import FINISH_TIMEOUT_S, RUN_ID_KEY
 from redray.engine.hooks import Adoption, Hook, trainer_scope
 from redray.engine.watchdog import Stall, Watchdog
 from redray.sharding.parallelism import describe_shape
 
-# What ``run_job`` returns: the job ran to its end, or its group ends at a checkpoint to
-# regroup (an elastic run with room for more hosts).
-DONE, REGROUP = "done", "regroup"
 
 
 def run_job(job: HostJob, rank: int) -> str:
