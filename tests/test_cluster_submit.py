@@ -47,6 +47,10 @@ def head():
     if ray.is_initialized():
         ray.shutdown()
     temp = tempfile.mkdtemp(prefix="rr", dir="/tmp")  # short: Unix socket paths are limited
+    # the head's token, as the README's walkthrough makes it (kept if there is one)
+    made = subprocess.run([RAY, "get-auth-token", "--generate"], env=token_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stdout + made.stderr
     before = set(psutil.pids())
     gcs, dash, client = free_port(), free_port(), free_port()
     started = subprocess.run(
@@ -167,9 +171,12 @@ def test_ray_client_finds_the_token_itself_and_says_when_there_is_none(head, tmp
     found = subprocess.run([sys.executable, str(script), head["client"]], env=dict(
         bare, HOME=str(home)), capture_output=True, text=True, timeout=300)
     assert found.returncode == 0 and "CPUs 4.0" in found.stdout, found.stderr[-3000:]
-    closed = subprocess.run([sys.executable, str(script), f"ray://127.0.0.1:{free_port()}"],
-                            env=dict(bare, HOME=str(home)), capture_output=True, text=True,
-                            timeout=120)
+    with socket.socket() as port:  # bound, never listening: no one else takes it
+        port.bind(("127.0.0.1", 0))
+        closed = subprocess.run([sys.executable, str(script),
+                                 f"ray://127.0.0.1:{port.getsockname()[1]}"],
+                                env=dict(bare, HOME=str(home)), capture_output=True,
+                                text=True, timeout=120)
     assert "cannot reach the Ray client server" in closed.stderr, closed.stderr[-2000:]
 
 
@@ -225,8 +232,11 @@ def test_redray_submit_errors_are_one_line_with_the_fix(head, tmp_path):
     one_line_error(redray_cli("submit", str(script), "--address", head["dashboard"],
                               env=dict(token_env(), RAY_AUTH_TOKEN="0" * 32)),
                    "rejected the token", "~/.ray/auth_token")
-    one_line_error(redray_cli("submit", str(script), "--address",
-                              f"http://127.0.0.1:{free_port()}"), "cannot reach", "8265")
+    with socket.socket() as closed:  # bound, never listening: refused, and no other
+        closed.bind(("127.0.0.1", 0))  # process can take the port while it is tried
+        one_line_error(redray_cli("submit", str(script), "--address",
+                                  f"http://127.0.0.1:{closed.getsockname()[1]}"),
+                       "cannot reach", "8265")
     one_line_error(redray_cli("submit", str(tmp_path / "missing.py"), "--address",
                               head["dashboard"]), "no script")
 
