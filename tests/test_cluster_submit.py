@@ -4,6 +4,7 @@ The cluster is this test's own (a private temp dir and free ports); teardown kil
 only the processes whose command line names that temp dir.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -36,6 +37,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def closed_port():
+    """A port bound and never listening, while the block runs: a connection to it is
+    refused, and no other process can take it meanwhile (a port freed and tried later
+    can be: another process then answers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
 
 
 def token_env() -> dict:
@@ -171,10 +182,8 @@ def test_ray_client_finds_the_token_itself_and_says_when_there_is_none(head, tmp
     found = subprocess.run([sys.executable, str(script), head["client"]], env=dict(
         bare, HOME=str(home)), capture_output=True, text=True, timeout=300)
     assert found.returncode == 0 and "CPUs 4.0" in found.stdout, found.stderr[-3000:]
-    with socket.socket() as port:  # bound, never listening: no one else takes it
-        port.bind(("127.0.0.1", 0))
-        closed = subprocess.run([sys.executable, str(script),
-                                 f"ray://127.0.0.1:{port.getsockname()[1]}"],
+    with closed_port() as port:
+        closed = subprocess.run([sys.executable, str(script), f"ray://127.0.0.1:{port}"],
                                 env=dict(bare, HOME=str(home)), capture_output=True,
                                 text=True, timeout=120)
     assert "cannot reach the Ray client server" in closed.stderr, closed.stderr[-2000:]
@@ -232,11 +241,9 @@ def test_redray_submit_errors_are_one_line_with_the_fix(head, tmp_path):
     one_line_error(redray_cli("submit", str(script), "--address", head["dashboard"],
                               env=dict(token_env(), RAY_AUTH_TOKEN="0" * 32)),
                    "rejected the token", "~/.ray/auth_token")
-    with socket.socket() as closed:  # bound, never listening: refused, and no other
-        closed.bind(("127.0.0.1", 0))  # process can take the port while it is tried
+    with closed_port() as port:
         one_line_error(redray_cli("submit", str(script), "--address",
-                                  f"http://127.0.0.1:{closed.getsockname()[1]}"),
-                       "cannot reach", "8265")
+                                  f"http://127.0.0.1:{port}"), "cannot reach", "8265")
     one_line_error(redray_cli("submit", str(tmp_path / "missing.py"), "--address",
                               head["dashboard"]), "no script")
 
