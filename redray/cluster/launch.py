@@ -354,7 +354,7 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
         import ray
 
         from redray.cluster import hosts, results as results_kept
-        from redray.cluster.tracker import finish_tracker, start_tracker
+        from redray.cluster.tracker import start_tracker
 
     connected_here = not ray.is_initialized()
     # Before the data: Ray Data would otherwise start a Ray of its own. A local cluster
@@ -413,8 +413,7 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
                 group.close()
             break
     except Exception as error:
-        _finish_startup(spans, None, start, tracker, quiet)
-        finish_tracker(tracker, "FAILED")
+        _finish_startup(spans, None, start, tracker, quiet, "FAILED")
         _, failures = ray.get(results.get.remote())
         results_kept.keep(results)
         if not failures and isinstance(error, HostFailure):  # a host gone without a word
@@ -434,10 +433,11 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
     out, _ = ray.get(results.get.remote())
     results_kept.keep(results)
     host_spans = out.pop("startup")
-    phases = _finish_startup(spans, host_spans, start, tracker, quiet, out["resumed_from_step"])
-    report = finish_tracker(tracker, "FINISHED", out["checkpoint"])
+    phases, total, report = _finish_startup(spans, host_spans, start, tracker, quiet,
+                                            "FINISHED", out["checkpoint"],
+                                            out["resumed_from_step"])
     return {**out, "name": folders.name, "storage_path": folders.storage,
-            "seconds": time.time() - start, "startup": phases,
+            "seconds": total, "startup": phases,
             "tracking_uri": report and report["uri"],
             "mlflow_run_id": report and report["run_id"]}
 
@@ -453,27 +453,37 @@ def _data_context(task):
 
 
 def _finish_startup(spans: startup.Recorder, host_spans: list | None, start: float, tracker,
-                    quiet: bool, step: int | None = None) -> dict:
+                    quiet: bool, status: str, checkpoint: str | None = None,
+                    step: int | None = None) -> tuple[dict, float, dict | None]:
     """The run's phases (the driver's, host 0's and the end: from host 0's last phase to
-    now), logged to MLflow at the step the run started from and, verbose, printed.
-    Returns the seconds per phase."""
+    the tracker's end), logged to MLflow at the step the run started from, the tracker
+    ended with ``status``, and, verbose, the table printed. Returns the seconds per phase,
+    the call's seconds (what ``RunResult.seconds`` reports, the table's total) and the
+    tracker's report."""
     import ray
 
-    timeline = spans.spans + list(host_spans or [])
-    if host_spans:
-        spans.add("end", max(s.end for s in host_spans))
-        timeline.append(spans.spans[-1])
-    total = time.time() - start
+    from redray.cluster.tracker import finish_tracker
+
+    def timeline(now: float | None = None) -> list:
+        spans_now = spans.spans + list(host_spans or [])
+        if host_spans:
+            spans_now.append(startup.Span("end", max(s.end for s in host_spans),
+                                          now or time.time()))
+        return spans_now
+
     if tracker is not None:
-        try:
-            ray.get(tracker.log.remote({"step": step or 0, **startup.metrics(timeline, total)}),
+        try:  # what the tracker's end adds is not in these (it ends after them)
+            ray.get(tracker.log.remote({"step": step or 0,
+                                        **startup.metrics(timeline(), time.time() - start)}),
                     timeout=10)
         except Exception:  # noqa: BLE001 - tracking never fails a run
             pass
+    report = finish_tracker(tracker, status, checkpoint)
+    now = time.time()
+    final, total = timeline(now), now - start
     if not quiet:
-        print(startup.table(timeline, total, f"redray: the run took {total:.1f} s"),
-              flush=True)
-    return startup.seconds(timeline)
+        print(startup.table(final, total, f"redray: the run took {total:.1f} s"), flush=True)
+    return startup.seconds(final), total, report
 
 
 class HostFailure(RuntimeError):
