@@ -340,6 +340,37 @@ def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():
     assert on_paper.plan_ranking.timing is None
 
 
+def test_a_run_too_short_to_pay_for_timing_is_planned_on_the_probed_rates(monkeypatch):
+    from redray.engine import autoplan
+
+    config = LlamaConfig(**TINY)
+    make = lambda **kw: redray.Trainer(lambda rngs: build(config, rngs=rngs), collate,  # noqa: E731
+                                       loss, optax.adam(1e-3), batch_size=8, progress=False,
+                                       checkpoint=False, **kw)
+    short = make()
+    short.fit(DATA, max_steps=2)
+    ranking = short.plan_ranking
+    assert ranking.timing is None and "a run of 2 steps" in ranking.untimed, ranking.untimed
+    assert "the model's pass not timed" in ranking.why() and "plan_timing=True" in ranking.why()
+    assert short.step == 2
+    # the same two steps against a threshold well under their predicted time: timed
+    monkeypatch.setattr(autoplan, "TIMED_RUN_S", 2 * ranking.best.cost.seconds / 3)
+    longer = make()
+    longer.fit(DATA, max_steps=2)
+    assert longer.plan_ranking.timing is not None and longer.plan_ranking.untimed is None
+    assert "not timed" not in longer.plan_ranking.why()
+    # what the user says wins either way
+    never = make(plan_timing=False)
+    never.fit(DATA, max_steps=2)
+    assert never.plan_ranking.timing is None and never.plan_ranking.untimed == "plan_timing=False"
+    monkeypatch.setattr(autoplan, "TIMED_RUN_S", 1e9)
+    always = make(plan_timing=True)
+    always.fit(DATA, max_steps=2)
+    assert always.plan_ranking.timing is not None
+    with pytest.raises(ValueError, match="plan_timing='yes'"):
+        make(plan_timing="yes")
+
+
 def test_a_model_timed_once_is_read_back_until_its_programs_change(tmp_path, monkeypatch):
     from redray.engine import probe
     from redray.engine.autoplan import RuntimeFacts, model_timing

@@ -151,7 +151,8 @@ def test_a_run_choosing_its_plan_replans_when_resumed_on_fewer_hosts(tmp_path, m
     monkeypatch.delenv("REDRAY_CACHE_DIR", raising=False)  # the storage's own probe
     common = dict(train_data=DATA, name="auto", storage_path=str(tmp_path), batch_size=8,
                   parallelism="auto", log_every=1, seed=0, progress=False, devices_per_host=2,
-                  checkpoint=CheckpointConfig(save_every=4))
+                  checkpoint=CheckpointConfig(save_every=4),
+                  plan_timing=True)  # timed, though short: the timings are kept
     first = redray.fit(model, lm_collate, lm_loss, optax.adam(1e-2), epochs=1, hosts=2,
                        **common)
     tags = MlflowClient(first.tracking_uri).get_run(first.mlflow_run_id).data.tags

@@ -16,6 +16,7 @@ micro-batch.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -151,14 +152,40 @@ def cuts_at_one_stack(runtime: ModelRuntime, loss: Callable, params, extra, batc
 
 
 def choose(facts: RuntimeFacts, batch_size: int, hardware: Hardware, pinned: dict,
-           rules=(), cache: str | None = None) -> Ranking:
+           rules=(), cache: str | None = None, steps: int | None = None,
+           timed: bool | None = None) -> Ranking:
     """The ranked plans of ``facts`` on every device of this runtime (``rank``); on the
     live devices (``hardware.live``), with the model's pass timed there (kept in the
-    folder ``cache``, where given: ``model_timing``)."""
-    if hardware.live and facts.timing is None:
-        facts.timing = model_timing(facts, hardware, cache)
-    return rank(facts, jax.device_count(), jax.process_count(), batch_size, hardware, pinned,
-                rules)
+    folder ``cache``, where given: ``model_timing``).
+
+    ``timed``: True times the pass, False does not; None (default) times it unless the
+    run is too short to pay for it: ``steps`` steps at the untimed pick's predicted step
+    under ``TIMED_RUN_S`` (the timing itself takes seconds: compiling and running the
+    pass twice). Untimed, the plans are costed on the probed hardware's rates and the
+    ranking says so (``Ranking.untimed``). Process 0 decides for every host."""
+    args = (jax.device_count(), jax.process_count(), batch_size, hardware, pinned, rules)
+    if not hardware.live or facts.timing is not None or timed is False:
+        ranking = rank(facts, *args)
+        if hardware.live and facts.timing is None:
+            ranking = dataclasses.replace(ranking, untimed="plan_timing=False")
+        return ranking
+    if timed is None and steps is not None:
+        from redray.sharding.hosts import from_process_zero
+
+        untimed = rank(facts, *args)
+        run_s = steps * untimed.best.cost.seconds
+        if from_process_zero(np.array(float(run_s < TIMED_RUN_S))) > 0.5:
+            return dataclasses.replace(untimed, untimed=(
+                f"a run of {steps} steps, {run_s:.1f} s predicted, is shorter than the "
+                f"{TIMED_RUN_S:.0f} s that timing the pass pays for; plan_timing=True "
+                "times it"))
+    facts.timing = model_timing(facts, hardware, cache)
+    return rank(facts, *args)
+
+
+# A run whose steps are predicted (untimed) to take less than this many seconds is
+# planned without timing the model's pass (``choose``).
+TIMED_RUN_S = 30.0
 
 
 # The micro-batches (examples per device) the pass is timed at; a plan's are

@@ -98,6 +98,12 @@ class Trainer:
         preset name (``"h100"``, ``"h100+ethernet"``...), or None: the devices probed
         (``redray/engine/probe.py``; inside ``redray.fit`` kept per cluster in the
         storage folder).
+      plan_timing: whether ``"auto"`` times the model's pass on the live devices
+        (compiling and running it at two micro-batches, seconds on a small machine)
+        and costs the plans on those timings rather than the hardware's rates. None
+        (default): timed unless ``fit``'s run is predicted to take under
+        ``redray.engine.autoplan.TIMED_RUN_S`` (30 s), or ``init`` is called before
+        ``fit``, where it is timed; True: always; False: never.
       mesh: a mesh from ``redray.make_mesh``; or give the axis sizes.
       compute_dtype: dtype of the forward/backward (e.g. ``jnp.bfloat16``); parameters
         and optimizer state stay float32.
@@ -152,6 +158,7 @@ class Trainer:
                  prefetch: int = 2, checkpoint=None, config: dict | None = None,
                  trainable: str | None = None, grad_fn: Callable | None = None,
                  hooks: Sequence[Hook] = (), on_nonfinite: str = "stop", hardware=None,
+                 plan_timing: bool | None = None,
                  stage_repeats: int = 1, pipeline_schedule: str | None = None, **axes):
         self.functions = UserFunctions(collate, loss, predict)
         if on_nonfinite not in NONFINITE_POLICIES:
@@ -170,6 +177,11 @@ class Trainer:
         self.optimizer = optimizer
         self.batch_size = batch_size
         self.hardware, self.plan_ranking = hardware, None
+        if plan_timing not in (None, True, False):
+            raise ValueError(f"plan_timing={plan_timing!r}: use None (timed unless the run is "
+                             "short), True or False")
+        self.plan_timing = plan_timing
+        self._planned_steps: int | None = None  # fit's steps, for the planner's timing
         self._plan_meta: dict | None = None  # a chosen plan, as checkpoints keep it
         axes = {k: v for k, v in axes.items() if v is not None}  # None: not given
         if parallelism is None and mesh is None and not axes:
@@ -350,7 +362,8 @@ class Trainer:
                                  self.trainable, tokens_per_example(sample))
             facts.one_f_one_b = facts.one_f_one_b and self.grad_fn is None
             self.plan_ranking = choose(facts, self.batch_size, hardware, self._pinned,
-                                       self._rules, cache=self._probe_cache)
+                                       self._rules, cache=self._probe_cache,
+                                       steps=self._planned_steps, timed=self.plan_timing)
             self._use_plan(self.plan_ranking.best.candidate)
         if self.progress and jax.process_index() == 0:
             self.console.say(self.plan_ranking.why())
@@ -564,6 +577,10 @@ class Trainer:
         if ckpt is not None and ckpt.best_metric and eval_data is None:
             raise ValueError(f"best_metric={ckpt.best_metric!r} needs eval_data: the best "
                              "checkpoint is chosen by the evaluation after each epoch")
+        if self.state is None:  # what the planner weighs its timing against
+            per_epoch = len(train) // self.batch_size
+            self._planned_steps = per_epoch * epochs if max_steps is None \
+                else min(max_steps, per_epoch * epochs)
         self.init(train)
         data = self.training_data(train, shuffle)
         data.check_resume(self.resumed_from, self.checkpointer and self.checkpointer.directory)

@@ -111,12 +111,15 @@ class Ranking:
       budget: the bytes a plan may use on one device.
       hardware: what they were costed on.
       timing: the model's pass as timed on the live devices, if it was.
+      untimed: on live devices, why the pass was not timed (the plans then costed on
+        the hardware's rates), else None.
     """
     ranked: list[Scored]
     over: list[Scored]
     budget: float
     hardware: Hardware
     timing: ModelTiming | None = None
+    untimed: str | None = None
 
     @property
     def best(self) -> Scored:
@@ -133,6 +136,8 @@ class Ranking:
             loses = _loses_on(best.cost, second.cost, best.accumulation, second.accumulation)
             line += (f"; runner-up {second.candidate.describe()}: "
                      f"{second.cost.seconds / best.cost.seconds:.3f}x the time ({loses})")
+        if self.untimed:
+            line += f"; costed on the hardware's rates, the model's pass not timed ({self.untimed})"
         return line
 
     def table(self, rows: int = 10) -> str:
