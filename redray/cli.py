@@ -198,6 +198,12 @@ def _submit(args) -> int:
     if args.no_wait:
         print(job)
         return 0
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # started with Ctrl-C ignored (a background job of a script, a parent that
+        # ignores it): following is what Ctrl-C stops, never the job
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         logs = _follow(client, job)
     except KeyboardInterrupt:

@@ -259,15 +259,26 @@ def test_a_missing_module_names_python_and_jobs_are_followed_stopped_and_listed(
     assert "has no module 'no_such_package_here': give --python" in missing.stderr, \
         missing.stderr
 
-    # Ctrl-C while following: the job keeps running, and the message says how to stop it
+    # Ctrl-C while following: the job keeps running, and the message says how to stop it.
+    # The follower starts with SIGINT ignored, as a script's background job does (and as
+    # this suite's process may pass on): following still stops at it.
     follow = subprocess.Popen(
         [sys.executable, "-m", "redray.cli", "submit", "slow.py", "--address", head["dashboard"],
          "--python", sys.executable], cwd=job_dir, env=token_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     while follow.stdout.readline().strip() != "started":  # Ray's set-up lines come first
         assert follow.poll() is None, follow.stderr.read()
+    with open(f"/proc/{follow.pid}/status") as f:  # what the follower's process ignores
+        ignored = next(line for line in f if line.startswith("SigIgn:"))
     follow.send_signal(signal.SIGINT)
-    out, err = follow.communicate(timeout=60)
+    try:
+        out, err = follow.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        follow.kill()
+        out, err = follow.communicate()
+        raise AssertionError(f"the follower went on after SIGINT ({ignored.strip()}): "
+                             f"{err[-3000:]}") from None
     assert follow.returncode == 130 and "Traceback" not in err, err
     lines = [x for x in err.splitlines() if x.startswith("redray submit:")]  # (Ray: INFO lines)
     assert len(lines) == 1, err
