@@ -211,12 +211,7 @@ def _submit(args) -> int:
         print(f"\nredray submit: stopped following job {job}; it is still running. "
               f"Stop it: redray stop {job} --address {args.address}; its output: redray logs "
               f"{job} --address {args.address}", file=sys.stderr, flush=True)
-        # Ended here, not by the interpreter's shutdown: that joins the log reader's
-        # event loop and its executor threads and runs Ray's exit handlers, and one of
-        # them can wait on the job's web socket (in CI the follower hung past 60 s after
-        # its message, 1 run in 3). Nothing is left to clean up: the job is the cluster's.
-        sys.stdout.flush()
-        os._exit(130)
+        return 130
     status = _status_name(client.get_job_status(job))
     hint = _missing_module_hint(logs, args.python) if status == "FAILED" else None
     if hint:
