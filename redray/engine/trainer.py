@@ -578,9 +578,7 @@ class Trainer:
             raise ValueError(f"best_metric={ckpt.best_metric!r} needs eval_data: the best "
                              "checkpoint is chosen by the evaluation after each epoch")
         if self.state is None:  # what the planner weighs its timing against
-            per_epoch = len(train) // self.batch_size
-            self._planned_steps = per_epoch * epochs if max_steps is None \
-                else min(max_steps, per_epoch * epochs)
+            self._planned_steps = run_steps(len(train) // self.batch_size, epochs, max_steps)
         self.init(train)
         data = self.training_data(train, shuffle)
         data.check_resume(self.resumed_from, self.checkpointer and self.checkpointer.directory)
@@ -588,8 +586,7 @@ class Trainer:
         if not per_epoch:
             raise ValueError(f"{train!r} gives no full batch of {self.batch_size} examples per "
                              "epoch: lower batch_size or add data")
-        self._set_budget(per_epoch * epochs if max_steps is None
-                         else min(max_steps, per_epoch * epochs))
+        self._set_budget(run_steps(per_epoch, epochs, max_steps))
         shown = self.progress and jax.process_index() == 0
         if shown and not self._summarized:
             self._print_summary()  # once: a custom loop may call fit many times
@@ -748,3 +745,9 @@ class Trainer:
                 self.runtime, self.functions.collate, self.functions.predict,
                 lambda: (self.state.whole_params, self.state.extra), size, self.seed)
         return self._predictors[size]
+
+
+def run_steps(per_epoch: int, epochs: int, max_steps: int | None) -> int:
+    """The optimizer steps ``fit`` runs in all: ``epochs`` of ``per_epoch``, at most
+    ``max_steps``."""
+    return per_epoch * epochs if max_steps is None else min(max_steps, per_epoch * epochs)
