@@ -11,7 +11,9 @@ with ``REDRAY_VERBOSE=1``, print the table. Phases that never happened are absen
 phase entered twice (two Trainers) adds up.
 
 The engine records into this process's ``RECORDER`` (``phase``); a host's loop clears
-it as it starts (``begin``) so a reused process starts from nothing.
+it as it starts (``begin``) so a reused process starts from nothing. Its listeners
+hear each phase as it is entered (``listen``): a host's watchdog counts it as progress
+and the driver learns where a group that has not trained yet stands.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from typing import Callable
 
 # Every phase, in the order a run passes them (the table's order).
 PHASES = {
@@ -29,6 +32,8 @@ PHASES = {
     "hosts": "the hosts placed and started, each importing the engine (none: kept hosts)",
     "distributed": "JAX's distributed runtime joined by every host (none: kept hosts)",
     "user_code": "the user's code unpickled, the Trainer made (the model traced abstractly)",
+    "first_batch": "the first batch read and collated, whose shapes the plan is made for (a "
+                   "stream: read through Ray Data)",
     "probe": "the devices' hardware probed (or read from the storage folder)",
     "planner": "the parallelism plan chosen (model timings, traces, ranking)",
     "build": "the loss checked and the parameters' specs derived",
@@ -58,6 +63,12 @@ class Recorder:
 
     def __init__(self):
         self.spans: list[Span] = []
+        self.listeners: list[Callable[[str], None]] = []
+
+    def enter(self, name: str) -> None:
+        """Phase ``name`` starts now: the listeners hear it."""
+        for listener in list(self.listeners):
+            listener(name)
 
     def add(self, name: str, start: float, end: float | None = None) -> None:
         if name not in PHASES:
@@ -78,6 +89,7 @@ class Recorder:
     @contextlib.contextmanager
     def phase(self, name: str):
         """Times the ``with`` block as phase ``name`` (recorded even if it raises)."""
+        self.enter(name)
         start = time.time()
         try:
             yield
@@ -94,8 +106,16 @@ def phase(name: str):
 
 
 def begin() -> None:
-    """A host's run starts here: this process's spans so far are forgotten."""
+    """A host's run starts here: this process's spans and listeners so far are
+    forgotten."""
     RECORDER.spans.clear()
+    RECORDER.listeners.clear()
+
+
+def listen(listener: Callable[[str], None]) -> None:
+    """``listener(name)`` is called as each phase starts in this process (until
+    ``begin``); ``"steps"`` once the first training step is done."""
+    RECORDER.listeners.append(listener)
 
 
 def seconds(spans: list[Span]) -> dict[str, float]:

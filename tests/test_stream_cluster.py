@@ -5,6 +5,8 @@ The batches are the same as in one process (the plan does not depend on the host
 and a run stopped on 2 hosts resumes on 1 host bitwise equal to an uninterrupted run.
 """
 
+import time
+
 import numpy as np
 import optax
 import pytest
@@ -76,3 +78,55 @@ def test_a_cluster_without_a_free_cpu_for_ray_data_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"has 4 CPU\(s\) and the 4 host\(s\) reserve 4: "
                                          r"none is left for Ray Data"):
         _check_data_cpus(redray.ClusterConfig(hosts=4), task)
+
+
+def test_a_streamed_run_keeps_a_cpu_free_for_ray_data_beside_every_group(tmp_path):
+    """Hosts that reserve CPUs leave one free for Ray Data's reads: a group is placed,
+    and an elastic run grows, only where it still fits beside them; the driver's word on
+    a group that has not trained says when Ray Data has no CPU."""
+    import types
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from redray.cluster import hosts
+    from redray.cluster.job import FitTask
+    from redray.cluster.launch import _notice_start, group_room
+    from redray.cluster.results import Results
+    from redray.cluster.worker import Regrow
+
+    redray.cluster.release_hosts()  # the hosts the module's runs kept: all 4 CPUs free
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < 4 and time.time() < deadline:
+        time.sleep(0.1)
+    write_parquet(tmp_path, files=1, rows=8)
+    streamed = FitTask(epochs=1, max_steps=None, progress=False, eval_at_start=False,
+                       train=redray.Stream(str(tmp_path / "*.parquet")))
+    in_memory = FitTask(epochs=1, max_steps=None, progress=False, eval_at_start=False,
+                        train=[1, 2, 3])
+    room = group_room(redray.ClusterConfig(hosts=(2, 3)), streamed)
+    assert room.bundles(2) == [{"CPU": 1}] * 3  # 2 hosts and the CPU kept free
+    assert not group_room(redray.ClusterConfig(hosts=2), in_memory).spare
+    assert not group_room(redray.ClusterConfig(hosts=2, use_gpu=True), streamed).spare
+    # 4 CPUs: 3 hosts beside the free one, not 4
+    assert room.free_for(3) and room.placeable(3, 5.0) and not room.free_for(4)
+    assert hosts.start(hosts.Shape.of(4, room, {}, "SPREAD"), timeout=1.0) is None
+    # an elastic group of 2 grows to 3 (3 + 1 free fit in 4 CPUs), one of 3 does not
+    regrow = Regrow(4, room)
+    assert regrow._room(2) and not regrow._room(3)
+
+    taken = placement_group([{"CPU": 1}] * 4)  # every CPU held: Ray Data would wait
+    ray.get(taken.ready())
+    said = []
+    results = Results.remote()
+    try:
+        group = types.SimpleNamespace(actors=[None, None],
+                                      shape=hosts.Shape.of(2, room, {}, "SPREAD"))
+        assert _notice_start(group, results, types.SimpleNamespace(write=said.append), True,
+                             0.0)
+        assert "host 0: its job not started" in said[0]
+        assert "Ray Data has no free CPU to read the stream: the Ray cluster has 4 CPU(s)" \
+            in said[0], said
+        assert "Give Ray more CPUs" in said[0]
+    finally:
+        remove_placement_group(taken)
+        ray.kill(results)

@@ -63,3 +63,32 @@ def test_a_stuck_host_restarts_from_the_last_checkpoint_with_max_failures(tmp_pa
     assert os.path.exists(marker)  # it did get stuck
     assert result.resumed_from_step is not None and 2 <= result.resumed_from_step <= 5
     assert [r["step"] for r in result.history if "loss" in r][-1] == 12
+
+
+def never_collating(examples):
+    """Host 1 never returns from its first collate (the first batch, whose shapes the
+    plan is made for): its group never gets going."""
+    if jax.process_index() == 1:
+        import time
+        time.sleep(3600)
+    return lm_collate(examples)
+
+
+def test_a_group_stuck_at_its_start_is_described_then_stopped(tmp_path, monkeypatch, capfd):
+    """A group that trains no step: the driver says where each host stands after
+    ``START_NOTICE_S``, and the watchdog, whose clock runs from the host's start, stops
+    the job with the phase the host was stuck in."""
+    from redray.cluster import launch
+
+    monkeypatch.setattr(launch, "START_NOTICE_S", 2.0)
+    with pytest.raises(redray.cluster.HostError) as err:
+        redray.fit(lambda rngs: TinyLM(rngs), never_collating, lm_loss, optax.adam(1e-2),
+                   train_data=DATA, hosts=2, devices_per_host=2, batch_size=8, model_axis=2,
+                   storage_path=str(tmp_path / "runs"), name="never", progress=False,
+                   hang_timeout=8)
+    said = capfd.readouterr().out
+    assert "redray: the group of 2 host(s) has trained no step" in said, said
+    assert "host 1: the first batch read and collated" in said, said
+    text = str(err.value)
+    assert "made no progress for" in text and "hang_timeout=8 s" in text
+    assert "its last progress was the start-up phase" in text, text

@@ -9,15 +9,14 @@ from redray.engine import watchdog
 from redray.engine.watchdog import Watchdog
 
 
-def test_the_clock_starts_at_the_first_training_step_and_fires_once_when_stuck():
+def test_the_clock_runs_from_the_start_and_fires_once_when_stuck():
     stalls = []
     fired = threading.Event()
     dog = Watchdog(0.3, lambda stall: (stalls.append(stall), fired.set())).start()
     try:
-        watchdog.progress("a batch of 8 examples from example 0")  # not training: unarmed
-        assert not fired.wait(0.8)  # compiling, restoring: not timed
-        for _ in range(6):  # steady progress keeps it quiet
-            watchdog.progress("a training step", training=True)
+        for what in ("a batch of 8 examples from example 0", "the start-up phase 'compile'",
+                     "a training step", "a training step", "a training step"):
+            watchdog.progress(what)  # steady progress, before training and during it
             time.sleep(0.1)
         assert not fired.is_set()
         assert fired.wait(3)  # then nothing for longer than the timeout
@@ -30,6 +29,19 @@ def test_the_clock_starts_at_the_first_training_step_and_fires_once_when_stuck()
     assert "test_watchdog.py" in stall.threads  # where the training thread waits
     watchdog.progress("after stop")  # a stopped watchdog hears nothing
     assert dog not in watchdog._running
+
+
+def test_a_host_that_never_gets_going_is_caught_at_its_start():
+    """No progress at all after the start (a first batch that never comes): the clock
+    started with the watchdog, so it fires."""
+    fired = threading.Event()
+    stalls = []
+    dog = Watchdog(0.3, lambda stall: (stalls.append(stall), fired.set())).start()
+    try:
+        assert fired.wait(3)
+    finally:
+        dog.stop()
+    assert stalls[0].last == "the start"
 
 
 def test_a_timeout_must_be_positive():

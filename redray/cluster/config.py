@@ -39,13 +39,14 @@ class ClusterConfig:
         its process or node lost) before the run gives up; the new group resumes from
         the last complete checkpoint. Default 0, and ``ELASTIC_MAX_FAILURES`` (3) for an
         elastic run.
-      hang_timeout: seconds a host may go without progress (a training step, an
-        evaluation or prediction batch, a checkpoint) before the job is stopped as
-        stuck (a collective whose peer never arrives, a collate that never returns),
-        with the host's last progress and where it waits; with ``max_failures`` the
-        group restarts from the last checkpoint. The clock starts after the first
-        training step (compiling and restoring are not timed). ``None``: no watchdog.
-        Default 1800 (30 minutes).
+      hang_timeout: seconds a host may go without progress (a phase of its start, a
+        training step, an evaluation or prediction batch, a checkpoint) before the job
+        is stopped as stuck (a collective whose peer never arrives, a collate or a
+        first batch that never comes), with the host's last progress and where it
+        waits; with ``max_failures`` the group restarts from the last checkpoint. The
+        clock runs from the host's start: each phase of the start (the plan, a
+        restore, the compile) must take less. ``None``: no watchdog. Default 1800 (30
+        minutes).
       checkpoint: a ``redray.CheckpointConfig`` (when and what to save); its directory
         defaults to ``<storage_path>/<name>/checkpoints``. Default: save at the end of
         every epoch and of the run, keep the last 3. ``False``: no checkpoints.

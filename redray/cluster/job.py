@@ -16,6 +16,9 @@ from typing import Any, Callable
 # ran to its end, or its group ends at a checkpoint to regroup (an elastic run with room
 # for more hosts).
 DONE, REGROUP = "done", "regroup"
+# What a host tells the results actor it is doing once its first training step is done
+# (before, the start-up phase it is in: ``redray.startup.PHASES``).
+TRAINED = "trained"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,8 +97,8 @@ class HostJob:
         (``RunFolders.hardware``), for a Trainer that chooses its plan.
       grow_to: an elastic run's most hosts: a group smaller than that regroups at a
         checkpoint when the cluster has room for another host; None: a fixed group.
-      worker_resources: what one host's worker reserves on its node (the room looked
-        for).
+      room: what one host reserves on its node and what stays free beside the group
+        (the room an elastic run looks for to grow).
       data_context: the driver's Ray Data settings (``DataContext``), for the hosts'
         own reads (a stream), or None.
     """
@@ -110,14 +113,104 @@ class HostJob:
     console: bool = True
     probe_cache: str | None = None
     grow_to: int | None = None
-    worker_resources: dict | None = None
+    room: Room | None = None
     data_context: Any = None
 
 
-def free_for(resources: dict, hosts: int = 1) -> bool:
-    """Whether the Ray cluster's free resources cover ``hosts`` workers reserving
-    ``resources`` each (free in sum: one node may still not hold one worker)."""
-    import ray
+class HostFailure(RuntimeError):
+    """A host of a group failed or was lost (its process or its node), while the group
+    started or ran: the group is ended; a run with restarts left starts another.
 
-    free = ray.available_resources()
-    return all(free.get(k, 0) >= v * hosts for k, v in resources.items())
+    Attributes:
+      host: the host that failed or was lost first (by the evidence: a lost node before
+        a process that ended without a word before a Python error, which a peer's loss
+        can cause).
+      ends: how each host's part ended, by rank (``ENDS``' keys), where known.
+      lost: whether ``host`` was lost (its node, or its process without a Python error)
+        rather than failing with an error of its own.
+      group: the group that ended (``redray.cluster.hosts.HostGroup``), where known.
+    """
+
+    def __init__(self, message: str, host: int, ends: dict | None = None, group=None):
+        super().__init__(message)
+        self.host, self.ends, self.group = host, dict(ends or {}), group
+        self.lost = self.ends.get(host) in ("node", "died")
+
+
+# How a host's part of a job ended, in words, by the evidence it gives of the cause.
+ENDS = {
+    "node": "node lost",
+    "died": "process ended without a Python error (killed, out of memory, or node lost)",
+    "failed": "failed",
+    "silent": "no answer",
+    "stopped": "stopped by redray",
+    "done": "finished",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Room:
+    """What one group of hosts takes of a Ray cluster: each host's reservation on its
+    node (``host``: one CPU, or its GPUs or TPU chips) and what must stay free beside the
+    group (``spare``: one CPU for Ray Data to read a stream while the hosts train, where
+    the hosts reserve CPUs; else nothing). A group is started, and an elastic run grows,
+    only where the spare fits beside it: a group that took the last CPU would wait
+    forever for its first batch."""
+    host: tuple[tuple[str, float], ...]
+    spare: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def of(cls, host: dict, spare: dict | None = None) -> "Room":
+        return cls(tuple(sorted(host.items())), tuple(sorted((spare or {}).items())))
+
+    def bundles(self, hosts: int) -> list[dict]:
+        """The placement bundles of ``hosts`` hosts and the spare."""
+        return [dict(self.host)] * hosts + ([dict(self.spare)] if self.spare else [])
+
+    def free_for(self, hosts: int) -> bool:
+        """Whether the cluster's free resources cover ``hosts`` hosts and the spare (free
+        in sum: the nodes may still not hold them; a placement tells)."""
+        import ray
+
+        return _covers(ray.available_resources(), self.bundles(hosts))
+
+    def fits_in(self, hosts: int) -> bool:
+        """Whether the cluster's resources (free or not) cover ``hosts`` hosts and the
+        spare: what a group of that size could hold once the group before ended."""
+        import ray
+
+        return _covers(ray.cluster_resources(), self.bundles(hosts))
+
+    def placeable(self, hosts: int, timeout: float) -> bool:
+        """Whether Ray places ``hosts`` hosts and the spare within ``timeout`` seconds (a
+        trial placement group, removed at once: it waits for what a short task holds)."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        group = placement_group(self.bundles(hosts), strategy="SPREAD")
+        try:
+            return bool(ray.wait([group.ready()], timeout=timeout)[0])
+        finally:
+            remove_placement_group(group)
+
+    def describe(self, hosts: int) -> str:
+        """E.g. "3 host(s) of {'CPU': 1} and 1 CPU free beside them for Ray Data"."""
+        text = f"{hosts} host(s) of {dict(self.host)}"
+        if self.spare:
+            spare = ", ".join(f"{v:g} {k}" for k, v in self.spare)
+            text += f" and {spare} free beside them for Ray Data's reads"
+        return text
+
+
+def _covers(resources: dict, bundles: list[dict]) -> bool:
+    need: dict = {}
+    for bundle in bundles:
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0) + v
+    return all(resources.get(k, 0) >= v for k, v in need.items())
+
+
+def shown_resources(resources: dict) -> dict:
+    """A resource dict as a user reads it: CPUs, GPUs, TPUs (not Ray's internal keys for
+    nodes, memory and placement bundles)."""
+    return {k: v for k, v in resources.items() if k in ("CPU", "GPU", "TPU")}

@@ -11,8 +11,8 @@ from typing import Any, Callable
 from redray import startup
 from redray.cluster.config import ClusterConfig
 from redray.cluster.console import DriverView, Watcher
-from redray.cluster.job import (REGROUP, CallCode, CallTask, FitCode, FitTask, HostJob,
-                               free_for)
+from redray.cluster.job import (REGROUP, TRAINED, CallCode, CallTask, FitCode, FitTask,
+                               HostFailure, HostJob, Room, shown_resources)
 from redray.cluster.run_lock import RunLock
 from redray.data.ray_local import join, quiet_ray_logs, start_local
 from redray.verbosity import ADVICE_ENV, VERBOSE_ENV, verbose
@@ -312,9 +312,12 @@ def _check_data_cpus(config: ClusterConfig, task) -> None:
     reserved = 0 if (config.use_gpu or config.use_tpu) else config.max_hosts
     total = ray.cluster_resources().get("CPU", 0)
     if total - reserved < 1:
-        raise ValueError(
-            f"the Ray cluster has {total:g} CPU(s) and the {config.max_hosts} host(s) reserve "
-            f"{reserved}: none is left for Ray Data to read the stream, which would wait "
+        raise ValueError(_no_data_cpu(total, config.max_hosts, reserved))
+
+
+def _no_data_cpu(total: float, hosts: int, reserved: float) -> str:
+    return (f"the Ray cluster has {total:g} CPU(s) and the {hosts} host(s) reserve "
+            f"{reserved:g}: none is left for Ray Data to read the stream, which would wait "
             f"forever. Give Ray more CPUs (ray.init(num_cpus={int(reserved) + 2}), or "
             "`ray start --num-cpus`), or use fewer hosts")
 
@@ -378,24 +381,28 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
         if config.tracking:
             tracker = start_tracker(folders, config.experiment, config.resume,
                                     config.checkpoint, recorded)
+    room = group_room(config, task)
     job = HostJob(task=task, code=user_code, results=results, tracker=tracker,
                   checkpoint=config.checkpoint, config=recorded,
                   hang_timeout=config.hang_timeout, console=quiet,
                   compile_cache=folders.compile_cache if config.compile_cache else None,
                   probe_cache=folders.hardware,
                   grow_to=config.max_hosts if config.elastic else None,
-                  worker_resources=worker_resources(config), data_context=_data_context(task))
+                  room=room, data_context=_data_context(task))
     try:
         # A group runs the job to its end; an elastic run's group may end itself at a
         # checkpoint when the cluster has room for more hosts (worker.Regrow), and a
-        # failed group is followed by a new one while restarts are left: either new
-        # group resumes from the last checkpoint.
-        restarts = config.max_failures
+        # failed group (a host's error, or a host lost while the group started or ran)
+        # is followed by a new one while restarts are left: either new group resumes
+        # from the last checkpoint.
+        restarts, ended = config.max_failures, None
         while True:
-            group = _group(config, quiet, spans, view)
             try:
-                outcome = _run_on(group, job, results, view)
+                group = _group(config, room, quiet, spans, view, ended is not None)
+                outcome = _run_on(group, job, results, view, _streams(task), ended)
+                ended = None
             except HostFailure as failure:
+                ended = failure.group
                 if restarts == 0:
                     raise
                 restarts -= 1
@@ -405,7 +412,7 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
                 continue
             if outcome == REGROUP:
                 group.close()
-                _await_room(ray.get(results.take_regroup.remote()), worker_resources(config))
+                _await_room(ray.get(results.take_regroup.remote()), room)
                 continue
             if config.keep_hosts and not config.elastic:
                 hosts.keep(group)
@@ -416,7 +423,8 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
         _finish_startup(spans, None, start, tracker, quiet, "FAILED")
         _, failures = ray.get(results.get.remote())
         results_kept.keep(results)
-        if not failures and isinstance(error, HostFailure):  # a host gone without a word
+        # a host gone without a word (its peers' errors, if any, followed from its loss)
+        if isinstance(error, HostFailure) and (error.lost or not failures):
             raise HostError(str(error), error.host, None, error.__cause__) from None
         if not failures:
             raise
@@ -486,97 +494,161 @@ def _finish_startup(spans: startup.Recorder, host_spans: list | None, start: flo
     return startup.seconds(final), total, report
 
 
-class HostFailure(RuntimeError):
-    """A host's part of the run failed (its error, or its process gone)."""
-
-    def __init__(self, message: str, host: int):
-        super().__init__(message)
-        self.host = host
-
-
 # How long an elastic group of a given size may wait for its placement before a smaller
 # one is tried.
 ELASTIC_START_TIMEOUT_S = 10
 
 
-def _group(config: ClusterConfig, quiet: bool, spans: startup.Recorder, view):
+def _group(config: ClusterConfig, room: Room, quiet: bool, spans: startup.Recorder, view,
+           restart: bool = False):
     """The hosts for the next group: the kept group of this shape, or a new one (an
-    elastic run: as many hosts as the cluster places now, at least ``min_hosts``)."""
+    elastic run: as many hosts as the cluster places now beside what stays free, at
+    least ``min_hosts``). ``restart``: after a group that failed (the new one says what
+    it is, and why)."""
     import ray
 
     from redray.cluster import hosts
 
     env = _worker_env(config, quiet)
-    resources = worker_resources(config)
     if not config.elastic:
         nodes = len([n for n in ray.nodes() if n.get("Alive")])
         strategy = "STRICT_SPREAD" if nodes >= config.hosts > 1 else "SPREAD"
-        shape = hosts.Shape.of(config.hosts, resources, env, strategy)
-        return hosts.take(shape) or hosts.start(shape, spans, say=view.write)
+        shape = hosts.Shape.of(config.hosts, room, env, strategy)
+        group = hosts.take(shape) or hosts.start(shape, spans, say=view.write)
+        if restart:
+            view.write(f"redray: a new group of {config.hosts} host(s) resumes the run")
+        return group
     hosts.release_hosts()  # an elastic group is sized anew for each run
-    told = False
+    told, tried, begun = False, [], time.monotonic()
     while True:
         for size in range(config.max_hosts, config.min_hosts - 1, -1):
-            if not free_for(resources, size):
+            if not room.free_for(size):
+                tried.append(f"{size}: not free")
                 continue
-            group = hosts.start(hosts.Shape.of(size, resources, env, "SPREAD"), spans,
-                                timeout=ELASTIC_START_TIMEOUT_S)
+            group = hosts.start(hosts.Shape.of(size, room, env, "SPREAD"), spans,
+                                timeout=ELASTIC_START_TIMEOUT_S, say=view.write)
             if group is not None:
+                if restart or size < config.max_hosts:
+                    why = f" ({'; '.join(tried)})" if tried else ""
+                    view.write(f"redray: a group of {size} host(s) "
+                               f"(the run takes {config.min_hosts} to {config.max_hosts}): "
+                               f"the most the cluster places now, {room.describe(size)}"
+                               f"{why}")
                 return group
-        if not told:
-            told = True
-            view.write(f"redray: waiting for room for {config.min_hosts} host(s) of "
-                       f"{resources} each (the elastic run's fewest); the cluster has "
-                       f"{ray.available_resources()} free")
+            tried.append(f"{size}: not placed within {ELASTIC_START_TIMEOUT_S} s")
+        if not told and time.monotonic() - begun > ELASTIC_START_TIMEOUT_S:
+            told = True  # (not before: a group that just ended frees its resources late)
+            view.write(f"redray: waiting for room for {room.describe(config.min_hosts)} "
+                       f"(the elastic run's fewest); the cluster has "
+                       f"{shown_resources(ray.available_resources())} free of "
+                       f"{shown_resources(ray.cluster_resources())}")
+        tried = []
         time.sleep(1.0)
 
 
-def _run_on(group, job: HostJob, results, view) -> str:
+def _lost_nodes(ended) -> str | None:
+    """Which hosts of a group that failed lost their node (Ray knows some seconds after
+    a node stops answering), in a sentence; None while none is known."""
+    gone = ended.gone()
+    if not gone:
+        return None
+    said = ", ".join(f"host {rank}'s node {address} ({node[:8]})"
+                     for rank, (node, address) in sorted(gone.items()))
+    return (f"redray: {said} left the cluster: the last group of {len(ended.actors)} "
+            "host(s) ended with it")
+
+
+# After a group failed, how long the next one's driver watches for its hosts' nodes to be
+# known lost (to name them).
+LOSS_NOTICE_S = 120.0
+
+
+# Without a first training step this long after a group started, the driver says what
+# each host is doing (and, for a stream, whether Ray Data has a CPU to read with).
+START_NOTICE_S = 60.0
+POLL_S = 1.0
+
+
+def _run_on(group, job: HostJob, results, view, streams: bool = False, ended=None) -> str:
     """Runs ``job`` on every host of ``group`` and waits for all; ``DONE`` or
-    ``REGROUP``. The first host that fails ends the group at once (its peers would
-    wait for it in a collective) and raises ``HostFailure``."""
+    ``REGROUP``. The first host that fails or is lost ends the group at once (its peers
+    would wait for it in a collective): ``HostFailure``, naming the host whose end
+    caused the others' where the evidence tells. A group that trains no step within
+    ``START_NOTICE_S`` is described once while it goes on: each host's start-up phase,
+    and what it needs. ``ended``: the group that failed before this one: which of its
+    hosts' nodes left the cluster is said once Ray knows (within ``LOSS_NOTICE_S``)."""
     import ray
 
+    def reported() -> dict:
+        _, failures = ray.get(results.get.remote())
+        return {rank: (text.strip().splitlines() or [""])[-1][:300]
+                for rank, text, _ in failures}
+
+    ray.get(results.new_group.remote())
     refs = group.run(job)
     outcomes = {}
     pending = list(refs)
+    begun, told = time.monotonic(), False
     try:
         with Watcher(results, view):
             while pending:
-                ready, pending = ray.wait(pending, num_returns=1)
+                ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+                if ended is not None and time.monotonic() - begun < LOSS_NOTICE_S:
+                    lost = _lost_nodes(ended)
+                    if lost:
+                        view.write(lost)
+                        ended = None
+                if not ready and not told and time.monotonic() - begun > START_NOTICE_S:
+                    told = _notice_start(group, results, view, streams, begun)
                 for ref in ready:
                     try:
                         outcomes[ref] = ray.get(ref)
-                    except ray.exceptions.RayActorError as error:
-                        host = refs.index(ref)
-                        raise HostFailure(
-                            f"host {host} ended without a Python error (killed, out of "
-                            f"memory, or its node lost: {_first_line(error)}); with "
-                            "max_failures=N a new group resumes from the last checkpoint",
-                            host) from error
                     except ray.exceptions.RayError as error:
-                        host = refs.index(ref)
-                        raise HostFailure(f"host {host} failed ({_first_line(error)})",
-                                          host) from error
+                        raise group.failure(refs, refs.index(ref), error,
+                                            reported) from error
     except BaseException:  # a host's end, or the driver's (Ctrl-C): no host goes on alone
         group.close()
         raise
     return outcomes[refs[0]]
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
+def _notice_start(group, results, view, streams: bool, begun: float) -> bool:
+    """Says what a group that has trained no step yet waits for (each host's start-up
+    phase, and for a stream whether Ray Data has a CPU to read with). Returns True: said,
+    or nothing to say (a step was trained)."""
+    import ray
+
+    doing = ray.get(results.where.remote())
+    if any(what == TRAINED for what, _ in doing.values()):
+        return True
+    now = time.time()
+    said = []
+    for rank in range(len(group.actors)):
+        if rank not in doing:
+            said.append(f"host {rank}: its job not started")
+            continue
+        what, since = doing[rank]
+        said.append(f"host {rank}: {startup.PHASES.get(what, what)} (for {now - since:.0f} s)")
+    text = (f"redray: the group of {len(group.actors)} host(s) has trained no step "
+            f"{time.monotonic() - begun:.0f} s after it started; " + "; ".join(said))
+    if streams and "CPU" in dict(group.shape.room.host):
+        free = ray.available_resources().get("CPU", 0)
+        if free < 1:
+            total = ray.cluster_resources().get("CPU", 0)
+            text += (". Ray Data has no free CPU to read the stream: "
+                     + _no_data_cpu(total, len(group.actors), total - free))
+    view.write(text)
+    return True
 
 
-def _await_room(hosts: int, resources: dict, seconds: float = 60.0) -> None:
-    """Waits (at most ``seconds``) until the cluster has room for ``hosts`` workers: the
+def _await_room(hosts: int, room: Room, seconds: float = 60.0) -> None:
+    """Waits (at most ``seconds``) until the cluster has room for ``hosts`` hosts: the
     group that ended frees its workers' resources asynchronously, and the next group is
     sized from what is free when it starts (a group started early would be the old
     size, and regroup again at its next checkpoint)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if free_for(resources, hosts):
+        if room.free_for(hosts):
             break
         time.sleep(0.2)
 
@@ -626,6 +698,16 @@ def worker_resources(config: ClusterConfig) -> dict:
     if config.use_tpu:
         return {"TPU": config.devices_per_host or 4}
     return {"CPU": 1}
+
+
+def group_room(config: ClusterConfig, task=None) -> Room:
+    """What each group of the run takes of the cluster: each host's reservation, and,
+    when the hosts reserve CPUs and the task reads a stream, one CPU kept free beside
+    them for Ray Data's reads (a group that took the last CPU would wait forever for its
+    first batch; GPU and TPU hosts leave their nodes' CPUs to Ray Data)."""
+    host = worker_resources(config)
+    spare = {"CPU": 1} if "CPU" in host and task is not None and _streams(task) else None
+    return Room.of(host, spare)
 
 
 def _user_bytes(code) -> bytes:

@@ -8,6 +8,8 @@ second for a new one before its hosts could start.
 
 from __future__ import annotations
 
+import time
+
 import ray
 
 from redray.cluster.kept import Kept, answers
@@ -22,6 +24,7 @@ class Results:
         """Forgets the last run: ready for the next."""
         self.value, self.failures, self.hosts = None, [], {}
         self.regrouping = 0
+        self.doing = {}  # rank -> (start-up phase or TRAINED, since): the group's start
         # host 0's messages and progress for the driver's console, numbered from 0;
         # kept until the driver has read them (a run may log for days)
         self.news, self.first_news = [], 0
@@ -41,6 +44,23 @@ class Results:
 
     def join(self, rank, actor):
         self.hosts[rank] = actor
+        self.doing[rank] = ("user_code", time.time())
+
+    def new_group(self):
+        """A new group of hosts starts the job: forget the last one's hosts, failures and
+        start."""
+        self.hosts.clear()
+        self.doing.clear()
+        self.failures = []
+
+    def at(self, rank, what, since):
+        """Host ``rank`` is in start-up phase ``what`` (``TRAINED``: past its first
+        step) since ``since``."""
+        self.doing[rank] = (what, since)
+
+    def where(self):
+        """Each host's ``(what, since)`` as told by ``at``."""
+        return dict(self.doing)
 
     def fail(self, rank, text, full):
         self.failures.append((rank, text, full))

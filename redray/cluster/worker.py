@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 import traceback
 
 from redray import startup
 from redray.cluster.console import DriverConsole
-from redray.cluster.job import DONE, REGROUP, HostJob, free_for
+from redray.cluster.job import DONE, REGROUP, TRAINED, HostJob, Room
 from redray.cluster.tracker import FINISH_TIMEOUT_S, RUN_ID_KEY
 from redray.engine.hooks import Adoption, Hook, trainer_scope
 from redray.engine.watchdog import Stall, Watchdog
@@ -41,6 +42,7 @@ def run_job(job: HostJob, rank: int) -> str:
         ray.get(job.results.join.remote(rank, ray.get_runtime_context().current_actor))
         if job.hang_timeout is not None:
             watchdog = Watchdog(job.hang_timeout, lambda stall: _stuck(job, rank, stall)).start()
+        startup.listen(StartTold(job.results, rank, watchdog))
         with startup.phase("user_code"):
             code = cloudpickle.loads(job.code)
         host_run = HostRun(job, rank, watchdog)
@@ -67,6 +69,25 @@ def run_job(job: HostJob, rank: int) -> str:
         # what the job left on the devices goes before the next job of a kept group
         code = host_run = None
         gc.collect()
+
+
+class StartTold:
+    """A host's start, phase by phase (a ``redray.startup`` listener): each phase is
+    progress for the watchdog, and the results actor hears where the host stands until
+    its first training step is done (``TRAINED``), for the driver to say what a group
+    that has not trained yet waits for."""
+
+    def __init__(self, results, rank: int, watchdog: Watchdog | None):
+        self.results, self.rank, self.watchdog = results, rank, watchdog
+        self.trained = False
+
+    def __call__(self, name: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.tick(f"the start-up phase {name!r}")
+        if self.trained:
+            return
+        self.trained = name == "steps"
+        self.results.at.remote(self.rank, TRAINED if self.trained else name, time.time())
 
 
 def _stuck(job: HostJob, rank: int, stall: Stall) -> None:
@@ -166,7 +187,7 @@ class HostRun:
         if self.watchdog is not None:
             hooks.append(self.watchdog)
         if self.job.grow_to is not None and checkpoint is not None:
-            hooks.append(Regrow(self.job.grow_to, self.job.worker_resources))
+            hooks.append(Regrow(self.job.grow_to, self.job.room))
         console = DriverConsole(self.job.results) if self.job.console and self.rank == 0 \
             else None
         return Adoption(checkpoint=checkpoint, config=self.job.config, hooks=hooks,
@@ -277,17 +298,17 @@ class Regroup(BaseException):
 
 class Regrow(Hook):
     """An elastic run's growth: at each checkpoint the run's main Trainer saves while its
-    group is below ``grow_to`` hosts, host 0 asks Ray for room for one more host's
-    worker (``resources``, a placement group it removes at once); if there is, every host
-    waits for that checkpoint to complete and ends the group (``Regroup``), losing no
-    step. Each host hears the same checkpoints, so every one takes the same decision
-    (host 0's, broadcast)."""
+    group is below ``grow_to`` hosts, host 0 asks Ray for room for one more host beside
+    what must stay free (``room``: a trial placement group it removes at once); if there
+    is, every host waits for that checkpoint to complete and ends the group
+    (``Regroup``), losing no step. Each host hears the same checkpoints, so every one
+    takes the same decision (host 0's, broadcast)."""
 
     # how long host 0 waits for Ray to place the trial worker
     WAIT_S = 2.0
 
-    def __init__(self, grow_to: int, resources: dict):
-        self.grow_to, self.resources = grow_to, dict(resources)
+    def __init__(self, grow_to: int, room: Room):
+        self.grow_to, self.room = grow_to, room
 
     def on_step(self, trainer, info) -> None:
         self._check(trainer, info.step)
@@ -306,7 +327,7 @@ class Regrow(Hook):
 
         from redray.sharding.hosts import from_process_zero
 
-        room = self._room() if jax.process_index() == 0 else False
+        room = jax.process_index() == 0 and self._room(jax.process_count())
         if not bool(from_process_zero(np.int32(room))):  # every host acts on process 0's answer
             return
         checkpointer.wait()  # the checkpoint of this step is complete before the group ends
@@ -316,17 +337,8 @@ class Regrow(Hook):
                                 f"{self.grow_to})")
         raise Regroup(jax.process_count() + 1)
 
-    def _room(self) -> bool:
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-
-        if not free_for(self.resources):
-            return False
-        group = placement_group([self.resources])
-        try:
-            ray.get(group.ready(), timeout=self.WAIT_S)
-            return True
-        except Exception:  # noqa: BLE001 - not placed in time: no room
-            return False
-        finally:
-            remove_placement_group(group)
+    def _room(self, hosts: int) -> bool:
+        """Whether the cluster holds one host more than ``hosts`` beside the spare (its
+        resources), and Ray places one more host and the spare now (waiting up to
+        ``WAIT_S`` for what a short task, such as a Ray Data read, holds)."""
+        return self.room.fits_in(hosts + 1) and self.room.placeable(1, self.WAIT_S)

@@ -279,8 +279,9 @@ class Trainer:
     def _init(self, examples: Sequence) -> None:
         if not len(examples):
             raise ValueError("init needs at least one example to learn the batch's shapes")
-        sample = collate_checked(self.functions.collate,
-                                 first_examples(examples, self.batch_size))
+        with startup.phase("first_batch"):
+            sample = collate_checked(self.functions.collate,
+                                     first_examples(examples, self.batch_size))
         if self.parallelism is None and not self._keep_plan():
             self._choose_plan(sample)
         with startup.phase("build"):
@@ -502,13 +503,15 @@ class Trainer:
         if self._compiled:
             self.state, metrics = self.program.train_step()(self.state, placed)
         else:  # the first call traces and compiles the step, then dispatches it
+            startup.RECORDER.enter("compile")
             start = time.time()
             self.state, metrics = self.program.train_step()(self.state, placed)
             startup.RECORDER.add("compile", start)
             with startup.phase("first_step"):
                 jax.block_until_ready(metrics)
+            startup.RECORDER.enter("steps")
             self._compiled = True
-        watchdog.progress("a training step", training=True)
+        watchdog.progress("a training step")
         return metrics
 
     # ---------------------------------------------------------------- loops

@@ -9,9 +9,13 @@ thread: every event of the loop, and every evaluation or prediction batch
 ``on_hang``, which decides what ends the process (the cluster layer reports it to the
 driver and exits). The engine knows no Ray: ``on_hang`` is the caller's.
 
-The clock starts at the first training step, after its compilation: compiling and
-restoring a checkpoint take minutes at real size, and a watchdog that fired there
-would fail every restart of a healthy run the same way.
+The clock starts with the watchdog (a host's job start), so a group that never gets
+going (a first batch that never comes because Ray Data has no CPU, a peer lost while
+the group starts) is caught too: every phase of the start (``redray.startup``: the
+probe, the planner, the build, a restore, the compile) is progress, and the timeout
+applies to each one alone. Compiling and restoring at real size take minutes, well
+inside the default of 30; a single phase that legitimately takes longer needs a
+larger timeout.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class Stall:
 
 class Watchdog(Hook):
     """Calls ``on_hang(Stall)`` once when no progress happened for ``timeout`` seconds
-    after the first training step (from its own daemon thread).
+    (from its own daemon thread), from ``start`` on.
 
     One per process: give the same instance to every Trainer (``add_hook``), ``start``
     it in the thread that trains, ``stop`` it when the work is done.
@@ -57,7 +61,6 @@ class Watchdog(Hook):
             raise ValueError(f"a watchdog timeout must be positive seconds, got {timeout!r}")
         self.timeout, self.on_hang = timeout, on_hang
         self._last = (time.monotonic(), "the start")  # one tuple: swapped atomically
-        self._armed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._trainer_thread: threading.Thread | None = None
@@ -65,6 +68,7 @@ class Watchdog(Hook):
     def start(self) -> "Watchdog":
         """Starts watching; the calling thread is the one whose stack a stall shows."""
         self._trainer_thread = threading.current_thread()
+        self._last = (time.monotonic(), "the start")
         self._thread = threading.Thread(target=self._watch, daemon=True, name="redray-watchdog")
         _running.append(self)
         self._thread.start()
@@ -76,18 +80,16 @@ class Watchdog(Hook):
         if self in _running:
             _running.remove(self)
 
-    def tick(self, what: str, training: bool = False) -> None:
-        """Progress happened (``what``, in words); ``training``: a training step, which
-        starts the clock."""
+    def tick(self, what: str) -> None:
+        """Progress happened (``what``, in words)."""
         self._last = (time.monotonic(), what)
-        self._armed = self._armed or training
 
     def _watch(self) -> None:
         # Checked a few times per timeout: a stall is seen at most a quarter late.
         while not self._stop.wait(min(1.0, self.timeout / 4)):
             at, what = self._last
             idle = time.monotonic() - at
-            if self._armed and idle > self.timeout:
+            if idle > self.timeout:
                 self.on_hang(Stall(idle, what, self._stacks()))
                 return
 
@@ -113,7 +115,7 @@ class Watchdog(Hook):
 
     def on_step(self, trainer, info: StepInfo) -> None:
         self.tick(f"step {info.step} (epoch {info.position.epoch}, batch "
-                  f"{info.position.batch})", training=True)
+                  f"{info.position.batch})")
 
     def on_log(self, trainer, row: dict) -> None:
         self.tick(f"a logged row at step {row.get('step')}")
@@ -131,8 +133,9 @@ class Watchdog(Hook):
 _running: list[Watchdog] = []
 
 
-def progress(what: str, training: bool = False) -> None:
+def progress(what: str) -> None:
     """Tells this process's watchdogs that work moved on, from code that sends no hook
-    event (a step of a custom loop, an evaluation or prediction batch)."""
+    event (a step of a custom loop, an evaluation or prediction batch, a phase of the
+    start)."""
     for watchdog in _running:
-        watchdog.tick(what, training)
+        watchdog.tick(what)
