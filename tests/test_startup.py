@@ -89,7 +89,7 @@ def test_a_run_times_its_start_and_a_second_takes_its_ray_and_hosts(tmp_path, ca
 def test_a_group_ray_cannot_place_in_time_is_given_up_and_frees_its_reservation():
     """An elastic run tries a smaller group when a size's placement does not come within
     ``ELASTIC_START_TIMEOUT_S`` (Ray may still count a lost node); what it reserved for
-    the size given up is freed at once."""
+    the size given up is freed at once. A host lost while a group starts is a failure."""
     from redray.cluster import hosts
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -100,5 +100,22 @@ def test_a_group_ray_cannot_place_in_time_is_given_up_and_frees_its_reservation(
         from ray.util import placement_group_table
 
         assert all(p["state"] == "REMOVED" for p in placement_group_table().values())
+
+        # a host lost while the group starts (here: its process ends in the call that
+        # joins JAX's runtime) fails the start, naming it, as a failure a restart follows
+        @ray.remote(num_cpus=0)
+        class Joining:
+            def join(self, lost):
+                if lost:
+                    os._exit(1)
+                return "joined"
+
+        said = []
+        members = [Joining.remote() for _ in range(3)]
+        with pytest.raises(hosts.HostFailure) as err:
+            hosts._answers([m.join.remote(rank == 1) for rank, m in enumerate(members)],
+                           None, "join JAX's distributed runtime", said.append)
+        assert err.value.host == 1 and err.value.lost, err.value.ends
+        assert "host 1 was lost while the group's hosts were to join JAX's" in str(err.value)
     finally:
         ray.shutdown()
