@@ -82,6 +82,11 @@ class Shape:
         room = room if isinstance(room, Room) else Room.of(room)
         return cls(hosts, room, tuple(sorted(env.items())), strategy)
 
+    def holds(self, other: "Shape") -> bool:
+        """Whether a group of this shape can run what ``other`` asks for: the same hosts
+        (what is kept free beside them matters only while a group is placed)."""
+        return dataclasses.replace(self, room=Room(self.room.host, other.room.spare)) == other
+
     def actor_options(self) -> dict:
         resources = dict(self.room.host)
         return dict(num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0),
@@ -308,7 +313,7 @@ def take(shape: Shape) -> HostGroup | None:
     """The kept group if it has ``shape`` and still runs; a kept group of another shape
     is ended (its resources are this run's to take)."""
     def usable(group: HostGroup) -> bool:
-        if group.shape == shape and group.usable():
+        if group.shape.holds(shape) and group.usable():
             return True
         group.close()
         return False
