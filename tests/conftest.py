@@ -40,6 +40,25 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.fixture
+def hopper(monkeypatch):
+    """No GPU here: JAX asks the installed cuDNN for its version and the GPU for its
+    compute capability while it traces cuDNN's attention; these stand-ins (private to
+    jax 0.10, pinned) answer as cuDNN 9.10 on Hopper would, for a step lowered for CUDA
+    with ``jax.export``."""
+    import jax
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    class Version:
+        @staticmethod
+        def cudnn_get_version():
+            return 91000
+
+    monkeypatch.setattr(cudnn, "cuda_versions", Version)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_ray_left_behind():
     """A module that leaves a Ray instance up (e.g. a redray.Stream read outside a

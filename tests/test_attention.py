@@ -109,23 +109,13 @@ def test_blockwise_memory_grows_with_the_sequence_not_its_square():
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "maybe-padded"])
-def test_the_gpu_path_lowers_to_cudnn_flash_attention(monkeypatch, padded):
-    # No GPU here: lower a bf16 training step's attention for CUDA with jax.export.
-    # JAX asks the installed cuDNN for its version while tracing; these two stand-ins
-    # (private to jax 0.10, pinned) answer as cuDNN 9.10 on Hopper would. A mask that
-    # may hold padding runs cuDNN with the rows' lengths (its padding mask), or where
-    # the padding does not trail the XLA path, picked at run time.
+def test_the_gpu_path_lowers_to_cudnn_flash_attention(hopper, padded):
+    # No GPU here: lower a bf16 training step's attention for CUDA with jax.export (the
+    # ``hopper`` fixture answers for cuDNN and the GPU). A mask that may hold padding
+    # runs cuDNN's packed layout (its padding mask), or, where the layout cannot
+    # describe the padding, the blockwise path, picked at run time.
     from jax import export
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-    class Version:
-        @staticmethod
-        def cudnn_get_version():
-            return 91000
-
-    monkeypatch.setattr(cudnn, "cuda_versions", Version)
-    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     mask = AttentionMask(jnp.ones((2, 128), bool), jnp.arange(128), padded=padded)
     assert choose(*qkv(128, 128, jnp.bfloat16)[:2], mask, None, None, "auto") == "cudnn"
 
@@ -149,7 +139,7 @@ def test_the_gpu_path_lowers_to_cudnn_flash_attention(monkeypatch, padded):
 def test_cudnn_runs_only_where_the_padding_trails():
     """cuDNN's lengths describe padding after each row's real tokens; left padding,
     padding inside a row and an all-padding row go the other way."""
-    from redray.models.attention import trailing_padding
+    from redray.models.fused_attention import trailing_padding
 
     def check(rows):
         lengths, trailing = trailing_padding(jnp.asarray(rows, bool))

@@ -327,6 +327,8 @@ def test_fine_tuning_a_loaded_model_with_the_trainer(tmp_path):
     before = trainer.evaluate(data)["loss"]
     trainer.fit(data, epochs=2)
     assert trainer.evaluate(data)["loss"] < 0.5 * before
+    # the attention kernel the step computes with, said once and kept (MLflow's tag)
+    assert trainer.describe()["attention"] == "xla (no fused kernel on cpu)"
 
 
 # ------------------------------------------------------------------ scanned layers

@@ -229,6 +229,8 @@ class TrackerHook(Hook):
                 "redray.parameters": d["parameters"],
                 "redray.param_bytes_per_device": d["param_bytes_per_device"],
                 "redray.accumulation_steps": d["accumulation_steps"]}
+        if "attention" in d:
+            tags["redray.attention"] = d["attention"]
         # a chosen plan: what it is, why, its predicted step and the hardware numbers
         tags.update({f"redray.plan.{k}": v for k, v in d.get("plan", {}).items()})
         self.tracker.describe.remote(tags, trainer.plan())

@@ -37,6 +37,7 @@ from redray.engine.steps import NONFINITE_POLICIES
 from redray.functions import WEIGHT, UserFunctions, UserFunctionError
 from redray.rngs import KeyStream, stream_key
 from redray.sharding import Parallelism, placement
+from redray.sharding.activations import AttentionKernels, attention_kernels
 from redray.sharding.parallelism import describe_shape
 from redray.sharding.planner import Candidate, pins
 from redray.sharding.memory import memory_text
@@ -223,6 +224,8 @@ class Trainer:
         self.state: TrainState | None = None
         self._compiled = False  # whether the training step ran once (compiled)
         self.program: TrainProgram | None = None
+        # the attention kernels the step's model computes with (after init)
+        self.attention: AttentionKernels | None = None
         self.checkpoint_config = CheckpointConfig.of(checkpoint)
         self.checkpointer: Checkpointer | None = None
         self.config = dict(config or {})
@@ -284,11 +287,14 @@ class Trainer:
                                      first_examples(examples, self.batch_size))
         if self.parallelism is None and not self._keep_plan():
             self._choose_plan(sample)
-        with startup.phase("build"):
+        with startup.phase("build"), attention_kernels() as kernels:
             self.program = TrainProgram.build(
                 self.runtime, self.functions, self.optimizer, self.geometry, sample,
                 seed=self.seed, trainable=self.trainable, grad_fn=self.grad_fn,
                 on_nonfinite=self.on_nonfinite)
+        self.attention = kernels
+        if kernels.why and self.progress and jax.process_index() == 0:
+            self.console.say(f"attention: {kernels.describe()}")
         items = None
         if self.checkpoint_config is not None:
             with startup.phase("restore"):
@@ -433,6 +439,8 @@ class Trainer:
                 "accumulation_steps": self.geometry.accumulation,
                 **({"stage_repeats": self.runtime.stage_repeats}
                    if self.runtime.stage_repeats > 1 else {}),
+                **({"attention": self.attention.describe()}
+                   if self.attention is not None and self.attention.why else {}),
                 **({} if self.plan_ranking is None else {"plan": self._plan_facts()})}
 
     def _plan_facts(self) -> dict:
@@ -496,6 +504,8 @@ class Trainer:
             raise UserFunctionError(
                 f"the batch has {rows} rows but this process feeds {mine.stop - mine.start} of "
                 f"batch_size={self.batch_size}: collate must return one row per example")
+        if self.attention is not None:
+            self.attention.check(batch)  # a fused kernel's bounds (documents per row)
         return to_global(batch, self.parallelism.batch_sharding(), self.batch_size)
 
     def _step(self, placed: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -1,25 +1,49 @@
-"""Attention for every family: which keys a query sees, and three ways to compute it.
+"""Attention for every family: which keys a query sees, and the ways to compute it.
 
 ``AttentionMask`` describes the mask instead of holding it: which key slots are real
 (padding), each query's slot (causal masking, a KV cache), an optional sliding window
-and optional segment ids (packed rows). ``attend`` picks how to compute attention:
+and optional segment ids (packed rows). ``attend`` computes attention the way ``choose``
+picks, one of ``IMPLEMENTATIONS``:
 
-* ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's fused
-  flash attention, on GPU for the plain causal case (no segments, window, bias,
-  soft-capping or dropout; bf16/fp16): what MaxText and JAX's own docs use. Padding
-  it takes as each row's length, where it trails the row's tokens; where it does not,
-  ``fused_attention`` takes another path at run time;
-* ``"xla"``: ``jax.nn.dot_product_attention(implementation="xla")`` with the mask
-  materialized as booleans: short sequences, and everywhere the others do not apply;
+* ``"cudnn"``: cuDNN's fused flash attention on GPU (``fused_attention.py``): causal,
+  any static window, padding and packed rows (segment ids) through its packed layout on
+  Hopper and newer, trailing padding as each row's length on older GPUs;
+* ``"splash"``: splash attention (Pallas) on TPU (``fused_attention.py``): causal,
+  windows, padding anywhere, packed rows and soft-capped scores;
 * ``"chunked"``: blockwise attention with an online softmax and a backward pass that
   recomputes each block (``flash_attention``, a ``custom_vjp`` in plain JAX), which
-  never holds a (query, key) matrix larger than a block: memory grows linearly with
-  the sequence. Long sequences (``CHUNKED_FROM`` keys and more) without a fused kernel.
+  never holds a (query, key) matrix larger than a block: memory linear in the sequence;
+* ``"xla"``: ``jax.nn.dot_product_attention(implementation="xla")`` with the mask
+  materialized as booleans;
+* ``"dense"``: the scores materialized (``dense_attention``): dropout on the attention
+  probabilities, and soft-capped scores where ``"xla"`` would run (JAX's function has no
+  soft-capping).
 
-Dropout on the attention probabilities needs them materialized: with it, the scores
-are computed as before (``dense``), and so they are for soft-capped scores (Gemma 2's
-``c * tanh(s / c)``, ``softcap``) where ``"xla"`` would run: JAX's function has no
-soft-capping. Every path computes the softmax in float32.
+What ``"auto"`` (the default; ``REDRAY_ATTENTION`` or a trace's
+``attention_forced`` asks for one) picks, for causal self-attention (queries and keys
+the same tokens) of a family's model:
+
+| the attention | GPU, Hopper+ | GPU, older | TPU | CPU |
+|---|---|---|---|---|
+| plain causal | cudnn | cudnn | splash | general |
+| padding, leading or trailing | cudnn (packed) | cudnn if it trails | splash | general |
+| packed rows (segment ids) | cudnn (packed) | general | splash | general |
+| sliding window | cudnn | cudnn | splash | general |
+| soft-capped scores (Gemma 2) | general | general | splash | general |
+| a bias (T5) / dropout | xla / dense | xla / dense | xla / dense | xla / dense |
+
+"general" is chunked from ``CHUNKED_FROM`` (2,048) keys, else xla (dense with
+soft-capped scores): no fused kernel takes the attention there (cuDNN has no
+soft-capping; a left-padded batch on a GPU before Hopper goes this way at run time).
+cuDNN needs bfloat16 or float16 and a head size that is a multiple of 8, up to 256 on
+Hopper (128 before); splash a sequence that divides into blocks of 128. Where they do
+not apply, and for other attention (a KV cache's decoding, cross-attention, a sequence
+split over the context axis, which ``context.py`` computes), the last column's rule
+holds. A batch cuDNN's layout cannot describe exactly (padding inside a document) runs
+the blockwise kernel at run time. The kernels a Trainer's step uses are shown once in
+its console and in MLflow (``redray.attention`` tag; ``activations.note_attention``).
+
+Every path computes the softmax in float32.
 """
 
 from __future__ import annotations
@@ -33,12 +57,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from redray.sharding.activations import attention_forced
+from redray.models import fused_attention
+from redray.sharding.activations import attention_forced, note_attention
 
 # Keys from which "auto" attention is computed in chunks where no fused kernel exists.
 CHUNKED_FROM = 2048
 BLOCK = 512
-IMPLEMENTATIONS = ("auto", "cudnn", "xla", "chunked", "dense")
+IMPLEMENTATIONS = ("auto", "cudnn", "splash", "xla", "chunked", "dense")
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
 
@@ -56,6 +81,8 @@ class AttentionMask:
       window: a query sees the ``window`` latest keys only (sliding window), or None.
       layer_window: ``window`` as an int32 scalar array, where scanned layers differ
         in their windows (Gemma's); None: ``window`` says.
+      windows: the values ``layer_window`` can take (static), for the fused kernels,
+        which need their window static; () where unknown.
       kv_slots: (keys,) int32: each key's slot, where the keys are not in slot order (a
         sequence split over the context axis, ``redray/models/context.py``); None: a
         key's slot is its index.
@@ -71,6 +98,7 @@ class AttentionMask:
     layer_window: jax.Array | None = None
     kv_slots: jax.Array | None = None
     padded: bool = flax.struct.field(pytree_node=False, default=True)
+    windows: tuple = flax.struct.field(pytree_node=False, default=())
 
     def block(self, q_slots, kv_slots, kv_valid, q_segments=None, kv_segments=None):
         """The (batch, queries, keys) boolean mask of some queries and keys."""
@@ -84,12 +112,14 @@ class AttentionMask:
             mask = mask & (q_segments[:, :, None] == kv_segments[:, None, :])
         return mask
 
-    def windowed(self, window) -> AttentionMask:
+    def windowed(self, window, choices: tuple = ()) -> AttentionMask:
         """This mask with a sliding window of ``window`` keys: an int, None (no window),
-        or an int32 scalar array (a scanned layer's, ``layer_window``)."""
+        or an int32 scalar array (a scanned layer's, ``layer_window``), one of the ints
+        ``choices`` where they are known."""
         if window is None or isinstance(window, int):
-            return self.replace(window=window, layer_window=None)
-        return self.replace(window=None, layer_window=jnp.asarray(window, jnp.int32))
+            return self.replace(window=window, layer_window=None, windows=())
+        return self.replace(window=None, layer_window=jnp.asarray(window, jnp.int32),
+                            windows=tuple(int(c) for c in choices))
 
     @property
     def sliding(self) -> bool:
@@ -120,28 +150,74 @@ def implementation() -> str:
     return name
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What attention is computed on: the platform (``jax.default_backend()``: "gpu",
+    "tpu", "cpu") and, on a GPU, whether it has cuDNN's packed layout (Hopper and
+    newer)."""
+    platform: str
+    packed: bool = False
+
+    @classmethod
+    def live(cls) -> "Target":
+        platform = jax.default_backend()
+        return cls(platform, platform == "gpu" and fused_attention.packed_layout_available())
+
+    def describe(self) -> str:
+        if self.platform != "gpu":
+            return self.platform.upper()
+        return "GPU, Hopper or newer" if self.packed else "GPU, before Hopper"
+
+
 def choose(q, k, mask: AttentionMask, bias, dropout, asked: str | None = None,
-           softcap: float | None = None) -> str:
-    """Which implementation computes this attention (see the module docstring)."""
+           softcap: float | None = None, target: Target | None = None) -> str:
+    """Which implementation computes this attention (the table of the module
+    docstring); ``target``: the live devices' by default."""
+    return decide(q, k, mask, bias, dropout, asked, softcap, target)[0]
+
+
+def decide(q, k, mask: AttentionMask, bias, dropout, asked: str | None = None,
+           softcap: float | None = None, target: Target | None = None) -> tuple[str, str]:
+    """``choose``'s pick and why, in a few words."""
     asked = asked or implementation()
     if dropout is not None:
-        return "dense"
+        return "dense", "dropout on the attention probabilities"
     if asked == "cudnn" and softcap is not None:
         raise ValueError(f"REDRAY_ATTENTION=cudnn: cuDNN's fused attention has no logit "
                          f"soft-capping (softcap={softcap}, attn_logit_softcapping); use "
-                         "'auto', 'chunked' or 'dense'")
+                         "'auto', 'splash' (TPU), 'chunked' or 'dense'")
     if asked == "xla" and softcap is not None:
-        return "dense"
+        return "dense", "soft-capped scores (XLA's attention has none)"
     if asked != "auto":
-        return asked
-    plain_causal = (mask.causal and not mask.segmented and not mask.sliding
-                    and bias is None and softcap is None and q.shape[1] == k.shape[1])
-    if (plain_causal and jax.default_backend() == "gpu"
-            and q.dtype in (jnp.bfloat16, jnp.float16)):
-        return "cudnn"
-    if k.shape[1] >= CHUNKED_FROM and bias is None:
-        return "chunked"
-    return "xla" if softcap is None else "dense"
+        return asked, "asked for"
+    target = target or Target.live()
+    general = ("chunked" if k.shape[1] >= CHUNKED_FROM and bias is None
+               else "xla" if softcap is None else "dense")
+    # causal self-attention in slot order, its window static: what the kernels take
+    own = (mask.causal and q.shape[1] == k.shape[1] and mask.kv_slots is None
+           and bias is None and (mask.layer_window is None or mask.windows))
+    if not own:
+        return general, "not causal self-attention with a static window"
+    if target.platform == "tpu":
+        if fused_attention.splash_blocks(q.shape[1]) and q.shape[-1] % 8 == 0:
+            return "splash", "splash attention"
+        return general, "a sequence splash cannot cut into blocks of 128"
+    if target.platform != "gpu":
+        return general, f"no fused kernel on {target.platform}"
+    limit = 256 if target.packed else 128
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return general, f"{q.dtype} (cuDNN's flash attention takes bfloat16 or float16)"
+    if q.shape[-1] > limit or q.shape[-1] % 8:
+        return general, f"head size {q.shape[-1]} (cuDNN: a multiple of 8 up to {limit})"
+    if softcap is not None:
+        return general, "soft-capped scores (cuDNN has no soft-capping)"
+    if mask.segmented and not target.packed:
+        return general, "packed rows (cuDNN's packed layout needs Hopper or newer)"
+    if target.packed and (mask.padded or mask.segmented):
+        return "cudnn", "packed layout"
+    if mask.padded:
+        return "cudnn", "rows' lengths; blockwise where the padding leads"
+    return "cudnn", "causal"
 
 
 def soft_cap(scores: jax.Array, cap: float | None) -> jax.Array:
@@ -162,7 +238,12 @@ def attend(q, k, v, mask: AttentionMask, scale: float, bias=None,
     scaled scores are soft-capped to (-softcap, softcap) (``soft_cap``) before the mask
     and the bias.
     """
-    chosen = choose(q, k, mask, bias, dropout, impl, softcap)
+    target = Target.live()
+    chosen, why = decide(q, k, mask, bias, dropout, impl, softcap, target)
+    # a batch with more documents in a row than cuDNN's packed layout takes is refused on
+    # the host (the kernel would give way to the blockwise one on every such batch)
+    packed = chosen == "cudnn" and target.packed and mask.segmented
+    note_attention(chosen, why, fused_attention.check_segments if packed else None)
     if chosen == "dense":
         return dense_attention(q, k, v, mask.dense(), scale, bias, dropout, softcap)
     if chosen == "chunked":
@@ -170,7 +251,15 @@ def attend(q, k, v, mask: AttentionMask, scale: float, bias=None,
             raise ValueError("chunked attention takes no bias: use 'xla' or 'dense'")
         return flash_attention(q, k, v, mask, scale, softcap=softcap)
     if chosen == "cudnn":
-        return fused_attention(q, k, v, mask, scale)
+        def general(q, k, v):  # what a batch cuDNN's layout cannot describe runs
+            return flash_attention(q, k, v, mask, scale).astype(v.dtype)
+        return fused_attention.cudnn_attention(q, k, v, mask, scale, target.packed, general)
+    if chosen == "splash":
+        if fused_attention.splash_blocks(q.shape[1]) is None:
+            raise ValueError(f"splash attention cuts the sequence into blocks of "
+                             f"{', '.join(map(str, fused_attention.SPLASH_BLOCKS))}: "
+                             f"{q.shape[1]} tokens divide by none; pad the sequence")
+        return fused_attention.splash_attention(q, k, v, mask, scale, softcap).astype(v.dtype)
     return _xla(q, k, v, mask, scale, bias)
 
 
@@ -179,40 +268,6 @@ def _xla(q, k, v, mask: AttentionMask, scale: float, bias=None):
         q, k, v, bias=None if bias is None else bias.astype(jnp.float32),
         mask=mask.dense()[:, None], scale=scale, implementation="xla")
     return out.astype(v.dtype)
-
-
-def trailing_padding(kv_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(each row's real keys (batch,) int32, whether every row's real keys come first
-    and number at least one: the padding cuDNN's per-row lengths describe)."""
-    valid = kv_valid.astype(bool)
-    lengths = valid.sum(-1, dtype=jnp.int32)
-    prefix = jnp.arange(valid.shape[1])[None] < lengths[:, None]
-    return lengths, jnp.all(valid == prefix) & jnp.all(lengths > 0)
-
-
-def fused_attention(q, k, v, mask: AttentionMask, scale: float):
-    """cuDNN's fused causal attention. It takes no mask, only each row's length (its
-    real tokens first, the padding after: what a collate makes). A mask made without
-    padding runs the plain kernel; one that may hold padding runs it with the rows'
-    lengths where the padding trails, and otherwise (left-padded rows scored whole,
-    padding inside a row) the path "auto" takes without cuDNN, picked at run time: cuDNN
-    would let the real tokens attend to the padding."""
-    def fused(q, k, v, lengths=None):
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                            query_seq_lengths=lengths,
-                                            key_value_seq_lengths=lengths,
-                                            implementation="cudnn")
-
-    if not mask.padded:
-        return fused(q, k, v)
-
-    def general(q, k, v):
-        if k.shape[1] >= CHUNKED_FROM:
-            return flash_attention(q, k, v, mask, scale).astype(v.dtype)
-        return _xla(q, k, v, mask, scale)
-
-    lengths, trailing = trailing_padding(mask.kv_valid)
-    return jax.lax.cond(trailing, lambda q, k, v: fused(q, k, v, lengths), general, q, k, v)
 
 
 def dense_attention(q, k, v, mask, scale: float, bias=None, dropout: Callable | None = None,

@@ -117,13 +117,17 @@ class Block(nnx.Module):
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
         self.mlp = llama.MLP(_mlp_fields(c), rngs=rngs, dtype=dtype)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        # the windows a scanned layer's traced window can be (the fused kernels compile
+        # one for each): the local layers' and the global ones'
+        self.windows = (int(c.sliding_window), EVERY_KEY) if c.sliding_window else ()
 
     def __call__(self, x, cos, sin, mask, window, rope, cache, cache_index, train):
         """``cos``, ``sin``: every rotary table stacked on axis 1 (rows first), this
         layer's at ``rope``;
         ``window``: this layer's sliding window (None or ``EVERY_KEY``: global)."""
+        mask = mask.windowed(window, self.windows)
         attn, new_cache = self.self_attn(self.input_layernorm(x), cos[:, rope], sin[:, rope],
-                                         mask.windowed(window), cache, cache_index, train)
+                                         mask, cache, cache_index, train)
         x = x + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(mlp), new_cache

@@ -28,6 +28,7 @@ _ROWS: contextvars.ContextVar = contextvars.ContextVar("redray_rows", default=No
 _UNROLL: contextvars.ContextVar = contextvars.ContextVar("redray_unroll", default=False)
 _SPECS: contextvars.ContextVar = contextvars.ContextVar("redray_param_specs", default=None)
 _ATTENTION: contextvars.ContextVar = contextvars.ContextVar("redray_attention", default=None)
+_KERNELS: contextvars.ContextVar = contextvars.ContextVar("redray_kernels", default=None)
 
 
 @contextlib.contextmanager
@@ -45,6 +46,48 @@ def blockwise_attention():
 def attention_forced() -> str | None:
     """The attention implementation the trace forces (``blockwise_attention``), or None."""
     return _ATTENTION.get()
+
+
+class AttentionKernels:
+    """The attention kernels a trace's model computed with (``note_attention``): each
+    kernel and why, and the host checks a batch must pass for them (a fused kernel's
+    bounds a batch can exceed, e.g. documents per row)."""
+
+    def __init__(self):
+        self.why: dict[str, str] = {}
+        self.checks: dict[str, object] = {}
+
+    def describe(self) -> str:
+        """E.g. "cudnn (cuDNN, packed layout)"."""
+        return "; ".join(f"{kernel} ({why})" for kernel, why in self.why.items())
+
+    def check(self, batch: dict) -> None:
+        """Runs every noted check on a host batch (they raise, with the fix)."""
+        for check in self.checks.values():
+            check(batch)
+
+
+@contextlib.contextmanager
+def attention_kernels():
+    """Within: every attention redray's models trace notes its kernel (``note_attention``)
+    in the ``AttentionKernels`` yielded."""
+    found = AttentionKernels()
+    token = _KERNELS.set(found)
+    try:
+        yield found
+    finally:
+        _KERNELS.reset(token)
+
+
+def note_attention(kernel: str, why: str, check=None) -> None:
+    """An attention of the trace runs on ``kernel`` (and why); ``check(batch)``: what a
+    host batch must pass for it (raising a clear error), or None."""
+    found = _KERNELS.get()
+    if found is None:
+        return
+    found.why.setdefault(kernel, why)
+    if check is not None:
+        found.checks.setdefault(kernel, check)
 
 
 @contextlib.contextmanager
