@@ -23,9 +23,11 @@ cuDNN's, at the longest sequence; no target: a finding),
 ``gpu_attention/cudnn_error_over_xla`` (cuDNN's worst error over XLA's bf16 path's:
 cuDNN's kernel is as exact as the path it replaces, target <= 1.5) and
 ``gpu_attention/cudnn_padded_error_over_xla`` (the same where the rows end or begin in
-64 padding slots: cuDNN runs the first with the rows' lengths; the second, which its
-lengths cannot describe, takes the other path at run time; target <= 1.5). The time of
-"cudnn trailing" (the lengths given) is beside plain cuDNN's in ``detail``.
+64 padding slots, or are packed with documents: on Hopper cuDNN's packed layout takes
+all three; target <= 1.5) and ``gpu_attention/packed_over_causal`` (the time of "auto"
+on rows packed with documents of 256 to 4,096 tokens, cuDNN's packed layout on Hopper,
+over plain causal cuDNN on the same tokens, the worse of the sequences; target <= 1.3).
+The time of "cudnn trailing" (padding given) is beside plain cuDNN's in ``detail``.
 
     python benchmarks/gpu_attention.py [--seqs 4096 16384] [--tokens 32768]
 """
@@ -62,18 +64,42 @@ def inputs(batch: int, seq: int, heads: int, kv_heads: int, dim: int, seed: int 
 def real_slots(padding: str, batch: int, t: int) -> jax.Array:
     """(batch, t) bool: the slots holding real tokens under ``padding`` (``step``'s)."""
     slots = jnp.arange(t)[None]
-    valid = {"none": slots >= 0, "trailing": slots < t - 64, "leading": slots >= 64}[padding]
+    valid = {"none": slots >= 0, "packed": slots >= 0, "trailing": slots < t - 64,
+             "leading": slots >= 64}[padding]
     return jnp.broadcast_to(valid, (batch, t))
+
+
+def documents(batch: int, t: int, shortest: int = 256, longest: int = 4096) -> jax.Array:
+    """(batch, t) segment ids of rows packed with documents of ``shortest`` to
+    ``longest`` tokens (drawn with a fixed seed; the last one cut at the row's end)."""
+    import numpy as np
+
+    rs = np.random.default_rng(0)
+    rows = []
+    for _ in range(batch):
+        ids, doc = [], 1
+        while len(ids) < t:
+            ids += [doc] * int(rs.integers(min(shortest, t), min(longest, t) + 1))
+            doc += 1
+        rows.append(ids[:t])
+    return jnp.asarray(rows, jnp.int32)
 
 
 def step(impl: str, padding: str = "none"):
     """jit(forward and backward) of ``impl``: returns (out, dq, dk, dv). ``padding``:
     "none" (a mask known to hold none), "trailing" (a mask that may hold padding, whose
-    rows end in 64 padding slots) or "leading" (rows that begin with them)."""
+    rows end in 64 padding slots), "leading" (rows that begin with them) or "packed"
+    (rows packed with documents of 256 to 4,096 tokens: segment ids)."""
     def run(q, k, v, g):
-        valid = real_slots(padding, *k.shape[:2])
-        mask = AttentionMask(kv_valid=valid, q_slots=jnp.arange(q.shape[1]),
-                             padded=padding != "none")
+        b, t = k.shape[:2]
+        if padding == "packed":
+            seg = documents(b, t)
+            mask = AttentionMask(jnp.ones((b, t), bool), jnp.arange(t), seg, seg)
+            valid = seg > 0
+        else:
+            valid = real_slots(padding, b, t)
+            mask = AttentionMask(kv_valid=valid, q_slots=jnp.arange(q.shape[1]),
+                                 padded=padding != "none")
         scale = q.shape[-1] ** -0.5
         g = g * valid[:, :, None, None]  # the padding's outputs are nobody's
 
@@ -149,10 +175,11 @@ def main(argv=None) -> None:
                          f"{device.device_kind!r}: run it on a GPU, or with --tiny")
     fused = ["cudnn"] if gpu else []
     err = errors(fused + ["chunked", "xla"], args.check_seq, heads, kv_heads, dim,
-                 ("none", "trailing", "leading"))
+                 ("none", "trailing", "leading", "packed"))
     per_seq = {}
     for seq in args.seqs:
-        impls = fused + [f"{f} trailing" for f in fused] + ["chunked"] + \
+        # the kernel "auto" takes for packed rows, beside the plain causal one
+        impls = fused + [f"{f} trailing" for f in fused] + ["auto packed", "chunked"] + \
             (["xla"] if seq <= XLA_UP_TO else [])
         batch = max(1, args.tokens // seq)
         seconds = timings(impls, batch, seq, heads, kv_heads, dim, args.window, args.repeats)
@@ -173,6 +200,15 @@ def main(argv=None) -> None:
             longest["chunked"]["median"] / longest[base]["median"], "x",
             f"{base} attention's time, forward and backward, causal, bf16, seq "
             f"{max(args.seqs)}, on {device.device_kind}", None, COMMAND, **detail))
+    if gpu:
+        ratios = {seq: r["seconds"]["auto packed"]["median"] / r["seconds"]["cudnn"]["median"]
+                  for seq, r in per_seq.items()}
+        figures.append(figure(
+            "gpu_attention/packed_over_causal", max(ratios.values()), "x",
+            f"cuDNN's plain causal attention on the same tokens, forward and backward, bf16, "
+            f"rows packed with documents of 256 to 4,096 tokens against unpacked rows (the "
+            f"worse of seqs {sorted(ratios)}), on {device.device_kind}", "<= 1.3", COMMAND,
+            ratios=ratios, **detail))
     worst = {impl: max(e.values()) for impl, e in err.items()}
     fused_name = "cudnn" if gpu else "chunked"
     figures.append(figure(
@@ -180,14 +216,14 @@ def main(argv=None) -> None:
         worst[fused_name] / worst["xla"], "x",
         f"XLA's bf16 attention's worst relative error (output, dq, dk, dv) against float32,"
         f" seq {args.check_seq}, on {device.device_kind}", "<= 1.5", COMMAND, **detail))
-    padded = [p for p in ("trailing", "leading")]
+    padded = [p for p in ("trailing", "leading", "packed")]
     figures.append(figure(
         "gpu_attention/cudnn_padded_error_over_xla",
         max(worst[f"{fused_name} {p}"] for p in padded)
         / max(worst[f"xla {p}"] for p in padded), "x",
         f"XLA's worst relative error on rows padded at their end or start (64 of "
-        f"{args.check_seq} slots; cuDNN takes the first with the rows' lengths, the second"
-        f" goes the other way), on {device.device_kind}", "<= 1.5", COMMAND, **detail))
+        f"{args.check_seq} slots) or packed with documents (cuDNN's packed layout on "
+        f"Hopper), on {device.device_kind}", "<= 1.5", COMMAND, **detail))
     save(figures, args.out)
 
 

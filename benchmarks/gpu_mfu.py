@@ -29,10 +29,16 @@ FLOPs per token / the
 device's peak dense bf16 FLOP/s, from ``PEAK_TFLOPS`` by ``device_kind`` (or
 ``--peak-tflops``).
 
-Figures: ``gpu_mfu/mfu`` (% of peak, target >= 50 on H100) and
+A third side trains the same model on rows packed with documents of 256 to 2,048
+tokens (``segment_ids``, as ``redray.data.prepare(pack=...)`` writes them; the loss and
+attention stay inside each document: cuDNN's packed layout on Hopper).
+
+Figures: ``gpu_mfu/mfu`` (% of peak, target >= 50 on H100),
 ``gpu_mfu/redray_vs_jit`` (redray tokens/s over the hand-written step's, target
->= 0.97). ``--tiny`` runs a tiny LLaMA on any backend (CPU included) to check the
-script: its figures measure nothing. ``run_all.py`` skips ``gpu_*`` scripts.
+>= 0.97) and ``gpu_mfu/packed_over_unpacked`` (redray's tokens/s on packed rows over
+its tokens/s on unpacked ones, target >= 0.95). ``--tiny`` runs a tiny LLaMA on any
+backend (CPU included) to check the script: its figures measure nothing.
+``run_all.py`` skips ``gpu_*`` scripts.
 
     python benchmarks/gpu_mfu.py [--batch 8] [--seq 2048] [--window 10] [--windows 3]
                                  [--rounds 3] [--remat dots] [--peak-tflops 989]
@@ -143,6 +149,27 @@ class HandWritten:
         return out
 
 
+def packed_loss(model, batch, rng, train):
+    """``chunked_loss`` on rows packed with documents (``segment_ids``)."""
+    from redray.models import next_token_loss
+
+    return next_token_loss(model, batch["ids"], batch["segment_ids"], chunk=2048, train=train)
+
+
+def documents(rows: int, length: int, shortest: int = 256, longest: int = 2048):
+    """(rows, length) segment ids of rows packed with documents of ``shortest`` to
+    ``longest`` tokens (a fixed seed; the last one cut at the row's end)."""
+    rs = np.random.default_rng(1)
+    out = np.zeros((rows, length), np.int32)
+    for row in out:
+        at, doc = 0, 1
+        while at < length:
+            size = int(rs.integers(min(shortest, length), min(longest, length) + 1))
+            row[at:at + size] = doc
+            at, doc = at + size, doc + 1
+    return out
+
+
 def fused_attention(trainer) -> bool:
     """Whether the compiled redray step holds a cuDNN fused attention kernel (a fMHA or
     flash-attention custom call)."""
@@ -184,17 +211,26 @@ def main(argv=None) -> None:
                              collate, loss, optax.adamw(LR), batch_size=args.batch,
                              compute_dtype=jnp.bfloat16, log_every=args.window, progress=False,
                              mesh=redray.make_mesh(devices=[device]))
+    segments = documents(len(rows), args.seq + 1)
+    packed_examples = [{"ids": r, "segment_ids": seg} for r, seg in zip(rows, segments)]
+    packed = redray.Trainer(lambda rngs: build(config, rngs=rngs, dtype=jnp.bfloat16,
+                                               remat=remat),
+                            collate, packed_loss, optax.adamw(LR), batch_size=args.batch,
+                            compute_dtype=jnp.bfloat16, log_every=args.window,
+                            progress=False, mesh=redray.make_mesh(devices=[device]))
     hand = HandWritten(config, remat)
     batches = [rows[i:i + args.batch] for i in range(0, len(rows), args.batch)]
     n_params = sum(x.size for x in jax.tree.leaves(hand.params))
     flops = flops_per_token(config, n_params, args.seq)
-    tokens = {"redray": [], "jit": []}
+    tokens = {"redray": [], "jit": [], "packed": []}
     for _ in range(args.rounds):
-        done = trainer.step if trainer.state is not None else 0
-        # one epoch is one window: fit logs a row per window
-        logged = trainer.fit(examples, epochs=10**9,
-                             max_steps=done + args.window * (args.windows + 1))
-        tokens["redray"] += [r["examples_per_s"] * args.seq for r in logged[1:]]
+        for name, each, data in (("redray", trainer, examples),
+                                 ("packed", packed, packed_examples)):
+            done = each.step if each.state is not None else 0
+            # one epoch is one window: fit logs a row per window
+            logged = each.fit(data, epochs=10**9,
+                              max_steps=done + args.window * (args.windows + 1))
+            tokens[name] += [r["examples_per_s"] * args.seq for r in logged[1:]]
         seconds = hand.windows(batches, args.window, args.windows + 1)[1:]
         tokens["jit"] += [args.batch * args.seq * args.window / s for s in seconds]
     fused = fused_attention(trainer)
@@ -205,11 +241,16 @@ def main(argv=None) -> None:
     detail = dict(device=device.device_kind, tokens_per_s={k: stats(v) for k, v in tokens.items()},
                   flops_per_token=flops, n_params=n_params, batch=args.batch, seq=args.seq,
                   remat=remat, cudnn_fused_attention=fused, window=args.window,
+                  attention=trainer.describe().get("attention"),
+                  packed_attention=packed.describe().get("attention"),
                   windows=args.windows, rounds=args.rounds,
                   date=time.strftime("%Y-%m-%d"), jax=jax.__version__)
     figures = [figure("gpu_mfu/redray_vs_jit", median["redray"] / median["jit"], "x",
                       f"hand-written jax.jit step of the same model; {setting}", ">= 0.97",
-                      COMMAND, **detail)]
+                      COMMAND, **detail),
+               figure("gpu_mfu/packed_over_unpacked", median["packed"] / median["redray"], "x",
+                      f"redray's tokens/s on unpacked rows; rows packed with documents of "
+                      f"256 to 2,048 tokens; {setting}", ">= 0.95", COMMAND, **detail)]
     if peak is not None:
         mfu = 100 * achieved / (peak * 1e12)
         figures.append(figure("gpu_mfu/mfu", mfu, "%", f"peak {peak:g} dense bf16 TFLOP/s; "
