@@ -28,6 +28,10 @@ all three; target <= 1.5) and ``gpu_attention/packed_over_causal`` (the time of 
 on rows packed with documents of 256 to 4,096 tokens, cuDNN's packed layout on Hopper,
 over plain causal cuDNN on the same tokens, the worse of the sequences; target <= 1.3).
 The time of "cudnn trailing" (padding given) is beside plain cuDNN's in ``detail``.
+``gpu_attention/ring_blocks_error_over_xla`` checks the context ring's use of cuDNN on
+one GPU: causal attention over two halves of the keys, each block through cuDNN
+(``context.CudnnBlocks``), merged by the blocks' statistics, each block's gradients
+from the merged output and statistics, against float32, over XLA's error (target <= 1.5).
 
     python benchmarks/gpu_attention.py [--seqs 4096 16384] [--tokens 32768]
 """
@@ -155,6 +159,52 @@ def timings(impls, batch: int, seq: int, heads: int, kv_heads: int, dim: int,
     return seconds
 
 
+def ring_blocks_check(blocks, seq: int, heads: int, kv_heads: int, dim: int) -> dict:
+    """The context ring's contract for a fused kernel, on one device: causal attention
+    over two halves of the keys (the second half's queries seeing the first half whole,
+    the diagonal halves causal), each block through ``blocks`` (``context.CudnnBlocks``
+    on a GPU), merged by their statistics, and each block's gradients from the merged
+    output and statistics: against float32 attention, as each implementation's error
+    (``errors``' measure)."""
+    from redray.models.context import _merge
+
+    q, k, v, g = inputs(1, seq, heads, kv_heads, dim, seed=2)
+    low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    half = seq // 2
+    scale = dim ** -0.5
+
+    def part(q, k, v, causal):
+        out, lse = blocks.forward(q, k, v, scale, causal)
+        lse = jnp.moveaxis(lse, 1, 2)
+        return out.astype(jnp.float32), lse, jnp.ones_like(lse)
+
+    def ring(q, k, v, g):
+        first = part(q[:, :half], k[:, :half], v[:, :half], True)
+        late = _merge(part(q[:, half:], k[:, :half], v[:, :half], False),
+                      part(q[:, half:], k[:, half:], v[:, half:], True))
+        out = jnp.concatenate([first[0], late[0]], 1)
+        lse = jnp.concatenate([first[1] + jnp.log(first[2]), late[1] + jnp.log(late[2])], 1)
+        lse = jnp.moveaxis(lse, 2, 1)
+        d = g.astype(jnp.bfloat16)
+        a = blocks.backward(q[:, :half], k[:, :half], v[:, :half], scale, True, out[:, :half],
+                            lse[..., :half], d[:, :half])
+        b = blocks.backward(q[:, half:], k[:, :half], v[:, :half], scale, False,
+                            out[:, half:], lse[..., half:], d[:, half:])
+        c = blocks.backward(q[:, half:], k[:, half:], v[:, half:], scale, True, out[:, half:],
+                            lse[..., half:], d[:, half:])
+        dq = jnp.concatenate([a[0], b[0] + c[0]], 1)
+        dk = jnp.concatenate([a[1] + b[1], c[1]], 1)
+        dv = jnp.concatenate([a[2] + b[2], c[2]], 1)
+        return out, dq, dk, dv
+
+    ref = step("dense")(q, k, v, g)
+    got = jax.jit(ring)(*low, g)
+    xla = step("xla")(*low, g)
+    parts = ("out", "dq", "dk", "dv")
+    return {"ring_blocks": {p: relative_error(x, r) for p, x, r in zip(parts, got, ref)},
+            "xla": {p: relative_error(x, r) for p, x, r in zip(parts, xla, ref)}}
+
+
 def main(argv=None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
@@ -186,7 +236,11 @@ def main(argv=None) -> None:
         per_seq[seq] = {"batch": batch, "seconds": {k: stats(v) for k, v in seconds.items()}}
         print(f"seq {seq} batch {batch}: " + ", ".join(
             f"{k} {statistics.median(v) * 1e3:.2f} ms" for k, v in seconds.items()))
-    print("relative errors against float32:", err)
+    from redray.models import context
+
+    blocks = context.CudnnBlocks() if gpu else context.ReferenceBlocks()
+    ring_err = ring_blocks_check(blocks, args.check_seq, heads, kv_heads, dim)
+    print("relative errors against float32:", err, "ring blocks:", ring_err)
     detail = dict(device=device.device_kind, heads=heads, kv_heads=kv_heads, head_dim=dim,
                   tokens=args.tokens, per_seq=per_seq, errors=err, check_seq=args.check_seq,
                   window=args.window, repeats=args.repeats, jax=jax.__version__,
@@ -224,6 +278,13 @@ def main(argv=None) -> None:
         f"XLA's worst relative error on rows padded at their end or start (64 of "
         f"{args.check_seq} slots) or packed with documents (cuDNN's packed layout on "
         f"Hopper), on {device.device_kind}", "<= 1.5", COMMAND, **detail))
+    figures.append(figure(
+        "gpu_attention/ring_blocks_error_over_xla",
+        max(ring_err["ring_blocks"].values()) / max(ring_err["xla"].values()), "x",
+        f"XLA's bf16 attention's worst relative error against float32; the context ring's "
+        f"blocks through {type(blocks).__name__} (two halves of the keys merged by their "
+        f"statistics, each block's gradients from the merged ones), seq {args.check_seq}, "
+        f"on {device.device_kind}", "<= 1.5", COMMAND, ring=ring_err, **detail))
     save(figures, args.out)
 
 

@@ -124,6 +124,39 @@ def test_context_parallel_loss_and_gradients_equal_one_device(family, kind, ways
         assert "all-gather" in hlo
 
 
+@pytest.mark.parametrize("family,ways", [("llama", 4), ("gpt2", 2)])
+def test_the_ring_through_a_fused_kernels_contract_equals_one_device(monkeypatch, family,
+                                                                     ways):
+    """The ring with cuDNN's block kernels' contract (a block's output and log-sum-exp;
+    a block's gradients from the merged output and log-sum-exp), computed here by
+    ``ReferenceBlocks`` in plain JAX where no GPU is: the loss and every gradient equal
+    the unsplit sequence's. Plain causal rows take it; packed rows keep the blockwise
+    kernel (their blocks are not causal or whole)."""
+    used = []
+    decide = context.ring_blocks
+
+    def on_a_gpu(q, mask, softcap):  # the decision a bf16 model on a GPU gets
+        from redray.models.attention import Target
+
+        monkeypatch.setattr(Target, "live", classmethod(lambda cls: cls("gpu", True)))
+        try:
+            kernel = decide(q.astype(jnp.bfloat16), mask, softcap)
+        finally:
+            monkeypatch.undo()
+        used.append(kernel)
+        return "reference" if kernel == "cudnn" else kernel
+
+    with monkeypatch.context() as patch:
+        patch.setitem(context.BLOCK_KERNELS, "reference", context.ReferenceBlocks())
+        patch.setattr(context, "ring_blocks", on_a_gpu)
+        got = loss_and_grads(family, causal_loss, "ring", context_axis=ways)
+        packed = loss_and_grads(family, packed_loss, "ring", context_axis=ways)
+    assert used and set(used) == {"cudnn", "flash"}, used  # causal rows, packed ones
+    assert_same(got, reference(family, "causal"))
+    assert_same(packed, reference(family, "packed"))
+    assert "collective-permute" in got[2]
+
+
 @pytest.mark.parametrize("family,axes", [("llama", dict(context_axis=2, model_axis=2)),
                                          ("gpt2", dict(context_axis=2, fsdp_axis=2)),
                                          ("llama", dict(data_axis=2, context_axis=2))],

@@ -198,7 +198,9 @@ def test_a_gpu_training_step_runs_cudnn_for_every_mask(hopper, monkeypatch, name
     assert windows == {"0": {"0"}, "mistral": {str(tokens // 4)},
                        "gemma3": {"0", str(tokens // 4)}}.get(name, {"0"}), windows
     segments = set(re.findall(r'"max_seg_per_batch": (\d+)', config))
-    assert segments == {"packed": {"64"}, "left padded": {"1"}}.get(kind, {"1"}), segments
+    # without padding the plain kernel (no layout: 1); a left-padded row is one run, in
+    # a layout of two (the packed form JAX gives cuDNN from two up)
+    assert segments == {"packed": {"64"}, "left padded": {"2"}}.get(kind, {"1"}), segments
     masks = set(re.findall(r'"mask_type": "(\w+)"', config))
     assert masks == ({"CAUSAL"} if kind == "plain" else {"PADDING_CAUSAL"}), masks
 
@@ -289,3 +291,33 @@ def test_the_table_picks_a_fused_kernel_only_where_it_honours_the_mask():
     odd = jnp.zeros((2, 200, 4, 128), jnp.bfloat16)  # splash: no block of 128 divides 200
     assert pick(AttentionMask(jnp.ones((2, 200), bool), jnp.arange(200)), tpu, odd,
                 odd[:, :, :2]) == "xla"
+
+
+def test_a_gpu_step_with_a_context_axis_runs_cudnn_in_every_ring_block(hopper):
+    """A bf16 LLaMA step with its sequence split over a context axis of 2, lowered for
+    CUDA: each block of the ring through cuDNN (forward with its statistics, backward
+    from the merged ones), and nothing as large as (queries x keys)."""
+    from redray.engine.runtime import ModelRuntime
+    from redray.sharding import Parallelism
+
+    tokens = 1024
+    plan = Parallelism.of(data_axis=1, context_axis=2).build(jax.devices()[:2])
+    runtime = ModelRuntime(lambda rngs: model_of("llama", tokens), plan)
+
+    def loss(model, ids):
+        return model(ids).astype(jnp.float32).mean()
+
+    ids = jax.ShapeDtypeStruct((2, tokens), jnp.int32)
+    runtime.derive(loss, ids)
+    params, extra = runtime.init()
+    step = jax.jit(jax.grad(lambda p, e, ids: runtime.apply(loss, p, e, jax.random.key(0),
+                                                            ids)[0]))
+    # lowered for CUDA (an export would serialize the step's other custom partitionings,
+    # which run Python at compile time)
+    text = step.trace(params, extra, ids).lower(lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r"@(__cudnn\$\w+)", text)) == set(CUDNN_CALLS)
+    # the diagonal block causal, the others' blocks whole
+    masks = set(re.findall(r'\\22mask_type\\22: \\22(\w+)\\22', text))
+    assert masks == {"CAUSAL", "NO_MASK"}, masks
+    assert "collective_permute" in text  # the ring
+    assert largest_square(text) < tokens

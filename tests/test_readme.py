@@ -434,12 +434,14 @@ def check_make_demo(work, done):
     """`make demo` (6 steps): a few lines by default (the run's own messages and
     progress), no traceback, no warning, nothing of Ray's worker stream."""
     console = quiet_console(done.stdout, done.stderr)
-    # 2 data lines, the plan chosen (and why), the mesh, 2 evaluations, 1 progress line
-    # (log_every=10 > 6 steps), the perplexities (3 lines) and the summary (4)
-    assert len(console) == 14, console
+    # 2 data lines, the plan chosen (and why), the attention kernel, the mesh, 2
+    # evaluations, 1 progress line (log_every=10 > 6 steps), the perplexities (3 lines)
+    # and the summary (4)
+    assert len(console) == 15, console
     assert [x for x in console if x.startswith("step 6/6 (100%) | epoch 0 | loss ")], console
     assert console[2].startswith("plan: data=") and "runner-up" in console[2], console
-    assert "tokens/s | ETA 0s" in done.stdout and console[3].startswith("redray: 2 host(s)")
+    assert console[3].startswith("attention: "), console  # on CPU: xla or chunked
+    assert "tokens/s | ETA 0s" in done.stdout and console[4].startswith("redray: 2 host(s)")
     numbers = last_numbers(done.stdout)
     assert numbers["step"] == 6 and numbers["perplexity_after"] < numbers["perplexity_before"]
     runs = os.path.join(work["work"], "runs")

@@ -31,6 +31,18 @@ in one of two ways (``METHODS``):
 ``choose`` picks by a cost model: the ring's steps cost the larger of their compute and
 their transfer, the gather its whole compute plus what of its transfer the scheduler
 cannot hide.
+
+**Each block's kernel** (``ring_blocks``): on a GPU, for plain causal attention in
+bf16 (no padding but the split's alignment after the last token, no segments, window or
+soft-capping), cuDNN's fused attention (``CudnnBlocks``): in the zigzag layout the
+diagonal block (the device's two chunks, in order, against themselves) is causal and
+every other block is seen whole, which cuDNN's causal and unmasked kernels take; each
+block's forward returns its log-sum-exp, the parts merge by it, and each block's
+backward is cuDNN's from the merged output and log-sum-exp (FlashAttention-2's backward
+needs nothing else). The gathered keys' mask is not one cuDNN takes, so a fused ring is
+always a ring. Elsewhere, and for every other mask, redray's blockwise kernel
+(``attention.flash_forward``/``flash_backward``). ``ReferenceBlocks`` is cuDNN's contract
+in plain JAX: the wiring is checked against it where no GPU is.
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from redray.models.attention import (AttentionMask, flash_attention, flash_backward,
+from redray.models.attention import (AttentionMask, Target, flash_attention, flash_backward,
                                      flash_forward)
 from redray.sharding.activations import context_split
 from redray.sharding.hardware import Hardware, preset
@@ -200,6 +212,109 @@ def choose(batch: int, tokens: int, ways: int, heads: int, kv_heads: int, head_d
     return "ring" if ring < gather else "all_gather"
 
 
+# ------------------------------------------------------------------ block kernels
+class CudnnBlocks:
+    """The ring's blocks through cuDNN's fused attention: ``forward`` gives a block's
+    output and its softmax statistics (the log-sum-exp of each query's scaled scores,
+    (B, H, T) float32), ``backward`` a block's gradients from the attention's merged
+    output and statistics (FlashAttention-2's backward, which needs nothing else: each
+    block's probabilities are its scores against the merged log-sum-exp). A block is
+    causal (the diagonal: the device's two chunks, in order, against themselves) or
+    seen whole (a block of another device)."""
+
+    @staticmethod
+    def _cudnn():
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+        return cudnn
+
+    def _bind(self, primitive, q, k, v, *residuals, scale: float, causal: bool, **kw):
+        # cuDNN's own primitive, not JAX's wrapper of it: inside the ring's shard_map
+        # every array is a device's own, and the wrapper's custom partitioning would
+        # only hide the kernel behind a callback until compilation
+        cudnn = self._cudnn()
+        none = jnp.zeros(0, q.dtype)
+        return primitive.bind(
+            q, k, v, none, none, none, none, none, none, none, *residuals, scale=scale,
+            seed=42, dropout_rate=0.0, variadic_args=(False, False),
+            mask_type=cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK,
+            layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None, **kw)
+
+    def forward(self, q, k, v, scale: float, causal: bool):
+        cudnn = self._cudnn()
+        cudnn.check_is_flash_attention(q, k, v, cudnn.AttentionLayout.BTNH.value,
+                                       cudnn.check_cudnn_version(), False, True)
+        out, lse = self._bind(cudnn._dot_product_attention_fwd_p, q, k, v, scale=scale,
+                              causal=causal, is_training=True)
+        return out, lse
+
+    def backward(self, q, k, v, scale: float, causal: bool, out, lse, d_out):
+        # JAX's cuDNN attention differentiates a block against its own statistics; the
+        # ring's blocks need the merged ones, which its backward primitive takes
+        cudnn = self._cudnn()
+        dq, dk, dv = self._bind(cudnn._dot_product_attention_bwd_p, q, k, v,
+                                lse.astype(jnp.float32), out.astype(q.dtype),
+                                d_out.astype(q.dtype), scale=scale, causal=causal)
+        return dq, dk, dv
+
+
+class ReferenceBlocks:
+    """``CudnnBlocks``' contract in plain JAX, dense, float32: what the ring's wiring of a
+    fused kernel is checked against where no GPU is (``tests/test_context.py``)."""
+
+    @staticmethod
+    def _scores(q, k, scale: float, causal: bool):
+        g = q.shape[2] // k.shape[2]
+        kk = jnp.repeat(k.astype(jnp.float32), g, axis=2)
+        scores = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), kk) * scale
+        if causal:
+            t, s = scores.shape[-2:]
+            scores = jnp.where(jnp.tril(jnp.ones((t, s), bool)), scores, -jnp.inf)
+        return scores, g
+
+    def forward(self, q, k, v, scale: float, causal: bool):
+        scores, g = self._scores(q, k, scale, causal)
+        lse = jax.scipy.special.logsumexp(scores, -1)
+        probs = jnp.exp(scores - lse[..., None])
+        out = jnp.einsum("bhts,bshd->bthd", probs,
+                         jnp.repeat(v.astype(jnp.float32), g, axis=2))
+        return out.astype(q.dtype), lse
+
+    def backward(self, q, k, v, scale: float, causal: bool, out, lse, d_out):
+        scores, g = self._scores(q, k, scale, causal)
+        probs = jnp.exp(scores - lse[..., None])
+        vv = jnp.repeat(v.astype(jnp.float32), g, axis=2)
+        do = d_out.astype(jnp.float32)
+        dp = jnp.einsum("bthd,bshd->bhts", do, vv)
+        delta = jnp.einsum("bthd,bthd->bht", do, out.astype(jnp.float32))
+        ds = probs * (dp - delta[..., None]) * scale
+        kk = jnp.repeat(k.astype(jnp.float32), g, axis=2)
+        dq = jnp.einsum("bhts,bshd->bthd", ds, kk)
+        b, s, kvh, d = k.shape
+        dk = jnp.einsum("bhts,bthd->bshd", ds, q.astype(jnp.float32))
+        dv = jnp.einsum("bhts,bthd->bshd", probs, do)
+        dk, dv = (x.reshape(b, s, kvh, g, d).sum(3) for x in (dk, dv))
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# The ring's block kernels ("flash": ``attention.flash_forward``/``flash_backward``).
+BLOCK_KERNELS = {"cudnn": CudnnBlocks()}
+
+
+def ring_blocks(q, mask: AttentionMask, softcap: float | None) -> str:
+    """The kernel of the ring's blocks: "cudnn" on a GPU for plain causal attention in
+    bf16/fp16 (no padding but the alignment's at the sequence's end, no segments, window
+    or soft-capping: a block of the zigzag layout is then causal or whole), else
+    "flash" (redray's blockwise kernel, every mask)."""
+    target = Target.live()
+    limit = 256 if target.packed else 128
+    if (target.platform == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+            and q.shape[-1] <= limit and q.shape[-1] % 8 == 0 and not mask.padded
+            and not mask.segmented and not mask.sliding and softcap is None):
+        return "cudnn"
+    return "flash"
+
+
 # ------------------------------------------------------------------ attention
 def attention(q, k, v, mask: AttentionMask, scale: float, softcap: float | None = None):
     """Attention of a sequence split over the context axis in the zigzag layout (``q``
@@ -210,11 +325,17 @@ def attention(q, k, v, mask: AttentionMask, scale: float, softcap: float | None 
         raise ValueError("context parallelism splits causal attention only")
     b, t, h, d = q.shape
     how = method()
+    blocks = ring_blocks(q, mask, softcap)
     if how == "auto":
-        how = choose(b, t, ways, h, k.shape[2], d, k.dtype.itemsize)
+        # a fused kernel takes the ring's blocks (each a causal or a full block of the
+        # zigzag layout), not the gathered keys' mask: the ring
+        how = "ring" if blocks != "flash" else choose(b, t, ways, h, k.shape[2], d,
+                                                       k.dtype.itemsize)
+    if how != "ring":
+        blocks = "flash"
     segmented = mask.segmented
     window = mask.layer_window if mask.layer_window is not None else mask.window
-    ring = _Ring(ways, scale, softcap, segmented, window is not None)
+    ring = _Ring(ways, scale, softcap, segmented, window is not None, blocks)
     segments = mask.q_segments if segmented else jnp.zeros((b, t), jnp.int32)
     facts = (mask.q_slots, mask.key_slots(), mask.kv_valid, segments,
              jnp.asarray(0 if window is None else window, jnp.int32))
@@ -234,6 +355,7 @@ class _Ring:
     softcap: float | None
     segmented: bool
     windowed: bool
+    blocks: str = "flash"  # the kernel of each block: BLOCK_KERNELS' key
 
     def mask(self, q_slots, q_seg, kv_slots, kv_valid, kv_seg, window) -> AttentionMask:
         return AttentionMask(kv_valid, q_slots, q_seg if self.segmented else None,
@@ -302,8 +424,12 @@ def _nothing(q_like):
             jnp.zeros((b, t, h), jnp.float32))
 
 
-def _part(ring: _Ring, q, keys, q_facts, window):
+def _part(ring: _Ring, q, keys, q_facts, window, diagonal: bool):
     k, v, kv_slots, kv_valid, kv_seg = keys
+    if ring.blocks != "flash":
+        out, lse = BLOCK_KERNELS[ring.blocks].forward(q, k, v, ring.scale, diagonal)
+        lse = jnp.moveaxis(lse, 1, 2)  # (B, H, T) -> (B, T, H): a total of one
+        return out.astype(jnp.float32), lse, jnp.ones_like(lse)
     out, stats = flash_forward(q, k, v, ring.mask(*q_facts, kv_slots, kv_valid, kv_seg, window),
                                ring.scale, ring.softcap)
     return (out, *_per_query(stats))
@@ -348,14 +474,14 @@ def _ring_forward(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window):
 
     def step(state, ks, which):
         if which == 0:
-            return _part(ring, q, ks, q_facts, window)
+            return _part(ring, q, ks, q_facts, window, diagonal=True)
         if which == 1:  # an earlier device's block: its first chunk only is seen
             first = tuple(_half(x, 0) for x in ks)
-            return _merge(state, _part(ring, q, first, q_facts, window))
+            return _merge(state, _part(ring, q, first, q_facts, window, diagonal=False))
         q_late = _half(q, 1)  # a later device's block: seen by the local late chunk only
         late_facts = (_half(q_slots, 1), _half(segments, 1))
         early = _nothing(_half(q, 0))
-        part = _part(ring, q_late, ks, late_facts, window)
+        part = _part(ring, q_late, ks, late_facts, window, diagonal=False)
         both = tuple(jnp.concatenate([e, p], axis=1) for e, p in zip(early, part))
         return _merge(state, both)
 
@@ -370,8 +496,13 @@ def _ring_bwd(ring, residuals, d_out):
     q_facts = (q_slots, segments)
     keys = (k, v, kv_slots, kv_valid, segments)
 
-    def grads(qq, ks, facts, o, st, do):
+    def grads(qq, ks, facts, o, st, do, diagonal=False):
         kk, vv, slots, valid, seg = ks
+        if ring.blocks != "flash":  # the block's gradients from the merged statistics
+            top, total = _per_query(st)
+            lse = jnp.moveaxis(top + jnp.log(total), 2, 1)  # (B, H, T)
+            return BLOCK_KERNELS[ring.blocks].backward(qq, kk, vv, ring.scale, diagonal, o,
+                                                       lse, do)
         mask = ring.mask(*facts, slots, valid, seg, window)
         return flash_backward(qq, kk, vv, mask, ring.scale, o, st, do, ring.softcap)
 
@@ -379,7 +510,7 @@ def _ring_bwd(ring, residuals, d_out):
         dq, (dk, dv) = state
         if which in (0, 1):
             seen = ks if which == 0 else tuple(_half(x, 0) for x in ks)
-            gq, gk, gv = grads(q, seen, q_facts, out, stats, d_out)
+            gq, gk, gv = grads(q, seen, q_facts, out, stats, d_out, diagonal=which == 0)
             if which == 1:
                 gk = jnp.concatenate([gk, jnp.zeros_like(gk)], axis=1)
                 gv = jnp.concatenate([gv, jnp.zeros_like(gv)], axis=1)

@@ -142,6 +142,10 @@ class CausalLM(nnx.Module):
                                                None if split else cache, cache_index,
                                                window=self.window, segment_ids=segment_ids)
         if split is not None:  # each device of the context axis a part of the sequence
+            if prompt is None and segment_ids is None:
+                # the only padding is the split's alignment, after the sequence's last
+                # token: keys no real query sees (a fused kernel may ignore them)
+                mask = mask.replace(padded=False)
             input_ids, mask, positions = context.zigzag_inputs(ways, input_ids, mask, positions)
         shared, per_layer = self.block_inputs(positions, mask)
         x = self.embed(input_ids, positions, train)

@@ -62,6 +62,12 @@ def max_segments() -> int:
     return int(value)
 
 
+def segment_bound(tokens: int) -> int:
+    """Runs a row of ``tokens`` may hold in cuDNN's packed layout: ``max_segments()``, at
+    most the tokens, at least two (JAX gives cuDNN the packed form from two up)."""
+    return max(2, min(max_segments(), tokens))
+
+
 # ------------------------------------------------------------------ windows
 def static_windows(mask, keys: int) -> tuple[list, jax.Array | int]:
     """(the static windows the mask's layers can have, None for none, and which one
@@ -141,8 +147,10 @@ def cudnn_attention(q, k, v, mask, scale: float, packed: bool, general):
     if not mask.padded and not mask.segmented:
         return kernel()(q, k, v)
     if packed:
-        # one run a row without segments (its real tokens together), else up to the bound
-        bound = min(max_segments(), k.shape[1]) if mask.segmented else 1
+        # a row without segments holds one run (its real tokens together); the layout
+        # always has room for two: JAX converts the offsets into cuDNN's packed form
+        # (cumulated over the rows, in elements) only where it holds more than one
+        bound = segment_bound(k.shape[1]) if mask.segmented else 2
         offsets, lengths, inside, exact = packed_layout(mask.kv_valid, mask.kv_segments,
                                                         bound)
 
@@ -184,7 +192,7 @@ def check_segments(batch: dict) -> None:
     starts = real & np.pad(~real[:, :-1] | (segments[:, 1:] != segments[:, :-1]),
                            ((0, 0), (1, 0)), constant_values=True)
     runs = starts.sum(-1)
-    bound = min(max_segments(), segments.shape[1])
+    bound = segment_bound(segments.shape[1])
     if runs.max(initial=0) > bound:
         row = int(runs.argmax())
         raise ValueError(
