@@ -417,3 +417,26 @@ def test_a_qwen3_config_is_planned():
     hw = dataclasses.replace(PRESETS["cpu"], device_memory=64 * (1 << 20))
     ranking = choose_plan(config, 8, 2, 16, SEQ, hw, model_axis=2, remat="full")
     assert ranking.ranked and ranking.best.candidate.shape["model"] == 2
+
+
+def test_a_plan_for_fused_attention_counts_no_attention_scores():
+    """Planned for a GPU or TPU (fused attention: inputs, output and softmax statistics
+    kept for the backward pass), a step's activations hold no (queries x keys) scores;
+    planned for this CPU (XLA's attention at this length) they hold each layer's."""
+    import dataclasses
+
+    from redray.models.memory import activation_bytes
+
+    seq, heads = 512, 4
+    gpu = ConfigFacts(LlamaConfig(**TINY), seq, fused_attention=preset("h100").fused_attention)
+    cpu = ConfigFacts(LlamaConfig(**TINY), seq, fused_attention=preset("cpu").fused_attention)
+    assert gpu.fused_attention and not cpu.fused_attention and preset("tpu-v5e").fused_attention
+
+    def saved(facts):
+        step = dataclasses.replace(facts.step, batch_size=1, remat="none")
+        return activation_bytes(facts.fam, facts.config, step, 1, 1, set(), None, 1,
+                                facts.fused_attention)["saved"]
+
+    scores = TINY["num_hidden_layers"] * heads * seq * seq * 4  # float32, every layer
+    assert saved(cpu) - saved(gpu) >= scores, (saved(cpu), saved(gpu), scores)
+    assert saved(gpu) < scores  # and nothing of their size left

@@ -142,6 +142,7 @@ def probe(cache: str | None = None) -> Hardware:
     if path is not None and os.path.exists(path):
         with open(path) as f:
             saved = json.load(f)
+        saved.setdefault("platform", jax.devices()[0].platform)  # kept before it was
         return Hardware(**{**saved, "live": True, "intra": Link(**saved["intra"]),
                            "inter": Link(**saved["inter"])})
     if key not in _MEASURED:
@@ -181,7 +182,7 @@ def _measure() -> Hardware:
         f"{device.device_kind}", rate, max(rate, like.peak_flops if like else rate),
         memory, jax.local_device_count(), intra, inter,
         overlap=1.0 if accelerated else 0.0, reduce_scatter=accelerated,
-        micro_batch_overhead=overhead, live=True,
+        micro_batch_overhead=overhead, live=True, platform=device.platform,
         source=f"measured by redray's probe on {time.strftime('%Y-%m-%d %H:%M')}; peak from "
                f"{like.name if like else 'the measured rate'}")
 

@@ -172,7 +172,7 @@ def _with_layers(config, fields, counts):
 
 def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_axis: int,
                      split_sizes: set[int], traces: dict | None = None,
-                     context: int = 1) -> dict:
+                     context: int = 1, blockwise: bool = False) -> dict:
     """{"saved": residual bytes per device for the whole model, "recompute": one
     layer's rematerialized residuals (0 without remat), "per_layer": saved bytes of one
     layer, "host": residual bytes offloaded to host memory ("offload" policy)}.
@@ -190,8 +190,11 @@ def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_
     def residuals(counts, batch: int, name: str) -> list:
         key = (tuple(counts), batch, name)
         if traces is None or key not in traces:
-            # on a context axis every attention is blockwise (the ring's): what it saves
-            with blockwise_attention() if context > 1 else contextlib.nullcontext():
+            # on a context axis every attention is blockwise (the ring's); on devices
+            # with fused kernels (``blockwise``: a GPU or TPU planned from here) they
+            # save what the blockwise kernel saves, not the (queries x keys) scores
+            with blockwise_attention() if context > 1 or blockwise \
+                    else contextlib.nullcontext():
                 found = _trace(fam, _with_layers(config, fields, counts), batch, step.seq_len,
                                name, step.compute_dtype, step.loss_chunk, step.scan)
             if traces is None:
@@ -231,12 +234,15 @@ def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_
 
 def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelism,
                 step: StepShape, device_gib: float | None = None,
-                traces: dict | None = None, experts=(), pipeline: bool = True) -> dict:
+                traces: dict | None = None, experts=(), pipeline: bool = True,
+                blockwise: bool = False) -> dict:
     """Bytes per device of one training step of ``config``'s model on ``parallelism``
     (built, or abstract) (see the module); ``experts``: its mixture-of-experts layers
     (``redray.sharding.cost.ExpertLayers``), whose exchange an expert axis adds;
     ``pipeline``: on a stage axis, count what the pipeline's micro-batches hold
     (``pipelined_parts``; False: one micro-batch's, the planner adds the rest).
+    ``blockwise``: count attention as a fused kernel keeps it (planned for a GPU or TPU
+    from another machine): the blockwise kernel's residuals.
 
     Returns a JSON-ready dict: ``parts`` (name -> bytes per device: parameters,
     optimizer, gradients, compute_copies, fsdp_gathered, activations, recompute, and on
@@ -249,7 +255,8 @@ def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
     params = sum(r.bytes_per_device for r in param_rows)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model", 0)
     acts = activation_bytes(fam, config, step, per_device, parallelism.size(MODEL),
-                            split_sizes(param_rows, hidden), traces, parallelism.size(CONTEXT))
+                            split_sizes(param_rows, hidden), traces, parallelism.size(CONTEXT),
+                            blockwise)
     copies = 0
     item = jnp.dtype(step.compute_dtype).itemsize if step.compute_dtype else 4
     if step.compute_dtype and jnp.dtype(step.compute_dtype) != jnp.float32:

@@ -402,10 +402,14 @@ class ConfigFacts:
       loss_chunk: tokens whose logits exist at once (``next_token_loss(chunk=)``).
       scan: the layers stacked and scanned (what pipeline stages split: the planner
         then tries stage axes); None: as ``build`` builds the model by default.
+      fused_attention: the step runs on devices with fused attention kernels (a GPU
+        or a TPU, ``Hardware.fused_attention``): its attention keeps what the blockwise
+        kernel keeps, whatever this machine would run.
     """
 
     def __init__(self, config, seq_len: int, compute_dtype: str | None = None,
-                 loss_chunk: int | None = None, scan: bool | None = None):
+                 loss_chunk: int | None = None, scan: bool | None = None,
+                 fused_attention: bool = False):
         from flax import nnx
 
         from redray.sharding.cost import expert_layers
@@ -414,6 +418,7 @@ class ConfigFacts:
         self.config = resolve_config(config)
         self.step = StepShape(batch_size=1, seq_len=seq_len, compute_dtype=compute_dtype,
                               loss_chunk=loss_chunk, scan=scan)
+        self.fused_attention = fused_attention
         self.fam, graphdef, params, extra = abstract_model(self.config, scan=scan)
         self.paths, leaves, _ = flatten(params)
         self.shapes = [tuple(x.shape) for x in leaves]
@@ -457,7 +462,8 @@ class ConfigFacts:
                                    * parallelism.data_parallel, remat=remat)
         params = sum(r.bytes_per_device for r in rows)
         return memory_plan(self.fam, self.config, rows, 2 * params, parallelism, step,
-                           traces=self._traces, experts=self.experts, pipeline=False)
+                           traces=self._traces, experts=self.experts, pipeline=False,
+                           blockwise=self.fused_attention)
 
 
 def _fresh(x):
@@ -494,7 +500,8 @@ def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
     Parallelism.of(caller="redray plan", **axes)  # an unknown keyword fails as such
     if scan is None and axes.get(STAGE.keyword, 1) not in (1, "auto"):
         scan = True  # stages need it
-    facts = ConfigFacts(config, seq_len, compute_dtype, loss_chunk, scan)
+    facts = ConfigFacts(config, seq_len, compute_dtype, loss_chunk, scan,
+                        fused_attention=hardware.fused_attention)
     try:
         return rank(facts, devices, hosts, batch_size, hardware,
                     pins(micro_batch_size=micro_batch_size, micro_rows=micro_rows, remat=remat,

@@ -57,6 +57,8 @@ class Hardware:
       live: these are the devices this runtime runs on (the probe's numbers): a
         Trainer planning on them also times the model's own pass there
         (``redray.sharding.cost.ModelTiming``).
+      platform: "gpu", "tpu" or "cpu": which attention kernels a step has (GPUs and
+        TPUs fused ones, which keep no (queries x keys) scores for the backward pass).
     """
     name: str
     matmul_flops: float
@@ -70,6 +72,13 @@ class Hardware:
     micro_batch_overhead: float = 0.0
     source: str = ""
     live: bool = False
+    platform: str = "gpu"
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether a step's attention runs a fused kernel here (GPU, TPU): its residuals
+        are the blockwise kernel's (inputs, output, softmax statistics)."""
+        return self.platform in ("gpu", "tpu")
 
     def __post_init__(self):
         if not (self.matmul_flops > 0 and self.peak_flops > 0 and self.device_memory > 0):
@@ -135,12 +144,13 @@ PRESETS: dict[str, Hardware] = {
     "tpu-v5e": Hardware(
         "TPU v5e", SUSTAINED * 197e12, 197e12, 16 * GB, 8,
         intra=Link(200 * GB, 5e-6), inter=Link(200 * GB, 5e-6), micro_batch_overhead=5e-4,
+        platform="tpu",
         source="Google Cloud TPU v5e documentation (197 TFLOPS BF16, 16 GB HBM2, ICI "
                "1600 Gb/s per chip); the hosts of one slice are joined by the same ICI"),
     "cpu": Hardware(
         "CPU (simulated devices)", 5e9, 5e9, 24 * (1 << 30) / 8, 4,
         intra=Link(2 * GB, 20e-6), inter=Link(0.5 * GB, 100e-6), overlap=0.0,
-        reduce_scatter=False, micro_batch_overhead=2e-3,
+        reduce_scatter=False, micro_batch_overhead=2e-3, platform="cpu",
         source="the order of what this project's 2-core CI machine gives each of 4 simulated "
                "devices (XLA:CPU, gloo across processes); probe the machine for its numbers"),
 }
