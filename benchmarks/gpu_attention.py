@@ -32,6 +32,10 @@ The time of "cudnn trailing" (padding given) is beside plain cuDNN's in ``detail
 one GPU: causal attention over two halves of the keys, each block through cuDNN
 (``context.CudnnBlocks``), merged by the blocks' statistics, each block's gradients
 from the merged output and statistics, against float32, over XLA's error (target <= 1.5).
+``gpu_attention/ring_step_over_fused`` times one step of that ring (a block of half the
+longest sequence against another device's keys, seen whole: forward, merge, backward from
+the merged statistics) over the fused kernel's forward and backward on the same block
+(target <= 1.5; on CPU with ``--tiny`` the reference blocks against XLA, no target).
 
     python benchmarks/gpu_attention.py [--seqs 4096 16384] [--tokens 32768]
 """
@@ -205,6 +209,51 @@ def ring_blocks_check(blocks, seq: int, heads: int, kv_heads: int, dim: int) -> 
             "xla": {p: relative_error(x, r) for p, x, r in zip(parts, xla, ref)}}
 
 
+def ring_step_timing(blocks, batch: int, seq: int, heads: int, kv_heads: int, dim: int,
+                     window: int, repeats: int) -> dict:
+    """Seconds of one step of the context ring on a block of ``seq`` queries against
+    another device's ``seq`` keys (seen whole): the block's forward through ``blocks``
+    merged into the attention so far by the statistics, and its gradients from the
+    merged output and statistics; beside the fused kernel's forward and backward on the
+    same block (``jax.nn.dot_product_attention``, no mask), interleaved."""
+    from redray.models.context import _merge
+
+    q, k, v, g = (x.astype(jnp.bfloat16) for x in inputs(batch, seq, heads, kv_heads, dim))
+    scale = dim ** -0.5
+    shape = (batch, seq, heads)
+    # the attention so far (another block's part): its output and statistics
+    before = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(shape, jnp.float32),
+              jnp.ones(shape, jnp.float32))
+
+    def ring_step(q, k, v, g):
+        out, lse = blocks.forward(q, k, v, scale, False)
+        lse = jnp.moveaxis(lse, 1, 2)
+        out, top, total = _merge(before, (out.astype(jnp.float32), lse, jnp.ones_like(lse)))
+        merged = jnp.moveaxis(top + jnp.log(total), 2, 1)
+        return blocks.backward(q, k, v, scale, False, out, merged, g)
+
+    def fused(q, k, v, g):
+        impl = "cudnn" if jax.devices()[0].platform == "gpu" else "xla"
+
+        def loss(q, k, v):
+            out = jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=impl)
+            return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    fns = {"ring_step": jax.jit(ring_step), "fused": jax.jit(fused)}
+    for fn in fns.values():
+        jax.block_until_ready(fn(q, k, v, g))
+    seconds = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(window):
+                result = fn(q, k, v, g)
+            jax.block_until_ready(result)
+            seconds[name].append((time.perf_counter() - start) / window)
+    return seconds
+
+
 def main(argv=None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
@@ -240,6 +289,12 @@ def main(argv=None) -> None:
 
     blocks = context.CudnnBlocks() if gpu else context.ReferenceBlocks()
     ring_err = ring_blocks_check(blocks, args.check_seq, heads, kv_heads, dim)
+    # one ring step on a block of a device's share of the longest sequence
+    ring_seq = max(args.seqs) // 2
+    ring_seconds = ring_step_timing(blocks, max(1, args.tokens // max(args.seqs)), ring_seq,
+                                    heads, kv_heads, dim, args.window, args.repeats)
+    print(f"ring step on {ring_seq} x {ring_seq}: " + ", ".join(
+        f"{k} {statistics.median(v) * 1e3:.2f} ms" for k, v in ring_seconds.items()))
     print("relative errors against float32:", err, "ring blocks:", ring_err)
     detail = dict(device=device.device_kind, heads=heads, kv_heads=kv_heads, head_dim=dim,
                   tokens=args.tokens, per_seq=per_seq, errors=err, check_seq=args.check_seq,
@@ -285,6 +340,16 @@ def main(argv=None) -> None:
         f"blocks through {type(blocks).__name__} (two halves of the keys merged by their "
         f"statistics, each block's gradients from the merged ones), seq {args.check_seq}, "
         f"on {device.device_kind}", "<= 1.5", COMMAND, ring=ring_err, **detail))
+    ring_times = {k: stats(v) for k, v in ring_seconds.items()}
+    figures.append(figure(
+        "gpu_attention/ring_step_over_fused",
+        ring_times["ring_step"]["median"] / ring_times["fused"]["median"], "x",
+        f"the fused kernel's forward and backward on the same block ({ring_seq} queries "
+        f"against {ring_seq} keys seen whole, bf16) through jax.nn.dot_product_attention; "
+        f"the ring's step: the block through {type(blocks).__name__}, merged by its "
+        f"statistics, its gradients from the merged ones, on {device.device_kind}",
+        "<= 1.5" if gpu else None, COMMAND, seconds=ring_times, ring_seq=ring_seq,
+        **detail))
     save(figures, args.out)
 
 

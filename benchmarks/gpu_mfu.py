@@ -38,7 +38,10 @@ Figures: ``gpu_mfu/mfu`` (% of peak, target >= 50 on H100),
 >= 0.97) and ``gpu_mfu/packed_over_unpacked`` (redray's tokens/s on packed rows over
 its tokens/s on unpacked ones, target >= 0.95). ``--tiny`` runs a tiny LLaMA on any
 backend (CPU included) to check the script: its figures measure nothing.
-``run_all.py`` skips ``gpu_*`` scripts.
+``run_all.py`` skips ``gpu_*`` scripts. ``--profile DIR`` traces ``--window`` more steps
+of redray's Trainer after the timed rounds (``jax.profiler``, a Perfetto trace TensorBoard's
+profile plugin and Perfetto read) and writes where their time went, the largest
+operations on the device's streams, into the figures' ``detail["profile"]``.
 
     python benchmarks/gpu_mfu.py [--batch 8] [--seq 2048] [--window 10] [--windows 3]
                                  [--rounds 3] [--remat dots] [--peak-tflops 989]
@@ -179,6 +182,41 @@ def fused_attention(trainer) -> bool:
     return any("fmha" in t or "flash" in t for t in targets)
 
 
+def profile_summary(folder: str, steps: int, top: int = 15) -> list[dict]:
+    """Where profiled steps' time went: the Perfetto trace ``jax.profiler.trace`` wrote
+    under ``folder``, its complete events summed by name on the device's threads (on a
+    GPU its streams; on a CPU, where there are none, every thread but Python's), the ``top`` largest
+    as {name, ms a step, share of the summed time}."""
+    import glob
+    import gzip
+    import json
+
+    paths = sorted(glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"),
+                             recursive=True))
+    if not paths:
+        return []
+    with gzip.open(paths[-1]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
+             for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    processes = {e.get("pid"): e.get("args", {}).get("name", "")
+                 for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {key for key, name in names.items()
+              if "stream" in name.lower() or "/device:gpu" in processes.get(key[0], "").lower()}
+    spans: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") != "X" or (device and (e.get("pid"), e.get("tid")) not in device):
+            continue
+        if e["name"].startswith("$"):  # the Python tracer's frames, on the host
+            continue
+        spans[e["name"]] = spans.get(e["name"], 0.0) + float(e.get("dur", 0.0))
+    total = sum(spans.values()) or 1.0
+    ranked = sorted(spans.items(), key=lambda kv: -kv[1])[:top]
+    return [{"name": name, "ms_per_step": us / 1e3 / steps, "share": us / total}
+            for name, us in ranked]
+
+
 def main(argv=None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
@@ -189,6 +227,10 @@ def main(argv=None) -> None:
     ap.add_argument("--remat", default="dots", choices=["none", "full", "dots", "offload"],
                     help="what each block keeps for the backward pass")
     ap.add_argument("--peak-tflops", type=float, help="the device's peak dense bf16 TFLOP/s")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="after the timed rounds, trace --window steps of redray's Trainer "
+                         "with jax.profiler into DIR and write where their time went "
+                         "(the largest operations) into the figures' detail")
     args = ap.parse_args(argv)
     fields = MODEL
     if args.tiny:
@@ -233,6 +275,15 @@ def main(argv=None) -> None:
             tokens[name] += [r["examples_per_s"] * args.seq for r in logged[1:]]
         seconds = hand.windows(batches, args.window, args.windows + 1)[1:]
         tokens["jit"] += [args.batch * args.seq * args.window / s for s in seconds]
+    profile = None
+    if args.profile:
+        done = trainer.step
+        with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+            trainer.fit(examples, epochs=10**9, max_steps=done + args.window)
+        profile = profile_summary(args.profile, args.window)
+        for row in profile:
+            print(f"  {row['ms_per_step']:9.3f} ms/step {100 * row['share']:5.1f}%  "
+                  f"{row['name'][:90]}")
     fused = fused_attention(trainer)
     median = {k: statistics.median(v) for k, v in tokens.items()}
     achieved = median["redray"] * flops["total"]
@@ -243,7 +294,7 @@ def main(argv=None) -> None:
                   remat=remat, cudnn_fused_attention=fused, window=args.window,
                   attention=trainer.describe().get("attention"),
                   packed_attention=packed.describe().get("attention"),
-                  windows=args.windows, rounds=args.rounds,
+                  windows=args.windows, rounds=args.rounds, profile=profile,
                   date=time.strftime("%Y-%m-%d"), jax=jax.__version__)
     figures = [figure("gpu_mfu/redray_vs_jit", median["redray"] / median["jit"], "x",
                       f"hand-written jax.jit step of the same model; {setting}", ">= 0.97",
