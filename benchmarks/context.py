@@ -24,7 +24,7 @@ bytes a device needs) and the collectives of ``as_text()``.
   leave the zigzag layout and their gradient returns (``B n d s`` bytes each way). The
   keys' slots and validity travel with them (5 bytes a token, counted in the
   measurement, not in the ideal). The ideal is the planner's own count
-  (``redray.sharding.cost.context_traffic``), so this figure checks what the planner
+  (``redray.planning.cost.context_traffic``), so this figure checks what the planner
   charges a context plan.
 
     python benchmarks/context.py
@@ -88,7 +88,7 @@ def compiled(s: dict, seq: int, ways: int, method: str = "ring", unrolled: bool 
 
 
 def memory(s: dict, seq: int, ways: int, method: str = "ring") -> dict:
-    from redray.sharding.memory import compiled_memory
+    from redray.planning.memory import compiled_memory
 
     return compiled_memory(compiled(s, seq, ways, method).memory_analysis())
 
@@ -115,13 +115,13 @@ def longest(s: dict, ways: int) -> tuple[int, list]:
 
 def ring_bytes(s: dict, ways: int) -> tuple[int, float, dict]:
     from redray.sharding.collectives import collectives
-    from redray.sharding.cost import context_traffic
+    from redray.planning.cost import context_traffic
 
     seq = s["ring_seq"]
     found = [c for c in collectives(compiled(s, seq, ways, "ring", unrolled=True).as_text())
              if c.kind == "collective-permute"]
     measured = sum(c.bytes for c in found)
-    # the planner's count of the ring (redray.sharding.cost.context_traffic): float32
+    # the planner's count of the ring (redray.planning.cost.context_traffic): float32
     traffic = context_traffic({"context": ways}, 1, seq, s["kv_heads"] * s["hidden"] // s["heads"],
                               s["hidden"], s["layers"], 4, 1)
     ideal = sum(t.bytes * t.times for t in traffic)

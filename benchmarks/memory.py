@@ -30,7 +30,7 @@ remat "full" over none, 6 layers, data-parallel; the scanned layers' ratio in
 
 Plans. ``redray plan PRESET --devices N --model-axis M --fsdp-axis K`` for the paper's
 models on the paper's device counts, computed by the same function
-(``redray.models.plan.plan_model``, nothing allocated): parameters plus Adam state per
+(``redray.planning.from_config.plan_model``, nothing allocated): parameters plus Adam state per
 device over the ideal (total / (model x fsdp)). Figure ``memory/plan/<preset>``, target
 <= 1.05.
 
@@ -66,9 +66,9 @@ import optax  # noqa: E402
 
 import redray  # noqa: E402
 from redray.models import build  # noqa: E402
-from redray.models.memory import StepShape  # noqa: E402
-from redray.models.plan import plan_model  # noqa: E402
-from redray.sharding.memory import compiled_memory  # noqa: E402
+from redray.planning.memory import StepShape  # noqa: E402
+from redray.planning.from_config import plan_model  # noqa: E402
+from redray.planning.memory import compiled_memory  # noqa: E402
 
 
 COMMAND = "python benchmarks/memory.py"

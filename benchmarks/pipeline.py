@@ -156,8 +156,8 @@ def cross_host(compiled, mesh, hosts: int) -> tuple[int, dict]:
 
 def bytes_figure(s: dict, rows: int, micro_rows: int) -> dict:
     from redray.sharding import Parallelism
-    from redray.sharding.cost import Parameter, host_spans, stage_traffic, state_traffic
-    from redray.sharding.hardware import PRESETS
+    from redray.planning.cost import Parameter, host_spans, stage_traffic, state_traffic
+    from redray.planning.hardware import PRESETS
 
     hosts = 2
     pipe_mesh = hybrid_mesh(dict(stage=2, fsdp=4), hosts)

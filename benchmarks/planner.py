@@ -82,10 +82,10 @@ def measure_model(name: str, family: str, s: Sizes, rounds: int, steps: int,
     import optax
 
     import redray
-    from redray.engine.probe import probe
+    from redray.planning.probe import probe
     from redray.models import build
     from redray.sharding import AXES
-    from redray.sharding.memory import compiled_memory
+    from redray.planning.memory import compiled_memory
 
     model_config = config(family, s)
     model = lambda rngs: build(model_config, rngs=rngs)  # noqa: E731
@@ -176,8 +176,8 @@ def on_hosts(models: dict, rounds: int, steps: int, plans: int | None) -> list[d
 
 
 def planning_seconds() -> tuple[float, str]:
-    from redray.models.plan import choose_plan
-    from redray.sharding.hardware import preset
+    from redray.planning.from_config import choose_plan
+    from redray.planning.hardware import preset
 
     start = time.perf_counter()
     ranking = choose_plan("llama-7b", 64, 8, 256, 4096, preset("h100"),
@@ -186,8 +186,8 @@ def planning_seconds() -> tuple[float, str]:
 
 
 def gpu_table() -> list[dict]:
-    from redray.models.plan import choose_plan
-    from redray.sharding.hardware import ethernet, preset
+    from redray.planning.from_config import choose_plan
+    from redray.planning.hardware import ethernet, preset
 
     rows = []
     for model, devices, per_device, seq in GPU_SETTINGS:

@@ -226,7 +226,7 @@ def ceiling(s: dict, base: int, rows=(1, 8, 64), columns=(48, 176), steps: int =
     import jax.numpy as jnp
     from flax import nnx
 
-    from redray.engine.probe import _timed
+    from redray.planning.probe import _timed
     from redray.models import generate
     from redray.models.generate import for_decoding
     from redray.post_training.sampler import _bucket

@@ -40,10 +40,10 @@ EXIT_USAGE = 2
 
 
 def _plan(args) -> int:
-    from redray.models.plan import format_model_plan, load_fields, plan_model
+    from redray.planning.from_config import format_model_plan, load_fields, plan_model
     from redray.sharding.parallelism import AXES
 
-    from redray.models.memory import StepShape
+    from redray.planning.memory import StepShape
 
     name, fields = load_fields(args.config)
     sizes = {a.keyword: getattr(args, a.keyword) for a in AXES if a.default != "auto"}
@@ -78,15 +78,15 @@ def _choose(args, name: str, fields: dict, pinned: dict) -> int:
     """``redray plan`` without every axis size: the planner's ranked plans."""
     import dataclasses
 
-    from redray.models.plan import choose_plan
-    from redray.sharding.hardware import preset
+    from redray.planning import resolve_hardware
+    from redray.planning.from_config import choose_plan
 
     if args.batch_size is None or args.seq_len is None:
         raise UsageError("choosing a plan needs the step: give --batch-size and --seq-len "
                          "(or --model-axis, without --hosts or --hardware, for one plan's "
                          "placement)")
     try:
-        hardware = preset(args.hardware or "h100")
+        hardware = resolve_hardware(args.hardware or "h100")
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.device_memory is not None:
@@ -628,7 +628,7 @@ def main(argv=None) -> int:
     if args.run_command not in (_run, _submit):
         # Planning and listing are abstract: keep JAX off any accelerator.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from redray.models.plan import PlanError
+    from redray.planning.from_config import PlanError
 
     try:
         if args.run_command in (_run, _submit):

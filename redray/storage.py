@@ -16,7 +16,7 @@ Layout of a storage folder::
     <storage>/<name>/redray.lock          held while the run is running (its driver's
                                           host, pid and start; redray.cluster.run_lock)
     <storage>/hardware/                   the probed numbers of each cluster its runs
-                                          ran on (redray.engine.probe)
+                                          ran on (redray.planning.probe)
 
 ``REDRAY_CACHE_DIR``, where set, is one folder for what runs can share beyond their
 storage: the compiled programs (``<cache>/compile_cache``: a sweep's runs of one model
@@ -159,7 +159,7 @@ class RunFolders:
     @property
     def hardware(self) -> str:
         """``<storage>/hardware``: the probed numbers of each cluster the storage's runs
-        ran on (``redray.engine.probe``), shared by its runs
+        ran on (``redray.planning.probe``), shared by its runs
         (``<REDRAY_CACHE_DIR>/hardware`` where that is set)."""
         return f"{_shared_cache() or self.storage}/hardware"
 

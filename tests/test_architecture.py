@@ -125,3 +125,27 @@ def test_axis_names_are_spelled_once_inside_sharding_and_nowhere_else():
     assert not outside, f"axis names spelled outside redray/sharding/: {outside}"
     inside = [p for p, _ in found if p.startswith("redray/sharding/")]
     assert inside == ["redray/sharding/parallelism.py"] * (2 * len(AXES)), inside
+
+
+# The planning package's insides: what no module outside it reaches into.
+PLANNING_INSIDES = ("redray.planning.cost", "redray.planning.hardware", "redray.planning.probe")
+
+
+def test_planning_is_one_package_its_insides_private_and_models_plan_nothing():
+    """No module outside redray/planning/ imports the cost model, the hardware presets
+    or the probe (the rest go through ``redray.planning``'s functions); models and the
+    sharding rules import nothing from planning: a model's choices come in with the
+    plan."""
+    wrong = []
+    for path, package in modules():
+        rel = os.path.relpath(path, ROOT)
+        for name in imports_of(path):
+            if package != "redray.planning" and name.startswith(PLANNING_INSIDES):
+                wrong.append(f"{rel} imports {name}")
+            if package in ("redray.models", "redray.sharding") \
+                    and package_of(name) == "redray.planning":
+                wrong.append(f"{rel} imports {name}")
+    assert not wrong, "\n".join(wrong)
+    # and the check sees such an import where it is
+    assert any(n.startswith(PLANNING_INSIDES) for n in imports_of(
+        os.path.join(ROOT, "redray", "planning", "live.py")))

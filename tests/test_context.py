@@ -11,8 +11,9 @@ import transformers
 from redray.engine.runtime import ModelRuntime
 from redray.models import build, context, next_token_loss
 from redray.sharding import Parallelism
-from redray.sharding.hardware import preset
-from redray.sharding.planner import candidates
+from redray.planning.cost import context_method
+from redray.planning.hardware import preset
+from redray.planning.planner import candidates
 from tiny import assert_trains_as_one_device, memory_case
 
 CONFIGS = {
@@ -188,9 +189,9 @@ def test_the_cost_model_picks_the_ring_where_its_transfers_hide():
     wait for their transfers, which the gather hides behind the layer before: the
     gather. On XLA:CPU nothing hides a collective: the ring, which computes less."""
     h100, cpu = preset("h100"), preset("cpu")
-    assert context.choose(1, 32768, 4, 32, 8, 128, 2, h100) == "ring"
-    assert context.choose(1, 4096, 8, 32, 8, 128, 2, h100) == "all_gather"
-    assert context.choose(1, 512, 8, 32, 8, 128, 4, cpu) == "ring"
+    assert context_method(1, 32768, 4, 32, 8, 128, 2, h100) == "ring"
+    assert context_method(1, 4096, 8, 32, 8, 128, 2, h100) == "all_gather"
+    assert context_method(1, 512, 8, 32, 8, 128, 4, cpu) == "ring"
 
 
 def test_context_refuses_what_it_does_not_split():
@@ -222,8 +223,8 @@ def test_the_planner_costs_a_context_axis_it_is_given():
     pipelines it, the ring's passes are in the predicted step, and a device's
     activations are those of its share of the tokens (the memory model's trace of the
     ring's blockwise attention, 1/context of each sequence)."""
-    from redray.models.plan import ConfigFacts
-    from redray.sharding.planner import rank
+    from redray.planning.from_config import ConfigFacts
+    from redray.planning.planner import rank
 
     facts = ConfigFacts(CONFIGS["llama"](), 1024)
     h100 = preset("h100")
@@ -258,8 +259,8 @@ def test_the_planner_splits_sequences_only_where_nothing_else_fits():
     axis; where a plan fits whole sequences, it keeps them whole."""
     import dataclasses
 
-    from redray.models.plan import ConfigFacts
-    from redray.sharding.planner import MARGIN, NoPlanFits, rank
+    from redray.planning.from_config import ConfigFacts
+    from redray.planning.planner import MARGIN, NoPlanFits, rank
 
     facts = ConfigFacts(CONFIGS["llama"](), 4096)
     h100 = preset("h100")
@@ -285,8 +286,8 @@ def test_the_memory_plan_of_a_context_step_is_checked_against_the_compiled_step(
     import optax
 
     import redray
-    from redray.models.memory import StepShape
-    from redray.models.plan import plan_model
+    from redray.planning.memory import StepShape
+    from redray.planning.from_config import plan_model
 
     config, data, collate, loss = memory_case(2, 8)
     ratios = {}

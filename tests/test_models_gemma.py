@@ -119,9 +119,9 @@ def test_remat_gives_the_same_gradients(scan):
 
 
 def test_redray_plan_takes_gemma_configs():
-    from redray.models.memory import StepShape
-    from redray.models.plan import choose_plan, plan_model
-    from redray.sharding.hardware import PRESETS
+    from redray.planning.memory import StepShape
+    from redray.planning.from_config import choose_plan, plan_model
+    from redray.planning.hardware import PRESETS
 
     config = CONFIGS["gemma3"]()
     n_params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(

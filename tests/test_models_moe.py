@@ -204,8 +204,8 @@ def test_unsupported_layouts_are_refused_by_name():
 
 
 def test_the_plan_counts_every_expert():
-    from redray.models.memory import StepShape
-    from redray.models.plan import plan_model
+    from redray.planning.memory import StepShape
+    from redray.planning.from_config import plan_model
 
     hf = hf_model("qwen3_moe")
     total = sum(p.numel() for p in hf.parameters())
@@ -283,7 +283,8 @@ def test_the_expert_all_to_alls_are_those_the_cost_model_counts(capacity_factor)
     backward) of experts x slots x hidden, as ``cost.expert_traffic`` counts them; with
     a capacity factor of 1 that is the ideal tokens x top_k x hidden."""
     from redray.sharding import collectives
-    from redray.sharding.cost import expert_layers, expert_traffic
+    from redray.planning.memory import expert_layers
+    from redray.planning.cost import expert_traffic
 
     config = CONFIGS["mixtral"](**({} if capacity_factor is None
                                    else {"capacity_factor": capacity_factor}))
@@ -344,9 +345,9 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
 
 
 def test_the_plan_counts_active_parameters_and_the_planner_tries_expert_axes():
-    from redray.models.plan import ConfigFacts, plan_model
-    from redray.sharding.hardware import PRESETS
-    from redray.sharding.planner import rank
+    from redray.planning.from_config import ConfigFacts, plan_model
+    from redray.planning.hardware import PRESETS
+    from redray.planning.planner import rank
 
     config = CONFIGS["mixtral"]()
     result = plan_model(config, 4, expert_axis=4)
@@ -369,8 +370,8 @@ def test_the_memory_plan_counts_the_exchange_an_expert_axis_adds():
     """Dropless, each (device, expert) pair holds a slot per token: experts / top_k times
     the rows a dispatch of the device's own tokens keeps; with a capacity factor of 1,
     the same rows, nothing added."""
-    from redray.models.memory import StepShape
-    from redray.models.plan import plan_model
+    from redray.planning.memory import StepShape
+    from redray.planning.from_config import plan_model
 
     step = StepShape(batch_size=8, seq_len=16)
     config = CONFIGS["mixtral"]()

@@ -217,10 +217,10 @@ def test_a_trainer_on_stages_trains_as_one_device_and_its_checkpoint_loads_witho
 
 
 def test_the_planner_puts_stages_across_a_slow_link_and_not_a_fast_one():
-    from redray.models.plan import ConfigFacts
-    from redray.sharding.cost import host_spans
-    from redray.sharding.hardware import PRESETS, ethernet, preset
-    from redray.sharding.planner import rank
+    from redray.planning.from_config import ConfigFacts
+    from redray.planning.cost import host_spans
+    from redray.planning.hardware import PRESETS, ethernet, preset
+    from redray.planning.planner import rank
 
     facts = ConfigFacts("llama-7b", 4096, "bfloat16", scan=True)
     over_infiniband = rank(facts, 16, 2, 64, preset("h100"))
@@ -243,9 +243,9 @@ def test_the_planner_weighs_1f1b_beside_gpipe_and_takes_it_where_gpipe_does_not_
     a 1F1B plan whose GPipe twin does not fit."""
     import dataclasses
 
-    from redray.models.plan import ConfigFacts
-    from redray.sharding.hardware import PRESETS, ethernet
-    from redray.sharding.planner import ONE_F_ONE_B_RERUN, layer_share, rank
+    from redray.planning.from_config import ConfigFacts
+    from redray.planning.hardware import PRESETS, ethernet
+    from redray.planning.planner import ONE_F_ONE_B_RERUN, layer_share, rank
 
     facts = ConfigFacts("llama-7b", 4096, "bfloat16", scan=True)
     assert facts.one_f_one_b
@@ -312,8 +312,8 @@ def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_ste
     """``plan_model``'s count of a pipelined step (every tick's activations kept,
     ``pipelined_parts``) within 0.8-1.25 of XLA's compiled peak on CPU, GPipe's and the
     circular one's (whose ticks keep no copy of their chunk of the parameters)."""
-    from redray.models.memory import StepShape
-    from redray.models.plan import plan_model
+    from redray.planning.memory import StepShape
+    from redray.planning.from_config import plan_model
 
     from tiny import memory_case
 

@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from redray.models.hub import FAMILIES
-from redray.models.memory import StepShape
-from redray.models.plan import (PlanError, format_model_plan, plan_model, plan_parallelism,
+from redray.planning.memory import StepShape
+from redray.planning.from_config import (PlanError, format_model_plan, plan_model, plan_parallelism,
                                 preset_fields, presets)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -304,7 +304,7 @@ def test_the_stacked_arrays_are_found_whatever_the_plan(axes):
     from transformers import LlamaConfig
 
     from redray.models.hub import model_specs
-    from redray.models.plan import abstract_model
+    from redray.planning.from_config import abstract_model
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=4, num_attention_heads=4)

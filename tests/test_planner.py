@@ -16,12 +16,12 @@ from transformers import LlamaConfig, Qwen3Config
 
 import redray
 from redray.models import build, next_token_loss
-from redray.models.plan import ConfigFacts, PlanError, choose_plan
+from redray.planning.from_config import ConfigFacts, PlanError, choose_plan
 from redray.sharding import collectives, flatten
-from redray.sharding.cost import (Parameter, StepCost, collective_seconds, host_spans,
+from redray.planning.cost import (Parameter, StepCost, collective_seconds, host_spans,
                                   state_traffic, tensor_traffic)
-from redray.sharding.hardware import GB, PRESETS, Hardware, Link, ethernet, preset
-from redray.sharding.planner import _loses_on, candidates
+from redray.planning.hardware import GB, PRESETS, Hardware, Link, ethernet, preset
+from redray.planning.planner import _loses_on, candidates
 from redray.sharding.specs import trace_tree
 
 SEQ = 32
@@ -148,7 +148,7 @@ def tiny_facts():
 
 
 def test_the_pick_is_the_fastest_plan_that_fits(tiny_facts):
-    from redray.sharding.planner import rank
+    from redray.planning.planner import rank
 
     hw = dataclasses.replace(PRESETS["cpu"], device_memory=64 * (1 << 20))
     ranking = rank(tiny_facts, 8, 2, 16, hw)
@@ -250,7 +250,7 @@ def test_a_resumed_run_keeps_its_plan_on_the_same_devices_and_replans_on_others(
 
 
 def test_the_probe_measures_this_runtime_and_keeps_its_numbers(tmp_path):
-    from redray.engine.probe import cluster_key, probe
+    from redray.planning.probe import cluster_key, probe
 
     measured = probe(str(tmp_path))
     assert measured.matmul_flops > 0 and measured.intra.bandwidth > 0
@@ -276,9 +276,9 @@ def test_why_names_the_part_the_runner_up_loses_on_or_the_tie_break():
 
 
 def test_a_pass_timed_faster_with_more_rows_still_charges_each_micro_batch(tiny_facts):
-    from redray.engine.autoplan import timed_line
-    from redray.sharding.cost import ModelTiming
-    from redray.sharding.planner import rank
+    from redray.planning.live import timed_line
+    from redray.planning.cost import ModelTiming
+    from redray.planning.planner import rank
 
     assert timed_line(0.010, 0.012, 1e-6) == pytest.approx((0.008, 0.002))  # a clean line
     # the noise above the second row's cost (2 rows timed faster than 1): each example
@@ -302,7 +302,7 @@ def test_a_pass_timed_faster_with_more_rows_still_charges_each_micro_batch(tiny_
 
 
 def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():
-    from redray.sharding.cost import ModelTiming
+    from redray.planning.cost import ModelTiming
 
     config = LlamaConfig(**TINY)
     make = lambda **kw: redray.Trainer(lambda rngs: build(config, rngs=rngs), collate,  # noqa: E731
@@ -341,7 +341,7 @@ def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():
 
 
 def test_a_run_too_short_to_pay_for_timing_is_planned_on_the_probed_rates(monkeypatch):
-    from redray.engine import autoplan
+    from redray.planning import live
 
     config = LlamaConfig(**TINY)
     make = lambda **kw: redray.Trainer(lambda rngs: build(config, rngs=rngs), collate,  # noqa: E731
@@ -354,7 +354,7 @@ def test_a_run_too_short_to_pay_for_timing_is_planned_on_the_probed_rates(monkey
     assert "the model's pass not timed" in ranking.why() and "plan_timing=True" in ranking.why()
     assert short.step == 2
     # the same two steps against a threshold well under their predicted time: timed
-    monkeypatch.setattr(autoplan, "TIMED_RUN_S", 2 * ranking.best.cost.seconds / 3)
+    monkeypatch.setattr(live, "TIMED_RUN_S", 2 * ranking.best.cost.seconds / 3)
     longer = make()
     longer.fit(DATA, max_steps=2)
     assert longer.plan_ranking.timing is not None and longer.plan_ranking.untimed is None
@@ -363,7 +363,7 @@ def test_a_run_too_short_to_pay_for_timing_is_planned_on_the_probed_rates(monkey
     never = make(plan_timing=False)
     never.fit(DATA, max_steps=2)
     assert never.plan_ranking.timing is None and never.plan_ranking.untimed == "plan_timing=False"
-    monkeypatch.setattr(autoplan, "TIMED_RUN_S", 1e9)
+    monkeypatch.setattr(live, "TIMED_RUN_S", 1e9)
     always = make(plan_timing=True)
     always.fit(DATA, max_steps=2)
     assert always.plan_ranking.timing is not None
@@ -372,8 +372,9 @@ def test_a_run_too_short_to_pay_for_timing_is_planned_on_the_probed_rates(monkey
 
 
 def test_a_model_timed_once_is_read_back_until_its_programs_change(tmp_path, monkeypatch):
-    from redray.engine import probe
-    from redray.engine.autoplan import RuntimeFacts, model_timing
+    from redray.planning import probe
+    from redray.engine.facts import RuntimeFacts
+    from redray.planning.live import model_timing
     from redray.engine.runtime import ModelRuntime
 
     config = LlamaConfig(**TINY)
@@ -425,7 +426,7 @@ def test_a_plan_for_fused_attention_counts_no_attention_scores():
     planned for this CPU (XLA's attention at this length) they hold each layer's."""
     import dataclasses
 
-    from redray.models.memory import activation_bytes
+    from redray.planning.memory import activation_bytes
 
     seq, heads = 512, 4
     gpu = ConfigFacts(LlamaConfig(**TINY), seq, fused_attention=preset("h100").fused_attention)

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import redray
-from redray.models.plan import format_model_plan, plan_model
+from redray.planning.from_config import format_model_plan, plan_model
 from redray.sharding import derive_specs, flatten, make_mesh
 
 

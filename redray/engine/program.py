@@ -29,7 +29,7 @@ from redray.engine.steps import (eval_step, microbatched, model_gradients, model
 from redray.functions import UserFunctionError, UserFunctions, split_loss_output
 from redray.sharding import CONTEXT, FSDP, MODEL, STAGE, BatchGeometry, placement
 from redray.sharding.activations import blockwise_attention
-from redray.sharding.memory import (GATHERED_LAYERS, compiled_memory, layer_gather_bytes,
+from redray.planning.memory import (GATHERED_LAYERS, compiled_memory, layer_gather_bytes,
                                     saved_residuals, split_residual_bytes, split_sizes, totals)
 
 
@@ -214,7 +214,7 @@ class TrainProgram:
 
     def _activation_bytes(self, state: TrainState, rows) -> int:
         """Residual bytes per device of the loss's backward pass on one device's micro
-        batch (see ``redray.sharding.memory``)."""
+        batch (see ``redray.planning.memory``)."""
         return activation_bytes(self.runtime, self.functions.loss, state.params, state.frozen,
                                 state.extra, self.global_batch,
                                 self.geometry.micro_batch_size, rows,
@@ -226,7 +226,7 @@ def activation_bytes(runtime: ModelRuntime, loss: Callable, params, frozen, extr
                      batch: dict, rows_per_device: int, placement_rows, model_axis: int,
                      residuals: dict | None = None, context: int = 1) -> int:
     """Residual bytes per device of ``loss``'s backward pass on ``rows_per_device``
-    examples (see ``redray.sharding.memory``), under the split ``placement_rows`` show.
+    examples (see ``redray.planning.memory``), under the split ``placement_rows`` show.
 
     Args:
       runtime: the model on its plan (its compute dtype, its ``apply``).

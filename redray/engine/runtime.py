@@ -50,6 +50,9 @@ class ModelRuntime:
         # makes, places and runs are held in ``parallelism.layer_order`` (``reorder``)
         self.stage_repeats = 1
         self.schedule = "gpipe"  # with stages: "gpipe" or "1f1b" (engine/staged.py)
+        # how attention crosses a context axis (``redray.planning.context_chooser``):
+        # None, the preset of this process's kind of device
+        self.context_method = None
 
     def use(self, parallelism: Parallelism) -> None:
         """Runs the model on ``parallelism`` (built) from now on."""
@@ -73,9 +76,16 @@ class ModelRuntime:
                 specs = None
         with rows_split(None if plan is None else plan.mesh,
                         1 if plan is None else plan.data_parallel, self.micro_rows,
-                        self.stage_repeats), parameter_specs(specs):
+                        self.stage_repeats, self._context_method()), parameter_specs(specs):
             out = fn(model, *args)
         return out, self.adapter.extra_of(model, extra)
+
+    def _context_method(self):
+        if self.context_method is None:
+            from redray.planning import context_chooser
+
+            self.context_method = context_chooser()
+        return self.context_method
 
     def train_apply(self, fn: Callable, params, extra, rng, *args):
         """``apply`` for a function that is differentiated: column layers reading one

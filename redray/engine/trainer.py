@@ -39,8 +39,8 @@ from redray.rngs import KeyStream, stream_key
 from redray.sharding import Parallelism, placement
 from redray.sharding.activations import AttentionKernels, attention_kernels
 from redray.sharding.parallelism import describe_shape
-from redray.sharding.planner import Candidate, pins
-from redray.sharding.memory import memory_text
+from redray.planning.planner import Candidate, pins
+from redray.planning.memory import memory_text
 
 # What a Trainer's checkpoint meta holds beyond the step (and reads back on resume): the
 # position in the data. A meta without them is an unreadable checkpoint.
@@ -90,20 +90,20 @@ class Trainer:
       eval_batch_size: examples per evaluation step (default: ``batch_size``).
       parallelism: ``"auto"`` (the default when no mesh and no axis size is given):
         the planner chooses the axis sizes and the micro-batch at ``init`` from the
-        model, the loss and the first batch (``redray/engine/autoplan.py``), keeping
+        model, the loss and the first batch (``redray/planning/live.py``), keeping
         the axis sizes and ``micro_batch_size`` given beside it; ``plan_ranking`` then
         holds every plan it weighed. Or a ``redray.Parallelism`` (axis sizes, rules,
         mesh in one value); or give a mesh or the axis sizes (and rules) instead, and
         that plan is used as it is (an axis not given takes its default).
-      hardware: what ``"auto"`` plans on: a ``redray.sharding.hardware.Hardware``, a
+      hardware: what ``"auto"`` plans on: a ``redray.planning.hardware.Hardware``, a
         preset name (``"h100"``, ``"h100+ethernet"``...), or None: the devices probed
-        (``redray/engine/probe.py``; inside ``redray.fit`` kept per cluster in the
+        (``redray/planning/probe.py``; inside ``redray.fit`` kept per cluster in the
         storage folder).
       plan_timing: whether ``"auto"`` times the model's pass on the live devices
         (compiling and running it at two micro-batches, seconds on a small machine)
         and costs the plans on those timings rather than the hardware's rates. None
         (default): timed unless ``fit``'s run is predicted to take under
-        ``redray.engine.autoplan.TIMED_RUN_S`` (30 s), or ``init`` is called before
+        ``redray.planning.live.TIMED_RUN_S`` (30 s), or ``init`` is called before
         ``fit``, where it is timed; True: always; False: never.
       mesh: a mesh from ``redray.make_mesh``; or give the axis sizes.
       compute_dtype: dtype of the forward/backward (e.g. ``jnp.bfloat16``); parameters
@@ -354,16 +354,17 @@ class Trainer:
 
     def _choose_plan(self, sample: dict) -> None:
         """Runs the planner on this model, loss and batch, and takes its pick."""
-        from redray.engine.autoplan import RuntimeFacts, choose
-        from redray.engine.probe import probe
-        from redray.sharding.hardware import Hardware, preset
+        from redray.planning import context_chooser, resolve_hardware
+        from redray.engine.facts import RuntimeFacts
+        from redray.planning.live import choose
 
-        hardware = self.hardware
-        if hardware is None:
+        if self.hardware is None:
             with startup.phase("probe"):
-                hardware = probe(self._probe_cache)
-        elif not isinstance(hardware, Hardware):
-            hardware = preset(hardware)
+                hardware = resolve_hardware(None, self._probe_cache)
+        else:
+            hardware = resolve_hardware(self.hardware)
+        # the model's own choices (the context axis's attention) on the same hardware
+        self.runtime.context_method = context_chooser(hardware)
         with startup.phase("planner"):
             facts = RuntimeFacts(self.runtime, self.functions.loss, self.optimizer, sample,
                                  self.trainable, tokens_per_example(sample))

@@ -28,9 +28,10 @@ in one of two ways (``METHODS``):
   collective per layer instead of ``C - 1``, but no skipped blocks and the whole keys
   and values held.
 
-``choose`` picks by a cost model: the ring's steps cost the larger of their compute and
-their transfer, the gather its whole compute plus what of its transfer the scheduler
-cannot hide.
+"auto" takes what the plan's chooser says (``redray.planning.cost.context_method``, on
+the run's hardware, probed or named): the ring's steps cost the larger of their compute
+and their transfer, the gather its whole compute plus what of its transfer the scheduler
+cannot hide. A model traced without a chooser takes the ring.
 
 **Each block's kernel** (``ring_blocks``): on a GPU, for plain causal attention in
 bf16 (no padding but the split's alignment after the last token, no segments, window or
@@ -58,8 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from redray.models.attention import (AttentionMask, Target, flash_attention, flash_backward,
                                      flash_forward)
-from redray.sharding.activations import context_split
-from redray.sharding.hardware import Hardware, preset
+from redray.sharding.activations import context_choice, context_split
 from redray.sharding.parallelism import CONTEXT, STAGE
 
 METHODS = ("auto", "ring", "all_gather")
@@ -68,7 +68,7 @@ AXIS = CONTEXT.name
 
 def method() -> str:
     """How attention crosses the context axis: ``REDRAY_CONTEXT_ATTENTION`` (default
-    "auto": ``choose``)."""
+    "auto": the plan's chooser, ``activations.context_choice``)."""
     name = os.environ.get("REDRAY_CONTEXT_ATTENTION", "auto")
     if name not in METHODS:
         raise ValueError(f"REDRAY_CONTEXT_ATTENTION={name!r}: use one of {', '.join(METHODS)}")
@@ -174,42 +174,6 @@ def merge_sequence(x: jax.Array, length: int) -> jax.Array:
     the padding cut off."""
     mesh, ways = context_split()
     return from_zigzag(x, mesh, ways)[:, :length]
-
-
-# ------------------------------------------------------------------ choosing
-def _hardware() -> Hardware:
-    backend = jax.default_backend()
-    return preset({"gpu": "h100", "tpu": "tpu-v5e"}.get(backend, "cpu"))
-
-
-def choose(batch: int, tokens: int, ways: int, heads: int, kv_heads: int, head_dim: int,
-           itemsize: int, hardware: Hardware | None = None) -> str:
-    """"ring" or "all_gather" for one layer's attention over ``tokens`` split ``ways``
-    ways, whichever the cost model predicts faster (ties: "all_gather").
-
-    Per device, with ``n = tokens / ways`` local queries, ``F(q, k)`` the FLOPs of ``q``
-    queries over ``k`` keys (``4 q k heads head_dim`` per row: scores and values) and
-    ``X`` the transfer of one device's keys and values (``2 n kv_heads head_dim``
-    elements per row) over the link inside a host, latency included:
-
-    * all-gather: ``F(n, tokens) / rate + (1 - overlap) (ways - 1) X``: every block
-      computed; the gather is one collective that the scheduler may start during the
-      layer before (the hardware's ``overlap``: 1 on GPU and TPU, 0 on XLA:CPU);
-    * ring: ``F(n, n) / rate + (ways - 1) max(F(n, n / 2) / rate, X)``: the diagonal
-      block, then steps of half a block each, every step waiting for its transfer.
-
-    So the ring wins where each step's half block outlasts its transfer (long
-    sequences), the gather where the transfers would be exposed (short local chunks).
-    """
-    hw = hardware or _hardware()
-    n = tokens // ways
-    flops = lambda q, k: 4.0 * batch * q * k * heads * head_dim  # noqa: E731
-    transfer = 2.0 * batch * n * kv_heads * head_dim * itemsize / hw.intra.bandwidth \
-        + hw.intra.latency
-    gather = flops(n, tokens) / hw.matmul_flops + (1 - hw.overlap) * (ways - 1) * transfer
-    ring = flops(n, n) / hw.matmul_flops \
-        + (ways - 1) * max(flops(n, n / 2) / hw.matmul_flops, transfer)
-    return "ring" if ring < gather else "all_gather"
 
 
 # ------------------------------------------------------------------ block kernels
@@ -329,8 +293,9 @@ def attention(q, k, v, mask: AttentionMask, scale: float, softcap: float | None 
     if how == "auto":
         # a fused kernel takes the ring's blocks (each a causal or a full block of the
         # zigzag layout), not the gathered keys' mask: the ring
-        how = "ring" if blocks != "flash" else choose(b, t, ways, h, k.shape[2], d,
-                                                       k.dtype.itemsize)
+        chooser = context_choice()
+        how = "ring" if blocks != "flash" or chooser is None else chooser(
+            b, t, ways, h, k.shape[2], d, k.dtype.itemsize)
     if how != "ring":
         blocks = "flash"
     segmented = mask.segmented

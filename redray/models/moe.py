@@ -80,8 +80,42 @@ from jax.sharding import PartitionSpec as P
 from redray.models import layers
 from redray.models.hub import Tensor, linear
 from redray.sharding.activations import context_split, traced_mesh
-from redray.sharding.cost import ExpertLayers, expert_capacity
 from redray.sharding.parallelism import BATCH_AXES, CONTEXT, EXPERT, MODEL
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayers:
+    """Mixture-of-experts layers of one shape (``MoE``): what the planner's cost model
+    (``redray.planning.cost``) and memory model count of them.
+
+    Attributes:
+      layers: how many.
+      experts, top_k, hidden, inner: the experts, the experts a token uses, the model
+        width and an expert's inner width.
+      capacity_factor: None (dropless) or the layers' capacity factor.
+    """
+    layers: int
+    experts: int
+    top_k: int
+    hidden: int
+    inner: int
+    capacity_factor: float | None
+
+    def slots(self, tokens: int) -> int:
+        """Slots per (device, expert) of an expert-parallel exchange of ``tokens``
+        tokens per device: the capacity, or every token (nothing dropped)."""
+        return expert_capacity(self.capacity_factor, tokens, self.top_k,
+                               self.experts) or tokens
+
+
+def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
+                    experts: int) -> int | None:
+    """The assignments an expert keeps of ``tokens`` tokens: ``ceil(capacity_factor x
+    tokens x top_k / experts)``, at most ``tokens`` (a token picks an expert once);
+    None without a capacity factor (all)."""
+    if capacity_factor is None:
+        return None
+    return min(tokens, math.ceil(capacity_factor * tokens * top_k / experts))
 
 
 class MoE(nnx.Module):
@@ -148,7 +182,7 @@ class MoE(nnx.Module):
         return out.astype(x.dtype), report
 
     def expert_layers(self) -> ExpertLayers:
-        """This layer as the planner's cost model sees it (``cost.expert_layers``)."""
+        """This layer as the planner sees it (``redray.planning.memory.expert_layers``)."""
         shape = self.gate_up_proj.value.shape  # (stacked..., experts, hidden, 2, inner)
         return ExpertLayers(math.prod(shape[:-4]), shape[-4], self.top_k, shape[-3], shape[-1],
                             self.capacity_factor)

@@ -8,7 +8,7 @@ over ``model`` on the other, it may split the hidden dimension of the residual s
 over ``fsdp`` and then move it back to the batch split by replicating it ("Involuntary
 full rematerialization"): traffic no spec asks for. The marks pin the residual stream to
 the batch split, so each FSDP parameter is gathered and each tensor-parallel layer's
-output all-reduced, as ``redray.sharding.cost`` counts them.
+output all-reduced, as ``redray.planning.cost`` counts them.
 
 The split is set while a step is traced (``ModelRuntime.apply``, on the plan's mesh);
 outside it (a model run on its own, abstract traces) ``constrain_rows`` does nothing.
@@ -25,6 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from redray.sharding.parallelism import BATCH_AXES, CONTEXT, STAGE
 
 _ROWS: contextvars.ContextVar = contextvars.ContextVar("redray_rows", default=None)
+_CONTEXT_METHOD: contextvars.ContextVar = contextvars.ContextVar("redray_context_method",
+                                                                 default=None)
 _UNROLL: contextvars.ContextVar = contextvars.ContextVar("redray_unroll", default=False)
 _SPECS: contextvars.ContextVar = contextvars.ContextVar("redray_param_specs", default=None)
 _ATTENTION: contextvars.ContextVar = contextvars.ContextVar("redray_attention", default=None)
@@ -91,17 +93,29 @@ def note_attention(kernel: str, why: str, check=None) -> None:
 
 
 @contextlib.contextmanager
-def rows_split(mesh, ways: int, micro_rows: int | None = None, repeats: int = 1):
+def rows_split(mesh, ways: int, micro_rows: int | None = None, repeats: int = 1,
+               context_method=None):
     """Within: ``constrain_rows`` splits rows over ``mesh``'s batch axes (``ways`` in
     all); ``mesh`` None turns it off. ``micro_rows``: the rows of one pipeline
     micro-batch over all devices (``pipeline``), None: a pass's rows are one.
     ``repeats``: the pipeline's circular repeats (its stacked parameters are then held
-    in ``parallelism.layer_order``)."""
+    in ``parallelism.layer_order``). ``context_method``: the plan's choice of how
+    attention crosses a context axis (``context_choice``)."""
     token = _ROWS.set(None if mesh is None else (mesh, ways, micro_rows, repeats))
+    chosen = _CONTEXT_METHOD.set(context_method)
     try:
         yield
     finally:
+        _CONTEXT_METHOD.reset(chosen)
         _ROWS.reset(token)
+
+
+def context_choice():
+    """The plan's choice of how one layer's attention crosses the context axis:
+    ``fn(batch, tokens, ways, heads, kv_heads, head_dim, itemsize)`` -> "ring" or
+    "all_gather" (``redray.planning.cost.context_method`` on the run's hardware), or
+    None where the step being traced was given none."""
+    return _CONTEXT_METHOD.get()
 
 
 @contextlib.contextmanager

@@ -128,7 +128,7 @@ def across_hosts(c: Collective, host_of: list[int]) -> list[int]:
     """Each (logical) device's bytes of ``c`` that cross hosts: a collective-permute's
     buffer for a device that sends it to another host; for the others, the result's
     bytes on every device of a group that spans hosts (the convention of
-    ``redray.sharding.cost``'s ``Traffic.bytes``)."""
+    ``redray.planning.cost``'s ``Traffic.bytes``)."""
     out = [0] * len(host_of)
     for g in device_groups(c, len(host_of)):
         if c.kind == "collective-permute":

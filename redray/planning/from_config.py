@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from redray.models.memory import StepShape, memory_plan
-from redray.sharding.memory import part_lines, size_text
+from redray.planning.memory import StepShape, memory_plan
+from redray.planning.memory import part_lines, size_text
 from redray.sharding import (AXES, EXPERT, FSDP, MODEL, PARAMETER_AXES, STAGE, Parallelism,
                              follow_specs, placement)
 from redray.sharding.parallelism import describe_shape
@@ -194,9 +194,9 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
       replicated_min_bytes: parameters left replicated that are smaller than this are
         counted in ``replicated_omitted`` instead of listed (a scanned layers' array
         counts as one parameter per layer, each of its layer's size).
-      step: a ``redray.models.memory.StepShape`` (batch, sequence, remat policy,
+      step: a ``redray.planning.memory.StepShape`` (batch, sequence, remat policy,
         compute dtype): the result gets ``memory``, what one training step holds per
-        device (``redray.models.memory.memory_plan``).
+        device (``redray.planning.memory.memory_plan``).
       device_gib: with ``step``, the device memory to check the step against.
       scan: the model's layers stacked and scanned (None: as ``build`` builds them by
         default; always with a stage axis).
@@ -222,7 +222,7 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
     from flax import nnx
 
     from redray.models.hub import model_specs
-    from redray.sharding.cost import expert_layers
+    from redray.planning.memory import expert_layers
 
     parallelism = plan_parallelism(devices, rules, model_axis=model_axis, fsdp_axis=fsdp_axis,
                                    **axes)
@@ -391,7 +391,7 @@ REMAT_FLOPS = {"none": 1.0, "dots": 1.0, "full": 4 / 3, "offload": 1.0}
 
 class ConfigFacts:
     """What the planner needs of a ``redray.models`` family built from ``config``
-    (``redray.sharding.planner.ModelFacts``): its parameters, its dataflow, one
+    (``redray.planning.planner.ModelFacts``): its parameters, its dataflow, one
     example's FLOPs (XLA's cost analysis, layers at depth 1 and 2 extrapolated) and a
     step's memory (``memory_plan``, its traces kept between candidates).
 
@@ -412,7 +412,7 @@ class ConfigFacts:
                  fused_attention: bool = False):
         from flax import nnx
 
-        from redray.sharding.cost import expert_layers
+        from redray.planning.memory import expert_layers
         from redray.sharding.specs import flatten, trace_tree
 
         self.config = resolve_config(config)
@@ -450,7 +450,7 @@ class ConfigFacts:
         self._traces: dict = {}
 
     def flops(self, remat: str) -> float:
-        from redray.models.memory import example_flops
+        from redray.planning.memory import example_flops
 
         if self._flops is None:
             self._flops = example_flops(self.fam, self.config, self.step.seq_len,
@@ -478,7 +478,7 @@ def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
                 rules=(), micro_batch_size: int | None = None, micro_rows: int | None = None,
                 remat: str | None = None, scan: bool | None = None, **axes):
     """Every plan of ``config``'s model on ``devices`` devices in ``hosts`` hosts, ranked
-    by the planner (``redray.sharding.planner.rank``) on ``hardware``; what is given
+    by the planner (``redray.planning.planner.rank``) on ``hardware``; what is given
     (axis sizes by keyword, ``micro_batch_size`` per device or ``micro_rows`` over all
     devices, ``remat``) is kept. ``scan``: the model's layers stacked and scanned, so
     the planner tries pipeline stages too (None: as ``build`` builds it by default;
@@ -488,7 +488,7 @@ def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
       PlanError: an unsupported model, pinned sizes no plan takes, or no plan that fits
         (naming the smallest and what to change).
     """
-    from redray.sharding.planner import NoPlanFits, pins, rank
+    from redray.planning.planner import NoPlanFits, pins, rank
 
     for name, value in (("devices", devices), ("hosts", hosts), ("batch size", batch_size),
                         ("sequence length", seq_len)):

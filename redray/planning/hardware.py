@@ -2,7 +2,7 @@
 links a collective may cross (inside a host, between hosts).
 
 A ``Hardware`` comes from a preset (``PRESETS``: H100 SXM, A100 80GB, L4, TPU v5e, CPU),
-from a probe of the live cluster (``redray/engine/probe.py``), or is written by hand.
+from a probe of the live cluster (``redray/planning/probe.py``), or is written by hand.
 Every preset number names its source; where a number is an assumption (how much of a
 datasheet's peak a large matmul sustains, a collective's per-step latency) it says so,
 and the probe replaces it with a measurement.
@@ -56,7 +56,7 @@ class Hardware:
       source: where the numbers come from.
       live: these are the devices this runtime runs on (the probe's numbers): a
         Trainer planning on them also times the model's own pass there
-        (``redray.sharding.cost.ModelTiming``).
+        (``redray.planning.cost.ModelTiming``).
       platform: "gpu", "tpu" or "cpu": which attention kernels a step has (GPUs and
         TPUs fused ones, which keep no (queries x keys) scores for the backward pass).
     """
@@ -171,3 +171,12 @@ def preset(name: str) -> Hardware:
         raise ValueError(f"unknown hardware {name!r}: use one of "
                          f"{', '.join(sorted(PRESETS))}, optionally with '+ethernet'")
     return ethernet(PRESETS[base]) if link else PRESETS[base]
+
+
+def for_backend() -> Hardware:
+    """The preset of this process's JAX backend's kind of device (a GPU: ``h100``; a
+    TPU: ``tpu-v5e``; else ``cpu``): what a choice takes where no hardware was probed
+    or named."""
+    import jax
+
+    return preset({"gpu": "h100", "tpu": "tpu-v5e"}.get(jax.default_backend(), "cpu"))

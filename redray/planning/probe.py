@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from redray.sharding.hardware import PRESETS, Hardware, Link
+from redray.planning.hardware import PRESETS, Hardware, Link
 from redray.sharding.hosts import from_process_zero
 
 # Two all-reduce sizes: the small one's time is mostly latency, the large one's

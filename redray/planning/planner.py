@@ -17,12 +17,12 @@ import dataclasses
 import math
 from typing import Protocol, Sequence
 
-from redray.sharding.cost import (ModelTiming, Parameter, StepCost, context_traffic,
+from redray.planning.cost import (ModelTiming, Parameter, StepCost, context_traffic,
                                   expert_traffic, stage_traffic, state_traffic, step_cost,
                                   tensor_traffic, whole_flops)
 from redray.sharding.dataflow import Trace
-from redray.sharding.hardware import Hardware
-from redray.sharding.memory import pipelined_parts, size_text, totals
+from redray.planning.hardware import Hardware
+from redray.planning.memory import pipelined_parts, size_text, totals
 from redray.sharding.parallelism import (AXES, CONTEXT, EXPERT, INSIDE, MODEL, STAGE, Parallelism,
                                          axis_defaults, describe_shape, hybrid_shapes)
 from redray.sharding.placement import Placement, placement
@@ -34,7 +34,7 @@ MARGIN = 0.1
 
 
 class ModelFacts(Protocol):
-    """What the planner needs to know of a model; ``redray.models.plan.ConfigFacts``
+    """What the planner needs to know of a model; ``redray.planning.from_config.ConfigFacts``
     gives them for a Hugging Face config."""
 
     paths: Sequence[str]

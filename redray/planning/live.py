@@ -1,162 +1,37 @@
-"""The plan chosen for a Trainer (``parallelism="auto"``): the planner's facts of the
-user's own model and loss, and the choice on this runtime's devices.
+"""The plan of a Trainer's own model on this runtime's devices (``parallelism="auto"``):
+the planner's ranking of its facts (``redray.engine.facts.RuntimeFacts``) on the live,
+probed hardware, with the model's pass timed there.
 
-The facts come from abstract traces of the loss on the first batch's shapes: its
-dataflow (which layers' outputs cross the tensor-parallel split), its FLOPs (XLA's cost
-analysis of the lowered gradient on one example) and the residuals its backward pass
-keeps (on 1 and 2 examples, extrapolated). On the live devices (probed hardware) the
-gradient is also timed, every device at once on its own copy of the first batch's rows,
-at micro-batches of 1 and 2 examples (``model_timing``): the planner's compute time is
-then this model's, not a matmul's. The optimizer's state is counted at its
-bytes over the trained parameters' (Adam: 2), following the parameters' specs.
-A user's model keeps its own remat: the planner chooses the axis sizes and the
-micro-batch.
+On the live devices the gradient is timed, every device at once on its own copy of the
+first batch's rows, at micro-batches of 1 and 2 examples (``model_timing``): the
+planner's compute time is then this model's, not a matmul's.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
 import os
 import re
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from redray.engine.program import activation_bytes
-from redray.engine.runtime import ModelRuntime, abstract_batch
-from redray.engine.steps import model_loss
-from redray.sharding import CONTEXT, EXPERT, FSDP, MODEL, Parallelism, flatten
-from redray.sharding.cost import ModelTiming, expert_exchange_bytes
-from redray.sharding.activations import BlocksCut, cut_at_blocks, unrolled_loops
-from redray.sharding.hardware import Hardware
-from redray.sharding.memory import GATHERED_LAYERS, layer_gather_bytes, totals
-from redray.sharding.planner import Ranking, rank
-from redray.sharding.specs import trace_tree
+from redray.planning.cost import ModelTiming
+from redray.planning.hardware import Hardware
+from redray.planning.planner import Ranking, rank
 
 
-class RuntimeFacts:
-    """The planner's facts (``redray.sharding.planner.ModelFacts``) of a Trainer's model
-    and loss.
-
-    Args:
-      runtime: the model (its abstract state and compute dtype; no plan needed).
-      loss: the user's loss.
-      optimizer: the ``optax.GradientTransformation``.
-      sample: a collated batch (host arrays): its shapes, not its values, are read.
-      trainable: the regex of trained parameters, or None (all).
-      tokens_per_example: tokens in one example (0: count examples).
-    """
-
-    remat_policies = ("none",)
-
-    def __init__(self, runtime: ModelRuntime, loss: Callable, optimizer, sample: dict,
-                 trainable: str | None, tokens_per_example: int):
-        self.runtime, self.loss = runtime, loss
-        params, extra = runtime.abstract
-        self.paths, leaves, _ = flatten(params)
-        self.shapes = [tuple(x.shape) for x in leaves]
-        self.dtypes = [x.dtype for x in leaves]
-        self.trained = [trainable is None or bool(re.search(trainable, p)) for p in self.paths]
-        self.batch = abstract_batch(sample, 1)
-        rng = jax.random.key(0)
-
-        def forward(params, batch):
-            return runtime.apply(lambda m, b: _value(loss(m, b, rng, True)), params, extra, rng,
-                                 batch)[0]
-
-        self.trace = trace_tree(params, forward, (self.batch,))
-        self.trace_examples = 1
-        self.tokens_per_example = tokens_per_example or 1
-        cd = runtime.compute_dtype
-        self.compute_itemsize = jnp.dtype(cd).itemsize if cd is not None else 4
-        opt = jax.eval_shape(optimizer.init, params)
-        trained = sum(_nbytes(s, d) for s, d, t in zip(self.shapes, self.dtypes, self.trained)
-                      if t)
-        self.optimizer_ratio = sum(_nbytes(x.shape, x.dtype)
-                                   for x in jax.tree.leaves(opt)) / max(trained, 1)
-        self.sample, self.optimizer = sample, optimizer
-        self._flops: float | None = None
-        self._residuals: dict = {}  # with a context axis or not -> rows -> trace
-        self.timing: ModelTiming | None = None
-        self.experts = _expert_layers(runtime)
-        self.splits_sequences = _splits_sequences(runtime)
-        self.one_f_one_b = trainable is None and runtime.stage_repeats == 1 \
-            and cuts_at_one_stack(runtime, loss, params, extra, self.batch)
-
-    def flops(self, remat: str) -> float:
-        if self._flops is None:
-            params, extra = self.runtime.abstract
-            loss_of = model_loss(self.runtime.apply, self.loss)
-
-            def value(params, batch):
-                return loss_of(params, None, extra, batch, jax.random.key(0))[0]
-
-            # scanned layers unrolled: XLA's cost analysis counts a loop's body once
-            with unrolled_loops():
-                lowered = jax.jit(jax.grad(value)).lower(params, self.batch)
-            self._flops = float(lowered.cost_analysis()["flops"])
-        return self._flops
-
-    def memory(self, parallelism: Parallelism, rows, per_device_batch: int, remat: str) -> dict:
-        cd = self.runtime.compute_dtype
-        params = sum(r.bytes_per_device for r in rows)
-        trained = sum(r.bytes_per_device for r, t in zip(rows, self.trained) if t)
-        copies = 0
-        if cd is not None:
-            copies = sum(r.bytes_per_device // jnp.dtype(r.dtype).itemsize * jnp.dtype(cd).itemsize
-                         for r in rows if jnp.issubdtype(r.dtype, jnp.floating)
-                         and jnp.dtype(r.dtype) != jnp.dtype(cd))
-        gathered, fsdp = 0, parallelism.size(FSDP)
-        if fsdp > 1:
-            item = self.compute_itemsize
-            gathered = GATHERED_LAYERS * layer_gather_bytes(rows, fsdp) * item // 4
-        params_abs, extra = self.runtime.abstract
-        ways = parallelism.size(CONTEXT)
-        acts = activation_bytes(self.runtime, self.loss, params_abs, None, extra, self.batch,
-                                per_device_batch, rows, parallelism.size(MODEL),
-                                self._residuals.setdefault(ways > 1, {}), ways)
-        parts = {"parameters": params, "optimizer": int(self.optimizer_ratio * trained),
-                 "gradients": trained, "compute_copies": copies, "fsdp_gathered": gathered,
-                 "activations": acts}
-        if parallelism.size(EXPERT) > 1:  # the user's model keeps its own remat: none
-            parts["expert_exchange"] = expert_exchange_bytes(
-                self.experts, parallelism.shape,
-                per_device_batch * -(-self.tokens_per_example // ways),
-                self.compute_itemsize)
-        return totals(parts, None)
-
-
-def cuts_at_one_stack(runtime: ModelRuntime, loss: Callable, params, extra, batch) -> bool:
-    """Whether the loss can be cut at one stack of stacked layers, as the 1F1B schedule
-    cuts it (``engine/staged.py``): traced abstractly with the cut."""
-    rng = jax.random.key(0)
-    cut = BlocksCut()
-
-    def head(params, batch):
-        def fn(model, b):
-            with cut_at_blocks(cut):
-                loss(model, b, rng, True)
-        runtime.apply(fn, params, extra, rng, batch, planned=False)
-
-    try:
-        jax.eval_shape(head, params, batch)
-    except ValueError:  # several stacks, or what the cut does not take (aux=True)
-        return False
-    return cut.found is not None
-
-
-def choose(facts: RuntimeFacts, batch_size: int, hardware: Hardware, pinned: dict,
+def choose(facts, batch_size: int, hardware: Hardware, pinned: dict,
            rules=(), cache: str | None = None, steps: int | None = None,
            timed: bool | None = None) -> Ranking:
-    """The ranked plans of ``facts`` on every device of this runtime (``rank``); on the
-    live devices (``hardware.live``), with the model's pass timed there (kept in the
-    folder ``cache``, where given: ``model_timing``).
+    """The ranked plans of ``facts`` (``redray.engine.facts.RuntimeFacts``) on every
+    device of this runtime (``rank``); on the live devices (``hardware.live``), with the
+    model's pass timed there (kept in the folder ``cache``, where given:
+    ``model_timing``).
 
     ``timed``: True times the pass, False does not; None (default) times it unless the
     run is too short to pay for it: ``steps`` steps at the untimed pick's predicted step
@@ -199,7 +74,7 @@ TIMED_SHARE = 0.6
 UPDATE_ELEMENTS = 1 << 20
 
 
-def model_timing(facts: RuntimeFacts, hardware: Hardware,
+def model_timing(facts, hardware: Hardware,
                  cache: str | None = None) -> ModelTiming | None:
     """The model's gradient timed on every device at once (each on its own rows of the
     first batch, the parameters whole, no collectives), at ``TIMED_ROWS`` examples:
@@ -213,10 +88,10 @@ def model_timing(facts: RuntimeFacts, hardware: Hardware,
     times them once), so a new run of the same model and loss there plans without
     compiling and timing them again (7 s of a tiny run's start on 2 cores). Process 0
     reads and writes it; every host gets its numbers."""
-    from redray.engine.probe import _grid, _timed, cluster_key, ones
+    from redray.planning.probe import _grid, _timed, cluster_key, ones
     from redray.sharding.hosts import from_process_zero
 
-    params_abs, extra_abs = facts.runtime.abstract
+    params_abs, extra_abs = facts.abstract
     nbytes = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params_abs))
     if 2 * nbytes > TIMED_SHARE * hardware.device_memory:
         return None
@@ -224,13 +99,11 @@ def model_timing(facts: RuntimeFacts, hardware: Hardware,
     rows_spec = P(("hosts", "local"))
     whole, rows = NamedSharding(mesh, P()), NamedSharding(mesh, rows_spec)
     devices = mesh.devices.size
-    unplanned = copy.copy(facts.runtime)  # no plan: no activation constraints in shard_map
-    unplanned.parallelism = unplanned.mesh = None
-    loss_of = model_loss(unplanned.apply, facts.loss)
+    loss_of = facts.unplanned_loss()  # no plan: no activation constraints in shard_map
     rng = jax.random.key(0)
 
     def local(params, extra, batch):
-        grads = jax.grad(lambda p: loss_of(p, None, extra, batch, rng)[0])(params)
+        grads = jax.grad(lambda p: loss_of(p, extra, batch, rng))(params)
         total = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
         return jnp.reshape(total, (1,))
 
@@ -360,29 +233,6 @@ def _update_program(optimizer, mesh, spec):
                                  check_vma=False))
 
 
-def _expert_layers(runtime: ModelRuntime) -> list:
-    """The model's mixture-of-experts layers (``redray.sharding.cost.expert_layers``);
-    none for a Linen model."""
-    from flax import nnx
-
-    from redray.sharding.cost import expert_layers
-
-    graphdef = getattr(runtime.adapter, "graphdef", None)
-    if graphdef is None:
-        return []
-    return expert_layers(nnx.merge(graphdef, *runtime.abstract))
-
-
-def _splits_sequences(runtime: ModelRuntime) -> bool:
-    """Whether the model is one of redray's decoders, which split a sequence over a
-    context axis (a model of the user's own does not: the planner keeps it whole)."""
-    from flax import nnx
-
-    graphdef = getattr(runtime.adapter, "graphdef", None)
-    return graphdef is not None and getattr(
-        type(nnx.merge(graphdef, *runtime.abstract)), "SPLITS_SEQUENCES", False)
-
-
 def _filled(x):
     """A value of ``x``'s shape and dtype for timing (keys: fresh keys)."""
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -396,5 +246,5 @@ def _nbytes(shape, dtype) -> int:
     return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
-def _value(out):
-    return out[0] if isinstance(out, tuple) else out
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * jnp.dtype(dtype).itemsize

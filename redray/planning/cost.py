@@ -63,7 +63,7 @@ import math
 from typing import Sequence
 
 from redray.sharding.dataflow import Trace
-from redray.sharding.hardware import Hardware, Link
+from redray.planning.hardware import Hardware, Link, for_backend
 from redray.sharding.parallelism import (AXES, BATCH_AXES, CONTEXT, EXPERT, FSDP, MODEL,
                                          STAGE, hybrid_shapes, schedule)
 from redray.sharding.rules import axes_of
@@ -275,50 +275,6 @@ def tensor_traffic(trace: Trace, params: Sequence[Parameter], shape: dict[str, i
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class ExpertLayers:
-    """Mixture-of-experts layers of one shape (``redray.models.moe.MoE``).
-
-    Attributes:
-      layers: how many.
-      experts, top_k, hidden, inner: the experts, the experts a token uses, the model
-        width and an expert's inner width.
-      capacity_factor: None (dropless) or the layers' capacity factor.
-    """
-    layers: int
-    experts: int
-    top_k: int
-    hidden: int
-    inner: int
-    capacity_factor: float | None
-
-    def slots(self, tokens: int) -> int:
-        """Slots per (device, expert) of an expert-parallel exchange of ``tokens``
-        tokens per device: the capacity, or every token (nothing dropped)."""
-        return expert_capacity(self.capacity_factor, tokens, self.top_k,
-                               self.experts) or tokens
-
-
-def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
-                    experts: int) -> int | None:
-    """The assignments an expert keeps of ``tokens`` tokens: ``ceil(capacity_factor x
-    tokens x top_k / experts)``, at most ``tokens`` (a token picks an expert once);
-    None without a capacity factor (all)."""
-    if capacity_factor is None:
-        return None
-    return min(tokens, math.ceil(capacity_factor * tokens * top_k / experts))
-
-
-def expert_layers(model) -> list[ExpertLayers]:
-    """The mixture-of-experts layers of an NNX ``model`` (its arrays concrete or
-    abstract): every module of its graph with an ``expert_layers()`` method (redray's
-    ``MoE``), layers stacked by ``scan`` counted in ``layers``."""
-    from flax import nnx
-
-    return [node.expert_layers() for _, node in nnx.iter_graph(model)
-            if callable(getattr(type(node), "expert_layers", None))]
-
-
 def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_itemsize: int,
                    recompute: bool, accumulation: int = 1) -> list[Traffic]:
     """Expert parallelism's all-to-alls (``redray.models.moe.exchange``): per
@@ -411,32 +367,6 @@ def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int
                     "gradients back", False)]
 
 
-def expert_exchange_bytes(layers: Sequence[ExpertLayers], shape: dict[str, int], tokens: int,
-                          itemsize: int, every_layer: bool = True) -> int:
-    """What expert parallelism's exchange keeps per device for the backward pass beyond
-    what a dispatch of the device's own tokens keeps (the memory models trace that one):
-    per layer, experts x slots rows in place of the tokens' tokens x top_k assignments,
-    each row its hidden vector and its gate, up and gated outputs (3 x inner / model).
-    Equal with a capacity factor of 1; experts / top_k times as many rows dropless.
-
-    Args:
-      layers: the model's ``ExpertLayers``.
-      shape: the mesh's axis sizes (nothing without an expert axis).
-      tokens: tokens per device in a micro-batch.
-      itemsize: bytes per activation element.
-      every_layer: all layers keep theirs (no remat); False: one layer's at a time
-        (remat recomputes each layer's in its backward pass).
-    """
-    if shape[EXPERT.name] <= 1:
-        return 0
-    extra = 0
-    for e in layers:
-        rows = max(0, e.experts * e.slots(tokens) - tokens * e.top_k)
-        per_layer = rows * (e.hidden + 3 * e.inner // shape[MODEL.name]) * itemsize
-        extra += per_layer * (e.layers if every_layer else 1)
-    return extra
-
-
 def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> float:
     """Forward and backward FLOPs per example of the matmuls whose parameter the model
     axis leaves whole: every device of a tensor-parallel group runs them in full (the
@@ -526,3 +456,33 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
     return StepCost(compute, tensor_s, state_s, exposed, accumulation * per_micro,
                     (*tensor, *state, *experts, *stages, *context), update, experts_s,
                     stages_s, context_s)
+
+
+def context_method(batch: int, tokens: int, ways: int, heads: int, kv_heads: int, head_dim: int,
+           itemsize: int, hardware: Hardware | None = None) -> str:
+    """"ring" or "all_gather" for one layer's attention over ``tokens`` split ``ways``
+    ways, whichever the cost model predicts faster (ties: "all_gather").
+
+    Per device, with ``n = tokens / ways`` local queries, ``F(q, k)`` the FLOPs of ``q``
+    queries over ``k`` keys (``4 q k heads head_dim`` per row: scores and values) and
+    ``X`` the transfer of one device's keys and values (``2 n kv_heads head_dim``
+    elements per row) over the link inside a host, latency included:
+
+    * all-gather: ``F(n, tokens) / rate + (1 - overlap) (ways - 1) X``: every block
+      computed; the gather is one collective that the scheduler may start during the
+      layer before (the hardware's ``overlap``: 1 on GPU and TPU, 0 on XLA:CPU);
+    * ring: ``F(n, n) / rate + (ways - 1) max(F(n, n / 2) / rate, X)``: the diagonal
+      block, then steps of half a block each, every step waiting for its transfer.
+
+    So the ring wins where each step's half block outlasts its transfer (long
+    sequences), the gather where the transfers would be exposed (short local chunks).
+    """
+    hw = hardware or for_backend()
+    n = tokens // ways
+    flops = lambda q, k: 4.0 * batch * q * k * heads * head_dim  # noqa: E731
+    transfer = 2.0 * batch * n * kv_heads * head_dim * itemsize / hw.intra.bandwidth \
+        + hw.intra.latency
+    gather = flops(n, tokens) / hw.matmul_flops + (1 - hw.overlap) * (ways - 1) * transfer
+    ring = flops(n, n) / hw.matmul_flops \
+        + (ways - 1) * max(flops(n, n / 2) / hw.matmul_flops, transfer)
+    return "ring" if ring < gather else "all_gather"
