@@ -279,6 +279,74 @@ def test_the_memory_plan_is_checked_against_the_compiled_step():
     assert "XLA's compiled step on cpu: peak" in trainer.plan(memory=True)
 
 
+def test_one_memory_count_for_the_trainer_the_planner_and_redray_plan():
+    """Six plans (data; FSDP x model; experts; stages by GPipe and by 1F1B; context):
+    ``Trainer.memory()`` (the built model and loss, its state's own arrays), the
+    planner's score of the same plan (the facts it ranks a Trainer's plans on) and
+    ``redray plan`` (the config alone) report the same parts, byte for byte: one count
+    (``redray.planning.memory.step_parts``) behind all three."""
+    import jax
+    import numpy as np
+    import optax
+    import transformers
+
+    import redray
+    from redray.engine.facts import RuntimeFacts
+    from redray.engine.loop import tokens_per_example
+    from redray.engine.runtime import ModelRuntime
+    from redray.models import build, next_token_loss
+    from redray.planning.hardware import preset
+    from redray.planning.planner import Candidate, score
+    from redray.sharding.parallelism import AXES
+
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 simulated devices")
+    small = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    llama = transformers.LlamaConfig(**small, intermediate_size=128, tie_word_embeddings=False)
+    mixtral = transformers.MixtralConfig(**small, intermediate_size=32, num_local_experts=4,
+                                         num_experts_per_tok=2)
+    data = [{"ids": r} for r in np.random.default_rng(0).integers(0, 128, (8, 33), np.int32)]
+
+    def collate(examples):
+        return {"ids": np.stack([e["ids"] for e in examples])}
+
+    def loss(model, batch, rng, train):
+        return next_token_loss(model, batch["ids"], train=train)
+
+    plans = [(llama, dict(data_axis=4), "gpipe"),
+             (llama, dict(fsdp_axis=2, model_axis=2), "gpipe"),
+             (mixtral, dict(expert_axis=2, data_axis=2), "gpipe"),
+             (llama, dict(stage_axis=2, data_axis=2), "gpipe"),
+             (llama, dict(stage_axis=2, data_axis=2), "1f1b"),
+             (llama, dict(context_axis=2, data_axis=2), "gpipe")]
+    seen = set()
+    for config, axes, schedule in plans:
+        def make(rngs, config=config):
+            return build(config, rngs=rngs)
+
+        trainer = redray.Trainer(make, collate, loss, optax.adamw(1e-3), batch_size=8,
+                                 micro_batch_size=1, pipeline_schedule=schedule,
+                                 progress=False, **axes)
+        trainer.init(data)
+        measured = trainer.memory()["parts"]
+        batch = collate(data)
+        facts = RuntimeFacts(ModelRuntime(make, None), loss, optax.adamw(1e-3), batch, None,
+                             tokens_per_example(batch))
+        sizes = tuple((a.keyword, axes.get(a.keyword, 1)) for a in AXES)
+        planned = score(facts, Candidate(sizes, 1, "none", schedule), 8, 1, preset("cpu"),
+                        budget=1e12).memory["parts"]
+        step = StepShape(batch_size=8, seq_len=32, pipeline_schedule=schedule,
+                         micro_batch_size=trainer.parallelism.data_parallel)
+        from_config = plan_model(config, 4, step=step, **axes)["memory"]["parts"]
+        assert measured == planned == from_config, (axes, schedule, measured, planned,
+                                                    from_config)
+        seen |= {name for name, n in measured.items() if n}
+    # each plan's own parts were counted, not left out alike by all three
+    assert {"fsdp_gathered", "expert_exchange", "pipeline_buffers", "pipeline_gradients",
+            "activations", "optimizer"} <= seen
+
+
 def test_the_planner_ranks_plans_when_no_axis_is_given(capsys):
     from redray.cli import main
 

@@ -426,7 +426,7 @@ def test_a_plan_for_fused_attention_counts_no_attention_scores():
     planned for this CPU (XLA's attention at this length) they hold each layer's."""
     import dataclasses
 
-    from redray.planning.memory import activation_bytes
+    from redray.planning.memory import config_activation_bytes
 
     seq, heads = 512, 4
     gpu = ConfigFacts(LlamaConfig(**TINY), seq, fused_attention=preset("h100").fused_attention)
@@ -435,7 +435,7 @@ def test_a_plan_for_fused_attention_counts_no_attention_scores():
 
     def saved(facts):
         step = dataclasses.replace(facts.step, batch_size=1, remat="none")
-        return activation_bytes(facts.fam, facts.config, step, 1, 1, set(), None, 1,
+        return config_activation_bytes(facts.fam, facts.config, step, 1, 1, set(), None, 1,
                                 facts.fused_attention)["saved"]
 
     scores = TINY["num_hidden_layers"] * heads * seq * seq * 4  # float32, every layer

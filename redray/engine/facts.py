@@ -12,7 +12,7 @@ its own remat: the planner chooses the axis sizes and the micro-batch.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import math
 import re
 from typing import Callable
@@ -20,13 +20,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from redray.engine.program import activation_bytes
 from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.engine.steps import model_loss
-from redray.planning.memory import (GATHERED_LAYERS, expert_exchange_bytes, layer_gather_bytes,
-                                    totals)
-from redray.sharding import CONTEXT, EXPERT, FSDP, MODEL, Parallelism, flatten
-from redray.sharding.activations import BlocksCut, cut_at_blocks, unrolled_loops
+from redray.planning.memory import (hidden_width, saved_residuals, split_residual_bytes,
+                                    split_sizes, step_parts, totals)
+from redray.sharding import CONTEXT, MODEL, Parallelism, flatten
+from redray.sharding.activations import (BlocksCut, blockwise_attention, cut_at_blocks,
+                                         unrolled_loops)
 from redray.sharding.specs import trace_tree
 
 
@@ -61,15 +61,22 @@ class RuntimeFacts:
                                  batch)[0]
 
         self.trace = trace_tree(params, forward, (self.batch,))
-        self.trace_examples = 1
+        self.hidden = hidden_width(self.shapes, self.trace.scanned if self.trace else {})
         self.tokens_per_example = tokens_per_example or 1
+        # what the layers compute on (a next-token loss feeds the model one id fewer
+        # than the batch holds): a pipeline's buffers and the expert exchange hold these
+        self.sequence = _sequence(self.trace, self.tokens_per_example)
+        self.trace_examples = 1
         cd = runtime.compute_dtype
         self.compute_itemsize = jnp.dtype(cd).itemsize if cd is not None else 4
-        opt = jax.eval_shape(optimizer.init, params)
+        opt = jax.tree.leaves(jax.eval_shape(optimizer.init, params))
         trained = sum(_nbytes(s, d) for s, d, t in zip(self.shapes, self.dtypes, self.trained)
                       if t)
-        self.optimizer_ratio = sum(_nbytes(x.shape, x.dtype)
-                                   for x in jax.tree.leaves(opt)) / max(trained, 1)
+        # the state that follows the trained parameters' specs (Adam's moments: 2 x
+        # their bytes), and the scalars every device holds whole (a step count)
+        self.optimizer_scalars = sum(_nbytes(x.shape, x.dtype) for x in opt if not x.shape)
+        self.optimizer_ratio = sum(_nbytes(x.shape, x.dtype) for x in opt
+                                   if x.shape) / max(trained, 1)
         self.sample, self.optimizer = sample, optimizer
         self._flops: float | None = None
         self._residuals: dict = {}  # with a context axis or not -> rows -> trace
@@ -88,9 +95,7 @@ class RuntimeFacts:
     def unplanned_loss(self) -> Callable:
         """``loss(params, extra, batch, rng)``: the user's loss of the model as on one
         device (no plan: no activation constraints), what the planner times."""
-        unplanned = copy.copy(self.runtime)
-        unplanned.parallelism = unplanned.mesh = None
-        loss_of = model_loss(unplanned.apply, self.loss)
+        loss_of = model_loss(self.runtime.unplanned().apply, self.loss)
         return lambda params, extra, batch, rng: loss_of(params, None, extra, batch, rng)[0]
 
     def flops(self, remat: str) -> float:
@@ -107,7 +112,10 @@ class RuntimeFacts:
             self._flops = float(lowered.cost_analysis()["flops"])
         return self._flops
 
-    def memory(self, parallelism: Parallelism, rows, per_device_batch: int, remat: str) -> dict:
+    def memory(self, parallelism: Parallelism, rows, per_device_batch: int, remat: str,
+               accumulation: int = 1, schedule: str = "gpipe", repeats: int = 1) -> dict:
+        """What a step holds per device on ``parallelism`` (``rows``: the parameters'
+        placement there), by part (``redray.planning.memory.step_parts``)."""
         cd = self.runtime.compute_dtype
         params = sum(r.bytes_per_device for r in rows)
         trained = sum(r.bytes_per_device for r, t in zip(rows, self.trained) if t)
@@ -116,24 +124,20 @@ class RuntimeFacts:
             copies = sum(r.bytes_per_device // jnp.dtype(r.dtype).itemsize * jnp.dtype(cd).itemsize
                          for r in rows if jnp.issubdtype(r.dtype, jnp.floating)
                          and jnp.dtype(r.dtype) != jnp.dtype(cd))
-        gathered, fsdp = 0, parallelism.size(FSDP)
-        if fsdp > 1:
-            item = self.compute_itemsize
-            gathered = GATHERED_LAYERS * layer_gather_bytes(rows, fsdp) * item // 4
         params_abs, extra = self.runtime.abstract
         ways = parallelism.size(CONTEXT)
-        acts = activation_bytes(self.runtime, self.loss, params_abs, None, extra, self.batch,
+        acts = loss_activation_bytes(self.runtime, self.loss, params_abs, None, extra, self.batch,
                                 per_device_batch, rows, parallelism.size(MODEL),
                                 self._residuals.setdefault(ways > 1, {}), ways)
-        parts = {"parameters": params, "optimizer": int(self.optimizer_ratio * trained),
-                 "gradients": trained, "compute_copies": copies, "fsdp_gathered": gathered,
-                 "activations": acts}
-        if parallelism.size(EXPERT) > 1:  # the user's model keeps its own remat: none
-            parts["expert_exchange"] = expert_exchange_bytes(
-                self.experts, parallelism.shape,
-                per_device_batch * -(-self.tokens_per_example // ways),
-                self.compute_itemsize)
-        return totals(parts, None)
+        held = {"parameters": params,
+                "optimizer": int(self.optimizer_ratio * trained) + self.optimizer_scalars,
+                "gradients": trained, "compute_copies": copies}
+        # the user's model keeps its own remat: every expert layer keeps its exchange
+        return totals(step_parts(held, rows, parallelism, per_device_batch, accumulation,
+                                 self.compute_itemsize, acts, experts=self.experts,
+                                 tokens=-(-self.sequence // ways),
+                                 hidden=self.hidden, schedule=schedule, repeats=repeats),
+                      None)
 
 
 def cuts_at_one_stack(runtime: ModelRuntime, loss: Callable, params, extra, batch) -> bool:
@@ -184,3 +188,75 @@ def _nbytes(shape, dtype) -> int:
 
 def _value(out):
     return out[0] if isinstance(out, tuple) else out
+
+
+def loss_activation_bytes(runtime: ModelRuntime, loss: Callable, params, frozen, extra,
+                     batch: dict, rows_per_device: int, placement_rows, model_axis: int,
+                     residuals: dict | None = None, context: int = 1) -> int:
+    """Residual bytes per device of ``loss``'s backward pass on ``rows_per_device``
+    examples (see ``redray.planning.memory``), under the split ``placement_rows`` show.
+
+    Args:
+      runtime: the model on its plan (its compute dtype, its ``apply``).
+      loss: the user's loss.
+      params, frozen, extra: the state's parts (arrays or abstract).
+      batch: a batch's arrays or ShapeDtypeStructs (any rows: only the rest is read).
+      rows_per_device: the examples one device computes at once.
+      placement_rows: the parameters' ``Placement`` rows on the plan.
+      model_axis: the plan's model axis size.
+      residuals: a dict kept between calls (the planner's): the traces are reused and
+        rows beyond 2 extrapolated from 1 and 2 (the count is linear in the rows).
+      context: the plan's context axis size (residuals holding a sequence length count
+        1/context).
+    """
+    cd = runtime.compute_dtype
+
+    def abstract(x):
+        dtype = cd if cd is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+        return jax.ShapeDtypeStruct(x.shape, dtype)
+
+    params, frozen = (jax.tree.map(abstract, t) for t in (params, frozen))
+    extra = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), extra)
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    loss_of = model_loss(runtime.apply, loss)
+
+    def value(params, frozen, extra, batch, rng):
+        return loss_of(params, frozen, extra, batch, rng)[0]
+
+    def traced(rows: int) -> list:
+        if residuals is not None and rows in residuals:
+            return residuals[rows]
+        # on a context axis redray's attention is blockwise (the ring's): what it saves
+        with blockwise_attention() if context > 1 else contextlib.nullcontext():
+            found = saved_residuals(value, params, frozen, extra,
+                                    {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype)
+                                     for k, v in batch.items()}, rng)
+        if residuals is not None:
+            residuals[rows] = found
+        return found
+
+    lengths = frozenset(d + k for v in batch.values() for d in v.shape[1:] for k in (-1, 0))
+    split = split_sizes(placement_rows)
+
+    def at(rows: int) -> int:
+        return split_residual_bytes(traced(rows), traced(1), split, model_axis, lengths,
+                                    context)
+
+    if residuals is None or rows_per_device <= 2:
+        return at(rows_per_device)
+    one, two = at(1), at(2)
+    return one + (rows_per_device - 1) * (two - one)
+
+
+def _sequence(trace, tokens_per_example: int) -> int:
+    """Tokens per example the model's layers compute on: the positions its stacked
+    layers' matmuls run for on one example (the most common; every matmul's where no
+    layer is stacked), else ``tokens_per_example``."""
+    from collections import Counter
+
+    if trace is None:
+        return tokens_per_example
+    runs = [(p, use) for p, use in trace.runs() if use.kind == "dot" and use.rows > 0]
+    stacked = [use.rows for p, use in runs if trace.scanned.get(p)]
+    rows = Counter(stacked or [use.rows for _, use in runs])
+    return rows.most_common(1)[0][0] if rows else tokens_per_example

@@ -133,7 +133,9 @@ def tokens_per_example(batch: dict) -> int:
     """Tokens in one example: the width of the batch's first 2-D integer array (e.g.
     ``input_ids``), or 0 when the batch has no tokens."""
     for key in sorted(batch):
-        value = np.asarray(batch[key])
-        if value.ndim == 2 and np.issubdtype(value.dtype, np.integer):
+        value = batch[key]
+        if not hasattr(value, "shape"):  # a list: its array (an abstract one is read as is)
+            value = np.asarray(value)
+        if len(value.shape) == 2 and np.issubdtype(value.dtype, np.integer):
             return int(value.shape[1])
     return 0

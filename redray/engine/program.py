@@ -9,7 +9,6 @@ checkpoint folders.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import warnings
@@ -27,10 +26,8 @@ from redray.engine.staged import one_f_one_b_gradients
 from redray.engine.steps import (eval_step, microbatched, model_gradients, model_loss,
                                  train_step, user_loss_fn)
 from redray.functions import UserFunctionError, UserFunctions, split_loss_output
-from redray.sharding import CONTEXT, FSDP, MODEL, STAGE, BatchGeometry, placement
-from redray.sharding.activations import blockwise_attention
-from redray.planning.memory import (GATHERED_LAYERS, compiled_memory, layer_gather_bytes,
-                                    saved_residuals, split_residual_bytes, split_sizes, totals)
+from redray.sharding import MODEL, STAGE, BatchGeometry, placement
+from redray.planning.memory import compiled_memory, totals
 
 
 @dataclasses.dataclass
@@ -180,8 +177,10 @@ class TrainProgram:
         """The training step as XLA compiled it for this plan and batch."""
         return self.train_step().lower(state, self.global_batch).compile()
 
-    def memory(self, state: TrainState, device_gib: float | None = None) -> dict:
-        """What one training step holds per device, by part (``Trainer.memory``)."""
+    def memory(self, state: TrainState, facts, device_gib: float | None = None) -> dict:
+        """What one training step holds per device, by part (``Trainer.memory``): the
+        planner's count (``facts.memory``, ``facts`` the model's ``RuntimeFacts``) on
+        this plan and geometry, with the state's parts as its arrays hold them."""
         cd, plan = self.runtime.compute_dtype, self.runtime.parallelism
 
         def per_device(tree):
@@ -196,88 +195,19 @@ class TrainProgram:
                          for x in jax.tree.leaves((state.params, state.frozen))
                          if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(cd))
         rows = placement(self.runtime.abstract[0], self.runtime.specs[0], plan.mesh)
-        fsdp = plan.size(FSDP)
-        gathered = 0
-        if fsdp > 1:
-            item = jnp.dtype(cd).itemsize if cd is not None else 4
-            gathered = GATHERED_LAYERS * layer_gather_bytes(rows, fsdp) * item // 4
-        parts = {"parameters": params + frozen, "optimizer": per_device(state.opt_state),
-                 "gradients": params, "compute_copies": copies, "fsdp_gathered": gathered,
-                 "activations": self._activation_bytes(state, rows)}
-        out = totals(parts, device_gib)
+        geometry = self.geometry
+        counted = facts.memory(plan, rows, geometry.micro_batch_size, "none",
+                               geometry.accumulation, self.runtime.schedule,
+                               self.runtime.stage_repeats)["parts"]
+        held = {"parameters": params + frozen, "optimizer": per_device(state.opt_state),
+                "gradients": params, "compute_copies": copies}
+        out = totals({**counted, **held}, device_gib)
         compiled = compiled_memory(self.compiled(state).memory_analysis())
         out["compiled"] = {**compiled, "platform": plan.mesh.devices.flat[0].platform}
-        out["per_device_batch"] = self.geometry.micro_batch_size
+        out["per_device_batch"] = geometry.micro_batch_size
         if device_gib is not None:
             out["fits"] = max(out["total"], compiled["peak"]) <= out["device_bytes"]
         return out
-
-    def _activation_bytes(self, state: TrainState, rows) -> int:
-        """Residual bytes per device of the loss's backward pass on one device's micro
-        batch (see ``redray.planning.memory``)."""
-        return activation_bytes(self.runtime, self.functions.loss, state.params, state.frozen,
-                                state.extra, self.global_batch,
-                                self.geometry.micro_batch_size, rows,
-                                self.runtime.parallelism.size(MODEL),
-                                context=self.runtime.parallelism.size(CONTEXT))
-
-
-def activation_bytes(runtime: ModelRuntime, loss: Callable, params, frozen, extra,
-                     batch: dict, rows_per_device: int, placement_rows, model_axis: int,
-                     residuals: dict | None = None, context: int = 1) -> int:
-    """Residual bytes per device of ``loss``'s backward pass on ``rows_per_device``
-    examples (see ``redray.planning.memory``), under the split ``placement_rows`` show.
-
-    Args:
-      runtime: the model on its plan (its compute dtype, its ``apply``).
-      loss: the user's loss.
-      params, frozen, extra: the state's parts (arrays or abstract).
-      batch: a batch's arrays or ShapeDtypeStructs (any rows: only the rest is read).
-      rows_per_device: the examples one device computes at once.
-      placement_rows: the parameters' ``Placement`` rows on the plan.
-      model_axis: the plan's model axis size.
-      residuals: a dict kept between calls (the planner's): the traces are reused and
-        rows beyond 2 extrapolated from 1 and 2 (the count is linear in the rows).
-      context: the plan's context axis size (residuals holding a sequence length count
-        1/context).
-    """
-    cd = runtime.compute_dtype
-
-    def abstract(x):
-        dtype = cd if cd is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-        return jax.ShapeDtypeStruct(x.shape, dtype)
-
-    params, frozen = (jax.tree.map(abstract, t) for t in (params, frozen))
-    extra = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), extra)
-    rng = jax.eval_shape(lambda: jax.random.key(0))
-    loss_of = model_loss(runtime.apply, loss)
-
-    def value(params, frozen, extra, batch, rng):
-        return loss_of(params, frozen, extra, batch, rng)[0]
-
-    def traced(rows: int) -> list:
-        if residuals is not None and rows in residuals:
-            return residuals[rows]
-        # on a context axis redray's attention is blockwise (the ring's): what it saves
-        with blockwise_attention() if context > 1 else contextlib.nullcontext():
-            found = saved_residuals(value, params, frozen, extra,
-                                    {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype)
-                                     for k, v in batch.items()}, rng)
-        if residuals is not None:
-            residuals[rows] = found
-        return found
-
-    lengths = frozenset(d + k for v in batch.values() for d in v.shape[1:] for k in (-1, 0))
-    split = split_sizes(placement_rows)
-
-    def at(rows: int) -> int:
-        return split_residual_bytes(traced(rows), traced(1), split, model_axis, lengths,
-                                    context)
-
-    if residuals is None or rows_per_device <= 2:
-        return at(rows_per_device)
-    one, two = at(1), at(2)
-    return one + (rows_per_device - 1) * (two - one)
 
 
 def check_loss(runtime: ModelRuntime, loss: Callable, abstract: dict) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable
 
@@ -79,6 +80,14 @@ class ModelRuntime:
                         self.stage_repeats, self._context_method()), parameter_specs(specs):
             out = fn(model, *args)
         return out, self.adapter.extra_of(model, extra)
+
+    def unplanned(self) -> "ModelRuntime":
+        """This model without its plan: its layers run as on one device (what the
+        planner traces and times)."""
+        other = copy.copy(self)
+        other.parallelism = other.mesh = other.micro_rows = None
+        other.stage_repeats = 1
+        return other
 
     def _context_method(self):
         if self.context_method is None:

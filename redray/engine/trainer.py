@@ -409,16 +409,23 @@ class Trainer:
 
         ``parts``: parameters, optimizer state, gradients (one per trained parameter,
         sharded like it), compute-dtype copies, FSDP gather buffers (the largest
-        layer, twice) and activations: the residuals JAX saves for the backward pass of
+        layer, twice), activations: the residuals JAX saves for the backward pass of
         your loss on one device's micro-batch (traced, under the model's own remat),
-        1/model for those split over ``model``. ``total`` is their sum; ``compiled``:
+        1/model for those split over ``model``, and where the plan has them, the expert
+        exchange and the pipeline's parts: the planner's count, part for part
+        (``redray.planning.memory.step_parts``). ``total`` is their sum; ``compiled``:
         XLA's own figures for the compiled step on this backend (``arguments``,
         ``temporaries``, ``outputs``, ``aliased``, ``peak`` = arguments + temporaries +
         outputs - aliased), which also hold XLA's fusion outputs and collectives'
         buffers. With ``device_gib``: ``fits`` (the larger of total and peak).
         """
         self._require_init("memory")
-        return self.program.memory(self.state, device_gib)
+        from redray.engine.facts import RuntimeFacts
+
+        batch = self.program.global_batch
+        facts = RuntimeFacts(self.runtime.unplanned(), self.functions.loss, self.optimizer,
+                             batch, self.trainable, tokens_per_example(batch))
+        return self.program.memory(self.state, facts, device_gib)
 
     def describe(self) -> dict:
         """The run's shape: hosts, devices, mesh, parameter count, bytes per device,

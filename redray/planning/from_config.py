@@ -457,12 +457,15 @@ class ConfigFacts:
                                         self.step.compute_dtype, self.step.loss_chunk)
         return self._flops * REMAT_FLOPS[remat]
 
-    def memory(self, parallelism: Parallelism, rows, per_device_batch: int, remat: str) -> dict:
-        step = dataclasses.replace(self.step, batch_size=per_device_batch
-                                   * parallelism.data_parallel, remat=remat)
+    def memory(self, parallelism: Parallelism, rows, per_device_batch: int, remat: str,
+               accumulation: int = 1, schedule: str = "gpipe") -> dict:
+        rows_per_pass = per_device_batch * parallelism.data_parallel
+        step = dataclasses.replace(self.step, batch_size=rows_per_pass * accumulation,
+                                   micro_batch_size=rows_per_pass, remat=remat,
+                                   pipeline_schedule=schedule)
         params = sum(r.bytes_per_device for r in rows)
         return memory_plan(self.fam, self.config, rows, 2 * params, parallelism, step,
-                           traces=self._traces, experts=self.experts, pipeline=False,
+                           traces=self._traces, experts=self.experts,
                            blockwise=self.fused_attention)
 
 

@@ -160,6 +160,58 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
     return out
 
 
+def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
+               accumulation: int, compute_itemsize: int, activations: int,
+               recompute: int = 0, experts: Sequence[ExpertLayers] = (), tokens: int = 1,
+               every_layer: bool = True, hidden: int = 0, schedule: str = "gpipe",
+               repeats: int = 1) -> dict:
+    """What one training step holds per device, by part: the one count behind
+    ``Trainer.memory()``, the planner (``facts.memory``) and ``redray plan``
+    (``memory_plan``), each giving it what it knows of the state and the activations.
+
+    Args:
+      state: bytes per device of the state's parts: ``parameters`` (trained and
+        frozen), ``optimizer``, ``gradients`` (one per trained parameter) and
+        ``compute_copies`` (the parameters cast to the compute dtype).
+      rows: the parameters' ``Placement`` rows on the plan (FSDP's gathered layers).
+      parallelism: the plan (built or abstract).
+      per_device: examples one device computes in one pass (a micro-batch).
+      accumulation: micro-batches per step (a pipeline's, on a stage axis).
+      compute_itemsize: bytes per activation element.
+      activations, recompute: what the backward pass of one micro-batch keeps (traced),
+        and the buffer a remat policy's recomputation holds.
+      experts: the model's ``ExpertLayers``; their exchange on an expert axis.
+      tokens: tokens per example one device computes (its share of a sequence split
+        over a context axis).
+      every_layer: every expert layer keeps its exchange (False: remat keeps one's).
+      hidden: the width of the hidden states between layers (a pipeline's buffers).
+      schedule, repeats: the pipeline's schedule ("gpipe" or "1f1b") and circular
+        repeats, on a stage axis (``pipelined_parts``).
+    """
+    parts = dict(state)
+    fsdp = parallelism.size(FSDP)
+    parts["fsdp_gathered"] = GATHERED_LAYERS * layer_gather_bytes(rows, fsdp) \
+        * compute_itemsize // 4 if fsdp > 1 else 0
+    parts["activations"] = activations
+    parts["recompute"] = recompute
+    if parallelism.size(EXPERT) > 1:
+        parts["expert_exchange"] = expert_exchange_bytes(
+            experts, parallelism.shape, per_device * tokens, compute_itemsize, every_layer)
+    return pipelined_parts(parts, parallelism.size(STAGE), accumulation,
+                           per_device * tokens * hidden * compute_itemsize, repeats, schedule)
+
+
+def hidden_width(shapes: Sequence[tuple], scanned: dict | None = None) -> int:
+    """The width of the hidden states between layers, from the parameters' ``shapes``:
+    a stacked layer's input norm's (``scanned``: the stacked parameters' indices, from
+    the model's dataflow), else the smallest dimension of the largest matrix."""
+    norms = [shapes[i][-1] for i, d in (scanned or {}).items() if len(shapes[i]) == 2]
+    if norms:
+        return min(norms)
+    largest = max((s for s in shapes if len(s) >= 2), key=math.prod, default=(1,))
+    return min(largest)
+
+
 def totals(parts: dict, device_gib: float | None) -> dict:
     """``parts``, their ``total`` and, with ``device_gib``, ``device_bytes`` and ``fits``."""
     out = {"parts": {k: int(v) for k, v in parts.items()}, "total": int(sum(parts.values()))}
@@ -419,7 +471,7 @@ def _with_layers(config, fields, counts):
     return config
 
 
-def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_axis: int,
+def config_activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_axis: int,
                      split_sizes: set[int], traces: dict | None = None,
                      context: int = 1, blockwise: bool = False) -> dict:
     """{"saved": residual bytes per device for the whole model, "recompute": one
@@ -483,13 +535,11 @@ def activation_bytes(fam, config, step: StepShape, per_device_batch: int, model_
 
 def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelism,
                 step: StepShape, device_gib: float | None = None,
-                traces: dict | None = None, experts=(), pipeline: bool = True,
-                blockwise: bool = False) -> dict:
+                traces: dict | None = None, experts=(), blockwise: bool = False) -> dict:
     """Bytes per device of one training step of ``config``'s model on ``parallelism``
     (built, or abstract) (see the module); ``experts``: its mixture-of-experts layers
-    (``redray.models.moe.ExpertLayers``), whose exchange an expert axis adds;
-    ``pipeline``: on a stage axis, count what the pipeline's micro-batches hold
-    (``pipelined_parts``; False: one micro-batch's, the planner adds the rest).
+    (``redray.models.moe.ExpertLayers``), whose exchange an expert axis adds; on a
+    stage axis, what the pipeline's micro-batches hold (``pipelined_parts``).
     ``blockwise``: count attention as a fused kernel keeps it (planned for a GPU or TPU
     from another machine): the blockwise kernel's residuals.
 
@@ -503,32 +553,20 @@ def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
     per_device = geometry.micro_batch_size
     params = sum(r.bytes_per_device for r in param_rows)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model", 0)
-    acts = activation_bytes(fam, config, step, per_device, parallelism.size(MODEL),
+    acts = config_activation_bytes(fam, config, step, per_device, parallelism.size(MODEL),
                             split_sizes(param_rows, hidden), traces, parallelism.size(CONTEXT),
                             blockwise)
     copies = 0
     item = jnp.dtype(step.compute_dtype).itemsize if step.compute_dtype else 4
     if step.compute_dtype and jnp.dtype(step.compute_dtype) != jnp.float32:
         copies = params * item // 4
-    gathered, fsdp = 0, parallelism.size(FSDP)
-    if fsdp > 1:
-        gathered = GATHERED_LAYERS * layer_gather_bytes(param_rows, fsdp) * item // 4
-    parts = {"parameters": params, "optimizer": opt_bytes, "gradients": params,
-             "compute_copies": copies, "fsdp_gathered": gathered,
-             "activations": acts["saved"], "recompute": acts["recompute"]}
-    if parallelism.size(EXPERT) > 1:
-        parts["expert_exchange"] = expert_exchange_bytes(
-            experts, parallelism.shape,
-            per_device * -(-step.seq_len // parallelism.size(CONTEXT)), item,
-            every_layer=step.remat in ("none", "dots"))
-    if pipeline:
-        parts = pipelined_parts(parts, parallelism.size(STAGE), geometry.accumulation,
-                                per_device * step.seq_len * hidden * item, step.stage_repeats,
-                                step.pipeline_schedule)
+    state = {"parameters": params, "optimizer": opt_bytes, "gradients": params,
+             "compute_copies": copies}
+    parts = step_parts(state, param_rows, parallelism, per_device, geometry.accumulation,
+                       item, acts["saved"], acts["recompute"], experts,
+                       -(-step.seq_len // parallelism.size(CONTEXT)),
+                       step.remat in ("none", "dots"), hidden, step.pipeline_schedule,
+                       step.stage_repeats)
     return {**totals(parts, device_gib), "per_device_batch": per_device,
             "activations_per_layer": acts["per_layer"], "offloaded_to_host": acts["host"],
             "step": dataclasses.asdict(step)}
-
-
-
-

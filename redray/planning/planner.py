@@ -22,7 +22,7 @@ from redray.planning.cost import (ModelTiming, Parameter, StepCost, context_traf
                                   tensor_traffic, whole_flops)
 from redray.sharding.dataflow import Trace
 from redray.planning.hardware import Hardware
-from redray.planning.memory import pipelined_parts, size_text, totals
+from redray.planning.memory import hidden_width, size_text
 from redray.sharding.parallelism import (AXES, CONTEXT, EXPERT, INSIDE, MODEL, STAGE, Parallelism,
                                          axis_defaults, describe_shape, hybrid_shapes)
 from redray.sharding.placement import Placement, placement
@@ -59,8 +59,10 @@ class ModelFacts(Protocol):
     # tries where no plan fits whole sequences
 
     def memory(self, parallelism: Parallelism, rows: list[Placement], per_device_batch: int,
-               remat: str) -> dict:
-        """What a step holds per device (``parts``, ``total``)."""
+               remat: str, accumulation: int, schedule: str) -> dict:
+        """What a step holds per device (``parts``, ``total``): ``accumulation``
+        micro-batches of ``per_device_batch`` examples a device, the pipeline's
+        ``schedule`` on a stage axis (``redray.planning.memory.step_parts``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,15 +311,11 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     # with stages the micro-batches are the pipeline's: M + S - 1 ticks, each running
     # a stage's share of the layers
     ticks = micro_batches + stages - 1 if stages > 1 else micro_batches
-    memory = facts.memory(plan, rows, candidate.micro_batch_size, candidate.remat)
-    hidden = _hidden(facts)
-    slot = candidate.micro_batch_size * facts.tokens_per_example * hidden \
-        * facts.compute_itemsize
-    one_f_one_b = stages > 1 and candidate.schedule == "1f1b"
-    if stages > 1:
-        memory = totals(pipelined_parts(memory["parts"], stages, micro_batches, slot,
-                                        order=candidate.schedule), None)
+    memory = facts.memory(plan, rows, candidate.micro_batch_size, candidate.remat,
+                          micro_batches, candidate.schedule)
     scanned = facts.trace.scanned if facts.trace is not None else {}
+    hidden = hidden_width(facts.shapes, scanned)
+    one_f_one_b = stages > 1 and candidate.schedule == "1f1b"
     params = [Parameter(tuple(s), _itemsize(d), tuple(spec), stacked=bool(scanned.get(i)))
               for i, (s, d, spec) in enumerate(zip(facts.shapes, facts.dtypes, specs))]
     recompute = candidate.remat != "none" or one_f_one_b
@@ -434,17 +432,6 @@ def layer_share(facts: ModelFacts) -> float:
     others = [math.prod(s) for i, s in enumerate(facts.shapes) if i not in scanned and len(s) >= 2]
     head = max(others, default=0)
     return stacked / (stacked + head) if stacked else 0.0
-
-
-def _hidden(facts: ModelFacts) -> int:
-    """The width of the hidden states between layers (a stacked layer's input norm's,
-    else the smallest dimension of the largest matrix)."""
-    scanned = facts.trace.scanned if facts.trace is not None else {}
-    norms = [facts.shapes[i][-1] for i, d in scanned.items() if len(facts.shapes[i]) == 2]
-    if norms:
-        return min(norms)
-    largest = max((s for s in facts.shapes if len(s) >= 2), key=math.prod, default=(1,))
-    return min(largest)
 
 
 def pins(**given) -> dict:
