@@ -10,7 +10,7 @@ analysis and its collectives list count a loop's body once, whatever its trip co
 FLOPs: the pipelined step on 4 stages (4 simulated devices) over M micro-batches of one
 example, once round the stages (GPipe) and twice (circular repeats, 8 chunks of one
 layer), against the same step on 1 device without stages; the schedule's formula
-(``redray.models.pipeline.flops_ratio``) is ``share (P R + S - 1) / (M R S) + (1 -
+(``redray.models.staged_layers.flops_ratio``) is ``share (P R + S - 1) / (M R S) + (1 -
 share) / S`` (``P``: M rounded up to a multiple of S with repeats, else M), with
 ``share`` the stacked layers' part of the unpipelined FLOPs (read from the compiled
 steps at L and L/2 layers).
@@ -93,7 +93,7 @@ def compiled_step(cfg, plan, rows: int, seq: int, micro_rows=None, repeats: int 
 
 
 def flops_figures(s: dict, stages: int, micros, repeats=(1, 2)) -> list[dict]:
-    from redray.models.pipeline import flops_ratio
+    from redray.models.staged_layers import flops_ratio
     from redray.sharding import Parallelism
 
     one = Parallelism.of(data_axis=1).build(jax.devices()[:1])
@@ -209,7 +209,7 @@ def memory_figures(s: dict, stages: int, micros) -> list[dict]:
     import redray
     from redray.models import build
     from redray.sharding import Parallelism
-    from redray.sharding.stages import one_f_one_b_schedule
+    from redray.sharding.pipeline_schedules import one_f_one_b_schedule
 
     plan = Parallelism.of(stage_axis=stages, data_axis=1).build(jax.devices()[:stages])
     rng = np.random.default_rng(0)

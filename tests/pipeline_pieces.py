@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 from redray.models import build, layers
-from redray.sharding.stages import one_f_one_b
+from redray.sharding.pipeline_schedules import one_f_one_b
 
 
 @dataclasses.dataclass

@@ -1,5 +1,5 @@
 """Pipeline parallelism: the stage axis, its pass, the GPipe schedule
-(``redray/models/pipeline.py``) equal to the unpipelined step, and the Trainer on it."""
+(``redray/models/staged_layers.py``) equal to the unpipelined step, and the Trainer on it."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from flax import nnx
 import redray
 from redray.engine.runtime import ModelRuntime
 from redray.models import build
-from redray.models.pipeline import flops_ratio
-from redray.sharding.stages import merge_micro, split_micro
+from redray.models.staged_layers import flops_ratio
+from redray.sharding.pipeline_schedules import merge_micro, split_micro
 from redray.sharding import STAGE, Parallelism
 from redray.sharding.parallelism import (default_micro_batches, hybrid_shapes, layer_order,
-                                         reorder, schedule)
+                                         reorder, pipeline_ticks)
 from tiny import assert_trains_as_one_device
 
 TINY = dict(vocab_size=64, num_hidden_layers=4)
@@ -116,7 +116,7 @@ def test_the_schedule_formula():
     # circular: 8 x 2 items of a quarter-stage's work, 3 ticks of bubble
     assert flops_ratio(4, 8, 1.0, repeats=2) == pytest.approx(19 / 64)
     # 6 micro-batches go round in 2 groups of 4: 2 of the 8 slots are bubbles
-    assert schedule(4, 6, 2) == (8, 19) and schedule(4, 6, 1) == (6, 9)
+    assert pipeline_ticks(4, 6, 2) == (8, 19) and pipeline_ticks(4, 6, 1) == (6, 9)
 
 
 def test_circular_repeats_hold_each_stage_s_chunks_in_its_block():
@@ -252,17 +252,17 @@ def test_the_planner_weighs_1f1b_beside_gpipe_and_takes_it_where_gpipe_does_not_
     small = dataclasses.replace(ethernet(PRESETS["h100"]), device_memory=30e9)
     ranking = rank(facts, 16, 2, 64, small)
     best = ranking.best
-    assert best.candidate.schedule == "1f1b" and best.candidate.shape["stage"] == 2
+    assert best.candidate.pipeline_schedule == "1f1b" and best.candidate.shape["stage"] == 2
     twin = next(s for s in ranking.over
-                if s.candidate == dataclasses.replace(best.candidate, schedule="gpipe"))
+                if s.candidate == dataclasses.replace(best.candidate, pipeline_schedule="gpipe"))
     assert twin.memory["total"] > best.memory["total"]
     assert twin.memory["parts"]["activations"] > 4 * best.memory["parts"]["activations"]
     # the recomputed forward, in the FLOPs the compute is charged for (remat none)
     every = ranking.ranked + ranking.over
-    one = next(s for s in every if s.candidate.schedule == "1f1b"
+    one = next(s for s in every if s.candidate.pipeline_schedule == "1f1b"
                and s.candidate.remat == "none" and s.candidate.shape["model"] == 1)
     gpipe = next(s for s in every if s.candidate == dataclasses.replace(
-        one.candidate, schedule="gpipe"))
+        one.candidate, pipeline_schedule="gpipe"))
     share = layer_share(facts)
     stages, micro = one.candidate.shape["stage"], one.accumulation
     ticks = (micro + stages - 1) / micro  # M + S - 1 ticks, M of them real
@@ -270,7 +270,7 @@ def test_the_planner_weighs_1f1b_beside_gpipe_and_takes_it_where_gpipe_does_not_
     assert one.cost.compute / gpipe.cost.compute == pytest.approx(expected, rel=1e-9)
     # pinned, or a model it cannot cut (an encoder-decoder): GPipe only
     pinned = rank(facts, 16, 2, 64, ethernet(PRESETS["h100"]), {"pipeline_schedule": "gpipe"})
-    assert {s.candidate.schedule for s in pinned.ranked + pinned.over} == {"gpipe"}
+    assert {s.candidate.pipeline_schedule for s in pinned.ranked + pinned.over} == {"gpipe"}
     assert not ConfigFacts("t5-11b", 512, "bfloat16", scan=True).one_f_one_b
 
 
@@ -356,7 +356,7 @@ def test_one_f_one_b_equals_the_unpipelined_gradient(family, axes, micro):
 
 
 def test_the_one_f_one_b_schedule_holds_2s_minus_1_inputs_whatever_the_micro_batches():
-    from redray.sharding.stages import one_f_one_b_schedule
+    from redray.sharding.pipeline_schedules import one_f_one_b_schedule
 
     assert one_f_one_b_schedule(4, 8) == (14, 7)
     assert one_f_one_b_schedule(4, 64) == (70, 7)
@@ -407,9 +407,9 @@ def test_1f1b_refuses_what_it_does_not_run_yet():
 def test_1f1b_with_dropout_gives_the_gradient_of_its_own_loss():
     """Dropout inside the stages: a stage's backward recomputes its forward, which must
     draw the same masks (the keys salted by the step and the micro-batch,
-    ``staged.salted``). The gradient then agrees with the loss's central difference
+    ``one_f_one_b.salted``). The gradient then agrees with the loss's central difference
     along it; another step's RNG draws other masks (another loss)."""
-    from redray.engine.staged import one_f_one_b_gradients
+    from redray.engine.one_f_one_b import one_f_one_b_gradients
 
     config = transformers.GPT2Config(vocab_size=64, n_layer=4, n_embd=32, n_head=4,
                                       n_positions=64, resid_pdrop=0.2, embd_pdrop=0.2,
@@ -423,7 +423,7 @@ def test_1f1b_with_dropout_gives_the_gradient_of_its_own_loss():
 
     runtime.derive(lambda m, ids: loss(m, ids, None, True),
                    jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
-    runtime.micro_rows, runtime.schedule = 4, "1f1b"
+    runtime.micro_rows, runtime.pipeline_schedule = 4, "1f1b"
     params, extra = runtime.init()
     gradients = jax.jit(one_f_one_b_gradients(runtime, loss))
     rng = jax.random.key(3)
@@ -452,8 +452,8 @@ def test_an_automatic_plan_takes_the_schedule_it_chose():
                              batch_size=8, progress=False, parallelism="auto", stage_axis=2,
                              pipeline_schedule="1f1b", hardware="cpu")
     history = trainer.fit(data, epochs=1, max_steps=1)
-    assert trainer.plan_ranking.best.candidate.schedule == "1f1b"
-    assert trainer.runtime.schedule == "1f1b" and np.isfinite(history[0]["loss"])
+    assert trainer.plan_ranking.best.candidate.pipeline_schedule == "1f1b"
+    assert trainer.runtime.pipeline_schedule == "1f1b" and np.isfinite(history[0]["loss"])
     assert "1f1b" in trainer.plan_ranking.why()
 
 

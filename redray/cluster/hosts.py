@@ -49,9 +49,9 @@ class Host:
         return served_at(ray.util.get_node_ip_address())
 
     def join(self, address: str, world: int, rank: int) -> None:
-        from redray.sharding.hosts import join
+        from redray.sharding.hosts import join_jax
 
-        join(address, world, rank)
+        join_jax(address, world, rank)
         self.rank = rank
 
     def run(self, job):

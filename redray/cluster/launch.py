@@ -14,7 +14,7 @@ from redray.cluster.console import DriverView, Watcher
 from redray.cluster.job import (REGROUP, TRAINED, CallCode, CallTask, FitCode, FitTask,
                                HostFailure, HostJob, Room, shown_resources)
 from redray.cluster.run_lock import RunLock
-from redray.data.ray_local import join, quiet_ray_logs, start_local
+from redray.data.ray_local import join_ray, quiet_ray_logs, start_local
 from redray.verbosity import ADVICE_ENV, VERBOSE_ENV, verbose
 
 
@@ -109,7 +109,7 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
     if address and address.startswith("ray://"):
         _connect_client(address)
     elif address:
-        join(address)
+        join_ray(address)
     else:
         start_local(num_cpus)
 
@@ -142,7 +142,7 @@ def _connect_client(address: str) -> None:
     # Ray Client's own few quick retries.
     for attempt in range(CLIENT_ATTEMPTS):
         try:
-            join(address)
+            join_ray(address)
             return
         except ConnectionError as error:
             if attempt == CLIENT_ATTEMPTS - 1:

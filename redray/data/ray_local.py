@@ -37,7 +37,7 @@ def ensure_ray() -> None:
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        join(os.environ["RAY_ADDRESS"])
+        join_ray(os.environ["RAY_ADDRESS"])
     else:
         start_local((os.cpu_count() or 1) + SPARE_CPUS)
 
@@ -81,7 +81,7 @@ def limit_data_to_cores() -> None:
     options.resource_limits = options.resource_limits.copy(cpu=os.cpu_count() or 1)
 
 
-def join(address: str) -> None:
+def join_ray(address: str) -> None:
     """Joins the Ray cluster at ``address`` (``host:port`` or ``ray://host:port``)."""
     import ray
 

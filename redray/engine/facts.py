@@ -142,7 +142,7 @@ class RuntimeFacts:
 
 def cuts_at_one_stack(runtime: ModelRuntime, loss: Callable, params, extra, batch) -> bool:
     """Whether the loss can be cut at one stack of stacked layers, as the 1F1B schedule
-    cuts it (``engine/staged.py``): traced abstractly with the cut."""
+    cuts it (``engine/one_f_one_b.py``): traced abstractly with the cut."""
     rng = jax.random.key(0)
     cut = BlocksCut()
 

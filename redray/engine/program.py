@@ -22,7 +22,7 @@ from redray.engine.model import split_trainable
 from redray.engine.nonfinite import zero_flag
 from redray.engine.runtime import ModelRuntime, abstract_batch, once_options
 from redray.engine.state import StateLayout, TrainState, counters
-from redray.engine.staged import one_f_one_b_gradients
+from redray.engine.one_f_one_b import one_f_one_b_gradients
 from redray.engine.steps import (eval_step, microbatched, model_gradients, model_loss,
                                  train_step, user_loss_fn)
 from redray.functions import UserFunctionError, UserFunctions, split_loss_output
@@ -144,7 +144,7 @@ class TrainProgram:
             rt, g, plan = self.runtime, self.geometry, self.runtime.parallelism
             # with pipeline stages the micro-batches are the pipeline's, in one pass
             accumulation = 1 if rt.micro_rows else g.accumulation
-            if rt.micro_rows and rt.schedule == "1f1b":
+            if rt.micro_rows and rt.pipeline_schedule == "1f1b":
                 gradients = one_f_one_b_gradients(rt, self.functions.loss)
             else:
                 gradients = microbatched(
@@ -197,7 +197,7 @@ class TrainProgram:
         rows = placement(self.runtime.abstract[0], self.runtime.specs[0], plan.mesh)
         geometry = self.geometry
         counted = facts.memory(plan, rows, geometry.micro_batch_size, "none",
-                               geometry.accumulation, self.runtime.schedule,
+                               geometry.accumulation, self.runtime.pipeline_schedule,
                                self.runtime.stage_repeats)["parts"]
         held = {"parameters": params + frozen, "optimizer": per_device(state.opt_state),
                 "gradients": params, "compute_copies": copies}

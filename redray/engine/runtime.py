@@ -50,7 +50,7 @@ class ModelRuntime:
         # the pipeline's circular repeats: above 1, the stacked parameters this runtime
         # makes, places and runs are held in ``parallelism.layer_order`` (``reorder``)
         self.stage_repeats = 1
-        self.schedule = "gpipe"  # with stages: "gpipe" or "1f1b" (engine/staged.py)
+        self.pipeline_schedule = "gpipe"  # with stages: "gpipe" or "1f1b" (engine/one_f_one_b.py)
         # how attention crosses a context axis (``redray.planning.context_chooser``):
         # None, the preset of this process's kind of device
         self.context_method = None

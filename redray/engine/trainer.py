@@ -31,7 +31,7 @@ from redray.engine.program import TrainProgram
 from redray.engine.runtime import ModelRuntime
 from redray.engine.schedule import follow_budget
 from redray.engine import watchdog
-from redray.engine.staged import SCHEDULES
+from redray.engine.one_f_one_b import SCHEDULES
 from redray.engine.state import CHECKPOINT_ITEMS, TrainState
 from redray.engine.steps import NONFINITE_POLICIES
 from redray.functions import WEIGHT, UserFunctions, UserFunctionError
@@ -83,7 +83,7 @@ class Trainer:
         ``"1f1b"``: each stage alternates one micro-batch's forward
         and an earlier one's backward and keeps at most ``2 stage_axis - 1``
         micro-batches' inputs whatever their count, recomputing a stage's forward in
-        its backward (``redray/engine/staged.py``). 1F1B cuts the loss at the model's
+        its backward (``redray/engine/one_f_one_b.py``). 1F1B cuts the loss at the model's
         stacked layers (one stack: no encoder-decoder), averages it over the
         micro-batches as accumulation does, and does not yet take circular repeats,
         ``trainable=`` or ``grad_fn=``.
@@ -214,7 +214,7 @@ class Trainer:
                 "grad_fn" if grad_fn else "trainable"
             raise ValueError(f"pipeline_schedule='1f1b' does not take {given} yet: use "
                              "pipeline_schedule='gpipe' (the default)")
-        self.runtime.schedule = pipeline_schedule or "gpipe"
+        self.runtime.pipeline_schedule = pipeline_schedule or "gpipe"
         self.learning_rate = learning_rate
         self.budget: int | None = None  # the run's total steps, as the last fit asked
         self.seed = seed
@@ -346,11 +346,11 @@ class Trainer:
         self.parallelism = Parallelism.of(rules=self._rules, **dict(best.sizes)).build()
         self.mesh = self.parallelism.mesh
         self.geometry = self.parallelism.geometry(self.batch_size, best.micro_batch_size)
-        self.runtime.schedule = best.schedule
+        self.runtime.pipeline_schedule = best.pipeline_schedule
         self.runtime.use(self.parallelism)
         self._plan_meta = {"key": self._plan_key(), "sizes": list(best.sizes),
                            "micro_batch_size": best.micro_batch_size, "remat": best.remat,
-                           "schedule": best.schedule, "chosen": best.describe()}
+                           "schedule": best.pipeline_schedule, "chosen": best.describe()}
 
     def _choose_plan(self, sample: dict) -> None:
         """Runs the planner on this model, loss and batch, and takes its pick."""

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from redray.models import context, pipeline
+from redray.models import context, staged_layers
 from redray.models.attention import AttentionMask, attend, dense_attention
 from redray.sharding.activations import (blocks_cut, constrain_rows, gathered_features,
                                          loop_unroll, pipeline_stages, stage_repeats)
@@ -479,7 +479,7 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
             return constrain_rows(x), report
 
         cut = blocks_cut()
-        if cut is not None:  # a 1F1B step's head or tail pass (engine/staged.py)
+        if cut is not None:  # a 1F1B step's head or tail pass (engine/one_f_one_b.py)
             cut.calls += 1
             if cut.calls > 1:
                 raise ValueError("pipeline_schedule='1f1b' cuts a model at one stack of "
@@ -498,8 +498,9 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
             if reports:
                 raise ValueError("aux=True (the experts' router statistics) is not available "
                                  "with pipeline stages yet: train with stage_axis=1")
-            x = pipeline.run_stages(blocks, x, args, per_layer, train,
-                                    lambda b, h, a, own: forward(b, h, *a, *own)[0], *staged)
+            x = staged_layers.run_stages(blocks, x, args, per_layer, train,
+                                         lambda b, h, a, own: forward(b, h, *a, *own)[0],
+                                         *staged)
             return x, None
         with _in_layer_order(blocks) as ordered:
             x, found = forward(ordered, x, *args, *per_layer)

@@ -23,7 +23,7 @@ specs, as XLA's SPMD partitioner inserts them for redray's step:
   1`` ticks of the schedule a micro-batch's hidden states go to the next stage and, in
   the backward pass, their gradients back, point to point (``stage_traffic``); on the
   critical path. The layers' FLOPs and per-micro-batch costs stretch by the bubble,
-  ``(M + S - 1) / M`` (``redray.models.pipeline.flops_ratio``).
+  ``(M + S - 1) / M`` (``redray.models.staged_layers.flops_ratio``).
 
 Read against XLA's compiled steps on 4 CPU devices (tests/test_planner.py): the bytes of
 a tensor-parallel, FSDP, data-parallel step, and one split over both ``fsdp`` and
@@ -65,7 +65,7 @@ from typing import Sequence
 from redray.sharding.dataflow import Trace
 from redray.planning.hardware import Hardware, Link, for_backend
 from redray.sharding.parallelism import (AXES, BATCH_AXES, CONTEXT, EXPERT, FSDP, MODEL,
-                                         STAGE, hybrid_shapes, schedule)
+                                         STAGE, hybrid_shapes, pipeline_ticks)
 from redray.sharding.rules import axes_of
 
 
@@ -299,10 +299,10 @@ def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_ite
 
 def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
                   act_itemsize: int, micro_batches: int, repeats: int = 1) -> list[Traffic]:
-    """Pipeline parallelism's traffic (``redray.models.pipeline``), per step:
+    """Pipeline parallelism's traffic (``redray.models.staged_layers``), per step:
 
     - at each of the ``M + S - 1`` ticks (``P R + S - 1`` with circular repeats:
-      ``parallelism.schedule``), every stage's slot (one micro-batch's hidden states)
+      ``parallelism.pipeline_ticks``), every stage's slot (one micro-batch's hidden states)
       to the next stage, and in the backward pass its gradient back: ``2 (M + S - 1)``
       point-to-point passes;
     - the first stage's input gradient (the embeddings run on every stage, their
@@ -321,7 +321,7 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
     if stages <= 1:
         return []
     slot = rows * tokens * hidden * act_itemsize
-    ticks = schedule(stages, micro_batches, repeats)[1]
+    ticks = pipeline_ticks(stages, micro_batches, repeats)[1]
     out = [Traffic("collective-permute", slot, (STAGE.name,), 2 * ticks,
                    "pipeline: hidden states to the next stage, gradients back", True),
            Traffic("all-reduce", slot, (STAGE.name,), ticks,

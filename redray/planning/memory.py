@@ -44,7 +44,7 @@ from redray.models.layers import remat_policy
 from redray.models.moe import ExpertLayers
 from redray.sharding import CONTEXT, EXPERT, FSDP, MODEL, STAGE, Parallelism
 from redray.sharding.activations import blockwise_attention
-from redray.sharding.parallelism import schedule
+from redray.sharding.parallelism import pipeline_ticks
 from redray.sharding.rules import axes_of
 
 # FSDP: the layers whose parameters are gathered at once (the one computing and the
@@ -130,9 +130,9 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
                     repeats: int = 1, order: str = "gpipe") -> dict:
     """A step's memory ``parts`` (for one micro-batch of one device, as the memory
     models count it) on ``stages`` pipeline stages over ``micro_batches`` micro-batches
-    (``redray/models/pipeline.py``, GPipe or circular): each stage keeps what its
+    (``redray/models/staged_layers.py``, GPipe or circular): each stage keeps what its
     ``L/(S R)`` layers save at every one of the ``P R + S - 1`` ticks
-    (``parallelism.schedule``; the bubble's included: the schedule runs every stage at
+    (``parallelism.pipeline_ticks``; the bubble's included: the schedule runs every stage at
     every tick) until the backward pass, and the head its ``M/S`` micro-batches' rows,
     so the saved activations are about ``(M + S - 1) / S`` times one micro-batch's
     without repeats (measured against XLA's compiled peak on CPU, LLaMA of 4 layers:
@@ -140,9 +140,9 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
     pipeline's buffers add the micro-batches' inputs and outputs (``2 M`` hidden states
     of ``act_bytes``) and the two slots in flight.
 
-    ``order="1f1b"`` (the 1F1B schedule, ``redray/sharding/stages.py``): a stage recomputes one
-    micro-batch's share of the layers at a time (``1/S`` of one micro-batch's saved
-    activations), and keeps a ring of ``2 S - 1`` stage inputs beside the first
+    ``order="1f1b"`` (the 1F1B schedule, ``redray/sharding/pipeline_schedules.py``): a
+    stage recomputes one micro-batch's share of the layers at a time (``1/S`` of one
+    micro-batch's saved activations), and keeps a ring of ``2 S - 1`` stage inputs beside the first
     stage's inputs and their gradients (``2 M``) and the two passes in flight, and
     its gradients are summed in the loop's carry before they meet the embeddings'
     (``pipeline_gradients``: one more copy of the gradients)."""
@@ -154,7 +154,7 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
         out["pipeline_buffers"] = (2 * micro_batches + 2 * stages + 1) * act_bytes
         out["pipeline_gradients"] = parts.get("gradients", 0)
         return out
-    ticks = schedule(stages, micro_batches, repeats)[1]
+    ticks = pipeline_ticks(stages, micro_batches, repeats)[1]
     out["activations"] = parts.get("activations", 0) * ticks / (stages * repeats)
     out["pipeline_buffers"] = (2 * micro_batches + 2) * act_bytes
     return out

@@ -73,12 +73,12 @@ class Candidate:
       sizes: axis keyword -> size.
       micro_batch_size: examples per device in one forward/backward pass.
       remat: the remat policy.
-      schedule: with pipeline stages, "gpipe" or "1f1b" (``Trainer(pipeline_schedule=)``).
+      pipeline_schedule: with pipeline stages, "gpipe" or "1f1b" (``Trainer(pipeline_schedule=)``).
     """
     sizes: tuple[tuple[str, int], ...]
     micro_batch_size: int
     remat: str
-    schedule: str = "gpipe"
+    pipeline_schedule: str = "gpipe"
 
     @property
     def shape(self) -> dict[str, int]:
@@ -87,7 +87,7 @@ class Candidate:
 
     def describe(self) -> str:
         axes = describe_shape(self.shape)
-        order = ", 1f1b" if self.schedule == "1f1b" else ""
+        order = ", 1f1b" if self.pipeline_schedule == "1f1b" else ""
         return f"{axes}, micro {self.micro_batch_size}, remat {self.remat}{order}"
 
 
@@ -312,10 +312,10 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     # a stage's share of the layers
     ticks = micro_batches + stages - 1 if stages > 1 else micro_batches
     memory = facts.memory(plan, rows, candidate.micro_batch_size, candidate.remat,
-                          micro_batches, candidate.schedule)
+                          micro_batches, candidate.pipeline_schedule)
     scanned = facts.trace.scanned if facts.trace is not None else {}
     hidden = hidden_width(facts.shapes, scanned)
-    one_f_one_b = stages > 1 and candidate.schedule == "1f1b"
+    one_f_one_b = stages > 1 and candidate.pipeline_schedule == "1f1b"
     params = [Parameter(tuple(s), _itemsize(d), tuple(spec), stacked=bool(scanned.get(i)))
               for i, (s, d, spec) in enumerate(zip(facts.shapes, facts.dtypes, specs))]
     recompute = candidate.remat != "none" or one_f_one_b

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from redray.post_training.sampler import Completion, Sampler, SamplingParams, requests
-from redray.sharding.hosts import from_process_zero, join, served_at
+from redray.sharding.hosts import from_process_zero, join_jax, served_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,7 @@ class WeightSync:
 class _Replica:
     """One sampler process (a Ray actor's class; see ``SamplerGroup``): a replica's only
     process, or one of its ``hosts`` processes, which form a JAX runtime of their own
-    (``join``) and run the same Sampler loop on the same requests."""
+    (``join_jax``) and run the same Sampler loop on the same requests."""
 
     def address(self) -> str:
         """Where this process (a replica's first) serves the replica's runtime."""
@@ -65,7 +65,7 @@ class _Replica:
 
     def join(self, address: str, hosts: int, rank: int) -> None:
         """Joins the replica's runtime (waits until its ``hosts`` processes have)."""
-        join(address, hosts, rank)
+        join_jax(address, hosts, rank)
 
     def build(self, model_fn, seed: int, sampler_kwargs: dict) -> None:
         from redray.sharding import Parallelism

@@ -241,7 +241,7 @@ _CUT: contextvars.ContextVar = contextvars.ContextVar("redray_cut", default=None
 
 class BlocksCut:
     """A model's forward cut at its stacked layers, for a 1F1B step
-    (``redray/engine/staged.py``): within ``cut_at_blocks``, the stacked layers'
+    (``redray/engine/one_f_one_b.py``): within ``cut_at_blocks``, the stacked layers'
     ``run_blocks`` does not run them. A head pass (``output`` None) records what they
     would get (``found``: the blocks module, their input, the inputs every layer gets,
     the per-layer inputs, and ``run(blocks, h, args, per_layer)``, their own scan with

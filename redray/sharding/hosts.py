@@ -1,4 +1,4 @@
-"""The processes of one JAX runtime: joining it (``join``, at ``served_at``), and host
+"""The processes of one JAX runtime: joining it (``join_jax``, at ``served_at``), and host
 values they agree on: process 0's, sent to every process (a plan's timings, a reward, a
 completion), so that every host acts alike."""
 
@@ -22,7 +22,7 @@ def served_at(host: str) -> str:
         return f"{host}:{s.getsockname()[1]}"
 
 
-def join(address: str, world: int, rank: int) -> None:
+def join_jax(address: str, world: int, rank: int) -> None:
     """Joins the JAX runtime served at ``address`` as process ``rank`` of ``world``
     (waits until all have); on CPU over gloo collectives. A run's hosts
     (``redray.cluster.hosts``) and a sampler replica's processes

@@ -207,7 +207,7 @@ class BatchGeometry:
     A micro-batch is what one device runs through the layers at a time. Without pipeline
     stages the micro-batches of an update run one after the other (gradient
     accumulation); with stages they are the pipeline's micro-batches, which the stages
-    work on at once (``redray/models/pipeline.py``). Either way one update sees the
+    work on at once (``redray/models/staged_layers.py``). Either way one update sees the
     whole batch and the loss and gradients are the same.
 
     Attributes:
@@ -245,9 +245,9 @@ def default_micro_batches(rows: int, stages: int) -> int:
     return next((m for m in range(4 * stages, rows + 1) if rows % m == 0), rows)
 
 
-def schedule(stages: int, micro: int, repeats: int = 1) -> tuple[int, int]:
+def pipeline_ticks(stages: int, micro: int, repeats: int = 1) -> tuple[int, int]:
     """(micro-batch slots ``P``, ticks) of the pipeline's schedule
-    (``redray/models/pipeline.py``) on ``S`` stages over ``M`` micro-batches: with
+    (``redray/models/staged_layers.py``) on ``S`` stages over ``M`` micro-batches: with
     circular repeats the micro-batches go round in groups of ``S`` (``P``: ``M`` rounded
     up to a multiple of ``S``, the missing ones bubbles), without ``P = M``; ``P R + S
     - 1`` ticks, each running ``1 / (S R)`` of the layers on a stage."""

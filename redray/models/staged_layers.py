@@ -23,7 +23,7 @@ their part):
   the only traffic between stages), and stage 0 takes the next micro-batch, or, with
   repeats, the one the last stage just handed round for its next pass (the
   micro-batches go round in groups of ``S``; ``_item`` numbers the work).
-- After ``P R + S - 1`` ticks (``parallelism.schedule``: ``P = M``, or with repeats
+- After ``P R + S - 1`` ticks (``parallelism.pipeline_ticks``: ``P = M``, or with repeats
   ``M`` rounded up to a multiple of ``S``) every micro-batch has left the last stage
   for the last time. The backward pass is the scan's transpose: the same schedule in
   reverse, each stage keeping the activations of every tick (or less, with remat
@@ -49,8 +49,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redray.sharding.activations import loop_unroll, parameter_spec
 from redray.sharding.parallelism import (BATCH_AXES, FSDP, STAGE, check_stages, layer_order,
-                                         schedule)
-from redray.sharding.stages import merge_micro, rows_flags, split_micro
+                                         pipeline_ticks)
+from redray.sharding.pipeline_schedules import merge_micro, rows_flags, split_micro
 
 
 # what only moves or slices values: recomputed in a circular tick's backward pass
@@ -89,9 +89,9 @@ def flops_ratio(stages: int, micro: int, layer_share: float, repeats: int = 1) -
 
     Unpipelined, each of a stage's devices does all the work of its rows. Pipelined,
     it runs ``1/(S R)`` of the layers at each of ``P R + S - 1`` ticks
-    (``parallelism.schedule``: ``P`` micro-batch slots, ``M`` of them holding rows; the
+    (``parallelism.pipeline_ticks``: ``P`` micro-batch slots, ``M`` of them holding rows; the
     bubble runs too), and the head on ``1/S`` of the rows."""
-    _, ticks = schedule(stages, micro, repeats)
+    _, ticks = pipeline_ticks(stages, micro, repeats)
     layers = layer_share * ticks / (micro * repeats * stages)
     return layers + (1 - layer_share) / stages
 
@@ -121,7 +121,7 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
     check_stages(layers, stages, repeats)
     rows = x.shape[0]
     S, M, R, k = stages, micro, repeats, layers // (stages * repeats)
-    padded, ticks = schedule(S, M, R)
+    padded, ticks = pipeline_ticks(S, M, R)
     order = layer_order(layers, S, R)
 
     def by_stage(a, spec=None):

@@ -13,8 +13,8 @@ which ``layers.run_blocks`` obeys) into three pieces:
 - the tail: the loss traced on one micro-batch, the layers' output given, run by the
   last stage as each micro-batch leaves it.
 
-``sharding.stages.one_f_one_b`` runs them. The micro-batches are cut as GPipe cuts them
-(``stages.split_micro``: each keeps the batch's split over the data axes) and the loss
+``sharding.pipeline_schedules.one_f_one_b`` runs them. The micro-batches are cut as GPipe cuts them
+(``pipeline_schedules.split_micro``: each keeps the batch's split over the data axes) and the loss
 and its metrics are averaged over them, as gradient accumulation averages them.
 """
 
@@ -30,7 +30,7 @@ from flax import nnx
 from redray.functions import split_loss_output
 from redray.sharding.activations import BlocksCut, cut_at_blocks
 from redray.sharding.parallelism import BATCH_AXES, STAGE
-from redray.sharding.stages import merge_micro, one_f_one_b, rows_flags, split_micro
+from redray.sharding.pipeline_schedules import merge_micro, one_f_one_b, rows_flags, split_micro
 
 SCHEDULES = ("gpipe", "1f1b")
 

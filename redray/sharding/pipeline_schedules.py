@@ -1,6 +1,6 @@
 """Pipeline schedules' parts that know no model: micro-batches cut from the rows and put
 back, and the 1F1B schedule, given a model cut into the stages' layers and the tail
-(``redray/engine/staged.py`` cuts a user's loss; ``redray/models/pipeline.py`` runs
+(``redray/engine/one_f_one_b.py`` cuts a user's loss; ``redray/models/staged_layers.py`` runs
 GPipe's schedule inside the model's forward)."""
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
     ``2 S - 1`` micro-batches' inputs (``one_f_one_b_schedule``), where GPipe keeps
     every tick's activations until its backward pass starts after the last forward.
 
-    One SPMD program as GPipe's (``redray.models.pipeline.run_stages``), but manual over ``stage``
-    (``shard_map``; the other mesh axes stay XLA's to partition inside a stage): at
+    One SPMD program as GPipe's (``redray.models.staged_layers.run_stages``), but manual
+    over ``stage`` (``shard_map``; the other mesh axes stay XLA's to partition inside a stage): at
     every tick a stage runs its forward and its backward only where it has one
     (``lax.cond``: a bubble computes nothing), then passes its output to the next stage
     and its input gradient to the previous one (two ``ppermute``). The backward
