@@ -24,13 +24,14 @@ from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.engine.steps import model_loss
 from redray.planning.memory import (hidden_width, saved_residuals, split_residual_bytes,
                                     split_sizes, step_parts, totals)
+from redray.planning.planner import ModelFacts
 from redray.sharding import CONTEXT, MODEL, Parallelism, flatten
 from redray.sharding.activations import (BlocksCut, blockwise_attention, cut_at_blocks,
                                          unrolled_loops)
 from redray.sharding.specs import trace_tree
 
 
-class RuntimeFacts:
+class RuntimeFacts(ModelFacts):
     """The planner's facts (``redray.planning.planner.ModelFacts``) of a Trainer's model
     and loss.
 

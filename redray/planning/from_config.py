@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from redray.planning.memory import StepShape, memory_plan
 from redray.planning.memory import part_lines, size_text
+from redray.planning.planner import ModelFacts
 from redray.sharding import (AXES, EXPERT, FSDP, MODEL, PARAMETER_AXES, STAGE, Parallelism,
                              follow_specs, placement)
 from redray.sharding.parallelism import describe_shape
@@ -389,7 +390,7 @@ REMAT_POLICIES = ("none", "dots", "full")
 REMAT_FLOPS = {"none": 1.0, "dots": 1.0, "full": 4 / 3, "offload": 1.0}
 
 
-class ConfigFacts:
+class ConfigFacts(ModelFacts):
     """What the planner needs of a ``redray.models`` family built from ``config``
     (``redray.planning.planner.ModelFacts``): its parameters, its dataflow, one
     example's FLOPs (XLA's cost analysis, layers at depth 1 and 2 extrapolated) and a

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from redray.planning.cost import (ModelTiming, Parameter, StepCost, context_traffic,
                                   expert_traffic, stage_traffic, state_traffic, step_cost,
@@ -33,36 +33,55 @@ from redray.sharding.rules import partition_specs
 MARGIN = 0.1
 
 
-class ModelFacts(Protocol):
-    """What the planner needs to know of a model; ``redray.planning.from_config.ConfigFacts``
-    gives them for a Hugging Face config."""
+class ModelFacts:
+    """What the planner knows of a model, as one typed value: ``RuntimeFacts``
+    (``redray/engine/facts.py``: a Trainer's own model and loss) and
+    ``redray.planning.from_config.ConfigFacts`` (a Hugging Face config) set every field;
+    the optional ones keep the defaults here.
+
+    Attributes:
+      paths, shapes, dtypes: the parameters'.
+      trace: the model's dataflow, traced on ``trace_examples`` examples (None: none).
+      tokens_per_example: tokens in one example the batch holds.
+      compute_itemsize: bytes per activation element.
+      remat_policies: the policies it can be built with.
+      trained: which parameters are trained (None: all).
+      timing: the model's pass timed on the live devices, or None.
+      experts: its mixture-of-experts layers, empty for a dense model.
+      one_f_one_b: whether its plans with stages may run the 1F1B schedule.
+      kv_width, attention_layers: a token's key or value elements and the attention
+        layers, for a context axis's ring (None: the hidden width and the stacked layers).
+      splits_sequences: whether its model splits a sequence over a context axis
+        (redray's decoders), which the planner then tries where no plan fits whole
+        sequences.
+    """
 
     paths: Sequence[str]
     shapes: Sequence[tuple[int, ...]]
     dtypes: Sequence
-    trace: Trace | None  # the model's dataflow, traced on ``trace_examples`` examples
+    trace: Trace | None
     trace_examples: int
     tokens_per_example: int
-    compute_itemsize: int  # bytes per activation element
-    remat_policies: Sequence[str]  # the policies it can be built with
+    compute_itemsize: int
+    remat_policies: Sequence[str]
+    trained: Sequence[bool] | None = None
+    timing: ModelTiming | None = None
+    experts: Sequence = ()
+    one_f_one_b: bool = False
+    kv_width: int | None = None
+    attention_layers: int | None = None
+    splits_sequences: bool = False
 
     def flops(self, remat: str) -> float:
         """Matmul FLOPs of one example's forward and backward pass under ``remat``."""
-
-    # optional: ``timing``, the model's pass timed on the live devices (``ModelTiming``)
-    # or None; ``experts``, its mixture-of-experts layers
-    # (``redray.models.moe.ExpertLayers``), empty for a dense model; ``one_f_one_b``,
-    # whether its plans with stages may run the 1F1B schedule; ``kv_width`` (a token's
-    # key or value elements) and ``attention_layers``, for a context axis's ring (else
-    # the hidden width and the stacked layers); ``splits_sequences``, whether its model
-    # splits a sequence over a context axis (redray's decoders), which the planner then
-    # tries where no plan fits whole sequences
+        raise NotImplementedError
 
     def memory(self, parallelism: Parallelism, rows: list[Placement], per_device_batch: int,
-               remat: str, accumulation: int, schedule: str) -> dict:
+               remat: str, accumulation: int = 1, schedule: str = "gpipe") -> dict:
         """What a step holds per device (``parts``, ``total``): ``accumulation``
         micro-batches of ``per_device_batch`` examples a device, the pipeline's
         ``schedule`` on a stage axis (``redray.planning.memory.step_parts``)."""
+        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,21 +356,21 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
             + (ONE_F_ONE_B_RERUN if one_f_one_b else 0.0)
         flops += (rerun * whole_flops(facts.trace, params, facts.trace_examples)
                   * batch_size * model / devices * (1 - 1 / model))
-    trained = getattr(facts, "trained", None) or [True] * len(params)
+    trained = facts.trained or [True] * len(params)
     elements = sum(math.prod(p.shape) / math.prod(shape[a] for a in p.axes())
                    for p, t in zip(params, trained) if t)
-    experts = expert_traffic(getattr(facts, "experts", ()), shape,
+    experts = expert_traffic(facts.experts, shape,
                              candidate.micro_batch_size * -(-facts.tokens_per_example // ways),
                              facts.compute_itemsize, recompute, geometry.accumulation)
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
     pipeline = stage_traffic(shape, candidate.micro_batch_size, facts.tokens_per_example,
                              hidden, facts.compute_itemsize, micro_batches)
     ring = context_traffic(shape, candidate.micro_batch_size, facts.tokens_per_example,
-                           getattr(facts, "kv_width", None) or hidden, hidden,
-                           getattr(facts, "attention_layers", None) or stacked_layers(facts)
+                           facts.kv_width or hidden, hidden,
+                           facts.attention_layers or stacked_layers(facts)
                            or 1, facts.compute_itemsize, micro_batches)
     cost = step_cost(flops, tensor, state, ticks, shape, hosts, hardware,
-                     getattr(facts, "timing", None), elements, experts,
+                     facts.timing, elements, experts,
                      elements / total if total else 1.0, pipeline, ring)
     tokens = batch_size * facts.tokens_per_example / cost.seconds
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
@@ -368,10 +387,10 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
       ValueError: pinned sizes no plan can take (they do not divide the devices).
     """
     budget = hardware.device_memory * (1 - margin)
-    layers = getattr(facts, "experts", ())
+    layers = facts.experts
     grid = candidates(devices, hosts, batch_size, facts.remat_policies, pinned,
                       math.gcd(*(e.experts for e in layers)) if layers else 0,
-                      stacked_layers(facts), getattr(facts, "one_f_one_b", False))
+                      stacked_layers(facts), facts.one_f_one_b)
     if not grid:
         raise ValueError(f"no plan of {devices} devices on {hosts} host(s) takes a batch of "
                          f"{batch_size} with {pinned or 'nothing'} pinned: check that the "
@@ -380,7 +399,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
     cache: dict = {}
     scored = [score(facts, c, batch_size, hosts, hardware, budget, rules, cache) for c in grid]
     pinned = dict(pinned or {})
-    if (not any(s.fits for s in scored) and getattr(facts, "splits_sequences", False)
+    if (not any(s.fits for s in scored) and facts.splits_sequences
             and CONTEXT.keyword not in pinned and pinned.get(STAGE.keyword, 1) == 1):
         # nothing fits whole sequences: split them over a context axis (never otherwise:
         # its ring costs transfers a plan that fits without it does not pay)
@@ -389,7 +408,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
             grid = candidates(devices, hosts, batch_size, facts.remat_policies,
                               {**pinned, CONTEXT.keyword: ways},
                               math.gcd(*(e.experts for e in layers)) if layers else 0,
-                              stacked_layers(facts), getattr(facts, "one_f_one_b", False))
+                              stacked_layers(facts), facts.one_f_one_b)
             scored += [score(facts, c, batch_size, hosts, hardware, budget, rules, cache)
                        for c in grid]
     # equal times (traffic the compute hides): the less traffic, then the fewer
@@ -398,7 +417,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
                      key=lambda s: (round(s.cost.seconds, 9), s.cost.gradients + s.cost.tensor,
                                     s.accumulation, s.memory["total"]))
     over = sorted((s for s in scored if not s.fits), key=lambda s: s.memory["total"])
-    ranking = Ranking(fitting, over, budget, hardware, getattr(facts, "timing", None))
+    ranking = Ranking(fitting, over, budget, hardware, facts.timing)
     if not fitting:
         smallest = over[0]
         raise NoPlanFits(
