@@ -76,12 +76,13 @@ def compiled_step(cfg, plan, rows: int, seq: int, micro_rows=None, repeats: int 
     from redray.engine.runtime import ModelRuntime
     from redray.models import build
     from redray.sharding.activations import unrolled_loops
+    from redray.sharding.plan import Plan
 
     runtime = ModelRuntime(lambda rngs: build(cfg, rngs=rngs, scan=True, remat=remat), plan)
     batch = jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32)
     fn = functools.partial(loss, train=train)
     runtime.derive(fn, batch)
-    runtime.micro_rows, runtime.stage_repeats = micro_rows, repeats
+    runtime.use(Plan(plan, micro_rows=micro_rows, stage_repeats=repeats))
     params, extra = runtime.abstract
     step = jax.jit(jax.value_and_grad(
         lambda p, e, ids: runtime.apply(fn, p, e, jax.random.key(0), ids)[0]),

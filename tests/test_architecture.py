@@ -4,6 +4,8 @@ import ast
 import os
 import re
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "architecture.md")
 # Third-party modules the table governs (the rest of the world is free to import).
@@ -149,3 +151,49 @@ def test_planning_is_one_package_its_insides_private_and_models_plan_nothing():
     # and the check sees such an import where it is
     assert any(n.startswith(PLANNING_INSIDES) for n in imports_of(
         os.path.join(ROOT, "redray", "planning", "live.py")))
+
+
+# The plan's parts: read from the one Plan value, never written one by one.
+PLAN_PARTS = {"parallelism", "geometry", "micro_rows", "stage_repeats", "pipeline_schedule",
+              "context_method", "mesh"}
+# What runs a plan: each reads the parts from the plan it holds.
+PLAN_HOLDERS = {"redray/engine/trainer.py", "redray/engine/runtime.py",
+                "redray/engine/program.py"}
+
+
+def plan_writes(source: str, rel: str) -> list[str]:
+    """Where ``source`` (the file ``rel``) assigns a part of a plan: another object's
+    part, or any in what runs a plan (``PLAN_HOLDERS``)."""
+    out = []
+    for node in ast.walk(ast.parse(source, rel)):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if not (isinstance(t, ast.Attribute) and t.attr in PLAN_PARTS):
+                    continue
+                own = isinstance(t.value, ast.Name) and t.value.id == "self"
+                if not own or rel in PLAN_HOLDERS:
+                    out.append(f"{rel}:{node.lineno} writes .{t.attr}")
+    return out
+
+
+def test_no_module_writes_a_part_of_the_plan():
+    """The plan is one frozen value (``redray.sharding.plan.Plan``), held whole by the
+    runtime: no module of redray assigns one of its parts (a new plan is a new value,
+    given whole to ``ModelRuntime.use``); an object of its own may keep a mesh of its
+    own (a sampler's)."""
+    import dataclasses
+
+    from redray.sharding.plan import Plan
+
+    wrong = []
+    for path, _ in modules():
+        wrong += plan_writes(open(path).read(), os.path.relpath(path, ROOT))
+    assert not wrong, "\n".join(wrong)
+    # what the check catches: the writes this design removed
+    assert plan_writes("runtime.micro_rows, runtime.stage_repeats = 4, 2\n", "x.py") == [
+        "x.py:1 writes .micro_rows", "x.py:1 writes .stage_repeats"]
+    assert plan_writes("self.geometry = g\n", "redray/engine/trainer.py")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Plan().stage_repeats = 2

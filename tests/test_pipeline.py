@@ -18,6 +18,7 @@ from redray.models import build
 from redray.models.staged_layers import flops_ratio
 from redray.sharding.pipeline_schedules import merge_micro, split_micro
 from redray.sharding import STAGE, Parallelism
+from redray.sharding.plan import Plan
 from redray.sharding.parallelism import (default_micro_batches, hybrid_shapes, layer_order,
                                          reorder, pipeline_ticks)
 from tiny import assert_trains_as_one_device
@@ -46,7 +47,7 @@ def loss_and_grads(config, remat, micro_rows=None, loss=None, repeats=1, **axes)
     plan = Parallelism.of(**({"data_axis": 1} | axes)).build(jax.devices()[:n])
     runtime = ModelRuntime(lambda rngs: build(config, rngs=rngs, scan=True, remat=remat), plan)
     runtime.derive(loss, jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
-    runtime.micro_rows, runtime.stage_repeats = micro_rows, repeats
+    runtime.use(Plan(plan, micro_rows=micro_rows, stage_repeats=repeats))
     params, extra = runtime.init()
     step = jax.jit(jax.value_and_grad(
         lambda p, e, ids: runtime.apply(loss, p, e, jax.random.key(0), ids)[0]))
@@ -423,7 +424,7 @@ def test_1f1b_with_dropout_gives_the_gradient_of_its_own_loss():
 
     runtime.derive(lambda m, ids: loss(m, ids, None, True),
                    jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
-    runtime.micro_rows, runtime.pipeline_schedule = 4, "1f1b"
+    runtime.use(Plan(plan, micro_rows=4, pipeline_schedule="1f1b"))
     params, extra = runtime.init()
     gradients = jax.jit(one_f_one_b_gradients(runtime, loss))
     rng = jax.random.key(3)

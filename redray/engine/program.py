@@ -26,7 +26,7 @@ from redray.engine.one_f_one_b import one_f_one_b_gradients
 from redray.engine.steps import (eval_step, microbatched, model_gradients, model_loss,
                                  train_step, user_loss_fn)
 from redray.functions import UserFunctionError, UserFunctions, split_loss_output
-from redray.sharding import MODEL, STAGE, BatchGeometry, placement
+from redray.sharding import MODEL, BatchGeometry, placement
 from redray.planning.memory import compiled_memory, totals
 
 
@@ -35,10 +35,10 @@ class TrainProgram:
     """The training and evaluation steps of one model, loss and optimizer on one plan.
 
     Attributes:
-      runtime: the model on its plan, its specs derived.
+      runtime: the model on its plan (``runtime.plan``: its geometry too), its specs
+        derived.
       functions: the user's functions.
       optimizer: the ``optax.GradientTransformation``.
-      geometry: the batch geometry (global batch, micro-batch, accumulation).
       layout: the ``TrainState``'s abstract form and shardings.
       metric_names: the names of the loss's metrics.
       global_batch: the global batch as ``jax.ShapeDtypeStruct`` (what the step takes).
@@ -50,7 +50,6 @@ class TrainProgram:
     runtime: ModelRuntime
     functions: UserFunctions
     optimizer: optax.GradientTransformation
-    geometry: BatchGeometry
     layout: StateLayout
     metric_names: list
     global_batch: dict
@@ -60,17 +59,21 @@ class TrainProgram:
     on_nonfinite: str
     jitted: dict = dataclasses.field(default_factory=dict)
 
+    @property
+    def geometry(self) -> BatchGeometry:
+        """The batch geometry of the runtime's plan (global batch, micro-batch,
+        accumulation)."""
+        return self.runtime.plan.geometry
+
     @classmethod
-    def build(cls, runtime: ModelRuntime, functions: UserFunctions, optimizer,
-              geometry: BatchGeometry, sample: dict, *, seed: int, trainable: str | None,
-              grad_fn: Callable | None, on_nonfinite: str) -> "TrainProgram":
+    def build(cls, runtime: ModelRuntime, functions: UserFunctions, optimizer, sample: dict,
+              *, seed: int, trainable: str | None, grad_fn: Callable | None,
+              on_nonfinite: str) -> "TrainProgram":
         """Checks the user's functions on ``sample`` (a collated batch, traced
-        abstractly), derives the specs and lays out the state."""
+        abstractly) on the runtime's plan (its geometry), derives the specs and lays out
+        the state."""
+        geometry = runtime.plan.geometry
         micro = abstract_batch(sample, geometry.micro_rows)
-        runtime.micro_rows = geometry.micro_rows if runtime.parallelism.size(STAGE) > 1 else None
-        if runtime.stage_repeats > 1 and runtime.micro_rows is None:
-            raise ValueError(f"stage_repeats={runtime.stage_repeats} needs pipeline stages: "
-                             "give stage_axis > 1 too (or leave stage_repeats at 1)")
         metric_names = check_loss(runtime, functions.loss, micro)
         loss = functions.loss
         runtime.derive(
@@ -88,7 +91,7 @@ class TrainProgram:
             check_grad_fn(runtime, loss, grad_fn, trainable, micro)
         layout = StateLayout.build(runtime.parallelism, seed, optimizer, params, param_specs,
                                    extra, extra_sh, frozen_sh)
-        return cls(runtime, functions, optimizer, geometry, layout, metric_names,
+        return cls(runtime, functions, optimizer, layout, metric_names,
                    abstract_batch(sample, geometry.batch_size), seed, trainable, grad_fn,
                    on_nonfinite)
 

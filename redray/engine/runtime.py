@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -15,6 +16,7 @@ from redray.engine.model import abstract_state, adapter, cast_floating
 from redray.rngs import KeyStream, stream_key
 from redray.sharding.activations import parameter_specs, rows_split
 from redray.sharding.parallelism import reorder
+from redray.sharding.plan import Plan
 from redray.sharding import (MODEL, STAGE, Parallelism, derive_specs, format_placement,
                              format_whole, placement, shardings)
 from redray.sharding.reductions import fuse_reductions
@@ -26,38 +28,60 @@ class ModelRuntime:
     Args:
       model: a function building an ``nnx.Module`` (optionally taking ``nnx.Rngs``), a
         built ``nnx.Module`` (its arrays are the starting point), or a ``redray.LinenModel``.
-      parallelism: the built ``Parallelism`` (its mesh, its spec passes with the user's
-        rules); None until ``use`` gives it (a plan chosen from the model itself).
+      plan: the ``Plan`` it runs on (``redray.sharding.plan``), or a built
+        ``Parallelism`` alone (no batch geometry: a model that only runs forward); None
+        until ``use`` gives one (a plan chosen from the model itself).
       compute_dtype: dtype the model computes in (parameters stay float32); None keeps
         the parameters' dtype.
       seed: initialization seed.
+
+    The plan is one frozen value: ``parallelism``, ``mesh``, ``micro_rows``,
+    ``stage_repeats``, ``pipeline_schedule`` and ``context_method`` read it; ``use``
+    replaces it whole.
     """
 
-    def __init__(self, model: Any, parallelism: Parallelism | None, compute_dtype=None,
+    def __init__(self, model: Any, plan: Plan | Parallelism | None, compute_dtype=None,
                  seed: int = 0):
         self.adapter = adapter(model)
-        self.parallelism = self.mesh = None
-        if parallelism is not None:
-            self.use(parallelism)
+        self.plan = Plan()
+        if plan is not None:
+            self.use(plan)
         self.compute_dtype = compute_dtype
         self.init_key = stream_key(seed, KeyStream.INIT)
         self.abstract = abstract_state(self.adapter, self.init_key)
         self.specs = None
         self.whole: list = []  # layer parameters the rules left unsplit over model
-        # rows of one pipeline micro-batch over all devices (a plan with stages); None:
-        # a pass's rows are one micro-batch
-        self.micro_rows: int | None = None
-        # the pipeline's circular repeats: above 1, the stacked parameters this runtime
-        # makes, places and runs are held in ``parallelism.layer_order`` (``reorder``)
-        self.stage_repeats = 1
-        self.pipeline_schedule = "gpipe"  # with stages: "gpipe" or "1f1b" (engine/one_f_one_b.py)
-        # how attention crosses a context axis (``redray.planning.context_chooser``):
-        # None, the preset of this process's kind of device
-        self.context_method = None
 
-    def use(self, parallelism: Parallelism) -> None:
-        """Runs the model on ``parallelism`` (built) from now on."""
-        self.parallelism, self.mesh = parallelism, parallelism.mesh
+    def use(self, plan: Plan | Parallelism) -> None:
+        """Runs the model on ``plan`` (its parallelism built) from now on; a
+        ``Parallelism`` alone: this plan with it."""
+        self.plan = plan if isinstance(plan, Plan) else \
+            dataclasses.replace(self.plan, parallelism=plan)
+
+    @property
+    def parallelism(self) -> Parallelism | None:
+        return self.plan.parallelism
+
+    @property
+    def mesh(self):
+        return self.plan.mesh
+
+    @property
+    def micro_rows(self) -> int | None:
+        """Rows of one pipeline micro-batch over all devices (a plan with stages); None:
+        a pass's rows are one micro-batch."""
+        return self.plan.micro_rows
+
+    @property
+    def stage_repeats(self) -> int:
+        """The pipeline's circular repeats: above 1, the stacked parameters this runtime
+        makes, places and runs are held in ``parallelism.layer_order`` (``reorder``)."""
+        return self.plan.stage_repeats
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """With stages: "gpipe" or "1f1b" (``engine/one_f_one_b.py``)."""
+        return self.plan.pipeline_schedule
 
     def apply(self, fn: Callable, params, extra, rng, *args, planned: bool = True):
         """Runs ``fn(model, *args)`` on the bound model; returns (output, new extra).
@@ -85,16 +109,15 @@ class ModelRuntime:
         """This model without its plan: its layers run as on one device (what the
         planner traces and times)."""
         other = copy.copy(self)
-        other.parallelism = other.mesh = other.micro_rows = None
-        other.stage_repeats = 1
+        other.plan = Plan()
         return other
 
     def _context_method(self):
-        if self.context_method is None:
-            from redray.planning import context_chooser
+        if self.plan.context_method is not None:
+            return self.plan.context_method
+        from redray.planning import context_chooser
 
-            self.context_method = context_chooser()
-        return self.context_method
+        return context_chooser()
 
     def train_apply(self, fn: Callable, params, extra, rng, *args):
         """``apply`` for a function that is differentiated: column layers reading one

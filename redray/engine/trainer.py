@@ -9,6 +9,7 @@ The program it runs (layout, jitted steps, the state a run starts from) is a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
@@ -31,7 +32,6 @@ from redray.engine.program import TrainProgram
 from redray.engine.runtime import ModelRuntime
 from redray.engine.schedule import follow_budget
 from redray.engine import watchdog
-from redray.engine.one_f_one_b import SCHEDULES
 from redray.engine.state import CHECKPOINT_ITEMS, TrainState
 from redray.engine.steps import NONFINITE_POLICIES
 from redray.functions import WEIGHT, UserFunctions, UserFunctionError
@@ -39,6 +39,7 @@ from redray.rngs import KeyStream, stream_key
 from redray.sharding import Parallelism, placement
 from redray.sharding.activations import AttentionKernels, attention_kernels
 from redray.sharding.parallelism import describe_shape
+from redray.sharding.plan import Plan
 from redray.planning.planner import Candidate, pins
 from redray.planning.memory import memory_text
 
@@ -176,7 +177,7 @@ class Trainer:
             raise TypeError(f"optimizer must be an optax.GradientTransformation "
                             f"(e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}")
         self.optimizer = optimizer
-        self.batch_size = batch_size
+        self._batch_size = batch_size  # the global batch asked for (a plan's geometry's)
         self.hardware, self.plan_ranking = hardware, None
         if plan_timing not in (None, True, False):
             raise ValueError(f"plan_timing={plan_timing!r}: use None (timed unless the run is "
@@ -195,26 +196,22 @@ class Trainer:
             self._pinned = pins(micro_batch_size=micro_batch_size,
                                 pipeline_schedule=pipeline_schedule, **axes)
             self._rules = tuple(rules or ())
-            self.parallelism = self.mesh = self.geometry = None  # chosen at init
+            # what the user fixed of the plan; the rest is chosen at init
+            plan = Plan(pipeline_schedule=pipeline_schedule or "gpipe",
+                        stage_repeats=stage_repeats)
         else:
-            self.parallelism = Parallelism.resolve(parallelism, mesh, rules, axes, "Trainer")
-            self.mesh = self.parallelism.mesh
-            self.geometry = self.parallelism.geometry(batch_size, micro_batch_size)
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.runtime = ModelRuntime(model, self.parallelism, compute_dtype, seed)
-        if isinstance(stage_repeats, bool) or not isinstance(stage_repeats, int) \
-                or stage_repeats < 1:
-            raise ValueError(f"stage_repeats must be a positive int, got {stage_repeats!r}")
-        self.runtime.stage_repeats = stage_repeats
-        if pipeline_schedule is not None and pipeline_schedule not in SCHEDULES:
-            raise ValueError(f"pipeline_schedule={pipeline_schedule!r}: use one of "
-                             f"{', '.join(map(repr, SCHEDULES))}")
+            built = Parallelism.resolve(parallelism, mesh, rules, axes, "Trainer")
+            plan = Plan.of(built, built.geometry(batch_size, micro_batch_size),
+                           pipeline_schedule=pipeline_schedule or "gpipe",
+                           stage_repeats=stage_repeats)
         if pipeline_schedule == "1f1b" and (stage_repeats > 1 or grad_fn or trainable):
             given = "stage_repeats > 1" if stage_repeats > 1 else \
                 "grad_fn" if grad_fn else "trainable"
             raise ValueError(f"pipeline_schedule='1f1b' does not take {given} yet: use "
                              "pipeline_schedule='gpipe' (the default)")
-        self.runtime.pipeline_schedule = pipeline_schedule or "gpipe"
+        self.eval_batch_size = eval_batch_size or batch_size
+        # the plan, one value: the runtime holds it (``runtime.plan``)
+        self.runtime = ModelRuntime(model, plan, compute_dtype, seed)
         self.learning_rate = learning_rate
         self.budget: int | None = None  # the run's total steps, as the last fit asked
         self.seed = seed
@@ -254,6 +251,26 @@ class Trainer:
             for hook in adopted.hooks:
                 self.add_hook(hook)
 
+    @property
+    def parallelism(self) -> Parallelism | None:
+        """The plan's axis sizes, rules and mesh (None under "auto" before ``init``)."""
+        return self.runtime.parallelism
+
+    @property
+    def mesh(self):
+        return self.runtime.mesh
+
+    @property
+    def geometry(self):
+        """The plan's batch geometry (global batch, micro-batch, accumulation, this
+        process's rows); None under "auto" before ``init``."""
+        return self.runtime.plan.geometry
+
+    @property
+    def batch_size(self) -> int:
+        """Examples per optimizer update (the global batch)."""
+        return self._batch_size
+
     def add_hook(self, hook: Hook) -> None:
         """Runs ``hook`` beside training from now on (see ``redray.Hook``)."""
         if not isinstance(hook, Hook):
@@ -289,7 +306,7 @@ class Trainer:
             self._choose_plan(sample)
         with startup.phase("build"), attention_kernels() as kernels:
             self.program = TrainProgram.build(
-                self.runtime, self.functions, self.optimizer, self.geometry, sample,
+                self.runtime, self.functions, self.optimizer, sample,
                 seed=self.seed, trainable=self.trainable, grad_fn=self.grad_fn,
                 on_nonfinite=self.on_nonfinite)
         self.attention = kernels
@@ -343,11 +360,12 @@ class Trainer:
         return True
 
     def _use_plan(self, best: Candidate) -> None:
-        self.parallelism = Parallelism.of(rules=self._rules, **dict(best.sizes)).build()
-        self.mesh = self.parallelism.mesh
-        self.geometry = self.parallelism.geometry(self.batch_size, best.micro_batch_size)
-        self.runtime.pipeline_schedule = best.pipeline_schedule
-        self.runtime.use(self.parallelism)
+        built = Parallelism.of(rules=self._rules, **dict(best.sizes)).build()
+        asked = self.runtime.plan
+        self.runtime.use(Plan.of(built, built.geometry(self.batch_size, best.micro_batch_size),
+                                 pipeline_schedule=best.pipeline_schedule,
+                                 stage_repeats=asked.stage_repeats, remat=best.remat,
+                                 context_method=asked.context_method))
         self._plan_meta = {"key": self._plan_key(), "sizes": list(best.sizes),
                            "micro_batch_size": best.micro_batch_size, "remat": best.remat,
                            "schedule": best.pipeline_schedule, "chosen": best.describe()}
@@ -364,7 +382,8 @@ class Trainer:
         else:
             hardware = resolve_hardware(self.hardware)
         # the model's own choices (the context axis's attention) on the same hardware
-        self.runtime.context_method = context_chooser(hardware)
+        self.runtime.use(dataclasses.replace(self.runtime.plan,
+                                             context_method=context_chooser(hardware)))
         with startup.phase("planner"):
             facts = RuntimeFacts(self.runtime, self.functions.loss, self.optimizer, sample,
                                  self.trainable, tokens_per_example(sample))

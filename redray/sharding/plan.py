@@ -1,0 +1,86 @@
+"""The plan a step runs on, as one frozen value (``Plan``): the axis sizes and rules
+(``Parallelism``), the batch's cut (``BatchGeometry``), the pipeline's schedule,
+repeats and micro-batches, the remat policy the planner chose, and how attention crosses
+a context axis. A Trainer builds one (from the user's sizes, or the planner's pick) and
+hands it whole to its ``ModelRuntime``; nothing writes a part of it afterwards: a new
+plan is a new value (``dataclasses.replace``). Checkpoints keep it (``meta``), the
+console and MLflow print it (``describe``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from redray.sharding.parallelism import STAGE, BatchGeometry, Parallelism, describe_shape
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a step runs on the devices.
+
+    Attributes:
+      parallelism: the axis sizes and the user's rules (built: with its mesh); None: no
+        plan (the model runs as on one device).
+      geometry: the batch's cut (global batch, examples per device per pass,
+        accumulation, this process's rows); None for a model that only runs forward.
+      micro_rows: the rows of one pipeline micro-batch over all devices, on a plan with
+        stages (``of`` derives it from the geometry); None: a pass's rows are one.
+      pipeline_schedule: on a stage axis, "gpipe" or "1f1b".
+      stage_repeats: on a stage axis, the circular pipeline's repeats.
+      remat: the remat policy the planner chose (None: the model's own).
+      context_method: how one layer's attention crosses a context axis,
+        ``fn(batch, tokens, ways, heads, kv_heads, head_dim, itemsize)`` -> "ring" or
+        "all_gather" (``redray.planning.context_chooser``, on the run's hardware); None:
+        the preset of this process's kind of device.
+    """
+
+    parallelism: Parallelism | None = None
+    geometry: BatchGeometry | None = None
+    micro_rows: int | None = None
+    pipeline_schedule: str = "gpipe"
+    stage_repeats: int = 1
+    remat: str | None = None
+    context_method: Callable | None = dataclasses.field(default=None, compare=False,
+                                                         repr=False)
+
+    def __post_init__(self):
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r}: use one of "
+                             f"{', '.join(map(repr, PIPELINE_SCHEDULES))}")
+        repeats = self.stage_repeats
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"stage_repeats must be a positive int, got {repeats!r}")
+        if repeats > 1 and self.parallelism is not None and self.parallelism.size(STAGE) <= 1:
+            raise ValueError(f"stage_repeats={repeats} needs pipeline stages: give "
+                             "stage_axis > 1 too (or leave stage_repeats at 1)")
+
+    @classmethod
+    def of(cls, parallelism: Parallelism, geometry: BatchGeometry, **rest) -> "Plan":
+        """A training step's plan: ``parallelism`` and ``geometry``, the pipeline's
+        micro-batches (on a stage axis) from the geometry."""
+        staged = parallelism.size(STAGE) > 1
+        return cls(parallelism, geometry, geometry.micro_rows if staged else None, **rest)
+
+    @property
+    def mesh(self):
+        return None if self.parallelism is None else self.parallelism.mesh
+
+    def describe(self) -> str:
+        """One line: the axes, the micro-batch and accumulation, the pipeline's
+        schedule and repeats where there are stages, the planner's remat."""
+        if self.parallelism is None:
+            return "one device, no plan"
+        out = describe_shape(self.parallelism.shape)
+        if self.geometry is not None:
+            out += (f", batch {self.geometry.batch_size}, micro "
+                    f"{self.geometry.micro_batch_size} x {self.geometry.accumulation}")
+        if self.parallelism.size(STAGE) > 1:
+            out += f", {self.pipeline_schedule}"
+            if self.stage_repeats > 1:
+                out += f" x{self.stage_repeats} repeats"
+        if self.remat is not None:
+            out += f", remat {self.remat}"
+        return out
