@@ -3,8 +3,7 @@
 repeats and micro-batches, the remat policy the planner chose, and how attention crosses
 a context axis. A Trainer builds one (from the user's sizes, or the planner's pick) and
 hands it whole to its ``ModelRuntime``; nothing writes a part of it afterwards: a new
-plan is a new value (``dataclasses.replace``). Checkpoints keep it (``meta``), the
-console and MLflow print it (``describe``).
+plan is a new value (``dataclasses.replace``).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from redray.sharding.parallelism import STAGE, BatchGeometry, Parallelism, describe_shape
+from redray.sharding.parallelism import STAGE, BatchGeometry, Parallelism
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
@@ -67,20 +66,3 @@ class Plan:
     @property
     def mesh(self):
         return None if self.parallelism is None else self.parallelism.mesh
-
-    def describe(self) -> str:
-        """One line: the axes, the micro-batch and accumulation, the pipeline's
-        schedule and repeats where there are stages, the planner's remat."""
-        if self.parallelism is None:
-            return "one device, no plan"
-        out = describe_shape(self.parallelism.shape)
-        if self.geometry is not None:
-            out += (f", batch {self.geometry.batch_size}, micro "
-                    f"{self.geometry.micro_batch_size} x {self.geometry.accumulation}")
-        if self.parallelism.size(STAGE) > 1:
-            out += f", {self.pipeline_schedule}"
-            if self.stage_repeats > 1:
-                out += f" x{self.stage_repeats} repeats"
-        if self.remat is not None:
-            out += f", remat {self.remat}"
-        return out
