@@ -150,16 +150,22 @@ def timings(impls, batch: int, seq: int, heads: int, kv_heads: int, dim: int,
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     # "cudnn trailing": cuDNN with the rows' lengths (a mask that may hold padding)
     fns = {impl: step(*impl.split(" ")) for impl in impls}
+    return interleaved(fns, (q, k, v, g), window, repeats)
+
+
+def interleaved(fns: dict, args: tuple, window: int, repeats: int) -> dict:
+    """Seconds a call of each of ``fns`` on ``args`` takes: after a warm-up call each,
+    ``repeats`` timed windows of ``window`` calls, interleaved across them."""
     for fn in fns.values():
-        jax.block_until_ready(fn(q, k, v, g))
-    seconds = {impl: [] for impl in impls}
+        jax.block_until_ready(fn(*args))
+    seconds = {name: [] for name in fns}
     for _ in range(repeats):
-        for impl, fn in fns.items():
+        for name, fn in fns.items():
             start = time.perf_counter()
             for _ in range(window):
-                result = fn(q, k, v, g)
+                result = fn(*args)
             jax.block_until_ready(result)
-            seconds[impl].append((time.perf_counter() - start) / window)
+            seconds[name].append((time.perf_counter() - start) / window)
     return seconds
 
 
@@ -240,18 +246,8 @@ def ring_step_timing(blocks, batch: int, seq: int, heads: int, kv_heads: int, di
             return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    fns = {"ring_step": jax.jit(ring_step), "fused": jax.jit(fused)}
-    for fn in fns.values():
-        jax.block_until_ready(fn(q, k, v, g))
-    seconds = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(window):
-                result = fn(q, k, v, g)
-            jax.block_until_ready(result)
-            seconds[name].append((time.perf_counter() - start) / window)
-    return seconds
+    return interleaved({"ring_step": jax.jit(ring_step), "fused": jax.jit(fused)},
+                       (q, k, v, g), window, repeats)
 
 
 def main(argv=None) -> None:

@@ -13,7 +13,6 @@ its own remat: the planner chooses the axis sizes and the micro-batch.
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 from typing import Callable
 
@@ -22,8 +21,8 @@ import jax.numpy as jnp
 
 from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.engine.steps import model_loss
-from redray.planning.memory import (hidden_width, saved_residuals, split_residual_bytes,
-                                    split_sizes, step_parts, totals)
+from redray.planning.memory import (hidden_width, nbytes, saved_residuals,
+                                    split_residual_bytes, split_sizes, step_parts, totals)
 from redray.planning.planner import ModelFacts
 from redray.sharding import CONTEXT, MODEL, Parallelism, flatten
 from redray.sharding.activations import (BlocksCut, blockwise_attention, cut_at_blocks,
@@ -71,12 +70,12 @@ class RuntimeFacts(ModelFacts):
         cd = runtime.compute_dtype
         self.compute_itemsize = jnp.dtype(cd).itemsize if cd is not None else 4
         opt = jax.tree.leaves(jax.eval_shape(optimizer.init, params))
-        trained = sum(_nbytes(s, d) for s, d, t in zip(self.shapes, self.dtypes, self.trained)
+        trained = sum(nbytes(s, d) for s, d, t in zip(self.shapes, self.dtypes, self.trained)
                       if t)
         # the state that follows the trained parameters' specs (Adam's moments: 2 x
         # their bytes), and the scalars every device holds whole (a step count)
-        self.optimizer_scalars = sum(_nbytes(x.shape, x.dtype) for x in opt if not x.shape)
-        self.optimizer_ratio = sum(_nbytes(x.shape, x.dtype) for x in opt
+        self.optimizer_scalars = sum(nbytes(x.shape, x.dtype) for x in opt if not x.shape)
+        self.optimizer_ratio = sum(nbytes(x.shape, x.dtype) for x in opt
                                    if x.shape) / max(trained, 1)
         self.sample, self.optimizer = sample, optimizer
         self._flops: float | None = None
@@ -127,9 +126,10 @@ class RuntimeFacts(ModelFacts):
                          and jnp.dtype(r.dtype) != jnp.dtype(cd))
         params_abs, extra = self.runtime.abstract
         ways = parallelism.size(CONTEXT)
-        acts = loss_activation_bytes(self.runtime, self.loss, params_abs, None, extra, self.batch,
-                                per_device_batch, rows, parallelism.size(MODEL),
-                                self._residuals.setdefault(ways > 1, {}), ways)
+        acts = loss_activation_bytes(self.runtime, self.loss, params_abs, None, extra,
+                                     self.batch, per_device_batch, rows,
+                                     parallelism.size(MODEL),
+                                     self._residuals.setdefault(ways > 1, {}), ways)
         held = {"parameters": params,
                 "optimizer": int(self.optimizer_ratio * trained) + self.optimizer_scalars,
                 "gradients": trained, "compute_copies": copies}
@@ -183,17 +183,13 @@ def _splits_sequences(runtime: ModelRuntime) -> bool:
         type(nnx.merge(graphdef, *runtime.abstract)), "SPLITS_SEQUENCES", False)
 
 
-def _nbytes(shape, dtype) -> int:
-    return math.prod(shape) * jnp.dtype(dtype).itemsize
-
-
 def _value(out):
     return out[0] if isinstance(out, tuple) else out
 
 
 def loss_activation_bytes(runtime: ModelRuntime, loss: Callable, params, frozen, extra,
-                     batch: dict, rows_per_device: int, placement_rows, model_axis: int,
-                     residuals: dict | None = None, context: int = 1) -> int:
+                          batch: dict, rows_per_device: int, placement_rows, model_axis: int,
+                          residuals: dict | None = None, context: int = 1) -> int:
     """Residual bytes per device of ``loss``'s backward pass on ``rows_per_device``
     examples (see ``redray.planning.memory``), under the split ``placement_rows`` show.
 

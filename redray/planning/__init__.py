@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 
 
-
 def resolve_hardware(hardware=None, cache: str | None = None):
     """The ``redray.planning.hardware.Hardware`` a run plans on: ``hardware`` itself, a
     preset's name (``"h100"``, ``"tpu-v5e"``, ``"cpu"``, ...), or None: this cluster's

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 
@@ -22,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redray.planning.cost import ModelTiming
 from redray.planning.hardware import Hardware
+from redray.planning.memory import nbytes
 from redray.planning.planner import Ranking, rank
 
 
@@ -92,8 +92,8 @@ def model_timing(facts, hardware: Hardware,
     from redray.sharding.hosts import from_process_zero
 
     params_abs, extra_abs = facts.abstract
-    nbytes = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params_abs))
-    if 2 * nbytes > TIMED_SHARE * hardware.device_memory:
+    model_bytes = sum(nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params_abs))
+    if 2 * model_bytes > TIMED_SHARE * hardware.device_memory:
         return None
     mesh = _grid()
     rows_spec = P(("hosts", "local"))
@@ -240,11 +240,3 @@ def _filled(x):
     if jnp.issubdtype(x.dtype, jnp.floating):
         return jnp.full(x.shape, 0.01, x.dtype)
     return jnp.zeros(x.shape, x.dtype)
-
-
-def _nbytes(shape, dtype) -> int:
-    return math.prod(shape) * jnp.dtype(dtype).itemsize
-
-
-def _nbytes(shape, dtype) -> int:
-    return math.prod(shape) * jnp.dtype(dtype).itemsize

@@ -51,6 +51,11 @@ from redray.sharding.rules import axes_of
 # next, prefetched).
 GATHERED_LAYERS = 2
 
+def nbytes(shape, dtype) -> int:
+    """Bytes of an array of ``shape`` and ``dtype``."""
+    return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+
 def saved_residuals(f, *args) -> list:
     """Shapes and dtypes of what the backward pass of ``f(*args)`` reads, besides the
     arguments themselves (parameters, the batch: counted apart)."""
@@ -72,7 +77,7 @@ def split_residual_bytes(residuals, probes, split: set[int], model_axis: int,
         probes = [None] * len(residuals)
     total = 0
     for aval, probe in zip(residuals, probes):
-        size = math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
+        size = nbytes(aval.shape, aval.dtype)
         dims = () if probe is None else probe.shape[1:]
         if model_axis > 1 and any(d in split and d not in lengths and d % model_axis == 0
                                   for d in dims):
