@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_ARGS ?=
 
-.PHONY: demo test test-fast bench-check lint bench install install-test clean
+.PHONY: demo test test-fast bench-check lint docs bench install install-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,7 @@ demo: install
 # (a MAML run picked micro-batches of 1 there).
 FAST_COMPILE = --xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true
 
-test: lint
+test: lint docs
 	XLA_FLAGS='$(FAST_COMPILE)' $(PY) -m pytest -q -n 2 -m "not ray and not bench" --durations=20
 	$(PY) -m pytest -q -m "ray and not bench" --durations=20
 
@@ -60,8 +60,13 @@ test-fast: lint
 lint: install-test
 	$(PY) -m ruff check .
 
+# The documentation site (mkdocs.yml), built as CI builds it: any warning (a broken
+# link, a page missing from the nav, a docstring mkdocstrings cannot render) fails.
+docs: install-test
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir .site
+
 bench: install-test
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .site

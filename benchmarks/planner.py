@@ -19,7 +19,7 @@ peak exceeds the budget (= 0).
 On paper (``planner/seconds_7b_64`` and the GPU table): planning llama-7b on 64 devices in
 8 hosts with the H100 preset, timed; and the planner's picks with the H100 preset,
 over InfiniBand and over 100 Gb/s Ethernet, for Llama-2-7B on 8 GPUs and Llama-3-8B on
-8, 16 and 64, written to BENCHMARKS.md beside the published configurations.
+8, 16 and 64, written to docs/performance/planner.md beside the published configurations.
 
     python benchmarks/planner.py [--rounds 3] [--steps 2]
 """

@@ -1,8 +1,9 @@
 """Regenerates BENCHMARKS.md's results table from benchmarks/results.json.
 
 The table sits between the markers ``<!-- results:start -->`` and
-``<!-- results:end -->``; everything else in BENCHMARKS.md (how each figure is made,
-what limits it) is written by hand.
+``<!-- results:end -->``; everything else in BENCHMARKS.md (the targets missed, each
+group's method) is written by hand, and so are the pages of docs/performance/ (how each
+figure is made, what limits it).
 
     python benchmarks/report.py
 """

@@ -30,7 +30,7 @@ continuous batching removes at equal cost per decoded row.
 For that workload the detail also holds this machine's ceiling (``ceiling``): a
 decoding step timed alone at a few sizes and fitted, from which ``generate``'s time and
 a perfect sampler's follow (``ceiling()``); where attention is a small share of a step,
-no sampler reaches 3 (BENCHMARKS.md section 15).
+no sampler reaches 3 (docs/performance/sampler.md).
 
 With ``--prompts`` above ``--slots`` (``--prompts 256``: the refill workload, figures
 ``..._refills``), slots are refilled as they free, which the default workload (as many

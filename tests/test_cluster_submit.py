@@ -299,13 +299,13 @@ def test_a_missing_module_names_python_and_jobs_are_followed_stopped_and_listed(
     assert unknown.returncode == 2 and "no job 'raysubmit_nope'" in unknown.stderr, unknown
 
 
-README = os.path.join(os.path.dirname(HERE), "README.md")
-WALKTHROUGH = "### From a laptop to a remote cluster"
+GUIDE = os.path.join(os.path.dirname(HERE), "docs", "clusters.md")
+WALKTHROUGH = "## From a laptop to a remote cluster"
 
 
 def walkthrough() -> list[str]:
-    """The commands of the README's walkthrough, in order."""
-    with open(README) as f:
+    """The commands of the clusters guide's walkthrough, in order."""
+    with open(GUIDE) as f:
         text = f.read()
     start = text.index("```bash", text.index(WALKTHROUGH)) + len("```bash")
     block = text[start:text.index("```", start)]

@@ -462,7 +462,7 @@ def test_tensor_parallel_layers_stay_split_inside_the_stages():
     """A stage's layers on the model axis compute on their shards (all-reduces, as
     without stages): no weight is gathered whole over it, which pinning the stacked
     weights to the stage split alone made XLA do before the loop (the layers then ran
-    unsplit on every device: 1.1-4x the predicted step on CPU, BENCHMARKS section 10)."""
+    unsplit on every device: 1.1-4x the predicted step on CPU, docs/performance/planner.md)."""
     from redray.sharding.collectives import collectives, summarize
 
     _, _, runtime = loss_and_grads(CONFIGS["llama"](), False, ROWS // 4, stage_axis=2,

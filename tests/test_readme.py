@@ -1,14 +1,19 @@
-"""Every code block of README.md runs, or names the test that covers it.
+"""Every code block of README.md and of the pages under docs/ runs, or names the test
+that covers it; the site they make builds; the API reference names every public name.
 
-* ``python`` blocks run in README order as one program (like a notebook's cells), in a
+The pages are read in the site's order: README.md (the home page), then the pages of
+mkdocs.yml's nav, then any other page under docs/.
+
+* ``python`` blocks run in that order as one program (like a notebook's cells), in a
   subprocess with 4 simulated CPU devices so that Ray and JAX state stay out of pytest.
 * ``bash`` blocks: every command line runs, in the same working folder, after the
   Python blocks (whose runs the commands inspect), unless COVERED_ELSEWHERE names the
   test that runs it (a remote cluster, the whole suite).
-* ``text`` blocks (the layout) may only name paths that exist.
+* ``text`` blocks are pictures; the layout's (docs/contributing.md) may only name paths
+  that exist.
 
-Any other block, or a changed line the tables no longer know, fails, so the README
-cannot drift from the code. The only edits to the README's text before it runs are the
+Any other block, or a changed line the tables no longer know, fails, so the pages
+cannot drift from the code. The only edits to their text before it runs are the
 placeholders in SUBSTITUTIONS.
 """
 
@@ -29,7 +34,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
+LAYOUT = "docs/contributing.md"  # the page whose text block is the layout
 
 # (placeholder in the README, what the test puts there, why)
 SUBSTITUTIONS = [
@@ -46,7 +51,7 @@ SUBSTITUTIONS = [
 
 # Command lines that cannot run here, exactly as the README writes them -> the test
 # that runs them.
-# The README's laptop-to-cluster walkthrough (its bash block), run line by line against a
+# The clusters guide's laptop-to-cluster walkthrough (its bash block), run line by line against a
 # separately started head by tests/test_cluster_submit.py.
 WALKTHROUGH = (
     "ray start --head --dashboard-host 0.0.0.0 --num-cpus 8",
@@ -132,35 +137,68 @@ FENCE = re.compile(r"^( *)```(\S*)\s*$")
 @dataclasses.dataclass
 class Block:
     language: str
-    line: int            # README line number of the block's first code line
+    line: int            # the page's line number of the block's first code line
     indent: int
     lines: list
+    page: str = "README.md"  # relative to the repository's root
+
+    def where(self, i: int = 0) -> str:
+        return f"{self.page}:{self.line + i}"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     blocks, current = [], None
     for number, line in enumerate(text.splitlines(), 1):
         fence = FENCE.match(line)
         if current is None:
             if fence:
-                current = Block(fence[2], number + 1, len(fence[1]), [])
+                current = Block(fence[2], number + 1, len(fence[1]), [], page)
         elif fence and not fence[2] and len(fence[1]) == current.indent:
             blocks.append(current)
             current = None
         else:
             current.lines.append(line[current.indent:])
-    assert current is None, f"README.md:{current.line - 1}: a code block is never closed"
+    assert current is None, f"{page}:{current.line - 1}: a code block is never closed"
     return blocks
 
 
+def nav_pages(nav) -> list[str]:
+    """The Markdown files of a mkdocs nav, in its order."""
+    out = []
+    for entry in nav:
+        for value in (entry.values() if isinstance(entry, dict) else [entry]):
+            out += nav_pages(value) if isinstance(value, list) else [value]
+    return out
+
+
+def pages() -> list[str]:
+    """README.md, then docs/'s pages in the site's order (README.md and BENCHMARKS.md
+    are published as the site's index.md and benchmarks.md: see docs/hooks.py)."""
+    import yaml
+
+    with open(os.path.join(ROOT, "mkdocs.yml")) as f:
+        nav = yaml.load(f, Loader=yaml.BaseLoader)["nav"]
+    ordered = ["README.md"] + [f"docs/{p}" for p in nav_pages(nav)
+                               if p not in ("index.md", "benchmarks.md")]
+    every = sorted(os.path.relpath(os.path.join(d, f), ROOT)
+                   for d, _, files in os.walk(os.path.join(ROOT, "docs"))
+                   for f in files if f.endswith(".md"))
+    return ordered + [p for p in every if p not in ordered]
+
+
 def readme():
-    with open(README) as f:
-        text = f.read()
-    return text, readme_blocks(text)
+    """The pages' text, joined, and their blocks in order."""
+    texts, blocks = [], []
+    for page in pages():
+        with open(os.path.join(ROOT, page)) as f:
+            text = f.read()
+        texts.append(text)
+        blocks += readme_blocks(text, page)
+    return "\n".join(texts), blocks
 
 
 def command_lines(blocks) -> list[tuple[int, str]]:
-    """(README line number, line) of every command in the bash blocks, in order."""
+    """(page:line, line) of every command in the bash blocks, in order."""
     out = []
     for block in blocks:
         if block.language != "bash":
@@ -168,8 +206,8 @@ def command_lines(blocks) -> list[tuple[int, str]]:
         for i, line in enumerate(block.lines):
             if line.strip() and not line.lstrip().startswith("#"):
                 assert not line.rstrip().endswith("\\"), \
-                    f"README.md:{block.line + i}: write each command on one line"
-                out.append((block.line + i, line.strip()))
+                    f"{block.where(i)}: write each command on one line"
+                out.append((block.where(i), line.strip()))
     return out
 
 
@@ -184,24 +222,26 @@ def test_every_block_is_run_or_covered():
     text, blocks = readme()
     for block in blocks:
         assert block.language in KNOWN_LANGUAGES, (
-            f"README.md:{block.line - 1}: a ```{block.language or '(no language)'} block: "
+            f"{block.where(-1)}: a ```{block.language or '(no language)'} block: "
             f"tests/test_readme.py runs {sorted(KNOWN_LANGUAGES)} blocks only")
     lines = [line for _, line in command_lines(blocks)]
     for line, test in COVERED_ELSEWHERE.items():
-        assert line in lines, f"COVERED_ELSEWHERE names a line the README no longer has: {line!r}"
+        assert line in lines, f"COVERED_ELSEWHERE names a line the pages no longer have: {line!r}"
         path, name = test.split("::")
         with open(os.path.join(ROOT, path)) as f:
             functions = {n.name for n in ast.walk(ast.parse(f.read()))
                          if isinstance(n, ast.FunctionDef)}
         assert name in functions, f"{line!r} is said to be covered by {test}, which does not exist"
     for placeholder, _, _ in SUBSTITUTIONS:
-        assert placeholder in text, f"SUBSTITUTIONS names {placeholder!r}, which the README lacks"
+        assert placeholder in text, f"SUBSTITUTIONS names {placeholder!r}, which the pages lack"
     assert any(b.language == "python" for b in blocks)
 
 
 def test_the_layout_names_only_paths_that_exist():
     _, blocks = readme()
-    for block in (b for b in blocks if b.language == "text"):
+    layouts = [b for b in blocks if b.language == "text" and b.page == LAYOUT]
+    assert layouts, f"{LAYOUT} has no layout block"
+    for block in layouts:
         for i, line in enumerate(block.lines):
             if not line.strip() or line.startswith(" "):
                 continue  # a description's continuation
@@ -210,10 +250,47 @@ def test_the_layout_names_only_paths_that_exist():
                 if "/" not in word:
                     break
                 paths.append(word)
-            assert paths, f"README.md:{block.line + i}: a layout line must start with a path"
+            assert paths, f"{block.where(i)}: a layout line must start with a path"
             for path in paths:
                 assert os.path.exists(os.path.join(ROOT, path)), \
-                    f"README.md:{block.line + i}: {path} does not exist"
+                    f"{block.where(i)}: {path} does not exist"
+
+
+def test_the_readme_is_short_and_links_the_guides():
+    """The README is the home page: at most 300 lines, linking every guide of the nav."""
+    import yaml
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    assert len(text.splitlines()) <= 300, "README.md: keep it at most 300 lines; move " \
+        "the rest into a guide under docs/"
+    with open(os.path.join(ROOT, "mkdocs.yml")) as f:
+        nav = yaml.load(f, Loader=yaml.BaseLoader)["nav"]
+    guides = next(entry["Guides"] for entry in nav if "Guides" in entry)
+    for guide in nav_pages(guides):
+        assert f"](docs/{guide})" in text, f"README.md does not link docs/{guide}"
+
+
+def test_the_api_reference_names_every_public_name():
+    """docs/reference.md has an entry (``::: module.name``, rendered by mkdocstrings) for
+    each name of ``redray.__all__``, and each entry names the object redray exports."""
+    import importlib
+
+    import redray
+
+    with open(os.path.join(ROOT, "docs", "reference.md")) as f:
+        text = f.read()
+    entries = re.findall(r"^::: ([\w.]+)$", text, re.M)
+    documented = []
+    for path in entries:
+        module, name = path.rsplit(".", 1)
+        documented.append(getattr(importlib.import_module(module), name))
+    for name in redray.__all__:
+        if name == "__version__":
+            assert "`redray.__version__`" in text
+            continue
+        assert any(obj is getattr(redray, name) for obj in documented), \
+            f"docs/reference.md has no entry for redray.{name}"
 
 
 def test_the_console_sample_is_what_the_console_prints():
@@ -255,19 +332,20 @@ FAST_COMPILE = ("--xla_force_host_platform_device_count=4 --xla_backend_optimiza
 
 def test_make_test_installs_then_runs_the_whole_suite():
     """`make test` (the whole suite, 30 to 38 minutes on 2 cores) cannot run inside the
-    suite: its recipe is checked instead: install, lint, then every test but the benchmark
-    scripts' tiny runs (those without Ray in 2 processes, then the others: every test is in
-    exactly one of the two selections); `make bench-check` runs the tiny runs, in the same
-    two parts."""
+    suite: its recipe is checked instead: install, lint, build the documentation site
+    strictly, then every test but the benchmark scripts' tiny runs (those without Ray in 2
+    processes, then the others: every test is in exactly one of the two selections);
+    `make bench-check` runs the tiny runs, in the same two parts."""
     commands = recipe("test")
     install = next(i for i, c in enumerate(commands) if 'pip install -q -e ".[test]"' in c)
     lint = next(i for i, c in enumerate(commands) if c.endswith("-m ruff check ."))
+    site = next(i for i, c in enumerate(commands) if "-m mkdocs build --strict" in c)
     fast = next(i for i, c in enumerate(commands)
                 if c.endswith('-m pytest -q -n 2 -m "not ray and not bench" --durations=20')
                 and f"XLA_FLAGS='{FAST_COMPILE}'" in c)
     rest = next(i for i, c in enumerate(commands)
                 if c.endswith('-m pytest -q -m "ray and not bench" --durations=20'))
-    assert install < lint < fast < rest
+    assert install < lint < site < fast < rest
     commands = recipe("bench-check")
     lint = next(i for i, c in enumerate(commands) if c.endswith("-m ruff check ."))
     one = next(i for i, c in enumerate(commands) if c.endswith(
@@ -308,9 +386,10 @@ def work(tmp_path_factory):
 
 RUNNER = """
 import json, sys
-source, readme, probes, out = sys.argv[1:]
+sources, probes, out = sys.argv[1:]
 namespace = {"__name__": "__main__"}
-exec(compile(open(source).read(), readme, "exec"), namespace)
+for source, page in json.loads(sources):
+    exec(compile(open(source).read(), page, "exec"), namespace)
 with open(out, "w") as f:
     json.dump({k: eval(v, namespace) for k, v in json.loads(probes).items()}, f)
 """
@@ -318,18 +397,23 @@ with open(out, "w") as f:
 
 @pytest.fixture(scope="module")
 def program(work):
-    """Runs the Python blocks as one program whose line numbers are the README's (a
-    traceback names the README line)."""
-    text, blocks = readme()
-    lines = [""] * len(text.splitlines())
-    for block in (b for b in blocks if b.language == "python"):
-        for i, line in enumerate(block.lines):
-            lines[block.line - 1 + i] = substitute(line, work)
-    source = os.path.join(work["work"], "readme_program.py")
-    with open(source, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    """Runs the Python blocks as one program, page after page in one namespace, whose
+    line numbers are each page's (a traceback names the page and its line)."""
+    _, blocks = readme()
+    sources = []
+    for page in dict.fromkeys(b.page for b in blocks if b.language == "python"):
+        with open(os.path.join(ROOT, page)) as f:
+            lines = [""] * len(f.read().splitlines())
+        for block in (b for b in blocks if b.language == "python" and b.page == page):
+            for i, line in enumerate(block.lines):
+                lines[block.line - 1 + i] = substitute(line, work)
+        source = os.path.join(work["work"], page.replace("/", "_") + ".py")
+        with open(source, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        sources.append((source, os.path.join(ROOT, page)))
     out = os.path.join(work["work"], "probes.json")
-    done = subprocess.run([sys.executable, "-c", RUNNER, source, README, json.dumps(PROBES), out],
+    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(sources), json.dumps(PROBES),
+                           out],
                           cwd=work["work"], env=work["env"], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
@@ -563,7 +647,7 @@ def serve_and_ask(command: str, work: dict) -> None:
 @pytest.mark.ray
 def test_the_command_lines_run(program, work):
     _, blocks = readme()
-    for number, line in command_lines(blocks):
+    for where, line in command_lines(blocks):
         if line in COVERED_ELSEWHERE:
             continue
         command = substitute(line, work)
@@ -575,7 +659,7 @@ def test_the_command_lines_run(program, work):
         done = subprocess.run(["bash", "-c", command], cwd=work["work"], env=env,
                               capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, \
-            f"README.md:{number}: {line}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+            f"{where}: {line}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
         for prefix, check in CHECKS.items():
             if command.startswith(prefix):
                 check(work, done)

@@ -13,7 +13,7 @@ this driver on the same hosts, resources and environment takes it as it is, proc
 imports and runtime included, and starts in a second instead of a fresh group's ten or
 more. A run of another shape, or ``release_hosts()``, ends it; so does Ray's shutdown.
 Ray Train's JaxTrainer did this before: a controller actor and a new worker group for every
-run, 16-22 s on 2 cores before the hosts ran redray's code (BENCHMARKS.md: start-up).
+run, 16-22 s on 2 cores before the hosts ran redray's code (docs/performance/start-up.md).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ ROOM = 16
 # every multiple of ``PROMPT_BUCKET`` up to 16 of them (256 columns), then 8 per
 # doubling. Each width a round reads is one compile. Of a ladder of 2 widths per
 # doubling (up to a third of the columns idle) and of 8 (under an eighth), 8 ran the
-# benchmark's workload 4-11% faster (five runs side by side, BENCHMARKS.md section 15)
+# benchmark's workload 4-11% faster (five runs side by side, docs/performance/sampler.md)
 # with as many compiles: its rounds change width where they narrow the batch
 WINDOW_RUNGS = 8
 # a compiled call's inputs and the outputs the host reads, a row per slot, each in one
@@ -203,7 +203,7 @@ class Sampler:
         slot to refill, a batch to narrow): the device decodes as many in a row, and a
         freed slot may wait up to that many steps. None: 1 on CPUs, where a check is
         free, else 16, where each check waits for the device (measured on one H200:
-        BENCHMARKS.md section 15).
+        docs/performance/sampler.md).
       narrow: what a call does once no prompt is waiting. True: move the live sequences
         into fewer slots as they end (a round per size: a step costs about its rows on
         a CPU). False: keep the batch whole and decode the rest in one call, its window
