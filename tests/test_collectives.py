@@ -294,7 +294,7 @@ def test_auto_named_mlp_alternates_column_and_row():
 def test_contiguous_qkv_kernel_is_left_whole_and_said():
     # GPT-2's layout: one (hidden, 3 * hidden) kernel cut into q|k|v. No split of it keeps
     # a head's q, k and v together, so it stays whole, with the projection after it, and
-    # the Trainer says so at init, in plan(), with the fix.
+    # the Trainer says so at init, in placement(), with the fix.
     trainer, data = communication.setup("gpt2_layout", SMALL)
     with pytest.warns(UserWarning, match="not split over the model axis") as caught:
         trainer.init(data)
@@ -304,7 +304,7 @@ def test_contiguous_qkv_kernel_is_left_whole_and_said():
         assert f"_Gpt2Block_{layer}/Dense_1/kernel (64, 64): it reads " \
             f"_Gpt2Block_{layer}/Dense_0/kernel" in text
     assert "lay the kernel out per head" in text
-    plan = trainer.plan()
+    plan = trainer.placement()
     assert "left whole over the model axis (4):" in plan and "lay the kernel out" in plan
     detail = communication.memory_detail(trainer)
     assert detail["param_bytes_over_ideal"] > 1.4  # what staying whole costs in memory

@@ -82,7 +82,7 @@ def test_parameters_are_created_sharded():
     assert emb.sharding.spec == P("model", "fsdp")
     mu = t.state.opt_state[0].mu["q"]["kernel"][...]
     assert mu.sharding.spec == q.sharding.spec  # optimizer state follows its parameter
-    plan = t.plan()
+    plan = t.placement()
     assert "q/kernel" in plan and "('fsdp', 'model')" in plan
 
 
@@ -191,7 +191,7 @@ def test_model_state_besides_parameters_is_updated():
     t.fit(data, epochs=1)
     mean = np.asarray(t.state.extra["bn"]["mean"][...])
     assert np.all(mean != 0.0)  # the running mean moved away from its zero init
-    assert t.plan().count("bn/") == 4
+    assert t.placement().count("bn/") == 4
 
 
 def test_dropout_runs_in_train_only():

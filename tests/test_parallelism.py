@@ -77,6 +77,25 @@ def test_an_abstract_plan_needs_no_devices():
         plan.build()
 
 
+def test_the_plan_value_describes_itself_in_one_line():
+    """``Plan.describe`` is what the console prints after ``plan`` and MLflow tags as
+    ``redray.plan``: the axes, the batch's cut, a pipeline's schedule, the remat policy."""
+    from redray.sharding.plan import Plan
+
+    flat = Parallelism.of(model_axis=8, fsdp_axis=2).abstract(64)
+    assert Plan.of(flat, flat.step_geometry(64, 16)).describe() == \
+        "data=4 x fsdp=2 x model=8, batch 64 = 2 per device x 4 accumulation steps"
+    staged = Parallelism.of(stage_axis=4, model_axis=2).abstract(64)
+    plan = Plan.of(staged, staged.step_geometry(64, 8), pipeline_schedule="1f1b", remat="full")
+    assert plan.describe() == ("stage=4 x data=8 x fsdp=1 x model=2, batch 64 = 1 per device x "
+                               "8 pipelined micro-batches, 1f1b, remat full")
+    circular = dataclasses.replace(plan, pipeline_schedule="gpipe", stage_repeats=2, remat=None)
+    assert circular.describe().endswith("pipelined micro-batches, gpipe x 2 repeats")
+    assert Plan().describe() == "one device (no plan)"
+    with pytest.raises(TypeError, match=r"trainer\.placement\(\)"):
+        plan()  # what Trainer.plan() was: the placement table has its own name now
+
+
 def test_bad_plans_name_the_fix():
     with pytest.raises(TypeError, match="unknown keyword.*'tensor_axis'.*axis size.*model_axis"):
         Parallelism.of(tensor_axis=2)

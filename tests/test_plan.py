@@ -276,7 +276,7 @@ def test_the_memory_plan_is_checked_against_the_compiled_step():
         ratio = planned["total"] / measured["compiled"]["peak"]
         assert 0.8 <= ratio <= 1.25, (model_axis, fsdp_axis, ratio, measured)
         assert measured["fits"] is True
-    assert "XLA's compiled step on cpu: peak" in trainer.plan(memory=True)
+    assert "XLA's compiled step on cpu: peak" in trainer.placement(memory=True)
 
 
 def test_one_memory_count_for_the_trainer_the_planner_and_redray_plan():

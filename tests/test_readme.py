@@ -101,7 +101,8 @@ PROBES = {
     "loaded_eval_loss": "tuned.evaluate(test)['loss']",
     "loaded_predictions": "[int(p) for p in predictor.predict(test)]",
     "tuned_predictions": "[int(p) for p in tuned.predictor().predict(test)]",
-    "override_plan": "trainer.plan()",
+    "override_plan": "trainer.placement()",
+    "override_plan_line": "trainer.plan.describe()",
     "maml_losses": "[r['loss'] for r in maml_history]",
     "generated_shape": "list(np.asarray(tokens).shape)",
     "sampled": "[(len(c.tokens), len(c.logprobs), c.finish_reason) for c in done]",
@@ -120,7 +121,7 @@ PROBES = {
     "words": "[words.rows, words.documents, words.packing_efficiency]",
     "streamed_losses": "[r['loss'] for r in streamed_history if 'loss' in r]",
     "schedule_text": "repr(lr)",
-    "plans": "[plan.abstract(64).shape, shared.parallelism.describe()]",
+    "plans": "[axes.abstract(64).shape, shared.parallelism.describe()]",
     "schedule_steps": "[r['step'] for r in longer_history if 'loss' in r]",
     "hook_best": "best.best",
     "hook_evals": "[r['eval_loss'] for r in watched_history if 'eval_loss' in r]",
@@ -457,6 +458,9 @@ def test_the_python_blocks_run_and_do_what_they_say(program, work):
              if len(row) == 4}
     assert specs["out/kernel"] == "()"  # the override
     assert specs["hidden/kernel"] == "(None, 'model')"  # the automatic spec stays elsewhere
+    # the plan that trainer runs, in the line the console prints and MLflow tags
+    assert program["override_plan_line"] == \
+        "data=2 x fsdp=1 x model=2, batch 64 = 32 per device x 1 accumulation steps"
 
     assert program["generated_shape"] == [2, 8]
     # the sampler's completions: at most each request's length, EOS or not

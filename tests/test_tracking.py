@@ -74,6 +74,8 @@ def test_a_resumed_run_logs_once_per_step_into_the_same_sqlite_run(tmp_path):
     assert tags["redray.params_changed"] == "resumed with epochs: 1 -> 2"
     assert tags["redray.version"] == redray.__version__
     assert tags["redray.mesh"] == "data=2 x fsdp=1 x model=2"
+    assert tags["redray.plan"] == "data=2 x fsdp=1 x model=2, batch 8 = 4 per device x 1 " \
+        "accumulation steps"  # the plan value, as the console printed it
     assert (tags["redray.hosts"], tags["redray.devices"]) == ("2", "4")
     assert int(tags["redray.parameters"]) == 14752
     assert tags["redray.last_checkpoint"] == f"{tmp_path}/lm/checkpoints/24"

@@ -1,6 +1,6 @@
 """Layer parameters tensor parallelism leaves whole are never left silently: the rules
 say why and the fix (``rules.Whole``), ``Trainer`` warns at init for the large ones,
-``Trainer.plan()`` and ``redray plan`` list them."""
+``Trainer.placement()`` and ``redray plan`` list them."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_an_indivisible_width_is_named_with_the_size_that_would_split():
     # layer itself (its 32 outputs), and the head after it as a row
     assert "down/kernel" not in text
     assert spec_of(t, "down/kernel") == P(None, "model")
-    plan = t.plan()
+    plan = t.placement()
     assert "left whole over the model axis (2):\n  gate/kernel (32, 341)" in plan
 
 
@@ -77,7 +77,7 @@ def test_a_divisible_model_warns_nothing():
         warnings.simplefilter("error")
         t.init(DATA)
     assert t.runtime.costly_whole() == []
-    assert "left whole over the model axis (2):" in t.plan()  # the head, as intended
+    assert "left whole over the model axis (2):" in t.placement()  # the head, as intended
     assert spec_of(t, "gate/kernel") == P(None, "model")
     assert spec_of(t, "down/kernel") == P("model")
 

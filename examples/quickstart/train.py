@@ -95,7 +95,7 @@ def main():
         batch_size=args.batch_size, model_axis=args.model_axis, fsdp_axis=args.fsdp_axis,
         learning_rate=schedule, log_every=10)
     trainer.init(train)
-    print(trainer.plan())
+    print(trainer.placement())
     before = trainer.evaluate(evals)["loss"]
     print(f"eval perplexity before: {np.exp(before):.2f} (bytes)")
     trainer.fit(train, epochs=1, max_steps=args.steps)

@@ -226,6 +226,7 @@ class TrackerHook(Hook):
         d = trainer.describe()
         tags = {"redray.hosts": d["hosts"], "redray.devices": d["devices"],
                 "redray.mesh": describe_shape(d["mesh"]),
+                "redray.plan": d["layout"],
                 "redray.parameters": d["parameters"],
                 "redray.param_bytes_per_device": d["param_bytes_per_device"],
                 "redray.accumulation_steps": d["accumulation_steps"]}
@@ -233,7 +234,7 @@ class TrackerHook(Hook):
             tags["redray.attention"] = d["attention"]
         # a chosen plan: what it is, why, its predicted step and the hardware numbers
         tags.update({f"redray.plan.{k}": v for k, v in d.get("plan", {}).items()})
-        self.tracker.describe.remote(tags, trainer.plan())
+        self.tracker.describe.remote(tags, trainer.placement())
 
     def on_checkpoint(self, trainer, step: int, path: str, meta: dict) -> None:
         if self.tracker is not None:

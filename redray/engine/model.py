@@ -139,7 +139,7 @@ def split_trainable(params, pattern: str):
     """(trainable, frozen): ``params`` twice, with the other part's leaves set to None.
 
     A leaf is trainable when ``re.search(pattern, path)`` matches its "/"-joined path
-    (the paths ``Trainer.plan()`` shows). None leaves are empty subtrees to JAX, so
+    (the paths ``Trainer.placement()`` shows). None leaves are empty subtrees to JAX, so
     each part flattens to its own arrays only (optimizer state, gradients and
     checkpoints then hold the trainable part alone).
 

@@ -259,7 +259,7 @@ def warn_whole(runtime: ModelRuntime) -> None:
     warnings.warn(
         f"{len(costly)} large layer parameter(s) are not split over the model axis "
         f"({runtime.parallelism.size(MODEL)}): every device holds and computes them whole.\n  "
-        + "\n  ".join(lines) + "\nTrainer.plan() lists every parameter and its split; "
+        + "\n  ".join(lines) + "\nTrainer.placement() lists every parameter and its split; "
         "a rule (regex, PartitionSpec) in rules= sets one by hand.", stacklevel=5)
 
 

@@ -9,7 +9,6 @@ The program it runs (layout, jitted steps, the state a run starts from) is a
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
@@ -20,12 +19,13 @@ import optax
 from jax.sharding import Mesh
 
 from redray import startup
-from redray.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatch, latest_meta
+from redray.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatch
 from redray.engine.batches import collate_checked, each_batch, first_examples, to_global
 from redray.engine.console import Console
 from redray.engine.fit_hooks import Checkpoints, Evaluation, LogWindow, Recorder
 from redray.engine.hooks import EpochEnd, Hook, Position, StepInfo, current_scope
 from redray.engine.loop import TrainingData, tokens_per_example, training_steps
+from redray.engine.plan_choice import PlanChoice
 from redray.engine.nonfinite import (NonFiniteError, NonFiniteGuard, RolledBack, zero_flag,
                                      message as nonfinite_message)
 from redray.engine.program import TrainProgram
@@ -38,9 +38,8 @@ from redray.functions import WEIGHT, UserFunctions, UserFunctionError
 from redray.rngs import KeyStream, stream_key
 from redray.sharding import Parallelism, placement
 from redray.sharding.activations import AttentionKernels, attention_kernels
-from redray.sharding.parallelism import describe_shape
 from redray.sharding.plan import Plan
-from redray.planning.planner import Candidate, pins
+from redray.planning.planner import pins
 from redray.planning.memory import memory_text
 
 # What a Trainer's checkpoint meta holds beyond the step (and reads back on resume): the
@@ -121,7 +120,7 @@ class Trainer:
         None (default): none, except inside ``redray.run``, where the first Trainer
         made uses the run's checkpoint folder.
       config: the run's settings (JSON-able) stored in every checkpoint.
-      trainable: a regex on parameter paths (as ``plan()`` shows them, ``re.search``):
+      trainable: a regex on parameter paths (as ``placement()`` shows them, ``re.search``):
         only matching parameters are trained, hold optimizer state and are saved in
         checkpoints; the rest stay as the model built them (e.g. LoRA adapters on a
         frozen base: ``trainable=r"lora_"``). None: every parameter is trained.
@@ -178,13 +177,11 @@ class Trainer:
                             f"(e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self._batch_size = batch_size  # the global batch asked for (a plan's geometry's)
-        self.hardware, self.plan_ranking = hardware, None
         if plan_timing not in (None, True, False):
             raise ValueError(f"plan_timing={plan_timing!r}: use None (timed unless the run is "
                              "short), True or False")
-        self.plan_timing = plan_timing
-        self._planned_steps: int | None = None  # fit's steps, for the planner's timing
-        self._plan_meta: dict | None = None  # a chosen plan, as checkpoints keep it
+        # the planner's choice under "auto" (None: the user gave the plan)
+        self._choice: PlanChoice | None = None
         axes = {k: v for k, v in axes.items() if v is not None}  # None: not given
         if parallelism is None and mesh is None and not axes:
             parallelism = "auto"  # nothing of the plan given: the planner chooses it
@@ -193,9 +190,9 @@ class Trainer:
                 raise ValueError("give either parallelism='auto' or a mesh, not both: the "
                                  "planner builds the mesh")
             Parallelism.of(caller="Trainer", **axes)  # an unknown keyword fails as such
-            self._pinned = pins(micro_batch_size=micro_batch_size,
-                                pipeline_schedule=pipeline_schedule, **axes)
-            self._rules = tuple(rules or ())
+            self._choice = PlanChoice(pins(micro_batch_size=micro_batch_size,
+                                           pipeline_schedule=pipeline_schedule, **axes),
+                                      tuple(rules or ()), hardware, plan_timing, None)
             # what the user fixed of the plan; the rest is chosen at init
             plan = Plan(pipeline_schedule=pipeline_schedule or "gpipe",
                         stage_repeats=stage_repeats)
@@ -238,7 +235,6 @@ class Trainer:
         self._summarized = False
         self._predictors: dict = {}
         self.console = Console()  # process 0's messages and progress: this terminal
-        self._probe_cache = None
         scope = current_scope()
         if scope is not None:  # inside redray.run/redray.fit: the run's defaults and hooks
             adopted = scope.adopt(self, default_checkpoint=checkpoint is None)
@@ -247,29 +243,39 @@ class Trainer:
             self.config = {**adopted.config, **self.config}
             if adopted.console is not None:  # the run's driver shows them
                 self.console = adopted.console
-            self._probe_cache = adopted.probe_cache
+            if self._choice is not None:
+                self._choice.probe_cache = adopted.probe_cache
             for hook in adopted.hooks:
                 self.add_hook(hook)
 
     @property
-    def parallelism(self) -> Parallelism | None:
-        """The plan's axis sizes, rules and mesh (None under "auto" before ``init``)."""
-        return self.runtime.parallelism
+    def plan(self) -> Plan:
+        """The plan this Trainer runs, one frozen value (``redray.sharding.plan.Plan``:
+        axes, batch geometry, pipeline, remat; ``.describe()`` in one line). Under
+        "auto" its axes are chosen at ``init``; what each device then holds is
+        ``placement()``."""
+        return self.runtime.plan
 
-    @property
-    def mesh(self):
-        return self.runtime.mesh
-
-    @property
-    def geometry(self):
-        """The plan's batch geometry (global batch, micro-batch, accumulation, this
-        process's rows); None under "auto" before ``init``."""
-        return self.runtime.plan.geometry
+    # the plan's parts, read-only
+    parallelism = property(lambda self: self.runtime.plan.parallelism,
+                           doc="The plan's axis sizes, rules and mesh (None under \"auto\" "
+                               "before ``init``).")
+    mesh = property(lambda self: self.runtime.plan.mesh, doc="The plan's device mesh.")
+    geometry = property(lambda self: self.runtime.plan.geometry,
+                        doc="The plan's batch geometry (global batch, micro-batch, "
+                            "accumulation, this process's rows); None under \"auto\" before "
+                            "``init``.")
 
     @property
     def batch_size(self) -> int:
         """Examples per optimizer update (the global batch)."""
         return self._batch_size
+
+    @property
+    def plan_ranking(self):
+        """Every plan the planner weighed (``redray.planning.planner.Ranking``), under
+        "auto" once ``init`` chose one; None when the plan was given or kept."""
+        return None if self._choice is None else self._choice.ranking
 
     def add_hook(self, hook: Hook) -> None:
         """Runs ``hook`` beside training from now on (see ``redray.Hook``)."""
@@ -288,7 +294,7 @@ class Trainer:
         state (restored from the newest checkpoint, if there is one).
 
         Called by ``fit`` and ``evaluate`` when needed; call it yourself to inspect
-        ``plan()`` before training.
+        ``placement()`` before training.
         """
         if self.state is not None:
             return
@@ -302,8 +308,8 @@ class Trainer:
         with startup.phase("first_batch"):
             sample = collate_checked(self.functions.collate,
                                      first_examples(examples, self.batch_size))
-        if self.parallelism is None and not self._keep_plan():
-            self._choose_plan(sample)
+        if self.parallelism is None:
+            self._take_plan(sample)
         with startup.phase("build"), attention_kernels() as kernels:
             self.program = TrainProgram.build(
                 self.runtime, self.functions, self.optimizer, sample,
@@ -333,67 +339,23 @@ class Trainer:
             for hook in self.hooks:
                 hook.on_restore(self, int(meta["step"]), path, meta)
 
-    def _plan_key(self) -> dict:
-        """What a chosen plan holds for: the devices, the batch, what the user pinned and
-        the hardware they named."""
-        return {"devices": jax.device_count(), "processes": jax.process_count(),
-                "batch_size": self.batch_size, "pinned": repr(self._pinned),
-                "hardware": repr(self.hardware)}
-
-    def _keep_plan(self) -> bool:
-        """A run resuming on the devices its checkpoint's plan was chosen for keeps that
-        plan: the planner's pick follows timings (the machine's load at init), and
-        another plan rounds differently, so the resumed run would not continue exactly as
-        it was going. On other devices (fewer hosts, an elastic regroup) it plans again.
-        Whether it kept one."""
-        config = self.checkpoint_config
-        if config is None or not config.resume or config.directory is None:
-            return False
-        saved = (latest_meta(config.directory) or {}).get("plan")
-        if not saved or saved["key"] != self._plan_key():
-            return False
-        self._use_plan(Candidate(tuple(map(tuple, saved["sizes"])), saved["micro_batch_size"],
-                                 saved["remat"], saved["schedule"]))
-        if self.progress and jax.process_index() == 0:
-            self.console.say(f"plan: {self._plan_meta['chosen']}, kept from the checkpoint "
-                             "this run resumes (the same devices)")
-        return True
-
-    def _use_plan(self, best: Candidate) -> None:
-        built = Parallelism.of(rules=self._rules, **dict(best.sizes)).build()
-        asked = self.runtime.plan
-        self.runtime.use(Plan.of(built, built.geometry(self.batch_size, best.micro_batch_size),
-                                 pipeline_schedule=best.pipeline_schedule,
-                                 stage_repeats=asked.stage_repeats, remat=best.remat,
-                                 context_method=asked.context_method))
-        self._plan_meta = {"key": self._plan_key(), "sizes": list(best.sizes),
-                           "micro_batch_size": best.micro_batch_size, "remat": best.remat,
-                           "schedule": best.pipeline_schedule, "chosen": best.describe()}
-
-    def _choose_plan(self, sample: dict) -> None:
-        """Runs the planner on this model, loss and batch, and takes its pick."""
-        from redray.planning import context_chooser, resolve_hardware
-        from redray.engine.facts import RuntimeFacts
-        from redray.planning.live import choose
-
-        if self.hardware is None:
-            with startup.phase("probe"):
-                hardware = resolve_hardware(None, self._probe_cache)
+    def _take_plan(self, sample: dict) -> None:
+        """Under "auto": the plan of the checkpoint a run resumes on the same devices, or
+        the planner's pick on this model, loss and batch."""
+        choice, shown = self._choice, self.progress and jax.process_index() == 0
+        best = choice.kept(self.checkpoint_config, self.batch_size)
+        context = None
+        if best is None:
+            best, context = choice.choose(self.runtime, self.functions, self.optimizer, sample,
+                                          self.trainable, self.grad_fn, self.batch_size)
+        self.runtime.use(choice.plan(best, self.batch_size, self.runtime.plan, context))
+        if not shown:
+            return
+        if context is None:
+            self.console.say(f"plan: {choice.meta['chosen']}, kept from the checkpoint this "
+                             "run resumes (the same devices)")
         else:
-            hardware = resolve_hardware(self.hardware)
-        # the model's own choices (the context axis's attention) on the same hardware
-        self.runtime.use(dataclasses.replace(self.runtime.plan,
-                                             context_method=context_chooser(hardware)))
-        with startup.phase("planner"):
-            facts = RuntimeFacts(self.runtime, self.functions.loss, self.optimizer, sample,
-                                 self.trainable, tokens_per_example(sample))
-            facts.one_f_one_b = facts.one_f_one_b and self.grad_fn is None
-            self.plan_ranking = choose(facts, self.batch_size, hardware, self._pinned,
-                                       self._rules, cache=self._probe_cache,
-                                       steps=self._planned_steps, timed=self.plan_timing)
-            self._use_plan(self.plan_ranking.best.candidate)
-        if self.progress and jax.process_index() == 0:
-            self.console.say(self.plan_ranking.why())
+            self.console.say(choice.ranking.why())
 
     def _restore_latest(self):
         """(items, meta) of the newest complete checkpoint, restored onto this plan's
@@ -410,13 +372,14 @@ class Trainer:
                 f"trainable={self.trainable!r}: its saved parameters do not fit. Use the same "
                 "trainable, or start a new run (another name or directory, or resume=False)")
 
-    def plan(self, memory: bool = False, device_gib: float | None = None) -> str:
-        """The sharding plan (path, shape, spec, bytes per device); after ``init``.
+    def placement(self, memory: bool = False, device_gib: float | None = None) -> str:
+        """What each device holds: every parameter's path, shape, spec and bytes per
+        device (after ``init``).
 
         With ``memory=True`` (or ``device_gib``) it adds what one training step holds
         per device, by part, beside what XLA compiled for this backend
         (``Trainer.memory``), and with ``device_gib`` whether that fits."""
-        self._require_init("plan")
+        self._require_init("placement")
         text = self.runtime.placement_text()
         if memory or device_gib is not None:
             text += "\n\n" + "\n".join(memory_text(self.memory(device_gib),
@@ -447,9 +410,10 @@ class Trainer:
         return self.program.memory(self.state, facts, device_gib)
 
     def describe(self) -> dict:
-        """The run's shape: hosts, devices, mesh, parameter count, bytes per device,
-        batch sizes, accumulation steps (or pipeline micro-batches), circular pipeline
-        repeats where there are any (after ``init``)."""
+        """The run's shape: hosts, devices, mesh, the plan in one line (``layout``:
+        ``Plan.describe``), parameter count, bytes per device, batch sizes, accumulation
+        steps (or pipeline micro-batches), circular pipeline repeats where there are any
+        (after ``init``)."""
         self._require_init("describe")
         rows = placement(self.runtime.abstract[0], self.runtime.specs[0], self.mesh)
         opt = sum(x.nbytes for x in jax.tree.leaves(self.state.opt_state)
@@ -461,6 +425,7 @@ class Trainer:
                                                 jax.tree.leaves(self.state.params))),
                 "param_bytes_per_device": int(sum(r.bytes_per_device for r in rows)),
                 "optimizer_bytes_per_device_approx": int(opt),
+                "layout": self.runtime.plan.describe(),
                 "batch_size": self.batch_size,
                 "micro_batch_size": self.geometry.micro_batch_size,
                 "accumulation_steps": self.geometry.accumulation,
@@ -468,30 +433,16 @@ class Trainer:
                    if self.runtime.stage_repeats > 1 else {}),
                 **({"attention": self.attention.describe()}
                    if self.attention is not None and self.attention.why else {}),
-                **({} if self.plan_ranking is None else {"plan": self._plan_facts()})}
-
-    def _plan_facts(self) -> dict:
-        """What the planner chose and on what: the predicted step, the hardware."""
-        ranking = self.plan_ranking
-        best = ranking.best
-        return {"chosen": best.candidate.describe(), "why": ranking.why(),
-                "predicted_step_s": best.cost.seconds,
-                "predicted_tokens_per_s": best.tokens_per_s,
-                "predicted_memory_bytes": best.memory["total"],
-                "plans_weighed": len(ranking.ranked) + len(ranking.over),
-                **ranking.hardware.describe(),
-                **({} if ranking.timing is None else ranking.timing.describe())}
+                **({} if self.plan_ranking is None else {"plan": self._choice.facts()})}
 
     def _print_summary(self) -> None:
         d = self.describe()
-        mesh = describe_shape(d["mesh"])
         trained = "" if d["trainable_parameters"] == d["parameters"] else \
             f" ({d['trainable_parameters']:,} trained)"
         self.console.say(
-            f"redray: {d['hosts']} host(s), {d['devices']} devices, mesh {mesh}; "
+            f"redray: {d['hosts']} host(s), {d['devices']} devices; plan {d['layout']}; "
             f"{d['parameters']:,} parameters{trained}, {d['param_bytes_per_device']:,} "
-            f"parameter bytes per device; batch {d['batch_size']} (micro "
-            f"{d['micro_batch_size']} per device x {d['accumulation_steps']} accumulation steps)")
+            f"parameter bytes per device")
 
     @property
     def model(self):
@@ -617,8 +568,9 @@ class Trainer:
         if ckpt is not None and ckpt.best_metric and eval_data is None:
             raise ValueError(f"best_metric={ckpt.best_metric!r} needs eval_data: the best "
                              "checkpoint is chosen by the evaluation after each epoch")
-        if self.state is None:  # what the planner weighs its timing against
-            self._planned_steps = run_steps(len(train) // self.batch_size, epochs, max_steps)
+        if self.state is None and self._choice is not None:  # the planner weighs its timing
+            self._choice.planned_steps = run_steps(len(train) // self.batch_size, epochs,
+                                                   max_steps)
         self.init(train)
         data = self.training_data(train, shuffle)
         data.check_resume(self.resumed_from, self.checkpointer and self.checkpointer.directory)
@@ -728,8 +680,8 @@ class Trainer:
         meta = {"step": self.step, "epoch": position.epoch, "batch": position.batch,
                 "epoch_done": position.epoch_done, **data_settings, "metrics": metrics or {},
                 "config": self.config, "trainable": self.trainable, "run": self._run_meta(),
-                "budget": self.budget, "schedule": self._schedule_meta, "plan": self._plan_meta,
-                "time": time.time()}
+                "budget": self.budget, "schedule": self._schedule_meta,
+                "plan": self._choice and self._choice.meta, "time": time.time()}
 
         def committed(step, path, meta):
             for hook in self._listening():

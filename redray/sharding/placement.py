@@ -1,6 +1,7 @@
 """Placement: what every device holds of each array, computed without allocating anything.
 
-(``Trainer.plan()`` prints it; ``redray plan`` builds on it, in ``redray/planning/from_config.py``.)
+(``Trainer.placement()`` prints it; ``redray plan`` builds on it, in
+``redray/planning/from_config.py``.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from redray.sharding.parallelism import STAGE, BatchGeometry, Parallelism
+from redray.sharding.parallelism import STAGE, BatchGeometry, Parallelism, describe_shape
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
@@ -63,6 +63,32 @@ class Plan:
         staged = parallelism.size(STAGE) > 1
         return cls(parallelism, geometry, geometry.micro_rows if staged else None, **rest)
 
+    def __call__(self, *args, **kwargs):
+        raise TypeError("a Plan is a value, not a method: Trainer.plan is the plan the "
+                        "Trainer runs (print trainer.plan.describe()); the table of what each "
+                        "device holds is trainer.placement()")
+
     @property
     def mesh(self):
         return None if self.parallelism is None else self.parallelism.mesh
+
+    def describe(self) -> str:
+        """The plan in one line, as the console prints it and MLflow tags it
+        (``redray.plan``): ``data=2 x fsdp=1 x model=2, batch 64 = 8 per device x 4
+        accumulation steps``, then the pipeline's schedule and repeats on a stage axis
+        and the planner's remat policy."""
+        if self.parallelism is None:
+            return "one device (no plan)"
+        parts = [describe_shape(self.parallelism.shape)]
+        g = self.geometry
+        if g is not None:
+            passes = ("pipelined micro-batches" if self.parallelism.size(STAGE) > 1
+                      else "accumulation steps")
+            parts.append(f"batch {g.batch_size} = {g.micro_batch_size} per device x "
+                         f"{g.accumulation} {passes}")
+        if self.parallelism.size(STAGE) > 1:
+            parts.append(self.pipeline_schedule + (f" x {self.stage_repeats} repeats"
+                                                   if self.stage_repeats > 1 else ""))
+        if self.remat is not None:
+            parts.append(f"remat {self.remat}")
+        return ", ".join(parts)
