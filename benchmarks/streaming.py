@@ -265,9 +265,9 @@ def resume_figure(args, work: str) -> dict:
             trainer.init(stream)
             # a checkpoint at batch `at` of epoch 0 (its state untrained: what is timed is
             # reading from there on)
-            trainer.position = Position(0, at, False)
-            trainer.save_checkpoint(trainer.training_data(stream, True).settings())
-            trainer.checkpointer.wait()
+            trainer.save_checkpoint(trainer.training_data(stream, True).settings(),
+                                    position=Position(0, at, False))
+            trainer.wait_for_checkpoints()
     finally:
         ray.shutdown()
     times = {"start": [], "end": []}

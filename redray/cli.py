@@ -166,7 +166,7 @@ def _job_client(address: str | None, command: str):
     from ray.job_submission import JobSubmissionClient
 
     if not verbose():
-        from redray.data.ray_local import quiet_job_sdk
+        from redray.processes.ray_local import quiet_job_sdk
 
         quiet_job_sdk()
 
@@ -232,7 +232,7 @@ def _follow(client, job: str) -> str:
     import queue
     import threading
 
-    from redray.data.ray_local import OutputState, drop_noise
+    from redray.processes.ray_local import OutputState, drop_noise
 
     seen: list[str] = []
     stream = OutputState()

@@ -10,7 +10,7 @@ import pytest
 
 import redray
 from redray.cluster.console import DriverView
-from redray.data.ray_local import OutputState, drop_noise
+from redray.processes.ray_local import OutputState, drop_noise
 from redray.engine.console import duration_text, progress_text, row_text
 from redray.verbosity import verbose
 from tiny import TinyLM, lm_collate, lm_loss, token_data

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import redray
-from redray.data.ray_local import SPARE_CPUS, ensure_ray
+from redray.processes.ray_local import SPARE_CPUS, ensure_ray
 from tiny import TinyLM, lm_loss, token_data
 
 ray = pytest.importorskip("ray")

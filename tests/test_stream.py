@@ -1,7 +1,7 @@
 """redray.Stream: files read through Ray Data, in an order that is a pure function of
 (seed, epoch), resumed by seeking.
 
-The plan (which rows of which piece each stream reads) and the corpus's pieces are
+The epoch's segments (which rows of which piece each stream reads) and the corpus's pieces are
 tested as plain functions; reading, the Trainer over a stream and exact resume run on
 a real local Ray instance (Ray Data executes the reads and the transform)."""
 
@@ -19,32 +19,32 @@ import pytest
 import redray
 from redray.data import corpus as corpus_module
 from redray.data.corpus import Corpus
-from redray.data.stream import Stream, plan, segments_from, window_order
+from redray.data.stream import Stream, epoch_segments, segments_from, window_order
 from tiny import TinyLM, assert_same, lm_collate, lm_loss, token_data
 
 ray = pytest.importorskip("ray")
 
 
-# --------------------------------------------------------------------------- the plan
+# --------------------------------------------------------------------------- an epoch's segments
 
 def test_plan_cuts_the_permuted_pieces_into_equal_streams():
     rows = [5, 17, 3, 9, 30, 1]
-    streams = plan(rows, seed=3, epoch=0, shuffle=True, streams=4)
+    streams = epoch_segments(rows, seed=3, epoch=0, shuffle=True, streams=4)
     per = sum(rows) // 4
     assert [sum(s.rows for s in segs) for segs in streams] == [per] * 4
     order = np.random.default_rng([3, 0]).permutation(len(rows))
     laid = [(p, r) for p in order for r in range(rows[p])]  # the rows end to end
     read = [(s.piece, r) for segs in streams for s in segs for r in range(s.start, s.stop)]
     assert read == laid[:4 * per]  # in order, each row once, the remainder left out
-    assert plan(rows, 3, 0, True, 4) == streams  # a pure function of (seed, epoch)
-    assert plan(rows, 3, 1, True, 4) != streams
-    unshuffled = plan(rows, 3, 0, False, 1)[0]
+    assert epoch_segments(rows, 3, 0, True, 4) == streams  # a pure function of (seed, epoch)
+    assert epoch_segments(rows, 3, 1, True, 4) != streams
+    unshuffled = epoch_segments(rows, 3, 0, False, 1)[0]
     assert [(s.piece, s.start, s.stop) for s in unshuffled] == \
         [(p, 0, r) for p, r in enumerate(rows)]
 
 
 def test_segments_from_seeks_inside_a_piece():
-    segs = plan([10, 10, 10], seed=0, epoch=0, shuffle=False, streams=1)[0]
+    segs = epoch_segments([10, 10, 10], seed=0, epoch=0, shuffle=False, streams=1)[0]
     rest = segments_from(segs, 13)
     assert [(s.piece, s.start, s.stop) for s in rest] == [(1, 3, 10), (2, 0, 10)]
     assert segments_from(segs, 0) == segs

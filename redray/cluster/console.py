@@ -9,7 +9,7 @@ every message; elsewhere (a file, a pipe, a submitted job's log) one line per lo
 
 Everything else the processes of a run print still reaches the driver through Ray's
 log stream (a ``print`` in ``collate``, a warning, an error), above the live line,
-minus what is known to be noise to a user (``redray/data/ray_local.py``'s ``NOISE``:
+minus what is known to be noise to a user (``redray/processes/ray_local.py``'s ``NOISE``:
 set-up chatter of Gloo, JAX, Ray, MLflow and transformers). Verbose
 (``redray/verbosity.py``: ``--verbose``, ``REDRAY_VERBOSE=1``), everything is shown,
 each host's own progress bar included, and no news is sent to the driver.

@@ -44,12 +44,12 @@ class Host:
 
     def address(self) -> str:
         """Where this host (as host 0) serves the runtime: its node's address, a free port."""
-        from redray.sharding.hosts import served_at
+        from redray.processes.jax_runtime import served_at
 
         return served_at(ray.util.get_node_ip_address())
 
     def join(self, address: str, world: int, rank: int) -> None:
-        from redray.sharding.hosts import join_jax
+        from redray.processes.jax_runtime import join_jax
 
         join_jax(address, world, rank)
         self.rank = rank

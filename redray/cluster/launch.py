@@ -14,7 +14,7 @@ from redray.cluster.console import DriverView, Watcher
 from redray.cluster.job import (REGROUP, TRAINED, CallCode, CallTask, FitCode, FitTask,
                                HostFailure, HostJob, Room, shown_resources)
 from redray.cluster.run_lock import RunLock
-from redray.data.ray_local import join_ray, quiet_ray_logs, start_local
+from redray.processes.ray_local import join_ray, quiet_ray_logs, start_local
 from redray.verbosity import ADVICE_ENV, VERBOSE_ENV, verbose
 
 

@@ -90,7 +90,7 @@ _KEPT = Kept()
 def results_actor():
     """A results actor on the driver's node, cleared: the one kept from this driver's
     last run, else a new one (its scheduling: ``on_driver_node``)."""
-    from redray.data.ray_local import on_driver_node
+    from redray.processes.ray_local import on_driver_node
 
     return _KEPT.take(lambda actor: answers(actor, "reset")) or \
         Results.options(scheduling_strategy=on_driver_node()).remote()

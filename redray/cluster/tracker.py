@@ -83,7 +83,7 @@ def start_tracker(folders, experiment: str, resume: bool, checkpoint_config, con
       config: the run's settings, logged as MLflow params.
     """
     from redray.checkpoint import latest_meta
-    from redray.data.ray_local import on_driver_node
+    from redray.processes.ray_local import on_driver_node
     from redray.version import __version__
 
     run_id = None

@@ -322,18 +322,16 @@ class Regrow(Hook):
     def _check(self, trainer, step: int) -> None:
         import jax
 
-        checkpointer = trainer.checkpointer
-        if (checkpointer is None or checkpointer.saving != step
-                or jax.process_count() >= self.grow_to):
+        if trainer.saving_step != step or jax.process_count() >= self.grow_to:
             return
         import numpy as np
 
-        from redray.sharding.hosts import from_process_zero
+        from redray.processes.jax_runtime import from_process_zero
 
         room = jax.process_index() == 0 and self._room(jax.process_count())
         if not bool(from_process_zero(np.int32(room))):  # every host acts on process 0's answer
             return
-        checkpointer.wait()  # the checkpoint of this step is complete before the group ends
+        trainer.wait_for_checkpoints()  # this step's checkpoint is complete before the group ends
         if jax.process_index() == 0:
             trainer.console.say(f"the cluster has room for more hosts: regrouping at step "
                                 f"{step} ({jax.process_count()} host(s) now, up to "

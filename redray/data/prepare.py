@@ -153,7 +153,7 @@ def _dataset(source):
     import ray.data
 
     from redray.data.corpus import Corpus
-    from redray.data.ray_local import ensure_ray
+    from redray.processes.ray_local import ensure_ray
     from redray.data.stream import Segment, ordered, read_segments
 
     ensure_ray()

@@ -8,7 +8,7 @@ as they are needed, through a Ray Dataset that runs the user's ``transform`` (e.
 tokenization) in parallel on the cluster, and keeps at most a shuffle window of rows
 per stream in memory.
 
-The order of an epoch (``plan``):
+The order of an epoch (``epoch_segments``):
 
 1. The pieces are permuted by ``(seed, epoch)`` and their rows laid end to end.
 2. That sequence is cut into ``streams`` equal parts (the rows that do not divide are
@@ -20,7 +20,7 @@ The order of an epoch (``plan``):
 
 A process reads the streams its devices' rows of the batch come from (one stream per
 host when ``streams`` equals the number of hosts: the default). Every host computes
-the same plan, so all agree on the number of batches without talking. Resuming at
+the same segments, so all agree on the number of batches without talking. Resuming at
 batch ``i`` opens each stream at row ``i*b``: the window holding it is read (from the
 pieces that hold it, found by the row counts) and its first ``i*b mod
 shuffle_buffer`` rows skipped; nothing before that window is read again.
@@ -58,7 +58,7 @@ class Segment:
         return self.stop - self.start
 
 
-def plan(piece_rows: Sequence[int], seed: int, epoch: int, shuffle: bool,
+def epoch_segments(piece_rows: Sequence[int], seed: int, epoch: int, shuffle: bool,
          streams: int) -> list[list[Segment]]:
     """Each stream's segments for an epoch, in order (steps 1 and 2 of the module
     docstring); every stream holds ``sum(piece_rows) // streams`` rows."""
@@ -168,7 +168,8 @@ class Stream:
         """This process's rows (``rows`` of each global batch) of batches
         ``start..stop-1`` of ``epoch``."""
         per = batch_size // streams
-        segments = plan([p.rows for p in self.corpus.pieces], seed, epoch, shuffle, streams)
+        segments = epoch_segments([p.rows for p in self.corpus.pieces], seed, epoch, shuffle,
+                                  streams)
         needed = range(rows.start // per, (rows.stop - 1) // per + 1)
         readers = {s: self._rows(segments[s], s, seed, epoch, shuffle, start * per)
                    for s in needed}
@@ -240,7 +241,7 @@ def read_segments(corpus: Corpus, segments: list[Segment]):
     """A Ray Dataset of the rows of ``segments``, in order (one read task each)."""
     import ray.data
 
-    from redray.data.ray_local import ensure_ray
+    from redray.processes.ray_local import ensure_ray
 
     ensure_ray()
     return ordered(ray.data.read_datasource(_datasource(corpus, segments),

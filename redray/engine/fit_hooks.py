@@ -136,7 +136,7 @@ class Checkpoints(Hook):
     def on_fit_end(self, trainer) -> None:
         step = trainer.step
         self._save(trainer, step, self._metrics(step))
-        trainer.checkpointer.wait()
+        trainer.wait_for_checkpoints()
 
     def _save(self, trainer, step: int, metrics: dict | None = None) -> None:
         if self.saved == step:

@@ -72,7 +72,7 @@ class NonFiniteGuard(Hook):
         since the last check was not finite."""
         if self.policy == "skip" or not self.unchecked:
             return
-        bad = int(jax.device_get(trainer.state.nonfinite_step))
+        bad = trainer.nonfinite_step
         unchecked, self.unchecked = self.unchecked, {}
         if not bad:
             return
@@ -112,12 +112,7 @@ def describe(step: int, info: StepInfo | None, steps_per_epoch: int | None) -> s
 def message(trainer, step: int, info: StepInfo | None, steps_per_epoch: int | None,
             rollbacks: int | None = None) -> str:
     """The ``NonFiniteError`` text: where, what was (not) saved, what to do."""
-    checkpointer = trainer.checkpointer
-    if checkpointer is not None:
-        checkpointer.wait()  # a save in flight (of an earlier, finite step) completes
-    saved = None if checkpointer is None else checkpointer.last_saved
-    if saved is None and trainer.resumed_from is not None and checkpointer is not None:
-        saved = checkpointer.step_path(trainer.resumed_from["step"])
+    saved = trainer.newest_checkpoint()  # a save in flight (of an earlier, finite step) waited for
     kept = f"the newest checkpoint, {saved}, is the last finite state" if saved else \
         "no checkpoint was written"
     tried = "" if not rollbacks else f" after {rollbacks} rollback(s)"

@@ -10,6 +10,7 @@ The program it runs (layout, jitted steps, the state a run starts from) is a
 from __future__ import annotations
 
 import time
+from types import MappingProxyType
 from typing import Any, Callable, Sequence
 
 import jax
@@ -209,7 +210,7 @@ class Trainer:
         self.eval_batch_size = eval_batch_size or batch_size
         # the plan, one value: the runtime holds it (``runtime.plan``)
         self.runtime = ModelRuntime(model, plan, compute_dtype, seed)
-        self.learning_rate = learning_rate
+        self._learning_rate = learning_rate
         self.budget: int | None = None  # the run's total steps, as the last fit asked
         self.seed = seed
         self.log_every = max(1, int(log_every))
@@ -220,29 +221,29 @@ class Trainer:
         self.program: TrainProgram | None = None
         # the attention kernels the step's model computes with (after init)
         self.attention: AttentionKernels | None = None
-        self.checkpoint_config = CheckpointConfig.of(checkpoint)
-        self.checkpointer: Checkpointer | None = None
+        self._checkpoint_config = CheckpointConfig.of(checkpoint)
+        self._checkpointer: Checkpointer | None = None
         self.config = dict(config or {})
-        self.position = Position()
-        self.resumed_from: dict | None = None
+        self._position = Position()
+        self._resumed_from: dict | None = None
         # Tokens in one example (the width of the batch's first 2-D integer array, e.g.
         # input_ids), learned from fit's first batch; 0: the batch has no tokens.
-        self.tokens_per_example = 0
+        self._tokens = 0
         self.hooks: list[Hook] = []
         for hook in hooks:
             self.add_hook(hook)
         self._fit_hooks: list[Hook] = []
         self._summarized = False
         self._predictors: dict = {}
-        self.console = Console()  # process 0's messages and progress: this terminal
+        self._console = Console()  # process 0's messages and progress: this terminal
         scope = current_scope()
         if scope is not None:  # inside redray.run/redray.fit: the run's defaults and hooks
             adopted = scope.adopt(self, default_checkpoint=checkpoint is None)
             if adopted.checkpoint is not None:
-                self.checkpoint_config = adopted.checkpoint
+                self._checkpoint_config = adopted.checkpoint
             self.config = {**adopted.config, **self.config}
             if adopted.console is not None:  # the run's driver shows them
-                self.console = adopted.console
+                self._console = adopted.console
             if self._choice is not None:
                 self._choice.probe_cache = adopted.probe_cache
             for hook in adopted.hooks:
@@ -276,6 +277,55 @@ class Trainer:
         """Every plan the planner weighed (``redray.planning.planner.Ranking``), under
         "auto" once ``init`` chose one; None when the plan was given or kept."""
         return None if self._choice is None else self._choice.ranking
+
+    # What hooks and the cluster layer read of the run: read-only (the Trainer and its
+    # loop change them; tests/test_architecture.py checks that hooks read nothing else).
+    learning_rate = property(lambda self: self._learning_rate,
+                             doc="The schedule (or float) given as ``learning_rate=``, logged.")
+    tokens_per_example = property(
+        lambda self: self._tokens, doc="Tokens in one example (the width of the batch's first "
+        "2-D integer array), learned from fit's first batch; 0: the batch has no tokens.")
+    checkpoint_config = property(lambda self: self._checkpoint_config,
+                                 doc="When and where checkpoints are saved (None: never).")
+    checkpointer = property(lambda self: self._checkpointer,
+                            doc="The checkpoints' writer and reader, after ``init`` (None "
+                                "without checkpoints).")
+    position = property(lambda self: self._position,
+                        doc="Where training stands in the data (epoch, batch, epoch done).")
+    console = property(lambda self: self._console, doc="Process 0's messages and progress.")
+
+    @property
+    def resumed_from(self):
+        """The meta of the checkpoint this run resumed from (read-only), or None."""
+        return None if self._resumed_from is None else MappingProxyType(self._resumed_from)
+
+    @property
+    def nonfinite_step(self) -> int:
+        """The first step since the last check whose loss or gradient norm was not
+        finite (0: none); read from the devices."""
+        self._require_init("nonfinite_step")
+        return int(jax.device_get(self.state.nonfinite_step))
+
+    @property
+    def saving_step(self) -> int | None:
+        """The step whose checkpoint is being written, if one is."""
+        return None if self._checkpointer is None else self._checkpointer.saving
+
+    def wait_for_checkpoints(self) -> None:
+        """Returns once every checkpoint started has been written."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+
+    def newest_checkpoint(self) -> str | None:
+        """The newest complete checkpoint's path (a save in flight waited for), this run's
+        or the one it resumed from; None if there is none."""
+        if self._checkpointer is None:
+            return None
+        self._checkpointer.wait()
+        saved = self._checkpointer.last_saved
+        if saved is None and self._resumed_from is not None:
+            saved = self._checkpointer.step_path(self._resumed_from["step"])
+        return saved
 
     def add_hook(self, hook: Hook) -> None:
         """Runs ``hook`` beside training from now on (see ``redray.Hook``)."""
@@ -317,24 +367,24 @@ class Trainer:
                 on_nonfinite=self.on_nonfinite)
         self.attention = kernels
         if kernels.why and self.progress and jax.process_index() == 0:
-            self.console.say(f"attention: {kernels.describe()}")
+            self._console.say(f"attention: {kernels.describe()}")
         items = None
-        if self.checkpoint_config is not None:
+        if self._checkpoint_config is not None:
             with startup.phase("restore"):
-                self.checkpointer = Checkpointer(self.checkpoint_config, CHECKPOINT_ITEMS)
-                found = self._restore_latest() if self.checkpoint_config.resume else None
+                self._checkpointer = Checkpointer(self._checkpoint_config, CHECKPOINT_ITEMS)
+                found = self._restore_latest() if self._checkpoint_config.resume else None
             if found is not None:
                 items, meta = found
-                self.resumed_from = meta
-                self.position = Position(meta["epoch"], meta["batch"], meta["epoch_done"])
+                self._resumed_from = meta
+                self._position = Position(meta["epoch"], meta["batch"], meta["epoch_done"])
         with startup.phase("init"):
             self.state = self.program.initial_state(items)
         self._compiled = False
         if items is not None:
-            meta = self.resumed_from
-            path = self.checkpointer.step_path(meta["step"])
+            meta = self._resumed_from
+            path = self._checkpointer.step_path(meta["step"])
             if self.progress and jax.process_index() == 0:
-                self.console.say(f"resumed from {path} (step {meta['step']}, epoch "
+                self._console.say(f"resumed from {path} (step {meta['step']}, epoch "
                                  f"{meta['epoch']}, batch {meta['batch']})")
             for hook in self.hooks:
                 hook.on_restore(self, int(meta["step"]), path, meta)
@@ -343,7 +393,7 @@ class Trainer:
         """Under "auto": the plan of the checkpoint a run resumes on the same devices, or
         the planner's pick on this model, loss and batch."""
         choice, shown = self._choice, self.progress and jax.process_index() == 0
-        best = choice.kept(self.checkpoint_config, self.batch_size)
+        best = choice.kept(self._checkpoint_config, self.batch_size)
         context = None
         if best is None:
             best, context = choice.choose(self.runtime, self.functions, self.optimizer, sample,
@@ -352,22 +402,22 @@ class Trainer:
         if not shown:
             return
         if context is None:
-            self.console.say(f"plan: {choice.meta['chosen']}, kept from the checkpoint this "
+            self._console.say(f"plan: {choice.meta['chosen']}, kept from the checkpoint this "
                              "run resumes (the same devices)")
         else:
-            self.console.say(choice.ranking.why())
+            self._console.say(choice.ranking.why())
 
     def _restore_latest(self):
         """(items, meta) of the newest complete checkpoint, restored onto this plan's
         shardings, or None."""
-        return self.checkpointer.restore_latest(self.program.layout.checkpoint_targets(),
+        return self._checkpointer.restore_latest(self.program.layout.checkpoint_targets(),
                                                 check=self._check_trainable,
                                                 required=POSITION_META)
 
     def _check_trainable(self, meta: dict) -> None:
         if meta.get("trainable") != self.trainable:
             raise CheckpointMismatch(
-                f"the checkpoint in {self.checkpointer.directory} trained "
+                f"the checkpoint in {self._checkpointer.directory} trained "
                 f"trainable={meta.get('trainable')!r}, this run trains "
                 f"trainable={self.trainable!r}: its saved parameters do not fit. Use the same "
                 "trainable, or start a new run (another name or directory, or resume=False)")
@@ -439,7 +489,7 @@ class Trainer:
         d = self.describe()
         trained = "" if d["trainable_parameters"] == d["parameters"] else \
             f" ({d['trainable_parameters']:,} trained)"
-        self.console.say(
+        self._console.say(
             f"redray: {d['hosts']} host(s), {d['devices']} devices; plan {d['layout']}; "
             f"{d['parameters']:,} parameters{trained}, {d['param_bytes_per_device']:,} "
             f"parameter bytes per device")
@@ -564,7 +614,7 @@ class Trainer:
         if len(train) < self.batch_size:
             raise ValueError(f"{len(train)} training examples are fewer than batch_size="
                              f"{self.batch_size}: lower batch_size or add data")
-        ckpt = self.checkpoint_config
+        ckpt = self._checkpoint_config
         if ckpt is not None and ckpt.best_metric and eval_data is None:
             raise ValueError(f"best_metric={ckpt.best_metric!r} needs eval_data: the best "
                              "checkpoint is chosen by the evaluation after each epoch")
@@ -573,7 +623,7 @@ class Trainer:
                                                    max_steps)
         self.init(train)
         data = self.training_data(train, shuffle)
-        data.check_resume(self.resumed_from, self.checkpointer and self.checkpointer.directory)
+        data.check_resume(self._resumed_from, self._checkpointer and self._checkpointer.directory)
         per_epoch = data.steps_per_epoch()
         if not per_epoch:
             raise ValueError(f"{train!r} gives no full batch of {self.batch_size} examples per "
@@ -583,25 +633,25 @@ class Trainer:
         if shown and not self._summarized:
             self._print_summary()  # once: a custom loop may call fit many times
             self._summarized = True
-        self.tokens_per_example = 0
+        self._tokens = 0
         recorder = Recorder()
         evaluation = None if eval_data is None else Evaluation(
-            eval_data, eval_metric, self.console if shown else None)
+            eval_data, eval_metric, self._console if shown else None)
         # First: a non-finite step is caught before its window is logged or a save starts.
         self._guard = NonFiniteGuard(self.on_nonfinite, self.log_every, per_epoch)
         self._fit_hooks = [hook for hook in (
             self._guard, recorder, LogWindow(self.log_every),
-            self.console.progress(self, self.budget) if shown else None, evaluation,
+            self._console.progress(self, self.budget) if shown else None, evaluation,
             None if ckpt is None else Checkpoints(self, data.settings())) if hook is not None]
         begun = time.time()
         try:
-            first_epoch, _ = self.position.resume_point()
+            first_epoch, _ = self._position.resume_point()
             if (eval_at_start and evaluation is not None and first_epoch < epochs
                     and (max_steps is None or self.step < max_steps)):
                 evaluation.run(self, self.step, first_epoch)
             while True:
                 steps = training_steps(
-                    data, epochs, max_steps, position=self.position, done=self.step,
+                    data, epochs, max_steps, position=self._position, done=self.step,
                     geometry=self.geometry, sharding=self.parallelism.batch_sharding(),
                     collate=self.functions.collate, step=self._step, depth=self.prefetch,
                     first_batch=self._learn_tokens)
@@ -619,11 +669,11 @@ class Trainer:
         return recorder.rows
 
     def _learn_tokens(self, batch: dict) -> None:
-        self.tokens_per_example = tokens_per_example(batch)
+        self._tokens = tokens_per_example(batch)
 
     def _dispatch(self, event) -> None:
         if isinstance(event, (StepInfo, EpochEnd)) and event.position is not None:
-            self.position = event.position
+            self._position = event.position
         for hook in self._listening():
             if isinstance(event, StepInfo):
                 hook.on_step(self, event)
@@ -636,9 +686,9 @@ class Trainer:
         """Restores the newest checkpoint's state, keeps counting steps from
         ``bad_step`` and continues after that step's batch (``position``). Returns the
         checkpoint's step, or None when there is no checkpoint to go back to."""
-        if self.checkpointer is None:
+        if self._checkpointer is None:
             return None
-        self.checkpointer.wait()
+        self._checkpointer.wait()
         found = self._restore_latest()
         if found is None:
             return None
@@ -649,18 +699,18 @@ class Trainer:
                        out_shardings=shardings.step)()
         self.state = restored.replace(step=step,
                                       nonfinite_step=zero_flag(shardings.nonfinite_step))
-        self.position = Position(position.epoch, position.batch, False)
+        self._position = Position(position.epoch, position.batch, False)
         self.record({"step": bad_step, "rolled_back_to_step": int(meta["step"])})
         return int(meta["step"])
 
     def _set_budget(self, budget: int) -> None:
         """Gives the learning rate the run's budget (``schedule.follow_budget``)."""
-        resumed = self.resumed_from or {}
+        resumed = self._resumed_from or {}
         before = self.budget if self.budget is not None else resumed.get("budget")
         self.budget = budget
         saved = self._schedule_meta if self._schedule_meta is not None else \
             resumed.get("schedule")  # this Trainer's earlier fit, else its checkpoint's
-        changed, meta = follow_budget(self.learning_rate, budget, self.step, before, saved)
+        changed, meta = follow_budget(self._learning_rate, budget, self.step, before, saved)
         if changed:
             self.program.retrace()  # the schedule is traced into the step
         if meta is not None:
@@ -669,14 +719,16 @@ class Trainer:
     def training_data(self, train: Sequence, shuffle: bool = True) -> TrainingData:
         """``train`` as this run reads it (its order, batch size and streams; a resumed
         run's streams are its checkpoint's): what ``fit`` trains on."""
-        return TrainingData.of(train, self.seed, shuffle, self.geometry, self.resumed_from)
+        return TrainingData.of(train, self.seed, shuffle, self.geometry, self._resumed_from)
 
-    def save_checkpoint(self, data_settings: dict, metrics: dict | None = None) -> None:
-        """Starts saving the state at the current step and position (``fit``'s
-        ``Checkpoints`` hook calls it); hooks hear ``on_checkpoint`` once complete."""
+    def save_checkpoint(self, data_settings: dict, metrics: dict | None = None,
+                        position: Position | None = None) -> None:
+        """Starts saving the state at the current step and ``position`` (default: where
+        training stands; ``fit``'s ``Checkpoints`` hook calls it); hooks hear
+        ``on_checkpoint`` once complete."""
         if self._guard is not None:
             self._guard.check(self)  # never save a state past a non-finite step
-        position = self.position
+        position = position or self._position
         meta = {"step": self.step, "epoch": position.epoch, "batch": position.batch,
                 "epoch_done": position.epoch_done, **data_settings, "metrics": metrics or {},
                 "config": self.config, "trainable": self.trainable, "run": self._run_meta(),
@@ -687,13 +739,13 @@ class Trainer:
             for hook in self._listening():
                 hook.on_checkpoint(self, step, path, meta)
 
-        self.checkpointer.save(self.program.checkpoint_items(self.state), meta,
+        self._checkpointer.save(self.program.checkpoint_items(self.state), meta,
                                on_commit=committed)
 
     def _run_meta(self) -> dict:
         """A checkpoint's ``run``: what the checkpoint resumed from kept there, updated
         by every hook's ``run_meta``."""
-        out = dict((self.resumed_from or {}).get("run", {}))
+        out = dict((self._resumed_from or {}).get("run", {}))
         for hook in self._listening():
             out.update(hook.run_meta(self))
         return out
@@ -706,7 +758,7 @@ class Trainer:
         nothing, so one loop on every host is fine). Returns the logged row.
         """
         self._require_init("log")
-        bad = int(jax.device_get(self.state.nonfinite_step))
+        bad = self.nonfinite_step
         if bad and self.on_nonfinite != "skip":  # a loop of train_step calls, outside fit
             raise NonFiniteError(nonfinite_message(self, bad, None, None))
         row = {"step": self.step, **{k: float(v) for k, v in metrics.items()}}

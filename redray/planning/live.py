@@ -45,7 +45,7 @@ def choose(facts, batch_size: int, hardware: Hardware, pinned: dict,
             ranking = dataclasses.replace(ranking, untimed="plan_timing=False")
         return ranking
     if timed is None and steps is not None:
-        from redray.sharding.hosts import from_process_zero
+        from redray.processes.jax_runtime import from_process_zero
 
         untimed = rank(facts, *args)
         run_s = steps * untimed.best.cost.seconds
@@ -89,7 +89,7 @@ def model_timing(facts, hardware: Hardware,
     compiling and timing them again (7 s of a tiny run's start on 2 cores). Process 0
     reads and writes it; every host gets its numbers."""
     from redray.planning.probe import _grid, _timed, cluster_key, ones
-    from redray.sharding.hosts import from_process_zero
+    from redray.processes.jax_runtime import from_process_zero
 
     params_abs, extra_abs = facts.abstract
     model_bytes = sum(nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params_abs))

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.planning.hardware import PRESETS, Hardware, Link
-from redray.sharding.hosts import from_process_zero
+from redray.processes.jax_runtime import from_process_zero
 
 # Two all-reduce sizes: the small one's time is mostly latency, the large one's
 # bandwidth, at the size of a model's gradients rather than a cache's (measured on

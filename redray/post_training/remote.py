@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from redray.post_training.sampler import Completion, Sampler, SamplingParams, requests
-from redray.sharding.hosts import from_process_zero, join_jax, served_at
+from redray.processes.jax_runtime import from_process_zero, join_jax, served_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +170,7 @@ class SamplerGroup:
             return  # host 0 owns the actors
         import ray
 
-        from redray.data.ray_local import ensure_ray
+        from redray.processes.ray_local import ensure_ray
 
         ensure_ray()
         per_host = devices_per_replica // hosts_per_replica

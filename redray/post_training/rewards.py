@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from redray.sharding.hosts import from_process_zero
+from redray.processes.jax_runtime import from_process_zero
 
 
 def _scored(reward: Callable, rows: list, first: int) -> list[float]:
@@ -78,7 +78,7 @@ def score(reward: Callable[..., float], *columns: Sequence, workers: int = 0,
 def _on_tasks(reward, rows: list, workers: int, options: dict) -> list[float]:
     import ray
 
-    from redray.data.ray_local import ensure_ray
+    from redray.processes.ray_local import ensure_ray
 
     ensure_ray()
     task = ray.remote(_scored).options(**{"num_cpus": 1, "max_retries": 0, **options})
