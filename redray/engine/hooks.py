@@ -9,9 +9,11 @@ the cluster layer sends rows and checkpoints to MLflow so.
 Every process runs the hooks that talk to other processes (a collective) on the same
 events, so they are called equally often everywhere;
 what only shows or sends (the progress, the evaluation's console line, the tracker's
-rows) runs on process 0. A hook reaches the Trainer through its public methods
-(``record``, ``roll_back``, ``save_checkpoint``...) and keeps what it must in every
-checkpoint through ``run_meta``.
+rows) runs on process 0. A hook reads the Trainer through its read-only properties
+(``step``, ``position``, ``learning_rate``, ``resumed_from``, ``saving_step``...), acts
+through its public methods (``record``, ``roll_back``, ``save_checkpoint``,
+``wait_for_checkpoints``...), writes nothing to it (``tests/test_architecture.py`` checks
+redray's own hooks), and keeps what it must in every checkpoint through ``run_meta``.
 
 A run that surrounds user code (``redray.run``) opens a ``trainer_scope``: every
 Trainer made inside it asks the scope for its run's defaults (``Adoption``).
