@@ -67,8 +67,8 @@ WALKTHROUGH = (
 )
 
 COVERED_ELSEWHERE = {
-    "make test   # same set-up, then the test suite (CPU only, 30 to 38 minutes on a 2-core "
-    "AMD EPYC; 51 to 61 on a slower Xeon, before the last cuts)":
+    "make test   # same set-up, then the test suite (CPU only; 43 minutes on a 2-core Xeon, "
+    "38 to 45 here over the last runs)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
     "make bench-check   # every benchmark script at a tiny size: each still runs (about 7 min)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
@@ -332,7 +332,7 @@ FAST_COMPILE = ("--xla_force_host_platform_device_count=4 --xla_backend_optimiza
 
 
 def test_make_test_installs_then_runs_the_whole_suite():
-    """`make test` (the whole suite, 30 to 38 minutes on 2 cores) cannot run inside the
+    """`make test` (the whole suite, about 43 minutes on 2 cores) cannot run inside the
     suite: its recipe is checked instead: install, lint, build the documentation site
     strictly, then every test but the benchmark scripts' tiny runs (those without Ray in 2
     processes, then the others: every test is in exactly one of the two selections);
