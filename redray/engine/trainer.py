@@ -392,20 +392,18 @@ class Trainer:
     def _take_plan(self, sample: dict) -> None:
         """Under "auto": the plan of the checkpoint a run resumes on the same devices, or
         the planner's pick on this model, loss and batch."""
-        choice, shown = self._choice, self.progress and jax.process_index() == 0
-        best = choice.kept(self._checkpoint_config, self.batch_size)
-        context = None
-        if best is None:
+        choice = self._choice
+        kept = choice.kept(self._checkpoint_config, self.batch_size)
+        if kept is not None:
+            best, context = kept, None
+        else:
             best, context = choice.choose(self.runtime, self.functions, self.optimizer, sample,
                                           self.trainable, self.grad_fn, self.batch_size)
         self.runtime.use(choice.plan(best, self.batch_size, self.runtime.plan, context))
-        if not shown:
-            return
-        if context is None:
+        if self.progress and jax.process_index() == 0:
             self._console.say(f"plan: {choice.meta['chosen']}, kept from the checkpoint this "
-                             "run resumes (the same devices)")
-        else:
-            self._console.say(choice.ranking.why())
+                              "run resumes (the same devices)" if kept is not None
+                              else choice.ranking.why())
 
     def _restore_latest(self):
         """(items, meta) of the newest complete checkpoint, restored onto this plan's
