@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from redray.engine import watchdog
-from redray.functions import check_batch
+from redray.functions import UserFunctionError, check_batch
 from redray.sharding import Parallelism
 
 
@@ -93,6 +93,22 @@ def first_examples(source, n: int) -> list:
 def all_examples(source) -> list:
     """Every example of ``source``, in order, in one list."""
     return [example for chunk in in_order(source, 1024) for example in chunk]
+
+
+def this_process_rows(batch: dict[str, np.ndarray], geometry, batch_size: int,
+                      sharding: NamedSharding, attention=None) -> dict[str, jax.Array]:
+    """This process's rows of the global batch (what ``collate`` returned) placed as
+    global arrays, after checking it holds this process's share of the rows (and the
+    fused attention kernel's bounds, ``attention``)."""
+    mine = geometry.process_rows
+    rows = next(iter(batch.values())).shape[0]
+    if rows != mine.stop - mine.start:
+        raise UserFunctionError(
+            f"the batch has {rows} rows but this process feeds {mine.stop - mine.start} of "
+            f"batch_size={batch_size}: collate must return one row per example")
+    if attention is not None:
+        attention.check(batch)  # a fused kernel's bounds (documents per row)
+    return to_global(batch, sharding, batch_size)
 
 
 def to_global(batch: dict[str, np.ndarray], sharding: NamedSharding,

@@ -15,7 +15,7 @@ import jax
 from redray import startup
 from redray.checkpoint import latest_meta
 from redray.engine.loop import tokens_per_example
-from redray.planning.planner import Candidate, Ranking
+from redray.planning.planner import Candidate, Ranking, pins
 from redray.sharding import Parallelism
 from redray.sharding.plan import Plan
 
@@ -90,6 +90,20 @@ class PlanChoice:
                                   timed=self.timing)
         return self.ranking.best.candidate, context
 
+    def pick(self, runtime, functions, optimizer, sample: dict, trainable, grad_fn,
+             batch_size: int, checkpoint_config) -> tuple[Plan, str]:
+        """The plan of the checkpoint a run resumes on the same devices (``kept``), or the
+        planner's pick on this model, loss and batch (``choose``): (the Plan, a line
+        saying why, for the console)."""
+        kept = self.kept(checkpoint_config, batch_size)
+        if kept is not None:
+            plan = self.plan(kept, batch_size, runtime.plan)
+            return plan, (f"plan: {self.meta['chosen']}, kept from the checkpoint this run "
+                          "resumes (the same devices)")
+        best, context = self.choose(runtime, functions, optimizer, sample, trainable, grad_fn,
+                                    batch_size)
+        return self.plan(best, batch_size, runtime.plan, context), self.ranking.why()
+
     def plan(self, best: Candidate, batch_size: int, asked: Plan, context=None) -> Plan:
         """The Plan value of a pick (or a kept plan): its axes built on the devices, the
         batch cut by its micro-batch, the user's circular repeats kept."""
@@ -114,3 +128,37 @@ class PlanChoice:
                 "plans_weighed": len(ranking.ranked) + len(ranking.over),
                 **ranking.hardware.describe(),
                 **({} if ranking.timing is None else ranking.timing.describe())}
+
+
+def asked_plan(parallelism, mesh, rules, axes: dict, batch_size: int,
+               micro_batch_size: int | None, pipeline_schedule: str | None,
+               stage_repeats: int, hardware, plan_timing, grad_fn, trainable
+               ) -> tuple[Plan, PlanChoice | None]:
+    """The Trainer's arguments of the plan as (the plan asked for, the planner's choice
+    to make at ``init`` under "auto", else None: the plan is given whole). Nothing of the
+    plan given (no parallelism, mesh or axis size) means "auto"."""
+    if plan_timing not in (None, True, False):
+        raise ValueError(f"plan_timing={plan_timing!r}: use None (timed unless the run is "
+                         "short), True or False")
+    if pipeline_schedule == "1f1b" and (stage_repeats > 1 or grad_fn or trainable):
+        given = "stage_repeats > 1" if stage_repeats > 1 else \
+            "grad_fn" if grad_fn else "trainable"
+        raise ValueError(f"pipeline_schedule='1f1b' does not take {given} yet: use "
+                         "pipeline_schedule='gpipe' (the default)")
+    axes = {k: v for k, v in axes.items() if v is not None}  # None: not given
+    if parallelism is None and mesh is None and not axes:
+        parallelism = "auto"  # nothing of the plan given: the planner chooses it
+    schedule = pipeline_schedule or "gpipe"
+    if parallelism != "auto":
+        built = Parallelism.resolve(parallelism, mesh, rules, axes, "Trainer")
+        return Plan.of(built, built.geometry(batch_size, micro_batch_size),
+                       pipeline_schedule=schedule, stage_repeats=stage_repeats), None
+    if mesh is not None:
+        raise ValueError("give either parallelism='auto' or a mesh, not both: the "
+                         "planner builds the mesh")
+    Parallelism.of(caller="Trainer", **axes)  # an unknown keyword fails as such
+    choice = PlanChoice(pins(micro_batch_size=micro_batch_size,
+                             pipeline_schedule=pipeline_schedule, **axes),
+                        tuple(rules or ()), hardware, timing=plan_timing, probe_cache=None)
+    # what the user fixed of the plan; the rest is chosen at init
+    return Plan(pipeline_schedule=schedule, stage_repeats=stage_repeats), choice

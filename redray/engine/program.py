@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import warnings
 from typing import Any, Callable
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from redray import startup
 from redray.engine.model import split_trainable
 from redray.engine.nonfinite import zero_flag
 from redray.engine.runtime import ModelRuntime, abstract_batch, once_options
@@ -46,6 +48,7 @@ class TrainProgram:
       trainable: the regex of trained parameters, or None (all).
       grad_fn: the user's gradient step, or None (``jax.value_and_grad``).
       on_nonfinite: the non-finite policy the step applies.
+      ran: whether the training step ran once (compiled).
     """
     runtime: ModelRuntime
     functions: UserFunctions
@@ -58,6 +61,7 @@ class TrainProgram:
     grad_fn: Callable | None
     on_nonfinite: str
     jitted: dict = dataclasses.field(default_factory=dict)
+    ran: bool = False
 
     @property
     def geometry(self) -> BatchGeometry:
@@ -162,6 +166,22 @@ class TrainProgram:
                 out_shardings=(self.layout.shardings, plan.replicated()),
                 donate_argnums=0)
         return self.jitted["train"]
+
+    def run(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        """One training step on the placed ``batch``: (the next state, its metrics, on
+        the devices). The first traces and compiles the step (timed as the run's
+        ``compile`` and ``first_step``)."""
+        if self.ran:
+            return self.train_step()(state, batch)
+        startup.RECORDER.enter("compile")
+        start = time.time()
+        state, metrics = self.train_step()(state, batch)
+        startup.RECORDER.add("compile", start)
+        with startup.phase("first_step"):
+            jax.block_until_ready(metrics)
+        startup.RECORDER.enter("steps")
+        self.ran = True
+        return state, metrics
 
     def retrace(self) -> None:
         """Drops the jitted training step: what it traced in (a schedule's segments)

@@ -195,3 +195,27 @@ def describe(learning_rate, budget: int | None = None) -> str | None:
         except Exception:  # noqa: BLE001 - a description, never an error
             pass
     return text
+
+
+class RunBudget:
+    """A run's budget (its total optimizer steps, as the last ``fit`` asked) and the
+    learning rate that follows it: ``segments`` are a ``Schedule``'s, as checkpoints
+    keep them (None for a plain schedule or a float)."""
+
+    def __init__(self, learning_rate):
+        self.learning_rate = learning_rate
+        self.steps: int | None = None
+        self.segments: list | None = None
+
+    def set(self, steps: int, step: int, resumed: dict | None) -> bool:
+        """The run's budget is now ``steps``, at ``step``; ``resumed``: the meta of the
+        checkpoint the run resumed from. Returns whether the learning rate changed (a
+        step that traced it in must be traced again)."""
+        resumed = resumed or {}
+        before = self.steps if self.steps is not None else resumed.get("budget")
+        self.steps = steps
+        saved = self.segments if self.segments is not None else resumed.get("schedule")
+        changed, segments = follow_budget(self.learning_rate, steps, step, before, saved)
+        if segments is not None:
+            self.segments = segments
+        return changed

@@ -110,6 +110,20 @@ def microbatched(gradients: Callable, accum: int, micro_rows: int, micro_shardin
 NONFINITE_POLICIES = ("stop", "skip", "rollback")
 
 
+def check_step_arguments(optimizer, grad_fn, on_nonfinite: str) -> None:
+    """The Trainer's arguments of the step: an optax optimizer, a callable ``grad_fn``
+    (or None), a known non-finite policy."""
+    if on_nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"on_nonfinite={on_nonfinite!r}: use one of "
+                         f"{', '.join(map(repr, NONFINITE_POLICIES))}")
+    if grad_fn is not None and not callable(grad_fn):
+        raise TypeError(f"grad_fn must be a function (loss_fn, params, batch, rng) -> "
+                        f"(loss, metrics, grads), got {grad_fn!r}")
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"optimizer must be an optax.GradientTransformation "
+                        f"(e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}")
+
+
 def train_step(state: TrainState, batch, *, gradients: Callable,
                optimizer: optax.GradientTransformation,
                on_nonfinite: str | None = "stop") -> tuple[TrainState, dict]:
