@@ -84,7 +84,7 @@ class StepLog(redray.Hook):
     def __init__(self, path: str):
         self.path = path
 
-    def on_init(self, trainer) -> None:
+    def on_init(self, run) -> None:
         import jax
         import ray
 
@@ -92,7 +92,7 @@ class StepLog(redray.Hook):
             f.write(json.dumps([jax.process_count(), jax.process_index(),
                                 ray.get_runtime_context().get_node_id(), os.getpid()]) + "\n")
 
-    def on_log(self, trainer, row: dict) -> None:
+    def on_log(self, run, row: dict) -> None:
         import jax
 
         if jax.process_index() == 0 and "loss" in row:
@@ -109,13 +109,12 @@ class DieWhileSaving(redray.Hook):
     def __init__(self, rank: int, step: int, marker: str):
         self.rank, self.step, self.marker = rank, step, marker
 
-    def on_step(self, trainer, info) -> None:
+    def on_step(self, run, info) -> None:
         import jax
         import ray
 
-        checkpointer = trainer.checkpointer
-        if (jax.process_index() == self.rank and checkpointer is not None
-                and checkpointer.saving == self.step and not os.path.exists(self.marker)):
+        if (jax.process_index() == self.rank and run.saving_step == self.step
+                and not os.path.exists(self.marker)):
             with open(self.marker + ".tmp", "w") as f:
                 f.write(ray.get_runtime_context().get_node_id())
             os.rename(self.marker + ".tmp", self.marker)

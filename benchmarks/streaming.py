@@ -186,7 +186,7 @@ class StepClock(redray.Hook):
     def __init__(self):
         self.times = []
 
-    def on_step(self, trainer, info):
+    def on_step(self, run, info):
         info.metrics["loss"].block_until_ready()
         self.times.append(time.perf_counter())
 
@@ -267,7 +267,7 @@ def resume_figure(args, work: str) -> dict:
             # reading from there on)
             trainer.save_checkpoint(trainer.training_data(stream, True).settings(),
                                     position=Position(0, at, False))
-            trainer.wait_for_checkpoints()
+            trainer.checkpointer.wait()
     finally:
         ray.shutdown()
     times = {"start": [], "end": []}

@@ -44,9 +44,9 @@ class _Kill(redray.Hook):
     def __init__(self, step: int):
         self.step = step
 
-    def on_step(self, trainer, info):
+    def on_step(self, run, info):
         if info.step == self.step:
-            trainer.checkpointer.wait()  # what a kill leaves: the checkpoints written so far
+            run.wait_for_checkpoints()  # what a kill leaves: the checkpoints written so far
             raise Killed(f"killed after step {info.step}")
 
 

@@ -123,7 +123,7 @@ def test_log_reports_own_metrics_at_the_current_step():
     seen = []
 
     class Seen(Hook):
-        def on_log(self, trainer, row):
+        def on_log(self, run, row):
             seen.append(row)
 
     t = trainer(hooks=[Seen()])

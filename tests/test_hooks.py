@@ -14,28 +14,28 @@ class Events(Hook):
     def __init__(self):
         self.seen = []
 
-    def on_init(self, trainer):
-        self.seen.append(("init", trainer.step))
+    def on_init(self, run):
+        self.seen.append(("init", run.step))
 
-    def on_epoch_start(self, trainer, epoch, batch):
+    def on_epoch_start(self, run, epoch, batch):
         self.seen.append(("start", epoch, batch))
 
-    def on_step(self, trainer, info):
+    def on_step(self, run, info):
         self.seen.append(("step", info.step, info.position.epoch, info.position.batch,
                           info.last_of_epoch))
 
-    def on_log(self, trainer, row):
+    def on_log(self, run, row):
         self.seen.append(("log", row["step"], "eval_loss" in row))
 
-    def on_epoch_end(self, trainer, end):
+    def on_epoch_end(self, run, end):
         self.seen.append(("end", end.epoch, end.step, end.complete))
 
-    def on_checkpoint(self, trainer, step, path, meta):
+    def on_checkpoint(self, run, step, path, meta):
         self.seen.append(("checkpoint", step, meta["epoch"], meta["batch"], meta["epoch_done"],
                           "eval_loss" in meta["metrics"]))
 
-    def on_fit_end(self, trainer):
-        self.seen.append(("fit_end", trainer.step))
+    def on_fit_end(self, run):
+        self.seen.append(("fit_end", run.step))
 
 
 def trainer(**kw):
@@ -82,6 +82,18 @@ def test_position_says_where_training_continues():
     assert Position(2, 3, False).resume_point() == (2, 3)
     assert Position(2, 5, True).resume_point() == (3, 0)
     assert Position().resume_point() == (0, 0)
+
+
+def test_a_hook_gets_the_run_read_only():
+    class Writes(Hook):
+        def on_step(self, run, info):
+            self.seen = (type(run).__name__, run.step, run.position.batch, run.batch_size)
+            run.step = 0
+
+    hook = Writes()
+    with pytest.raises(AttributeError, match="writes nothing to it .it set 'step'"):
+        trainer(hooks=[hook]).fit(DATA, epochs=1, max_steps=2)
+    assert hook.seen == ("RunView", 1, 1, 8)
 
 
 def test_a_trainer_made_inside_a_scope_is_adopted_and_one_outside_is_not(tmp_path):

@@ -118,7 +118,7 @@ class Ahead(redray.Hook):
     def __init__(self):
         self.pending, self.saved = {}, {}
 
-    def on_restore(self, trainer, step, path, meta):
+    def on_restore(self, run, step, path, meta):
         self.saved = dict(meta["run"].get("rollouts", {}))
 
     def take(self, epoch):  # (tokens, logprobs) per row, or None: never sampled
@@ -127,10 +127,10 @@ class Ahead(redray.Hook):
             self.saved[str(epoch)] = [(c.tokens.tolist(), c.logprobs.tolist()) for c in done]
         return self.saved.get(str(epoch))
 
-    def run_meta(self, trainer):
+    def run_meta(self, run):
         for epoch in list(self.pending):
             self.take(epoch)
-        first = trainer.position.resume_point()[0]  # what a resumed run still trains
+        first = run.position.resume_point()[0]  # what a resumed run still trains
         self.saved = {k: v for k, v in self.saved.items() if int(k) >= first}
         return {"rollouts": self.saved}
 

@@ -38,8 +38,8 @@ class DriverConsole(Console):
     def say(self, text: str) -> None:
         self.results.tell.remote({"say": text})
 
-    def progress(self, trainer, total: int) -> Hook:
-        return ProgressToDriver(self.results, trainer.step, total)
+    def progress(self, run, total: int) -> Hook:
+        return ProgressToDriver(self.results, run.step, total)
 
 
 class ProgressToDriver(Hook):
@@ -49,7 +49,7 @@ class ProgressToDriver(Hook):
         self.results = results
         results.tell.remote({"start": start, "total": total})
 
-    def on_log(self, trainer, row: dict) -> None:
+    def on_log(self, run, row: dict) -> None:
         if is_progress(row):
             self.results.tell.remote({"row": row})
 

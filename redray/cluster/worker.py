@@ -214,16 +214,16 @@ class TrackerHook(Hook):
         self.sent: list = []
         self.run_id: str | None = None
 
-    def on_restore(self, trainer, step: int, path: str, meta: dict) -> None:
+    def on_restore(self, run, step: int, path: str, meta: dict) -> None:
         self.run_id = meta.get("run", {}).get(RUN_ID_KEY) or self.run_id
 
-    def run_meta(self, trainer) -> dict:
+    def run_meta(self, run) -> dict:
         return {RUN_ID_KEY: self.run_id} if self.run_id else {}
 
-    def on_init(self, trainer) -> None:
+    def on_init(self, run) -> None:
         if self.tracker is None:
             return
-        d = trainer.describe()
+        d = run.describe()
         tags = {"redray.hosts": d["hosts"], "redray.devices": d["devices"],
                 "redray.mesh": describe_shape(d["mesh"]),
                 "redray.plan": d["layout"],
@@ -234,16 +234,16 @@ class TrackerHook(Hook):
             tags["redray.attention"] = d["attention"]
         # a chosen plan: what it is, why, its predicted step and the hardware numbers
         tags.update({f"redray.plan.{k}": v for k, v in d.get("plan", {}).items()})
-        self.tracker.describe.remote(tags, trainer.placement())
+        self.tracker.describe.remote(tags, run.placement())
 
-    def on_checkpoint(self, trainer, step: int, path: str, meta: dict) -> None:
+    def on_checkpoint(self, run, step: int, path: str, meta: dict) -> None:
         if self.tracker is not None:
             try:
                 self.tracker.checkpoint.remote(path)
             except Exception:  # noqa: BLE001 - tracking never fails a run
                 pass
 
-    def on_log(self, trainer, row: dict) -> None:
+    def on_log(self, run, row: dict) -> None:
         import ray
 
         if self.tracker is None:
@@ -281,10 +281,10 @@ class NewestCheckpoint(Hook):
         self.resumed_from_step: int | None = None
         self.path: str | None = None
 
-    def on_restore(self, trainer, step: int, path: str, meta: dict) -> None:
+    def on_restore(self, run, step: int, path: str, meta: dict) -> None:
         self.resumed_from_step, self.path = step, path
 
-    def on_checkpoint(self, trainer, step: int, path: str, meta: dict) -> None:
+    def on_checkpoint(self, run, step: int, path: str, meta: dict) -> None:
         self.path = path
 
 
@@ -313,16 +313,16 @@ class Regrow(Hook):
     def __init__(self, grow_to: int, room: Room):
         self.grow_to, self.room = grow_to, room
 
-    def on_step(self, trainer, info) -> None:
-        self._check(trainer, info.step)
+    def on_step(self, run, info) -> None:
+        self._check(run, info.step)
 
-    def on_epoch_end(self, trainer, end) -> None:
-        self._check(trainer, end.step)
+    def on_epoch_end(self, run, end) -> None:
+        self._check(run, end.step)
 
-    def _check(self, trainer, step: int) -> None:
+    def _check(self, run, step: int) -> None:
         import jax
 
-        if trainer.saving_step != step or jax.process_count() >= self.grow_to:
+        if run.saving_step != step or jax.process_count() >= self.grow_to:
             return
         import numpy as np
 
@@ -331,9 +331,9 @@ class Regrow(Hook):
         room = jax.process_index() == 0 and self._room(jax.process_count())
         if not bool(from_process_zero(np.int32(room))):  # every host acts on process 0's answer
             return
-        trainer.wait_for_checkpoints()  # this step's checkpoint is complete before the group ends
+        run.wait_for_checkpoints()  # this step's checkpoint is complete before the group ends
         if jax.process_index() == 0:
-            trainer.console.say(f"the cluster has room for more hosts: regrouping at step "
+            run.console.say(f"the cluster has room for more hosts: regrouping at step "
                                 f"{step} ({jax.process_count()} host(s) now, up to "
                                 f"{self.grow_to})")
         raise Regroup(jax.process_count() + 1)

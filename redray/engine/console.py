@@ -23,9 +23,9 @@ class Console:
         tqdm.write(text)  # above an open bar, which redraws below it
         sys.stdout.flush()
 
-    def progress(self, trainer, total: int) -> Hook:
-        """The hook that shows ``trainer``'s progress towards step ``total``."""
-        return ProgressBar(trainer.step, total)
+    def progress(self, run, total: int) -> Hook:
+        """The hook that shows the progress of ``run`` towards step ``total``."""
+        return ProgressBar(run.step, total)
 
 
 class ProgressBar(Hook):
@@ -38,19 +38,19 @@ class ProgressBar(Hook):
         self.bar = tqdm(total=total, initial=min(start, total), desc="train", leave=False,
                         dynamic_ncols=True)
 
-    def on_epoch_start(self, trainer, epoch: int, batch: int) -> None:
+    def on_epoch_start(self, run, epoch: int, batch: int) -> None:
         self.bar.set_description(f"epoch {epoch}")
-        self.bar.n = min(trainer.step, self.bar.total)  # a rollback goes back
+        self.bar.n = min(run.step, self.bar.total)  # a rollback goes back
         self.bar.refresh()
 
-    def on_step(self, trainer, info: StepInfo) -> None:
+    def on_step(self, run, info: StepInfo) -> None:
         self.bar.update(1)
 
-    def on_log(self, trainer, row: dict) -> None:
+    def on_log(self, run, row: dict) -> None:
         if "steps_per_s" in row:
             self.bar.set_postfix_str(speed_text(row))
 
-    def on_fit_end(self, trainer) -> None:
+    def on_fit_end(self, run) -> None:
         self.bar.close()
 
 

@@ -24,7 +24,7 @@ class Recorder(Hook):
     def __init__(self):
         self.rows: list[dict] = []
 
-    def on_log(self, trainer, row: dict) -> None:
+    def on_log(self, run, row: dict) -> None:
         self.rows.append(row)
 
 
@@ -41,19 +41,19 @@ class LogWindow(Hook):
         self.window: list = []
         self.start = time.perf_counter()
 
-    def on_epoch_start(self, trainer, epoch: int, batch: int) -> None:
+    def on_epoch_start(self, run, epoch: int, batch: int) -> None:
         self.window, self.start = [], time.perf_counter()
 
-    def on_step(self, trainer, info: StepInfo) -> None:
+    def on_step(self, run, info: StepInfo) -> None:
         self.window.append(info.metrics)
         if len(self.window) == self.every or info.last_of_epoch:
-            self._flush(trainer, info.step, info.position.epoch)
+            self._flush(run, info.step, info.position.epoch)
 
-    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
+    def on_epoch_end(self, run, end: EpochEnd) -> None:
         if self.window:
-            self._flush(trainer, end.step, end.epoch)
+            self._flush(run, end.step, end.epoch)
 
-    def _flush(self, trainer, step: int, epoch: int) -> None:
+    def _flush(self, run, step: int, epoch: int) -> None:
         fetched = jax.device_get(self.window)
         # Timed once the window's results are here: its steps run asynchronously, up to
         # InFlight's limit behind the loop, so the loop's own time misses most of them.
@@ -65,18 +65,18 @@ class LogWindow(Hook):
                 row[k] = float(np.mean([m[k] for m in fetched]))
             elif k != WEIGHT:  # each step by its weight, divided once
                 row[k] = sum(float(m[k]) * w for m, w in zip(fetched, weights)) / sum(weights)
-        if trainer.learning_rate is not None:
-            lr = trainer.learning_rate
+        if run.learning_rate is not None:
+            lr = run.learning_rate
             row["learning_rate"] = float(lr(step - 1) if callable(lr) else lr)
         row["steps_per_s"] = len(self.window) / max(seconds, 1e-9)
-        row["examples_per_s"] = row["steps_per_s"] * trainer.batch_size
+        row["examples_per_s"] = row["steps_per_s"] * run.batch_size
         row["step_time_s"] = seconds / len(self.window)
-        if trainer.tokens_per_example:
-            row["tokens_per_s"] = row["examples_per_s"] * trainer.tokens_per_example
+        if run.tokens_per_example:
+            row["tokens_per_s"] = row["examples_per_s"] * run.tokens_per_example
         memory = _device_memory()
         if memory is not None:
             row["device_memory_bytes"] = memory
-        trainer.record(row)
+        run.record(row)
         self.window, self.start = [], time.perf_counter()
 
 
@@ -88,19 +88,19 @@ class Evaluation(Hook):
     def __init__(self, data, metric=None, console=None):
         self.data, self.metric, self.console = data, metric, console
 
-    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
-        self.run(trainer, end.step, end.epoch)
+    def on_epoch_end(self, run, end: EpochEnd) -> None:
+        self.run(run, end.step, end.epoch)
 
-    def run(self, trainer, step: int, epoch: int) -> dict:
+    def run(self, run, step: int, epoch: int) -> dict:
         from redray.engine.batches import all_examples
 
         row = {"step": step, "epoch": epoch,
-               **{f"eval_{k}": v for k, v in trainer.evaluate(self.data).items()}}
+               **{f"eval_{k}": v for k, v in run.evaluate(self.data).items()}}
         if self.metric is not None:
-            predictions = trainer.predictor().predict(self.data)
+            predictions = run.predictor().predict(self.data)
             row.update({f"eval_{k}": float(v) for k, v in self.metric(
                 all_examples(self.data), predictions).items()})
-        trainer.record(row)
+        run.record(row)
         if self.console is not None:
             self.console.say(row_text(row))
         return row
@@ -111,37 +111,38 @@ class Checkpoints(Hook):
     evaluation) and at the end of ``fit``; never twice at one step, and waits for the
     last save to complete before ``fit`` returns."""
 
-    def __init__(self, trainer, data_settings: dict):
-        self.config = trainer.checkpoint_config
+    def __init__(self, run, data_settings: dict, save):
+        self.config = run.checkpoint_config
         self.data_settings = data_settings
+        self.save = save  # Trainer.save_checkpoint
         # a resumed run's step is saved already; a fresh one's start is not
-        self.saved = trainer.step if trainer.resumed_from is not None else None
+        self.saved = run.step if run.resumed_from is not None else None
         self.last_eval: dict | None = None
 
-    def on_log(self, trainer, row: dict) -> None:
+    def on_log(self, run, row: dict) -> None:
         if "eval_loss" in row:
             self.last_eval = row
 
-    def on_step(self, trainer, info: StepInfo) -> None:
+    def on_step(self, run, info: StepInfo) -> None:
         every = self.config.save_every
         # an epoch's last step is saved by the epoch's end, after its evaluation
         if every and info.step % every == 0 and not (self.config.every_epoch
                                                      and info.last_of_epoch):
-            self._save(trainer, info.step)
+            self._save(run, info.step)
 
-    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
+    def on_epoch_end(self, run, end: EpochEnd) -> None:
         if end.complete and self.config.every_epoch:
-            self._save(trainer, end.step, self._metrics(end.step) or {})
+            self._save(run, end.step, self._metrics(end.step) or {})
 
-    def on_fit_end(self, trainer) -> None:
-        step = trainer.step
-        self._save(trainer, step, self._metrics(step))
-        trainer.wait_for_checkpoints()
+    def on_fit_end(self, run) -> None:
+        step = run.step
+        self._save(run, step, self._metrics(step))
+        run.wait_for_checkpoints()
 
-    def _save(self, trainer, step: int, metrics: dict | None = None) -> None:
+    def _save(self, run, step: int, metrics: dict | None = None) -> None:
         if self.saved == step:
             return
-        trainer.save_checkpoint(self.data_settings, metrics)
+        self.save(self.data_settings, metrics)
         self.saved = step
 
     def _metrics(self, step: int) -> dict | None:

@@ -61,16 +61,20 @@ class Fit:
     def __init__(self, trainer, data: TrainingData, per_epoch: int, eval_data: Sequence | None,
                  eval_metric: Callable | None, shown: bool):
         self.trainer, self.data = trainer, data
+        run = trainer._view  # what hooks get
         self.recorder = Recorder()
         self.evaluation = None if eval_data is None else Evaluation(
-            eval_data, eval_metric, trainer.console if shown else None)
-        self.guard = NonFiniteGuard(trainer.on_nonfinite, trainer.log_every, per_epoch)
+            eval_data, eval_metric, run.console if shown else None)
+        # the two hooks that change the run get the Trainer's actions as functions
+        self.guard = NonFiniteGuard(trainer.on_nonfinite, trainer.log_every, per_epoch,
+                                    roll_back=trainer.roll_back)
         config = trainer.checkpoint_config
         self.hooks: list[Hook] = [hook for hook in (
             self.guard, self.recorder, LogWindow(trainer.log_every),
-            trainer.console.progress(trainer, trainer.budget) if shown else None,
+            run.console.progress(run, run.budget) if shown else None,
             self.evaluation,
-            None if config is None else Checkpoints(trainer, data.settings()))
+            None if config is None else Checkpoints(run, data.settings(),
+                                                    save=trainer.save_checkpoint))
             if hook is not None]
 
     def run(self, epochs: int, max_steps: int | None, eval_at_start: bool) -> list[dict]:
@@ -81,7 +85,7 @@ class Fit:
             first_epoch, _ = trainer.position.resume_point()
             if (eval_at_start and self.evaluation is not None and first_epoch < epochs
                     and (max_steps is None or trainer.step < max_steps)):
-                self.evaluation.run(trainer, trainer.step, first_epoch)
+                self.evaluation.run(trainer._view, trainer.step, first_epoch)
             while True:
                 steps = training_steps(
                     self.data, epochs, max_steps, position=trainer.position, done=trainer.step,
@@ -95,7 +99,7 @@ class Fit:
                 except RolledBack:  # the state and position are the checkpoint's: go on
                     steps.close()
             for hook in trainer._listening():
-                hook.on_fit_end(trainer)
+                hook.on_fit_end(trainer._view)
         finally:
             startup.RECORDER.fill("steps", begun)
         return self.recorder.rows

@@ -9,11 +9,13 @@ the cluster layer sends rows and checkpoints to MLflow so.
 Every process runs the hooks that talk to other processes (a collective) on the same
 events, so they are called equally often everywhere;
 what only shows or sends (the progress, the evaluation's console line, the tracker's
-rows) runs on process 0. A hook reads the Trainer through its read-only properties
-(``step``, ``position``, ``learning_rate``, ``resumed_from``, ``saving_step``...), acts
-through its public methods (``record``, ``roll_back``, ``save_checkpoint``,
-``wait_for_checkpoints``...), writes nothing to it (``tests/test_architecture.py`` checks
-redray's own hooks), and keeps what it must in every checkpoint through ``run_meta``.
+rows) runs on process 0. Every event gets the run as the hook sees it, a
+``redray.engine.run_view.RunView`` of the Trainer: read-only names (``step``,
+``position``, ``learning_rate``, ``resumed_from``, ``saving_step``...) and the few
+things a hook may ask (``record``, ``log``, ``evaluate``, ``predictor``,
+``wait_for_checkpoints``...). It lets nothing be set, and redray's own hooks read
+nothing else (``tests/test_architecture.py``). A hook keeps what it must in every
+checkpoint through ``run_meta``.
 
 A run that surrounds user code (``redray.run``) opens a ``trainer_scope``: every
 Trainer made inside it asks the scope for its run's defaults (``Adoption``).
@@ -78,34 +80,35 @@ class EpochEnd:
 
 
 class Hook:
-    """Runs beside training; override the events you need (each gets the Trainer)."""
+    """Runs beside training; override the events you need. Each gets ``run``, the run
+    as a hook sees it (``redray.engine.run_view.RunView``: read-only)."""
 
-    def on_restore(self, trainer, step: int, path: str, meta: dict) -> None:
+    def on_restore(self, run, step: int, path: str, meta: dict) -> None:
         """The state was restored from the checkpoint of ``step`` in ``path`` (before
         ``on_init``); ``meta["run"]`` holds what hooks kept there (``run_meta``)."""
 
-    def on_init(self, trainer) -> None:
+    def on_init(self, run) -> None:
         """The state exists (initialized or restored from a checkpoint)."""
 
-    def on_epoch_start(self, trainer, epoch: int, batch: int) -> None:
+    def on_epoch_start(self, run, epoch: int, batch: int) -> None:
         """``fit`` starts (or resumes) ``epoch`` at its batch ``batch``."""
 
-    def on_step(self, trainer, info: StepInfo) -> None:
+    def on_step(self, run, info: StepInfo) -> None:
         """An optimizer step was dispatched (its results may still be computing)."""
 
-    def on_log(self, trainer, row: dict) -> None:
+    def on_log(self, run, row: dict) -> None:
         """A row was logged: a window of steps, an evaluation, or ``Trainer.log``."""
 
-    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
+    def on_epoch_end(self, run, end: EpochEnd) -> None:
         """An epoch's steps are done."""
 
-    def on_checkpoint(self, trainer, step: int, path: str, meta: dict) -> None:
+    def on_checkpoint(self, run, step: int, path: str, meta: dict) -> None:
         """A checkpoint is complete on every host."""
 
-    def on_fit_end(self, trainer) -> None:
+    def on_fit_end(self, run) -> None:
         """``fit`` trained what its budget asked for."""
 
-    def run_meta(self, trainer) -> dict:
+    def run_meta(self, run) -> dict:
         """What this hook keeps in every checkpoint the Trainer saves (its meta's
         ``run``, beside the other hooks'), read back in ``on_restore``."""
         return {}

@@ -50,35 +50,37 @@ class NonFiniteGuard(Hook):
       policy: ``"stop"``, ``"skip"`` (nothing to do here) or ``"rollback"``.
       every: steps between reads (the log cadence: those steps sync already).
       steps_per_epoch: for the position in the message.
+      roll_back: the Trainer's ``roll_back``, for the "rollback" policy.
     """
 
-    def __init__(self, policy: str, every: int, steps_per_epoch: int):
+    def __init__(self, policy: str, every: int, steps_per_epoch: int, roll_back=None):
         self.policy, self.every, self.steps_per_epoch = policy, every, steps_per_epoch
+        self.roll_back = roll_back  # Trainer.roll_back, for the "rollback" policy
         self.unchecked: dict[int, StepInfo] = {}
         self.rollbacks = 0
 
-    def on_step(self, trainer, info: StepInfo) -> None:
+    def on_step(self, run, info: StepInfo) -> None:
         if self.policy == "skip":
             return
         self.unchecked[info.step] = info
         if len(self.unchecked) >= self.every or info.last_of_epoch:
-            self.check(trainer)
+            self.check(run)
 
-    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
-        self.check(trainer)
+    def on_epoch_end(self, run, end: EpochEnd) -> None:
+        self.check(run)
 
-    def check(self, trainer) -> None:
+    def check(self, run) -> None:
         """Raises ``NonFiniteError`` (or ``RolledBack`` after rolling back) if a step
         since the last check was not finite."""
         if self.policy == "skip" or not self.unchecked:
             return
-        bad = trainer.nonfinite_step
+        bad = run.nonfinite_step
         unchecked, self.unchecked = self.unchecked, {}
         if not bad:
             return
         info = unchecked.get(bad)
         if self.policy == "rollback" and self.rollbacks < MAX_ROLLBACKS and info is not None:
-            back_to = trainer.roll_back(bad, info.position)
+            back_to = self.roll_back(bad, info.position)
             if back_to is not None:
                 self.rollbacks += 1
                 if jax.process_index() == 0:
@@ -87,7 +89,7 @@ class NonFiniteGuard(Hook):
                                 describe(bad, info, self.steps_per_epoch), back_to,
                                 self.rollbacks, MAX_ROLLBACKS)
                 raise RolledBack()
-        raise NonFiniteError(message(trainer, bad, info, self.steps_per_epoch,
+        raise NonFiniteError(message(run, bad, info, self.steps_per_epoch,
                                      self.rollbacks if self.policy == "rollback" else None))
 
 
@@ -109,10 +111,10 @@ def describe(step: int, info: StepInfo | None, steps_per_epoch: int | None) -> s
     return f"{where} gave a non-finite {what}"
 
 
-def message(trainer, step: int, info: StepInfo | None, steps_per_epoch: int | None,
+def message(run, step: int, info: StepInfo | None, steps_per_epoch: int | None,
             rollbacks: int | None = None) -> str:
     """The ``NonFiniteError`` text: where, what was (not) saved, what to do."""
-    saved = trainer.newest_checkpoint()  # a save in flight (of an earlier, finite step) waited for
+    saved = run.newest_checkpoint()  # a save in flight (of an earlier, finite step) waited for
     kept = f"the newest checkpoint, {saved}, is the last finite state" if saved else \
         "no checkpoint was written"
     tried = "" if not rollbacks else f" after {rollbacks} rollback(s)"

@@ -30,6 +30,7 @@ from redray.engine.nonfinite import NonFiniteError, zero_flag, message as nonfin
 from redray.engine.plan_choice import asked_plan
 from redray.engine.program import TrainProgram
 from redray.engine.run_checkpoints import RunCheckpoints
+from redray.engine.run_view import RunView
 from redray.engine.runtime import ModelRuntime
 from redray.engine.schedule import RunBudget
 from redray.engine.state import TrainState
@@ -155,6 +156,7 @@ class Trainer:
         self._summarized = False
         self._predictors: dict = {}
         self._console = Console()  # process 0's messages and progress: this terminal
+        self._view = RunView(self)  # what hooks get: the run, read-only
         scope = current_scope()
         if scope is not None:  # inside redray.run/redray.fit: the run's defaults and hooks
             adopted = scope.adopt(self, default_checkpoint=checkpoint is None)
@@ -197,13 +199,10 @@ class Trainer:
         "auto" once ``init`` chose one; None when the plan was given or kept."""
         return None if self._choice is None else self._choice.ranking
 
-    # What hooks and the cluster layer read of the run: read-only (the Trainer and its
-    # loop change them; tests/test_architecture.py checks that hooks read nothing else).
+    # Read-only (the Trainer and its loop change them). Hooks read the run through its
+    # view (``RunView``), which reads these and a few of the Trainer's parts.
     learning_rate = property(lambda self: self._budget.learning_rate,
                              doc="The schedule (or float) given as ``learning_rate=``, logged.")
-    tokens_per_example = property(
-        lambda self: self._tokens, doc="Tokens in one example (the width of the batch's first "
-        "2-D integer array), learned from fit's first batch; 0: the batch has no tokens.")
     checkpoint_config = property(lambda self: self._checkpoints.config,
                                  doc="When and where checkpoints are saved (None: never).")
     checkpointer = property(lambda self: self._checkpoints.writer,
@@ -211,12 +210,9 @@ class Trainer:
                                 "without checkpoints).")
     position = property(lambda self: self._position,
                         doc="Where training stands in the data (epoch, batch, epoch done).")
-    console = property(lambda self: self._console, doc="Process 0's messages and progress.")
     resumed_from = property(lambda self: self._checkpoints.resumed(),
                             doc="The meta of the checkpoint this run resumed from "
                                 "(read-only), or None.")
-    budget = property(lambda self: self._budget.steps,
-                      doc="The run's total steps, as the last ``fit`` asked (None before).")
 
     @property
     def nonfinite_step(self) -> int:
@@ -224,18 +220,6 @@ class Trainer:
         finite (0: none); read from the devices."""
         self._require_init("nonfinite_step")
         return int(jax.device_get(self.state.nonfinite_step))
-
-    saving_step = property(lambda self: self._checkpoints.saving,
-                           doc="The step whose checkpoint is being written, if one is.")
-
-    def wait_for_checkpoints(self) -> None:
-        """Returns once every checkpoint started has been written."""
-        self._checkpoints.wait()
-
-    def newest_checkpoint(self) -> str | None:
-        """The newest complete checkpoint's path (a save in flight waited for), this run's
-        or the one it resumed from; None if there is none."""
-        return self._checkpoints.newest()
 
     def add_hook(self, hook: Hook) -> None:
         """Runs ``hook`` beside training from now on (see ``redray.Hook``)."""
@@ -260,7 +244,7 @@ class Trainer:
             return
         self._init(examples)
         for hook in self.hooks:
-            hook.on_init(self)
+            hook.on_init(self._view)
 
     def _init(self, examples: Sequence) -> None:
         if not len(examples):
@@ -291,7 +275,7 @@ class Trainer:
                 self._console.say(f"resumed from {path} (step {meta['step']}, epoch "
                                  f"{meta['epoch']}, batch {meta['batch']})")
             for hook in self.hooks:
-                hook.on_restore(self, int(meta["step"]), path, meta)
+                hook.on_restore(self._view, int(meta["step"]), path, meta)
 
     def _take_plan(self, sample: dict) -> None:
         """Under "auto": the plan of the checkpoint a run resumes on the same devices, or
@@ -449,11 +433,11 @@ class Trainer:
             self._position = event.position
         for hook in self._listening():
             if isinstance(event, StepInfo):
-                hook.on_step(self, event)
+                hook.on_step(self._view, event)
             elif isinstance(event, EpochEnd):
-                hook.on_epoch_end(self, event)
+                hook.on_epoch_end(self._view, event)
             else:
-                hook.on_epoch_start(self, *event)
+                hook.on_epoch_start(self._view, *event)
 
     def roll_back(self, bad_step: int, position: Position) -> int | None:
         """Restores the newest checkpoint's state, keeps counting steps from
@@ -488,20 +472,20 @@ class Trainer:
         training stands; ``fit``'s ``Checkpoints`` hook calls it); hooks hear
         ``on_checkpoint`` once complete."""
         if self._fit is not None:
-            self._fit.guard.check(self)  # never save a state past a non-finite step
+            self._fit.guard.check(self._view)  # never save a state past a non-finite step
         position = position or self._position
         run = self._checkpoints.kept_run()  # updated by every hook's run_meta
         for hook in self._listening():
-            run.update(hook.run_meta(self))
+            run.update(hook.run_meta(self._view))
         meta = {"step": self.step, "epoch": position.epoch, "batch": position.batch,
                 "epoch_done": position.epoch_done, **data_settings, "metrics": metrics or {},
-                "config": self.config, "run": run, "budget": self.budget,
+                "config": self.config, "run": run, "budget": self._budget.steps,
                 "schedule": self._budget.segments, "plan": self._choice and self._choice.meta,
                 "time": time.time()}
 
         def committed(step, path, meta):
             for hook in self._listening():
-                hook.on_checkpoint(self, step, path, meta)
+                hook.on_checkpoint(self._view, step, path, meta)
 
         self._checkpoints.save(self.program.checkpoint_items(self.state), meta, committed)
 
@@ -515,7 +499,7 @@ class Trainer:
         self._require_init("log")
         bad = self.nonfinite_step
         if bad and self.on_nonfinite != "skip":  # a loop of train_step calls, outside fit
-            raise NonFiniteError(nonfinite_message(self, bad, None, None))
+            raise NonFiniteError(nonfinite_message(self._view, bad, None, None))
         row = {"step": self.step, **{k: float(v) for k, v in metrics.items()}}
         self.record(row)
         return row
@@ -524,7 +508,7 @@ class Trainer:
         """Sends a logged row to every hook's ``on_log`` (what ``fit``'s log windows and
         evaluations do; ``log`` checks and converts your metrics first)."""
         for hook in self._listening():
-            hook.on_log(self, row)
+            hook.on_log(self._view, row)
 
     def predictor(self, batch_size: int | None = None):
         """A Predictor that always uses this trainer's latest parameters (no copy).

@@ -107,26 +107,26 @@ class Watchdog(Hook):
         return "".join(shown)
 
     # Every event of the loop is progress.
-    def on_init(self, trainer) -> None:
+    def on_init(self, run) -> None:
         self.tick("the set-up (init)")
 
-    def on_epoch_start(self, trainer, epoch: int, batch: int) -> None:
+    def on_epoch_start(self, run, epoch: int, batch: int) -> None:
         self.tick(f"the start of epoch {epoch} at batch {batch}")
 
-    def on_step(self, trainer, info: StepInfo) -> None:
+    def on_step(self, run, info: StepInfo) -> None:
         self.tick(f"step {info.step} (epoch {info.position.epoch}, batch "
                   f"{info.position.batch})")
 
-    def on_log(self, trainer, row: dict) -> None:
+    def on_log(self, run, row: dict) -> None:
         self.tick(f"a logged row at step {row.get('step')}")
 
-    def on_epoch_end(self, trainer, end: EpochEnd) -> None:
+    def on_epoch_end(self, run, end: EpochEnd) -> None:
         self.tick(f"the end of epoch {end.epoch} at step {end.step}")
 
-    def on_checkpoint(self, trainer, step: int, path: str, meta: dict) -> None:
+    def on_checkpoint(self, run, step: int, path: str, meta: dict) -> None:
         self.tick(f"the checkpoint of step {step}")
 
-    def on_fit_end(self, trainer) -> None:
+    def on_fit_end(self, run) -> None:
         self.tick("the end of fit")
 
 
