@@ -15,6 +15,11 @@ from __future__ import annotations
 from types import MappingProxyType
 
 
+def _shown(name: str, doc: str) -> property:
+    """The Trainer's read-only ``name``, shown as it is."""
+    return property(lambda self: getattr(self._trainer, name), doc=doc)
+
+
 class RunView:
     """A Trainer's run, read-only (every hook event's first argument)."""
 
@@ -29,39 +34,38 @@ class RunView:
                              "what must survive a resume in run_meta")
 
     # where training stands
-    step = property(lambda self: self._trainer.step,
-                    doc="Optimizer updates done so far (a resumed run counts from its "
-                        "checkpoint).")
-    position = property(lambda self: self._trainer.position,
-                        doc="Where training stands in the data (epoch, batch, epoch done).")
+    step = _shown("step", "Optimizer updates done so far (a resumed run counts from its "
+                  "checkpoint).")
+    position = _shown("position", "Where training stands in the data (epoch, batch, epoch "
+                      "done).")
     budget = property(lambda self: self._trainer._budget.steps,
                       doc="The run's total steps, as the last ``fit`` asked (None before).")
-    nonfinite_step = property(lambda self: self._trainer.nonfinite_step,
-                              doc="The first step since the last check whose loss or "
-                                  "gradient norm was not finite (0: none); read from the "
-                                  "devices.")
+    nonfinite_step = _shown("nonfinite_step", "The first step since the last check whose "
+                            "loss or gradient norm was not finite (0: none); read from the "
+                            "devices.")
     # what it trains with
-    batch_size = property(lambda self: self._trainer.batch_size,
-                          doc="Examples per optimizer update (the global batch).")
-    learning_rate = property(lambda self: self._trainer.learning_rate,
-                             doc="The schedule (or float) given as ``learning_rate=``.")
+    batch_size = _shown("batch_size", "Examples per optimizer update (the global batch).")
+    learning_rate = _shown("learning_rate", "The schedule (or float) given as "
+                           "``learning_rate=``.")
     tokens_per_example = property(
         lambda self: self._trainer._tokens,
         doc="Tokens in one example (the width of the batch's first 2-D integer array), "
             "learned from fit's first batch; 0: the batch has no tokens.")
-    plan = property(lambda self: self._trainer.plan, doc="The plan the run trains on.")
+    plan = _shown("plan", "The plan the run trains on.")
     config = property(lambda self: MappingProxyType(self._trainer.config),
                       doc="The run's settings, as checkpoints store them (read-only).")
-    model = property(lambda self: self._trainer.model,
-                     doc="The trained model as the user's object (the latest parameters).")
-    console = property(lambda self: self._trainer._console,
-                       doc="Where process 0's messages go (``say(text)``).")
+
+    @property
+    def model(self):
+        """The trained model as the user's object (the latest parameters)."""
+        return self._trainer.model
+
+    console = _shown("_console", "Where process 0's messages go (``say(text)``).")
     # its checkpoints
-    checkpoint_config = property(lambda self: self._trainer.checkpoint_config,
-                                 doc="When and where checkpoints are saved (None: never).")
-    resumed_from = property(lambda self: self._trainer.resumed_from,
-                            doc="The meta of the checkpoint this run resumed from "
-                                "(read-only), or None.")
+    checkpoint_config = _shown("checkpoint_config", "When and where checkpoints are saved "
+                               "(None: never).")
+    resumed_from = _shown("resumed_from", "The meta of the checkpoint this run resumed from "
+                          "(read-only), or None.")
     saving_step = property(lambda self: self._trainer._checkpoints.saving,
                            doc="The step whose checkpoint is being written, if one is.")
 
