@@ -229,12 +229,12 @@ def ceiling(s: dict, base: int, rows=(1, 8, 64), columns=(48, 176), steps: int =
     from redray.planning.probe import _timed
     from redray.models import generate
     from redray.models.generate import for_decoding
-    from redray.post_training.sampler import _bucket
+    from redray.post_training.kv_window import bucket
 
     config, model = built(s)
     prompts, lengths = workload(s, base)
     ids, mask = left_padded(prompts)
-    width = _bucket(ids.shape[1])  # the prompts' columns, as the sampler pads them
+    width = bucket(ids.shape[1])  # the prompts' columns, as the sampler pads them
     graphdef, state = nnx.split(for_decoding(model))
 
     def loop(state, cache, valid, token):

@@ -67,7 +67,7 @@ def test_greedy_completions_equal_generate_token_for_token(name):
     # rows are shifted left, and the last sequences narrowed into fewer
     sampler = Sampler(model, slots=4, max_length=36, steps_per_call=5, eos_token_id=eos)
     done = sampler.sample(prompts, SamplingParams(max_new_tokens=new))
-    assert sampler.shifts >= 1
+    assert sampler.window.shifts >= 1
     assert [list(c.tokens) for c in done] == [until_eos(r, eos) for r in ref]
     assert any(c.finish_reason == "eos" for c in done)
     assert all((c.finish_reason == "eos") == (c.tokens[-1] == eos) for c in done)
@@ -77,7 +77,7 @@ def test_greedy_completions_equal_generate_token_for_token(name):
     short = sampler.sample(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])
     assert [list(c.tokens) for c in short] == [until_eos(r[:n], eos)
                                                for r, n in zip(ref, lengths)]
-    assert sampler.kv_valid.shape[0] < 4  # the last ones ran narrowed
+    assert sampler.window.kv_valid.shape[0] < 4  # the last ones ran narrowed
     # the rounds read windows narrower than the longest request's row
     widths = {key[2][1] for key in sampler._compiled if key[0] == "decode"}
     assert min(widths) < sampler.max_length and max(widths) <= sampler.length
@@ -94,7 +94,7 @@ def test_greedy_completions_equal_generate_token_for_token(name):
         done = wide.sample(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])
         assert [list(c.tokens) for c in done] == [until_eos(r[:n], eos)
                                                   for r, n in zip(ref, lengths)]
-        assert wide.kv_valid.shape[0] == 4
+        assert wide.window.kv_valid.shape[0] == 4
         done = wide.sample(prompts[:4], SamplingParams(max_new_tokens=new))
         assert [list(c.tokens) for c in done] == [until_eos(r, eos) for r in ref[:4]]
         assert wide.rounds == 1
@@ -103,8 +103,9 @@ def test_greedy_completions_equal_generate_token_for_token(name):
 
 
 def test_the_cache_windows_and_batch_sizes_come_from_few_compiled_shapes():
-    from redray.post_training.sampler import PROMPT_BUCKET, WINDOW_RUNGS, _window
-    widths = [_window(n, 10_000) for n in range(1, 2049)]
+    from redray.post_training.kv_window import PROMPT_BUCKET, WINDOW_RUNGS, window
+    from redray.post_training.slots import smaller
+    widths = [window(n, 10_000) for n in range(1, 2049)]
     assert all(w >= n and w % PROMPT_BUCKET == 0 for n, w in enumerate(widths, 1))
     # every bucket up to 2 x WINDOW_RUNGS of them, then WINDOW_RUNGS widths per doubling,
     # none with as many idle columns as 1 / WINDOW_RUNGS of it
@@ -114,28 +115,28 @@ def test_the_cache_windows_and_batch_sizes_come_from_few_compiled_shapes():
     for low in (short, 2 * short, 4 * short):
         assert len({w for w in widths if low < w <= 2 * low}) == WINDOW_RUNGS
     assert all((w - n) * WINDOW_RUNGS < w for n, w in enumerate(widths, 1) if n > short)
-    assert _window(300, 200) == 200
+    assert window(300, 200) == 200
     model = build(CONFIGS["gpt2"](), rngs=nnx.Rngs(0))
     sampler = Sampler(model, slots=64, max_length=32)
     ladder, size = [], 64
     while size:
         ladder.append(size)
-        size = sampler._smaller(size)
+        size = smaller(size, sampler.placement.data_parallel)
     assert ladder == [64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1]
 
 
 def test_a_prefill_of_every_slot_writes_what_the_scatter_writes():
-    """``_write(every=True)`` (one slice: a prefill that fills every slot) and the scatter
+    """``write(every=True)`` (one slice: a prefill that fills every slot) and the scatter
     (any rows) leave the same cache, a stacked cache's layer axis included."""
-    from redray.post_training.sampler import _write
+    from redray.post_training.kv_window import write
     rs = np.random.default_rng(0)
     for lead in ((), (2,)):
         big = jnp.asarray(rs.normal(size=(*lead, 3, 2, 9, 4)), jnp.float32)
         new = jnp.asarray(rs.normal(size=(*lead, 4, 2, 5, 4)), jnp.float32)  # a padding row
         rows, cols = jnp.asarray([0, 1, 2, 3]), jnp.arange(3, 8)
-        scattered = _write(big, new, rows, cols)
+        scattered = write(big, new, rows, cols)
         assert not np.array_equal(scattered, big)
-        np.testing.assert_array_equal(_write(big, new, rows, cols, every=True), scattered)
+        np.testing.assert_array_equal(write(big, new, rows, cols, every=True), scattered)
 
 
 def test_sampled_tokens_depend_on_the_request_not_its_slot_and_their_logprobs_are_the_models():
@@ -190,7 +191,7 @@ def test_a_sharded_sampler_completes_as_one_device_with_its_cache_split():
     one = Sampler(model, slots=4, max_length=32).sample(prompts, params)
     plan = redray.Parallelism.of(data_axis=2, model_axis=2)
     sharded = Sampler(model, slots=4, max_length=32, parallelism=plan)
-    spec = jax.tree.leaves(sharded.cache)[0].sharding.spec
+    spec = jax.tree.leaves(sharded.window.cache)[0].sharding.spec
     assert tuple(spec)[-4:-2] == (("data", "fsdp", "expert"), "model"), spec
     split = [x for x in jax.tree.leaves(sharded.state) if "model" in str(x.sharding.spec)]
     assert len(split) >= 4  # the layers' projections and MLPs at least
@@ -267,17 +268,17 @@ def test_decoding_loops_read_stacked_layers_sliced_once_before_the_loop():
     vocab = model.config.vocab_size
     assert (3, vocab) in _shapes(looped) and (3, ids.shape[1], vocab) not in _shapes(looped)
     sampler = Sampler(model, slots=4, max_length=32)
-    from redray.post_training.sampler import _Rows
-    rows = _Rows(4, 0)
+    from redray.post_training.slots import Slots
+    rows = Slots(4, 0)
     layers = sampler._split_layers()  # once per sample call, outside the rounds
     assert not any(x.shape in stacked for x in jax.tree.leaves(layers))
     decode = sampler._decode_fn(3, (4, sampler.width), True)
-    traced = jax.make_jaxpr(decode)(layers, sampler.cache, sampler.kv_valid,
+    traced = jax.make_jaxpr(decode)(layers, sampler.window.cache, sampler.window.kv_valid,
                                     sampler._decode_inputs(rows, 5))
     assert _slices_in_loops(traced, stacked) == []
     prefill = sampler._prefill_fn((4, True, None), (16, sampler.width), True)
-    sampler.t = 16
-    filled = jax.make_jaxpr(prefill)(sampler.state, sampler.cache, sampler.kv_valid,
+    sampler.window.t = 16
+    filled = jax.make_jaxpr(prefill)(sampler.state, sampler.window.cache, sampler.window.kv_valid,
                                      sampler._prefill_inputs(
                                          np.ones((4, 16), np.int32), np.ones((4, 16), np.int32),
                                          np.arange(4, dtype=np.int32),

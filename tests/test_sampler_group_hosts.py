@@ -77,7 +77,7 @@ def loop():
     # colocated on the trainer's own mesh over both hosts: every host runs the Sampler's
     # loop, the cache split over the 4 devices of 2 processes
     together = Sampler(trainer.model, slots=4, max_length=32)
-    assert together.spmd
+    assert together.placement.spmd
     for c, m in zip(together.sample(prompts, how, request_ids=[4, 5, 6, 7]), mine):
         assert c.tokens.tolist() == m.tokens.tolist()
         np.testing.assert_allclose(c.logprobs, m.logprobs, rtol=1e-4, atol=1e-5)

@@ -8,8 +8,6 @@ import math
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 
 from redray.engine.model import abstract_state, adapter, cast_floating
@@ -19,6 +17,7 @@ from redray.sharding.parallelism import reorder
 from redray.sharding.plan import Plan
 from redray.sharding import (MODEL, STAGE, Parallelism, derive_specs, format_placement,
                              format_whole, placement, shardings)
+from redray.sharding.on_mesh import put
 from redray.sharding.reductions import fuse_reductions
 
 
@@ -201,19 +200,9 @@ class ModelRuntime:
         Host arrays, and one host's own arrays when the mesh spans hosts (a built model
         that every host received), are cut into each device's shard.
         """
-        def put(value, sharding):
-            if isinstance(value, jax.Array) and sharding.is_fully_addressable:
-                return jax.device_put(jnp.copy(value), sharding)
-            if isinstance(value, jax.Array) and not value.is_fully_addressable:
-                return jax.jit(jnp.copy, out_shardings=sharding)(value)  # reshards across hosts
-            if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
-                return jax.random.wrap_key_data(put(jax.random.key_data(value), sharding),
-                                                impl=jax.random.key_impl(value))
-            host = np.asarray(value)
-            return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-
-        return self.reorder(jax.tree.map(put, (params, extra), self.shardings), self.shardings,
-                            True)
+        placed = jax.tree.map(lambda value, sharding: put(value, sharding, copy=True),
+                              (params, extra), self.shardings)
+        return self.reorder(placed, self.shardings, True)
 
     def bound(self, params, extra, rng=None):
         """The user's model object, bound to concrete parameters (for inspection): this

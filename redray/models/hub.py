@@ -25,7 +25,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from redray.rngs import rngs as fast_rngs
-from redray.sharding import Parallelism, derive_specs, flatten
+from redray.sharding import Parallelism, flatten
+from redray.sharding.on_mesh import model_specs, put
 from redray.sharding.parallelism import KEYWORDS as AXIS_KEYWORDS
 
 # model_type -> module implementing the family (Model, weight_table, trace_inputs).
@@ -367,14 +368,12 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
         if layer is not None:
             stacked.setdefault(model_path, {})[layer] = value
             continue
-        loaded[model_path] = jax.make_array_from_callback(
-            value.shape, NamedSharding(mesh, spec), lambda idx, v=value: v[idx])
+        loaded[model_path] = put(value, NamedSharding(mesh, spec))
     for model_path, layers_ in stacked.items():
         leaf, spec = by_path[model_path]
         if len(layers_) == leaf.shape[0]:  # else a layer's tensor is missing, reported
             value = np.stack([layers_[i] for i in range(leaf.shape[0])])
-            loaded[model_path] = jax.make_array_from_callback(
-                value.shape, NamedSharding(mesh, spec), lambda idx, v=value: v[idx])
+            loaded[model_path] = put(value, NamedSharding(mesh, spec))
     ignore = re.compile("|".join(getattr(fam, "IGNORED", ())) or r"(?!)")
     used = {_stored_name(part, available, prefix) for row in table for part in row.parts}
     unexpected = sorted(n for n in available - used if not ignore.search(n))
@@ -431,19 +430,6 @@ def _stored_name(row: Tensor, available: set, base_prefix: str | None) -> str | 
     if base_prefix and row.hf.startswith(base_prefix):
         candidates.append(row.hf[len(base_prefix):])
     return next((n for n in candidates if n in available), None)
-
-
-def model_specs(graphdef, state, parallelism: Parallelism, inputs: dict,
-                whole: list | None = None, stacked: dict | None = None):
-    """Automatic specs of a model's (params, extra) on a built plan (a mesh or an
-    abstract one), traced on ``model(**inputs)``; ``whole`` receives the layer parameters
-    left unsplit over ``model``, ``stacked`` the scanned layers' arrays (``derive_specs``)."""
-    def forward(st, kwargs):
-        out = nnx.merge(graphdef, *jax.tree.map(lambda x: x, st))(**kwargs)
-        return out
-
-    return derive_specs(state, parallelism.mesh, forward, (inputs,), whole=whole,
-                        passes=parallelism.spec_passes(), stacked=stacked)
 
 
 def save_pretrained(model, path: str, max_shard_bytes: int | None = None,

@@ -222,7 +222,7 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
     import optax
     from flax import nnx
 
-    from redray.models.hub import model_specs
+    from redray.sharding.on_mesh import model_specs
     from redray.planning.memory import expert_layers
 
     parallelism = plan_parallelism(devices, rules, model_axis=model_axis, fsdp_axis=fsdp_axis,

@@ -11,7 +11,8 @@ from redray.post_training.losses import (dpo_loss, group_advantages, grpo_loss, 
                                          sequence_logprobs, sft_loss, token_logprobs)
 from redray.post_training.remote import Pending, SamplerGroup, WeightSync
 from redray.post_training.rewards import RewardError, score
-from redray.post_training.sampler import Completion, Sampler, SamplingParams, sample_rows
+from redray.post_training.sampler import Sampler
+from redray.post_training.sampling import Completion, SamplingParams, sample_rows
 
 __all__ = ["Completion", "Pending", "RewardError", "Sampler", "SamplerGroup",
            "SamplingParams", "WeightSync", "dpo_loss", "group_advantages", "grpo_loss",

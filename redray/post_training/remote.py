@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from redray.post_training.sampler import Completion, Sampler, SamplingParams, requests
+from redray.post_training.sampler import Sampler
+from redray.post_training.sampling import Completion, SamplingParams, requests
 from redray.processes.jax_runtime import from_process_zero, join_jax, served_at
 
 
