@@ -79,8 +79,7 @@ class PlanChoice:
             hardware = resolve_hardware(self.hardware)
         # the model's own choices (the context axis's attention) on the same hardware
         context = context_chooser(hardware)
-        traced = runtime.unplanned()
-        traced.use(dataclasses.replace(runtime.plan, context_method=context))
+        traced = runtime.on(dataclasses.replace(runtime.plan, context_method=context))
         with startup.phase("planner"):
             facts = RuntimeFacts(traced, functions.loss, optimizer, sample, trainable,
                                  tokens_per_example(sample))

@@ -107,8 +107,12 @@ class ModelRuntime:
     def unplanned(self) -> "ModelRuntime":
         """This model without its plan: its layers run as on one device (what the
         planner traces and times)."""
+        return self.on(Plan())
+
+    def on(self, plan: Plan) -> "ModelRuntime":
+        """This model on ``plan`` instead (a copy sharing its specs; this one unchanged)."""
         other = copy.copy(self)
-        other.plan = Plan()
+        other.plan = plan
         return other
 
     def _context_method(self):
