@@ -128,18 +128,18 @@ class Checkpoints(Hook):
         # an epoch's last step is saved by the epoch's end, after its evaluation
         if every and info.step % every == 0 and not (self.config.every_epoch
                                                      and info.last_of_epoch):
-            self._save(run, info.step)
+            self._save(info.step)
 
     def on_epoch_end(self, run, end: EpochEnd) -> None:
         if end.complete and self.config.every_epoch:
-            self._save(run, end.step, self._metrics(end.step) or {})
+            self._save(end.step, self._metrics(end.step) or {})
 
     def on_fit_end(self, run) -> None:
         step = run.step
-        self._save(run, step, self._metrics(step))
+        self._save(step, self._metrics(step))
         run.wait_for_checkpoints()
 
-    def _save(self, run, step: int, metrics: dict | None = None) -> None:
+    def _save(self, step: int, metrics: dict | None = None) -> None:
         if self.saved == step:
             return
         self.save(self.data_settings, metrics)

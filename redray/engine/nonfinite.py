@@ -53,7 +53,7 @@ class NonFiniteGuard(Hook):
       roll_back: the Trainer's ``roll_back``, for the "rollback" policy.
     """
 
-    def __init__(self, policy: str, every: int, steps_per_epoch: int, roll_back=None):
+    def __init__(self, policy: str, every: int, steps_per_epoch: int, roll_back):
         self.policy, self.every, self.steps_per_epoch = policy, every, steps_per_epoch
         self.roll_back = roll_back  # Trainer.roll_back, for the "rollback" policy
         self.unchecked: dict[int, StepInfo] = {}

@@ -89,8 +89,8 @@ class RunCheckpoints:
         return saved
 
     def save(self, items: dict, meta: dict, on_commit) -> None:
-        """Starts saving ``items`` with ``meta`` (plus the run ``resumed_from`` kept and
-        the trainable parameters' regex); ``on_commit(step, path, meta)`` once complete."""
+        """Starts saving ``items`` with ``meta`` (plus the trainable parameters' regex,
+        which a resume checks); ``on_commit(step, path, meta)`` once complete."""
         self.writer.save(items, {**meta, "trainable": self.trainable}, on_commit=on_commit)
 
     def kept_run(self) -> dict:
