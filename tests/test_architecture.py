@@ -257,3 +257,19 @@ def test_the_trainer_read_check_catches_state_privates_and_writes(tmp_path):
     found = [line.split(": ")[1] for line in bad_trainer_reads([str(path)])]
     assert sorted(found) == ["run.program", "run.save_checkpoint", "trainer._guard",
                              "trainer.hooks", "trainer.state", "trainer.step"]
+
+
+def test_the_trainer_coordinates_in_at_most_400_lines_and_nobody_reads_its_privates():
+    """The Trainer class stays a coordinator of its pieces (the program, the plan's
+    choice, the checkpoints, the hooks, the fit loop, the reports); outside its own
+    module only the run's view reads its private attributes."""
+    path = os.path.join(ROOT, "redray/engine/trainer.py")
+    tree = ast.parse(open(path).read())
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    assert trainer.end_lineno - trainer.lineno + 1 <= 400
+    private = [f"{os.path.relpath(p, ROOT)}:{line}: {read}" for p, _ in modules()
+               if os.path.relpath(p, ROOT) not in ("redray/engine/trainer.py",
+                                                   "redray/engine/run_view.py")
+               for line, read, _ in trainer_reads(p)
+               if read.startswith("trainer._")]
+    assert not private

@@ -18,8 +18,8 @@ import jax
 from redray import startup
 from redray.engine.batches import each_batch
 from redray.engine.fit_hooks import Checkpoints, Evaluation, LogWindow, Recorder
-from redray.engine.hooks import Hook
-from redray.engine.loop import TrainingData, training_steps
+from redray.engine.hooks import Hook, Hooks, Progress
+from redray.engine.loop import TrainingData, tokens_per_example, training_steps
 from redray.engine.nonfinite import NonFiniteGuard, RolledBack
 from redray.functions import WEIGHT
 from redray.rngs import KeyStream, stream_key
@@ -56,12 +56,16 @@ def steps_per_epoch(data: TrainingData, train: Sequence, batch_size: int) -> int
 
 class Fit:
     """The hooks and the loop of one ``fit`` call on ``trainer`` (initialized, its
-    budget set) over ``data``."""
+    budget set) over ``data``: the Trainer hands it its hooks (``hooks.Hooks``), where
+    its run stands (``hooks.Progress``, moved by the loop) and its step on a placed
+    batch."""
 
-    def __init__(self, trainer, data: TrainingData, per_epoch: int, eval_data: Sequence | None,
+    def __init__(self, trainer, hooks: Hooks, progress: Progress, step: Callable,
+                 data: TrainingData, per_epoch: int, eval_data: Sequence | None,
                  eval_metric: Callable | None, shown: bool):
         self.trainer, self.data = trainer, data
-        run = trainer._view  # what hooks get
+        self.all_hooks, self.progress, self.step = hooks, progress, step
+        run = hooks.run  # what hooks get
         self.recorder = Recorder()
         self.evaluation = None if eval_data is None else Evaluation(
             eval_data, eval_metric, run.console if shown else None)
@@ -80,34 +84,42 @@ class Fit:
     def run(self, epochs: int, max_steps: int | None, eval_at_start: bool) -> list[dict]:
         """Trains what is left of ``epochs`` (at most ``max_steps`` in all); returns the
         rows logged."""
-        trainer, begun = self.trainer, time.time()
+        trainer, hooks, progress, begun = self.trainer, self.all_hooks, self.progress, time.time()
+        hooks.during_fit, progress.tokens = self.hooks, 0
         try:
-            first_epoch, _ = trainer.position.resume_point()
+            first_epoch, _ = progress.position.resume_point()
             if (eval_at_start and self.evaluation is not None and first_epoch < epochs
                     and (max_steps is None or trainer.step < max_steps)):
-                self.evaluation.run(trainer._view, trainer.step, first_epoch)
+                self.evaluation.run(hooks.run, trainer.step, first_epoch)
             while True:
                 steps = training_steps(
-                    self.data, epochs, max_steps, position=trainer.position, done=trainer.step,
+                    self.data, epochs, max_steps, position=progress.position, done=trainer.step,
                     geometry=trainer.geometry, sharding=trainer.parallelism.batch_sharding(),
-                    collate=trainer.functions.collate, step=trainer._step,
-                    depth=trainer.prefetch, first_batch=trainer._learn_tokens)
+                    collate=trainer.functions.collate, step=self.step, depth=trainer.prefetch,
+                    first_batch=self.learn_tokens)
                 try:
                     for event in steps:
-                        trainer._dispatch(event)
+                        if getattr(event, "position", None) is not None:
+                            progress.position = event.position
+                        hooks.loop_event(event)
                     break
                 except RolledBack:  # the state and position are the checkpoint's: go on
                     steps.close()
-            for hook in trainer._listening():
-                hook.on_fit_end(trainer._view)
+            hooks.send("fit_end")
         finally:
+            hooks.during_fit = []
             startup.RECORDER.fill("steps", begun)
         return self.recorder.rows
+
+    def learn_tokens(self, batch: dict) -> None:
+        self.progress.tokens = tokens_per_example(batch)
 
 
 def evaluate(trainer, examples: Sequence) -> dict[str, float]:
     """``Trainer.evaluate``'s loop on an initialized ``trainer``: each batch's metrics
-    times its weight, summed, over the total weight."""
+    times its weight, summed, over the total weight, divided once. Full batches run
+    split over the devices; a final partial batch runs at its exact size (split if it
+    divides, replicated otherwise), so no padding enters the mean."""
     program, rng = trainer.program.eval_step(), stream_key(trainer.seed, KeyStream.EVAL)
     state = trainer.state
     pending = each_batch(

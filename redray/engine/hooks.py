@@ -115,6 +115,60 @@ class Hook:
 
 
 @dataclasses.dataclass
+class Progress:
+    """Where a Trainer's run stands, as its loop moves it (engine-internal: hooks read it
+    through the run's view).
+
+    Attributes:
+      position: where training stands in the data.
+      tokens: tokens in one example (the width of the batch's first 2-D integer array),
+        learned from ``fit``'s first batch; 0: the batch has no tokens.
+    """
+    position: Position = Position()
+    tokens: int = 0
+
+
+class Hooks:
+    """A Trainer's hooks and the events sent to them: the hooks of the ``fit`` call under
+    way first (``during_fit``), then the Trainer's own (``own``). Every event gets
+    ``run``, the view of the run hooks see."""
+
+    def __init__(self, run):
+        self.run = run
+        self.own: list[Hook] = []
+        self.during_fit: list[Hook] = []
+
+    def add(self, hook: Hook) -> None:
+        """Sends ``hook`` every event from now on."""
+        if not isinstance(hook, Hook):
+            raise TypeError(f"a hook must be a redray.Hook (subclass it and override the on_* "
+                            f"methods you need), got {type(hook).__name__}")
+        self.own.append(hook)
+
+    def send(self, event: str, *args) -> None:
+        """Calls ``on_<event>(run, *args)`` of every hook listening."""
+        for hook in self.during_fit + self.own:
+            getattr(hook, f"on_{event}")(self.run, *args)
+
+    def loop_event(self, event) -> None:
+        """Sends an event of ``loop.training_steps``: a ``StepInfo``, an ``EpochEnd``, or
+        (epoch, batch) where an epoch starts."""
+        if isinstance(event, StepInfo):
+            self.send("step", event)
+        elif isinstance(event, EpochEnd):
+            self.send("epoch_end", event)
+        else:
+            self.send("epoch_start", *event)
+
+    def run_meta(self, kept: dict) -> dict:
+        """``kept`` (what a resumed checkpoint kept of the run) updated by every hook's
+        ``run_meta``."""
+        for hook in self.during_fit + self.own:
+            kept.update(hook.run_meta(self.run))
+        return kept
+
+
+@dataclasses.dataclass
 class Adoption:
     """What a surrounding run gives a Trainer made inside it.
 

@@ -43,11 +43,8 @@ class Predictor:
 
     @classmethod
     def _from_runtime(cls, runtime, collate, predict, source: Callable, batch_size, seed):
-        """A Predictor reading (params, extra) from ``source()`` at every call.
-
-        Used by ``Trainer.predictor``: the trainer's step donates its state, so holding
-        the arrays themselves would leave deleted buffers after the next update.
-        """
+        """A Predictor reading (params, extra) from ``source()`` at every call
+        (``TrainerPredictors``)."""
         self = cls.__new__(cls)
         self._setup(runtime, collate, predict, batch_size, seed)
         self._given = None
@@ -124,3 +121,27 @@ class Predictor:
             for i in range(n):
                 results.append(jax.tree.unflatten(treedef, [np.asarray(x[i]) for x in leaves]))
         return results
+
+
+class TrainerPredictors:
+    """A Trainer's Predictors, one per batch size, each reading (params, extra) from
+    ``source()`` at every call: the trainer's step donates its state, so holding the
+    arrays would leave deleted buffers after the next update. The same one for the same
+    batch size: a loop that predicts every iteration compiles once, and its default
+    ``rng`` keeps changing between calls."""
+
+    def __init__(self, runtime, functions, source: Callable, default_size: int, seed: int):
+        self.runtime, self.functions, self.source = runtime, functions, source
+        self.default_size, self.seed = default_size, seed
+        self.made: dict[int, Predictor] = {}
+
+    def get(self, batch_size: int | None) -> Predictor:
+        if self.functions.predict is None:
+            raise UserFunctionError("this Trainer has no predict function: pass predict=... to "
+                                    "Trainer")
+        size = batch_size or self.default_size
+        if size not in self.made:
+            self.made[size] = Predictor._from_runtime(
+                self.runtime, self.functions.collate, self.functions.predict, self.source,
+                size, self.seed)
+        return self.made[size]

@@ -144,6 +144,14 @@ class TrainProgram:
         items = self.runtime.reorder(items, self.layout.shardings.checkpoint_items(), True)
         return TrainState.from_checkpoint_items(items, frozen)
 
+    def rolled_back(self, items: dict[str, dict], state: TrainState, step: int) -> TrainState:
+        """A rollback's state: restored ``items`` (a checkpoint's) beside ``state``'s frozen
+        parameters, counting on from ``step``, its non-finite flag cleared."""
+        shardings = self.layout.shardings
+        count = jax.jit(lambda: jnp.asarray(step, jnp.int32), out_shardings=shardings.step)()
+        return self.from_checkpoint(items, state.frozen).replace(
+            step=count, nonfinite_step=zero_flag(shardings.nonfinite_step))
+
     def train_step(self):
         """The jitted training step, built once: ``steps.train_step`` bound to this
         model, loss and optimizer, with the state's shardings and the state donated."""

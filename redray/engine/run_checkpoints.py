@@ -8,6 +8,7 @@ Trainer's side of it, so the Trainer keeps one value for everything checkpointed
 
 from __future__ import annotations
 
+import time
 from types import MappingProxyType
 
 from redray.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatch
@@ -43,8 +44,12 @@ class RunCheckpoints:
         return items
 
     def restore_newest(self, targets):
-        """(items, meta) of the newest complete checkpoint, restored onto ``targets``, or
-        None. A checkpoint of other trainable parameters is refused."""
+        """(items, meta) of the newest complete checkpoint (a save in flight waited for),
+        restored onto ``targets``, or None (none, or no checkpoints at all). A checkpoint
+        of other trainable parameters is refused."""
+        if self.writer is None:
+            return None
+        self.writer.wait()
         return self.writer.restore_latest(targets, check=self._check_trainable,
                                           required=POSITION_META)
 
@@ -88,10 +93,15 @@ class RunCheckpoints:
             saved = self.resumed_path()
         return saved
 
-    def save(self, items: dict, meta: dict, on_commit) -> None:
-        """Starts saving ``items`` with ``meta`` (plus the trainable parameters' regex,
-        which a resume checks); ``on_commit(step, path, meta)`` once complete."""
-        self.writer.save(items, {**meta, "trainable": self.trainable}, on_commit=on_commit)
+    def save(self, items: dict, step: int, position, fields: dict, on_commit) -> None:
+        """Starts saving ``items`` of ``step`` at ``position`` (a ``hooks.Position``), its
+        meta ``fields`` beside the step, the position, the trainable parameters' regex
+        (which a resume checks) and the time; ``on_commit(step, path, meta)`` once
+        complete."""
+        meta = {"step": step, "epoch": position.epoch, "batch": position.batch,
+                "epoch_done": position.epoch_done, **fields, "trainable": self.trainable,
+                "time": time.time()}
+        self.writer.save(items, meta, on_commit=on_commit)
 
     def kept_run(self) -> dict:
         """What the resumed checkpoint kept of the run (its ``run`` meta), to update."""

@@ -48,7 +48,7 @@ class RunView:
     learning_rate = _shown("learning_rate", "The schedule (or float) given as "
                            "``learning_rate=``.")
     tokens_per_example = property(
-        lambda self: self._trainer._tokens,
+        lambda self: self._trainer._progress.tokens,
         doc="Tokens in one example (the width of the batch's first 2-D integer array), "
             "learned from fit's first batch; 0: the batch has no tokens.")
     plan = _shown("plan", "The plan the run trains on.")

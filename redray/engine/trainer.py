@@ -9,11 +9,9 @@ The program it runs (layout, jitted steps, the state a run starts from) is a
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -24,10 +22,11 @@ from redray.engine import fitting, report, watchdog
 from redray.engine.batches import collate_checked, first_examples, this_process_rows
 from redray.engine.console import Console
 from redray.engine.fitting import Fit, check_arguments, run_steps, shown, steps_per_epoch
-from redray.engine.hooks import EpochEnd, Hook, Position, StepInfo, current_scope
-from redray.engine.loop import TrainingData, tokens_per_example
-from redray.engine.nonfinite import NonFiniteError, zero_flag, message as nonfinite_message
+from redray.engine.hooks import Adoption, Hook, Hooks, Position, Progress, current_scope
+from redray.engine.loop import TrainingData
+from redray.engine.nonfinite import NonFiniteError, message as nonfinite_message
 from redray.engine.plan_choice import asked_plan
+from redray.engine.predictor import TrainerPredictors
 from redray.engine.program import TrainProgram
 from redray.engine.run_checkpoints import RunCheckpoints
 from redray.engine.run_view import RunView
@@ -35,7 +34,7 @@ from redray.engine.runtime import ModelRuntime
 from redray.engine.schedule import RunBudget
 from redray.engine.state import TrainState
 from redray.engine.steps import check_step_arguments
-from redray.functions import UserFunctions, UserFunctionError
+from redray.functions import UserFunctions
 from redray.sharding import Parallelism
 from redray.sharding.activations import AttentionKernels, attention_kernels
 from redray.sharding.plan import Plan
@@ -44,13 +43,10 @@ from redray.sharding.plan import Plan
 class Trainer:
     """Trains a model with the user's ``collate`` and ``loss`` on every local device.
 
-    Parameters are created directly sharded, every step is one ``jax.jit`` program
-    with explicit in/out shardings and donated state, micro-batches accumulate into
-    the global batch inside that program, and learning-rate schedules count optimizer
-    updates (one per global batch), never micro-batches. The guides say more of each
-    argument: docs/parallelism.md (the plan, stages), docs/custom-loops.md
-    (``grad_fn``, ``trainable``, hooks), docs/fault-tolerance.md (checkpoints,
-    ``on_nonfinite``).
+    Parameters are created sharded; a step is one jitted program with donated state,
+    accumulating micro-batches inside it; learning-rate schedules count optimizer
+    updates. The guides say more of each argument: docs/parallelism.md,
+    docs/custom-loops.md (``grad_fn``, ``trainable``, hooks), docs/fault-tolerance.md.
 
     Args:
       model: a function building a ``flax.nnx.Module`` (it may take an ``nnx.Rngs``);
@@ -136,6 +132,12 @@ class Trainer:
         self.eval_batch_size = eval_batch_size or batch_size
         # the plan, one value: the runtime holds it (``runtime.plan``)
         self.runtime = ModelRuntime(model, plan, compute_dtype, seed)
+        asked_checkpoint = CheckpointConfig.of(checkpoint)
+        # inside redray.run/redray.fit: the run's checkpoints, settings, hooks and console
+        scope = current_scope()
+        adopted = Adoption() if scope is None else scope.adopt(self, checkpoint is None)
+        if self._choice is not None:
+            self._choice.probe_cache = adopted.probe_cache
         self._budget = RunBudget(learning_rate)
         self.seed, self.log_every = seed, max(1, int(log_every))
         self.progress, self.prefetch = progress, prefetch
@@ -143,39 +145,25 @@ class Trainer:
         self.program: TrainProgram | None = None
         # the attention kernels the step's model computes with (after init)
         self.attention: AttentionKernels | None = None
-        self._checkpoints = RunCheckpoints(CheckpointConfig.of(checkpoint), trainable)
-        self.config = dict(config or {})
-        self._position = Position()
-        # Tokens in one example (the width of the batch's first 2-D integer array, e.g.
-        # input_ids), learned from fit's first batch; 0: the batch has no tokens.
-        self._tokens = 0
-        self.hooks: list[Hook] = []
-        for hook in hooks:
+        self._checkpoints = RunCheckpoints(
+            asked_checkpoint if adopted.checkpoint is None else adopted.checkpoint, trainable)
+        self.config = {**adopted.config, **(config or {})}
+        self._progress = Progress()
+        self._hooks = Hooks(RunView(self))  # each event gets the run, read-only
+        for hook in (*hooks, *adopted.hooks):
             self.add_hook(hook)
-        self._fit: Fit | None = None  # the fit call under way, with its own hooks
+        self._fit: Fit | None = None  # the fit call under way
         self._summarized = False
-        self._predictors: dict = {}
-        self._console = Console()  # process 0's messages and progress: this terminal
-        self._view = RunView(self)  # what hooks get: the run, read-only
-        scope = current_scope()
-        if scope is not None:  # inside redray.run/redray.fit: the run's defaults and hooks
-            adopted = scope.adopt(self, default_checkpoint=checkpoint is None)
-            if adopted.checkpoint is not None:
-                self._checkpoints.config = adopted.checkpoint
-            self.config = {**adopted.config, **self.config}
-            if adopted.console is not None:  # the run's driver shows them
-                self._console = adopted.console
-            if self._choice is not None:
-                self._choice.probe_cache = adopted.probe_cache
-            for hook in adopted.hooks:
-                self.add_hook(hook)
+        self._predictors = TrainerPredictors(
+            self.runtime, self.functions, lambda: (self.state.whole_params, self.state.extra),
+            self.eval_batch_size, seed)
+        # process 0's messages and progress: this terminal, or the run's driver
+        self._console = Console() if adopted.console is None else adopted.console
 
     @property
     def plan(self) -> Plan:
-        """The plan this Trainer runs, one frozen value (``redray.sharding.plan.Plan``:
-        axes, batch geometry, pipeline, remat; ``.describe()`` in one line). Under
-        "auto" its axes are chosen at ``init``; what each device then holds is
-        ``placement()``."""
+        """The plan this Trainer runs, one frozen value (``redray.sharding.plan.Plan``;
+        ``.describe()`` in one line); under "auto", its axes are chosen at ``init``."""
         return self.runtime.plan
 
     # the plan's parts, read-only
@@ -208,7 +196,9 @@ class Trainer:
     checkpointer = property(lambda self: self._checkpoints.writer,
                             doc="The checkpoints' writer and reader, after ``init`` (None "
                                 "without checkpoints).")
-    position = property(lambda self: self._position,
+    hooks = property(lambda self: list(self._hooks.own),
+                     doc="The hooks added to this Trainer (``add_hook``), in order.")
+    position = property(lambda self: self._progress.position,
                         doc="Where training stands in the data (epoch, batch, epoch done).")
     resumed_from = property(lambda self: self._checkpoints.resumed(),
                             doc="The meta of the checkpoint this run resumed from "
@@ -223,28 +213,21 @@ class Trainer:
 
     def add_hook(self, hook: Hook) -> None:
         """Runs ``hook`` beside training from now on (see ``redray.Hook``)."""
-        if not isinstance(hook, Hook):
-            raise TypeError(f"a hook must be a redray.Hook (subclass it and override the on_* "
-                            f"methods you need), got {type(hook).__name__}")
-        self.hooks.append(hook)
+        self._hooks.add(hook)
 
-    def _listening(self) -> list[Hook]:
-        """The hooks events go to: this fit call's own, then the Trainer's."""
-        return (self._fit.hooks if self._fit is not None else []) + self.hooks
+    def _say(self, text: str) -> None:
+        if shown(self):
+            self._console.say(text)
 
     # ---------------------------------------------------------------- set-up
     def init(self, examples: Sequence) -> None:
         """Checks the user's functions on the first batch, derives specs and creates the
-        state (restored from the newest checkpoint, if there is one).
-
-        Called by ``fit`` and ``evaluate`` when needed; call it yourself to inspect
-        ``placement()`` before training.
-        """
+        state (restored from the newest checkpoint, if there is one). ``fit`` and
+        ``evaluate`` call it; call it yourself to see ``placement()`` before training."""
         if self.state is not None:
             return
         self._init(examples)
-        for hook in self.hooks:
-            hook.on_init(self._view)
+        self._hooks.send("init")
 
     def _init(self, examples: Sequence) -> None:
         if not len(examples):
@@ -252,74 +235,55 @@ class Trainer:
         with startup.phase("first_batch"):
             sample = collate_checked(self.functions.collate,
                                      first_examples(examples, self.batch_size))
-        if self.parallelism is None:
-            self._take_plan(sample)
+        if self.parallelism is None:  # "auto": the kept plan of a resumed run, or the pick
+            plan, why = self._choice.pick(self.runtime, self.functions, self.optimizer, sample,
+                                          self.trainable, self.grad_fn, self.batch_size,
+                                          self.checkpoint_config)
+            self.runtime.use(plan)
+            self._say(why)
         with startup.phase("build"), attention_kernels() as kernels:
             self.program = TrainProgram.build(
                 self.runtime, self.functions, self.optimizer, sample,
                 seed=self.seed, trainable=self.trainable, grad_fn=self.grad_fn,
                 on_nonfinite=self.on_nonfinite)
         self.attention = kernels
-        if kernels.why and shown(self):
-            self._console.say(f"attention: {kernels.describe()}")
+        if kernels.why:
+            self._say(f"attention: {kernels.describe()}")
         with startup.phase("restore"):
             items = self._checkpoints.open(self.program.layout.checkpoint_targets())
-        if items is not None:
-            meta = self._checkpoints.resumed_from
-            self._position = Position(meta["epoch"], meta["batch"], meta["epoch_done"])
         with startup.phase("init"):
             self.state = self.program.initial_state(items)
         if items is not None:
-            path = self._checkpoints.resumed_path()
-            if shown(self):
-                self._console.say(f"resumed from {path} (step {meta['step']}, epoch "
-                                 f"{meta['epoch']}, batch {meta['batch']})")
-            for hook in self.hooks:
-                hook.on_restore(self._view, int(meta["step"]), path, meta)
-
-    def _take_plan(self, sample: dict) -> None:
-        """Under "auto": the plan of the checkpoint a run resumes on the same devices, or
-        the planner's pick on this model, loss and batch."""
-        plan, why = self._choice.pick(self.runtime, self.functions, self.optimizer, sample,
-                                      self.trainable, self.grad_fn, self.batch_size,
-                                      self.checkpoint_config)
-        self.runtime.use(plan)
-        if shown(self):
-            self._console.say(why)
+            meta, path = self._checkpoints.resumed_from, self._checkpoints.resumed_path()
+            self._progress.position = Position(meta["epoch"], meta["batch"], meta["epoch_done"])
+            self._say(f"resumed from {path} (step {meta['step']}, epoch {meta['epoch']}, "
+                      f"batch {meta['batch']})")
+            self._hooks.send("restore", int(meta["step"]), path, meta)
 
     def placement(self, memory: bool = False, device_gib: float | None = None) -> str:
         """What each device holds: every parameter's path, shape, spec and bytes per
-        device (after ``init``).
-
-        With ``memory=True`` (or ``device_gib``) it adds what one training step holds
-        per device, by part, beside what XLA compiled for this backend
-        (``Trainer.memory``), and with ``device_gib`` whether that fits."""
+        device (after ``init``); with ``memory=True`` (or ``device_gib``) what one step
+        holds by part beside XLA's figures (``memory``), and whether it fits."""
         self._require_init("placement")
         return report.placement_text(self, memory, device_gib)
 
     def memory(self, device_gib: float | None = None) -> dict:
         """What one training step holds per device (after ``init``), in bytes.
 
-        ``parts``: parameters, optimizer state, gradients (one per trained parameter,
-        sharded like it), compute-dtype copies, FSDP gather buffers (the largest
-        layer, twice), activations: the residuals JAX saves for the backward pass of
-        your loss on one device's micro-batch (traced, under the model's own remat),
-        1/model for those split over ``model``, and where the plan has them, the expert
-        exchange and the pipeline's parts: the planner's count, part for part
-        (``redray.planning.memory.step_parts``). ``total`` is their sum; ``compiled``:
-        XLA's own figures for the compiled step on this backend (``arguments``,
-        ``temporaries``, ``outputs``, ``aliased``, ``peak`` = arguments + temporaries +
-        outputs - aliased), which also hold XLA's fusion outputs and collectives'
-        buffers. With ``device_gib``: ``fits`` (the larger of total and peak).
-        """
+        ``parts``: the planner's memory model, part for part
+        (``redray.planning.memory.step_parts``: parameters, optimizer state, gradients,
+        compute-dtype copies, FSDP gather buffers, the expert exchange, the pipeline's
+        parts), its activations traced from your loss; ``total`` their sum.
+        ``compiled``: XLA's figures for the compiled step on this backend (``arguments``,
+        ``temporaries``, ``outputs``, ``aliased``, ``peak``). With ``device_gib``:
+        ``fits`` (the larger of total and peak)."""
         self._require_init("memory")
         return report.memory(self, device_gib)
 
     def describe(self) -> dict:
-        """The run's shape: hosts, devices, mesh, the plan in one line (``layout``:
-        ``Plan.describe``), parameter count, bytes per device, batch sizes, accumulation
-        steps (or pipeline micro-batches), circular pipeline repeats where there are any
-        (after ``init``)."""
+        """The run's shape (after ``init``): hosts, devices, mesh, the plan in one line
+        (``layout``), parameters, bytes per device, batch sizes, accumulation steps (or
+        pipeline micro-batches), circular repeats where there are any."""
         self._require_init("describe")
         return report.describe(self, None if self.plan_ranking is None else self._choice.facts())
 
@@ -363,15 +327,10 @@ class Trainer:
 
     # ---------------------------------------------------------------- loops
     def evaluate(self, examples: Sequence) -> dict[str, float]:
-        """Mean loss and metrics over every example exactly once.
-
-        Each batch's values are summed times its weight (the loss's ``weight`` metric,
-        e.g. its real tokens; else its examples) and divided once by the total weight,
-        so a token-level metric is the mean over every token, whatever the batches hold.
-        Full batches run split over the devices; a final partial batch runs at its
-        exact size (split if it divides, replicated otherwise), so no padding enters
-        the mean. ``examples``: a list, or a row source (``len`` + ``take_rows``).
-        """
+        """Mean loss and metrics over every example exactly once (a list, or a row
+        source: ``len`` + ``take_rows``), each weighted by the loss's ``weight`` metric
+        (e.g. its real tokens; else one per example): a token-level metric is the mean
+        over every token. No padding enters the mean (``fitting.evaluate``)."""
         if not len(examples):
             raise ValueError("evaluate got no examples")
         self.init(examples)
@@ -409,62 +368,36 @@ class Trainer:
             self._choice.planned_steps = run_steps(len(train) // self.batch_size, epochs,
                                                    max_steps)
         self.init(train)
-        data = self.training_data(train, shuffle)
+        # its order, batch size and streams (a resumed run's: its checkpoint's)
+        data = TrainingData.of(train, self.seed, shuffle, self.geometry,
+                               self._checkpoints.resumed_from)
         data.check_resume(self._checkpoints.resumed_from, self._checkpoints.directory)
         per_epoch = steps_per_epoch(data, train, self.batch_size)
         if self._budget.set(run_steps(per_epoch, epochs, max_steps), self.step,
                             self._checkpoints.resumed_from):
             self.program.retrace()  # the learning rate's schedule is traced into the step
-        if shown(self) and not self._summarized:  # once: a custom loop may call fit often
-            self._console.say(report.summary(self.describe()))
+        if not self._summarized:  # once: a custom loop may call fit often
+            self._say(report.summary(self.describe()))
             self._summarized = True
-        self._tokens = 0
-        self._fit = Fit(self, data, per_epoch, eval_data, eval_metric, shown(self))
+        self._fit = Fit(self, self._hooks, self._progress, self._step, data, per_epoch,
+                        eval_data, eval_metric, shown(self))
         try:
             return self._fit.run(epochs, max_steps, eval_at_start)
         finally:
             self._fit = None
 
-    def _learn_tokens(self, batch: dict) -> None:
-        self._tokens = tokens_per_example(batch)
-
-    def _dispatch(self, event) -> None:
-        if isinstance(event, (StepInfo, EpochEnd)) and event.position is not None:
-            self._position = event.position
-        for hook in self._listening():
-            if isinstance(event, StepInfo):
-                hook.on_step(self._view, event)
-            elif isinstance(event, EpochEnd):
-                hook.on_epoch_end(self._view, event)
-            else:
-                hook.on_epoch_start(self._view, *event)
-
     def roll_back(self, bad_step: int, position: Position) -> int | None:
         """Restores the newest checkpoint's state, keeps counting steps from
         ``bad_step`` and continues after that step's batch (``position``). Returns the
         checkpoint's step, or None when there is no checkpoint to go back to."""
-        if self._checkpoints.writer is None:
-            return None
-        self._checkpoints.wait()
         found = self._checkpoints.restore_newest(self.program.layout.checkpoint_targets())
         if found is None:
             return None
         items, meta = found
-        shardings = self.program.layout.shardings
-        restored = self.program.from_checkpoint(items, self.state.frozen)
-        step = jax.jit(lambda: jnp.asarray(bad_step, jnp.int32),
-                       out_shardings=shardings.step)()
-        self.state = restored.replace(step=step,
-                                      nonfinite_step=zero_flag(shardings.nonfinite_step))
-        self._position = Position(position.epoch, position.batch, False)
+        self.state = self.program.rolled_back(items, self.state, bad_step)
+        self._progress.position = Position(position.epoch, position.batch, False)
         self.record({"step": bad_step, "rolled_back_to_step": int(meta["step"])})
         return int(meta["step"])
-
-    def training_data(self, train: Sequence, shuffle: bool = True) -> TrainingData:
-        """``train`` as this run reads it (its order, batch size and streams; a resumed
-        run's streams are its checkpoint's): what ``fit`` trains on."""
-        return TrainingData.of(train, self.seed, shuffle, self.geometry,
-                               self._checkpoints.resumed_from)
 
     def save_checkpoint(self, data_settings: dict, metrics: dict | None = None,
                         position: Position | None = None) -> None:
@@ -472,34 +405,23 @@ class Trainer:
         training stands; ``fit``'s ``Checkpoints`` hook calls it); hooks hear
         ``on_checkpoint`` once complete."""
         if self._fit is not None:
-            self._fit.guard.check(self._view)  # never save a state past a non-finite step
-        position = position or self._position
-        run = self._checkpoints.kept_run()  # updated by every hook's run_meta
-        for hook in self._listening():
-            run.update(hook.run_meta(self._view))
-        meta = {"step": self.step, "epoch": position.epoch, "batch": position.batch,
-                "epoch_done": position.epoch_done, **data_settings, "metrics": metrics or {},
-                "config": self.config, "run": run, "budget": self._budget.steps,
-                "schedule": self._budget.segments, "plan": self._choice and self._choice.meta,
-                "time": time.time()}
-
-        def committed(step, path, meta):
-            for hook in self._listening():
-                hook.on_checkpoint(self._view, step, path, meta)
-
-        self._checkpoints.save(self.program.checkpoint_items(self.state), meta, committed)
+            self._fit.guard.check(self._hooks.run)  # never save a state past a bad step
+        self._checkpoints.save(
+            self.program.checkpoint_items(self.state), self.step, position or self.position,
+            {**data_settings, "metrics": metrics or {}, "config": self.config,
+             "run": self._hooks.run_meta(self._checkpoints.kept_run()),
+             "budget": self._budget.steps, "schedule": self._budget.segments,
+             "plan": self._choice and self._choice.meta},
+            lambda *done: self._hooks.send("checkpoint", *done))
 
     def log(self, metrics: dict) -> dict:
-        """Logs your own metrics (e.g. an RL return) at the current step.
-
-        They reach MLflow like ``fit``'s rows when the Trainer runs inside ``redray.run``
-        or ``redray.fit``: host 0 sends them (no collective; the other hosts' calls send
-        nothing, so one loop on every host is fine). Returns the logged row.
-        """
+        """Logs your own metrics (e.g. an RL return) at the current step; returns the row.
+        Inside ``redray.run`` or ``redray.fit`` they reach MLflow like ``fit``'s rows: host
+        0 sends them (no collective: one loop on every host is fine)."""
         self._require_init("log")
         bad = self.nonfinite_step
         if bad and self.on_nonfinite != "skip":  # a loop of train_step calls, outside fit
-            raise NonFiniteError(nonfinite_message(self._view, bad, None, None))
+            raise NonFiniteError(nonfinite_message(self._hooks.run, bad, None, None))
         row = {"step": self.step, **{k: float(v) for k, v in metrics.items()}}
         self.record(row)
         return row
@@ -507,25 +429,12 @@ class Trainer:
     def record(self, row: dict) -> None:
         """Sends a logged row to every hook's ``on_log`` (what ``fit``'s log windows and
         evaluations do; ``log`` checks and converts your metrics first)."""
-        for hook in self._listening():
-            hook.on_log(self._view, row)
+        self._hooks.send("log", row)
 
     def predictor(self, batch_size: int | None = None):
-        """A Predictor that always uses this trainer's latest parameters (no copy).
-
-        The same one for the same batch size: a loop that predicts every iteration
-        compiles once, and its default ``rng`` keeps changing between calls.
-        """
-        from redray.engine.predictor import Predictor
-
+        """A Predictor that always uses this trainer's latest parameters (no copy), the
+        same one for the same batch size (default: ``eval_batch_size``): a loop that
+        predicts every iteration compiles once."""
         self._require_init("predictor")
-        if self.functions.predict is None:
-            raise UserFunctionError("this Trainer has no predict function: pass predict=... to "
-                                    "Trainer")
-        size = batch_size or self.eval_batch_size
-        if size not in self._predictors:
-            self._predictors[size] = Predictor._from_runtime(
-                self.runtime, self.functions.collate, self.functions.predict,
-                lambda: (self.state.whole_params, self.state.extra), size, self.seed)
-        return self._predictors[size]
+        return self._predictors.get(batch_size)
 
