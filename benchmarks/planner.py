@@ -97,15 +97,15 @@ def measure_model(name: str, family: str, s: Sizes, rounds: int, steps: int,
                           parallelism="auto", hardware=hardware, **options)
     auto.init(data)
     ranking = auto.plan_ranking
-    pick = ranking.best.candidate
-    trainers = {}
+    pick = ranking.best.plan.brief()
+    trainers = {}  # by the plan's brief (a plan over an abstract mesh holds a dict)
     ranked = ranking.ranked[:plans]
     for scored in ranked:
-        c = scored.candidate
-        shape = c.shape
+        c, shape = scored.plan.brief(), scored.plan.shape
         trainers[c] = redray.Trainer(model, collate, step_loss, optax.adamw(1e-3),
                                      **{a.keyword: shape[a.name] for a in AXES},
-                                     micro_batch_size=c.micro_batch_size, **options)
+                                     micro_batch_size=scored.plan.geometry.micro_batch_size,
+                                     **options)
         trainers[c].init(data)
     batches = [collate(data[i * s.batch:(i + 1) * s.batch]) for i in range(steps + 1)]
 
@@ -125,15 +125,15 @@ def measure_model(name: str, family: str, s: Sizes, rounds: int, steps: int,
             times[c].append((time.perf_counter() - start) / steps)
     peak = compiled_memory(trainers[pick].compiled_step().memory_analysis())["peak"]
     tokens = s.batch * s.seq
-    rows = [{"plan": c.describe(), "predicted_s": scored.cost.seconds,
+    rows = [{"plan": c, "predicted_s": scored.cost.seconds,
              "measured_s": stats(times[c]), "tokens_per_s": tokens / np.median(times[c]),
              "memory_planned": scored.memory["total"],
              "cost": {k: getattr(scored.cost, k) for k in ("compute", "tensor", "gradients",
                                                           "exposed", "overhead", "update")}}
-            for scored in ranked for c in [scored.candidate]]
+            for scored in ranked for c in [scored.plan.brief()]]
     best = max(rows, key=lambda r: r["tokens_per_s"])
-    picked = next(r for r in rows if r["plan"] == pick.describe())
-    return {"model": name, "pick": pick.describe(), "why": ranking.why(),
+    picked = next(r for r in rows if r["plan"] == pick)
+    return {"model": name, "pick": pick, "why": ranking.why(),
             "pick_over_best": picked["tokens_per_s"] / best["tokens_per_s"],
             "best": best["plan"], "rank_correlation": spearman(
                 [r["predicted_s"] for r in rows], [np.median(times[c]) for c in trainers]),
@@ -199,7 +199,7 @@ def gpu_table() -> list[dict]:
             best = ranking.best
             rows.append({"model": model, "devices": devices, "link": link,
                          "batch": per_device * devices, "seq": seq,
-                         "pick": best.candidate.describe(), "mfu": best.mfu,
+                         "pick": best.plan.brief(), "mfu": best.mfu,
                          "tokens_per_s_per_device": best.tokens_per_s / devices,
                          "memory_gib": best.memory["total"] / (1 << 30)})
     return rows

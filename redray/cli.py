@@ -112,8 +112,8 @@ def _choose(args, name: str, fields: dict, pinned: dict) -> int:
 
 def _scored_json(s) -> dict:
     c = s.cost
-    return {"plan": s.candidate.shape, "micro_batch_size": s.candidate.micro_batch_size,
-            "remat": s.candidate.remat, "accumulation": s.accumulation,
+    return {"plan": s.plan.shape, "micro_batch_size": s.plan.geometry.micro_batch_size,
+            "remat": s.plan.remat, "accumulation": s.accumulation,
             "step_seconds": c.seconds, "compute_seconds": c.compute,
             "tensor_seconds": c.tensor, "gradient_seconds": c.gradients,
             "exposed_gradient_seconds": c.exposed, "tokens_per_s": s.tokens_per_s,

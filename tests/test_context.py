@@ -229,10 +229,10 @@ def test_the_planner_costs_a_context_axis_it_is_given():
     facts = ConfigFacts(CONFIGS["llama"](), 1024)
     h100 = preset("h100")
     split = rank(facts, 8, 1, 8, h100, pinned={"context_axis": 4})
-    assert split.ranked and all(p.candidate.shape["context"] == 4
-                                and p.candidate.shape["stage"] == 1 for p in split.ranked)
+    assert split.ranked and all(p.plan.shape["context"] == 4
+                                and p.plan.shape["stage"] == 1 for p in split.ranked)
     whole = rank(facts, 8, 1, 8, h100)
-    assert all(p.candidate.shape["context"] == 1 for p in whole.ranked)  # never unasked
+    assert all(p.plan.shape["context"] == 1 for p in whole.ranked)  # never unasked
     for plan in split.ranked:
         ring = [t for t in plan.cost.traffic if t.what.startswith("context:")]
         assert len(ring) == 3 and plan.cost.context > 0
@@ -244,7 +244,7 @@ def test_the_planner_costs_a_context_axis_it_is_given():
     # where the whole sequence's attention would keep its scores (under 2048 keys)
 
     def key(p):
-        return p.candidate.micro_batch_size, p.candidate.shape["model"]
+        return p.plan.geometry.micro_batch_size, p.plan.shape["model"]
 
     rows = {key(p): p.memory["parts"]["activations"] for p in whole.ranked}
     quarters = {key(p): p.memory["parts"]["activations"] for p in split.ranked}
@@ -265,7 +265,7 @@ def test_the_planner_splits_sequences_only_where_nothing_else_fits():
     facts = ConfigFacts(CONFIGS["llama"](), 4096)
     h100 = preset("h100")
     whole = rank(facts, 8, 1, 2, h100)
-    assert all(p.candidate.shape["context"] == 1 for p in whole.ranked)
+    assert all(p.plan.shape["context"] == 1 for p in whole.ranked)
     smallest_whole = min(p.memory["total"] for p in whole.ranked)
     split = rank(facts, 8, 1, 2, h100, pinned={"context_axis": 4})
     smallest_split = min(p.memory["total"] for p in split.ranked)
@@ -273,7 +273,7 @@ def test_the_planner_splits_sequences_only_where_nothing_else_fits():
     small = dataclasses.replace(
         h100, device_memory=(smallest_split + smallest_whole) / 2 / (1 - MARGIN))
     chosen = rank(facts, 8, 1, 2, small).best
-    assert chosen.candidate.shape["context"] > 1 and chosen.fits
+    assert chosen.plan.shape["context"] > 1 and chosen.fits
     with pytest.raises(NoPlanFits):  # pinned whole: the planner does not override a pin
         rank(facts, 8, 1, 2, small, pinned={"context_axis": 1})
 

@@ -131,7 +131,7 @@ def test_redray_plan_takes_gemma_configs():
     assert result["memory"]["parts"]["activations"] > 0
     hardware = dataclasses.replace(PRESETS["cpu"], device_memory=64 << 20)
     ranking = choose_plan(config, 4, 1, 8, 16, hardware, model_axis=2, remat="full")
-    assert ranking.ranked and ranking.best.candidate.shape["model"] == 2
+    assert ranking.ranked and ranking.best.plan.shape["model"] == 2
 
 
 def test_unsupported_configs_say_what_to_change():

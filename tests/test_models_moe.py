@@ -359,9 +359,9 @@ def test_the_plan_counts_active_parameters_and_the_planner_tries_expert_axes():
     assert result["ratio"]["params"] == pytest.approx(1.0, abs=0.01)
     facts = ConfigFacts(config, seq_len=16)
     ranking = rank(facts, 8, 1, 16, PRESETS["h100"])
-    tried = {s.candidate.shape["expert"] for s in ranking.ranked + ranking.over}
+    tried = {s.plan.shape["expert"] for s in ranking.ranked + ranking.over}
     assert tried == {1, 2, 4}  # the sizes dividing the 4 experts
-    with_experts = next(s for s in ranking.ranked if s.candidate.shape["expert"] == 4)
+    with_experts = next(s for s in ranking.ranked if s.plan.shape["expert"] == 4)
     assert with_experts.cost.experts > 0 and any(t.kind == "all-to-all"
                                                   for t in with_experts.cost.traffic)
 

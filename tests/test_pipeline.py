@@ -225,13 +225,13 @@ def test_the_planner_puts_stages_across_a_slow_link_and_not_a_fast_one():
 
     facts = ConfigFacts("llama-7b", 4096, "bfloat16", scan=True)
     over_infiniband = rank(facts, 16, 2, 64, preset("h100"))
-    assert over_infiniband.best.candidate.shape["stage"] == 1
+    assert over_infiniband.best.plan.shape["stage"] == 1
     over_ethernet = rank(facts, 16, 2, 64, ethernet(PRESETS["h100"]))
     best = over_ethernet.best
-    assert best.candidate.shape["stage"] == 2 and best.cost.pipeline > 0
-    assert host_spans(best.candidate.shape, 2)["stage"] == (1, 2)  # across the hosts
+    assert best.plan.shape["stage"] == 2 and best.cost.pipeline > 0
+    assert host_spans(best.plan.shape, 2)["stage"] == (1, 2)  # across the hosts
     # what it saves: FSDP's traffic over the slow link, which the compute cannot hide
-    unstaged = next(s for s in over_ethernet.ranked if s.candidate.shape["stage"] == 1)
+    unstaged = next(s for s in over_ethernet.ranked if s.plan.shape["stage"] == 1)
     assert best.cost.exposed < unstaged.cost.exposed / 10
     # the pipeline's memory: every micro-batch's activations and the buffers
     assert best.memory["parts"]["pipeline_buffers"] > 0
@@ -253,25 +253,25 @@ def test_the_planner_weighs_1f1b_beside_gpipe_and_takes_it_where_gpipe_does_not_
     small = dataclasses.replace(ethernet(PRESETS["h100"]), device_memory=30e9)
     ranking = rank(facts, 16, 2, 64, small)
     best = ranking.best
-    assert best.candidate.pipeline_schedule == "1f1b" and best.candidate.shape["stage"] == 2
+    assert best.plan.pipeline_schedule == "1f1b" and best.plan.shape["stage"] == 2
     twin = next(s for s in ranking.over
-                if s.candidate == dataclasses.replace(best.candidate, pipeline_schedule="gpipe"))
+                if s.plan == dataclasses.replace(best.plan, pipeline_schedule="gpipe"))
     assert twin.memory["total"] > best.memory["total"]
     assert twin.memory["parts"]["activations"] > 4 * best.memory["parts"]["activations"]
     # the recomputed forward, in the FLOPs the compute is charged for (remat none)
     every = ranking.ranked + ranking.over
-    one = next(s for s in every if s.candidate.pipeline_schedule == "1f1b"
-               and s.candidate.remat == "none" and s.candidate.shape["model"] == 1)
-    gpipe = next(s for s in every if s.candidate == dataclasses.replace(
-        one.candidate, pipeline_schedule="gpipe"))
+    one = next(s for s in every if s.plan.pipeline_schedule == "1f1b"
+               and s.plan.remat == "none" and s.plan.shape["model"] == 1)
+    gpipe = next(s for s in every if s.plan == dataclasses.replace(
+        one.plan, pipeline_schedule="gpipe"))
     share = layer_share(facts)
-    stages, micro = one.candidate.shape["stage"], one.accumulation
+    stages, micro = one.plan.shape["stage"], one.accumulation
     ticks = (micro + stages - 1) / micro  # M + S - 1 ticks, M of them real
     expected = (share * (1 + ONE_F_ONE_B_RERUN) * ticks + 1 - share) / (share * ticks + 1 - share)
     assert one.cost.compute / gpipe.cost.compute == pytest.approx(expected, rel=1e-9)
     # pinned, or a model it cannot cut (an encoder-decoder): GPipe only
     pinned = rank(facts, 16, 2, 64, ethernet(PRESETS["h100"]), {"pipeline_schedule": "gpipe"})
-    assert {s.candidate.pipeline_schedule for s in pinned.ranked + pinned.over} == {"gpipe"}
+    assert {s.plan.pipeline_schedule for s in pinned.ranked + pinned.over} == {"gpipe"}
     assert not ConfigFacts("t5-11b", 512, "bfloat16", scan=True).one_f_one_b
 
 
@@ -453,7 +453,7 @@ def test_an_automatic_plan_takes_the_schedule_it_chose():
                              batch_size=8, progress=False, parallelism="auto", stage_axis=2,
                              pipeline_schedule="1f1b", hardware="cpu")
     history = trainer.fit(data, epochs=1, max_steps=1)
-    assert trainer.plan_ranking.best.candidate.pipeline_schedule == "1f1b"
+    assert trainer.plan_ranking.best.plan.pipeline_schedule == "1f1b"
     assert trainer.runtime.pipeline_schedule == "1f1b" and np.isfinite(history[0]["loss"])
     assert "1f1b" in trainer.plan_ranking.why()
 

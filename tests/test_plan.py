@@ -296,7 +296,7 @@ def test_one_memory_count_for_the_trainer_the_planner_and_redray_plan():
     from redray.engine.runtime import ModelRuntime
     from redray.models import build, next_token_loss
     from redray.planning.hardware import preset
-    from redray.planning.planner import Candidate, score
+    from redray.planning.planner import grid_plan, score
     from redray.sharding.parallelism import AXES
 
     if jax.device_count() < 4:
@@ -334,7 +334,7 @@ def test_one_memory_count_for_the_trainer_the_planner_and_redray_plan():
         facts = RuntimeFacts(ModelRuntime(make, None), loss, optax.adamw(1e-3), batch, None,
                              tokens_per_example(batch))
         sizes = tuple((a.keyword, axes.get(a.keyword, 1)) for a in AXES)
-        planned = score(facts, Candidate(sizes, 1, "none", schedule), 8, 1, preset("cpu"),
+        planned = score(facts, grid_plan(dict(sizes), 1, "none", 8, schedule), 8, 1, preset("cpu"),
                         budget=1e12).memory["parts"]
         step = StepShape(batch_size=8, seq_len=32, pipeline_schedule=schedule,
                          micro_batch_size=trainer.parallelism.data_parallel)

@@ -131,15 +131,16 @@ def test_host_spans_follow_the_hybrid_mesh():
 
 def test_the_grid_keeps_the_model_axis_inside_a_host_and_what_is_pinned():
     grid = candidates(8, 2, 16, ("none", "full"))
-    assert grid and all(dict(c.sizes)["model_axis"] <= 4 for c in grid)
+    assert grid and all(c.parallelism.sizes["model_axis"] <= 4 for c in grid)
     assert {c.remat for c in grid} == {"none", "full"}
     pinned = candidates(8, 2, 16, ("none", "full"),
                         {"model_axis": 2, "micro_batch_size": 1, "remat": "full"})
-    assert pinned and all(dict(c.sizes)["model_axis"] == 2 and c.micro_batch_size == 1
-                          and c.remat == "full" for c in pinned)
+    assert pinned and all(c.parallelism.sizes["model_axis"] == 2
+                          and c.geometry.micro_batch_size == 1 and c.remat == "full"
+                          for c in pinned)
     assert {c.shape["data"] * c.shape["fsdp"] for c in pinned} == {4}
     rows = candidates(8, 1, 16, ("none",), {"micro_rows": 8})
-    assert all(c.micro_batch_size * c.shape["data"] * c.shape["fsdp"] == 8 for c in rows)
+    assert all(c.geometry.micro_batch_size * c.shape["data"] * c.shape["fsdp"] == 8 for c in rows)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +164,7 @@ def test_the_pick_is_the_fastest_plan_that_fits(tiny_facts):
 def test_pinned_parts_are_kept_and_an_impossible_budget_names_the_smallest_plan():
     hw = dataclasses.replace(PRESETS["cpu"], device_memory=64 * (1 << 20))
     ranking = choose_plan(LlamaConfig(**TINY), 8, 2, 16, SEQ, hw, model_axis=2, remat="full")
-    assert all(s.candidate.shape["model"] == 2 and s.candidate.remat == "full"
+    assert all(s.plan.shape["model"] == 2 and s.plan.remat == "full"
                for s in ranking.ranked + ranking.over)
     tiny = dataclasses.replace(hw, device_memory=64 * 1024)
     with pytest.raises(PlanError, match=r"no plan fits .* per device .* the smallest, .*"
@@ -179,7 +180,7 @@ def test_an_ethernet_cluster_gets_another_plan_than_an_infiniband_one():
                              compute_dtype="bfloat16", scan=False)
     over_ethernet = choose_plan("llama-7b", 64, 8, 256, 4096, ethernet(PRESETS["h100"]),
                                 compute_dtype="bfloat16", scan=False)
-    assert infiniband.best.candidate != over_ethernet.best.candidate
+    assert infiniband.best.plan != over_ethernet.best.plan
     # over Ethernet the gradient and FSDP traffic is what the step waits for
     assert over_ethernet.best.cost.exposed > over_ethernet.best.cost.compute / 2
     assert infiniband.best.cost.exposed == 0.0
@@ -204,15 +205,15 @@ def test_a_trainer_with_parallelism_auto_runs_the_planners_pick():
 
     auto = make(parallelism="auto", hardware="cpu", model_axis=2)
     auto.init(DATA)
-    best = auto.plan_ranking.best.candidate
+    best = auto.plan_ranking.best.plan
     assert auto.parallelism.shape == best.shape and best.shape["model"] == 2  # pinned: kept
-    assert auto.geometry.micro_batch_size == best.micro_batch_size
-    assert auto.describe()["plan"]["chosen"] == best.describe()
+    assert auto.geometry.micro_batch_size == best.geometry.micro_batch_size
+    assert auto.describe()["plan"]["chosen"] == best.brief()
     assert auto.describe()["plan"]["hardware"] == "CPU (simulated devices)"
     # the plan it chose is the plan given by hand: the same steps
     shape = best.shape
     by_hand = make(data_axis=shape["data"], fsdp_axis=shape["fsdp"], model_axis=shape["model"],
-                   micro_batch_size=best.micro_batch_size)
+                   micro_batch_size=best.geometry.micro_batch_size)
     assert [r["loss"] for r in auto.fit(DATA, epochs=1)] == \
         [r["loss"] for r in by_hand.fit(DATA, epochs=1)]
     with pytest.raises(ValueError, match="parallelism='auto' or a mesh"):
@@ -229,17 +230,17 @@ def test_a_resumed_run_keeps_its_plan_on_the_same_devices_and_replans_on_others(
 
     first = make(hardware="cpu")
     first.fit(DATA, epochs=1)
-    chosen = first.plan_ranking.best.candidate
+    chosen = first.plan_ranking.best.plan
     # resumed with the same devices, batch and hardware: no planning, the same plan
     # (the planner's pick follows timings, and another plan would round differently)
     again = make(hardware="cpu")
     again.init(DATA)
     assert again.resumed_from["step"] == first.step and again.plan_ranking is None
     assert again.parallelism.shape == chosen.shape
-    assert again.geometry.micro_batch_size == chosen.micro_batch_size
+    assert again.geometry.micro_batch_size == chosen.geometry.micro_batch_size
     shape = chosen.shape  # the uninterrupted run, on that plan given by hand
     whole = make(checkpoint=None, data_axis=shape["data"], fsdp_axis=shape["fsdp"],
-                 model_axis=shape["model"], micro_batch_size=chosen.micro_batch_size)
+                 model_axis=shape["model"], micro_batch_size=chosen.geometry.micro_batch_size)
     resumed = [r["loss"] for r in again.fit(DATA, epochs=2) if "loss" in r]
     assert resumed and resumed == [r["loss"] for r in whole.fit(DATA, epochs=2)
                                    if "loss" in r and r["epoch"] == 1]
@@ -298,7 +299,7 @@ def test_a_pass_timed_faster_with_more_rows_still_charges_each_micro_batch(tiny_
         finally:
             tiny_facts.timing = None
         assert ranking.best.accumulation == 1, ranking.table()
-        assert ranking.best.candidate.micro_batch_size == 8
+        assert ranking.best.plan.geometry.micro_batch_size == 8
 
 
 def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():
@@ -316,7 +317,7 @@ def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():
     elements = sum(x.size for x in jax.tree.leaves(live.runtime.abstract[0]))
     devices = jax.device_count()
     for scored in live.plan_ranking.ranked:
-        shape = scored.candidate.shape
+        shape = scored.plan.shape
         divided = timing.flops_per_example * 8 / devices * timing.seconds_per_flop
         if shape["model"] == 1 and shape.get("stage", 1) == 1:
             # nothing left whole: the FLOPs divide over the devices
@@ -417,7 +418,7 @@ def test_a_qwen3_config_is_planned():
     config = Qwen3Config(**TINY, head_dim=24)
     hw = dataclasses.replace(PRESETS["cpu"], device_memory=64 * (1 << 20))
     ranking = choose_plan(config, 8, 2, 16, SEQ, hw, model_axis=2, remat="full")
-    assert ranking.ranked and ranking.best.candidate.shape["model"] == 2
+    assert ranking.ranked and ranking.best.plan.shape["model"] == 2
 
 
 def test_a_plan_for_fused_attention_counts_no_attention_scores():

@@ -15,7 +15,7 @@ import jax
 from redray import startup
 from redray.checkpoint import latest_meta
 from redray.engine.loop import tokens_per_example
-from redray.planning.planner import Candidate, Ranking, pins
+from redray.planning.planner import Ranking, grid_plan, pins
 from redray.sharding import Parallelism
 from redray.sharding.plan import Plan
 
@@ -49,7 +49,7 @@ class PlanChoice:
                 "batch_size": batch_size, "pinned": repr(self.pinned),
                 "hardware": repr(self.hardware)}
 
-    def kept(self, checkpoint_config, batch_size: int) -> Candidate | None:
+    def kept(self, checkpoint_config, batch_size: int) -> Plan | None:
         """The plan of the checkpoint a run resumes, when it resumes on the devices that
         plan was chosen for: the planner's pick follows timings (the machine's load at
         init), and another plan rounds differently, so the resumed run would not continue
@@ -61,11 +61,11 @@ class PlanChoice:
         saved = (latest_meta(config.directory) or {}).get("plan")
         if not saved or saved["key"] != self.key(batch_size):
             return None
-        return Candidate(tuple(map(tuple, saved["sizes"])), saved["micro_batch_size"],
-                         saved["remat"], saved["schedule"])
+        return grid_plan(dict(saved["sizes"]), saved["micro_batch_size"], saved["remat"],
+                         batch_size, saved["schedule"], self.rules)
 
     def choose(self, runtime, functions, optimizer, sample: dict, trainable, grad_fn,
-               batch_size: int) -> tuple[Candidate, object]:
+               batch_size: int) -> tuple[Plan, object]:
         """Runs the planner on this model, loss and batch: (its pick, how one layer's
         attention crosses a context axis on the hardware it planned on)."""
         from redray.engine.facts import RuntimeFacts
@@ -87,7 +87,7 @@ class PlanChoice:
             self.ranking = choose(facts, batch_size, hardware, self.pinned, self.rules,
                                   cache=self.probe_cache, steps=self.planned_steps,
                                   timed=self.timing)
-        return self.ranking.best.candidate, context
+        return self.ranking.best.plan, context
 
     def pick(self, runtime, functions, optimizer, sample: dict, trainable, grad_fn,
              batch_size: int, checkpoint_config) -> tuple[Plan, str]:
@@ -103,14 +103,16 @@ class PlanChoice:
                                     batch_size)
         return self.plan(best, batch_size, runtime.plan, context), self.ranking.why()
 
-    def plan(self, best: Candidate, batch_size: int, asked: Plan, context=None) -> Plan:
-        """The Plan value of a pick (or a kept plan): its axes built on the devices, the
-        batch cut by its micro-batch, the user's circular repeats kept."""
-        built = Parallelism.of(rules=self.rules, **dict(best.sizes)).build()
-        self.meta = {"key": self.key(batch_size), "sizes": list(best.sizes),
-                     "micro_batch_size": best.micro_batch_size, "remat": best.remat,
-                     "schedule": best.pipeline_schedule, "chosen": best.describe()}
-        return Plan.of(built, built.geometry(batch_size, best.micro_batch_size),
+    def plan(self, best: Plan, batch_size: int, asked: Plan, context=None) -> Plan:
+        """The plan a Trainer runs of a pick (or a kept plan), a plan over an abstract
+        mesh: its axes built on the devices (this process's rows of the batch), the
+        user's circular repeats and the model's choices kept."""
+        built = best.parallelism.build()
+        micro = best.geometry.micro_batch_size
+        self.meta = {"key": self.key(batch_size), "sizes": list(built.sizes.items()),
+                     "micro_batch_size": micro, "remat": best.remat,
+                     "schedule": best.pipeline_schedule, "chosen": best.brief()}
+        return Plan.of(built, built.geometry(batch_size, micro),
                        pipeline_schedule=best.pipeline_schedule,
                        stage_repeats=asked.stage_repeats, remat=best.remat,
                        context_method=context or asked.context_method)
@@ -120,7 +122,7 @@ class PlanChoice:
         ``redray.plan.*`` tags)."""
         ranking = self.ranking
         best = ranking.best
-        return {"chosen": best.candidate.describe(), "why": ranking.why(),
+        return {"chosen": best.plan.brief(), "why": ranking.why(),
                 "predicted_step_s": best.cost.seconds,
                 "predicted_tokens_per_s": best.tokens_per_s,
                 "predicted_memory_bytes": best.memory["total"],

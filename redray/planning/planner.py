@@ -1,14 +1,15 @@
 """The plan chosen for the user: every feasible way to split a step over the devices,
 its memory per device and its predicted time, the fastest that fits.
 
-A candidate is a size for every mesh axis (their product the device count, an axis that
+A candidate is a ``Plan`` (``redray.sharding.plan``, the value a Trainer runs) over an
+abstract mesh: a size for every mesh axis (their product the device count, an axis that
 must stay inside a host no larger than a host), a micro-batch per device (hence the
-accumulation) and a remat policy. What the user pins (an axis size, the micro-batch,
-remat) is kept; the rest is enumerated. For each candidate the spec passes give every
-parameter its spec (from one dataflow trace shared by all), the model's facts give its
-memory per device and FLOPs, and ``cost.py`` its step time on the ``Hardware``.
-Candidates over the device memory less ``margin`` are dropped; the rest are ranked by
-predicted seconds per step. No candidate is run.
+accumulation), a remat policy and, with stages, a pipeline schedule. What the user pins
+(an axis size, the micro-batch, remat) is kept; the rest is enumerated. For each
+candidate the spec passes give every parameter its spec (from one dataflow trace shared
+by all), the model's facts give its memory per device and FLOPs, and ``cost.py`` its
+step time on the ``Hardware``. Candidates over the device memory less ``margin`` are
+dropped; the rest are ranked by predicted seconds per step. No candidate is run.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from redray.sharding.dataflow import Trace
 from redray.planning.hardware import Hardware
 from redray.planning.memory import hidden_width, size_text
 from redray.sharding.parallelism import (AXES, CONTEXT, EXPERT, INSIDE, MODEL, STAGE, Parallelism,
-                                         axis_defaults, describe_shape, hybrid_shapes)
+                                         axis_defaults, hybrid_shapes)
 from redray.sharding.placement import Placement, placement
+from redray.sharding.plan import Plan
 from redray.sharding.rules import partition_specs
 
 # What of a device's memory a plan may use: the rest absorbs what the memory model does
@@ -84,42 +86,30 @@ class ModelFacts:
         raise NotImplementedError
 
 
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One way to run the step.
-
-    Attributes:
-      sizes: axis keyword -> size.
-      micro_batch_size: examples per device in one forward/backward pass.
-      remat: the remat policy.
-      pipeline_schedule: with pipeline stages, "gpipe" or "1f1b" (``Trainer(pipeline_schedule=)``).
-    """
-    sizes: tuple[tuple[str, int], ...]
-    micro_batch_size: int
-    remat: str
-    pipeline_schedule: str = "gpipe"
-
-    @property
-    def shape(self) -> dict[str, int]:
-        by_keyword = dict(self.sizes)
-        return {a.name: by_keyword[a.keyword] for a in AXES}
-
-    def describe(self) -> str:
-        axes = describe_shape(self.shape)
-        order = ", 1f1b" if self.pipeline_schedule == "1f1b" else ""
-        return f"{axes}, micro {self.micro_batch_size}, remat {self.remat}{order}"
+def grid_plan(sizes: dict, micro_batch_size: int, remat: str, batch_size: int,
+              pipeline_schedule: str = "gpipe", rules=()) -> Plan:
+    """A candidate: the plan of axis ``sizes`` (keyword -> size, every axis) over an
+    abstract mesh of their devices, ``micro_batch_size`` examples per device per pass of
+    the global ``batch_size``, ``remat`` and ``pipeline_schedule``."""
+    parallelism = Parallelism.of(rules=rules, **sizes).abstract(math.prod(sizes.values()))
+    return Plan.of(parallelism, parallelism.geometry(batch_size, micro_batch_size),
+                   pipeline_schedule=pipeline_schedule, remat=remat)
 
 
 @dataclasses.dataclass(frozen=True)
 class Scored:
-    """A candidate with its memory and predicted step."""
-    candidate: Candidate
-    accumulation: int
+    """A candidate plan with its memory and predicted step."""
+    plan: Plan
     memory: dict
     cost: StepCost
     fits: bool
     tokens_per_s: float
     mfu: float
+
+    @property
+    def accumulation(self) -> int:
+        """The plan's passes per step (accumulation steps, or pipeline micro-batches)."""
+        return self.plan.geometry.accumulation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,13 +139,13 @@ class Ranking:
     def why(self) -> str:
         """One line: the pick, its predicted speed, and what made the runner-up lose."""
         best = self.best
-        line = (f"plan: {best.candidate.describe()} ({best.cost.seconds * 1e3:.1f} ms per "
+        line = (f"plan: {best.plan.brief()} ({best.cost.seconds * 1e3:.1f} ms per "
                 f"step predicted, {size_text(best.memory['total'])} of "
                 f"{size_text(self.budget)} per device)")
         if len(self.ranked) > 1:
             second = self.ranked[1]
             loses = _loses_on(best.cost, second.cost, best.accumulation, second.accumulation)
-            line += (f"; runner-up {second.candidate.describe()}: "
+            line += (f"; runner-up {second.plan.brief()}: "
                      f"{second.cost.seconds / best.cost.seconds:.3f}x the time ({loses})")
         if self.untimed:
             line += f"; costed on the hardware's rates, the model's pass not timed ({self.untimed})"
@@ -171,7 +161,7 @@ class Ranking:
                f"{'ms shown':>9}"]
         for s in self.ranked[:rows]:
             c = s.cost
-            out.append(f"{s.candidate.describe():<50} {c.seconds * 1e3:>9.1f} "
+            out.append(f"{s.plan.brief():<50} {c.seconds * 1e3:>9.1f} "
                        f"{s.tokens_per_s:>11,.0f} {s.mfu:>6.1%} "
                        f"{size_text(s.memory['total']):>10} {c.compute * 1e3:>9.1f} "
                        f"{c.tensor * 1e3:>9.1f} {c.exposed * 1e3:>9.1f}")
@@ -180,7 +170,7 @@ class Ranking:
             out.append(f"... {more} more that fit")
         if self.over:
             out.append(f"{len(self.over)} over the budget of {size_text(self.budget)} per "
-                       f"device (smallest: {self.over[0].candidate.describe()}, "
+                       f"device (smallest: {self.over[0].plan.brief()}, "
                        f"{size_text(self.over[0].memory['total'])})")
         return "\n".join(out)
 
@@ -244,7 +234,7 @@ def axis_sizes(devices: int, hosts: int, pinned: dict) -> list[dict[str, int]]:
 
 def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequence[str],
                pinned: dict | None = None, experts: int = 0,
-               layers: int = 0, one_f_one_b: bool = False) -> list[Candidate]:
+               layers: int = 0, one_f_one_b: bool = False, rules=()) -> list[Plan]:
     """Every candidate of the grid (see the module docstring).
 
     Args:
@@ -263,6 +253,7 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
         that allows it): plans with stages are also tried with it, without remat inside
         any remat inside the layers (its backward recomputes a stage's forward, and the
         layers' remat what that forward keeps).
+      rules: the user's sharding rules, in every plan.
     """
     pinned = dict(pinned or {})
     if not experts:
@@ -306,16 +297,18 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
                 continue
             for remat in remats:
                 for schedule in schedules if stages > 1 else ["gpipe"]:
-                    out.append(Candidate(tuple(sizes.items()), micro, remat, schedule))
+                    out.append(grid_plan(sizes, micro, remat, batch_size, schedule, rules))
     return out
 
 
-def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
-          hardware: Hardware, budget: float, rules=(), specs_cache: dict | None = None) -> Scored:
-    """A candidate's memory per device and predicted step."""
-    shape = candidate.shape
+def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
+          hardware: Hardware, budget: float, specs_cache: dict | None = None) -> Scored:
+    """A candidate plan's memory per device and predicted step (``batch_size``: its
+    geometry's global batch)."""
+    plan, geometry = candidate.parallelism, candidate.geometry
+    shape = plan.shape
     devices = math.prod(shape.values())
-    plan = Parallelism.of(rules=rules, **dict(candidate.sizes)).abstract(devices)
+    micro_batch_size, remat = geometry.micro_batch_size, candidate.remat
     key = tuple(sorted(shape.items()))
     cache = {} if specs_cache is None else specs_cache
     if key not in cache:
@@ -325,34 +318,33 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
         cache[key] = specs
     specs = cache[key]
     rows = _placement(facts, specs, plan)
-    geometry = plan.geometry(batch_size, candidate.micro_batch_size)
     stages, micro_batches = shape[STAGE.name], geometry.accumulation
     # with stages the micro-batches are the pipeline's: M + S - 1 ticks, each running
     # a stage's share of the layers
     ticks = micro_batches + stages - 1 if stages > 1 else micro_batches
-    memory = facts.memory(plan, rows, candidate.micro_batch_size, candidate.remat,
+    memory = facts.memory(plan, rows, micro_batch_size, remat,
                           micro_batches, candidate.pipeline_schedule)
     scanned = facts.trace.scanned if facts.trace is not None else {}
     hidden = hidden_width(facts.shapes, scanned)
     one_f_one_b = stages > 1 and candidate.pipeline_schedule == "1f1b"
     params = [Parameter(tuple(s), _itemsize(d), tuple(spec), stacked=bool(scanned.get(i)))
               for i, (s, d, spec) in enumerate(zip(facts.shapes, facts.dtypes, specs))]
-    recompute = candidate.remat != "none" or one_f_one_b
+    recompute = remat != "none" or one_f_one_b
     ways = shape[CONTEXT.name]  # a device computes 1/context of each sequence's tokens
     tensor = [] if facts.trace is None else tensor_traffic(
-        facts.trace, params, shape, candidate.micro_batch_size / facts.trace_examples / ways,
+        facts.trace, params, shape, micro_batch_size / facts.trace_examples / ways,
         facts.compute_itemsize, recompute, ticks / stages)
     state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute, ticks)
-    flops = facts.flops(candidate.remat) * batch_size / devices
+    flops = facts.flops(remat) * batch_size / devices
     if stages > 1:  # the bubble: the layers run on M + S - 1 slots, M of them real
         share = layer_share(facts)
         # 1F1B's backward recomputes a stage's forward: a forward more of the layers'
-        again = 1 + facts.flops("none") * ONE_F_ONE_B_RERUN / facts.flops(candidate.remat) \
+        again = 1 + facts.flops("none") * ONE_F_ONE_B_RERUN / facts.flops(remat) \
             if one_f_one_b else 1.0
         flops *= share * again * ticks / micro_batches + 1 - share
     model = shape[MODEL.name]
     if model > 1 and facts.trace is not None:  # layers left whole run whole on each device
-        rerun = facts.flops(candidate.remat) / facts.flops("none") \
+        rerun = facts.flops(remat) / facts.flops("none") \
             + (ONE_F_ONE_B_RERUN if one_f_one_b else 0.0)
         flops += (rerun * whole_flops(facts.trace, params, facts.trace_examples)
                   * batch_size * model / devices * (1 - 1 / model))
@@ -360,12 +352,12 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
     elements = sum(math.prod(p.shape) / math.prod(shape[a] for a in p.axes())
                    for p, t in zip(params, trained) if t)
     experts = expert_traffic(facts.experts, shape,
-                             candidate.micro_batch_size * -(-facts.tokens_per_example // ways),
+                             micro_batch_size * -(-facts.tokens_per_example // ways),
                              facts.compute_itemsize, recompute, geometry.accumulation)
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
-    pipeline = stage_traffic(shape, candidate.micro_batch_size, facts.tokens_per_example,
+    pipeline = stage_traffic(shape, micro_batch_size, facts.tokens_per_example,
                              hidden, facts.compute_itemsize, micro_batches)
-    ring = context_traffic(shape, candidate.micro_batch_size, facts.tokens_per_example,
+    ring = context_traffic(shape, micro_batch_size, facts.tokens_per_example,
                            facts.kv_width or hidden, hidden,
                            facts.attention_layers or stacked_layers(facts)
                            or 1, facts.compute_itemsize, micro_batches)
@@ -374,8 +366,8 @@ def score(facts: ModelFacts, candidate: Candidate, batch_size: int, hosts: int,
                      elements / total if total else 1.0, pipeline, ring)
     tokens = batch_size * facts.tokens_per_example / cost.seconds
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
-    return Scored(candidate, geometry.accumulation, memory, cost, memory["total"] <= budget,
-                  tokens, useful / cost.seconds / hardware.peak_flops)
+    return Scored(candidate, memory, cost, memory["total"] <= budget, tokens,
+                  useful / cost.seconds / hardware.peak_flops)
 
 
 def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware: Hardware,
@@ -390,14 +382,14 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
     layers = facts.experts
     grid = candidates(devices, hosts, batch_size, facts.remat_policies, pinned,
                       math.gcd(*(e.experts for e in layers)) if layers else 0,
-                      stacked_layers(facts), facts.one_f_one_b)
+                      stacked_layers(facts), facts.one_f_one_b, rules)
     if not grid:
         raise ValueError(f"no plan of {devices} devices on {hosts} host(s) takes a batch of "
                          f"{batch_size} with {pinned or 'nothing'} pinned: check that the "
                          "pinned axis sizes divide the devices (an axis kept inside a host "
                          "by a host's devices) and the batch the data-parallel size")
     cache: dict = {}
-    scored = [score(facts, c, batch_size, hosts, hardware, budget, rules, cache) for c in grid]
+    scored = [score(facts, c, batch_size, hosts, hardware, budget, cache) for c in grid]
     pinned = dict(pinned or {})
     if (not any(s.fits for s in scored) and facts.splits_sequences
             and CONTEXT.keyword not in pinned and pinned.get(STAGE.keyword, 1) == 1):
@@ -408,8 +400,8 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
             grid = candidates(devices, hosts, batch_size, facts.remat_policies,
                               {**pinned, CONTEXT.keyword: ways},
                               math.gcd(*(e.experts for e in layers)) if layers else 0,
-                              stacked_layers(facts), facts.one_f_one_b)
-            scored += [score(facts, c, batch_size, hosts, hardware, budget, rules, cache)
+                              stacked_layers(facts), facts.one_f_one_b, rules)
+            scored += [score(facts, c, batch_size, hosts, hardware, budget, cache)
                        for c in grid]
     # equal times (traffic the compute hides): the less traffic, then the fewer
     # micro-batches (a cost per micro-batch the model did not see), then the less memory
@@ -422,7 +414,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
         smallest = over[0]
         raise NoPlanFits(
             f"no plan fits {size_text(budget)} per device ({hardware.name}, "
-            f"{margin:.0%} kept free): the smallest, {smallest.candidate.describe()}, holds "
+            f"{margin:.0%} kept free): the smallest, {smallest.plan.brief()}, holds "
             f"{size_text(smallest.memory['total'])}. Use more devices, a smaller batch or "
             "sequence, compute_dtype='bfloat16', or unpin what you pinned")
     return ranking

@@ -72,6 +72,19 @@ class Plan:
     def mesh(self):
         return None if self.parallelism is None else self.parallelism.mesh
 
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis name -> size (the mesh's; built or abstract)."""
+        return self.parallelism.shape
+
+    def brief(self) -> str:
+        """The planner's words for a plan it weighed: ``data=2 x fsdp=4, micro 4, remat
+        dots`` (then ``1f1b`` where it pipelines so): its axes, the examples per device
+        per pass, the remat policy."""
+        order = ", 1f1b" if self.pipeline_schedule == "1f1b" else ""
+        return (f"{describe_shape(self.parallelism.shape)}, micro "
+                f"{self.geometry.micro_batch_size}, remat {self.remat}{order}")
+
     def describe(self) -> str:
         """The plan in one line, as the console prints it and MLflow tags it
         (``redray.plan``): ``data=2 x fsdp=1 x model=2, batch 64 = 8 per device x 4
