@@ -22,7 +22,12 @@ runs. ``run_all.py`` skips ``gpu_*`` scripts. ``--tiny`` runs tiny models on any
 backend (CPU included) to check the script; its figures measure nothing.
 
     python benchmarks/gpu_sampler.py [--rounds 5] [--base 8] [--slots 64] [--sizes small,1b]
-                                     [--variants "check_every=1;narrow=true"]
+                                     [--variants "check_every=1;narrow=true"] [--prompts 256]
+
+With ``--prompts`` above ``--slots`` (``--prompts 256``: ``sampler.py``'s refill
+workload), the reference decodes static batches of ``--slots`` prompts, each to its own
+longest completion, and the sampler refills its slots; the detail holds each Sampler's
+compiled calls and reads of device values per completion (``round_trips_per_completion``).
 """
 
 import os
@@ -47,6 +52,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sizes", default="small,1b")
     ap.add_argument("--variants", default="check_every=1;narrow=true")
+    ap.add_argument("--prompts", type=int, help="requests (default: 64, as many as slots; "
+                    "more: the refill workload, figures ..._refills_SIZE)")
     args = ap.parse_args(argv)
     variants = {v: dict(map(keyword, v.split(","))) for v in args.variants.split(";") if v}
     out = []
@@ -55,11 +62,16 @@ def main(argv=None) -> None:
             raise SystemExit(f"--sizes: unknown size {size!r} (known: {', '.join(SIZES)})")
         s, bf16 = SIZES[size]
         s = TINY if args.tiny else s
-        per_s, detail = measure(s, args.base or s["base"], min(args.slots, s["prompts"]),
+        slots = min(args.slots, s["prompts"])
+        s = dict(s, prompts=args.prompts or s["prompts"])
+        per_s, detail = measure(s, args.base or s["base"], slots,
                                 1 if args.tiny else args.rounds, bf16=bf16,
                                 variants=variants)
-        out += figures("gpu_sampler", f"_{size}", per_s, detail | dict(size=size), COMMAND,
-                       None)
+        refills = s["prompts"] > slots
+        command = COMMAND + (f" --prompts {s['prompts']}" if refills else "")
+        out += figures("gpu_sampler", ("_refills" if refills else "") + f"_{size}", per_s,
+                       detail | dict(size=size), command,
+                       ">= 2" if refills and size == "1b" else None)
         save(out, args.out)  # each size's figures kept as soon as they exist
 
 

@@ -47,8 +47,9 @@ def main(results: str = RESULTS, path: str = os.path.join(ROOT, "BENCHMARKS.md")
         figures = json.load(f)
     with open(path) as f:
         text = f.read()
+    rendered = render(text, figures)  # before the file is opened: a failure keeps it
     with open(path, "w") as f:
-        f.write(render(text, figures))
+        f.write(rendered)
     print(f"{path}: {len(figures)} figures")
 
 

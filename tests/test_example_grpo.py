@@ -48,6 +48,9 @@ def test_a_run_killed_mid_iteration_resumes_exactly(tmp_path, monkeypatch):
     held_out = [row["heldout_accuracy"] for row in whole_log if "heldout_accuracy" in row]
     assert len(rewards) == 3 and len(held_out) == 4  # before each iteration, and at the end
     assert all(0 <= r <= 1 for r in rewards + held_out)
+    # the sampler's log-probabilities against the trainer's, float32 on the same weights
+    gaps = [row["logprob_mismatch_max"] for row in whole_log if "logprob_mismatch_max" in row]
+    assert len(gaps) == 3 and all(0 <= g <= 1e-4 for g in gaps), gaps
     params = jax.device_get(trainer.state.params)
 
     # killed in the middle of the second iteration: its samples drawn, its update done,

@@ -13,8 +13,8 @@ from flax import nnx
 import redray
 from redray.models import build, generate, next_token_loss
 from redray.post_training import (Sampler, SamplingParams, dpo_loss, group_advantages,
-                                  grpo_loss, sample_rows, sequence_logprobs, sft_loss,
-                                  token_logprobs)
+                                  grpo_loss, logprob_mismatch, sample_rows,
+                                  sequence_logprobs, sft_loss, token_logprobs)
 
 EOS = 5
 CONFIGS = {
@@ -98,6 +98,28 @@ def test_greedy_completions_equal_generate_token_for_token(name):
         done = wide.sample(prompts[:4], SamplingParams(max_new_tokens=new))
         assert [list(c.tokens) for c in done] == [until_eos(r, eos) for r in ref[:4]]
         assert wide.rounds == 1
+        # 13 prompts through 4 slots refilled inside one compiled call (the default)
+        # or by the host between rounds: the same tokens, the device's in fewer
+        # compiled calls and reads of device values
+        host = Sampler(model, slots=4, max_length=36, steps_per_call=5, eos_token_id=eos,
+                       refill_on_device=False)
+        done = host.sample(prompts, SamplingParams(max_new_tokens=new))
+        assert [list(c.tokens) for c in done] == [until_eos(r, eos) for r in ref]
+        device = Sampler(model, slots=4, max_length=36, steps_per_call=5, eos_token_id=eos,
+                         narrow=False, check_every=2)
+        done = device.sample(prompts, SamplingParams(max_new_tokens=new))
+        assert [list(c.tokens) for c in done] == [until_eos(r, eos) for r in ref]
+        assert device.round_trips * 3 <= host.round_trips, (device.round_trips,
+                                                             host.round_trips)
+        # a window too narrow for the longest prompt beside the longest completion
+        # (bucketed: 32 + 32 > 36 + 16): the host refills, the same tokens
+        mixed = [(prompts[0] * 20)[:20]] + prompts[1:]
+        asks = [SamplingParams(max_new_tokens=2)] + [SamplingParams(max_new_tokens=new)] * 12
+        mixed_ref = np.asarray(generate(model, *left_padded(mixed), max_new_tokens=new,
+                                        eos_token_id=eos))
+        done = device.sample(mixed, asks)
+        assert [list(c.tokens) for c in done] == [until_eos(r[:a.max_new_tokens], eos)
+                                                  for r, a in zip(mixed_ref, asks)]
         with pytest.raises(ValueError, match="check_every=6"):
             Sampler(model, slots=4, max_length=36, steps_per_call=5, check_every=6)
 
@@ -182,6 +204,19 @@ def test_sampled_tokens_depend_on_the_request_not_its_slot_and_their_logprobs_ar
             if p.temperature == temperature:
                 np.testing.assert_allclose(c.logprobs, logp[i, len(prompt):len(rows[i])],
                                            atol=2e-5)
+    # the mismatch a GRPO loop logs: over the completions' tokens only
+    sampled = np.zeros((9, 32))
+    for i, (c, prompt) in enumerate(zip(a, prompts)):
+        sampled[i, len(prompt):len(rows[i])] = c.logprobs
+    at_one = [i for i, p in enumerate(params) if p.temperature == 1.0]
+    logp = np.asarray(token_logprobs(model, ids_, mask, temperature=1.0))
+    completion = np.zeros((9, 32))
+    for i in at_one:
+        completion[i, len(prompts[i]):len(rows[i])] = 1
+    found = logprob_mismatch(sampled, logp, completion)
+    assert 0 <= found["mean"] <= found["max"] <= 2e-5, found
+    assert logprob_mismatch([[0.0, -1.0, -2.0]], [[9.0, -1.5, -2.0]], [[0, 1, 1]]) == {
+        "mean": 0.25, "max": 0.5}
 
 
 def test_a_sharded_sampler_completes_as_one_device_with_its_cache_split():

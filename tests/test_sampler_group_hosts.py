@@ -81,6 +81,14 @@ def loop():
     for c, m in zip(together.sample(prompts, how, request_ids=[4, 5, 6, 7]), mine):
         assert c.tokens.tolist() == m.tokens.tolist()
         np.testing.assert_allclose(c.logprobs, m.logprobs, rtol=1e-4, atol=1e-5)
+    # more prompts than slots: refilled inside one compiled call over both hosts, as the
+    # host refills them here
+    more, ids = prompts + [[17, 18], [19, 20, 21]], list(range(4, 10))
+    here = Sampler(local, slots=4, max_length=32, refill_on_device=False).sample(
+        more, how, request_ids=ids)
+    for c, m in zip(together.sample(more, how, request_ids=ids), here):
+        assert c.tokens.tolist() == m.tokens.tolist()
+        np.testing.assert_allclose(c.logprobs, m.logprobs, rtol=1e-4, atol=1e-5)
     group.shutdown()
     return {"host": jax.process_index(), "bytes": sync.bytes, "lengths": [len(c.tokens)
                                                                             for c in done]}

@@ -7,10 +7,12 @@ iteration: ``redray.post_training.Sampler`` continues ``--prompts`` training pro
 ``--group`` times each at temperature 1 (continuous batching, on the trainer's own
 weights and devices, or on ``--sampler-replicas`` Ray actors sent the weights), the
 rewards become group-relative advantages, and the Trainer takes one epoch of GRPO's
-clipped loss over them. The held-out accuracy (greedy answers to prompts never trained
-on) is logged each iteration. ``redray.run`` runs the loop on every host; MLflow and
-checkpoints go to ``--storage``, and the same command resumes the run exactly (each
-iteration's prompts and samples are keyed by its number).
+clipped loss over them, its ratio to the trainer's own log-probabilities of the samples
+(their largest and mean gap to the sampler's logged each iteration: where sampling and
+training disagree, in dtype or kernels, it shows). The held-out accuracy (greedy answers
+to prompts never trained on) is logged each iteration. ``redray.run`` runs the loop on
+every host; MLflow and checkpoints go to ``--storage``, and the same command resumes the
+run exactly (each iteration's prompts and samples are keyed by its number).
 
 ``--overlap`` (with ``--sampler-replicas``) samples the next iteration's rollouts while
 the trainer trains on this one's, on the weights of one update before: a staleness of
@@ -32,7 +34,8 @@ import optax
 
 import redray
 from redray.post_training import (Sampler, SamplerGroup, SamplingParams, grpo_loss,
-                                  group_advantages, score, token_logprobs)
+                                  group_advantages, logprob_mismatch, recomputed_logprobs,
+                                  score, token_logprobs)
 
 CHARS = "0123456789+="
 BOS, EOS, PAD, VOCAB, LENGTH = 12, 13, 14, 16, 12  # a row: BOS a+b= digits EOS, padded
@@ -185,7 +188,18 @@ def grpo(args):
             advantages = np.asarray(group_advantages(rewards, args.group))
             data = [row(p, tokens, logp, a)
                     for p, (tokens, logp), a in zip(chosen(epoch), done, advantages)]
-            trainer.log({"reward": rewards.mean(), "iteration": epoch - args.warmup})
+            # the trainer's log-probabilities of the samples against the sampler's; the
+            # ratio divides by the trainer's (by the sampler's, which drew them one
+            # update earlier, with --overlap)
+            rows_now = collate(data)
+            mine = recomputed_logprobs(trainer.model, rows_now["ids"]) * rows_now["completion"]
+            gap = logprob_mismatch(rows_now["old_logp"], mine, rows_now["completion"])
+            if not args.overlap:
+                for r, logp in zip(data, mine):
+                    r["old_logp"] = logp.astype(np.float32)
+            trainer.log({"reward": rewards.mean(), "iteration": epoch - args.warmup,
+                         "logprob_mismatch_mean": gap["mean"],
+                         "logprob_mismatch_max": gap["max"]})
         trainer.fit(data, epochs=epoch + 1, shuffle=False)
     if first < last:
         sampler.update_weights(trainer.model)

@@ -7,7 +7,8 @@ continues prompts on the same model classes training uses (``sampler.py``);
 (``rewards.py``); the losses a user's ``loss`` calls are in ``losses.py``.
 """
 
-from redray.post_training.losses import (dpo_loss, group_advantages, grpo_loss, masked_mean,
+from redray.post_training.losses import (dpo_loss, group_advantages, grpo_loss,
+                                         logprob_mismatch, masked_mean, recomputed_logprobs,
                                          sequence_logprobs, sft_loss, token_logprobs)
 from redray.post_training.remote import Pending, SamplerGroup, WeightSync
 from redray.post_training.rewards import RewardError, score
@@ -16,5 +17,5 @@ from redray.post_training.sampling import Completion, SamplingParams, sample_row
 
 __all__ = ["Completion", "Pending", "RewardError", "Sampler", "SamplerGroup",
            "SamplingParams", "WeightSync", "dpo_loss", "group_advantages", "grpo_loss",
-           "masked_mean", "sample_rows", "score", "sequence_logprobs", "sft_loss",
-           "token_logprobs"]
+           "logprob_mismatch", "masked_mean", "recomputed_logprobs", "sample_rows", "score",
+           "sequence_logprobs", "sft_loss", "token_logprobs"]

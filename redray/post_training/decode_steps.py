@@ -19,7 +19,15 @@ from redray.models.generate import prompt_prefill
 from redray.post_training.kv_window import write
 from redray.post_training.sampling import sample_rows
 from redray.post_training.slots import (DECODE_INPUTS, DECODE_OUTPUTS, PREFILL_INPUTS,
-                                        PREFILL_OUTPUTS, packed, sampling_columns, unpacked)
+                                        PREFILL_OUTPUTS, QUEUE_INPUTS, REQUEST_OUTPUTS,
+                                        SAMPLING, SLOT_STATE, packed, sampling_columns,
+                                        unpacked)
+
+
+def request_keys(seed, ids):
+    """Each request's key: ``fold_in(key(seed), id)`` (its n-th token's is that folded
+    with n), whatever slot or call it is decoded in."""
+    return jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(ids)
 
 
 def prefill_step(graphdef, rows: tuple[int, bool, int | None], widths: tuple[int, int],
@@ -48,10 +56,11 @@ def prefill_step(graphdef, rows: tuple[int, bool, int | None], widths: tuple[int
                              small)
         row = jnp.zeros((batch, length), jnp.int32).at[:, cols].set(mask)
         kv_valid = row[:len(kv_valid)] if every else kv_valid.at[where].set(row, mode="drop")
-        first = jax.vmap(lambda key: jax.random.fold_in(key, 0))(
-            jax.random.wrap_key_data(inputs["keys"]))
+        keys = request_keys(inputs["seed"][0], inputs["id"])
+        first = jax.vmap(lambda key: jax.random.fold_in(key, 0))(keys)
         token, logprob = sample_rows(logits, first, *sampling_columns(inputs), greedy_only)
-        return cache, kv_valid, packed(PREFILL_OUTPUTS, dict(token=token, logprob=logprob))
+        return cache, kv_valid, packed(PREFILL_OUTPUTS, dict(
+            token=token, logprob=logprob, keys=jax.random.key_data(keys)))
     return prefill
 
 
@@ -112,3 +121,147 @@ def decode_step(inner, steps: int, rows_and_width: tuple[int, int], greedy_only:
             out=out, written=written, lps=lps, token=token, active=active, counts=counts,
             remaining=remaining, by_eos=by_eos, t=jnp.broadcast_to(t, token.shape)), steps)
     return decode
+
+
+def refill_step(inner, shapes: tuple[int, int, int, int, int, int], greedy_only: bool, pad: int,
+                eos, check_every: int):
+    """A call that decodes a queue of requests through ``slots`` slots and refills each
+    freed slot itself: ``(weights, queue) -> (cache, kv_valid, slot state, request
+    outputs)`` (``QUEUE_INPUTS``, ``SLOT_STATE``, ``REQUEST_OUTPUTS``), for ``shapes`` =
+    (slots, the window's width, rows of requests (the requests' count is an input: the
+    rows are padded), the prompts' width, the longest completion asked, the prompts
+    prefilled together). ``inner``: the graph of the model with its
+    layers split (``generate.for_decoding``), which prefills too.
+
+    The cache is made empty inside. Every ``check_every`` steps: the window is shifted
+    left (its columns renumbered from the oldest live sequence's start) when the next
+    steps would pass its end; then, while ``chunk`` slots are free (or as many as the
+    requests still waiting), the next waiting prompts are run through the model together
+    and written into free slots, right-aligned behind ``t`` as the host's prefill
+    writes them; then ``check_every`` steps decode every slot. Each sampled token is
+    written to its request's row of the outputs, so a slot serves several requests in
+    one call. The call ends once every request has taken a slot (the host decodes the
+    rest: ``Sampler``); the host reads its outputs then, and only then.
+    """
+    slots, length, n, width, longest, chunk = shapes
+    every, eos = check_every, jnp.asarray(eos)
+    keep = jnp.arange(width)
+
+    def refill(weights, host_in):
+        q = unpacked(host_in, QUEUE_INPUTS, width)
+        seed, count = q["seed"][0], q["count"][0]  # the requests (``n``: padded)
+        keys_q = request_keys(seed, q["id"])
+        sampling_q = sampling_columns(q)
+
+        def model():
+            return nnx.merge(inner, jax.tree.map(lambda x: x, weights))
+        c = dict(
+            t=jnp.int32(width), next=jnp.int32(0),
+            cache=model().init_cache(slots, length), kv_valid=jnp.zeros((slots, length), jnp.int32),
+            token=jnp.zeros(slots, jnp.int32), active=jnp.zeros(slots, bool),
+            counts=jnp.zeros(slots, jnp.int32), remaining=jnp.zeros(slots, jnp.int32),
+            keys=jnp.zeros((slots, 2), jnp.uint32), owner=jnp.full(slots, -1, jnp.int32),
+            start=jnp.zeros(slots, jnp.int32),
+            sampling=tuple(jnp.zeros(slots, x.dtype) for x in sampling_q),
+            out=jnp.full((n, longest), pad, jnp.int32), lps=jnp.zeros((n, longest), jnp.float32),
+            length=jnp.zeros(n, jnp.int32), reason=jnp.zeros(n, jnp.int32))
+
+        def shifted(c):
+            """The window's columns from the oldest live sequence's start (a new
+            prompt keeps its room behind ``t``): a copy, once per many steps."""
+            s = jnp.minimum(jnp.min(jnp.where(c["active"], c["start"], c["t"])),
+                            c["t"] - width)
+            cols = jnp.arange(length) < length - s
+
+            def roll(x, axis):
+                return jnp.roll(x, -s, axis)
+            return dict(c, t=c["t"] - s, start=c["start"] - s,
+                        cache=jax.tree.map(lambda x: roll(x, x.ndim - 2), c["cache"]),
+                        kv_valid=roll(c["kv_valid"], 1) * cols[None, :])
+
+        def can_refill(c):
+            free = slots - c["active"].sum()
+            waiting = count - c["next"]
+            return (waiting > 0) & (free >= jnp.minimum(chunk, waiting))
+
+        def prefill(c):
+            """The next ``chunk`` waiting prompts into the first free slots."""
+            taken = jnp.minimum(jnp.minimum(slots - c["active"].sum(), count - c["next"]),
+                                chunk)
+            valid = jnp.arange(chunk) < taken
+            free_first = jnp.argsort(c["active"], stable=True)[:chunk]
+            where = jnp.where(valid, free_first, slots).astype(jnp.int32)  # slots: nowhere
+            req = jnp.minimum(c["next"] + jnp.arange(chunk), n - 1)
+            ids, mask = q["ids"][req], q["mask"][req]
+            m = model()
+            logits, small = prompt_prefill(m, ids, mask, m.init_cache(chunk, width))
+            cols = c["t"] - width + keep
+            cache = jax.tree.map(lambda big, new: write(big, new, where, cols), c["cache"], small)
+            row = jnp.zeros((chunk, length), jnp.int32).at[:, cols].set(mask)
+            kv_valid = c["kv_valid"].at[where].set(row, mode="drop")
+            keys = keys_q[req]
+            sampling = tuple(x[req] for x in sampling_q)
+            first = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
+            token, lp = sample_rows(logits, first, *sampling, greedy_only)
+            ended = jnp.isin(token, eos)
+            remaining = q["max_new"][req] - 1
+            live = ~ended & (remaining > 0)
+            at = jnp.where(valid, req, n)  # n: nowhere
+
+            def put(x, v):
+                return x.at[where].set(v, mode="drop")
+            return dict(
+                c, next=c["next"] + taken, cache=cache, kv_valid=kv_valid,
+                token=put(c["token"], token), active=put(c["active"], live),
+                counts=put(c["counts"], jnp.ones_like(token)),
+                remaining=put(c["remaining"], remaining),
+                keys=put(c["keys"], jax.random.key_data(keys)), owner=put(c["owner"], req),
+                start=put(c["start"], jnp.broadcast_to(c["t"] - width, (chunk,))),
+                sampling=tuple(put(x, v) for x, v in zip(c["sampling"], sampling)),
+                out=c["out"].at[at, 0].set(token, mode="drop"),
+                lps=c["lps"].at[at, 0].set(lp, mode="drop"),
+                length=c["length"].at[at].set(1, mode="drop"),
+                reason=c["reason"].at[at].set(jnp.where(live, 0, jnp.where(ended, 1, 2)),
+                                              mode="drop"))
+
+        def step(_, c):
+            """One decoding step of every slot."""
+            active, t, counts = c["active"], c["t"], c["counts"]
+            kv_valid = jax.lax.dynamic_update_slice(
+                c["kv_valid"], active.astype(jnp.int32)[:, None], (0, t))
+            logits, cache = model()(c["token"][:, None], kv_valid, cache=c["cache"],
+                                    cache_index=t)
+            step_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(c["keys"]),
+                                                     counts)
+            new, lp = sample_rows(logits[:, -1], step_keys, *c["sampling"], greedy_only)
+            at = jnp.where(active, c["owner"], n)
+            ended = jnp.isin(new, eos)
+            remaining = c["remaining"] - active
+            finished = active & (ended | (remaining <= 0))
+            return dict(
+                c, t=t + 1, cache=cache, kv_valid=kv_valid, remaining=remaining,
+                active=active & ~finished, counts=counts + active,
+                token=jnp.where(active, new, c["token"]),
+                out=c["out"].at[at, counts].set(new, mode="drop"),
+                lps=c["lps"].at[at, counts].set(lp, mode="drop"),
+                length=c["length"].at[at].set(counts + 1, mode="drop"),
+                reason=c["reason"].at[jnp.where(finished, c["owner"], n)].set(
+                    jnp.where(ended, 1, 2), mode="drop"))
+
+        def block(c):
+            c = jax.lax.cond(c["t"] + every > length, shifted, lambda c: c, c)
+            c = jax.lax.while_loop(can_refill, prefill, c)
+            return jax.lax.cond(c["next"] < count,
+                                lambda c: jax.lax.fori_loop(0, every, step, c), lambda c: c, c)
+
+        c = jax.lax.while_loop(lambda c: c["next"] < count, block, c)
+        owner = jnp.where(c["active"], c["owner"], -1)
+        state = packed(SLOT_STATE, dict(
+            token=c["token"], active=c["active"], counts=c["counts"],
+            remaining=c["remaining"], keys=c["keys"], owner=owner, start=c["start"],
+            t=jnp.broadcast_to(c["t"], (slots,)),
+            **{name: x for (name, _, _), x in zip(SAMPLING, c["sampling"])}))
+        outputs = packed(REQUEST_OUTPUTS, dict(out=c["out"], lps=c["lps"], length=c["length"],
+                                               reason=c["reason"]), longest)
+        return c["cache"], c["kv_valid"], state, outputs
+    return refill

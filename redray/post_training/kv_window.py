@@ -51,11 +51,13 @@ class KVWindow:
         self.slots, self.length, self.room = slots, length, room
         self.empty, self.placement = empty, placement
         self.rewindow = None  # the copy into a new window, compiled once
+        self.calls = 0  # compiled calls made (empty windows, copies): a Sampler's count
         self.reset()
 
     def reset(self) -> None:
         """An empty window: every slot free."""
         self.cache, self.kv_valid = self.empty(self.slots, PROMPT_BUCKET)
+        self.calls += 1
         self.t = 0
         self.start = np.zeros(self.slots, np.int64)  # each slot's first cache column
         self.shifts = 0  # times the rows were moved left (``fit``)
@@ -94,6 +96,7 @@ class KVWindow:
             raise RuntimeError("the KV cache is full of one live sequence: max_length is "
                                "smaller than a request's prompt plus completion")
         inside = 0 <= begin and begin + width <= self.width
+        self.calls += 1
         if empty:
             self.cache, self.kv_valid = self.empty(len(self.kv_valid), width)
         else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def token_logprobs(model, ids, attention_mask=None, *, train: bool = False,
@@ -42,6 +43,45 @@ def token_logprobs(model, ids, attention_mask=None, *, train: bool = False,
     logp = jax.nn.log_softmax(logits, -1)
     picked = jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
     return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+_scored = jax.jit(token_logprobs, static_argnames=("train", "temperature"))
+
+
+def recomputed_logprobs(model, ids, temperature: float = 1.0) -> np.ndarray:
+    """``token_logprobs`` of host token ids ``(batch, length)`` (right-padded; prompt
+    then completion) on ``model`` as it is placed (a Trainer's ``model``, over every
+    host too), read back whole on every process: what a GRPO loop divides by, and
+    compares with the sampler's (``logprob_mismatch``), before an update."""
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from flax import nnx
+
+    from redray.sharding.on_mesh import mesh_of, put
+
+    ids = np.asarray(ids, np.int32)
+    mesh = mesh_of(nnx.state(model))
+    if mesh is not None:  # the same ids on every process, whole on every device
+        ids = put(ids, NamedSharding(mesh, P()))
+    out = _scored(model, ids, temperature=temperature)
+    if not out.is_fully_addressable:
+        out = multihost_utils.process_allgather(out, tiled=True)
+    return np.asarray(out)
+
+
+def logprob_mismatch(sampled, recomputed, mask) -> dict:
+    """How far a sampler's log-probabilities (``Completion.logprobs``, placed as
+    ``token_logprobs`` places a row's) are from the trainer's recomputation of the same
+    tokens (``token_logprobs`` at the sampling temperature), over the tokens where
+    ``mask`` is 1: ``{"mean": ..., "max": ...}`` of the absolute differences (floats).
+    A large one says sampling and training disagree (dtype, kernels, weights not yet
+    sent): a policy-gradient ratio over it is off by as much."""
+    gap = np.abs(np.asarray(sampled, np.float64) - np.asarray(recomputed, np.float64))
+    on = np.asarray(mask) > 0
+    if not on.any():
+        return {"mean": 0.0, "max": 0.0}
+    return {"mean": float(gap[on].mean()), "max": float(gap[on].max())}
 
 
 def masked_mean(values, mask) -> jax.Array:

@@ -19,6 +19,16 @@ rows still writing. Its parts, each in its own module:
 - where the slots live on the model's mesh (``slot_placement.py``; the model placed
   through ``redray.sharding.on_mesh``, as the engine and ``from_pretrained`` place it).
 
+With more prompts than slots, one compiled call decodes them all
+(``decode_steps.refill_step``): the waiting prompts are placed on the device ahead, a
+freed slot's next prompt is prefilled inside the decoding loop (a few at a time), each
+token is written to its request's row, and the window is shifted left inside the loop
+when its room runs out; the host reads the results once, when every prompt has taken a
+slot, and decodes the rest as below. A GPU waits for the host between calls: on one
+H200 this ran the refill workload 1.36x ``generate`` where the host's refills ran
+0.94x (docs/performance/sampler.md). ``refill_on_device=False``, or a window too narrow
+for the longest prompt beside the longest completion, has the host refill instead:
+
 Prefill runs beside decoding: between two decoding rounds, the prompts taking the free
 slots are run through the model together (left-padded to a bucket of 16 tokens) and
 their keys and values scattered into their rows (written as one slice when they take
@@ -49,13 +59,14 @@ import numpy as np
 from flax import nnx
 
 from redray.models.generate import for_decoding, special_tokens
-from redray.post_training.decode_steps import decode_step, prefill_step
-from redray.post_training.kv_window import PROMPT_BUCKET, ROOM, KVWindow, bucket
+from redray.post_training.decode_steps import decode_step, prefill_step, refill_step
+from redray.post_training.kv_window import PROMPT_BUCKET, ROOM, KVWindow, bucket, window
 from redray.post_training.sampling import Completion, SamplingParams, requests
 from redray.post_training.slot_placement import SlotPlacement
 from redray.post_training.slots import (DECODE_INPUTS, DECODE_OUTPUTS, PREFILL_INPUTS,
-                                        PREFILL_OUTPUTS, Slots, narrowed, packed,
-                                        refill_at, unpacked)
+                                        PREFILL_OUTPUTS, QUEUE_INPUTS, REQUEST_OUTPUTS,
+                                        SLOT_STATE, Slots, narrowed, packed, refill_at,
+                                        unpacked)
 from redray.sharding import Parallelism
 from redray.sharding.on_mesh import mesh_of, placed_state, platform_of, put
 
@@ -87,14 +98,23 @@ class Sampler:
         sized for the longest remaining completion (a GPU decodes a few rows about as
         fast as many, and each round costs a call, a copy and a wait for the device).
         None: True on CPUs, else False.
+      refill_on_device: with more prompts than slots, decode them in one compiled call
+        that refills each freed slot itself (``decode_steps.refill_step``: the waiting
+        prompts placed on the device ahead, a freed slot's next prompt prefilled inside
+        the decoding loop, the host reading the results once every prompt has taken a
+        slot), then the rest as ``narrow`` says. False: the host refills the slots
+        between calls (a round, a prefill and a wait for the device per refill).
 
-    After a ``sample`` call, ``rounds`` is how many decoding calls it made.
+    After a ``sample`` call, ``rounds`` is how many decoding calls it made and
+    ``round_trips`` how many compiled calls and reads of device values (each a wait for
+    the device).
     """
 
     def __init__(self, model, *, slots: int = 16, max_length: int, eos_token_id=None,
                  pad_token_id: int | None = None, seed: int = 0,
                  parallelism: Parallelism | None = None, steps_per_call: int = 32,
-                 check_every: int | None = None, narrow: bool | None = None):
+                 check_every: int | None = None, narrow: bool | None = None,
+                 refill_on_device: bool = True):
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("Sampler serves decoder-only models; an encoder-decoder model "
@@ -118,11 +138,12 @@ class Sampler:
             raise ValueError(f"check_every={check_every}: give 1 to steps_per_call="
                              f"{steps_per_call} decoding steps between two checks")
         self.check_every = check_every
+        self.refill_on_device = refill_on_device
         # the widest window: room for the longest sequence and a round's steps
         self.length = max_length + max(PROMPT_BUCKET, max_length // 4, check_every)
         self.placement = SlotPlacement(self.mesh, slots)  # the slots' arrays on the mesh
         self._compiled = {}
-        self.rounds = 0
+        self.rounds = self._trips = 0
         self._empty = self._split = self._inner = None
         self._layers = None  # the weights as the decoding rounds read them (``_split_layers``)
         # the KV cache: a window of the live sequences' columns, room for a round past t
@@ -133,6 +154,11 @@ class Sampler:
     def reset(self) -> None:
         """An empty cache (every slot free); the weights are kept."""
         self.window.reset()
+
+    @property
+    def round_trips(self) -> int:
+        """The compiled calls and reads of device values of the last ``sample`` call."""
+        return self._trips + self.window.calls
 
     @property
     def width(self) -> int:
@@ -170,9 +196,13 @@ class Sampler:
                     f"max_new_tokens={p.max_new_tokens} exceeds the Sampler's max_length="
                     f"{self.max_length}: build the Sampler with a larger max_length")
         greedy_only = all(p.temperature == 0 for p in params)
+        if not -2**31 <= self.seed < 2**31:
+            raise ValueError(f"seed={self.seed}: give a seed that fits in 32 bits")
+        self._trips = self.window.calls = 0
         if self.window.kv_valid.shape[0] != self.slots:  # narrowed by the last call's tail
             self.reset()
         self._layers = self._split_layers()
+        self._trips += 1
         try:
             return self._sample(prompts, params, ids, greedy_only)
         finally:
@@ -187,6 +217,12 @@ class Sampler:
         owner = np.full(self.slots, -1)  # the request each slot decodes (-1: free)
         rows = Slots(self.slots, self.seed)
         self.rounds = 0
+        if self.refill_on_device and n > self.slots:
+            refilled = self._refill(prompts, params, ids, greedy_only, rows, tokens,
+                                    logprobs, reason)
+            if refilled is not None:  # every request has taken a slot
+                owner = refilled
+                pending.clear()
 
         def emit(slot_tokens, slot_logprobs, written, finished_by_eos, now_active):
             for s in np.nonzero(owner >= 0)[0]:
@@ -241,6 +277,59 @@ class Sampler:
             self._split = jax.jit(lambda state: nnx.state(decoding(state)))
         return self._split(self.state)
 
+    def _refill(self, prompts, params, ids, greedy_only: bool, rows: Slots, tokens, logprobs,
+                reason):
+        """Every request decoded through the slots in one compiled call that refills the
+        slots itself (``decode_steps.refill_step``), until each has taken a slot: their
+        tokens so far into ``tokens``, ``logprobs`` and ``reason``, the slots' state into
+        ``rows`` and the window. Returns each slot's request (-1: free), or None (nothing
+        done) where the window would not hold the longest prompt beside the longest
+        completion (the host's rounds refill then)."""
+        n, every = len(prompts), self.check_every
+        width = bucket(max(len(p) for p in prompts))
+        longest = bucket(max(p.max_new_tokens for p in params))
+        span = width + longest
+        length = window(span + max(ROOM, every, span // 4), self.length)
+        if span + every > length:
+            return None
+        rows_in = 1 << (n - 1).bit_length()  # padded to a power of two: few compiles
+        chunk = max(1, self.slots // 8)
+        queue = dict(ids=np.full((rows_in, width), self.pad), mask=np.zeros((rows_in, width)),
+                     id=np.zeros(rows_in), seed=np.full(rows_in, self.seed),
+                     count=np.full(rows_in, n), max_new=np.ones(rows_in),
+                     temperature=np.zeros(rows_in), top_k=np.zeros(rows_in),
+                     top_p=np.ones(rows_in))
+        for i, (p, how) in enumerate(zip(prompts, params)):
+            queue["ids"][i, width - len(p):], queue["mask"][i, width - len(p):] = p, 1
+            queue["max_new"][i], queue["id"][i] = how.max_new_tokens, ids[i]
+            queue["temperature"][i], queue["top_k"][i], queue["top_p"][i] = (
+                how.temperature, how.top_k, how.top_p)
+        key = ("refill", (self.slots, length, rows_in, width, longest, chunk), greedy_only)
+        if key not in self._compiled:
+            step = refill_step(self._inner, key[1], greedy_only, self.pad, self.eos, every)
+            self._compiled[key] = self.placement.jit(step, self.window.cache, 2)
+        w = self.window
+        w.cache, w.kv_valid, state, out = self._compiled[key](
+            self._layers, *self.placement.host(packed(QUEUE_INPUTS, queue, width)))
+        state, out = unpacked(np.asarray(state), SLOT_STATE), unpacked(
+            np.asarray(out)[:n], REQUEST_OUTPUTS, longest)
+        self._trips += 3  # the call and its two reads
+        self.rounds += 1
+        for r in range(n):
+            k = out["length"][r]
+            tokens[r] += out["out"][r, :k].tolist()
+            logprobs[r] += out["lps"][r, :k].tolist()
+            reason[r] = {0: "", 1: "eos", 2: "length"}[int(out["reason"][r])]
+        owner = state["owner"]
+        live = owner >= 0
+        rows.ids[live] = np.asarray(ids)[owner[live]]
+        for name in ("keys", "token", "active", "counts", "remaining", "temperature",
+                     "top_k", "top_p"):
+            setattr(rows, name, state[name].copy())
+        w.t = int(state["t"][0])
+        w.start = state["start"].astype(np.int64)
+        return owner
+
     def _prefill(self, prompts, slots, rows: Slots, greedy_only: bool, to_the_end: bool):
         k, w = len(prompts), self.window
         first, source = self._distinct(prompts)
@@ -272,7 +361,9 @@ class Sampler:
         w.cache, w.kv_valid, got = fn(self.state, w.cache, w.kv_valid, *self.placement.host(
             self._prefill_inputs(ids, mask, where, source, rows)))
         got = unpacked(np.asarray(got)[:k], PREFILL_OUTPUTS)  # one transfer
+        self._trips += 2
         token, logprob = got["token"], got["logprob"]
+        rows.keys[slots] = got["keys"]
         rows.token[slots] = token
         rows.counts[slots] = 1
         rows.remaining[slots] -= 1
@@ -310,6 +401,7 @@ class Sampler:
         # one transfer (``DECODE_OUTPUTS``): on a GPU each read of a device array costs
         # more than a short round's steps
         got = unpacked(np.asarray(got), DECODE_OUTPUTS, steps)
+        self._trips += 2
         rows.token, rows.active, rows.counts, rows.remaining = (
             got[k] for k in ("token", "active", "counts", "remaining"))
         w.t = int(got["t"][0])
@@ -320,7 +412,7 @@ class Sampler:
         at = where % self.slots
         return packed(PREFILL_INPUTS, dict(
             t=np.full(len(ids), self.window.t), ids=ids, mask=mask, where=where, source=source,
-            keys=rows.keys[at],
+            id=rows.ids[at], seed=np.full(len(ids), self.seed),
             **{name: x[at] for name, x in rows.sampling().items()}))
 
     def _decode_inputs(self, rows: Slots, ends_at: int) -> np.ndarray:

@@ -19,25 +19,41 @@ from redray.post_training.sampling import SamplingParams
 # columns: the prompts' width (inputs), the call's steps (outputs)
 SAMPLING = (("temperature", 1, np.float32), ("top_k", 1, np.int32), ("top_p", 1, np.float32))
 PREFILL_INPUTS = (("t", 1, np.int32), ("ids", None, np.int32), ("mask", None, np.int32),
-                  ("where", 1, np.int32), ("source", 1, np.int32),
-                  ("keys", 2, np.uint32)) + SAMPLING
+                  ("where", 1, np.int32), ("source", 1, np.int32), ("id", 1, np.int32),
+                  ("seed", 1, np.int32)) + SAMPLING
 DECODE_INPUTS = (("t", 1, np.int32), ("refill_at", 1, np.int32), ("token", 1, np.int32),
                  ("active", 1, np.bool_), ("counts", 1, np.int32), ("remaining", 1, np.int32),
                  ("keys", 2, np.uint32)) + SAMPLING
-PREFILL_OUTPUTS = (("token", 1, np.int32), ("logprob", 1, np.float32))
+PREFILL_OUTPUTS = (("token", 1, np.int32), ("logprob", 1, np.float32), ("keys", 2, np.uint32))
 DECODE_OUTPUTS = (("out", None, np.int32), ("written", None, np.bool_),
                   ("lps", None, np.float32), ("token", 1, np.int32), ("active", 1, np.bool_),
                   ("counts", 1, np.int32), ("remaining", 1, np.int32), ("by_eos", 1, np.bool_),
                   ("t", 1, np.int32))
+# a call that refills its own slots (``decode_steps.refill_step``): the requests waiting
+# (a row each: the prompt left-padded to the queue's width, its id, its sampling and
+# maximum), every slot's state in and out (the request it decodes, -1: free; its first
+# cache column; ``t`` on every row), and each request's tokens out
+QUEUE_INPUTS = (("ids", None, np.int32), ("mask", None, np.int32), ("id", 1, np.int32),
+                ("seed", 1, np.int32), ("count", 1, np.int32),
+                ("max_new", 1, np.int32)) + SAMPLING
+SLOT_STATE = (("token", 1, np.int32), ("active", 1, np.bool_), ("counts", 1, np.int32),
+              ("remaining", 1, np.int32), ("keys", 2, np.uint32), ("owner", 1, np.int32),
+              ("start", 1, np.int32), ("t", 1, np.int32)) + SAMPLING
+# ``reason``: 0 still decoding in a slot, 1 ended by EOS, 2 by its maximum
+REQUEST_OUTPUTS = (("out", None, np.int32), ("lps", None, np.float32),
+                   ("length", 1, np.int32), ("reason", 1, np.int32))
 
 
 class Slots:
-    """The host's copy of every slot's request: its key, sampling, tokens so far."""
+    """The host's copy of every slot's request: its id and key, sampling, tokens so far.
+    A request's key, ``fold_in(key(seed), id)``, is made by the compiled call that takes
+    it into a slot (the host makes no key: each would be a call and a read)."""
 
     def __init__(self, slots: int, seed: int):
         self.seed = seed
+        self.ids = np.zeros(slots, np.int32)
         # key data (uint32), not typed keys: host values, made global with the rest
-        self.keys = np.array(jax.random.key_data(jax.random.split(jax.random.key(seed), slots)))
+        self.keys = np.zeros((slots, 2), np.uint32)
         self.token = np.zeros(slots, np.int32)
         self.active = np.zeros(slots, bool)
         self.counts = np.zeros(slots, np.int32)
@@ -47,9 +63,7 @@ class Slots:
         self.top_p = np.ones(slots, np.float32)
 
     def assign(self, slots, params: list[SamplingParams], ids: list[int]) -> None:
-        base = jax.random.key(self.seed)
-        keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(ids, jnp.int32))
-        self.keys[slots] = np.asarray(jax.random.key_data(keys))
+        self.ids[slots] = ids
         self.counts[slots] = 0
         self.remaining[slots] = [p.max_new_tokens for p in params]
         self.temperature[slots] = [p.temperature for p in params]
@@ -61,7 +75,7 @@ class Slots:
 
     def take(self, keep) -> None:
         """Keeps the slots ``keep``, in that order (the batch narrowed)."""
-        for name in ("keys", "token", "active", "counts", "remaining", "temperature",
+        for name in ("ids", "keys", "token", "active", "counts", "remaining", "temperature",
                      "top_k", "top_p"):
             setattr(self, name, getattr(self, name)[keep])
 
