@@ -25,9 +25,10 @@ freed slot's next prompt is prefilled inside the decoding loop (a few at a time)
 token is written to its request's row, and the window is shifted left inside the loop
 when its room runs out; the host reads the results once, when every prompt has taken a
 slot, and decodes the rest as below. A GPU waits for the host between calls: on one
-H200 this ran the refill workload 1.36x ``generate`` where the host's refills ran
-0.94x (docs/performance/sampler.md). ``refill_on_device=False``, or a window too narrow
-for the longest prompt beside the longest completion, has the host refill instead:
+H200 this ran the refill workload 1.36x ``generate`` for a small model, where the
+host's refills ran 0.94x, and 1.48x for a 1.1B one (docs/performance/sampler.md).
+``refill_on_device=False``, or a window too narrow for the longest prompt beside the
+longest completion, has the host refill instead:
 
 Prefill runs beside decoding: between two decoding rounds, the prompts taking the free
 slots are run through the model together (left-padded to a bucket of 16 tokens) and
