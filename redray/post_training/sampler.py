@@ -20,13 +20,14 @@ rows still writing. Its parts, each in its own module:
   through ``redray.sharding.on_mesh``, as the engine and ``from_pretrained`` place it).
 
 With more prompts than slots, one compiled call decodes them all
-(``decode_steps.refill_step``): the waiting prompts are placed on the device ahead, a
-freed slot's next prompt is prefilled inside the decoding loop (a few at a time), each
-token is written to its request's row, and the window is shifted left inside the loop
-when its room runs out; the host reads the results once, when every prompt has taken a
-slot, and decodes the rest as below. A GPU waits for the host between calls: on one
-H200 this ran the refill workload 1.36x ``generate`` for a small model, where the
-host's refills ran 0.94x, and 1.48x for a 1.1B one (docs/performance/sampler.md).
+(``decode_steps.refill_step``): the waiting prompts are placed on the device ahead (the
+longest asked first), a freed slot's next prompt is prefilled inside the decoding loop (a
+few at a time), each token is written to its request's row, and the window is shifted
+left inside the loop when its room runs out; the host reads the results once, when every
+prompt has taken a slot, and decodes the rest as below. A GPU waits for the host
+between calls: on one H200 this ran the refill workload 1.36x ``generate`` for a small
+model, where the host's refills ran 0.94x, and 1.48x for a 1.1B one (before the longest
+went first; docs/performance/sampler.md).
 ``refill_on_device=False``, or a window too narrow for the longest prompt beside the
 longest completion, has the host refill instead:
 
@@ -300,10 +301,17 @@ class Sampler:
                      count=np.full(rows_in, n), max_new=np.ones(rows_in),
                      temperature=np.zeros(rows_in), top_k=np.zeros(rows_in),
                      top_p=np.ones(rows_in))
-        for i, (p, how) in enumerate(zip(prompts, params)):
-            queue["ids"][i, width - len(p):], queue["mask"][i, width - len(p):] = p, 1
-            queue["max_new"][i], queue["id"][i] = how.max_new_tokens, ids[i]
-            queue["temperature"][i], queue["top_k"][i], queue["top_p"][i] = (
+        # the longest asked first (in the prompts' order among equals): the requests still
+        # decoding once the queue is empty are then the short ones, and a GPU's steps,
+        # which cost about as much for a few rows as for all, end sooner. Requests that
+        # ask alike (a GRPO iteration's) keep their order; a request's tokens are its own
+        # whatever its place (its key is its id)
+        order = sorted(range(n), key=lambda i: -params[i].max_new_tokens)
+        for j, i in enumerate(order):
+            p, how = prompts[i], params[i]
+            queue["ids"][j, width - len(p):], queue["mask"][j, width - len(p):] = p, 1
+            queue["max_new"][j], queue["id"][j] = how.max_new_tokens, ids[i]
+            queue["temperature"][j], queue["top_k"][j], queue["top_p"][j] = (
                 how.temperature, how.top_k, how.top_p)
         key = ("refill", (self.slots, length, rows_in, width, longest, chunk), greedy_only)
         if key not in self._compiled:
@@ -316,13 +324,13 @@ class Sampler:
             np.asarray(out)[:n], REQUEST_OUTPUTS, longest)
         self._trips += 3  # the call and its two reads
         self.rounds += 1
-        for r in range(n):
-            k = out["length"][r]
-            tokens[r] += out["out"][r, :k].tolist()
-            logprobs[r] += out["lps"][r, :k].tolist()
-            reason[r] = {0: "", 1: "eos", 2: "length"}[int(out["reason"][r])]
-        owner = state["owner"]
-        live = owner >= 0
+        for j, r in enumerate(order):  # the queue's row j is request r
+            k = out["length"][j]
+            tokens[r] += out["out"][j, :k].tolist()
+            logprobs[r] += out["lps"][j, :k].tolist()
+            reason[r] = {0: "", 1: "eos", 2: "length"}[int(out["reason"][j])]
+        live = state["owner"] >= 0
+        owner = np.where(live, np.asarray(order)[np.maximum(state["owner"], 0)], -1)
         rows.ids[live] = np.asarray(ids)[owner[live]]
         for name in ("keys", "token", "active", "counts", "remaining", "temperature",
                      "top_k", "top_p"):
