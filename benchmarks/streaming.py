@@ -50,6 +50,7 @@ import pyarrow.parquet as pq  # noqa: E402
 
 import redray  # noqa: E402
 from redray.engine.hooks import Position  # noqa: E402
+from redray.engine.loop import TrainingData  # noqa: E402
 from tiny import TinyLM, lm_loss, token_data  # noqa: E402
 
 COMMAND = "python benchmarks/streaming.py"
@@ -265,8 +266,8 @@ def resume_figure(args, work: str) -> dict:
             trainer.init(stream)
             # a checkpoint at batch `at` of epoch 0 (its state untrained: what is timed is
             # reading from there on)
-            trainer.save_checkpoint(trainer.training_data(stream, True).settings(),
-                                    position=Position(0, at, False))
+            data = TrainingData.of(stream, trainer.seed, True, trainer.geometry, None)
+            trainer.save_checkpoint(data.settings(), position=Position(0, at, False))
             trainer.checkpointer.wait()
     finally:
         ray.shutdown()
