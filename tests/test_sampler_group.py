@@ -2,7 +2,9 @@
 sends, they complete requests as a Sampler in this process does, token for token, the
 split over replicas and devices changing nothing; a batch submitted before an update
 keeps the weights it was submitted on; weights in another dtype arrive as that dtype;
-weights of another model are refused with the fix."""
+weights of another model are refused with the fix. The weights go directly (pulled
+from the trainer's JAX transfer server by each replica), also to a replica on another
+Ray node, and through Ray's object store where they cannot, to the same tokens."""
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +16,29 @@ from flax import nnx
 from redray.models import build
 from redray.post_training import RewardError, Sampler, SamplerGroup, SamplingParams, score
 
-pytestmark = pytest.mark.ray  # Ray actors (the conftest's local_ray)
+pytestmark = pytest.mark.ray  # Ray actors, on two Ray nodes (local_ray below)
 
 CONFIG = transformers.LlamaConfig(
     vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, eos_token_id=5)
 LENGTH = 40
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """Two Ray nodes on this machine (``ray.cluster_utils.Cluster``: two raylets and
+    object stores, as two hosts), the second offering ``other_node``: the module's
+    replicas run on either, one test's on the second by that resource."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=2, include_dashboard=False, object_store_memory=128 << 20))
+    cluster.add_node(num_cpus=2, resources={"other_node": 2}, object_store_memory=128 << 20)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
 
 
 def builder():
@@ -51,6 +70,7 @@ def test_replicas_complete_as_a_local_sampler_on_the_weights_sent(local_ray):
         sync = group.update_weights(trained)
         params = nnx.state(trained, nnx.Param)
         assert sync.bytes == sum(x.nbytes for x in jax.tree.leaves(params))
+        assert sync.path == "direct"  # pulled onto one device, copied to the other there
         local = Sampler(trained, slots=3, max_length=LENGTH)
         for how in (SamplingParams(max_new_tokens=8),
                     SamplingParams(max_new_tokens=8, temperature=1.0, top_k=20)):
@@ -90,10 +110,54 @@ def test_a_replica_over_two_processes_completes_as_a_local_sampler(local_ray):
                          max_length=LENGTH)
     try:
         assert ray_get(group.replicas[0].devices.remote()) == 4  # of both processes
-        group.update_weights(trained)
+        assert group.update_weights(trained).path == "object_store"  # no direct pull
+        group.weights_via = "direct"
+        with pytest.raises(ValueError, match="weights_via='direct' cannot run: a replica "
+                                             "cannot pull directly .* weights_via='auto'"):
+            group.update_weights(trained)
         local = Sampler(trained, slots=4, max_length=LENGTH)
         how = SamplingParams(max_new_tokens=8, temperature=1.0)
         same(group.sample(prompts, how), local.sample(prompts, how))
+    finally:
+        group.shutdown()
+
+
+def test_a_replica_on_another_node_pulls_sharded_weights_as_the_object_store_sends(
+        local_ray):
+    """A replica on the second Ray node, its weights split over its 2 devices by a
+    model axis: each pulls its shards straight from this process's transfer server;
+    the same replica fed through the object store samples the same tokens."""
+    import ray
+
+    from redray.sharding import Parallelism
+
+    with pytest.raises(ValueError, match="weights_via='nccl': give one of"):
+        SamplerGroup(model_fn, weights_via="nccl", max_length=LENGTH)
+    rs = np.random.default_rng(2)
+    prompts = [rs.integers(6, 61, rs.integers(1, 9)).tolist() for _ in range(6)]
+    trained = model_fn(nnx.Rngs(1))
+    how = SamplingParams(max_new_tokens=8, temperature=1.0)
+    group = SamplerGroup(model_fn, devices_per_replica=2, slots=4, max_length=LENGTH,
+                         parallelism=Parallelism.of(model_axis=2), weights_via="direct",
+                         actor_options={"resources": {"other_node": 1}})
+    try:
+        node = ray.get(group.replicas[0].__ray_call__.remote(
+            lambda self: ray.get_runtime_context().get_node_id()))
+        assert node != ray.get_runtime_context().get_node_id()
+        wire = ray.get(group.replicas[0].wire.remote())
+        assert any(w is not None for w in wire)  # some weights travel in shards
+        sync = group.update_weights(trained)
+        assert sync.path == "direct"
+        assert sync.bytes == sum(x.nbytes for x in jax.tree.leaves(nnx.state(trained,
+                                                                             nnx.Param)))
+        direct = group.sample(prompts, how)
+        group.weights_via = "object_store"
+        assert group.update_weights(model_fn(nnx.Rngs(3))).path == "object_store"
+        assert [c.tokens.tolist() for c in group.sample(prompts, how)] != \
+            [c.tokens.tolist() for c in direct]
+        group.update_weights(trained)
+        same(group.sample(prompts, how), direct)
+        same(direct, Sampler(trained, slots=4, max_length=LENGTH).sample(prompts, how))
     finally:
         group.shutdown()
 
