@@ -30,6 +30,24 @@ def request_keys(seed, ids):
     return jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(ids)
 
 
+def decoded(model, token, active, t, cache, kv_valid, keys, counts, remaining, sampling,
+            greedy_only: bool, eos):
+    """One decoding step of every slot (the same in ``decode_step``'s loop and
+    ``refill_step``'s): the live slots' column ``t`` marked valid, their last tokens run
+    through the model, the next ones sampled with each request's key folded with its
+    count. Returns the window's ``kv_valid`` and ``cache``, the tokens and their
+    log-probabilities, which ended by EOS, which finished (EOS or their maximum), and
+    the tokens each has left."""
+    kv_valid = jax.lax.dynamic_update_slice(kv_valid, active.astype(jnp.int32)[:, None],
+                                            (0, t))
+    logits, cache = model(token[:, None], kv_valid, cache=cache, cache_index=t)
+    step_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(keys), counts)
+    new, lp = sample_rows(logits[:, -1], step_keys, *sampling, greedy_only)
+    ended = jnp.isin(new, eos)
+    remaining = remaining - active
+    return kv_valid, cache, new, lp, ended, active & (ended | (remaining <= 0)), remaining
+
+
 def prefill_step(graphdef, rows: tuple[int, bool, int | None], widths: tuple[int, int],
                  greedy_only: bool):
     """The prefill of ``rows`` = (prompts padded to a power of two, whether they fill
@@ -91,19 +109,13 @@ def decode_step(inner, steps: int, rows_and_width: tuple[int, int], greedy_only:
         def body(c):
             i, t, cache, kv_valid, active, token, counts, remaining, out, lps, written, \
                 by_eos = c
-            kv_valid = jax.lax.dynamic_update_slice(
-                kv_valid, active.astype(jnp.int32)[:, None], (0, t))
             model = nnx.merge(inner, jax.tree.map(lambda x: x, weights))
-            logits, cache = model(token[:, None], kv_valid, cache=cache, cache_index=t)
-            step_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(keys),
-                                                     counts)
-            new, lp = sample_rows(logits[:, -1], step_keys, *sampling, greedy_only)
+            kv_valid, cache, new, lp, ended, finished, remaining = decoded(
+                model, token, active, t, cache, kv_valid, keys, counts, remaining, sampling,
+                greedy_only, eos)
             out = out.at[:, i].set(jnp.where(active, new, pad))
             lps = lps.at[:, i].set(jnp.where(active, lp, 0.0))
             written = written.at[:, i].set(active)
-            ended = jnp.isin(new, eos)
-            remaining = remaining - active
-            finished = active & (ended | (remaining <= 0))
             by_eos = by_eos | (active & ended)
             counts = counts + active
             token = jnp.where(active, new, token)
@@ -227,17 +239,10 @@ def refill_step(inner, shapes: tuple[int, int, int, int, int, int], greedy_only:
         def step(_, c):
             """One decoding step of every slot."""
             active, t, counts = c["active"], c["t"], c["counts"]
-            kv_valid = jax.lax.dynamic_update_slice(
-                c["kv_valid"], active.astype(jnp.int32)[:, None], (0, t))
-            logits, cache = model()(c["token"][:, None], kv_valid, cache=c["cache"],
-                                    cache_index=t)
-            step_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(c["keys"]),
-                                                     counts)
-            new, lp = sample_rows(logits[:, -1], step_keys, *c["sampling"], greedy_only)
+            kv_valid, cache, new, lp, ended, finished, remaining = decoded(
+                model(), c["token"], active, t, c["cache"], c["kv_valid"], c["keys"], counts,
+                c["remaining"], c["sampling"], greedy_only, eos)
             at = jnp.where(active, c["owner"], n)
-            ended = jnp.isin(new, eos)
-            remaining = c["remaining"] - active
-            finished = active & (ended | (remaining <= 0))
             return dict(
                 c, t=t + 1, cache=cache, kv_valid=kv_valid, remaining=remaining,
                 active=active & ~finished, counts=counts + active,

@@ -332,8 +332,7 @@ class Sampler:
         live = state["owner"] >= 0
         owner = np.where(live, np.asarray(order)[np.maximum(state["owner"], 0)], -1)
         rows.ids[live] = np.asarray(ids)[owner[live]]
-        for name in ("keys", "token", "active", "counts", "remaining", "temperature",
-                     "top_k", "top_p"):
+        for name in Slots.DECODING:
             setattr(rows, name, state[name].copy())
         w.t = int(state["t"][0])
         w.start = state["start"].astype(np.int64)

@@ -49,6 +49,10 @@ class Slots:
     A request's key, ``fold_in(key(seed), id)``, is made by the compiled call that takes
     it into a slot (the host makes no key: each would be a call and a read)."""
 
+    # what a slot holds besides its request's id: as a compiled call returns it
+    DECODING = ("keys", "token", "active", "counts", "remaining") + tuple(
+        name for name, _, _ in SAMPLING)
+
     def __init__(self, slots: int, seed: int):
         self.seed = seed
         self.ids = np.zeros(slots, np.int32)
@@ -75,8 +79,7 @@ class Slots:
 
     def take(self, keep) -> None:
         """Keeps the slots ``keep``, in that order (the batch narrowed)."""
-        for name in ("ids", "keys", "token", "active", "counts", "remaining", "temperature",
-                     "top_k", "top_p"):
+        for name in ("ids",) + self.DECODING:
             setattr(self, name, getattr(self, name)[keep])
 
 
