@@ -11,9 +11,9 @@ JAX's transfer server (``jax.experimental.transfer``) and each replica pulls the
 its devices, laid out as its Sampler holds them, without the host's numpy copies or
 Ray's object stores; otherwise (a trainer of several hosts, a replica of several, a
 runtime without the transfer server) through Ray's object store: gathered to the host,
-put once and read by every replica (Ray moves the bytes between nodes). Requests are split over the replicas in order; a request's
-randomness is keyed by its id (``Sampler``), so its completion does not depend on the
-replica that ran it.
+put once and read by every replica (Ray moves the bytes between nodes). Requests are
+split over the replicas in order; a request's randomness is keyed by its id
+(``Sampler``), so its completion does not depend on the replica that ran it.
 
 ``submit`` returns at once and ``Pending.result()`` waits: a loop may train on one batch
 of rollouts while the next is sampled on weights one update older (a bounded staleness
