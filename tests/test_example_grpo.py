@@ -61,3 +61,36 @@ def test_a_run_killed_mid_iteration_resumes_exactly(tmp_path, monkeypatch):
     assert again == {"first_epoch": 3, "step": 5}  # from the checkpoint of step 3
     assert again_log == whole_log[-len(again_log):]  # the same samples and rewards
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state.params), params)
+
+
+@pytest.mark.slow
+def test_the_kl_penalty_scores_samples_on_the_warmup_model_and_resumes(tmp_path,
+                                                                       monkeypatch):
+    """--kl: every GRPO row carries its tokens' log-probabilities under the model as the
+    warm-up left it, the same whatever the iteration (on its first, the policy's own);
+    the frozen model is kept in the run's folder, so a run killed mid-iteration resumes
+    to the same parameters."""
+    g = example()
+    # a reward that varies within groups at this size, so that the policy moves
+    monkeypatch.setattr(g, "reward", lambda pair, tokens: float(sum(tokens) % 2))
+    batches, collate = {}, g.collate
+
+    def recording(examples):  # an iteration's rows, as the Trainer collates them
+        if "reference" in examples[0]:
+            batches.setdefault(examples[0]["reference"].tobytes(), collate(examples))
+        return collate(examples)
+    monkeypatch.setattr(g, "collate", recording)
+    args = [*TINY, "--iterations", "3", "--kl", "0.5"]
+    _, whole, _ = run_loop(g, "grpo", args, tmp_path / "whole", monkeypatch)
+    assert (tmp_path / "whole" / "warmup.npz").exists()
+    firsts = list(batches.values())
+    assert len(firsts) == 3 and all((b["kl"] == 0.5).all() for b in firsts)
+    on = firsts[0]["completion"] > 0
+    # the first iteration: the warm-up model is the policy (its recomputed ratio's base)
+    np.testing.assert_array_equal(firsts[0]["reference"][on], firsts[0]["old_logp"][on])
+    assert not np.array_equal(firsts[2]["reference"][on], firsts[2]["old_logp"][on])
+    params = jax.device_get(whole.state.params)
+    with pytest.raises(Killed):
+        run_loop(g, "grpo", args, tmp_path / "stopped", monkeypatch, kill_at=4)
+    _, resumed, _ = run_loop(g, "grpo", args, tmp_path / "stopped", monkeypatch)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state.params), params)

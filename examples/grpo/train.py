@@ -14,6 +14,10 @@ to prompts never trained on) is logged each iteration. ``redray.run`` runs the l
 every host; MLflow and checkpoints go to ``--storage``, and the same command resumes the
 run exactly (each iteration's prompts and samples are keyed by its number).
 
+``--kl COEF`` adds GRPO's KL penalty to the warm-up model (frozen when GRPO begins, kept
+in the run's folder for resuming): each sample's log-probabilities under it, against the
+policy's, hold the policy near what the demonstrations taught.
+
 ``--overlap`` (with ``--sampler-replicas``) samples the next iteration's rollouts while
 the trainer trains on this one's, on the weights of one update before: a staleness of
 one update, which GRPO's ratio to the sampler's own log-probabilities corrects. Those
@@ -25,12 +29,15 @@ killed one drew.
 
 import argparse
 import json
+import os
 
 import jax
 import jax.numpy as jnp
 import mlflow
 import numpy as np
 import optax
+from flax import nnx
+from jax.experimental import multihost_utils
 
 import redray
 from redray.post_training import (Sampler, SamplerGroup, SamplingParams, grpo_loss,
@@ -49,6 +56,7 @@ def parse(argv=None):
     ap.add_argument("--group", type=int, default=8, help="completions per prompt")
     ap.add_argument("--lr", type=float, default=3e-3, help="warm-up learning rate (Adam)")
     ap.add_argument("--rl-lr", type=float, default=2e-4, help="GRPO's learning rate")
+    ap.add_argument("--kl", type=float, default=0.0, help="KL penalty to the warm-up model")
     ap.add_argument("--seed", type=int, default=0, help="seeds the model, prompts, samples")
     ap.add_argument("--sampler-replicas", type=int, default=0, help="samplers on Ray actors "
                     "of their own, sent the weights each iteration (0: on the trainer's)")
@@ -112,7 +120,26 @@ def collate(examples):
 def loss(model, batch, rng, train):
     logp = token_logprobs(model, batch["ids"], train=train)
     old = jnp.where(batch["warmup"][:, None], jax.lax.stop_gradient(logp), batch["old_logp"])
-    return grpo_loss(logp, old, batch["advantage"], batch["completion"])
+    kl = {"reference_logprobs": batch["reference"], "kl_coef": batch["kl"][:, None]} \
+        if "reference" in batch else {}  # --kl: GRPO's rows
+    return grpo_loss(logp, old, batch["advantage"], batch["completion"], **kl)
+
+
+def warmup_model(trainer):
+    """The model as GRPO begins, frozen: saved beside the checkpoints then (every host
+    holds the whole), loaded from there when a run resumes later."""
+    path = os.path.join(os.path.dirname(trainer.checkpoint_config.directory), "warmup.npz")
+    graph, params, rest = nnx.split(trainer.model, nnx.Param, ...)
+    leaves, tree = jax.tree.flatten(params)
+    if os.path.exists(path):
+        saved = np.load(path)
+        whole = [saved[f"arr_{i}"] for i in range(len(leaves))]
+    else:
+        whole = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in leaves]
+        if jax.process_index() == 0:
+            np.savez(path, *whole)
+    return nnx.merge(graph, tree.unflatten([jax.make_array_from_callback(
+        x.shape, x.sharding, lambda index, w=w: w[index]) for x, w in zip(leaves, whole)]), rest)
 
 
 class Ahead(redray.Hook):
@@ -172,6 +199,7 @@ def grpo(args):
             max_new_tokens=4, temperature=1.0), request_ids=epoch * rows + np.arange(rows))
 
     first, last = trainer.step // updates, args.warmup + args.iterations
+    reference = None
     for epoch in range(first, last):
         if epoch < args.warmup:
             data = [row(p, answer(p)) for p in chosen(epoch)]
@@ -194,6 +222,10 @@ def grpo(args):
             rows_now = collate(data)
             mine = recomputed_logprobs(trainer.model, rows_now["ids"]) * rows_now["completion"]
             gap = logprob_mismatch(rows_now["old_logp"], mine, rows_now["completion"])
+            if args.kl:  # each sample's log-probabilities under the warm-up model
+                reference = warmup_model(trainer) if reference is None else reference
+                for r, logp in zip(data, recomputed_logprobs(reference, rows_now["ids"])):
+                    r["reference"], r["kl"] = logp.astype(np.float32), np.float32(args.kl)
             if not args.overlap:
                 for r, logp in zip(data, mine):
                     r["old_logp"] = logp.astype(np.float32)
