@@ -1,9 +1,10 @@
 """Reinforcement learning from a verifiable reward: GRPO teaches a small LM to add.
 
 A LLaMA-architecture decoder (``redray.models``) over 16 characters answers prompts like
-``37+45=``; the reward function checks the answer (1 if right, else 0). A short supervised
-warm-up (``--warmup`` epochs of worked sums) teaches the format, then each GRPO
-iteration: ``redray.post_training.Sampler`` continues ``--prompts`` training prompts
+``37+45=``; the reward function checks the answer (1 if right, else 0). Worked sums are
+scarce: ``--demos`` of the 9,744 training prompts have one. A supervised warm-up
+(``--warmup`` epochs over those) teaches what they can, then each GRPO iteration, over
+every training prompt: ``redray.post_training.Sampler`` continues ``--prompts`` prompts
 ``--group`` times each at temperature 1 (continuous batching, on the trainer's own
 weights and devices, or on ``--sampler-replicas`` Ray actors sent the weights), the
 rewards become group-relative advantages, and the Trainer takes one epoch of GRPO's
@@ -51,7 +52,8 @@ BOS, EOS, PAD, VOCAB, LENGTH = 12, 13, 14, 16, 12  # a row: BOS a+b= digits EOS,
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=20, help="GRPO iterations")
-    ap.add_argument("--warmup", type=int, default=60, help="supervised epochs first")
+    ap.add_argument("--warmup", type=int, default=200, help="supervised epochs first")
+    ap.add_argument("--demos", type=int, default=2048, help="prompts with a worked answer")
     ap.add_argument("--prompts", type=int, default=64, help="prompts per iteration")
     ap.add_argument("--group", type=int, default=8, help="completions per prompt")
     ap.add_argument("--lr", type=float, default=3e-3, help="warm-up learning rate (Adam)")
@@ -191,7 +193,7 @@ def grpo(args):
 
     def chosen(epoch):  # this epoch's prompts, on resume too
         rng = np.random.default_rng([args.seed, epoch])
-        return rng.choice(train, rows) if epoch < args.warmup else \
+        return rng.choice(train[:args.demos], rows) if epoch < args.warmup else \
             np.repeat(rng.choice(train, args.prompts, replace=False), args.group)
 
     def draw(epoch, ask):
