@@ -4,16 +4,16 @@ Colocated, a ``Sampler`` decodes on the trainer's model and devices, the weights
 in place. A ``SamplerGroup`` puts the sampling on ``replicas`` Ray actors instead: each
 a process with devices and a JAX runtime of its own, holding the model (built by the
 same function the Trainer builds it with) and a ``Sampler``. The trainer sends its
-weights after an update (``update_weights``): gathered to the host, cast to the
-sampler's dtype and sent to every replica's devices. Directly where it can
-(``weights_via="auto"``, the default): the trainer's process serves its arrays through
-JAX's transfer server (``jax.experimental.transfer``) and each replica pulls them onto
-its devices, laid out as its Sampler holds them, without the host's numpy copies or
-Ray's object stores; otherwise (a trainer of several hosts, a replica of several, a
-runtime without the transfer server) through Ray's object store: gathered to the host,
-put once and read by every replica (Ray moves the bytes between nodes). Requests are
-split over the replicas in order; a request's randomness is keyed by its id
-(``Sampler``), so its completion does not depend on the replica that ran it.
+weights after an update (``update_weights``), cast to the sampler's dtype, to every
+replica's devices. Directly where it can (``weights_via="auto"``, the default): the
+trainer's process serves its arrays through JAX's transfer server
+(``jax.experimental.transfer``) and each replica pulls them onto its devices, laid out
+as its Sampler holds them, without the host's numpy copies or Ray's object stores.
+Otherwise (a trainer of several hosts, a replica of several, a runtime without the
+transfer server) through Ray's object store: gathered to the host, put once and read by
+every replica (Ray moves the bytes between nodes). Requests are split over the replicas
+in order; a request's randomness is keyed by its id (``Sampler``), so its completion
+does not depend on the replica that ran it.
 
 ``submit`` returns at once and ``Pending.result()`` waits: a loop may train on one batch
 of rollouts while the next is sampled on weights one update older (a bounded staleness
@@ -133,9 +133,7 @@ class _Replica:
             self._server = _serve(ray.util.get_node_ip_address())
         if address not in self._peers:
             self._peers[address] = self._server.connect(address)
-        specs = [jax.ShapeDtypeStruct(shape, jnp.dtype(d), sharding=jax.sharding.
-                                      SingleDeviceSharding(min(s.device_set, key=lambda d:
-                                                               d.id))
+        specs = [jax.ShapeDtypeStruct(shape, jnp.dtype(d), sharding=_first_device(s)
                                       if s.is_fully_replicated else s)
                  for (shape, _), d, s in zip(self.shapes, dtypes, self.shardings)]
         return self.update(self._peers[address].pull(uuid, specs))
@@ -332,14 +330,14 @@ class SamplerGroup:
         if self._server is None:
             self._server = _serve(ray.util.get_node_ip_address())
         address, sent, laid = self._server.address(), [], {}
+        names = [str(jnp.dtype(d)) for d in dtypes]
         for replica, wire in zip(self.replicas, self._wires):
             key = tuple(wire)
             if key not in laid:  # replicas laid out alike share the arrays
                 laid[key] = [_lay_out(x, d, w) for x, d, w in zip(leaves, dtypes, wire)]
             uuid = next(self._uuids)
             self._server.await_pull(uuid, laid[key])
-            sent.append(replica.pull.remote(address, uuid, [str(jnp.dtype(d))
-                                                            for d in dtypes]))
+            sent.append(replica.pull.remote(address, uuid, names))
         return int(ray.get(sent)[0])
 
     def submit(self, prompts: Sequence[Sequence[int]],
@@ -394,14 +392,19 @@ def _serve(ip: str):
                                              [f"{ip}:0"] * STREAMS)
 
 
+def _first_device(sharding) -> jax.sharding.SingleDeviceSharding:
+    """The lowest-numbered device of ``sharding``: where a weight travels whole (both
+    ends pick it alike)."""
+    return jax.sharding.SingleDeviceSharding(min(sharding.device_set, key=lambda d: d.id))
+
+
 def _lay_out(x: jax.Array, dtype, wire):
     """A weight in ``dtype`` on this process's devices as a replica pulls it (``wire``:
     whole on one device, or a mesh shape, axis names and spec to match shard for
     shard)."""
     x = x.astype(dtype)
     if wire is None:
-        target = jax.sharding.SingleDeviceSharding(min(x.sharding.device_set,
-                                                       key=lambda d: d.id))
+        target = _first_device(x.sharding)
     else:
         shape, names, spec = wire
         devices = np.array(jax.local_devices()[:int(np.prod(shape))]).reshape(shape)
