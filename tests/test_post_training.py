@@ -13,7 +13,7 @@ from flax import nnx
 import redray
 from redray.models import build, generate, next_token_loss
 from redray.post_training import (Sampler, SamplingParams, dpo_loss, group_advantages,
-                                  grpo_loss, logprob_mismatch, sample_rows,
+                                  grpo_loss, logprob_mismatch, preference_pairs, sample_rows,
                                   sequence_logprobs, sft_loss, token_logprobs)
 
 EOS = 5
@@ -363,6 +363,22 @@ def test_dpo_loss_equals_its_formula():
     assert abs(float(smoothed) - expected) < 1e-6
     token_logp = jnp.array([[0.0, -1.0, -2.0, -4.0]])
     assert float(sequence_logprobs(token_logp, jnp.array([[0, 0, 1, 1]]))[0]) == -6.0
+
+
+def test_preference_pairs_pick_each_groups_best_and_worst():
+    # a verifier's 0/1: the first right against the first wrong; a group all right or all
+    # wrong gives no pair
+    right = [0, 1, 1, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+    assert preference_pairs(right, 4).tolist() == [[1, 0]]
+    assert preference_pairs(right, 2).tolist() == [[1, 0], [2, 3]]
+    # a judge's graded score: the best against the worst, the first of each on ties
+    assert preference_pairs([-3.0, 0.0, -9.0, -9.0, -9.0, 0.0], 3).tolist() == [[1, 2], [5, 3]]
+    assert preference_pairs([2.0, 2.0, -1.0, 5.0, 5.0, 5.0], 3).tolist() == [[0, 2]]
+    assert preference_pairs([1.0, 1.0], 2).shape == (0, 2)
+    with pytest.raises(ValueError, match="groups of 4"):
+        preference_pairs([1.0] * 6, 4)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        preference_pairs([1.0] * 6, 1)
 
 
 def test_group_advantages_and_grpo_loss_equal_their_formulas():

@@ -8,8 +8,9 @@ continues prompts on the same model classes training uses (``sampler.py``);
 """
 
 from redray.post_training.losses import (dpo_loss, group_advantages, grpo_loss,
-                                         logprob_mismatch, masked_mean, recomputed_logprobs,
-                                         sequence_logprobs, sft_loss, token_logprobs)
+                                         logprob_mismatch, masked_mean, preference_pairs,
+                                         recomputed_logprobs, sequence_logprobs, sft_loss,
+                                         token_logprobs)
 from redray.post_training.remote import Pending, SamplerGroup, WeightSync
 from redray.post_training.rewards import RewardError, score
 from redray.post_training.sampler import Sampler
@@ -17,5 +18,5 @@ from redray.post_training.sampling import Completion, SamplingParams, sample_row
 
 __all__ = ["Completion", "Pending", "RewardError", "Sampler", "SamplerGroup",
            "SamplingParams", "WeightSync", "dpo_loss", "group_advantages", "grpo_loss",
-           "logprob_mismatch", "masked_mean", "recomputed_logprobs", "sample_rows", "score",
-           "sequence_logprobs", "sft_loss", "token_logprobs"]
+           "logprob_mismatch", "masked_mean", "preference_pairs", "recomputed_logprobs",
+           "sample_rows", "score", "sequence_logprobs", "sft_loss", "token_logprobs"]

@@ -137,6 +137,27 @@ def group_advantages(rewards, group_size: int, *, normalize: bool = True,
     return adv.reshape(rewards.shape)
 
 
+def preference_pairs(rewards, group_size: int) -> np.ndarray:
+    """On-policy preference pairs from scored samples: for each group (the
+    ``group_size`` completions of one prompt, consecutive in ``rewards``) whose rewards
+    are not all equal, the index of its best completion (chosen) and of its worst
+    (rejected), the first of each where rewards tie. A verifier's 0/1 reward pairs the
+    first right completion with the first wrong one; a judge's graded score, the best
+    with the worst. Groups of equal rewards give no pair.
+
+    Returns:
+      (pairs, 2) int array of indices into ``rewards``: chosen, rejected.
+    """
+    rewards = np.asarray(rewards, np.float64)
+    if rewards.ndim != 1 or group_size < 2 or rewards.shape[0] % group_size:
+        raise ValueError(f"{rewards.shape} rewards do not split into groups of {group_size}: "
+                         "give group_size >= 2 completions per prompt, consecutive")
+    groups = rewards.reshape(-1, group_size)
+    kept = np.flatnonzero(groups.max(-1) > groups.min(-1))
+    base = kept * group_size
+    return np.stack([base + groups[kept].argmax(-1), base + groups[kept].argmin(-1)], -1)
+
+
 def grpo_loss(logprobs, old_logprobs, advantages, completion_mask, *, clip: float = 0.2,
               clip_high: float | None = None, reference_logprobs=None, kl_coef: float = 0.0,
               average: str = "sequence"):
