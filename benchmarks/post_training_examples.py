@@ -9,14 +9,17 @@ supervised warm-up and at the end:
   training prompts; 200 warm-up epochs over those, then 20 GRPO iterations of 64 prompts
   drawn from all of them x 8 completions): the held-out accuracy, greedy answers to 256
   prompts never trained on;
-- ``examples/dpo/train.py`` (1 host x 2 CPU devices, 3 supervised epochs, then 12 DPO
-  epochs over 8192 preference pairs): the held-out preference accuracy, the share of
-  1024 prompts never trained on where the model gives the right sum a higher
-  log-probability than a near miss.
+- ``examples/dpo/train.py`` (1 host x 2 CPU devices, 3 supervised epochs on 8,192 worked
+  sums, then the model answers each of those prompts 8 times, the verifier ranks the
+  answers into on-policy pairs, and 12 epochs of DPO plus the chosen's log-likelihood run
+  over them): the held-out preference accuracy, the share of pairs made the same way
+  from 1,024 prompts never trained on where the model gives the chosen answer the higher
+  log-probability.
 
-Then each seed's run again with its post-training epochs (GRPO's iterations, DPO's
-epochs) spent on more of the warm-up instead (supervised on the right answers it has, at
-the warm-up's rate): what a user would get without GRPO or DPO for as many epochs.
+Then each seed's run again with GRPO's iterations spent on more of the warm-up instead
+(supervised on the worked sums it has, at the warm-up's rate), and DPO's epochs spent on
+supervised epochs over the same chosen answers (``--sft``): what a user would get
+without GRPO or DPO for as many epochs.
 
 Figures (means over the seeds, their spread and each seed's values beside):
 - ``grpo/heldout_accuracy_gain``, ``dpo/heldout_preference_accuracy_gain``: the measure
@@ -47,17 +50,18 @@ from common import ROOT, figure, parser, save
 COMMAND = "python benchmarks/post_training_examples.py"
 
 # example -> (its tiny sizes, the JSON keys of its measure before and after, the gain's
-# figure name and unit, the reference, the target, the flag of its post-training epochs)
+# figure name and unit, the reference, the target, the flag of its post-training epochs;
+# None where the example has a flag for its control)
 EXAMPLES = {
     "grpo": (["--warmup", "2", "--iterations", "1", "--prompts", "4", "--group", "4"],
              ("accuracy_before", "accuracy_after"), "grpo/heldout_accuracy_gain", "accuracy",
              "the held-out accuracy after the supervised warm-up, before GRPO", ">= 0.10",
              "iterations"),
-    "dpo": (["--warmup", "1", "--epochs", "1", "--pairs", "256"],
-            ("preference_accuracy_before", "preference_accuracy_after"),
+    "dpo": (["--warmup", "1", "--epochs", "1", "--prompts", "256"],
+            ("before", "after"),
             "dpo/heldout_preference_accuracy_gain", "preference accuracy",
             "the held-out preference accuracy after the supervised warm-up, before DPO",
-            "> 0", "epochs"),
+            "> 0", None),
 }
 
 
@@ -78,8 +82,11 @@ def example(name: str, args: list[str]) -> tuple[dict, float]:
 
 
 def more_sft(name: str, sizes: list[str]) -> list[str]:
-    """An example's arguments with its post-training epochs (DPO's epochs, GRPO's
-    iterations) spent on more supervised warm-up instead, at the warm-up's rate."""
+    """An example's arguments with its post-training epochs spent on supervised training
+    instead: DPO's on its pairs' chosen answers (``--sft``), GRPO's iterations on more of
+    the warm-up, at the warm-up's rate."""
+    if name == "dpo":
+        return [*sizes, "--sft"]
     spec = importlib.util.spec_from_file_location(
         f"{name}_example", os.path.join(ROOT, "examples", name, "train.py"))
     module = importlib.util.module_from_spec(spec)
@@ -111,7 +118,8 @@ def run(name: str, tiny: bool, seeds: int) -> list[dict]:
                cpus=os.cpu_count(), spread=[min(seconds) / 60, max(seconds) / 60]),
         figure(f"{gain_name.rsplit('_gain', 1)[0]}_minus_more_sft", float(np.mean(margins)),
                unit, f"the {unit} of the same run with its {name.upper()} epochs spent on "
-               "more supervised warm-up (the right answers), seed for seed", "> 0", command,
+               + ("supervised epochs over its pairs' chosen answers" if name == "dpo" else
+                  "more supervised warm-up (the worked sums)") + ", seed for seed", "> 0", command,
                seeds=seeds, spread=[min(margins), max(margins)], per_seed=per_seed,
                more_sft_step=controls[0]["step"])]
 
