@@ -10,9 +10,9 @@ supervised warm-up and at the end:
   drawn from all of them x 8 completions): the held-out accuracy, greedy answers to 256
   prompts never trained on;
 - ``examples/dpo/train.py`` (1 host x 2 CPU devices, 3 supervised epochs on 8,192 worked
-  sums, then the model answers each of those prompts 8 times, the verifier ranks the
-  answers into on-policy pairs, and 12 epochs of DPO plus the chosen's log-likelihood run
-  over them): the held-out preference accuracy, the share of pairs made the same way
+  sums, then the model answers each of those prompts 8 times, a judge ranks the answers
+  into on-policy pairs, and 12 epochs of DPO plus the chosen's log-likelihood run over
+  them): the held-out preference accuracy, the share of pairs made the same way
   from 1,024 prompts never trained on where the model gives the chosen answer the higher
   log-probability.
 
@@ -50,18 +50,18 @@ from common import ROOT, figure, parser, save
 COMMAND = "python benchmarks/post_training_examples.py"
 
 # example -> (its tiny sizes, the JSON keys of its measure before and after, the gain's
-# figure name and unit, the reference, the target, the flag of its post-training epochs;
-# None where the example has a flag for its control)
+# figure name and unit, the reference, the target, the flag of its post-training epochs
+# (None: the example's own --sft runs its control), what its control trains on)
 EXAMPLES = {
     "grpo": (["--warmup", "2", "--iterations", "1", "--prompts", "4", "--group", "4"],
              ("accuracy_before", "accuracy_after"), "grpo/heldout_accuracy_gain", "accuracy",
              "the held-out accuracy after the supervised warm-up, before GRPO", ">= 0.10",
-             "iterations"),
+             "iterations", "more supervised warm-up (the worked sums)"),
     "dpo": (["--warmup", "1", "--epochs", "1", "--prompts", "256"],
             ("before", "after"),
             "dpo/heldout_preference_accuracy_gain", "preference accuracy",
             "the held-out preference accuracy after the supervised warm-up, before DPO",
-            "> 0", None),
+            "> 0", None, "supervised epochs over its pairs' chosen answers"),
 }
 
 
@@ -85,18 +85,19 @@ def more_sft(name: str, sizes: list[str]) -> list[str]:
     """An example's arguments with its post-training epochs spent on supervised training
     instead: DPO's on its pairs' chosen answers (``--sft``), GRPO's iterations on more of
     the warm-up, at the warm-up's rate."""
-    if name == "dpo":
+    flag = EXAMPLES[name][-2]
+    if flag is None:
         return [*sizes, "--sft"]
     spec = importlib.util.spec_from_file_location(
         f"{name}_example", os.path.join(ROOT, "examples", name, "train.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    args, flag = module.parse(sizes), EXAMPLES[name][-1]
+    args = module.parse(sizes)
     return [*sizes, "--warmup", str(args.warmup + getattr(args, flag)), f"--{flag}", "0"]
 
 
 def run(name: str, tiny: bool, seeds: int) -> list[dict]:
-    sizes, (before, after), gain_name, unit, reference, target, _ = EXAMPLES[name]
+    sizes, (before, after), gain_name, unit, reference, target, _, control = EXAMPLES[name]
     sizes = sizes if tiny else []
     command = f"{COMMAND} --only {name} --seeds {seeds}"
     outs, controls, seconds = [], [], []
@@ -118,8 +119,7 @@ def run(name: str, tiny: bool, seeds: int) -> list[dict]:
                cpus=os.cpu_count(), spread=[min(seconds) / 60, max(seconds) / 60]),
         figure(f"{gain_name.rsplit('_gain', 1)[0]}_minus_more_sft", float(np.mean(margins)),
                unit, f"the {unit} of the same run with its {name.upper()} epochs spent on "
-               + ("supervised epochs over its pairs' chosen answers" if name == "dpo" else
-                  "more supervised warm-up (the worked sums)") + ", seed for seed", "> 0", command,
+               f"{control}, seed for seed", "> 0", command,
                seeds=seeds, spread=[min(margins), max(margins)], per_seed=per_seed,
                more_sft_step=controls[0]["step"])]
 

@@ -55,7 +55,7 @@ def test_a_killed_run_resumes_exactly_with_its_saved_pairs(tmp_path, monkeypatch
     for rows in pairs.values():  # two of the model's answers, the judge's better one chosen
         assert len(rows["chosen"]) > 0
         for i, chosen in enumerate(rows["chosen"]):  # BOS a+b= answer, padded
-            a, b = "".join(d.CHARS[t] for t in chosen if t < 12).split("=")[0].split("+")
+            a, b = "".join(d.CHARS[t] for t in chosen if t < len(d.CHARS)).split("=")[0].split("+")
             start, pair = len(a) + len(b) + 3, int(a) * 100 + int(b)
             assert (rows["rejected"][i, :start] == chosen[:start]).all()
             keys = ("chosen", "rejected")
