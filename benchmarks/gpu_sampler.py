@@ -76,10 +76,13 @@ def main(argv=None) -> None:
 
 
 def keyword(text: str) -> tuple[str, object]:
-    """``"name=value"`` -> (name, value as an int or a bool)."""
+    """``"name=value"`` -> (name, value as an int, a bool or else a string:
+    ``kv_cache=paged``)."""
     name, _, value = text.partition("=")
     low = value.strip().lower()
-    return name.strip(), (low == "true") if low in ("true", "false") else int(value)
+    if low in ("true", "false"):
+        return name.strip(), low == "true"
+    return name.strip(), int(value) if low.lstrip("-").isdigit() else value.strip()
 
 
 if __name__ == "__main__":

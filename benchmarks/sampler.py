@@ -105,6 +105,13 @@ def main(argv=None) -> None:
     # round trips per completion are the figure a GPU needs (counted here)
     variants = dict(host_refill=dict(refill_on_device=False),
                     gpu_structure=dict(narrow=False, check_every=16)) if suffix else {}
+    pools = {}
+    if suffix == "_refills":  # the paged cache: a pool for every slot's longest request,
+        # and half of it (requests wait for pages)
+        prompts, lengths = workload(s, args.base or s["base"])
+        row = -(-max(map(len, prompts)) // 16) * 16 + max(lengths)  # the Sampler's max_length
+        pools = dict(paged=slots * -(-row // 16), paged_half_pool=slots * -(-row // 16) // 2)
+        variants.update({name: dict(kv_cache="paged", kv_pages=n) for name, n in pools.items()})
     per_s, detail = measure(s, args.base or s["base"], slots, 1 if args.tiny else args.rounds,
                             variants=variants)
     if not suffix:
@@ -124,6 +131,17 @@ def main(argv=None) -> None:
             "the Sampler as it is built off CPUs (check_every=16, narrow=False); CPU default "
             "and host refills beside it in the detail", "<= 0.1", command,
             per_sampler=detail["round_trips_per_completion"]))
+        window = detail["window_tokens"]
+        out.append(figure(
+            "sampler/paged_tokens_per_s_over_generate_refills",
+            per_s["paged"] / per_s["generate"], "x",
+            f"redray's generate as above; the Sampler with kv_cache='paged', a pool of "
+            f"{pools['paged']} pages of 16 tokens ({pools['paged'] * 16} tokens: every "
+            f"slot's longest request; the window's cache holds {window}), in the same "
+            "rounds; with half the pool in the detail", None, command,
+            pool_tokens={k: v * 16 for k, v in pools.items()}, window_tokens=window,
+            over_generate={k: per_s[k] / per_s["generate"] for k in
+                           ("sampler", *pools)}))
     save(out, args.out)
 
 
@@ -195,6 +213,7 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
     detail = dict(seconds={k: stats(v) for k, v in times.items()}, useful_tokens_per_s=per_s,
                   ratio_to_generate_per_round=stats(per_round), variants=variant_detail,
                   round_trips_per_completion=trips,
+                  window_tokens=samplers["sampler"].cache_tokens,
                   useful_tokens=useful, ideal_schedule_ratio=ideal, slots=slots,
                   prompts=len(lengths), group=s.get("group", 1),
                   lengths=dict(min=min(lengths), max=longest, mean=useful / len(lengths)),

@@ -72,6 +72,13 @@ def test_greedy_completions_equal_generate_token_for_token(name):
     assert any(c.finish_reason == "eos" for c in done)
     assert all((c.finish_reason == "eos") == (c.tokens[-1] == eos) for c in done)
     assert [c.request_id for c in done] == list(range(13))
+    # a paged cache whose pool holds two of these requests at most (each needs 3 or 4
+    # pages of 8 tokens): requests wait for pages, which return as requests end
+    pages = Sampler(model, slots=4, max_length=36, eos_token_id=eos, kv_cache="paged",
+                    kv_pages=7, page_size=8)
+    done = pages.sample(prompts, SamplingParams(max_new_tokens=new))
+    assert [list(c.tokens) for c in done] == [until_eos(r, eos) for r in ref]
+    assert pages.round_trips == 3  # the layers split, the call, its read
     # each request's own maximum: the rows of a static batch cut where they asked
     lengths = [1 + i % 7 for i in range(13)]
     short = sampler.sample(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])
@@ -174,6 +181,12 @@ def test_sampled_tokens_depend_on_the_request_not_its_slot_and_their_logprobs_ar
     assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
     np.testing.assert_allclose(np.concatenate([x.logprobs for x in a]),
                                np.concatenate([y.logprobs for y in b]), atol=1e-5)
+    # and on a paged cache, every request in one call
+    paged = Sampler(model, slots=4, max_length=32, seed=3, kv_cache="paged").sample(
+        prompts, params, ids)
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, paged))
+    np.testing.assert_allclose(np.concatenate([x.logprobs for x in a]),
+                               np.concatenate([y.logprobs for y in paged]), atol=1e-5)
     # a group of one prompt's requests (GRPO's) runs the prompt through the model once
     # per prefill, each slot sampling its own request: as when each prompt ran alone
     group, group_ids = [prompts[0]] * 4 + [prompts[1]] * 4, list(range(200, 208))
@@ -235,6 +248,14 @@ def test_a_sharded_sampler_completes_as_one_device_with_its_cache_split():
     with pytest.raises(ValueError, match="slots=3 must be a multiple of the plan's "
                                          "data-parallel size \\(2\\)"):
         Sampler(model, slots=3, max_length=32, parallelism=plan)
+    # a paged cache on a plan of model parallelism alone: the same tokens; a plan with
+    # data-parallel replicas is refused, naming the way out
+    paged = Sampler(model, slots=4, max_length=32, kv_cache="paged",
+                    parallelism=redray.Parallelism.of(model_axis=4))
+    three = paged.sample(prompts, params)
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(one, three))
+    with pytest.raises(ValueError, match="2 data-parallel ones.*kv_cache='window'"):
+        Sampler(model, slots=4, max_length=32, kv_cache="paged", parallelism=plan)
 
 
 def test_new_weights_reach_the_sampler_and_bad_requests_are_refused():

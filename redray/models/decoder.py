@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from redray.models import context, layers
+from redray.models import context, layers, paged
 from redray.models.hub import HFConfig
 
 
@@ -189,6 +189,14 @@ class CausalLM(nnx.Module):
         kv_heads, head_dim = self.key_value_heads()
         return layers.empty_cache(self.config.num_hidden_layers, batch, length, kv_heads,
                                   head_dim, dtype or self.dtype)
+
+    def init_pages(self, pages: int, page_size: int = paged.PAGE_SIZE, dtype=None):
+        """An empty paged KV cache: a pool of ``pages`` pages of ``page_size`` tokens per
+        layer (``redray/models/paged.py``), for calls with ``cache_index=Pages(table,
+        lengths)``."""
+        kv_heads, head_dim = self.key_value_heads()
+        return paged.empty_pool(self.config.num_hidden_layers, pages, kv_heads, head_dim,
+                                dtype or self.dtype, page_size)
 
 
 def default_scan(model, c, scan: bool | None) -> bool:

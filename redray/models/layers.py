@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from redray.models import context, staged_layers
+from redray.models import context, paged, staged_layers
 from redray.models.attention import AttentionMask, attend, dense_attention
 from redray.sharding.activations import (blocks_cut, constrain_rows, gathered_features,
                                          loop_unroll, pipeline_stages, stage_repeats)
@@ -219,6 +219,9 @@ def self_attention(q, k, v, mask: AttentionMask, scale: float, cache: dict | Non
                                  0)
     if cache is None:
         return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap), None
+    if paged.is_paged(cache_index):  # a pool of pages (``redray/models/paged.py``)
+        cache = paged.write(cache, cache_index, k, v, mask.kv_valid)
+        return paged.attention(q, cache, cache_index, mask, scale, softcap), cache
     cache = update_cache(cache, k, v, cache_index)
     if isinstance(cache_index, int) and cache_index == 0 and mask.causal and not mask.segmented:
         # a prefill from slot 0: causal, its queries see none of the cache's later slots,
@@ -329,6 +332,11 @@ def decoder_masks(input_ids, attention_mask, cache, cache_index, window: int | N
         mask = AttentionMask(attention_mask.astype(bool), query_slots(t, 0), segment_ids,
                              segment_ids, causal=True, window=window)
         return mask, segment_positions(segment_ids)
+    if paged.is_paged(cache_index):  # ``attention_mask``: which new tokens are real
+        valid = jnp.ones(input_ids.shape, bool) if attention_mask is None \
+            else attention_mask.astype(bool)
+        return (AttentionMask(valid, query_slots(t, 0), window=window),
+                paged.positions(cache_index, valid))
     padded = attention_mask is not None
     if attention_mask is None:
         slots_total = t if cache is None else cache_length(cache)

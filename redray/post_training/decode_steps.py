@@ -48,6 +48,55 @@ def decoded(model, token, active, t, cache, kv_valid, keys, counts, remaining, s
     return kv_valid, cache, new, lp, ended, active & (ended | (remaining <= 0)), remaining
 
 
+def admitted(c: dict, logits, where, req, valid, keys_q, sampling_q, max_new_q,
+             greedy_only: bool, eos) -> tuple[dict, jax.Array]:
+    """A call that refills its own slots (``refill_step``, ``paged_steps``): the slots
+    ``where`` taking the waiting requests ``req`` (the ``valid`` ones; ``where`` = the
+    slots' count: nowhere), their first tokens sampled from the prefill's ``logits`` by
+    each request's key, sampling and maximum (``keys_q``, ``sampling_q``, ``max_new_q``
+    of every request), set into the slots' state and each request's outputs of ``c``.
+    Returns (``c``, which of them decode on)."""
+    n = len(c["length"])
+    keys = keys_q[req]
+    sampling = tuple(x[req] for x in sampling_q)
+    first = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
+    token, lp = sample_rows(logits, first, *sampling, greedy_only)
+    ended = jnp.isin(token, eos)
+    remaining = max_new_q[req] - 1
+    live = ~ended & (remaining > 0)
+    at = jnp.where(valid, req, n)  # n: nowhere
+
+    def put(x, v):
+        return x.at[where].set(v, mode="drop")
+    return dict(
+        c, token=put(c["token"], token), active=put(c["active"], live),
+        counts=put(c["counts"], jnp.ones_like(token)), remaining=put(c["remaining"], remaining),
+        keys=put(c["keys"], jax.random.key_data(keys)), owner=put(c["owner"], req),
+        sampling=tuple(put(x, v) for x, v in zip(c["sampling"], sampling)),
+        out=c["out"].at[at, 0].set(token, mode="drop"),
+        lps=c["lps"].at[at, 0].set(lp, mode="drop"),
+        length=c["length"].at[at].set(1, mode="drop"),
+        reason=c["reason"].at[at].set(jnp.where(live, 0, jnp.where(ended, 1, 2)),
+                                      mode="drop")), live
+
+
+def recorded(c: dict, new, lp, ended, finished, remaining) -> dict:
+    """A decoding step's sampled tokens ``new`` (their log-probabilities ``lp``; which
+    ``ended`` by EOS, which ``finished``, the tokens each has left) into the slots'
+    state and, for the live slots, their requests' outputs, in a call that refills its
+    own slots."""
+    active, counts, n = c["active"], c["counts"], len(c["length"])
+    at = jnp.where(active, c["owner"], n)
+    return dict(
+        c, remaining=remaining, active=active & ~finished, counts=counts + active,
+        token=jnp.where(active, new, c["token"]),
+        out=c["out"].at[at, counts].set(new, mode="drop"),
+        lps=c["lps"].at[at, counts].set(lp, mode="drop"),
+        length=c["length"].at[at].set(counts + 1, mode="drop"),
+        reason=c["reason"].at[jnp.where(finished, c["owner"], n)].set(
+            jnp.where(ended, 1, 2), mode="drop"))
+
+
 def prefill_step(graphdef, rows: tuple[int, bool, int | None], widths: tuple[int, int],
                  greedy_only: bool):
     """The prefill of ``rows`` = (prompts padded to a power of two, whether they fill
@@ -211,30 +260,10 @@ def refill_step(inner, shapes: tuple[int, int, int, int, int, int], greedy_only:
             cache = jax.tree.map(lambda big, new: write(big, new, where, cols), c["cache"], small)
             row = jnp.zeros((chunk, length), jnp.int32).at[:, cols].set(mask)
             kv_valid = c["kv_valid"].at[where].set(row, mode="drop")
-            keys = keys_q[req]
-            sampling = tuple(x[req] for x in sampling_q)
-            first = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
-            token, lp = sample_rows(logits, first, *sampling, greedy_only)
-            ended = jnp.isin(token, eos)
-            remaining = q["max_new"][req] - 1
-            live = ~ended & (remaining > 0)
-            at = jnp.where(valid, req, n)  # n: nowhere
-
-            def put(x, v):
-                return x.at[where].set(v, mode="drop")
-            return dict(
-                c, next=c["next"] + taken, cache=cache, kv_valid=kv_valid,
-                token=put(c["token"], token), active=put(c["active"], live),
-                counts=put(c["counts"], jnp.ones_like(token)),
-                remaining=put(c["remaining"], remaining),
-                keys=put(c["keys"], jax.random.key_data(keys)), owner=put(c["owner"], req),
-                start=put(c["start"], jnp.broadcast_to(c["t"] - width, (chunk,))),
-                sampling=tuple(put(x, v) for x, v in zip(c["sampling"], sampling)),
-                out=c["out"].at[at, 0].set(token, mode="drop"),
-                lps=c["lps"].at[at, 0].set(lp, mode="drop"),
-                length=c["length"].at[at].set(1, mode="drop"),
-                reason=c["reason"].at[at].set(jnp.where(live, 0, jnp.where(ended, 1, 2)),
-                                              mode="drop"))
+            c, _ = admitted(c, logits, where, req, valid, keys_q, sampling_q, q["max_new"],
+                            greedy_only, eos)
+            return dict(c, next=c["next"] + taken, cache=cache, kv_valid=kv_valid,
+                        start=c["start"].at[where].set(c["t"] - width, mode="drop"))
 
         def step(_, c):
             """One decoding step of every slot."""
@@ -242,16 +271,8 @@ def refill_step(inner, shapes: tuple[int, int, int, int, int, int], greedy_only:
             kv_valid, cache, new, lp, ended, finished, remaining = decoded(
                 model(), c["token"], active, t, c["cache"], c["kv_valid"], c["keys"], counts,
                 c["remaining"], c["sampling"], greedy_only, eos)
-            at = jnp.where(active, c["owner"], n)
-            return dict(
-                c, t=t + 1, cache=cache, kv_valid=kv_valid, remaining=remaining,
-                active=active & ~finished, counts=counts + active,
-                token=jnp.where(active, new, c["token"]),
-                out=c["out"].at[at, counts].set(new, mode="drop"),
-                lps=c["lps"].at[at, counts].set(lp, mode="drop"),
-                length=c["length"].at[at].set(counts + 1, mode="drop"),
-                reason=c["reason"].at[jnp.where(finished, c["owner"], n)].set(
-                    jnp.where(ended, 1, 2), mode="drop"))
+            return dict(recorded(c, new, lp, ended, finished, remaining), t=t + 1, cache=cache,
+                        kv_valid=kv_valid)
 
         def block(c):
             c = jax.lax.cond(c["t"] + every > length, shifted, lambda c: c, c)

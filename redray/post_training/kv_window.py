@@ -52,12 +52,14 @@ class KVWindow:
         self.empty, self.placement = empty, placement
         self.rewindow = None  # the copy into a new window, compiled once
         self.calls = 0  # compiled calls made (empty windows, copies): a Sampler's count
+        self.peak = 0  # the most rows x columns the cache held (a Sampler's count)
         self.reset()
 
     def reset(self) -> None:
         """An empty window: every slot free."""
         self.cache, self.kv_valid = self.empty(self.slots, PROMPT_BUCKET)
         self.calls += 1
+        self.held()
         self.t = 0
         self.start = np.zeros(self.slots, np.int64)  # each slot's first cache column
         self.shifts = 0  # times the rows were moved left (``fit``)
@@ -110,6 +112,11 @@ class KVWindow:
         self.t -= begin
         self.start -= begin
         self.shifts += begin > 0
+        self.held()
+
+    def held(self, tokens: int | None = None) -> None:
+        """Counts the cache's rows x columns now (or ``tokens``) into ``peak``."""
+        self.peak = max(self.peak, self.kv_valid.size if tokens is None else tokens)
 
 
 def bucket(n: int) -> int:

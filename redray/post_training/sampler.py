@@ -44,6 +44,12 @@ rest is decoded in one call, its window wide enough for the longest remaining
 completion, as ``generate`` decodes (a GPU's step costs about as much for a few rows as
 for many, and every round costs a call and a wait for the device).
 
+``kv_cache="paged"`` keeps the cache in pages of a pool the slots share
+(``redray/models/paged.py``) instead of the window: a request holds the pages its own
+prompt and maximum need while it decodes, so a long request does not widen every
+slot's cache, and every request is decoded in one call that refills its own slots
+(``paged_steps.py``). The pool is sized by the device's memory (``pool_pages``).
+
 Sampling is per request (``SamplingParams``: temperature, top-k, top-p, maximum new
 tokens), and so is its randomness: the key of a request's n-th token is
 ``fold_in(fold_in(key(seed), request_id), n)``, whatever slot or batch it shares.
@@ -59,10 +65,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from redray.models import paged
 from redray.models.generate import for_decoding, special_tokens
 from redray.post_training.decode_steps import decode_step, prefill_step, refill_step
 from redray.post_training.kv_window import PROMPT_BUCKET, ROOM, KVWindow, bucket, window
+from redray.post_training.paged_steps import paged_step, pages_needed
 from redray.post_training.sampling import Completion, SamplingParams, requests
 from redray.post_training.slot_placement import SlotPlacement
 from redray.post_training.slots import (DECODE_INPUTS, DECODE_OUTPUTS, PREFILL_INPUTS,
@@ -106,6 +115,16 @@ class Sampler:
         the decoding loop, the host reading the results once every prompt has taken a
         slot), then the rest as ``narrow`` says. False: the host refills the slots
         between calls (a round, a prefill and a wait for the device per refill).
+      kv_cache: "window" (the default): the live window above. "paged": a pool of
+        pages shared by the slots (``redray/models/paged.py``); a request holds the
+        pages its own prompt and ``max_new_tokens`` need while it decodes, and every
+        request is decoded in one compiled call that refills the slots itself
+        (``paged_steps.py``). A long request no longer widens every slot's cache: the
+        pool, not ``slots`` x ``max_length``, is the cache's memory, so more slots fit.
+      kv_pages: the pool's pages ("paged"). None: as many as ``slots`` requests of
+        ``max_length`` tokens need, at most what the device's memory holds beside the
+        weights (``pool_pages``).
+      page_size: tokens per page ("paged").
 
     After a ``sample`` call, ``rounds`` is how many decoding calls it made and
     ``round_trips`` how many compiled calls and reads of device values (each a wait for
@@ -116,7 +135,8 @@ class Sampler:
                  pad_token_id: int | None = None, seed: int = 0,
                  parallelism: Parallelism | None = None, steps_per_call: int = 32,
                  check_every: int | None = None, narrow: bool | None = None,
-                 refill_on_device: bool = True):
+                 refill_on_device: bool = True, kv_cache: str = "window",
+                 kv_pages: int | None = None, page_size: int = paged.PAGE_SIZE):
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("Sampler serves decoder-only models; an encoder-decoder model "
@@ -141,6 +161,9 @@ class Sampler:
                              f"{steps_per_call} decoding steps between two checks")
         self.check_every = check_every
         self.refill_on_device = refill_on_device
+        if kv_cache not in ("window", "paged"):
+            raise ValueError(f"kv_cache={kv_cache!r}: use 'window' or 'paged'")
+        self.kv_cache, self.page_size = kv_cache, page_size
         # the widest window: room for the longest sequence and a round's steps
         self.length = max_length + max(PROMPT_BUCKET, max_length // 4, check_every)
         self.placement = SlotPlacement(self.mesh, slots)  # the slots' arrays on the mesh
@@ -151,6 +174,25 @@ class Sampler:
         # the KV cache: a window of the live sequences' columns, room for a round past t
         self.window = KVWindow(slots, self.length, max(min(ROOM, steps_per_call), check_every),
                                self._empty_window, self.placement)
+        self.kv_pages = None
+        if kv_cache == "paged":
+            if self.placement.data_parallel > 1:
+                raise ValueError(f"kv_cache='paged' decodes on one replica: this plan has "
+                                 f"{self.placement.data_parallel} data-parallel ones; give a "
+                                 "plan without data parallelism (model parallelism is "
+                                 "fine), or kv_cache='window'")
+            devices = 1 if self.mesh is None else self.mesh.devices.size
+            if kv_pages is None:
+                kv_pages = pool_pages(model, self.state, devices, slots, max_length, page_size)
+                if kv_pages < pages_needed(max_length, page_size):
+                    raise ValueError(
+                        f"kv_cache='paged': the device's memory holds {kv_pages} pages of "
+                        f"{page_size} tokens beside the weights, fewer than one request of "
+                        f"max_length={max_length} needs: give a smaller max_length, a plan "
+                        "that splits the model over more devices, or kv_pages")
+            if kv_pages < 1:
+                raise ValueError(f"kv_pages={kv_pages}: give the pool at least a page")
+            self.kv_pages = int(kv_pages)
 
     # ------------------------------------------------------------------ public
     def reset(self) -> None:
@@ -161,6 +203,15 @@ class Sampler:
     def round_trips(self) -> int:
         """The compiled calls and reads of device values of the last ``sample`` call."""
         return self._trips + self.window.calls
+
+    @property
+    def cache_tokens(self) -> int:
+        """The most tokens' keys and values the KV cache held during the last
+        ``sample`` call (rows x columns of its window; a paged pool's pages x
+        ``page_size``)."""
+        if self.kv_cache == "paged":
+            return self.kv_pages * self.page_size
+        return self.window.peak
 
     @property
     def width(self) -> int:
@@ -201,6 +252,17 @@ class Sampler:
         if not -2**31 <= self.seed < 2**31:
             raise ValueError(f"seed={self.seed}: give a seed that fits in 32 bits")
         self._trips = self.window.calls = 0
+        self.window.peak = 0
+        self.window.held()
+        if self.kv_cache == "paged":
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                need = pages_needed(len(prompt) + p.max_new_tokens, self.page_size)
+                if need > self.kv_pages:
+                    raise ValueError(
+                        f"prompt {i}: {len(prompt)} tokens + max_new_tokens="
+                        f"{p.max_new_tokens} need {need} pages of {self.page_size} "
+                        f"tokens; the Sampler's pool has kv_pages={self.kv_pages}: build "
+                        "it with more kv_pages, or ask for fewer tokens")
         if self.window.kv_valid.shape[0] != self.slots:  # narrowed by the last call's tail
             self.reset()
         self._layers = self._split_layers()
@@ -219,7 +281,10 @@ class Sampler:
         owner = np.full(self.slots, -1)  # the request each slot decodes (-1: free)
         rows = Slots(self.slots, self.seed)
         self.rounds = 0
-        if self.refill_on_device and n > self.slots:
+        if self.kv_cache == "paged":
+            self._paged(prompts, params, ids, greedy_only, tokens, logprobs, reason)
+            pending.clear()
+        elif self.refill_on_device and n > self.slots:
             refilled = self._refill(prompts, params, ids, greedy_only, rows, tokens,
                                     logprobs, reason)
             if refilled is not None:  # every request has taken a slot
@@ -294,30 +359,15 @@ class Sampler:
         length = window(span + max(ROOM, every, span // 4), self.length)
         if span + every > length:
             return None
-        rows_in = 1 << (n - 1).bit_length()  # padded to a power of two: few compiles
+        queue, order = self._queue(prompts, params, ids, width)
+        rows_in = len(queue["id"])
         chunk = max(1, self.slots // 8)
-        queue = dict(ids=np.full((rows_in, width), self.pad), mask=np.zeros((rows_in, width)),
-                     id=np.zeros(rows_in), seed=np.full(rows_in, self.seed),
-                     count=np.full(rows_in, n), max_new=np.ones(rows_in),
-                     temperature=np.zeros(rows_in), top_k=np.zeros(rows_in),
-                     top_p=np.ones(rows_in))
-        # the longest asked first (in the prompts' order among equals): the requests still
-        # decoding once the queue is empty are then the short ones, and a GPU's steps,
-        # which cost about as much for a few rows as for all, end sooner. Requests that
-        # ask alike (a GRPO iteration's) keep their order; a request's tokens are its own
-        # whatever its place (its key is its id)
-        order = sorted(range(n), key=lambda i: -params[i].max_new_tokens)
-        for j, i in enumerate(order):
-            p, how = prompts[i], params[i]
-            queue["ids"][j, width - len(p):], queue["mask"][j, width - len(p):] = p, 1
-            queue["max_new"][j], queue["id"][j] = how.max_new_tokens, ids[i]
-            queue["temperature"][j], queue["top_k"][j], queue["top_p"][j] = (
-                how.temperature, how.top_k, how.top_p)
         key = ("refill", (self.slots, length, rows_in, width, longest, chunk), greedy_only)
         if key not in self._compiled:
             step = refill_step(self._inner, key[1], greedy_only, self.pad, self.eos, every)
             self._compiled[key] = self.placement.jit(step, self.window.cache, 2)
         w = self.window
+        w.held(self.slots * length)
         w.cache, w.kv_valid, state, out = self._compiled[key](
             self._layers, *self.placement.host(packed(QUEUE_INPUTS, queue, width)))
         state, out = unpacked(np.asarray(state), SLOT_STATE), unpacked(
@@ -337,6 +387,65 @@ class Sampler:
         w.t = int(state["t"][0])
         w.start = state["start"].astype(np.int64)
         return owner
+
+    def _paged(self, prompts, params, ids, greedy_only: bool, tokens, logprobs, reason):
+        """Every request decoded, start to end, in one compiled call on a pool of pages
+        (``paged_steps.paged_step``): their tokens into ``tokens``, ``logprobs`` and
+        ``reason``."""
+        n, size = len(prompts), self.page_size
+        width = bucket(max(len(p) for p in prompts))
+        longest = max(p.max_new_tokens for p in params)
+        longest = 1 << (longest - 1).bit_length()  # a power of two: few compiles
+        # the pages a slot may hold: its table's columns, read by every step where no
+        # kernel reads a row's own pages (exact up to 16, then a multiple of 16)
+        need = max(pages_needed(len(p) + a.max_new_tokens, size)
+                   for p, a in zip(prompts, params))
+        per_slot = need if need <= 16 else -(-need // 16) * 16
+        queue, order = self._queue(prompts, params, ids, width)
+        rows_in = len(queue["id"])
+        chunk = max(1, self.slots // 8)
+        shapes = (self.slots, self.kv_pages, size, per_slot, rows_in, width, longest, chunk)
+        key = ("paged", shapes, greedy_only)
+        if key not in self._compiled:
+            step = paged_step(self._inner, shapes, greedy_only, self.pad, self.eos,
+                              self.check_every)
+            whole = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+            self._compiled[key] = jax.jit(step, out_shardings=whole)
+        out = self._compiled[key](self._layers,
+                                  *self.placement.host(packed(QUEUE_INPUTS, queue, width)))
+        out = unpacked(np.asarray(out)[:n], REQUEST_OUTPUTS, longest)
+        self._trips += 2  # the call and its read
+        self.rounds += 1
+        for j, r in enumerate(order):  # the queue's row j is request r
+            k = out["length"][j]
+            tokens[r] += out["out"][j, :k].tolist()
+            logprobs[r] += out["lps"][j, :k].tolist()
+            reason[r] = {1: "eos", 2: "length"}[int(out["reason"][j])]
+
+    def _queue(self, prompts, params, ids, width: int):
+        """The requests as a call that refills its own slots takes them
+        (``QUEUE_INPUTS``: rows padded to a power of two, prompts left-padded to
+        ``width``), the longest asked first, and the order (row j is request order[j])."""
+        n = len(prompts)
+        rows_in = 1 << (n - 1).bit_length()  # padded to a power of two: few compiles
+        queue = dict(ids=np.full((rows_in, width), self.pad), mask=np.zeros((rows_in, width)),
+                     id=np.zeros(rows_in), seed=np.full(rows_in, self.seed),
+                     count=np.full(rows_in, n), max_new=np.ones(rows_in),
+                     temperature=np.zeros(rows_in), top_k=np.zeros(rows_in),
+                     top_p=np.ones(rows_in))
+        # the longest asked first (in the prompts' order among equals): the requests still
+        # decoding once the queue is empty are then the short ones, and a GPU's steps,
+        # which cost about as much for a few rows as for all, end sooner. Requests that
+        # ask alike (a GRPO iteration's) keep their order; a request's tokens are its own
+        # whatever its place (its key is its id)
+        order = sorted(range(n), key=lambda i: -params[i].max_new_tokens)
+        for j, i in enumerate(order):
+            p, how = prompts[i], params[i]
+            queue["ids"][j, width - len(p):], queue["mask"][j, width - len(p):] = p, 1
+            queue["max_new"][j], queue["id"][j] = how.max_new_tokens, ids[i]
+            queue["temperature"][j], queue["top_k"][j], queue["top_p"][j] = (
+                how.temperature, how.top_k, how.top_p)
+        return queue, order
 
     def _prefill(self, prompts, slots, rows: Slots, greedy_only: bool, to_the_end: bool):
         k, w = len(prompts), self.window
@@ -471,3 +580,29 @@ class Sampler:
         step = decode_step(self._inner, steps, rows_and_width, greedy_only, self.pad, self.eos,
                            self.check_every)
         return self.placement.jit(step, self.window.cache, 1, donate_argnums=(1, 2))
+
+
+# the share of a device's memory a paged cache's pool may take beside the weights (held
+# twice while a call samples: the model's and the split copy of its layers) and the
+# activations of a step (the rest)
+KV_MEMORY_SHARE = 0.8
+
+
+def pool_pages(model, state, devices: int, slots: int, max_length: int, page_size: int,
+               memory: float | None = None) -> int:
+    """The pages of a paged cache: as many as ``slots`` requests of ``max_length``
+    tokens need, at most what ``KV_MEMORY_SHARE`` of a device's ``memory`` (None: the
+    live device's, as the planner's probe reads it) holds beside the weights twice. A
+    page holds ``page_size`` tokens' keys and values in every layer; the weights
+    (``state``) and the pages are counted as split evenly over the model's ``devices``
+    (its model axis: a paged Sampler has no data-parallel replicas)."""
+    from redray.planning.probe import _device_memory
+
+    kv_heads, head_dim = model.key_value_heads()
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)
+                  if hasattr(x, "dtype")) / devices
+    page = (2 * model.config.num_hidden_layers * kv_heads * page_size * head_dim
+            * jnp.dtype(model.dtype).itemsize) / devices
+    memory = _device_memory(jax.devices()[0]) if memory is None else memory
+    fits = int((KV_MEMORY_SHARE * memory - 2 * weights) // page)
+    return max(0, min(slots * pages_needed(max_length, page_size), fits))
