@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from redray.planning.hardware import PRESETS, Hardware, Link
 from redray.processes.jax_runtime import from_process_zero
+from redray.sharding.on_mesh import device_memory
 
 # Two all-reduce sizes: the small one's time is mostly latency, the large one's
 # bandwidth, at the size of a model's gradients rather than a cache's (measured on
@@ -100,18 +101,6 @@ def _overhead(mesh: Mesh) -> float:
     return _timed(jax.jit(lambda v: v + 1), x)
 
 
-def _device_memory(device) -> float:
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - not every backend has it
-        stats = {}
-    if stats.get("bytes_limit"):
-        return float(stats["bytes_limit"])
-    # CPU: the machine's memory shared by this process's devices
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total / max(jax.local_device_count(), 1)
-
-
 # Device kinds (as JAX names them, lower case) -> the preset that gives their peak.
 KINDS = {"h100": "h100", "a100": "a100", "l4": "l4", "v5 lite": "tpu-v5e", "v5e": "tpu-v5e"}
 
@@ -170,7 +159,7 @@ def _measure() -> Hardware:
     numbers = np.array([
         _matmul_rate(mesh, dtype, 4096 if accelerated else 512),
         *_flat(_link(mesh, "local", dtype)), *_flat(_link(mesh, "hosts", dtype)),
-        _overhead(mesh), _device_memory(device)], np.float64)
+        _overhead(mesh), device_memory(device)], np.float64)
     numbers = from_process_zero(numbers)  # every host plans from process 0's numbers
     rate, intra_bw, intra_lat, inter_bw, inter_lat, overhead, memory = numbers.tolist()
     base = like or dataclasses.replace(PRESETS["h100"], intra=UNMEASURED, inter=UNMEASURED)

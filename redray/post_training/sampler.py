@@ -79,7 +79,7 @@ from redray.post_training.slots import (DECODE_INPUTS, DECODE_OUTPUTS, PREFILL_I
                                         SLOT_STATE, Slots, narrowed, packed, refill_at,
                                         unpacked)
 from redray.sharding import Parallelism
-from redray.sharding.on_mesh import mesh_of, placed_state, platform_of, put
+from redray.sharding.on_mesh import device_memory, mesh_of, placed_state, platform_of, put
 
 
 class Sampler:
@@ -592,17 +592,16 @@ def pool_pages(model, state, devices: int, slots: int, max_length: int, page_siz
                memory: float | None = None) -> int:
     """The pages of a paged cache: as many as ``slots`` requests of ``max_length``
     tokens need, at most what ``KV_MEMORY_SHARE`` of a device's ``memory`` (None: the
-    live device's, as the planner's probe reads it) holds beside the weights twice. A
-    page holds ``page_size`` tokens' keys and values in every layer; the weights
-    (``state``) and the pages are counted as split evenly over the model's ``devices``
-    (its model axis: a paged Sampler has no data-parallel replicas)."""
-    from redray.planning.probe import _device_memory
-
+    live device's, ``on_mesh.device_memory``, which the planner's probe reads too) holds
+    beside the weights twice. A page holds ``page_size`` tokens' keys and values in
+    every layer; the weights (``state``) and the pages are counted as split evenly over
+    the model's ``devices`` (its model axis: a paged Sampler has no data-parallel
+    replicas)."""
     kv_heads, head_dim = model.key_value_heads()
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)
                   if hasattr(x, "dtype")) / devices
     page = (2 * model.config.num_hidden_layers * kv_heads * page_size * head_dim
             * jnp.dtype(model.dtype).itemsize) / devices
-    memory = _device_memory(jax.devices()[0]) if memory is None else memory
+    memory = device_memory(jax.devices()[0]) if memory is None else memory
     fits = int((KV_MEMORY_SHARE * memory - 2 * weights) // page)
     return max(0, min(slots * pages_needed(max_length, page_size), fits))

@@ -9,6 +9,8 @@ specs, weights updated in place of the old ones).
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,3 +79,16 @@ def placed_state(model, parallelism, inputs: dict):
     placed = jax.tree.map(lambda x, s: put(x, NamedSharding(plan.mesh, s)), (params, extra),
                           specs, is_leaf=lambda x: isinstance(x, P))
     return nnx.state(nnx.merge(graphdef, *placed))
+
+
+def device_memory(device) -> float:
+    """The bytes a device may hold: its allocator's limit, or on a CPU the machine's
+    memory shared by this process's devices."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend has it
+        stats = {}
+    if stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / max(jax.local_device_count(), 1)
