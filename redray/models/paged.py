@@ -20,8 +20,8 @@ Attention reads a row's pages through its table: on a GPU (bfloat16 or float16) 
 TPU, one decoded token per row with no sliding window runs JAX's Pallas paged-attention
 kernel, which reads each row's own pages only; everything else (a prefill through the
 pages, a sliding window, a CPU) gathers the table's pages into a dense view and attends
-over it, masked by each row's length, so that a call reads as many pages per row as
-its table has columns: the caller sizes the table to the longest live row.
+over it, masked by each row's length, as many pages per row as the call's longest row
+fills, at one of four widths of the table (``table_widths``).
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ def attention(q, layer: dict, pages: Pages, mask: attn.AttentionMask, scale: flo
     if kernel is not None:
         return kernel(q[:, 0], layer["k"], layer["v"], pages.table, ends, scale,
                       softcap)[:, None].astype(q.dtype)
+
     def over(columns):  # attention over the table's first ``columns`` pages
         table = pages.table[:, :columns]
         k, v = gathered(layer["k"], table), gathered(layer["v"], table)
@@ -133,19 +134,23 @@ def attention(q, layer: dict, pages: Pages, mask: attn.AttentionMask, scale: flo
 
 def table_widths(columns: int) -> list[int]:
     """The page-table widths the gathered path reads: a quarter, a half, three
-    quarters and all of a table's ``columns`` (the longest row in the call picks one);
-    past 16 a multiple of 16."""
-    def rounded(w):
-        return w if w <= 16 else -(-w // 16) * 16
-    return sorted({min(columns, rounded(-(-columns * k // 4))) for k in (1, 2, 3, 4)})
+    quarters and all of a table's ``columns`` (the longest row in the call picks one),
+    each ``table_columns``."""
+    return sorted({min(columns, table_columns(-(-columns * k // 4))) for k in (1, 2, 3, 4)})
 
 
-def kernel_for(q, pool, pages: Pages, mask: attn.AttentionMask, platform: str | None = None):
+def table_columns(pages: int) -> int:
+    """A page table's columns for rows of up to ``pages`` pages: exact up to
+    ``GPU_SPLITS``, then a multiple of it (the parts the GPU kernel splits a row into)."""
+    return pages if pages <= GPU_SPLITS else -(-pages // GPU_SPLITS) * GPU_SPLITS
+
+
+def kernel_for(q, pool, pages: Pages, mask: attn.AttentionMask):
     """JAX's Pallas paged-attention kernel for this call, or None where it does not
     apply: one new token per row, no sliding window, the live platform's kernel (GPU:
     bfloat16 or float16; TPU: a head size that is a multiple of 128), "auto" attention
     asked for (``REDRAY_ATTENTION``)."""
-    platform = platform or jax.default_backend()
+    platform = jax.default_backend()
     if q.shape[1] != 1 or mask.sliding or attn.implementation() != "auto":
         return None
     if platform == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) \

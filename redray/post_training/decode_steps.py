@@ -41,11 +41,20 @@ def decoded(model, token, active, t, cache, kv_valid, keys, counts, remaining, s
     kv_valid = jax.lax.dynamic_update_slice(kv_valid, active.astype(jnp.int32)[:, None],
                                             (0, t))
     logits, cache = model(token[:, None], kv_valid, cache=cache, cache_index=t)
+    return (kv_valid, cache, *sampled(logits, active, keys, counts, remaining, sampling,
+                                      greedy_only, eos))
+
+
+def sampled(logits, active, keys, counts, remaining, sampling, greedy_only: bool, eos):
+    """A decoding step's next tokens from its ``logits`` (rows, 1, vocabulary), each
+    request's key folded with its count: the tokens and their log-probabilities, which
+    ended by EOS, which of the ``active`` finished (EOS or their maximum), and the
+    tokens each has left."""
     step_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(keys), counts)
     new, lp = sample_rows(logits[:, -1], step_keys, *sampling, greedy_only)
     ended = jnp.isin(new, eos)
     remaining = remaining - active
-    return kv_valid, cache, new, lp, ended, active & (ended | (remaining <= 0)), remaining
+    return new, lp, ended, active & (ended | (remaining <= 0)), remaining
 
 
 def admitted(c: dict, logits, where, req, valid, keys_q, sampling_q, max_new_q,

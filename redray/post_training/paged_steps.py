@@ -23,8 +23,7 @@ from flax import nnx
 
 from redray.models import paged
 from redray.models.generate import prompt_prefill
-from redray.post_training.decode_steps import admitted, recorded, request_keys
-from redray.post_training.sampling import sample_rows
+from redray.post_training.decode_steps import admitted, recorded, request_keys, sampled
 from redray.post_training.slots import (QUEUE_INPUTS, REQUEST_OUTPUTS, packed,
                                         sampling_columns, unpacked)
 
@@ -119,16 +118,13 @@ def paged_step(inner, shapes: tuple[int, int, int, int, int, int, int, int], gre
 
         def step(_, c):
             """One decoding step of every slot; a request that ends gives its pages back."""
-            active, counts = c["active"], c["counts"]
+            active = c["active"]
             at = paged.Pages(c["table"], c["lengths"])
             logits, pool = model()(c["token"][:, None], active[:, None], cache=c["pool"],
                                    cache_index=at)
-            step_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(c["keys"]),
-                                                     counts)
-            new, lp = sample_rows(logits[:, -1], step_keys, *c["sampling"], greedy_only)
-            ended = jnp.isin(new, eos)
-            remaining = c["remaining"] - active
-            finished = active & (ended | (remaining <= 0))
+            new, lp, ended, finished, remaining = sampled(
+                logits, active, c["keys"], c["counts"], c["remaining"], c["sampling"], greedy_only,
+                eos)
             c = dict(recorded(c, new, lp, ended, finished, remaining), pool=pool,
                      lengths=c["lengths"] + active)
             return released(c, finished, jnp.arange(slots))

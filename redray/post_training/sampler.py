@@ -396,11 +396,9 @@ class Sampler:
         width = bucket(max(len(p) for p in prompts))
         longest = max(p.max_new_tokens for p in params)
         longest = 1 << (longest - 1).bit_length()  # a power of two: few compiles
-        # the pages a slot may hold: its table's columns, read by every step where no
-        # kernel reads a row's own pages (exact up to 16, then a multiple of 16)
-        need = max(pages_needed(len(p) + a.max_new_tokens, size)
-                   for p, a in zip(prompts, params))
-        per_slot = need if need <= 16 else -(-need // 16) * 16
+        # the pages a slot may hold: its table's columns
+        per_slot = paged.table_columns(max(pages_needed(len(p) + a.max_new_tokens, size)
+                                           for p, a in zip(prompts, params)))
         queue, order = self._queue(prompts, params, ids, width)
         rows_in = len(queue["id"])
         chunk = max(1, self.slots // 8)
