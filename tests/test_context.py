@@ -243,8 +243,9 @@ def test_the_planner_costs_a_context_axis_it_is_given():
     # them: a quarter of the tokens' bytes (what holds no token counts whole), and less
     # where the whole sequence's attention would keep its scores (under 2048 keys)
 
-    def key(p):
-        return p.plan.geometry.micro_batch_size, p.plan.shape["model"]
+    def key(p):  # (stages hold a share of the layers' activations)
+        return (p.plan.geometry.micro_batch_size, p.plan.shape["model"],
+                p.plan.shape["stage"], p.plan.remat)
 
     rows = {key(p): p.memory["parts"]["activations"] for p in whole.ranked}
     quarters = {key(p): p.memory["parts"]["activations"] for p in split.ranked}

@@ -226,7 +226,7 @@ def test_the_planner_puts_stages_across_a_slow_link_and_not_a_fast_one():
     facts = ConfigFacts("llama-7b", 4096, "bfloat16", scan=True)
     over_infiniband = rank(facts, 16, 2, 64, preset("h100"))
     assert over_infiniband.best.plan.shape["stage"] == 1
-    over_ethernet = rank(facts, 16, 2, 64, ethernet(PRESETS["h100"]))
+    over_ethernet = rank(facts, 16, 2, 64, ethernet(PRESETS["h100"], 25))
     best = over_ethernet.best
     assert best.plan.shape["stage"] == 2 and best.cost.pipeline > 0
     assert host_spans(best.plan.shape, 2)["stage"] == (1, 2)  # across the hosts
@@ -240,17 +240,18 @@ def test_the_planner_puts_stages_across_a_slow_link_and_not_a_fast_one():
 def test_the_planner_weighs_1f1b_beside_gpipe_and_takes_it_where_gpipe_does_not_fit():
     """Every plan with stages is tried with both schedules. 1F1B's layers cost a forward
     more (its backward recomputes each stage's) and its activations one micro-batch's
-    share of a stage: LLaMA-7B on 2 hosts over Ethernet, 30 GB per device, the pick is
+    share of a stage: LLaMA-7B on 2 hosts over 25 Gb/s Ethernet, 16 GB per device, the pick is
     a 1F1B plan whose GPipe twin does not fit."""
     import dataclasses
 
     from redray.planning.from_config import ConfigFacts
     from redray.planning.hardware import PRESETS, ethernet
-    from redray.planning.planner import ONE_F_ONE_B_RERUN, layer_share, rank
+    from redray.planning.cost import work_seconds
+    from redray.planning.planner import rank
 
     facts = ConfigFacts("llama-7b", 4096, "bfloat16", scan=True)
     assert facts.one_f_one_b
-    small = dataclasses.replace(ethernet(PRESETS["h100"]), device_memory=30e9)
+    small = dataclasses.replace(ethernet(PRESETS["h100"], 25), device_memory=16e9)
     ranking = rank(facts, 16, 2, 64, small)
     best = ranking.best
     assert best.plan.pipeline_schedule == "1f1b" and best.plan.shape["stage"] == 2
@@ -264,11 +265,12 @@ def test_the_planner_weighs_1f1b_beside_gpipe_and_takes_it_where_gpipe_does_not_
                and s.plan.remat == "none" and s.plan.shape["model"] == 1)
     gpipe = next(s for s in every if s.plan == dataclasses.replace(
         one.plan, pipeline_schedule="gpipe"))
-    share = layer_share(facts)
+    counted = facts.work()
     stages, micro = one.plan.shape["stage"], one.accumulation
     ticks = (micro + stages - 1) / micro  # M + S - 1 ticks, M of them real
-    expected = (share * (1 + ONE_F_ONE_B_RERUN) * ticks + 1 - share) / (share * ticks + 1 - share)
-    assert one.cost.compute / gpipe.cost.compute == pytest.approx(expected, rel=1e-9)
+    again = (work_seconds(counted.forward.layer, small) * counted.step.layers * 64 / 16
+             * ticks)
+    assert one.cost.compute - gpipe.cost.compute == pytest.approx(again, rel=1e-9)
     # pinned, or a model it cannot cut (an encoder-decoder): GPipe only
     pinned = rank(facts, 16, 2, 64, ethernet(PRESETS["h100"]), {"pipeline_schedule": "gpipe"})
     assert {s.plan.pipeline_schedule for s in pinned.ranked + pinned.over} == {"gpipe"}
@@ -456,6 +458,57 @@ def test_an_automatic_plan_takes_the_schedule_it_chose():
     assert trainer.plan_ranking.best.plan.pipeline_schedule == "1f1b"
     assert trainer.runtime.pipeline_schedule == "1f1b" and np.isfinite(history[0]["loss"])
     assert "1f1b" in trainer.plan_ranking.why()
+
+
+def test_an_automatic_plan_takes_the_circular_repeats_it_chose():
+    """The planner tries GPipe's circular form (every repeat count up to MAX_REPEATS
+    whose chunks divide a stage's layers): here pinned, the pick carries it and the
+    Trainer runs it, with the loss of the plan without stages."""
+    config = CONFIGS["llama"]()
+    data = [{"ids": row} for row in IDS]
+
+    def trainer(**plan):
+        return redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
+                              lambda ex: {"ids": np.stack([e["ids"] for e in ex])},
+                              lambda m, b, r, t: lm_loss(m, b["ids"]), optax.sgd(0.1),
+                              batch_size=8, progress=False, hardware="cpu", seed=0, **plan)
+
+    circular = trainer(parallelism="auto", stage_axis=2, stage_repeats=2)
+    history = circular.fit(data, epochs=1, max_steps=1)
+    best = circular.plan_ranking.best.plan
+    assert best.stage_repeats == 2 and circular.runtime.stage_repeats == 2
+    assert "circular x 2" in best.brief()
+    plain = trainer(data_axis=4)
+    np.testing.assert_allclose(history[0]["loss"],
+                               plain.fit(data, epochs=1, max_steps=1)[0]["loss"], rtol=1e-5)
+
+
+def test_the_planner_weighs_circular_repeats_against_the_bubble():
+    """With stages pinned and nothing else, GPipe's plans come with every repeat count
+    whose chunks divide a stage's layers: the bubble's share of the layers' compute
+    falls with the repeats ((P R + S - 1) / (M R) ticks of work), the passes between
+    stages grow with them."""
+    import dataclasses
+
+    from redray.planning.from_config import ConfigFacts
+    from redray.planning.hardware import PRESETS
+    from redray.planning.planner import rank
+
+    facts = ConfigFacts("llama-7b", 1024, "bfloat16", scan=True)
+    big = dataclasses.replace(PRESETS["h100"], device_memory=1e12)
+    ranking = rank(facts, 16, 2, 32, big, {"stage_axis": 4, "data_axis": 4, "fsdp_axis": 1,
+                                           "micro_batch_size": 2, "remat": "dots",
+                                           "pipeline_schedule": "gpipe"})
+    by_repeats = {s.plan.stage_repeats: s for s in ranking.ranked}
+    assert sorted(by_repeats) == [1, 2, 4, 8]  # 32 layers / 4 stages: 8 a stage
+    computes = [by_repeats[r].cost.compute for r in (1, 2, 4, 8)]
+    passes = [by_repeats[r].cost.pipeline for r in (1, 2, 4, 8)]
+    assert computes == sorted(computes, reverse=True) and passes == sorted(passes)
+    # 4 micro-batches over 4 stages: the layers' work stretches by (4 R + 3) / (4 R):
+    # 7/4, 11/8, 19/16, 35/32; the rest of the compute stays
+    stretch = [(4 * r + 3) / (4 * r) for r in (1, 2, 4, 8)]
+    assert (computes[0] - computes[1]) / (computes[1] - computes[2]) == pytest.approx(
+        (stretch[0] - stretch[1]) / (stretch[1] - stretch[2]), rel=1e-9)
 
 
 def test_tensor_parallel_layers_stay_split_inside_the_stages():

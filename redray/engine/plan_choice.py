@@ -62,7 +62,7 @@ class PlanChoice:
         if not saved or saved["key"] != self.key(batch_size):
             return None
         return grid_plan(dict(saved["sizes"]), saved["micro_batch_size"], saved["remat"],
-                         batch_size, saved["schedule"], self.rules)
+                         batch_size, saved["schedule"], self.rules, saved.get("repeats", 1))
 
     def choose(self, runtime, functions, optimizer, sample: dict, trainable, grad_fn,
                batch_size: int) -> tuple[Plan, object]:
@@ -105,16 +105,17 @@ class PlanChoice:
 
     def plan(self, best: Plan, batch_size: int, asked: Plan, context=None) -> Plan:
         """The plan a Trainer runs of a pick (or a kept plan), a plan over an abstract
-        mesh: its axes built on the devices (this process's rows of the batch), the
-        user's circular repeats and the model's choices kept."""
+        mesh: its axes built on the devices (this process's rows of the batch), its
+        circular repeats (the user's, where given) and the model's choices kept."""
         built = best.parallelism.build()
         micro = best.geometry.micro_batch_size
         self.meta = {"key": self.key(batch_size), "sizes": list(built.sizes.items()),
                      "micro_batch_size": micro, "remat": best.remat,
-                     "schedule": best.pipeline_schedule, "chosen": best.brief()}
+                     "schedule": best.pipeline_schedule, "repeats": best.stage_repeats,
+                     "chosen": best.brief()}
         return Plan.of(built, built.geometry(batch_size, micro),
                        pipeline_schedule=best.pipeline_schedule,
-                       stage_repeats=asked.stage_repeats, remat=best.remat,
+                       stage_repeats=best.stage_repeats, remat=best.remat,
                        context_method=context or asked.context_method)
 
     def facts(self) -> dict:
@@ -159,7 +160,8 @@ def asked_plan(parallelism, mesh, rules, axes: dict, batch_size: int,
                          "planner builds the mesh")
     Parallelism.of(caller="Trainer", **axes)  # an unknown keyword fails as such
     choice = PlanChoice(pins(micro_batch_size=micro_batch_size,
-                             pipeline_schedule=pipeline_schedule, **axes),
+                             pipeline_schedule=pipeline_schedule,
+                             stage_repeats=stage_repeats, **axes),
                         tuple(rules or ()), hardware, timing=plan_timing, probe_cache=None)
     # what the user fixed of the plan; the rest is chosen at init
     return Plan(pipeline_schedule=schedule, stage_repeats=stage_repeats), choice

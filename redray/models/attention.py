@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 
 from redray.models import fused_attention
-from redray.sharding.activations import attention_forced, note_attention
+from redray.sharding.activations import attention_counts, attention_forced, note_attention
 
 # Keys from which "auto" attention is computed in chunks where no fused kernel exists.
 CHUNKED_FROM = 2048
@@ -238,6 +238,10 @@ def attend(q, k, v, mask: AttentionMask, scale: float, bias=None,
     scaled scores are soft-capped to (-softcap, softcap) (``soft_cap``) before the mask
     and the bias.
     """
+    counts = attention_counts()
+    if counts is not None:
+        counts.append(AttentionCall.of(q, k, mask))
+        return _stand_in(q, k, v)
     target = Target.live()
     chosen, why = decide(q, k, mask, bias, dropout, impl, softcap, target)
     # a batch with more documents in a row than cuDNN's packed layout takes is refused on
@@ -261,6 +265,59 @@ def attend(q, k, v, mask: AttentionMask, scale: float, bias=None,
                              f"{q.shape[1]} tokens divide by none; pad the sequence")
         return fused_attention.splash_attention(q, k, v, mask, scale, softcap).astype(v.dtype)
     return _xla(q, k, v, mask, scale, bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One attention's geometry, as the planner costs it (``counted_attention``).
+
+    Attributes:
+      rows, heads, head_dim: batch rows, query heads and the head size.
+      queries, keys: per row.
+      pairs: the (query, key) pairs a block-skipping kernel computes per row and head:
+        all of them, the lower triangle of causal self-attention, or a sliding
+        window's band.
+    """
+    rows: int
+    heads: int
+    head_dim: int
+    queries: int
+    keys: int
+    pairs: float
+
+    @classmethod
+    def of(cls, q, k, mask: AttentionMask) -> "AttentionCall":
+        b, t, h, d = q.shape
+        s = k.shape[1]
+        pairs = float(t * s)
+        if mask.causal and t == s and mask.kv_slots is None:
+            windows = [w for w in (mask.window, *mask.windows) if w is not None]
+            # a scanned stack's windows differ by layer: their mean
+            w = sum(windows) / len(windows) if windows else t
+            w = min(w, t)
+            pairs = w * t - w * (w - 1) / 2
+        return cls(b, h, d, t, s, pairs)
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs a block-skipping kernel computes: scores and values, 2 x 2 per
+        pair, head and head dimension."""
+        return 4.0 * self.rows * self.heads * self.head_dim * self.pairs
+
+    @property
+    def dense_flops(self) -> float:
+        """Forward FLOPs of every (query, key) pair (a materialized mask's)."""
+        return 4.0 * self.rows * self.heads * self.head_dim * self.queries * self.keys
+
+
+def _stand_in(q, k, v):
+    """An output of attention's shape that reads q, k and v once each (grouped heads
+    broadcast), for ``counted_attention``'s traces."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    mean = lambda x: jnp.mean(x, axis=1, keepdims=True)  # noqa: E731
+    kvsum = (mean(k) + mean(v)).astype(q.dtype)
+    return (q.reshape(b, t, kv, h // kv, d) + kvsum[:, :, :, None]).reshape(b, t, h, d)
 
 
 def _xla(q, k, v, mask: AttentionMask, scale: float, bias=None):

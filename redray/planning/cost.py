@@ -35,12 +35,19 @@ collective over a group inside one host costs ring steps on the host's link; a g
 that spans hosts runs hierarchically (within each host, then across hosts on the
 ``1/k`` of the bytes each of a host's ``k`` devices carries).
 
-Overlap (written down, the planner's one assumption about scheduling): tensor-parallel
-all-reduces are on the critical path; FSDP gathers and gradient reductions hide behind
-``Hardware.overlap`` of the compute time and only what exceeds it counts.
+Overlap (``exposed_seconds``, as XLA's latency-hiding scheduler can do it): tensor-parallel
+all-reduces, expert all-to-alls and pipeline passes are on the critical path; a stacked
+layer's FSDP gather hides behind the layer before it, its gradient's reduction behind
+the next layer's backward, and only the first gather, the last reduction and what
+exceeds a layer's compute count; a data-parallel reduction after an accumulation loop
+counts whole; on XLA:CPU (``Hardware.overlap`` 0) nothing hides.
 
-Compute: the step's FLOPs at ``Hardware.matmul_flops`` plus ``micro_batch_overhead`` per
-micro-batch; or, where the model's own pass was timed on the live devices
+Compute: where the model's work was counted (``redray.planning.work``: a config's
+model), its matmuls at ``Hardware.matmul_flops``, attention at the fused kernel's rate
+(or every pair at the matmul rate without one), its memory-bound bytes and the
+optimizer's update at ``Hardware.memory_bandwidth``, plus ``micro_batch_overhead`` per
+micro-batch; else the step's FLOPs at the matmul rate; or, where the model's own pass
+was timed on the live devices
 (``ModelTiming``, what ``Trainer(parallelism="auto")`` measures), the FLOPs at the rate
 that pass ran, its measured cost per micro-batch, and the update (optimizer, gradient
 norm) at its measured cost per parameter element a device holds: a data-parallel
@@ -64,6 +71,7 @@ from typing import Sequence
 
 from redray.sharding.dataflow import Trace
 from redray.planning.hardware import Hardware, Link, for_backend
+from redray.planning.work import Work
 from redray.sharding.parallelism import (AXES, BATCH_AXES, CONTEXT, EXPERT, FSDP, MODEL,
                                          STAGE, hybrid_shapes, pipeline_ticks)
 from redray.sharding.rules import axes_of
@@ -80,6 +88,11 @@ class Traffic:
       times: how often a step runs it.
       what: what it carries, in words.
       critical: on the critical path (tensor parallelism), never hidden.
+      phase: when it runs, for the overlap: "forward", "backward", "both" (half in
+        each: a parameter gathered again for the backward pass) or "step" (once,
+        after the backward pass and its accumulation loop).
+      layer: it belongs to one of the stacked layers (run once per layer per pass,
+        beside that layer's compute), not to the embedding, the head or the loss.
     """
     kind: str
     bytes: float
@@ -87,6 +100,8 @@ class Traffic:
     times: int
     what: str
     critical: bool
+    phase: str = "step"
+    layer: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +120,8 @@ class StepCost:
       pipeline: pipeline stages' point-to-point passes (critical path).
       context: the context axis's ring passes before overlap (hidden behind the
         compute together with ``gradients``: ``exposed`` counts what is not).
+      attention: the part of ``compute`` in attention's fused kernels.
+      memory: the part of ``compute`` in memory-bound kernels.
     """
     compute: float
     tensor: float
@@ -116,6 +133,8 @@ class StepCost:
     experts: float = 0.0
     pipeline: float = 0.0
     context: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -359,12 +378,14 @@ def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int
     grads = local * 2 * kv_width * 4
     return [Traffic("collective-permute", block, (CONTEXT.name,),
                     2 * (ways - 1) * layers * micro_batches,
-                    "context: keys and values round the ring (forward, backward)", False),
+                    "context: keys and values round the ring (forward, backward)", False,
+                    "both", True),
             Traffic("collective-permute", grads, (CONTEXT.name,), ways * layers * micro_batches,
-                    "context: the keys' and values' gradients, with them", False),
+                    "context: the keys' and values' gradients, with them", False,
+                    "backward", True),
             Traffic("collective-permute", local * hidden * act_itemsize, (CONTEXT.name,),
                     2 * micro_batches, "context: the hidden states out of the zigzag layout, "
-                    "gradients back", False)]
+                    "gradients back", False, "both")]
 
 
 def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> float:
@@ -383,10 +404,12 @@ def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> f
 
 def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_itemsize: int,
                   hardware: Hardware, recompute: bool = False,
-                  accumulation: int = 1) -> list[Traffic]:
+                  accumulation: int = 1, repeats: int = 1) -> list[Traffic]:
     """The FSDP gathers and gradient reductions of a step (see the module docstring).
     With pipeline stages the parameters the stages hold whole (embeddings, head) see
-    rows split over ``stage`` too: their gradients are summed over it as well."""
+    rows split over ``stage`` too: their gradients are summed over it as well. With
+    circular ``repeats`` a pass (``accumulation`` of them) runs one of a stage's
+    ``repeats`` chunks of stacked layers: their traffic per pass is that chunk's."""
     out = []
     # the gradients are summed over the axes splitting the batch, the context axis
     # splitting its sequences, and (for what the stages hold whole) the stages
@@ -398,36 +421,119 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
         others = math.prod(shape[a] for a in axes if a != FSDP.name)
         elements = math.prod(param.shape) / others
         if FSDP.name in axes and shape[FSDP.name] > 1:
-            out.append(Traffic("all-gather", elements * compute_itemsize, (FSDP.name,),
-                               (2 if recompute or param.stacked else 1) * accumulation,
-                               "FSDP: a parameter gathered", False))
+            again = recompute or param.stacked
+            chunk = repeats if param.stacked else 1
+            out.append(Traffic("all-gather", elements * compute_itemsize / chunk,
+                               (FSDP.name,), (2 if again else 1) * accumulation,
+                               "FSDP: a parameter gathered", False,
+                               "both" if again else "forward", param.stacked))
             kind = "reduce-scatter" if hardware.reduce_scatter else "all-reduce"
-            out.append(Traffic(kind, elements * param.itemsize, (FSDP.name,), accumulation,
-                               "FSDP: a gradient reduced onto its shards", False))
+            out.append(Traffic(kind, elements * param.itemsize / chunk, (FSDP.name,),
+                               accumulation,
+                               "FSDP: a gradient reduced onto its shards", False,
+                               "backward", param.stacked))
             rest = tuple(a for a in (*BATCH_AXES, *head_rows) if a != FSDP.name
                          and a not in axes and shape[a] > 1)
             if rest:
                 out.append(Traffic("all-reduce", elements / shape[FSDP.name] * param.itemsize,
-                                   rest, 1, "data parallel: a gradient shard", False))
+                                   rest, 1, "data parallel: a gradient shard", False,
+                                   "step", param.stacked))
             continue
         group = tuple(a for a in (*BATCH_AXES, *head_rows) if a not in axes and shape[a] > 1)
         if group:
             out.append(Traffic("all-reduce", elements * param.itemsize, group, 1,
-                               "data parallel: a gradient", False))
+                               "data parallel: a gradient", False, "step", param.stacked))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceWork:
+    """What one device computes in a step (``redray.planning.work``), for the cost model.
+
+    Attributes:
+      layers: the stacked layers' work (every micro-batch, the pipeline's bubble
+        included).
+      rest: the embedding's, the head's and the loss's.
+      forward: the share of ``layers``' time in their forward pass (what a layer's
+        parameter gathers hide behind; the backward, rematerialization included, takes
+        the rest).
+      count: layers a device runs in one pass (a stage's share of them).
+    """
+    layers: Work
+    rest: Work
+    forward: float
+    count: int
+
+
+def work_seconds(work: Work, hardware: Hardware) -> float:
+    """Seconds of ``work`` on one device: the matmuls at the matmul rate, attention at the
+    fused kernel's rate (where the device has one; else every pair at the matmul rate),
+    the memory-bound kernels' bytes at the memory bandwidth (where it is known)."""
+    attention = (work.attention / hardware.attention_rate if hardware.fused_attention
+                 else work.dense_attention / hardware.matmul_flops)
+    memory = work.memory / hardware.memory_bandwidth if hardware.memory_bandwidth else 0.0
+    return work.matmul / hardware.matmul_flops + attention + memory
+
+
+def exposed_seconds(traffic: Sequence[Traffic], spans: dict, hardware: Hardware,
+                    layers_s: float, rest_s: float, forward: float, count: int,
+                    ticks: int, stacked: bool) -> float:
+    """What the compute does not hide of the FSDP, data-parallel and context traffic,
+    layer by layer, as XLA's latency-hiding scheduler overlaps it:
+
+    - in each of the ``ticks`` passes, a layer's parameters are gathered while the layer
+      before computes its forward: only the first layer's gather, and what of each other
+      exceeds a layer's forward, are exposed;
+    - in the backward pass a layer's gradient is reduced (and its parameters gathered
+      again) while the next layer computes its backward: the last reduction, and what
+      of each other exceeds a layer's backward, are exposed;
+    - a data-parallel gradient reduction runs layer by layer in the backward pass too
+      (inside a scanned stack's loop: XLA's SPMD partitioner reduces each layer's
+      gradient in the loop's body), but after an accumulation loop, which sums the
+      micro-batches' gradients first: then it is exposed;
+    - the embedding's and the head's traffic hides behind their own compute.
+
+    ``hardware.overlap`` scales the compute a layer's traffic may hide behind (0 on
+    XLA:CPU: every collective runs in line).
+    """
+    fwd = bwd = reduce = after = rest = 0.0
+    for t in traffic:
+        sec = traffic_seconds(t, spans, hardware)
+        if t.phase == "step" and ticks > 1:
+            after += sec
+        elif not t.layer and stacked:
+            rest += sec
+        elif t.phase == "forward":
+            fwd += sec
+        elif t.phase == "both":
+            fwd, bwd = fwd + sec / 2, bwd + sec / 2
+        else:  # a reduction in the backward pass (or, unscanned, a data-parallel one)
+            bwd += sec
+            reduce += sec
+    ov, n = hardware.overlap, max(count, 1)
+    if ov == 0:
+        return fwd + bwd + after + rest
+    per = ticks * n  # layer passes of a step
+    c_f, c_b = ov * layers_s * forward / per, ov * layers_s * (1 - forward) / per
+    a, b, r = fwd / per, bwd / per, reduce / per
+    # the first backward layer's gather hides behind the head's backward
+    layered = ticks * (a + r + (n - 1) * (max(0.0, a - c_f) + max(0.0, b - c_b)))
+    return layered + after + max(0.0, rest - ov * rest_s)
 
 
 def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumulation: int,
               shape: dict[str, int], hosts: int, hardware: Hardware,
               timing: ModelTiming | None = None, elements: float = 0.0,
               experts: Sequence[Traffic] = (), held: float = 1.0,
-              stages: Sequence[Traffic] = (), context: Sequence[Traffic] = ()) -> StepCost:
+              stages: Sequence[Traffic] = (), context: Sequence[Traffic] = (),
+              work: DeviceWork | None = None, update_bytes: float = 0.0,
+              stacked: bool = False) -> StepCost:
     """The predicted step.
 
     Args:
       flops: one device's matmul FLOPs of the whole step (forward, backward, remat).
       tensor, state: the step's traffic (``tensor_traffic``, ``state_traffic``).
-      accumulation: micro-batches per step.
+      accumulation: micro-batches per step (passes: a pipeline's ticks).
       shape: the mesh's axis sizes; hosts: how many hosts it spans.
       hardware: the devices and links.
       timing: the model's pass timed on these devices, if it was (its rate and cost
@@ -437,25 +543,48 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
       held: the share of the trained parameters one device holds (``elements`` over
         all of them): the timed cost per micro-batch is charged at this share.
       stages: pipeline parallelism's traffic (``stage_traffic``).
-      context: the context axis's ring (``context_traffic``): hidden behind the compute
-        with the state's traffic (each step's pass is sent before the step computes).
+      context: the context axis's ring (``context_traffic``).
+      work: what the device computes, by kind (``redray.planning.work``): untimed, its
+        time replaces ``flops`` at the matmul rate, and the FSDP, data-parallel and
+        context traffic overlaps layer by layer (``exposed_seconds``); None: that
+        traffic hides behind ``hardware.overlap`` of the whole compute.
+      update_bytes: bytes the optimizer's update reads and writes on a device (untimed:
+        at the memory bandwidth).
+      stacked: the model's layers are stacked and scanned.
     """
     spans = host_spans(shape, hosts)
+    attention = memory = 0.0
     if timing is None:
-        compute, per_micro = flops / hardware.matmul_flops, hardware.micro_batch_overhead
-        update = 0.0
+        per_micro = hardware.micro_batch_overhead
+        if work is not None:
+            compute = work_seconds(work.layers + work.rest, hardware)
+            total = work.layers + work.rest
+            if hardware.fused_attention:
+                attention = total.attention / hardware.attention_rate
+            if hardware.memory_bandwidth:
+                memory = total.memory / hardware.memory_bandwidth
+        else:
+            compute = flops / hardware.matmul_flops
+        update = update_bytes / hardware.memory_bandwidth if hardware.memory_bandwidth else 0.0
     else:
         compute, per_micro = flops * timing.seconds_per_flop, timing.fixed * held
         update = elements * timing.update_per_element
     tensor_s = sum(traffic_seconds(t, spans, hardware) for t in tensor)
     state_s = sum(traffic_seconds(t, spans, hardware) for t in state)
     context_s = sum(traffic_seconds(t, spans, hardware) for t in context)
-    exposed = max(0.0, state_s + context_s - hardware.overlap * compute)
+    if work is not None:
+        layers = work_seconds(work.layers, hardware)
+        share = layers / (layers + work_seconds(work.rest, hardware) or 1.0)
+        exposed = exposed_seconds((*state, *context), spans, hardware, compute * share,
+                                  compute * (1 - share), work.forward, work.count,
+                                  accumulation, stacked)
+    else:
+        exposed = max(0.0, state_s + context_s - hardware.overlap * compute)
     experts_s = sum(traffic_seconds(t, spans, hardware) for t in experts)
     stages_s = sum(traffic_seconds(t, spans, hardware) for t in stages)
     return StepCost(compute, tensor_s, state_s, exposed, accumulation * per_micro,
                     (*tensor, *state, *experts, *stages, *context), update, experts_s,
-                    stages_s, context_s)
+                    stages_s, context_s, attention, memory)
 
 
 def context_method(batch: int, tokens: int, ways: int, heads: int, kv_heads: int, head_dim: int,

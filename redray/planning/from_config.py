@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from redray.planning.memory import StepShape, memory_plan
+from redray.planning.memory import StepShape, _fresh_state, memory_plan
 from redray.planning.memory import part_lines, size_text
 from redray.planning.planner import ModelFacts
 from redray.sharding import (AXES, EXPERT, FSDP, MODEL, PARAMETER_AXES, STAGE, Parallelism,
@@ -429,7 +429,7 @@ class ConfigFacts(ModelFacts):
         def forward(params, kwargs):
             # the model's other state made in this trace (a scanned model's RNG counts
             # enter its scan, which takes nothing from an outer trace)
-            return nnx.merge(graphdef, params, jax.tree.map(_fresh, extra))(**kwargs)
+            return nnx.merge(graphdef, params, jax.tree.map(_fresh_state, extra))(**kwargs)
 
         self.trace = trace_tree(params, forward, (inputs,))
         self.experts = expert_layers(nnx.merge(graphdef, params, extra))
@@ -449,6 +449,7 @@ class ConfigFacts(ModelFacts):
         self.one_f_one_b = "decoder_input_ids" not in inputs
         self._flops: float | None = None
         self._traces: dict = {}
+        self._work = None
 
     def flops(self, remat: str) -> float:
         from redray.planning.memory import example_flops
@@ -458,23 +459,24 @@ class ConfigFacts(ModelFacts):
                                         self.step.compute_dtype, self.step.loss_chunk)
         return self._flops * REMAT_FLOPS[remat]
 
+    def work(self):
+        from redray.planning.work import config_work
+
+        if self._work is None:
+            self._work = config_work(self.fam, self.config, self.step.seq_len,
+                                     self.step.compute_dtype, self.step.loss_chunk)
+        return self._work
+
     def memory(self, parallelism: Parallelism, rows, per_device_batch: int, remat: str,
-               accumulation: int = 1, schedule: str = "gpipe") -> dict:
+               accumulation: int = 1, schedule: str = "gpipe", repeats: int = 1) -> dict:
         rows_per_pass = per_device_batch * parallelism.data_parallel
         step = dataclasses.replace(self.step, batch_size=rows_per_pass * accumulation,
                                    micro_batch_size=rows_per_pass, remat=remat,
-                                   pipeline_schedule=schedule)
+                                   pipeline_schedule=schedule, stage_repeats=repeats)
         params = sum(r.bytes_per_device for r in rows)
         return memory_plan(self.fam, self.config, rows, 2 * params, parallelism, step,
                            traces=self._traces, experts=self.experts,
                            blockwise=self.fused_attention)
-
-
-def _fresh(x):
-    """A value of ``x``'s shape and dtype (an abstract array's), made where it is called."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return jax.random.split(jax.random.key(0), x.shape) if x.shape else jax.random.key(0)
-    return jnp.zeros(x.shape, x.dtype)
 
 
 def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,

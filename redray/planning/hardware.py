@@ -1,7 +1,8 @@
 """The hardware a plan is costed on: each device's matmul rate and memory, and the two
 links a collective may cross (inside a host, between hosts).
 
-A ``Hardware`` comes from a preset (``PRESETS``: H100 SXM, A100 80GB, L4, TPU v5e, CPU),
+A ``Hardware`` comes from a preset (``PRESETS``: H100 SXM, H100 96GB at 500 W, H200,
+A100 80GB, L4, TPU v5e, CPU),
 from a probe of the live cluster (``redray/planning/probe.py``), or is written by hand.
 Every preset number names its source; where a number is an assumption (how much of a
 datasheet's peak a large matmul sustains, a collective's per-step latency) it says so,
@@ -45,10 +46,11 @@ class Hardware:
       devices_per_host: devices of one host (the unit the intra-host link joins).
       intra: the link between devices of one host (NVLink, ICI, shared memory).
       inter: the link between hosts (InfiniBand, Ethernet, DCN), per device.
-      overlap: the fraction of the compute time that the gradient and FSDP collectives
-        may hide behind (XLA's latency-hiding scheduler on GPU and TPU overlaps them
-        with the layers' matmuls; 0 on CPU, where collectives run in line). Tensor
-        parallel all-reduces are on the critical path and never hidden.
+      overlap: the fraction of a layer's compute time that the gradient and FSDP
+        collectives may hide behind (XLA's latency-hiding scheduler on GPU and TPU
+        overlaps them with the layers' kernels; 0 on CPU, where collectives run in
+        line; ``redray.planning.cost.exposed_seconds``). Tensor parallel all-reduces
+        are on the critical path and never hidden.
       reduce_scatter: whether a sharded gradient is reduce-scattered (GPU and TPU) or
         all-reduced and sliced (XLA:CPU): the latter moves twice the bytes.
       micro_batch_overhead: seconds each micro-batch costs beside its matmuls and
@@ -59,6 +61,11 @@ class Hardware:
         (``redray.planning.cost.ModelTiming``).
       platform: "gpu", "tpu" or "cpu": which attention kernels a step has (GPUs and
         TPUs fused ones, which keep no (queries x keys) scores for the backward pass).
+      memory_bandwidth: bytes per second one device's memory-bound kernels (norms,
+        elementwise work, the optimizer's update) read and write; 0: not known, that
+        work not costed.
+      attention_flops: FLOPs per second a fused attention kernel sustains, forward and
+        backward (``redray.planning.work.AttentionCall``'s count); 0: the matmul rate.
     """
     name: str
     matmul_flops: float
@@ -73,6 +80,13 @@ class Hardware:
     source: str = ""
     live: bool = False
     platform: str = "gpu"
+    memory_bandwidth: float = 0.0
+    attention_flops: float = 0.0
+
+    @property
+    def attention_rate(self) -> float:
+        """The fused attention kernel's rate (the matmul rate where not known)."""
+        return self.attention_flops or self.matmul_flops
 
     @property
     def fused_attention(self) -> bool:
@@ -107,46 +121,90 @@ class Hardware:
                 "intra_latency_us": self.intra.latency * 1e6,
                 "inter_gb_per_s": self.inter.bandwidth / GB,
                 "inter_latency_us": self.inter.latency * 1e6,
+                "memory_gb_per_s": self.memory_bandwidth / GB,
+                "attention_tflops": self.attention_rate / 1e12,
                 "overlap": self.overlap, "reduce_scatter": self.reduce_scatter,
                 "micro_batch_overhead_ms": self.micro_batch_overhead * 1e3}
 
 
-# How much of the dense bf16 peak a training step's large matmuls sustain: an
-# assumption (MaxText's published runs reach 50-60% MFU on whole steps of large models,
-# which include attention and the slower ops); the probe measures it instead.
-SUSTAINED = 0.7
+# How much of a datasheet's rates a training step's kernels sustain, measured on this
+# project's H200 (the device tool's KINDS.md, 2026-11-04: an 8192^3 bf16 matmul at 769
+# to 798 TFLOP/s of 989; a device-to-device copy at 4.3 TB/s of 4.8) and in
+# docs/performance/gpu-mfu.md (cuDNN's causal flash attention, 32 query and 8 key/value
+# heads of 128, 4,096 tokens x 8, forward and backward in 8.3 ms: 464 TFLOP/s by
+# ``AttentionCall``'s count). The same GH100 chip at its 700 W limit is taken to
+# sustain the same shares on the H100 SXM; other chips' shares are assumptions
+# (probe them).
+MATMUL_SUSTAINED = 0.79
+MEMORY_SUSTAINED = 0.9
+ATTENTION_SUSTAINED = 0.47
 # Per ring step: the order of NCCL's small-message latencies (a few microseconds on
 # NVLink, about ten over InfiniBand, tens over TCP Ethernet): assumptions, probed on a
 # live cluster.
 NVLINK_LATENCY, IB_LATENCY, ETHERNET_LATENCY = 5e-6, 10e-6, 50e-6
+TB = 1e12
+
+
+def _gpu(name: str, peak: float, memory: float, bandwidth: float, nvlink: float,
+         network: float, source: str, clock: float = 1.0) -> Hardware:
+    """A GPU of ``peak`` dense bf16 FLOP/s, ``memory`` bytes of HBM at ``bandwidth``
+    bytes/s, ``nvlink`` bytes/s each way to each other GPU of its host and ``network``
+    bytes/s to other hosts, at the measured shares of each rate (``clock``: the share of
+    its full clock it runs at under a power limit)."""
+    return Hardware(name, MATMUL_SUSTAINED * clock * peak, peak, memory, 8,
+                    intra=Link(nvlink, NVLINK_LATENCY), inter=Link(network, IB_LATENCY),
+                    micro_batch_overhead=1e-3, source=source,
+                    memory_bandwidth=MEMORY_SUSTAINED * bandwidth,
+                    attention_flops=ATTENTION_SUSTAINED * clock * peak)
+
+
+# An H100 SXM held to 500 W (Meta's Grand Teton default, where torchtitan measured):
+# the share of its 700 W compute rate, an assumption: a chip's dynamic power grows about
+# as the cube of its clock (voltage scales with the clock), so 500/700 of the power
+# sustains (500/700)^(1/3) of the clock. Not measured here; torchtitan publishes none.
+POWER_500W = (500 / 700) ** (1 / 3)
 
 PRESETS: dict[str, Hardware] = {
-    "h100": Hardware(
-        "H100 SXM", SUSTAINED * 989e12, 989e12, 80 * GB, 8,
-        intra=Link(450 * GB, NVLINK_LATENCY), inter=Link(50 * GB, IB_LATENCY),
-        micro_batch_overhead=1e-3,
-        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOPS dense BF16, 80 GB "
-               "HBM3, NVLink 900 GB/s both ways); DGX H100: one 400 Gb/s NDR InfiniBand "
-               "port per GPU"),
+    "h100": _gpu(
+        "H100 SXM", 989e12, 80 * GB, 3.35 * TB, 450 * GB, 50 * GB,
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOPS dense BF16, 80 GB HBM3 "
+        "at 3.35 TB/s, NVLink 900 GB/s both ways); DGX H100: one 400 Gb/s NDR InfiniBand "
+        "port per GPU; sustained shares measured on an H200 (same chip)"),
+    "h100-96gb-500w": _gpu(
+        "H100 96GB at 500 W", 989e12, 96 * GB, 2.4 * TB, 450 * GB, 50 * GB,
+        "Meta's Grand Teton H100 as torchtitan's benchmarks describe it (96 GB HBM2e at "
+        "2.4 TB/s, NVLink within the host, 400 Gb/s RDMA per GPU, the default 500 W "
+        "limit); the 500 W clock share is an assumption", clock=POWER_500W),
+    "h200": _gpu(
+        "H200 SXM", 989e12, 141 * GB, 4.8 * TB, 450 * GB, 50 * GB,
+        "NVIDIA H200 datasheet (989 TFLOPS dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink "
+        "900 GB/s both ways); A3 Ultra / DGX H200: 400 Gb/s per GPU between hosts; "
+        "sustained shares measured on this project's H200"),
     "a100": Hardware(
-        "A100 80GB SXM", SUSTAINED * 312e12, 312e12, 80 * GB, 8,
+        "A100 80GB SXM", MATMUL_SUSTAINED * 312e12, 312e12, 80 * GB, 8,
         intra=Link(300 * GB, NVLINK_LATENCY), inter=Link(25 * GB, IB_LATENCY),
-        micro_batch_overhead=1e-3,
+        micro_batch_overhead=1e-3, memory_bandwidth=MEMORY_SUSTAINED * 2.04 * TB,
+        attention_flops=ATTENTION_SUSTAINED * 312e12,
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB: 312 TFLOPS dense BF16, "
-               "NVLink 600 GB/s both ways); DGX A100: one 200 Gb/s HDR InfiniBand port per GPU"),
+               "2,039 GB/s HBM2e, NVLink 600 GB/s both ways); DGX A100: one 200 Gb/s HDR "
+               "InfiniBand port per GPU; sustained shares assumed as on the H200"),
     "l4": Hardware(
-        "L4", SUSTAINED * 121e12, 121e12, 24 * GB, 8,
+        "L4", MATMUL_SUSTAINED * 121e12, 121e12, 24 * GB, 8,
         intra=Link(32 * GB, 10e-6), inter=Link(100 / 8 * GB / 8, ETHERNET_LATENCY),
-        micro_batch_overhead=1e-3,
-        source="NVIDIA L4 datasheet (121 TFLOPS dense BF16, 24 GB, PCIe Gen4 x16 64 GB/s "
-               "both ways, no NVLink); Google Cloud g2-standard-96: 8 L4 per VM, 100 Gb/s "
-               "of network per VM, shared by its 8 GPUs"),
+        micro_batch_overhead=1e-3, memory_bandwidth=MEMORY_SUSTAINED * 300 * GB,
+        attention_flops=ATTENTION_SUSTAINED * 121e12,
+        source="NVIDIA L4 datasheet (121 TFLOPS dense BF16, 24 GB at 300 GB/s, PCIe Gen4 "
+               "x16 64 GB/s both ways, no NVLink); Google Cloud g2-standard-96: 8 L4 per "
+               "VM, 100 Gb/s of network per VM, shared by its 8 GPUs; sustained shares "
+               "assumed as on the H200"),
     "tpu-v5e": Hardware(
-        "TPU v5e", SUSTAINED * 197e12, 197e12, 16 * GB, 8,
+        "TPU v5e", MATMUL_SUSTAINED * 197e12, 197e12, 16 * GB, 8,
         intra=Link(200 * GB, 5e-6), inter=Link(200 * GB, 5e-6), micro_batch_overhead=5e-4,
-        platform="tpu",
-        source="Google Cloud TPU v5e documentation (197 TFLOPS BF16, 16 GB HBM2, ICI "
-               "1600 Gb/s per chip); the hosts of one slice are joined by the same ICI"),
+        platform="tpu", memory_bandwidth=MEMORY_SUSTAINED * 819 * GB,
+        attention_flops=ATTENTION_SUSTAINED * 197e12,
+        source="Google Cloud TPU v5e documentation (197 TFLOPS BF16, 16 GB HBM2 at 819 "
+               "GB/s, ICI 1600 Gb/s per chip); the hosts of one slice are joined by the "
+               "same ICI; sustained shares assumed as on the H200"),
     "cpu": Hardware(
         "CPU (simulated devices)", 5e9, 5e9, 24 * (1 << 30) / 8, 4,
         intra=Link(2 * GB, 20e-6), inter=Link(0.5 * GB, 100e-6), overlap=0.0,
@@ -164,7 +222,8 @@ def ethernet(hardware: Hardware, gbit_per_host: float = 100.0) -> Hardware:
 
 
 def preset(name: str) -> Hardware:
-    """A preset by name (``h100``, ``a100``, ``l4``, ``tpu-v5e``, ``cpu``); a name ending
+    """A preset by name (``h100``, ``h100-96gb-500w``, ``h200``, ``a100``, ``l4``,
+    ``tpu-v5e``, ``cpu``); a name ending
     ``+ethernet`` joins its hosts by 100 Gb/s Ethernet instead."""
     base, _, link = name.partition("+")
     if base not in PRESETS or link not in ("", "ethernet"):

@@ -460,13 +460,25 @@ def example_flops(fam, config, seq: int, compute_dtype=None, chunk=None) -> floa
         loss, params, extra, inputs = _abstract_loss(
             fam, _with_layers(config, fields, counts), 1, seq, "none", compute_dtype, chunk,
             scan=False)
-        lowered = jax.jit(jax.grad(loss)).lower(params, extra, inputs)
+        def fresh(params, extra, inputs):
+            # dropout's key counts made in the trace that advances them (an abstract
+            # state given from outside cannot be mutated inside the gradient's trace)
+            return loss(params, jax.tree.map(_fresh_state, extra), inputs)
+
+        lowered = jax.jit(jax.grad(fresh)).lower(params, extra, inputs)
         return float(lowered.cost_analysis()["flops"])
 
     base = at([1] * len(fields))
     deltas = [at([2 if j == i else 1 for j in range(len(fields))]) - base
               for i in range(len(fields))]
     return base + sum((n - 1) * d for n, d in zip(depth, deltas))
+
+
+def _fresh_state(x):
+    """A value of ``x``'s shape and dtype (an abstract array's), made where it is called."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.split(jax.random.key(0), x.shape) if x.shape else jax.random.key(0)
+    return jnp.zeros(x.shape, x.dtype)
 
 
 def _with_layers(config, fields, counts):

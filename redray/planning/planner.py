@@ -18,14 +18,16 @@ import dataclasses
 import math
 from typing import Sequence
 
-from redray.planning.cost import (ModelTiming, Parameter, StepCost, context_traffic,
-                                  expert_traffic, stage_traffic, state_traffic, step_cost,
-                                  tensor_traffic, whole_flops)
+from redray.planning.cost import (DeviceWork, ModelTiming, Parameter, StepCost,
+                                  context_traffic, expert_traffic, stage_traffic,
+                                  state_traffic, step_cost, tensor_traffic, whole_flops,
+                                  work_seconds)
 from redray.sharding.dataflow import Trace
 from redray.planning.hardware import Hardware
 from redray.planning.memory import hidden_width, size_text
+from redray.planning.work import ModelWork, Work
 from redray.sharding.parallelism import (AXES, CONTEXT, EXPERT, INSIDE, MODEL, STAGE, Parallelism,
-                                         axis_defaults, hybrid_shapes)
+                                         axis_defaults, hybrid_shapes, pipeline_ticks)
 from redray.sharding.placement import Placement, placement
 from redray.sharding.plan import Plan
 from redray.sharding.rules import partition_specs
@@ -78,22 +80,30 @@ class ModelFacts:
         """Matmul FLOPs of one example's forward and backward pass under ``remat``."""
         raise NotImplementedError
 
+    def work(self) -> ModelWork | None:
+        """One example's work by kind (``redray.planning.work``), or None where it is not
+        counted (its FLOPs then cost at the matmul rate)."""
+        return None
+
     def memory(self, parallelism: Parallelism, rows: list[Placement], per_device_batch: int,
-               remat: str, accumulation: int = 1, schedule: str = "gpipe") -> dict:
+               remat: str, accumulation: int = 1, schedule: str = "gpipe",
+               repeats: int = 1) -> dict:
         """What a step holds per device (``parts``, ``total``): ``accumulation``
         micro-batches of ``per_device_batch`` examples a device, the pipeline's
-        ``schedule`` on a stage axis (``redray.planning.memory.step_parts``)."""
+        ``schedule`` and circular ``repeats`` on a stage axis
+        (``redray.planning.memory.step_parts``)."""
         raise NotImplementedError
 
 
 def grid_plan(sizes: dict, micro_batch_size: int, remat: str, batch_size: int,
-              pipeline_schedule: str = "gpipe", rules=()) -> Plan:
+              pipeline_schedule: str = "gpipe", rules=(), repeats: int = 1) -> Plan:
     """A candidate: the plan of axis ``sizes`` (keyword -> size, every axis) over an
     abstract mesh of their devices, ``micro_batch_size`` examples per device per pass of
-    the global ``batch_size``, ``remat`` and ``pipeline_schedule``."""
+    the global ``batch_size``, ``remat``, ``pipeline_schedule`` and its circular
+    ``repeats``."""
     parallelism = Parallelism.of(rules=rules, **sizes).abstract(math.prod(sizes.values()))
     return Plan.of(parallelism, parallelism.geometry(batch_size, micro_batch_size),
-                   pipeline_schedule=pipeline_schedule, remat=remat)
+                   pipeline_schedule=pipeline_schedule, remat=remat, stage_repeats=repeats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +244,8 @@ def axis_sizes(devices: int, hosts: int, pinned: dict) -> list[dict[str, int]]:
 
 def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequence[str],
                pinned: dict | None = None, experts: int = 0,
-               layers: int = 0, one_f_one_b: bool = False, rules=()) -> list[Plan]:
+               layers: int = 0, one_f_one_b: bool = False, rules=(),
+               refused: dict | None = None) -> list[Plan]:
     """Every candidate of the grid (see the module docstring).
 
     Args:
@@ -254,7 +265,13 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
         any remat inside the layers (its backward recomputes a stage's forward, and the
         layers' remat what that forward keeps).
       rules: the user's sharding rules, in every plan.
+      refused: where given, why splits of the devices were left out: filled with
+        "experts", "layers" (a stage count that does not divide the layers), "batch"
+        (the smallest data-parallel size that did not divide the batch), "micro" (too
+        few micro-batches for the stages, or a pinned micro-batch that does not divide
+        a device's share), "splits" (how many splits of the devices there were).
     """
+    refused = {} if refused is None else refused
     pinned = dict(pinned or {})
     if not experts:
         pinned.setdefault(EXPERT.keyword, 1)
@@ -276,29 +293,56 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     schedule_pin = pinned.pop("pipeline_schedule", None)
     schedules = [schedule_pin] if schedule_pin is not None else \
         ["gpipe", "1f1b"] if one_f_one_b else ["gpipe"]
+    repeats_pin = pinned.pop("stage_repeats", None)
     out = []
-    for sizes in axis_sizes(devices, hosts, pinned):
+    splits = axis_sizes(devices, hosts, pinned)
+    refused["splits"] = refused.get("splits", 0) + len(splits)
+    for sizes in splits:
         if experts and experts % sizes[EXPERT.keyword]:
+            refused["experts"] = refused.get("experts", 0) + 1
             continue
         stages = sizes[STAGE.keyword]
         if layers % stages:
+            refused.setdefault("layers", set()).add(stages)
             continue
         dp = math.prod(sizes[a.keyword] for a in AXES if a.splits_batch)
         if batch_size % dp:
+            refused["batch"] = min(refused.get("batch", dp), dp)
             continue
         per_device = batch_size // dp
         if rows_pin is not None:
             if rows_pin % dp:
+                refused["micro"] = refused.get("micro", 0) + 1
                 continue
             micro_pin = rows_pin // dp
         micros = [micro_pin] if micro_pin is not None else _divisors(per_device)
         for micro in micros:
             if per_device % micro or (stages > 1 and per_device // micro < stages):
+                refused["micro"] = refused.get("micro", 0) + 1
                 continue
             for remat in remats:
                 for schedule in schedules if stages > 1 else ["gpipe"]:
-                    out.append(grid_plan(sizes, micro, remat, batch_size, schedule, rules))
+                    for repeats in _repeats(layers, stages, schedule, repeats_pin):
+                        out.append(grid_plan(sizes, micro, remat, batch_size, schedule,
+                                             rules, repeats))
     return out
+
+
+# The most circular repeats tried: each halves the bubble's share again, while the
+# passes between stages grow with them.
+MAX_REPEATS = 8
+
+
+def _repeats(layers: int, stages: int, schedule: str, pinned: int | None) -> list[int]:
+    """The circular repeats a plan with ``stages`` may take: a pinned count, else 1 and
+    (GPipe's circular form) every count up to ``MAX_REPEATS`` whose chunks divide the
+    stages' layers."""
+    if pinned is not None:  # circular repeats need stages, and run GPipe's order
+        return [pinned] if pinned == 1 or (stages > 1 and schedule == "gpipe"
+                                           and layers % (stages * pinned) == 0) else []
+    if stages <= 1 or schedule != "gpipe":
+        return [1]
+    return [r for r in _divisors(layers // stages) if r <= MAX_REPEATS]
 
 
 def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
@@ -319,11 +363,13 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     specs = cache[key]
     rows = _placement(facts, specs, plan)
     stages, micro_batches = shape[STAGE.name], geometry.accumulation
-    # with stages the micro-batches are the pipeline's: M + S - 1 ticks, each running
-    # a stage's share of the layers
-    ticks = micro_batches + stages - 1 if stages > 1 else micro_batches
+    repeats = candidate.stage_repeats
+    # with stages the micro-batches are the pipeline's: M + S - 1 ticks (P R + S - 1
+    # with circular repeats), each running a chunk of a stage's layers
+    ticks = pipeline_ticks(stages, micro_batches, repeats)[1] if stages > 1 else micro_batches
+    bubble = ticks / (micro_batches * repeats)
     memory = facts.memory(plan, rows, micro_batch_size, remat,
-                          micro_batches, candidate.pipeline_schedule)
+                          micro_batches, candidate.pipeline_schedule, repeats)
     scanned = facts.trace.scanned if facts.trace is not None else {}
     hidden = hidden_width(facts.shapes, scanned)
     one_f_one_b = stages > 1 and candidate.pipeline_schedule == "1f1b"
@@ -333,21 +379,30 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     ways = shape[CONTEXT.name]  # a device computes 1/context of each sequence's tokens
     tensor = [] if facts.trace is None else tensor_traffic(
         facts.trace, params, shape, micro_batch_size / facts.trace_examples / ways,
-        facts.compute_itemsize, recompute, ticks / stages)
-    state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute, ticks)
+        facts.compute_itemsize, recompute, ticks / (stages * repeats))
+    state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute, ticks,
+                          repeats)
     flops = facts.flops(remat) * batch_size / devices
     if stages > 1:  # the bubble: the layers run on M + S - 1 slots, M of them real
         share = layer_share(facts)
         # 1F1B's backward recomputes a stage's forward: a forward more of the layers'
         again = 1 + facts.flops("none") * ONE_F_ONE_B_RERUN / facts.flops(remat) \
             if one_f_one_b else 1.0
-        flops *= share * again * ticks / micro_batches + 1 - share
+        flops *= share * again * bubble + 1 - share
     model = shape[MODEL.name]
+    whole = 0.0
     if model > 1 and facts.trace is not None:  # layers left whole run whole on each device
         rerun = facts.flops(remat) / facts.flops("none") \
             + (ONE_F_ONE_B_RERUN if one_f_one_b else 0.0)
-        flops += (rerun * whole_flops(facts.trace, params, facts.trace_examples)
-                  * batch_size * model / devices * (1 - 1 / model))
+        whole = (rerun * whole_flops(facts.trace, params, facts.trace_examples)
+                 * batch_size * model / devices * (1 - 1 / model))
+        flops += whole
+    device_work = None
+    counted = facts.work() if facts.timing is None else None
+    if counted is not None:
+        device_work = _device_work(counted, remat, batch_size / devices, model,
+                                   bubble, one_f_one_b, whole, stages * repeats,
+                                   hardware)
     trained = facts.trained or [True] * len(params)
     elements = sum(math.prod(p.shape) / math.prod(shape[a] for a in p.axes())
                    for p, t in zip(params, trained) if t)
@@ -356,14 +411,18 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                              facts.compute_itemsize, recompute, geometry.accumulation)
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
     pipeline = stage_traffic(shape, micro_batch_size, facts.tokens_per_example,
-                             hidden, facts.compute_itemsize, micro_batches)
+                             hidden, facts.compute_itemsize, micro_batches, repeats)
     ring = context_traffic(shape, micro_batch_size, facts.tokens_per_example,
                            facts.kv_width or hidden, hidden,
                            facts.attention_layers or stacked_layers(facts)
                            or 1, facts.compute_itemsize, micro_batches)
+    update_bytes = UPDATE_ACCESSES * sum(
+        math.prod(p.shape) / math.prod(shape[a] for a in p.axes()) * p.itemsize
+        for p, t in zip(params, trained) if t)
     cost = step_cost(flops, tensor, state, ticks, shape, hosts, hardware,
                      facts.timing, elements, experts,
-                     elements / total if total else 1.0, pipeline, ring)
+                     elements / total if total else 1.0, pipeline, ring, device_work,
+                     update_bytes, bool(scanned))
     tokens = batch_size * facts.tokens_per_example / cost.seconds
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
     return Scored(candidate, memory, cost, memory["total"] <= budget, tokens,
@@ -380,19 +439,26 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
     """
     budget = hardware.device_memory * (1 - margin)
     layers = facts.experts
+    refused: dict = {}
     grid = candidates(devices, hosts, batch_size, facts.remat_policies, pinned,
                       math.gcd(*(e.experts for e in layers)) if layers else 0,
-                      stacked_layers(facts), facts.one_f_one_b, rules)
+                      stacked_layers(facts), facts.one_f_one_b, rules, refused)
+    pinned = dict(pinned or {})
+    may_split = (facts.splits_sequences and CONTEXT.keyword not in pinned
+                 and pinned.get(STAGE.keyword, 1) == 1)
+    if not grid and may_split:  # no split of whole sequences takes the batch
+        for ways in (w for w in _divisors(devices // hosts) if w > 1):
+            grid += candidates(devices, hosts, batch_size, facts.remat_policies,
+                               {**pinned, CONTEXT.keyword: ways},
+                               math.gcd(*(e.experts for e in layers)) if layers else 0,
+                               stacked_layers(facts), facts.one_f_one_b, rules, refused)
+        may_split = False
     if not grid:
-        raise ValueError(f"no plan of {devices} devices on {hosts} host(s) takes a batch of "
-                         f"{batch_size} with {pinned or 'nothing'} pinned: check that the "
-                         "pinned axis sizes divide the devices (an axis kept inside a host "
-                         "by a host's devices) and the batch the data-parallel size")
+        raise ValueError(refusal(devices, hosts, batch_size, pinned, refused,
+                                 stacked_layers(facts), facts.splits_sequences))
     cache: dict = {}
     scored = [score(facts, c, batch_size, hosts, hardware, budget, cache) for c in grid]
-    pinned = dict(pinned or {})
-    if (not any(s.fits for s in scored) and facts.splits_sequences
-            and CONTEXT.keyword not in pinned and pinned.get(STAGE.keyword, 1) == 1):
+    if not any(s.fits for s in scored) and may_split:
         # nothing fits whole sequences: split them over a context axis (never otherwise:
         # its ring costs transfers a plan that fits without it does not pay)
         local = devices // hosts
@@ -420,9 +486,66 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
     return ranking
 
 
+def refusal(devices: int, hosts: int, batch_size: int, pinned: dict, refused: dict,
+            layers: int, splits_sequences: bool) -> str:
+    """Why no candidate plan exists, from what ``candidates`` refused, and what to change."""
+    head = (f"no plan of {devices} devices on {hosts} host(s) takes a batch of {batch_size}"
+            + (f" with {pinned} pinned" if pinned else ""))
+    if not refused.get("splits"):
+        return (f"{head}: the pinned axis sizes do not split the devices (each divides "
+                f"the devices, and an axis kept inside a host the host's {devices // hosts})")
+    why = []
+    if "batch" in refused:
+        smallest = refused["batch"]
+        why.append(f"every split leaves a data-parallel size that does not divide the batch "
+                   f"(the smallest, {smallest}, would take a batch that is a multiple of "
+                   f"{smallest})")
+    if "layers" in refused:
+        counts = [d for d in _divisors(layers) if d > 1]
+        why.append(f"pipeline stages must divide the model's {layers} stacked layers "
+                   f"({sorted(refused['layers'])[:6]} do not; the stage counts that do: "
+                   f"{counts[:12]})" if layers else "the model stacks no layers to pipeline")
+    if refused.get("micro"):
+        why.append("a pinned micro-batch does not divide a device's share of the batch, or "
+                   "leaves fewer micro-batches than pipeline stages")
+    if refused.get("experts"):
+        why.append("an expert axis must divide the model's experts")
+    if splits_sequences:
+        why.append("a context axis (tried up to a host's devices) cannot be combined with "
+                   "pipeline stages yet")
+    return (f"{head}: {'; '.join(why)}. Use a larger batch (or fewer devices), or pin axis "
+            "sizes that take it")
+
+
 # What 1F1B's backward adds to the layers' work, over a pass without remat: each
 # stage's forward once more (a forward is about a third of forward and backward).
 ONE_F_ONE_B_RERUN = 1 / 3
+# Reads and writes of each trained parameter element in the optimizer's update, at its
+# bytes: AdamW reads the parameter, its gradient twice (the global norm, the update)
+# and both moments, and writes the parameter and both moments.
+UPDATE_ACCESSES = 8
+
+
+def _device_work(counted: ModelWork, remat: str, examples: float, model: int,
+                 bubble: float, one_f_one_b: bool, whole: float, stages: int,
+                 hardware: Hardware) -> DeviceWork:
+    """One device's work in a step: ``examples`` (the batch over the devices) times an
+    example's under ``remat``, the layers' stretched by the pipeline's ``bubble`` (1F1B
+    runs their forward again), the matmuls the model axis leaves whole (``whole``
+    FLOPs) added. Of the memory-bound work only the part over split widths (heads, the
+    MLP's inner width: ``Work.split_memory``) divides over the model axis: the residual
+    stream, the norms and the loss run whole on each device of a tensor-parallel group
+    (there is no sequence parallelism)."""
+    example = counted.under(remat)
+    one = example.layer + (counted.forward.layer if one_f_one_b else Work())
+    layer = one * (example.layers * examples * bubble)
+    layer = dataclasses.replace(
+        layer, memory=layer.split_memory + (layer.memory - layer.split_memory) * model,
+        matmul=layer.matmul + whole)
+    rest = example.rest * examples
+    rest = dataclasses.replace(rest, memory=rest.memory * model)
+    forward = work_seconds(counted.forward.layer, hardware) / work_seconds(one, hardware)
+    return DeviceWork(layer, rest, forward, max(1, example.layers // stages))
 
 
 def stacked_layers(facts: ModelFacts) -> int:
@@ -454,6 +577,8 @@ def pins(**given) -> dict:
     for key in ("micro_batch_size", "micro_rows", "remat", "pipeline_schedule"):
         if given.get(key) is not None:
             out[key] = given[key]
+    if given.get("stage_repeats", 1) != 1:
+        out["stage_repeats"] = given["stage_repeats"]
     return out
 
 

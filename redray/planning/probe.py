@@ -1,6 +1,8 @@
 """The live cluster's numbers for the planner, measured through the real runtime: each
-device's matmul rate, and the all-reduce bandwidth and latency inside a host and
-between hosts.
+device's matmul rate and memory bandwidth (an elementwise kernel's bytes), and the
+all-reduce bandwidth and latency inside a host and between hosts. A fused attention
+kernel's rate is not timed: the preset's share of the matmul rate, scaled to the
+measured one.
 
 Every process runs the probe (its collectives need all of them); the numbers of process
 0 are given to all, so every host plans the same. A folder given as ``cache`` keeps them
@@ -95,6 +97,15 @@ def _link(mesh: Mesh, axis: str, dtype) -> Link | None:
     return Link(bandwidth, latency)
 
 
+def _memory_rate(mesh: Mesh, dtype, elements: int) -> float:
+    """Bytes per second each device's elementwise kernels read and write: ``v * 2 + 1``
+    over ``elements`` per device (larger than the caches), all devices at once."""
+    spec = NamedSharding(mesh, P(("hosts", "local")))
+    x = ones((mesh.devices.size, elements), dtype, spec)
+    seconds = _timed(jax.jit(lambda v: v * 2 + 1, out_shardings=spec), x)
+    return 2 * elements * jnp.dtype(dtype).itemsize / seconds
+
+
 def _overhead(mesh: Mesh) -> float:
     """Seconds one small program costs to dispatch and run on every device."""
     x = ones((mesh.devices.size, 8), jnp.float32, NamedSharding(mesh, P(("hosts", "local"))))
@@ -159,9 +170,11 @@ def _measure() -> Hardware:
     numbers = np.array([
         _matmul_rate(mesh, dtype, 4096 if accelerated else 512),
         *_flat(_link(mesh, "local", dtype)), *_flat(_link(mesh, "hosts", dtype)),
-        _overhead(mesh), device_memory(device)], np.float64)
+        _overhead(mesh), device_memory(device),
+        _memory_rate(mesh, dtype, (1 << 27) if accelerated else (1 << 22))], np.float64)
     numbers = from_process_zero(numbers)  # every host plans from process 0's numbers
-    rate, intra_bw, intra_lat, inter_bw, inter_lat, overhead, memory = numbers.tolist()
+    (rate, intra_bw, intra_lat, inter_bw, inter_lat, overhead, memory,
+     bandwidth) = numbers.tolist()
     base = like or dataclasses.replace(PRESETS["h100"], intra=UNMEASURED, inter=UNMEASURED)
     intra = Link(intra_bw, intra_lat) if intra_bw > 0 else base.intra
     inter = Link(inter_bw, inter_lat) if inter_bw > 0 else (intra if jax.process_count() == 1
@@ -172,6 +185,9 @@ def _measure() -> Hardware:
         memory, jax.local_device_count(), intra, inter,
         overlap=1.0 if accelerated else 0.0, reduce_scatter=accelerated,
         micro_batch_overhead=overhead, live=True, platform=device.platform,
+        memory_bandwidth=bandwidth,
+        attention_flops=(like.attention_flops * rate / like.matmul_flops
+                         if like and like.attention_flops else 0.0),
         source=f"measured by redray's probe on {time.strftime('%Y-%m-%d %H:%M')}; peak from "
                f"{like.name if like else 'the measured rate'}")
 

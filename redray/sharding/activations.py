@@ -31,6 +31,7 @@ _UNROLL: contextvars.ContextVar = contextvars.ContextVar("redray_unroll", defaul
 _SPECS: contextvars.ContextVar = contextvars.ContextVar("redray_param_specs", default=None)
 _ATTENTION: contextvars.ContextVar = contextvars.ContextVar("redray_attention", default=None)
 _KERNELS: contextvars.ContextVar = contextvars.ContextVar("redray_kernels", default=None)
+_COUNTED: contextvars.ContextVar = contextvars.ContextVar("redray_counted", default=None)
 
 
 @contextlib.contextmanager
@@ -48,6 +49,27 @@ def blockwise_attention():
 def attention_forced() -> str | None:
     """The attention implementation the trace forces (``blockwise_attention``), or None."""
     return _ATTENTION.get()
+
+
+@contextlib.contextmanager
+def counted_attention():
+    """Within: redray's models do not compute attention. Each call appends its geometry
+    (``redray.models.attention.AttentionCall``) to the list yielded and returns a
+    stand-in of the output's shape that reads the queries, keys and values once (so
+    every projection keeps its gradient): what the planner compiles to count a step's
+    other work, attention's own costed apart at its kernel's rate
+    (``redray.planning.work``)."""
+    calls: list = []
+    token = _COUNTED.set(calls)
+    try:
+        yield calls
+    finally:
+        _COUNTED.reset(token)
+
+
+def attention_counts() -> list | None:
+    """The list ``counted_attention`` collects into, or None outside it."""
+    return _COUNTED.get()
 
 
 class AttentionKernels:

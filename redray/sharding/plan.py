@@ -79,9 +79,11 @@ class Plan:
 
     def brief(self) -> str:
         """The planner's words for a plan it weighed: ``data=2 x fsdp=4, micro 4, remat
-        dots`` (then ``1f1b`` where it pipelines so): its axes, the examples per device
-        per pass, the remat policy."""
+        dots`` (then ``1f1b`` where it pipelines so, ``circular x 4`` with circular
+        repeats): its axes, the examples per device per pass, the remat policy."""
         order = ", 1f1b" if self.pipeline_schedule == "1f1b" else ""
+        if self.stage_repeats > 1:
+            order += f", circular x {self.stage_repeats}"
         return (f"{describe_shape(self.parallelism.shape)}, micro "
                 f"{self.geometry.micro_batch_size}, remat {self.remat}{order}")
 
