@@ -510,9 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the planner: hosts the devices are in (default: devices / a host's "
                         "devices of --hardware)")
     p.add_argument("--hardware", default=None,
-                   help="the planner: a preset the plans are costed on: h100, a100, l4, "
-                        "tpu-v5e or cpu, '+ethernet' for hosts joined by 100 Gb/s Ethernet "
-                        "(default h100)")
+                   help="the planner: a preset the plans are costed on: h100, "
+                        "h100-96gb-500w, h200, a100, l4, tpu-v5e or cpu, '+ethernet' for "
+                        "hosts joined by 100 Gb/s Ethernet (default h100)")
     memory = p.add_argument_group(
         "one training step's memory per device (gradients, compute-dtype copies, FSDP "
         "gather buffers, activations): give --batch-size and --seq-len")

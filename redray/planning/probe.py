@@ -113,7 +113,8 @@ def _overhead(mesh: Mesh) -> float:
 
 
 # Device kinds (as JAX names them, lower case) -> the preset that gives their peak.
-KINDS = {"h100": "h100", "a100": "a100", "l4": "l4", "v5 lite": "tpu-v5e", "v5e": "tpu-v5e"}
+KINDS = {"h100": "h100", "h200": "h200", "a100": "a100", "l4": "l4", "v5 lite": "tpu-v5e",
+         "v5e": "tpu-v5e"}
 
 
 def _like(device) -> Hardware | None:

@@ -223,7 +223,7 @@ def config_work(fam, config, seq: int, compute_dtype=None, chunk=None) -> ModelW
     as a list at depth 1 and 2, the difference one layer (for encoder-decoders, each
     stack's layers apart, one layer their depth-weighted mean), and the share of a
     layer's memory-bound bytes a model axis splits (``SPLIT_FIELDS``). Kept for the
-    process: six compilations of a few seconds each."""
+    process: five compilations of a few seconds each."""
     key = (config.to_json_string(), seq, str(compute_dtype), chunk)
     if key not in _COUNTED:
         _COUNTED[key] = _config_work(fam, config, seq, compute_dtype, chunk)
@@ -241,35 +241,36 @@ def _config_work(fam, config, seq: int, compute_dtype, chunk) -> ModelWork:
     # kernels do not make
     scale = jnp.dtype(compute_dtype or jnp.float32).itemsize / 4
 
-    def stepwork(backward: bool, model=config) -> StepWork:
-        def at(counts) -> Work:
-            loss, params, extra, inputs = _abstract_loss(
-                fam, _with_layers(model, fields, counts), 1, seq, "none", None, chunk,
-                scan=False)
+    def at(counts, backward: bool = True, model=config) -> Work:
+        loss, params, extra, inputs = _abstract_loss(
+            fam, _with_layers(model, fields, counts), 1, seq, "none", None, chunk,
+            scan=False)
 
-            def fresh(params, extra, inputs):
-                # the model's other state (dropout's key counts) made in the trace that
-                # advances it
-                return loss(params, jax.tree.map(_fresh_state, extra), inputs)
+        def fresh(params, extra, inputs):
+            # the model's other state (dropout's key counts) made in the trace that
+            # advances it
+            return loss(params, jax.tree.map(_fresh_state, extra), inputs)
 
-            work = traced_work(jax.grad(fresh) if backward else fresh, params, extra,
-                               inputs, backward=backward)
-            return dataclasses.replace(work, memory=work.memory * scale)
+        work = traced_work(jax.grad(fresh) if backward else fresh, params, extra,
+                           inputs, backward=backward)
+        return dataclasses.replace(work, memory=work.memory * scale)
 
-        base = at([1] * len(fields))
-        deltas = [at([2 if j == i else 1 for j in range(len(fields))]) - base
+    def stepwork(backward: bool) -> tuple[StepWork, Work]:
+        base = at([1] * len(fields), backward)
+        deltas = [at([2 if j == i else 1 for j in range(len(fields))], backward) - base
                   for i in range(len(fields))]
         layers = sum(depth)
         layer = sum((d * n for d, n in zip(deltas, depth)), Work()) * (1 / layers)
-        return StepWork(layer, base - layer * len(fields), layers)
+        return StepWork(layer, base - layer * len(fields), layers), base
 
-    step, forward = stepwork(True), stepwork(False)
+    (step, base), (forward, _) = stepwork(True), stepwork(False)
     narrow = _narrowed(config)
     if narrow is not None:
         # a layer's bytes are a part that grows with the heads and the inner width and
-        # a part that does not: halving those widths halves the first
-        half = stepwork(True, narrow).layer.memory
-        share = min(1.0, max(0.0, 2 * (step.layer.memory - half) / step.layer.memory))
+        # a part that does not: halving those widths (in each stack's one layer at
+        # depth 1; the rest unchanged) takes half the first away
+        halved = base.memory - at([1] * len(fields), True, narrow).memory
+        share = min(1.0, max(0.0, 2 * halved / len(fields) / step.layer.memory))
         step, forward = (dataclasses.replace(w, layer=dataclasses.replace(
             w.layer, split_memory=share * w.layer.memory)) for w in (step, forward))
     return ModelWork(step, forward)
