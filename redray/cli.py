@@ -114,7 +114,11 @@ def _scored_json(s) -> dict:
     c = s.cost
     return {"plan": s.plan.shape, "micro_batch_size": s.plan.geometry.micro_batch_size,
             "remat": s.plan.remat, "accumulation": s.accumulation,
+            "pipeline_schedule": s.plan.pipeline_schedule,
+            "stage_repeats": s.plan.stage_repeats,
             "step_seconds": c.seconds, "compute_seconds": c.compute,
+            "attention_seconds": c.attention, "memory_bound_seconds": c.memory,
+            "update_seconds": c.update, "pipeline_seconds": c.pipeline,
             "tensor_seconds": c.tensor, "gradient_seconds": c.gradients,
             "exposed_gradient_seconds": c.exposed, "tokens_per_s": s.tokens_per_s,
             "mfu": s.mfu, "memory_bytes": s.memory["total"]}

@@ -362,6 +362,11 @@ def test_the_planner_ranks_plans_when_no_axis_is_given(capsys):
     assert result["plans"] and all(p["plan"]["model"] == 4 for p in result["plans"])
     times = [p["step_seconds"] for p in result["plans"]]
     assert times == sorted(times)
+    # the compute's parts by kind (redray.planning.work): attention at its kernel's
+    # rate and the memory-bound kernels are part of it, beside the matmuls
+    assert all(0 < p["attention_seconds"] and 0 < p["memory_bound_seconds"]
+               and p["attention_seconds"] + p["memory_bound_seconds"] < p["compute_seconds"]
+               for p in result["plans"])
 
 
 @pytest.mark.parametrize("axes", [dict(fsdp_axis=2), dict(model_axis=2)])
