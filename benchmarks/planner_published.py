@@ -99,7 +99,9 @@ def flops_per_token(fields: dict, seq: int) -> float:
     return 6 * params + 6 * layers * heads * dim * seq
 
 
-def predict(run: Run) -> dict:
+def predict(run: Run, own: bool = True) -> dict:
+    """The planner pinned to ``run`` (and, with ``own``, its own pick for the same GPUs
+    and batch), beside the published figure."""
     from redray.planning.from_config import choose_plan
     from redray.planning.hardware import preset
 
@@ -110,7 +112,7 @@ def predict(run: Run) -> dict:
                          compute_dtype="bfloat16", **run.pinned).best
     seconds = time.perf_counter() - start
     own = choose_plan(run.fields, run.devices, hosts, run.batch, run.seq, hardware,
-                      compute_dtype="bfloat16").best
+                      compute_dtype="bfloat16").best if own else pinned
     per_gpu = pinned.tokens_per_s / run.devices
     flops = per_gpu * flops_per_token(run.fields, run.seq)
     value = {"tokens/s per GPU": per_gpu, "TFLOP/s per GPU": flops / 1e12,

@@ -172,7 +172,7 @@ def _measure() -> Hardware:
         _matmul_rate(mesh, dtype, 4096 if accelerated else 512),
         *_flat(_link(mesh, "local", dtype)), *_flat(_link(mesh, "hosts", dtype)),
         _overhead(mesh), device_memory(device),
-        _memory_rate(mesh, dtype, (1 << 27) if accelerated else (1 << 22))], np.float64)
+        _memory_rate(mesh, dtype, (1 << 27) if accelerated else (1 << 20))], np.float64)
     numbers = from_process_zero(numbers)  # every host plans from process 0's numbers
     (rate, intra_bw, intra_lat, inter_bw, inter_lat, overhead, memory,
      bandwidth) = numbers.tolist()
