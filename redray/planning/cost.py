@@ -465,14 +465,21 @@ class DeviceWork:
     count: int
 
 
-def work_seconds(work: Work, hardware: Hardware) -> float:
-    """Seconds of ``work`` on one device: the matmuls at the matmul rate, attention at the
-    fused kernel's rate (where the device has one; else every pair at the matmul rate),
-    the memory-bound kernels' bytes at the memory bandwidth (where it is known)."""
-    attention = (work.attention / hardware.attention_rate if hardware.fused_attention
-                 else work.dense_attention / hardware.matmul_flops)
+def work_parts(work: Work, hardware: Hardware) -> tuple[float, float, float]:
+    """Seconds of ``work`` on one device, by rate: (the matmuls at the matmul rate, with
+    attention's every pair where the device has no fused kernel; attention at the fused
+    kernel's rate; the memory-bound kernels' bytes at the memory bandwidth, where it is
+    known)."""
+    fused = hardware.fused_attention
+    matmul = (work.matmul + (0.0 if fused else work.dense_attention)) / hardware.matmul_flops
+    attention = work.attention / hardware.attention_rate if fused else 0.0
     memory = work.memory / hardware.memory_bandwidth if hardware.memory_bandwidth else 0.0
-    return work.matmul / hardware.matmul_flops + attention + memory
+    return matmul, attention, memory
+
+
+def work_seconds(work: Work, hardware: Hardware) -> float:
+    """Seconds of ``work`` on one device (``work_parts`` together)."""
+    return sum(work_parts(work, hardware))
 
 
 def exposed_seconds(traffic: Sequence[Traffic], spans: dict, hardware: Hardware,
@@ -557,12 +564,8 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
     if timing is None:
         per_micro = hardware.micro_batch_overhead
         if work is not None:
+            _, attention, memory = work_parts(work.layers + work.rest, hardware)
             compute = work_seconds(work.layers + work.rest, hardware)
-            total = work.layers + work.rest
-            if hardware.fused_attention:
-                attention = total.attention / hardware.attention_rate
-            if hardware.memory_bandwidth:
-                memory = total.memory / hardware.memory_bandwidth
         else:
             compute = flops / hardware.matmul_flops
         update = update_bytes / hardware.memory_bandwidth if hardware.memory_bandwidth else 0.0

@@ -404,8 +404,10 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                                    bubble, one_f_one_b, whole, stages * repeats,
                                    hardware)
     trained = facts.trained or [True] * len(params)
-    elements = sum(math.prod(p.shape) / math.prod(shape[a] for a in p.axes())
-                   for p, t in zip(params, trained) if t)
+    # each trained parameter's elements on one device
+    held = [(p, math.prod(p.shape) / math.prod(shape[a] for a in p.axes()))
+            for p, t in zip(params, trained) if t]
+    elements = sum(n for _, n in held)
     experts = expert_traffic(facts.experts, shape,
                              micro_batch_size * -(-facts.tokens_per_example // ways),
                              facts.compute_itemsize, recompute, geometry.accumulation)
@@ -416,9 +418,7 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                            facts.kv_width or hidden, hidden,
                            facts.attention_layers or stacked_layers(facts)
                            or 1, facts.compute_itemsize, micro_batches)
-    update_bytes = UPDATE_ACCESSES * sum(
-        math.prod(p.shape) / math.prod(shape[a] for a in p.axes()) * p.itemsize
-        for p, t in zip(params, trained) if t)
+    update_bytes = UPDATE_ACCESSES * sum(n * p.itemsize for p, n in held)
     cost = step_cost(flops, tensor, state, ticks, shape, hosts, hardware,
                      facts.timing, elements, experts,
                      elements / total if total else 1.0, pipeline, ring, device_work,
