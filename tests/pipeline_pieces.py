@@ -8,10 +8,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from redray.models import build, layers
+from redray.sharding.parallelism import layer_order
 from redray.sharding.pipeline_schedules import one_f_one_b
 
 
@@ -19,8 +21,8 @@ from redray.sharding.pipeline_schedules import one_f_one_b
 class Pieces:
     """``params`` (the model's, an nnx State); ``reference(params)``: the sum of the
     micro-batches' next-token losses, unpipelined (differentiate it with JAX);
-    ``one_f_one_b(params, mesh)``: (that sum, its gradient) by the 1F1B schedule over
-    the mesh's ``stage`` axis."""
+    ``one_f_one_b(params, mesh, repeats=1)``: (that sum, its gradient) by the 1F1B
+    schedule over the mesh's ``stage`` axis (interleaved with ``repeats``)."""
     params: object
     reference: Callable
     one_f_one_b: Callable
@@ -66,8 +68,12 @@ def decoder_pieces(config, ids, micro: int, remat=False) -> Pieces:
             total += tail(p, run_layers(jax.tree.leaves(p[name]), x, shared), m)
         return total
 
-    def pipelined(p, mesh):
+    def pipelined(p, mesh, repeats=1):
         stages = mesh.shape["stage"]
+        count = jax.tree.leaves(p[name])[0].shape[0]
+        # with repeats the stages hold their chunks as a plan does (layer_order)
+        order = layer_order(count, stages, repeats)
+        lead = (stages,) if repeats == 1 else (stages, repeats)
 
         def heads(p):
             outs = [head(p, inputs[m]) for m in range(micro)]
@@ -75,7 +81,7 @@ def decoder_pieces(config, ids, micro: int, remat=False) -> Pieces:
 
         x_m, head_vjp, shared = jax.vjp(heads, p, has_aux=True)
         shared_m = jax.tree.map(lambda *a: jnp.stack(a), *shared)
-        blocks = [a.reshape(stages, a.shape[0] // stages, *a.shape[1:])
+        blocks = [a[order].reshape(*lead, count // (stages * repeats), *a.shape[1:])
                   for a in jax.tree.leaves(p[name])]
         # the tail's parameters: all but the stacked layers (held by their stages)
         others = nnx.State({k: v for k, v in p.items() if k != name})
@@ -83,10 +89,11 @@ def decoder_pieces(config, ids, micro: int, remat=False) -> Pieces:
         loss, _, d_blocks, d_tail, d_x = one_f_one_b(
             lambda chunk, _, h, m, c: run_layers(chunk, h, jax.tree.map(lambda a: a[m], c)),
             lambda q, h, m, c: (tail(nnx.State({**q, name: unused}), h, m), {}),
-            blocks, others, x_m, shared_m, mesh)
+            blocks, others, x_m, shared_m, mesh, repeats=repeats)
         (grads,) = head_vjp(d_x)
+        back = np.argsort(order)  # the layers' own order again
         grads = nnx.State({k: (jax.tree.map(jnp.add, v, d_tail[k]) if k != name else
-                               block_tree.unflatten([a + d.reshape(a.shape) for a, d in zip(
+                               block_tree.unflatten([a + d.reshape(a.shape)[back] for a, d in zip(
                                    jax.tree.leaves(v), d_blocks)]))
                            for k, v in grads.items()})
         return loss, grads

@@ -262,7 +262,8 @@ def test_the_planner_weighs_1f1b_beside_gpipe_and_takes_it_where_gpipe_does_not_
     # the recomputed forward, in the FLOPs the compute is charged for (remat none)
     every = ranking.ranked + ranking.over
     one = next(s for s in every if s.plan.pipeline_schedule == "1f1b"
-               and s.plan.remat == "none" and s.plan.shape["model"] == 1)
+               and s.plan.remat == "none" and s.plan.shape["model"] == 1
+               and s.plan.stage_repeats == 1)
     gpipe = next(s for s in every if s.plan == dataclasses.replace(
         one.plan, pipeline_schedule="gpipe"))
     counted = facts.work()
@@ -271,6 +272,14 @@ def test_the_planner_weighs_1f1b_beside_gpipe_and_takes_it_where_gpipe_does_not_
     again = (work_seconds(counted.forward.layer, small) * counted.step.layers * 64 / 16
              * ticks)
     assert one.cost.compute - gpipe.cost.compute == pytest.approx(again, rel=1e-9)
+    # interleaved (repeats): the bubble (S - 1) / (M R) of the layers' work, for R times
+    # the passes between the stages
+    twice = next(s for s in every if s.plan == dataclasses.replace(one.plan, stage_repeats=2))
+    layers = work_seconds(counted.step.layer, small) * counted.step.layers * 64 / 16 \
+        + work_seconds(counted.forward.layer, small) * counted.step.layers * 64 / 16
+    assert one.cost.compute - twice.cost.compute == pytest.approx(
+        layers * (stages - 1) / micro * (1 - 1 / 2), rel=1e-9)
+    assert twice.cost.pipeline > one.cost.pipeline
     # pinned, or a model it cannot cut (an encoder-decoder): GPipe only
     pinned = rank(facts, 16, 2, 64, ethernet(PRESETS["h100"]), {"pipeline_schedule": "gpipe"})
     assert {s.plan.pipeline_schedule for s in pinned.ranked + pinned.over} == {"gpipe"}
@@ -335,21 +344,25 @@ def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_ste
 
 
 # ------------------------------------------------------------------ 1F1B
-@pytest.mark.parametrize("family,axes,micro", [
-    ("llama", dict(stage_axis=2), 4), ("llama", dict(stage_axis=4), 6),
-    ("gpt2", dict(stage_axis=2, fsdp_axis=2), 3)], ids=["llama-s2", "llama-s4", "gpt2-s2-fsdp2"])
-def test_one_f_one_b_equals_the_unpipelined_gradient(family, axes, micro):
+@pytest.mark.parametrize("family,axes,micro,repeats", [
+    ("llama", dict(stage_axis=2), 4, 1), ("llama", dict(stage_axis=4), 6, 1),
+    ("gpt2", dict(stage_axis=2, fsdp_axis=2), 3, 1), ("llama", dict(stage_axis=2), 4, 2),
+    ("gpt2", dict(stage_axis=2, fsdp_axis=2), 3, 2)],
+    ids=["llama-s2", "llama-s4", "gpt2-s2-fsdp2", "llama-s2-r2", "gpt2-s2-fsdp2-r2"])
+def test_one_f_one_b_equals_the_unpipelined_gradient(family, axes, micro, repeats):
     """The 1F1B schedule's loss and gradients (the stages' layers, the tail's parameters,
     and through the first stage's inputs the embeddings) equal JAX's gradient of the
     same micro-batch losses without a pipeline: 4 micro-batches on 2 stages (the ring of
-    3 inputs wraps), 6 on 4 (fewer than the ring's 7 slots), FSDP inside the stages."""
+    3 inputs wraps), 6 on 4 (fewer than the ring's 7 slots), FSDP inside the stages;
+    interleaved (2 chunks a stage, held in ``layer_order``), with micro-batches that
+    fill their groups of 2 and with a last group of 1."""
     from pipeline_pieces import decoder_pieces
 
     pieces = decoder_pieces(CONFIGS[family](), IDS[:ROWS // micro * micro], micro)
     expected, expected_grads = jax.jit(jax.value_and_grad(pieces.reference))(pieces.params)
     plan = Parallelism.of(data_axis=1, **axes).build(
         jax.devices()[:int(np.prod(list(axes.values())))])
-    value, grads = jax.jit(lambda p: pieces.one_f_one_b(p, plan.mesh))(pieces.params)
+    value, grads = jax.jit(lambda p: pieces.one_f_one_b(p, plan.mesh, repeats))(pieces.params)
     assert abs(float(value) - float(expected)) <= 1e-5 * abs(float(expected))
     for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
                                  jax.tree.leaves(expected_grads)):
@@ -373,14 +386,61 @@ def test_the_one_f_one_b_schedule_holds_2s_minus_1_inputs_whatever_the_micro_bat
         assert held == one_f_one_b_schedule(S, M)[1]
 
 
+@pytest.mark.parametrize("S,M,R", [(2, 4, 2), (4, 8, 2), (4, 16, 4), (3, 7, 2), (8, 16, 4)])
+def test_the_interleaved_schedule_keeps_every_dependency_and_megatrons_bubble(S, M, R):
+    """The table ``one_f_one_b`` runs, read back: every chunk's forward and backward of
+    every micro-batch once, each after what it needs (the previous chunk's forward, the
+    next chunk's backward; the last chunk's backward from the tick of its forward), the
+    slots read where they were filled; the length Megatron-LM's interleaved schedule
+    has where S divides M (a bubble of (S - 1) / (M R)), and its inputs held: 2 (S - 1)
+    + (R - 1) S + 1."""
+    from redray.sharding.pipeline_schedules import one_f_one_b_table
+
+    schedule = one_f_one_b_table(S, M, R)
+    col = schedule.column
+    f_at, b_at, f_slot, b_slot = {}, {}, {}, {}
+    for t in range(schedule.ticks):
+        for s in range(S):
+            if col("forward")[t, s]:
+                key = (int(col("f_repeat")[t, s]) * S + s, int(col("f_micro")[t, s]))
+                assert key not in f_at
+                f_at[key], f_slot[key] = t, int(col("f_slot")[t, s])
+            if col("backward")[t, s]:
+                key = (int(col("b_repeat")[t, s]) * S + s, int(col("b_micro")[t, s]))
+                assert key not in b_at
+                b_at[key], b_slot[key] = t, int(col("b_slot")[t, s])
+    every = {(v, m) for v in range(S * R) for m in range(M)}
+    assert set(f_at) == set(b_at) == every
+    for v, m in every:
+        assert v == 0 or f_at[(v - 1, m)] < f_at[(v, m)]
+        assert (f_at[(v, m)] <= b_at[(v, m)] if v == S * R - 1
+                else b_at[(v + 1, m)] < b_at[(v, m)])
+        assert b_slot[(v, m)] == f_slot[(v, m)]  # the backward recomputes from its input
+        if v:  # it arrived at the start of the tick after the previous chunk's forward
+            assert col("store")[f_at[(v - 1, m)] + 1, v % S] == f_slot[(v, m)]
+    # no slot is filled again while its input waits for its backward
+    for s in range(S):
+        mine = [(f_at[(v - 1, m)] + 1 if v else f_at[(v, m)], b_at[(v, m)], f_slot[(v, m)])
+                for v, m in every if v % S == s]
+        for a in mine:
+            for b in mine:
+                assert a is b or a[2] != b[2] or a[1] < b[0] or b[1] < a[0]
+    if M % S == 0:
+        assert schedule.passes == M * R + S - 1
+        assert schedule.slots == 2 * (S - 1) + (R - 1) * S + 1
+
+
 @pytest.mark.parametrize("family,axes", [("llama", dict(stage_axis=2, data_axis=2)),
-                                         ("gpt2", dict(stage_axis=2, fsdp_axis=2))],
-                         ids=["llama-s2-data2", "gpt2-s2-fsdp2"])
+                                         ("gpt2", dict(stage_axis=2, fsdp_axis=2)),
+                                         ("llama", dict(stage_axis=2, data_axis=2,
+                                                        stage_repeats=2))],
+                         ids=["llama-s2-data2", "gpt2-s2-fsdp2", "llama-s2-r2-data2"])
 def test_a_trainer_on_1f1b_trains_as_one_device(family, axes):
     """``pipeline_schedule="1f1b"``: the user's loss cut at the stacked layers, each
     micro-batch's loss averaged; the losses of 3 steps and the parameters after them
     those of one device (the loss's token mean over equal micro-batches is the mean
-    of their means)."""
+    of their means); interleaved too (``stage_repeats=2``: the parameters held in
+    ``layer_order``, the checkpointed ones in the layers' own)."""
     def loss(model, batch, rng, train):
         value = lm_loss(model, batch["ids"])
         return value, {"twice": 2 * value}
@@ -397,8 +457,6 @@ def test_1f1b_refuses_what_it_does_not_run_yet():
     ids_loss = lambda m, b, r, t: lm_loss(m, b["ids"])  # noqa: E731
     with pytest.raises(ValueError, match="pipeline_schedule='zigzag': use one of 'gpipe', '1f1b'"):
         redray.Trainer(make, loss=ids_loss, pipeline_schedule="zigzag", **common)
-    with pytest.raises(ValueError, match="does not take stage_repeats > 1 yet"):
-        redray.Trainer(make, loss=ids_loss, pipeline_schedule="1f1b", stage_repeats=2, **common)
     # an encoder-decoder runs two stacks of layers: refused when the step is traced
     t5 = redray.Trainer(lambda rngs: build(FAMILIES["t5"](), rngs=rngs, scan=True),
                         loss=lambda m, b, r, t: t5_loss(m, b["ids"]), pipeline_schedule="1f1b",

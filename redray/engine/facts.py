@@ -84,7 +84,7 @@ class RuntimeFacts(ModelFacts):
         self.timing = None
         self.experts = _expert_layers(runtime)
         self.splits_sequences = _splits_sequences(runtime)
-        self.one_f_one_b = trainable is None and runtime.stage_repeats == 1 \
+        self.one_f_one_b = trainable is None \
             and cuts_at_one_stack(runtime, loss, params, extra, self.batch)
 
     @property

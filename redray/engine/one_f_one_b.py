@@ -29,7 +29,7 @@ from flax import nnx
 
 from redray.functions import split_loss_output
 from redray.sharding.activations import BlocksCut, cut_at_blocks
-from redray.sharding.parallelism import BATCH_AXES, STAGE
+from redray.sharding.parallelism import BATCH_AXES, STAGE, layer_order
 from redray.sharding.pipeline_schedules import merge_micro, one_f_one_b, rows_flags, split_micro
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -80,7 +80,7 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
     leaves it; the stages and the tail draw their dropout from its keys salted by the
     step and the micro-batch (``salted``)."""
     mesh = runtime.parallelism.mesh
-    stages = mesh.shape[STAGE.name]
+    stages, repeats = mesh.shape[STAGE.name], runtime.stage_repeats
     ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
 
     def gradients(params, frozen, extra, batch, rng):
@@ -111,13 +111,20 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
         param_tree, rest_tree = jax.tree.structure(block_params), jax.tree.structure(block_rest)
         under, leaves, treedef = _split_at(params, path)
         layers = next(a for a, u in zip(leaves, under) if u).shape[0]
-        by_stage = lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:])  # noqa: E731
+        # the stacked parameters are held in layer_order (with repeats: stage s's
+        # chunks r S + s in turn), so a stage's block is its chunks
+        lead = (stages,) if repeats == 1 else (stages, repeats)
+        by_stage = lambda a: a.reshape(*lead, a.shape[0] // (stages * repeats),  # noqa: E731
+                                       *a.shape[1:])
+        order = layer_order(layers, stages, repeats)
+        ordered = lambda a: a if repeats == 1 else jnp.take(a, order, axis=0)  # noqa: E731
         stage_params = [by_stage(a) for a, u in zip(leaves, under) if u]
         tail_params = [a for a, u in zip(leaves, under) if not u]
-        # each stage's share of the layers' other state (RNG counts) and per-layer inputs
+        # each chunk's share of the layers' other state (RNG counts) and per-layer
+        # inputs, which come in the layers' own order (as run_stages takes them)
         rest_under, rest_leaves, _ = _split_at(extra, path)
-        own = ([by_stage(a) for a, u in zip(rest_leaves, rest_under) if u],
-               jax.tree.map(by_stage, per_layer))
+        own = ([by_stage(ordered(a)) for a, u in zip(rest_leaves, rest_under) if u],
+               jax.tree.map(lambda a: by_stage(ordered(a)), per_layer))
         x_m = split_micro(x, micro, ways)
         flags = rows_flags(args, rows)
         args_leaves, args_tree = jax.tree.flatten(args)
@@ -151,7 +158,7 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
             return value, metrics
 
         total, metrics, d_stages, d_tail, d_x = one_f_one_b(
-            stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh, own)
+            stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh, own, repeats)
         (grads,) = head_vjp(merge_micro(d_x, ways))
         g_leaves = jax.tree.leaves(grads)
         d_stages, d_tail = iter(d_stages), iter(d_tail)

@@ -142,9 +142,8 @@ def asked_plan(parallelism, mesh, rules, axes: dict, batch_size: int,
     if plan_timing not in (None, True, False):
         raise ValueError(f"plan_timing={plan_timing!r}: use None (timed unless the run is "
                          "short), True or False")
-    if pipeline_schedule == "1f1b" and (stage_repeats > 1 or grad_fn or trainable):
-        given = "stage_repeats > 1" if stage_repeats > 1 else \
-            "grad_fn" if grad_fn else "trainable"
+    if pipeline_schedule == "1f1b" and (grad_fn or trainable):
+        given = "grad_fn" if grad_fn else "trainable"
         raise ValueError(f"pipeline_schedule='1f1b' does not take {given} yet: use "
                          "pipeline_schedule='gpipe' (the default)")
     axes = {k: v for k, v in axes.items() if v is not None}  # None: not given

@@ -63,10 +63,11 @@ class Trainer:
         stages, at least 4 micro-batches per stage.
       stage_repeats: circular pipeline repeats (with ``stage_axis`` > 1): each
         micro-batch goes round the stages that many times, the bubble shrinking by as
-        much. 1 (default): GPipe's schedule.
+        much (GPipe's circular form, or with ``"1f1b"`` interleaved 1F1B). 1 (default):
+        one chunk of layers per stage.
       pipeline_schedule: with stages, ``"gpipe"`` (the default) or ``"1f1b"`` (each
         stage alternates forwards and backwards and keeps at most ``2 stage_axis - 1``
-        micro-batches' inputs; no circular repeats, ``trainable=`` or ``grad_fn=``).
+        micro-batches' inputs, more with repeats; no ``trainable=`` or ``grad_fn=``).
       eval_batch_size: examples per evaluation step (default: ``batch_size``).
       parallelism: ``"auto"`` (the default when no mesh and no axis size is given):
         the planner chooses the axis sizes and the micro-batch at ``init``, keeping

@@ -45,6 +45,7 @@ from redray.models.moe import ExpertLayers
 from redray.sharding import CONTEXT, EXPERT, FSDP, MODEL, STAGE, Parallelism
 from redray.sharding.activations import blockwise_attention
 from redray.sharding.parallelism import pipeline_ticks
+from redray.sharding.pipeline_schedules import one_f_one_b_table
 from redray.sharding.rules import axes_of
 
 # FSDP: the layers whose parameters are gathered at once (the one computing and the
@@ -146,17 +147,21 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
     of ``act_bytes``) and the two slots in flight.
 
     ``order="1f1b"`` (the 1F1B schedule, ``redray/sharding/pipeline_schedules.py``): a
-    stage recomputes one micro-batch's share of the layers at a time (``1/S`` of one
-    micro-batch's saved activations), and keeps a ring of ``2 S - 1`` stage inputs beside the first
-    stage's inputs and their gradients (``2 M``) and the two passes in flight, and
+    stage recomputes one micro-batch's share of one chunk's layers at a time (``1/(S R)``
+    of one micro-batch's saved activations), and keeps the schedule's slots of stage
+    inputs and output gradients (``one_f_one_b_table``: ``2 S - 1`` and 1 without
+    repeats) beside the first stage's inputs and their gradients (``2 M``) and the two
+    passes in flight, and
     its gradients are summed in the loop's carry before they meet the embeddings'
     (``pipeline_gradients``: one more copy of the gradients)."""
     if stages <= 1:
         return parts
     out = dict(parts)
     if order == "1f1b":
-        out["activations"] = parts.get("activations", 0) / stages
-        out["pipeline_buffers"] = (2 * micro_batches + 2 * stages + 1) * act_bytes
+        schedule = one_f_one_b_table(stages, micro_batches, repeats)
+        out["activations"] = parts.get("activations", 0) / (stages * repeats)
+        out["pipeline_buffers"] = (2 * micro_batches + schedule.slots + schedule.grad_slots
+                                   + 2) * act_bytes
         out["pipeline_gradients"] = parts.get("gradients", 0)
         return out
     ticks = pipeline_ticks(stages, micro_batches, repeats)[1]

@@ -28,6 +28,7 @@ from redray.planning.memory import hidden_width, size_text
 from redray.planning.work import ModelWork, Work
 from redray.sharding.parallelism import (AXES, CONTEXT, EXPERT, INSIDE, MODEL, STAGE, Parallelism,
                                          axis_defaults, hybrid_shapes, pipeline_ticks)
+from redray.sharding.pipeline_schedules import one_f_one_b_table
 from redray.sharding.placement import Placement, placement
 from redray.sharding.plan import Plan
 from redray.sharding.rules import partition_specs
@@ -322,7 +323,7 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
                 continue
             for remat in remats:
                 for schedule in schedules if stages > 1 else ["gpipe"]:
-                    for repeats in _repeats(layers, stages, schedule, repeats_pin):
+                    for repeats in _repeats(layers, stages, repeats_pin):
                         out.append(grid_plan(sizes, micro, remat, batch_size, schedule,
                                              rules, repeats))
     return out
@@ -333,14 +334,14 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
 MAX_REPEATS = 8
 
 
-def _repeats(layers: int, stages: int, schedule: str, pinned: int | None) -> list[int]:
-    """The circular repeats a plan with ``stages`` may take: a pinned count, else 1 and
-    (GPipe's circular form) every count up to ``MAX_REPEATS`` whose chunks divide the
-    stages' layers."""
-    if pinned is not None:  # circular repeats need stages, and run GPipe's order
-        return [pinned] if pinned == 1 or (stages > 1 and schedule == "gpipe"
+def _repeats(layers: int, stages: int, pinned: int | None) -> list[int]:
+    """The circular repeats a plan with ``stages`` may take (GPipe's circular form, or
+    interleaved 1F1B): a pinned count, else every count up to ``MAX_REPEATS`` whose
+    chunks divide the stages' layers (1 included)."""
+    if pinned is not None:  # circular repeats need stages
+        return [pinned] if pinned == 1 or (stages > 1
                                            and layers % (stages * pinned) == 0) else []
-    if stages <= 1 or schedule != "gpipe":
+    if stages <= 1:
         return [1]
     return [r for r in _divisors(layers // stages) if r <= MAX_REPEATS]
 
@@ -365,14 +366,17 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     stages, micro_batches = shape[STAGE.name], geometry.accumulation
     repeats = candidate.stage_repeats
     # with stages the micro-batches are the pipeline's: M + S - 1 ticks (P R + S - 1
-    # with circular repeats), each running a chunk of a stage's layers
-    ticks = pipeline_ticks(stages, micro_batches, repeats)[1] if stages > 1 else micro_batches
+    # with circular repeats), each running a chunk of a stage's layers; 1F1B's own
+    # table gives its length (M R + S - 1 where S divides M)
+    one_f_one_b = stages > 1 and candidate.pipeline_schedule == "1f1b"
+    ticks = (one_f_one_b_table(stages, micro_batches, repeats).passes if one_f_one_b
+             else pipeline_ticks(stages, micro_batches, repeats)[1] if stages > 1
+             else micro_batches)
     bubble = ticks / (micro_batches * repeats)
     memory = facts.memory(plan, rows, micro_batch_size, remat,
                           micro_batches, candidate.pipeline_schedule, repeats)
     scanned = facts.trace.scanned if facts.trace is not None else {}
     hidden = hidden_width(facts.shapes, scanned)
-    one_f_one_b = stages > 1 and candidate.pipeline_schedule == "1f1b"
     params = [Parameter(tuple(s), _itemsize(d), tuple(spec), stacked=bool(scanned.get(i)))
               for i, (s, d, spec) in enumerate(zip(facts.shapes, facts.dtypes, specs))]
     recompute = remat != "none" or one_f_one_b

@@ -5,8 +5,12 @@ GPipe's schedule inside the model's forward)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from redray.sharding.activations import loop_unroll
@@ -43,52 +47,199 @@ def merge_micro(x, ways: int):
     return rows.reshape(micro * part, *x.shape[2:])
 
 
-def one_f_one_b_schedule(stages: int, micro: int) -> tuple[int, int]:
-    """(ticks, ring slots) of ``one_f_one_b`` on ``S`` stages over ``M`` micro-batches.
+# The columns of ``Schedule.table``: per tick and stage, what the stage does.
+_COLUMNS = ("forward", "f_repeat", "f_micro", "f_slot", "store", "tail_slot",
+            "backward", "b_repeat", "b_micro", "b_slot", "b_grad", "store_grad")
 
-    Stage ``s`` runs micro-batch ``m``'s forward at tick ``m + s`` and its backward at
-    tick ``m + 2 (S - 1) - s`` (the last stage: both in one tick, the loss's gradient
-    between them), so ``M + 2 (S - 1)`` ticks; stage ``s`` holds the input of a
-    micro-batch from its forward to its backward, at most ``2 (S - 1 - s) + 1`` at once:
-    a ring of ``2 S - 1`` slots, whatever ``M``."""
-    return micro + 2 * (stages - 1), 2 * stages - 1
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The 1F1B schedule of ``S`` stages, ``M`` micro-batches and ``R`` repeats, tick by
+    tick (``one_f_one_b_table``).
+
+    Attributes:
+      ticks: the schedule's length; each tick a stage runs at most one chunk's forward
+        and one chunk's backward (the forward recomputed).
+      slots: the stage inputs a stage holds at once, from their arrival to their
+        backward (the ring ``one_f_one_b`` keeps).
+      grad_slots: the output gradients a stage holds at once, from their arrival to
+        their backward.
+      table: (ticks, S, len(_COLUMNS)) ints: ``forward``/``backward`` 1 where the stage
+        runs one, the repeat (chunk) and micro-batch of each, the slot its input is in
+        (``f_slot``, ``b_slot``) and the gradient slot its backward reads
+        (``b_grad``); ``store``/``store_grad``: the slot where the input and the
+        gradient that arrived from the neighbours at the end of the tick before are
+        kept (-1: nothing for this stage); ``tail_slot``: on the last chunk's forward,
+        where the loss's gradient goes (-1 elsewhere).
+    """
+    ticks: int
+    slots: int
+    grad_slots: int
+    table: np.ndarray
+
+    def column(self, name: str) -> np.ndarray:
+        return self.table[..., _COLUMNS.index(name)]
+
+    @property
+    def passes(self) -> float:
+        """The schedule's length in ticks of one chunk's forward and backward, the
+        bubble's included: each tick lasts its busiest stage's work, a forward a third
+        and a backward two thirds of such a tick. ``M + S - 1`` without repeats, and
+        ``M R + S - 1`` with ``M`` a multiple of ``S`` (Megatron-LM's interleaved
+        bubble, ``(S - 1) / (M R)`` of the work)."""
+        work = self.column("forward") + 2 * self.column("backward")
+        return float(work.max(axis=1).sum()) / 3
+
+
+def _orders(stages: int, micro: int, repeats: int):
+    """Each stage's forward and backward order of (chunk, micro-batch): the
+    micro-batches in groups of ``S``, each group through the stage's chunks in turn
+    (the backward: in reverse), as Megatron-LM interleaves its virtual stages."""
+    groups = [range(g, min(micro, g + stages)) for g in range(0, micro, stages)]
+    forward = [[(r * stages + s, m) for ms in groups for r in range(repeats) for m in ms]
+               for s in range(stages)]
+    backward = [[(r * stages + s, m) for ms in groups for r in reversed(range(repeats))
+                 for m in ms] for s in range(stages)]
+    return forward, backward
+
+
+def _slots(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
+    """Slots for (start, end, key) lifetimes (ticks, both included), fewest first:
+    key -> slot, and the number of slots."""
+    free, busy, out = [], [], {}  # busy: (end, slot)
+    for start, end, key in sorted(intervals, key=lambda i: i[:2]):
+        busy.sort()
+        while busy and busy[0][0] < start:
+            free.append(busy.pop(0)[1])
+        slot = min(free) if free else len(out and set(out.values()))
+        if free:
+            free.remove(slot)
+        out[key] = slot
+        busy.append((end, slot))
+    return out, len(set(out.values()))
+
+
+@functools.lru_cache(maxsize=256)
+def one_f_one_b_table(stages: int, micro: int, repeats: int = 1) -> Schedule:
+    """The 1F1B schedule (``one_f_one_b``), interleaved with ``repeats`` > 1.
+
+    Chunk ``v`` of the ``S R`` (``k = L / (S R)`` layers each, held as
+    ``parallelism.layer_order`` holds them) runs on stage ``v mod S``. Each stage takes
+    its forwards and backwards in a fixed order (``_orders``) and, at every tick, runs
+    the next forward whose input is there (the previous chunk's output, passed at the
+    end of an earlier tick; chunk 0: the micro-batch) and the next backward whose
+    output gradient is there (the next chunk's input gradient; the last chunk's: the
+    loss's, in the tick of its forward). Without repeats this is the 1F1B schedule:
+    stage ``s`` runs micro-batch ``m``'s forward at tick ``m + s`` and its backward at
+    ``m + 2 (S - 1) - s``: ``M + 2 (S - 1)`` ticks, a ring of ``2 S - 1`` inputs. With
+    ``R`` repeats a tick runs ``1 / R`` of a stage's layers and the bubble shrinks
+    about ``R`` times, for ``R`` times the passes between stages and more inputs held
+    (``slots``)."""
+    S, M, R = stages, micro, repeats
+    V = S * R
+    forward, backward = _orders(S, M, R)
+    f_at, b_at = {}, {}
+    f_next, b_next = [0] * S, [0] * S
+    rows = []
+    never = 1 << 30
+    while any(b_next[s] < len(backward[s]) for s in range(S)):
+        t = len(rows)
+        if t > 4 * (M * R + V) + 8:
+            raise RuntimeError(f"the 1F1B schedule of {S} stages, {M} micro-batches and "
+                               f"{R} repeats does not end")
+        row = [[0, 0, 0, -1, -1, -1, 0, 0, 0, -1, -1, -1] for _ in range(S)]
+        for s in range(S):
+            if f_next[s] < len(forward[s]):
+                v, m = forward[s][f_next[s]]
+                if v == 0 or f_at.get((v - 1, m), never) < t:
+                    row[s][0:3] = [1, v // S, m]
+                    f_at[(v, m)] = t
+                    f_next[s] += 1
+        for s in range(S):
+            if b_next[s] < len(backward[s]):
+                v, m = backward[s][b_next[s]]
+                if (f_at.get((v, m), never) <= t if v == V - 1
+                        else b_at.get((v + 1, m), never) < t):
+                    row[s][6:9] = [1, v // S, m]
+                    b_at[(v, m)] = t
+                    b_next[s] += 1
+        rows.append(row)
+    table = np.array(rows, np.int32).reshape(len(rows), S, len(_COLUMNS))
+    col = _COLUMNS.index
+    slots = grad_slots = 1
+    for s in range(S):
+        mine = [(v, m) for v, m in f_at if v % S == s]
+        # an input is kept from its arrival (chunk 0's: its forward) to its backward
+        inputs, n = _slots([(f_at[(v - 1, m)] + 1 if v else f_at[(v, m)], b_at[(v, m)], (v, m))
+                            for v, m in mine])
+        slots = max(slots, n)
+        grads, n = _slots([(f_at[(v, m)] if v == V - 1 else b_at[(v + 1, m)] + 1,
+                            b_at[(v, m)], (v, m)) for v, m in mine])
+        grad_slots = max(grad_slots, n)
+        for (v, m), slot in inputs.items():
+            table[f_at[(v, m)], s, col("f_slot")] = slot
+            table[b_at[(v, m)], s, col("b_slot")] = slot
+            if v:
+                table[f_at[(v - 1, m)] + 1, s, col("store")] = slot
+        for (v, m), slot in grads.items():
+            table[b_at[(v, m)], s, col("b_grad")] = slot
+            if v == V - 1:
+                table[f_at[(v, m)], s, col("tail_slot")] = slot
+            else:
+                table[b_at[(v + 1, m)] + 1, s, col("store_grad")] = slot
+    return Schedule(len(rows), slots, grad_slots, table)
+
+
+def one_f_one_b_schedule(stages: int, micro: int, repeats: int = 1) -> tuple[int, int]:
+    """(ticks, stage inputs held) of ``one_f_one_b`` on ``S`` stages over ``M``
+    micro-batches (``one_f_one_b_table``): without repeats ``M + 2 (S - 1)`` ticks and
+    a ring of ``2 S - 1`` inputs, whatever ``M``."""
+    schedule = one_f_one_b_table(stages, micro, repeats)
+    return schedule.ticks, schedule.slots
 
 
 def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
-                stage_consts=()):
+                stage_consts=(), repeats: int = 1):
     """One pipelined gradient step in the 1F1B order: each stage alternates one
-    micro-batch's forward and an earlier one's backward, so a stage holds at most
-    ``2 S - 1`` micro-batches' inputs (``one_f_one_b_schedule``), where GPipe keeps
-    every tick's activations until its backward pass starts after the last forward.
+    micro-batch's forward and an earlier one's backward, so a stage holds a bounded
+    number of micro-batches' inputs (``one_f_one_b_table``), where GPipe keeps every
+    tick's activations until its backward pass starts after the last forward. With
+    ``repeats`` > 1 the schedule is interleaved: each stage holds ``R`` chunks of its
+    layers (``parallelism.layer_order``), a micro-batch passes the stages ``R`` times,
+    and the bubble is about ``R`` times shorter.
 
     One SPMD program as GPipe's (``redray.models.staged_layers.run_stages``), but manual
-    over ``stage`` (``shard_map``; the other mesh axes stay XLA's to partition inside a stage): at
-    every tick a stage runs its forward and its backward only where it has one
-    (``lax.cond``: a bubble computes nothing), then passes its output to the next stage
-    and its input gradient to the previous one (two ``ppermute``). The backward
-    recomputes the stage's forward from the input it kept (a stage's activations
-    exist for one tick at a time; remat inside the stage's layers still applies to
-    that recomputation). The last stage runs the loss's ``tail_fn`` on each micro-batch
-    as it leaves and starts that micro-batch's backward in the same tick.
+    over ``stage`` (``shard_map``; the other mesh axes stay XLA's to partition inside a
+    stage): at every tick a stage runs its forward and its backward only where it has
+    one (``lax.cond``: a bubble computes nothing), then passes its output to the next
+    stage and its input gradient to the previous one (two ``ppermute``; with repeats
+    round a ring, the last stage's output going back to the first). What arrives is
+    kept in the slot the schedule's table names until its turn. The backward
+    recomputes the chunk's forward from the input it kept (a chunk's activations exist
+    for one tick at a time; remat inside the layers still applies to that
+    recomputation). The last stage runs the loss's ``tail_fn`` on each micro-batch as it
+    leaves the last chunk and may start that micro-batch's backward in the same tick.
 
     Args:
-      stage_fn: ``stage_fn(chunk, own, h, m, consts) -> h``: one stage's layers on
-        micro-batch ``m``'s activations ``h``; ``chunk`` and ``own`` are this stage's
-        parts of ``stage_params`` and ``stage_consts`` (their leading stage axis
-        removed).
+      stage_fn: ``stage_fn(chunk, own, h, m, consts) -> h``: one chunk's layers on
+        micro-batch ``m``'s activations ``h``; ``chunk`` and ``own`` are this chunk's
+        parts of ``stage_params`` and ``stage_consts`` (their leading stage axis, and
+        with repeats the chunk axis, removed).
       tail_fn: ``tail_fn(tail_params, h, m, consts) -> (loss, metrics)``: micro-batch
         ``m``'s loss (a scalar) from the last stage's output, and a dict of scalars
         summed over the micro-batches as the loss is.
       stage_params: a pytree whose leaves have a leading axis of ``S`` (the stages),
-        split over the ``stage`` mesh axis.
+        split over the ``stage`` mesh axis; with repeats a second axis of ``R`` (the
+        stage's chunks: chunk ``r`` of stage ``s`` runs ``r S + s``-th).
       tail_params: the tail's parameters (the same on every stage).
       x_m: (M, ...): every micro-batch's input to the first stage.
       consts: what both functions read (a micro-batch's labels, masks: they pick
         micro-batch ``m``'s part themselves); no gradient flows into them.
       mesh: the device mesh, with a ``stage`` axis of ``S``.
-      stage_consts: like ``stage_params`` (a leading axis of ``S``), without gradients:
-        each stage's share of what its layers read (their other state, per-layer
-        inputs).
+      stage_consts: like ``stage_params`` (leading axes of ``S`` and, with repeats,
+        ``R``), without gradients: each chunk's share of what its layers read (their
+        other state, per-layer inputs).
+      repeats: the chunks per stage (``R``).
 
     Returns:
       (the micro-batches' losses summed, their metrics summed, the gradients of
@@ -99,30 +250,47 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
     if jax.tree.leaves(stage_params)[0].shape[0] != stages:
         raise ValueError(f"stage_params lead with {jax.tree.leaves(stage_params)[0].shape[0]} "
                          f"entries; the mesh has {stages} stages")
-    ticks, slots = one_f_one_b_schedule(stages, micro)
-    S = stages
+    S, R = stages, repeats
+    schedule = one_f_one_b_table(S, micro, R)
+    table = jnp.asarray(schedule.table)
+    column = {name: i for i, name in enumerate(_COLUMNS)}
+    # without repeats nothing goes round: the last stage sends nothing to the first
+    ahead = [(i, (i + 1) % S) for i in range(S if R > 1 else S - 1)]
+    behind = [((i + 1) % S, i) for i in range(S if R > 1 else S - 1)]
 
     metrics_shape = jax.eval_shape(lambda *a: tail_fn(*a)[1], tail_params, x_m[0], 0, consts)
     no_metrics = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), metrics_shape)
 
-    def local(chunk, own, tail_params, x_m, consts):
-        chunk, own = jax.tree.map(lambda a: a[0], (chunk, own))
+    def pick(tree, r):  # chunk r of this stage's chunks (the tree itself without repeats)
+        if R == 1:
+            return tree
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False),
+                            tree)
+
+    def local(chunks, own, tail_params, x_m, consts):
+        chunks, own = jax.tree.map(lambda a: a[0], (chunks, own))
         s = jax.lax.axis_index(STAGE.name)
         zero_h = jnp.zeros_like(x_m[0])
 
-        def run(p, h, m):
-            return stage_fn(p, own, h, m, consts)
+        def run(p, r, h, m):
+            return stage_fn(p, pick(own, r), h, m, consts)
 
         def tick(carry, t):
-            got, got_grad, ring, grads, tail_grads, x_grads, loss, metrics = carry
-            # forward of micro-batch t - s, on the input that came from the previous
-            # stage (the first stage: from x_m), kept in the ring for its backward
-            m = t - s
-            forward = (m >= 0) & (m < micro)
-            m = jnp.clip(m, 0, micro - 1)
-            h = jnp.where(s == 0, x_m[m], got)
-            out = jax.lax.cond(forward, lambda: run(chunk, h, m), lambda: zero_h)
-            ring = jax.lax.cond(forward, lambda: ring.at[m % slots].set(h), lambda: ring)
+            got, got_grad, ring, grad_ring, grads, tail_grads, x_grads, loss, metrics = carry
+            row = table[t, s]
+            at = lambda name: row[column[name]]  # noqa: E731
+            # what the neighbours passed at the end of the last tick, kept for its turn
+            ring = jax.lax.cond(at("store") >= 0, lambda: ring.at[at("store")].set(got),
+                                lambda: ring)
+            grad_ring = jax.lax.cond(at("store_grad") >= 0,
+                                     lambda: grad_ring.at[at("store_grad")].set(got_grad),
+                                     lambda: grad_ring)
+            # a chunk's forward on its input (chunk 0's: the micro-batch), kept in the
+            # ring for its backward
+            forward, r, m = at("forward") == 1, at("f_repeat"), at("f_micro")
+            h = jnp.where((s == 0) & (r == 0), x_m[m], ring[at("f_slot")])
+            out = jax.lax.cond(forward, lambda: run(pick(chunks, r), r, h, m), lambda: zero_h)
+            ring = jax.lax.cond(forward, lambda: ring.at[at("f_slot")].set(h), lambda: ring)
 
             def tail():  # the gradients added where they are kept: no zeros made
                 (value, found), (d_tail, d_out) = jax.value_and_grad(
@@ -130,35 +298,37 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
                 return (loss + value.astype(jnp.float32),
                         jax.tree.map(lambda a, b: a + jnp.asarray(b, jnp.float32), metrics,
                                      found),
-                        jax.tree.map(jnp.add, tail_grads, d_tail), d_out)
+                        jax.tree.map(jnp.add, tail_grads, d_tail),
+                        grad_ring.at[at("tail_slot")].set(d_out))
 
-            loss, metrics, tail_grads, d_out = jax.lax.cond(
-                forward & (s == S - 1), tail, lambda: (loss, metrics, tail_grads, zero_h))
-            # backward of micro-batch t - 2 (S - 1) + s: its output's gradient came from
-            # the next stage (the last: from the tail, this tick)
-            b = t - 2 * (S - 1) + s
-            backward = (b >= 0) & (b < micro)
-            b = jnp.clip(b, 0, micro - 1)
-            d_h = jnp.where(s == S - 1, d_out, got_grad)
+            loss, metrics, tail_grads, grad_ring = jax.lax.cond(
+                at("tail_slot") >= 0, tail, lambda: (loss, metrics, tail_grads, grad_ring))
+            # a chunk's backward: its output's gradient (from the next chunk, or the
+            # tail's) through the forward recomputed from the input kept
+            backward, rb, b = at("backward") == 1, at("b_repeat"), at("b_micro")
 
             def back():
-                _, vjp = jax.vjp(lambda p, x: run(p, x, b), chunk, ring[b % slots])
-                d_chunk, d_in = vjp(d_h)
-                return jax.tree.map(jnp.add, grads, d_chunk), d_in
+                _, vjp = jax.vjp(lambda p, x: run(p, rb, x, b), pick(chunks, rb),
+                                 ring[at("b_slot")])
+                d_chunk, d_in = vjp(grad_ring[at("b_grad")])
+                if R == 1:
+                    return jax.tree.map(jnp.add, grads, d_chunk), d_in
+                return jax.tree.map(lambda g, d: g.at[rb].add(d), grads, d_chunk), d_in
 
             grads, d_in = jax.lax.cond(backward, back, lambda: (grads, zero_h))
-            x_grads = jax.lax.cond(backward & (s == 0), lambda: x_grads.at[b].set(d_in),
-                                   lambda: x_grads)
-            carry = (jax.lax.ppermute(out, STAGE.name, [(i, i + 1) for i in range(S - 1)]),
-                     jax.lax.ppermute(d_in, STAGE.name, [(i + 1, i) for i in range(S - 1)]),
-                     ring, grads, tail_grads, x_grads, loss, metrics)
+            x_grads = jax.lax.cond(backward & (s == 0) & (rb == 0),
+                                   lambda: x_grads.at[b].set(d_in), lambda: x_grads)
+            carry = (jax.lax.ppermute(out, STAGE.name, ahead),
+                     jax.lax.ppermute(d_in, STAGE.name, behind),
+                     ring, grad_ring, grads, tail_grads, x_grads, loss, metrics)
             return carry, None
 
-        carry = (zero_h, zero_h, jnp.zeros((slots, *zero_h.shape), zero_h.dtype),
-                 jax.tree.map(jnp.zeros_like, chunk), jax.tree.map(jnp.zeros_like, tail_params),
+        carry = (zero_h, zero_h, jnp.zeros((schedule.slots, *zero_h.shape), zero_h.dtype),
+                 jnp.zeros((schedule.grad_slots, *zero_h.shape), zero_h.dtype),
+                 jax.tree.map(jnp.zeros_like, chunks), jax.tree.map(jnp.zeros_like, tail_params),
                  jnp.zeros_like(x_m), jnp.zeros((), jnp.float32), no_metrics)
-        (_, _, _, grads, tail_grads, x_grads, loss, metrics), _ = jax.lax.scan(
-            tick, carry, jnp.arange(ticks), unroll=loop_unroll())
+        (_, _, _, _, grads, tail_grads, x_grads, loss, metrics), _ = jax.lax.scan(
+            tick, carry, jnp.arange(schedule.ticks), unroll=loop_unroll())
         # the loss and the tail's gradients live on the last stage, x_m's on the first
         return (jax.lax.psum((loss, metrics), STAGE.name),
                 jax.tree.map(lambda a: a[None], grads), jax.lax.psum(tail_grads, STAGE.name),
