@@ -106,17 +106,19 @@ def _orders(stages: int, micro: int, repeats: int):
 def _slots(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
     """Slots for (start, end, key) lifetimes (ticks, both included), fewest first:
     key -> slot, and the number of slots."""
-    free, busy, out = [], [], {}  # busy: (end, slot)
+    free, busy, out, count = [], [], {}, 0  # busy: (end, slot)
     for start, end, key in sorted(intervals, key=lambda i: i[:2]):
         busy.sort()
         while busy and busy[0][0] < start:
             free.append(busy.pop(0)[1])
-        slot = min(free) if free else len(out and set(out.values()))
         if free:
+            slot = min(free)
             free.remove(slot)
+        else:
+            slot, count = count, count + 1
         out[key] = slot
         busy.append((end, slot))
-    return out, len(set(out.values()))
+    return out, count
 
 
 @functools.lru_cache(maxsize=256)
