@@ -102,24 +102,20 @@ def measure_model(name: str, family: str, s: Sizes, rounds: int, steps: int,
     auto.init(data)
     ranking = auto.plan_ranking
     pick = ranking.best.plan.brief()
-    trainers = {}  # by the plan's brief (a plan over an abstract mesh holds a dict)
+    def built(plan):  # a Trainer pinned to ``plan``, initialized
+        trainer = redray.Trainer(model, collate, step_loss, optax.adamw(1e-3),
+                                 **{a.keyword: plan.shape[a.name] for a in AXES},
+                                 micro_batch_size=plan.geometry.micro_batch_size, **options)
+        trainer.init(data)
+        return trainer
+
+    # by the plan's brief (a plan over an abstract mesh holds a dict)
     ranked = ranking.ranked[:plans]
-    for scored in ranked:
-        c, shape = scored.plan.brief(), scored.plan.shape
-        trainers[c] = redray.Trainer(model, collate, step_loss, optax.adamw(1e-3),
-                                     **{a.keyword: shape[a.name] for a in AXES},
-                                     micro_batch_size=scored.plan.geometry.micro_batch_size,
-                                     **options)
-        trainers[c].init(data)
+    trainers = {scored.plan.brief(): built(scored.plan) for scored in ranked}
     # the pick built a second time and timed beside it: the measurement's own spread
     # (two builds of one plan measured in one run differed 10-15%), which the figures'
     # differences must exceed to mean anything
-    twin = redray.Trainer(model, collate, step_loss, optax.adamw(1e-3),
-                          **{a.keyword: ranking.best.plan.shape[a.name] for a in AXES},
-                          micro_batch_size=ranking.best.plan.geometry.micro_batch_size,
-                          **options)
-    twin.init(data)
-    trainers[TWIN] = twin
+    trainers[TWIN] = built(ranking.best.plan)
     batches = [collate(data[i * s.batch:(i + 1) * s.batch]) for i in range(steps + 1)]
 
     def mine(trainer, batch):

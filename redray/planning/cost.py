@@ -564,8 +564,8 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
     if timing is None:
         per_micro = hardware.micro_batch_overhead
         if work is not None:
-            _, attention, memory = work_parts(work.layers + work.rest, hardware)
-            compute = work_seconds(work.layers + work.rest, hardware)
+            parts = work_parts(work.layers + work.rest, hardware)
+            compute, (_, attention, memory) = sum(parts), parts
         else:
             compute = flops / hardware.matmul_flops
         update = update_bytes / hardware.memory_bandwidth if hardware.memory_bandwidth else 0.0

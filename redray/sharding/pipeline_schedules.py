@@ -140,21 +140,18 @@ def one_f_one_b_table(stages: int, micro: int, repeats: int = 1) -> Schedule:
     S, M, R = stages, micro, repeats
     V = S * R
     forward, backward = _orders(S, M, R)
-    f_at, b_at = {}, {}
+    f_at, b_at = {}, {}  # (chunk, micro-batch) -> the tick of its forward, backward
     f_next, b_next = [0] * S, [0] * S
-    rows = []
     never = 1 << 30
+    t = 0
     while any(b_next[s] < len(backward[s]) for s in range(S)):
-        t = len(rows)
         if t > 4 * (M * R + V) + 8:
             raise RuntimeError(f"the 1F1B schedule of {S} stages, {M} micro-batches and "
                                f"{R} repeats does not end")
-        row = [[0, 0, 0, -1, -1, -1, 0, 0, 0, -1, -1, -1] for _ in range(S)]
         for s in range(S):
             if f_next[s] < len(forward[s]):
                 v, m = forward[s][f_next[s]]
                 if v == 0 or f_at.get((v - 1, m), never) < t:
-                    row[s][0:3] = [1, v // S, m]
                     f_at[(v, m)] = t
                     f_next[s] += 1
         for s in range(S):
@@ -162,12 +159,17 @@ def one_f_one_b_table(stages: int, micro: int, repeats: int = 1) -> Schedule:
                 v, m = backward[s][b_next[s]]
                 if (f_at.get((v, m), never) <= t if v == V - 1
                         else b_at.get((v + 1, m), never) < t):
-                    row[s][6:9] = [1, v // S, m]
                     b_at[(v, m)] = t
                     b_next[s] += 1
-        rows.append(row)
-    table = np.array(rows, np.int32).reshape(len(rows), S, len(_COLUMNS))
+        t += 1
     col = _COLUMNS.index
+    table = np.full((t, S, len(_COLUMNS)), -1, np.int32)  # a slot of -1: none
+    for at, names in ((f_at, ("forward", "f_repeat", "f_micro")),
+                      (b_at, ("backward", "b_repeat", "b_micro"))):
+        cols = [col(n) for n in names]
+        table[..., cols] = 0  # nothing to run: chunk 0, micro-batch 0 (never read)
+        for (v, m), tick in at.items():
+            table[tick, v % S, cols] = (1, v // S, m)
     slots = grad_slots = 1
     for s in range(S):
         mine = [(v, m) for v, m in f_at if v % S == s]
@@ -189,7 +191,7 @@ def one_f_one_b_table(stages: int, micro: int, repeats: int = 1) -> Schedule:
                 table[f_at[(v, m)], s, col("tail_slot")] = slot
             else:
                 table[b_at[(v + 1, m)] + 1, s, col("store_grad")] = slot
-    return Schedule(len(rows), slots, grad_slots, table)
+    return Schedule(t, slots, grad_slots, table)
 
 
 def one_f_one_b_schedule(stages: int, micro: int, repeats: int = 1) -> tuple[int, int]:
@@ -255,7 +257,6 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
     S, R = stages, repeats
     schedule = one_f_one_b_table(S, micro, R)
     table = jnp.asarray(schedule.table)
-    column = {name: i for i, name in enumerate(_COLUMNS)}
     # without repeats nothing goes round: the last stage sends nothing to the first
     ahead = [(i, (i + 1) % S) for i in range(S if R > 1 else S - 1)]
     behind = [((i + 1) % S, i) for i in range(S if R > 1 else S - 1)]
@@ -280,7 +281,7 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
         def tick(carry, t):
             got, got_grad, ring, grad_ring, grads, tail_grads, x_grads, loss, metrics = carry
             row = table[t, s]
-            at = lambda name: row[column[name]]  # noqa: E731
+            at = lambda name: row[_COLUMNS.index(name)]  # noqa: E731
             # what the neighbours passed at the end of the last tick, kept for its turn
             ring = jax.lax.cond(at("store") >= 0, lambda: ring.at[at("store")].set(got),
                                 lambda: ring)
