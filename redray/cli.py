@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from redray import storage as storage_module
@@ -323,6 +324,14 @@ def _submit_error(address: str, error: Exception, token: str | None) -> str:
     from redray.cluster.auth import TOKEN_HELP
 
     text = " ".join(str(error).split())
+    answered = re.match(r"Authentication (?:required|failed): (.*?)(?:\n|$)", str(error))
+    if answered and "authentication token" not in answered.group(1).lower():
+        # a 401/403 that is not a Ray head's token refusal: another server (or a proxy
+        # between) answered at that address
+        return (f"cannot reach the Ray job server at {address}: something else answered "
+                f"there ({answered.group(1).strip()[:120] or 'HTTP 401/403'}); check the "
+                "address (the head's dashboard port, default 8265) and any HTTP proxy "
+                "(NO_PROXY) between")
     if any(k in text.lower() for k in ("401", "403", "unauthorized", "unauthenticated",
                                        "authentication", "token")):
         if token is None:

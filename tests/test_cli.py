@@ -43,3 +43,32 @@ def test_every_subcommand_has_help_with_examples():
         done = cli(command, "--help")
         assert done.returncode == 0 and "usage: redray " + command in done.stdout
         assert "examples:" in done.stdout
+
+
+def test_a_server_that_is_not_a_ray_head_is_not_blamed_on_the_token(tmp_path):
+    # A 403 from something else at the address (a web server, a proxy between) is a wrong
+    # address, not a rejected token; a Ray head's own refusals are tests/test_cluster_submit.py's
+    import http.server
+    import threading
+
+    class Refuses(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(403)
+            self.end_headers()
+            self.wfile.write(b"Forbidden by policy")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refuses)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "job.py").write_text("print('hi')\n")
+        done = cli("submit", str(tmp_path / "job.py"), "--address",
+                   f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "cannot reach the Ray job server" in lines[0] and "Forbidden by policy" in lines[0] \
+        and "8265" in lines[0] and "token" not in lines[0], lines[0]
