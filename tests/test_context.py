@@ -125,6 +125,63 @@ def test_context_parallel_loss_and_gradients_equal_one_device(family, kind, ways
         assert "all-gather" in hlo
 
 
+TWO_HOSTS = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from redray.processes.jax_runtime import join_jax
+join_jax({address!r}, 2, int(sys.argv[1]))
+import jax
+import test_context as t
+from redray.sharding import Parallelism
+assert jax.process_count() == 2 and len(jax.local_devices()) == 2
+import warnings
+with warnings.catch_warnings(record=True) as said:  # a context axis may cross hosts
+    warnings.simplefilter("always")
+    mesh = Parallelism.of(data_axis=1, context_axis=4).build(jax.devices()).mesh
+assert not [w for w in said if "larger than a host" in str(w.message)], said
+ring = [d.process_index for d in mesh.devices.reshape(-1)]
+assert ring == [0, 0, 1, 1], ring  # 2 of the ring's devices on each host
+value, grads, hlo = t.loss_and_grads("llama", t.packed_loss, "ring", context_axis=4)
+assert "collective-permute" in hlo
+if jax.process_index() == 0:
+    np.savez(sys.argv[2], value, *grads)
+"""
+
+
+def test_a_ring_across_two_hosts_equals_one_device(tmp_path):
+    """A context axis of 4 over 2 processes of 2 CPU devices (one jax.distributed
+    runtime over gloo, no Ray): the ring crosses the hosts (its collective-permutes go
+    between processes), and the loss and every gradient of packed rows equal one
+    device's, as on one host."""
+    import re
+    import subprocess
+    import sys
+
+    from redray.processes.jax_runtime import served_at
+
+    script = tmp_path / "host.py"
+    script.write_text(TWO_HOSTS.format(tests=os.path.dirname(os.path.abspath(__file__)),
+                                       address=served_at("127.0.0.1")))
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=2")
+    out = tmp_path / "grads.npz"
+    hosts = [subprocess.Popen([sys.executable, str(script), str(rank), str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    try:
+        said = [h.communicate(timeout=300)[0] for h in hosts]
+    finally:
+        for h in hosts:
+            h.kill()
+    assert [h.returncode for h in hosts] == [0, 0], "\n".join(x[-3000:] for x in said)
+    with np.load(out) as saved:
+        got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    assert_same((float(got[0]), got[1:]), reference("llama", "packed"))
+
+
 @pytest.mark.parametrize("family,ways", [("llama", 4), ("gpt2", 2)])
 def test_the_ring_through_a_fused_kernels_contract_equals_one_device(monkeypatch, family,
                                                                      ways):

@@ -47,7 +47,7 @@ def test_the_axes_are_named_once_and_say_what_they_do():
                                          "context_axis", "model_axis"]
     assert [a.splits_parameters for a in AXES] == [True, False, True, True, False, True]
     assert MODEL.hosts == "inside" and FSDP.hosts == "prefer inside"
-    assert EXPERT.hosts == "inside" and STAGE.hosts == "outer" and CONTEXT.hosts == "inside"
+    assert EXPERT.hosts == "inside" and STAGE.hosts == "outer" and CONTEXT.hosts == "prefer inside"
 
 
 def test_a_plan_builds_the_mesh_make_mesh_builds():

@@ -956,6 +956,10 @@ def test_hybrid_mesh_keeps_the_model_axis_inside_a_host():
     # stage 2 x data 2 x model 2 on 2 hosts of 4: the stages across, data inside
     assert hybrid_shapes((2, 2, 1, 1, 1, 2), 2, 4) == ((2, 1, 1, 1, 1, 1), (1, 2, 1, 1, 1, 2))
     assert hybrid_shapes((1, 1, 1, 8, 1, 2), 2, 8) is None  # experts need 2 hosts
+    # a context axis inside a host as far as it fits (before fsdp), across beyond it
+    assert hybrid_shapes((1, 1, 2, 1, 4, 1), 2, 4) == ((1, 1, 2, 1, 1, 1), (1, 1, 1, 1, 4, 1))
+    assert hybrid_shapes((1, 1, 1, 1, 16, 8), 16, 8) == ((1, 1, 1, 1, 16, 1),
+                                                         (1, 1, 1, 1, 1, 8))
     with pytest.raises(ValueError, match="a mesh shape of 5 sizes: give one per axis"):
         hybrid_shapes((1, 4, 1, 1, 8), 4, 8)  # written before the context axis
 

@@ -451,7 +451,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
     may_split = (facts.splits_sequences and CONTEXT.keyword not in pinned
                  and pinned.get(STAGE.keyword, 1) == 1)
     if not grid and may_split:  # no split of whole sequences takes the batch
-        for ways in (w for w in _divisors(devices // hosts) if w > 1):
+        for ways in (w for w in _divisors(devices) if w > 1):
             grid += candidates(devices, hosts, batch_size, facts.remat_policies,
                                {**pinned, CONTEXT.keyword: ways},
                                math.gcd(*(e.experts for e in layers)) if layers else 0,
@@ -465,8 +465,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
     if not any(s.fits for s in scored) and may_split:
         # nothing fits whole sequences: split them over a context axis (never otherwise:
         # its ring costs transfers a plan that fits without it does not pay)
-        local = devices // hosts
-        for ways in (w for w in _divisors(local) if w > 1):
+        for ways in (w for w in _divisors(devices) if w > 1):
             grid = candidates(devices, hosts, batch_size, facts.remat_policies,
                               {**pinned, CONTEXT.keyword: ways},
                               math.gcd(*(e.experts for e in layers)) if layers else 0,
@@ -515,8 +514,7 @@ def refusal(devices: int, hosts: int, batch_size: int, pinned: dict, refused: di
     if refused.get("experts"):
         why.append("an expert axis must divide the model's experts")
     if splits_sequences:
-        why.append("a context axis (tried up to a host's devices) cannot be combined with "
-                   "pipeline stages yet")
+        why.append("a context axis cannot be combined with pipeline stages yet")
     return (f"{head}: {'; '.join(why)}. Use a larger batch (or fewer devices), or pin axis "
             "sizes that take it")
 

@@ -74,7 +74,7 @@ EXPERT = Axis("expert", "expert_axis", 1, True, True, INSIDE,
               "expert parallelism: a mixture of experts' experts split, tokens sent to "
               "theirs by all-to-all; data parallelism for the other layers",
               shown_at_one=False)
-CONTEXT = Axis("context", "context_axis", 1, False, False, INSIDE,
+CONTEXT = Axis("context", "context_axis", 1, False, False, PREFER_INSIDE,
                "context parallelism: each sequence split over it, attention passing keys "
                "and values around (long sequences whose activations one device cannot hold)",
                shown_at_one=False)
@@ -145,16 +145,19 @@ def hybrid_shapes(shape: Sequence[int], processes: int,
     """(across hosts, inside a host) shapes of a mesh of ``shape`` (``AXES`` order) over
     ``processes`` hosts of ``local`` devices: ``INSIDE`` axes wholly inside a host (their
     collectives on the fast interconnect), ``PREFER_INSIDE`` ones inside as far as
-    they fit, ``ACROSS`` ones take the rest, and ``OUTER`` ones (pipeline stages) are
-    the first to cross hosts; None when an ``INSIDE`` axis needs more devices than a
-    host has."""
+    they fit (the innermost first), ``ACROSS`` ones take the rest, and ``OUTER`` ones
+    (pipeline stages) are the first to cross hosts; None when an ``INSIDE`` axis needs
+    more devices than a host has."""
     if len(shape) != len(AXES):
         raise ValueError(f"a mesh shape of {len(shape)} sizes: give one per axis of AXES "
                          f"({', '.join(a.name for a in AXES)})")
     inside = [1] * len(AXES)
     room = local
     for where in (INSIDE, PREFER_INSIDE, ACROSS, OUTER):
-        for k, axis in enumerate(AXES):
+        # the innermost first among those that prefer a host: the context ring's step
+        # per layer before FSDP's gathers
+        order = list(enumerate(AXES))
+        for k, axis in reversed(order) if where == PREFER_INSIDE else order:
             if axis.hosts != where:
                 continue
             inside[k] = math.gcd(shape[k], room)
