@@ -29,7 +29,7 @@ from flax import nnx
 
 from redray.functions import split_loss_output
 from redray.sharding.activations import BlocksCut, cut_at_blocks
-from redray.sharding.parallelism import BATCH_AXES, STAGE, layer_order
+from redray.sharding.parallelism import BATCH_AXES, CONTEXT, STAGE, layer_order
 from redray.sharding.pipeline_schedules import merge_micro, one_f_one_b, rows_flags, split_micro
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -82,6 +82,10 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
     mesh = runtime.parallelism.mesh
     stages, repeats = mesh.shape[STAGE.name], runtime.stage_repeats
     ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    if mesh.shape.get(CONTEXT.name, 1) > 1:
+        raise ValueError(f"pipeline_schedule='1f1b' with context_axis="
+                         f"{mesh.shape[CONTEXT.name]}: its stages do not split a sequence "
+                         "yet; use pipeline_schedule='gpipe' (the default), whose stages do")
 
     def gradients(params, frozen, extra, batch, rng):
         if frozen is not None:

@@ -142,9 +142,6 @@ def split_sequence(ids: jax.Array, attention_mask, segment_ids):
     if split is None:
         return None
     mesh, ways = split
-    if mesh.shape.get(STAGE.name, 1) > 1:
-        raise ValueError(f"context_axis={ways} with stage_axis={mesh.shape[STAGE.name]}: "
-                         "pipeline stages do not split a sequence yet; use one or the other")
     b, t = ids.shape
     pad = padded_length(t, ways) - t
     if attention_mask is None and segment_ids is None:
@@ -308,7 +305,20 @@ def attention(q, k, v, mask: AttentionMask, scale: float, softcap: float | None 
     body = _ring_attention if how == "ring" else _gathered_attention
     return jax.shard_map(functools.partial(body, ring), mesh=mesh,
                          in_specs=(seq, seq, seq, rows, rows, seq, seq, P()),
-                         out_specs=seq, axis_names={AXIS}, check_vma=False)(q, k, v, *facts)
+                         out_specs=seq, axis_names=_manual(mesh), check_vma=False)(
+                             q, k, v, *facts)
+
+
+def _manual(mesh) -> set:
+    """The ring's manual axes: the context axis, and the stage axis where the ring runs
+    inside GPipe's ``vmap`` over stages (its batching rule splits the stages' dimension
+    over ``stage``, which must then be manual too); not inside 1F1B's ``shard_map``,
+    where ``stage`` is manual already."""
+    names = {AXIS}
+    if mesh.shape.get(STAGE.name, 1) > 1 and \
+            STAGE.name not in jax.sharding.get_abstract_mesh().manual_axes:
+        names.add(STAGE.name)
+    return names
 
 
 @dataclasses.dataclass(frozen=True)

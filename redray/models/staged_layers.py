@@ -48,8 +48,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redray.sharding.activations import loop_unroll, parameter_spec
-from redray.sharding.parallelism import (BATCH_AXES, FSDP, STAGE, check_stages, layer_order,
-                                         pipeline_ticks)
+from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, FSDP, STAGE, check_stages,
+                                         layer_order, pipeline_ticks)
 from redray.sharding.pipeline_schedules import merge_micro, rows_flags, split_micro
 
 
@@ -144,7 +144,11 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
     x_m = split_micro(x, M, ways)
     flags = rows_flags(args, rows)
     args_m = _map_rows(args, flags, lambda a: split_micro(a, M, ways))
-    slot = P(STAGE.name, BATCH_AXES)
+    # a micro-batch's hidden states (rows, sequence, ...): the rows split over the batch
+    # axes, a sequence over the context axis where the plan splits it (else kept whole
+    # at every tick, gathered and split again around each stage's attention)
+    seq = CONTEXT.name if mesh.shape.get(CONTEXT.name, 1) > 1 and x.ndim > 2 else None
+    slot = P(STAGE.name, BATCH_AXES, seq)
 
     def one_stage(p, r, own, h, a, rep):
         def pick(z):  # this tick's chunk
@@ -188,7 +192,7 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
         out = _constrain(out, mesh, slot)
         return (jnp.roll(out, 1, axis=0), outs, r), None
 
-    keep = P(STAGE.name, None, BATCH_AXES)
+    keep = P(STAGE.name, None, BATCH_AXES, seq)
     buffer = _constrain(jnp.zeros((S, *x_m.shape[1:]), x.dtype), mesh, slot)
     # one block of M micro-batches per stage, and a sink for what is not an output
     outs = _constrain(jnp.zeros((S, M + 1, *x_m.shape[1:]), x.dtype), mesh, keep)
@@ -200,11 +204,11 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
         lambda a: a.reshape(layers, *a.shape[3:])[inverse if R > 1 else slice(None)], rest_s))
     if M % S:  # the head runs on every stage's devices, on all the rows
         return merge_micro(outs[0], ways)
-    out = merge_micro(_scatter_first(outs, mesh, S), ways)
-    return _constrain(out, mesh, P((*BATCH_AXES, STAGE.name)))
+    out = merge_micro(_scatter_first(outs, mesh, S, seq), ways)
+    return _constrain(out, mesh, P((*BATCH_AXES, STAGE.name), seq))
 
 
-def _scatter_first(outs, mesh, stages: int):
+def _scatter_first(outs, mesh, stages: int, seq: str | None = None):
     """(S, M, ...) split over ``stage``, whose first stage's block holds the output:
     that block's ``M / S`` micro-batches sent to each stage (``S - 1`` point-to-point
     transfers from stage 0), returned as (M, ...) split over ``stage`` on ``M`` (the
@@ -221,6 +225,6 @@ def _scatter_first(outs, mesh, stages: int):
             mine = jnp.where(here == s, got, mine)
         return mine
 
-    rows = (None,) * (outs.ndim - 3)
+    rows = (seq, *(None,) * (outs.ndim - 4))[:outs.ndim - 3]  # ``seq``: as run_stages'
     return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE.name, None, BATCH_AXES, *rows),
                          out_specs=P(STAGE.name, BATCH_AXES, *rows), check_vma=False)(outs)

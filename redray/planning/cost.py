@@ -353,8 +353,8 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
 
 
 def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int,
-                    hidden: int, layers: int, act_itemsize: int,
-                    micro_batches: int) -> list[Traffic]:
+                    hidden: int, layers: float, act_itemsize: int,
+                    micro_batches: int, passes: int | None = None) -> list[Traffic]:
     """The context axis's ring (``redray/models/context.py``), per step: in each
     attention layer's forward ``C - 1`` passes of the device's keys and values (``rows x
     tokens / C x kv_width`` elements each), in its backward ``C - 1`` passes again and
@@ -368,7 +368,10 @@ def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int
       shape: the mesh's axis sizes; rows: examples per device in a micro-batch;
       tokens: tokens per example (the whole sequence); kv_width: elements of a token's
       key or value (key/value heads x head dimension); hidden: the hidden states' width;
-      layers: attention layers; micro_batches: per step.
+      layers: attention layers a device runs in a pass (with pipeline stages: a
+      stage's chunk of them); micro_batches: per step; passes: the passes through
+      ``layers`` per step (with stages the pipeline's ticks, bubble included: GPipe
+      runs every stage at every tick), None: ``micro_batches``.
     """
     ways = shape.get(CONTEXT.name, 1)
     if ways <= 1:
@@ -376,11 +379,12 @@ def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int
     local = rows * -(-tokens // ways)
     block = local * 2 * kv_width * act_itemsize
     grads = local * 2 * kv_width * 4
+    runs = layers * (micro_batches if passes is None else passes)
     return [Traffic("collective-permute", block, (CONTEXT.name,),
-                    2 * (ways - 1) * layers * micro_batches,
+                    2 * (ways - 1) * runs,
                     "context: keys and values round the ring (forward, backward)", False,
                     "both", True),
-            Traffic("collective-permute", grads, (CONTEXT.name,), ways * layers * micro_batches,
+            Traffic("collective-permute", grads, (CONTEXT.name,), ways * runs,
                     "context: the keys' and values' gradients, with them", False,
                     "backward", True),
             Traffic("collective-permute", local * hidden * act_itemsize, (CONTEXT.name,),

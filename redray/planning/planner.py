@@ -279,12 +279,6 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     # the context axis is tried where the user gives it: a plan splits sequences only
     # when asked (its memory and traffic are costed, not searched for)
     ways = pinned.setdefault(CONTEXT.keyword, 1)
-    if ways > 1:  # context and pipeline stages do not compose (the model refuses them)
-        if pinned.get(STAGE.keyword, 1) > 1:
-            raise ValueError(f"{CONTEXT.keyword}={ways} with {STAGE.keyword}="
-                             f"{pinned[STAGE.keyword]}: a sequence split over a context axis "
-                             "does not run through pipeline stages yet; pin one of them to 1")
-        pinned[STAGE.keyword] = 1
     if not layers:
         pinned.setdefault(STAGE.keyword, 1)
     micro_pin = pinned.pop("micro_batch_size", None)
@@ -292,8 +286,12 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     remat_pin = pinned.pop("remat", None)
     remats = [remat_pin] if remat_pin is not None else list(remat_policies)
     schedule_pin = pinned.pop("pipeline_schedule", None)
+    # 1F1B's stages do not split a sequence (``engine/one_f_one_b.py`` refuses it)
     schedules = [schedule_pin] if schedule_pin is not None else \
-        ["gpipe", "1f1b"] if one_f_one_b else ["gpipe"]
+        ["gpipe", "1f1b"] if one_f_one_b and ways == 1 else ["gpipe"]
+    if ways > 1 and schedule_pin == "1f1b":
+        raise ValueError(f"{CONTEXT.keyword}={ways} with pipeline_schedule='1f1b': its "
+                         "stages do not split a sequence yet; pin pipeline_schedule='gpipe'")
     repeats_pin = pinned.pop("stage_repeats", None)
     out = []
     splits = axis_sizes(devices, hosts, pinned)
@@ -416,12 +414,15 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                              micro_batch_size * -(-facts.tokens_per_example // ways),
                              facts.compute_itemsize, recompute, geometry.accumulation)
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
-    pipeline = stage_traffic(shape, micro_batch_size, facts.tokens_per_example,
+    # a stage's slot holds a device's share of the sequence
+    pipeline = stage_traffic(shape, micro_batch_size, -(-facts.tokens_per_example // ways),
                              hidden, facts.compute_itemsize, micro_batches, repeats)
+    # with stages, a device's attention layers are its chunk's, run at every tick
     ring = context_traffic(shape, micro_batch_size, facts.tokens_per_example,
                            facts.kv_width or hidden, hidden,
-                           facts.attention_layers or stacked_layers(facts)
-                           or 1, facts.compute_itemsize, micro_batches)
+                           (facts.attention_layers or stacked_layers(facts) or 1)
+                           / (stages * repeats), facts.compute_itemsize, micro_batches,
+                           ticks if stages > 1 else micro_batches)
     update_bytes = UPDATE_ACCESSES * sum(n * p.itemsize for p, n in held)
     cost = step_cost(flops, tensor, state, ticks, shape, hosts, hardware,
                      facts.timing, elements, experts,
@@ -449,7 +450,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
                       stacked_layers(facts), facts.one_f_one_b, rules, refused)
     pinned = dict(pinned or {})
     may_split = (facts.splits_sequences and CONTEXT.keyword not in pinned
-                 and pinned.get(STAGE.keyword, 1) == 1)
+                 and pinned.get("pipeline_schedule") != "1f1b")
     if not grid and may_split:  # no split of whole sequences takes the batch
         for ways in (w for w in _divisors(devices) if w > 1):
             grid += candidates(devices, hosts, batch_size, facts.remat_policies,
@@ -513,8 +514,6 @@ def refusal(devices: int, hosts: int, batch_size: int, pinned: dict, refused: di
                    "leaves fewer micro-batches than pipeline stages")
     if refused.get("experts"):
         why.append("an expert axis must divide the model's experts")
-    if splits_sequences:
-        why.append("a context axis cannot be combined with pipeline stages yet")
     return (f"{head}: {'; '.join(why)}. Use a larger batch (or fewer devices), or pin axis "
             "sizes that take it")
 
