@@ -343,10 +343,11 @@ def test_the_planner_costs_a_context_axis_it_is_given():
         assert 0 < quarters[k] <= 0.4 * rows[k], (k, quarters[k], rows[k])
 
 
-def test_the_planner_splits_sequences_only_where_nothing_else_fits():
-    """Two sequences on 8 devices: on devices too small for a whole sequence's
-    activations and too large for nothing, the planner (nothing pinned) takes a context
-    axis; where a plan fits whole sequences, it keeps them whole."""
+def test_the_planner_weighs_a_context_axis_where_sequences_are_fewer_than_devices():
+    """Two sequences on 8 devices: fewer sequences than devices, so the planner weighs
+    context axes beside the others by their time, and keeps whole sequences where they
+    are faster; on devices too small for a whole sequence's activations and too large
+    for nothing, it takes a context axis."""
     import dataclasses
 
     from redray.planning.from_config import ConfigFacts
@@ -354,9 +355,14 @@ def test_the_planner_splits_sequences_only_where_nothing_else_fits():
 
     facts = ConfigFacts(CONFIGS["llama"](), 4096)
     h100 = preset("h100")
-    whole = rank(facts, 8, 1, 2, h100)
-    assert all(p.plan.shape["context"] == 1 for p in whole.ranked)
-    smallest_whole = min(p.memory["total"] for p in whole.ranked)
+    weighed = rank(facts, 8, 1, 2, h100)
+    assert any(p.plan.shape["context"] > 1 for p in weighed.ranked)
+    assert weighed.best.plan.shape["context"] == 1  # the ring's passes cost more here
+    best_split = min((p for p in weighed.ranked if p.plan.shape["context"] > 1),
+                     key=lambda p: p.cost.seconds)
+    assert best_split.cost.context > 0 and best_split.cost.seconds > weighed.best.cost.seconds
+    smallest_whole = min(p.memory["total"] for p in weighed.ranked
+                         if p.plan.shape["context"] == 1)
     split = rank(facts, 8, 1, 2, h100, pinned={"context_axis": 4})
     smallest_split = min(p.memory["total"] for p in split.ranked)
     assert smallest_split < smallest_whole

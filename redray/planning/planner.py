@@ -57,8 +57,9 @@ class ModelFacts:
       kv_width, attention_layers: a token's key or value elements and the attention
         layers, for a context axis's ring (None: the hidden width and the stacked layers).
       splits_sequences: whether its model splits a sequence over a context axis
-        (redray's decoders), which the planner then tries where no plan fits whole
-        sequences.
+        (redray's decoders), which the planner then tries beside the other axes where
+        the batch has fewer sequences than devices, and wherever no plan fits whole
+        sequences (``rank``).
     """
 
     paths: Sequence[str]
@@ -276,8 +277,8 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     pinned = dict(pinned or {})
     if not experts:
         pinned.setdefault(EXPERT.keyword, 1)
-    # the context axis is tried where the user gives it: a plan splits sequences only
-    # when asked (its memory and traffic are costed, not searched for)
+    # the context axis is the size given (1 unless pinned); ``rank`` asks for the sizes
+    # it tries
     ways = pinned.setdefault(CONTEXT.keyword, 1)
     if not layers:
         pinned.setdefault(STAGE.keyword, 1)
@@ -451,22 +452,29 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
     pinned = dict(pinned or {})
     may_split = (facts.splits_sequences and CONTEXT.keyword not in pinned
                  and pinned.get("pipeline_schedule") != "1f1b")
-    if not grid and may_split:  # no split of whole sequences takes the batch
-        for ways in (w for w in _divisors(devices) if w > 1):
+    tried = {1}  # the context sizes in the grid
+    if may_split and (not grid or batch_size < devices):
+        # no split of whole sequences takes the batch (every context size), or fewer
+        # sequences than devices: the devices the batch leaves split the model, its
+        # layers or each sequence, and the ring is weighed by its time beside tensor
+        # parallelism and stages (context sizes up to what the batch leaves)
+        top = devices if not grid else devices // batch_size
+        for ways in (w for w in _divisors(devices) if 1 < w <= top):
             grid += candidates(devices, hosts, batch_size, facts.remat_policies,
                                {**pinned, CONTEXT.keyword: ways},
                                math.gcd(*(e.experts for e in layers)) if layers else 0,
                                stacked_layers(facts), facts.one_f_one_b, rules, refused)
-        may_split = False
+            tried.add(ways)
     if not grid:
         raise ValueError(refusal(devices, hosts, batch_size, pinned, refused,
                                  stacked_layers(facts), facts.splits_sequences))
     cache: dict = {}
     scored = [score(facts, c, batch_size, hosts, hardware, budget, cache) for c in grid]
     if not any(s.fits for s in scored) and may_split:
-        # nothing fits whole sequences: split them over a context axis (never otherwise:
-        # its ring costs transfers a plan that fits without it does not pay)
-        for ways in (w for w in _divisors(devices) if w > 1):
+        # nothing fits: split sequences over a context axis (every size not yet tried; a
+        # plan that fits whole sequences never pays the ring's transfers for nothing
+        # where the batch takes every device)
+        for ways in (w for w in _divisors(devices) if w not in tried):
             grid = candidates(devices, hosts, batch_size, facts.remat_policies,
                               {**pinned, CONTEXT.keyword: ways},
                               math.gcd(*(e.experts for e in layers)) if layers else 0,
