@@ -467,7 +467,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
             tried.add(ways)
     if not grid:
         raise ValueError(refusal(devices, hosts, batch_size, pinned, refused,
-                                 stacked_layers(facts), facts.splits_sequences))
+                                 stacked_layers(facts)))
     cache: dict = {}
     scored = [score(facts, c, batch_size, hosts, hardware, budget, cache) for c in grid]
     if not any(s.fits for s in scored) and may_split:
@@ -499,7 +499,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
 
 
 def refusal(devices: int, hosts: int, batch_size: int, pinned: dict, refused: dict,
-            layers: int, splits_sequences: bool) -> str:
+            layers: int) -> str:
     """Why no candidate plan exists, from what ``candidates`` refused, and what to change."""
     head = (f"no plan of {devices} devices on {hosts} host(s) takes a batch of {batch_size}"
             + (f" with {pinned} pinned" if pinned else ""))
