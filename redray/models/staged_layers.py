@@ -225,6 +225,8 @@ def _scatter_first(outs, mesh, stages: int, seq: str | None = None):
             mine = jnp.where(here == s, got, mine)
         return mine
 
-    rows = (seq, *(None,) * (outs.ndim - 4))[:outs.ndim - 3]  # ``seq``: as run_stages'
+    rows = (None,) * (outs.ndim - 3)  # a micro-batch's dimensions after its rows
+    if seq is not None:  # the first the sequence's, split as run_stages' slots
+        rows = (seq, *rows[1:])
     return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE.name, None, BATCH_AXES, *rows),
                          out_specs=P(STAGE.name, BATCH_AXES, *rows), check_vma=False)(outs)

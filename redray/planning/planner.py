@@ -411,19 +411,19 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     held = [(p, math.prod(p.shape) / math.prod(shape[a] for a in p.axes()))
             for p, t in zip(params, trained) if t]
     elements = sum(n for _, n in held)
-    experts = expert_traffic(facts.experts, shape,
-                             micro_batch_size * -(-facts.tokens_per_example // ways),
+    local_tokens = -(-facts.tokens_per_example // ways)  # a device's share of a sequence
+    experts = expert_traffic(facts.experts, shape, micro_batch_size * local_tokens,
                              facts.compute_itemsize, recompute, geometry.accumulation)
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
-    # a stage's slot holds a device's share of the sequence
-    pipeline = stage_traffic(shape, micro_batch_size, -(-facts.tokens_per_example // ways),
-                             hidden, facts.compute_itemsize, micro_batches, repeats)
-    # with stages, a device's attention layers are its chunk's, run at every tick
+    pipeline = stage_traffic(shape, micro_batch_size, local_tokens, hidden,
+                             facts.compute_itemsize, micro_batches, repeats)
+    # with stages, a device's attention layers are its chunk's, run at every tick (without
+    # stages ``ticks`` is the micro-batches)
     ring = context_traffic(shape, micro_batch_size, facts.tokens_per_example,
                            facts.kv_width or hidden, hidden,
                            (facts.attention_layers or stacked_layers(facts) or 1)
                            / (stages * repeats), facts.compute_itemsize, micro_batches,
-                           ticks if stages > 1 else micro_batches)
+                           ticks)
     update_bytes = UPDATE_ACCESSES * sum(n * p.itemsize for p, n in held)
     cost = step_cost(flops, tensor, state, ticks, shape, hosts, hardware,
                      facts.timing, elements, experts,
@@ -446,13 +446,17 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
     budget = hardware.device_memory * (1 - margin)
     layers = facts.experts
     refused: dict = {}
-    grid = candidates(devices, hosts, batch_size, facts.remat_policies, pinned,
-                      math.gcd(*(e.experts for e in layers)) if layers else 0,
-                      stacked_layers(facts), facts.one_f_one_b, rules, refused)
+
+    def grid_of(pins, refused=None) -> list[Plan]:
+        return candidates(devices, hosts, batch_size, facts.remat_policies, pins,
+                          math.gcd(*(e.experts for e in layers)) if layers else 0,
+                          stacked_layers(facts), facts.one_f_one_b, rules, refused)
+
+    grid = grid_of(pinned, refused)
     pinned = dict(pinned or {})
     may_split = (facts.splits_sequences and CONTEXT.keyword not in pinned
                  and pinned.get("pipeline_schedule") != "1f1b")
-    tried = {1}  # the context sizes in the grid
+    top = 1  # the context sizes in the grid: every one that divides the devices up to it
     if may_split and (not grid or batch_size < devices):
         # no split of whole sequences takes the batch (every context size), or fewer
         # sequences than devices: the devices the batch leaves split the model, its
@@ -460,11 +464,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
         # parallelism and stages (context sizes up to what the batch leaves)
         top = devices if not grid else devices // batch_size
         for ways in (w for w in _divisors(devices) if 1 < w <= top):
-            grid += candidates(devices, hosts, batch_size, facts.remat_policies,
-                               {**pinned, CONTEXT.keyword: ways},
-                               math.gcd(*(e.experts for e in layers)) if layers else 0,
-                               stacked_layers(facts), facts.one_f_one_b, rules, refused)
-            tried.add(ways)
+            grid += grid_of({**pinned, CONTEXT.keyword: ways}, refused)
     if not grid:
         raise ValueError(refusal(devices, hosts, batch_size, pinned, refused,
                                  stacked_layers(facts)))
@@ -474,13 +474,9 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
         # nothing fits: split sequences over a context axis (every size not yet tried; a
         # plan that fits whole sequences never pays the ring's transfers for nothing
         # where the batch takes every device)
-        for ways in (w for w in _divisors(devices) if w not in tried):
-            grid = candidates(devices, hosts, batch_size, facts.remat_policies,
-                              {**pinned, CONTEXT.keyword: ways},
-                              math.gcd(*(e.experts for e in layers)) if layers else 0,
-                              stacked_layers(facts), facts.one_f_one_b, rules)
+        for ways in (w for w in _divisors(devices) if w > top):
             scored += [score(facts, c, batch_size, hosts, hardware, budget, cache)
-                       for c in grid]
+                       for c in grid_of({**pinned, CONTEXT.keyword: ways})]
     # equal times (traffic the compute hides): the less traffic, then the fewer
     # micro-batches (a cost per micro-batch the model did not see), then the less memory
     fitting = sorted((s for s in scored if s.fits),
