@@ -19,7 +19,8 @@ from redray.models.staged_layers import flops_ratio
 from redray.sharding.pipeline_schedules import merge_micro, split_micro
 from redray.sharding import STAGE, Parallelism
 from redray.sharding.plan import Plan
-from redray.sharding.parallelism import (default_micro_batches, hybrid_shapes, layer_order,
+from redray.sharding.parallelism import (chunk_sizes, default_micro_batches, held_layers,
+                                         hybrid_shapes, layer_order, layer_positions,
                                          reorder, pipeline_ticks)
 from tiny import assert_trains_as_one_device
 
@@ -100,6 +101,43 @@ def test_a_pipelined_step_equals_the_unpipelined_step(family, axes, remat, repea
     assert micro_rows % dp == 0
 
 
+UNEQUAL = [("llama", dict(stage_axis=2), 1, False), ("llama", dict(stage_axis=4), 1, False),
+           ("llama", dict(stage_axis=2, fsdp_axis=2), 2, "full"),
+           ("gpt2", dict(stage_axis=2, model_axis=2), 1, False)]
+
+
+@pytest.mark.parametrize("family,axes,repeats,remat", UNEQUAL,
+                         ids=["llama-s2", "llama-s4", "llama-s2-fsdp2-r2-remat", "gpt2-s2-model2"])
+def test_stages_of_unequal_layer_counts_equal_the_unpipelined_step(family, axes, repeats, remat):
+    """5 layers over 2 stages (3 and 2), over 4 (2, 1, 1, 1) and over 2 x 2 chunks: the
+    plan holds the layer axis padded to a multiple of the chunks (pads: identity layers
+    of zeros), the loss and every gradient those of the unpipelined step."""
+    config = CONFIGS[family]()
+    setattr(config, "num_hidden_layers" if family == "llama" else "n_layer", 5)
+    expected, expected_grads = loss_and_grads(config, remat)[:2]
+    value, grads, runtime = loss_and_grads(config, remat, ROWS // 4, repeats=repeats, **axes)
+    assert abs(value - expected) <= 1e-5 * abs(expected)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert got.shape == want.shape
+        assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), family
+    held = held_layers(5, axes["stage_axis"], repeats)
+    assert runtime.stacked_layers == (5,) and held > 5
+    assert {a.shape[0] for a in jax.tree.leaves(runtime.held[0])} >= {held}
+    assert 5 not in {a.shape[0] for a in jax.tree.leaves(runtime.held[0])}
+
+
+def test_unequal_chunks_hold_consecutive_layers_and_at_most_one_pad_each():
+    # LLaMA 3.1 405B's 126 layers over 16 stages: 14 stages of 8, the last two of 7
+    assert chunk_sizes(126, 16) == [8] * 14 + [7] * 2
+    order = layer_order(126, 16, 1)
+    assert len(order) == 128 and sorted(order[order < 126]) == list(range(126))
+    assert (order.reshape(16, 8)[-2:, -1] == 126).all()
+    # 5 layers over 2 stages x 2 repeats: chunks of 2, 1, 1, 1; stage 0 runs chunks 0
+    # and 2, stage 1 chunks 1 and 3 (a pad: 5)
+    assert layer_order(5, 2, 2).tolist() == [0, 1, 3, 5, 2, 5, 4, 5]
+    assert layer_positions(5, 2, 2).tolist() == [0, 1, 4, 2, 6]
+
+
 def test_micro_batches_keep_the_batch_split_and_come_back_in_order():
     x = np.arange(24)
     parts = np.asarray(split_micro(jnp.asarray(x), 3, 2))
@@ -154,17 +192,17 @@ def test_stages_cross_hosts_first():
     assert across == (2, 1, 1, 1, 1, 1)
 
 
-def test_stages_need_scanned_layers_that_divide():
+def test_stages_need_scanned_layers_and_one_a_chunk():
     config = CONFIGS["llama"]()
     with pytest.raises(ValueError, match="stage_axis=2 needs the layers stacked and scanned"):
         plan = Parallelism.of(stage_axis=2, data_axis=1).build(jax.devices()[:2])
         runtime = ModelRuntime(lambda rngs: build(config, rngs=rngs, scan=False), plan)
         runtime.derive(lm_loss, jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
-    config.num_hidden_layers = 6
-    with pytest.raises(ValueError, match="stage_axis=4 does not divide the model's 6 layers"):
+    config.num_hidden_layers = 3
+    with pytest.raises(ValueError, match="stage_axis=4 is more than the model's 3 layers"):
         loss_and_grads(config, False, 4, stage_axis=4)
-    with pytest.raises(ValueError, match="stage_axis=2 x stage_repeats=2 = 4 chunks do not "
-                                         "divide the model's 6 layers"):
+    with pytest.raises(ValueError, match="stage_axis=2 x stage_repeats=2 = 4 chunks is more "
+                                         "than the model's 3 layers"):
         loss_and_grads(config, False, 4, repeats=2, stage_axis=2)
     with pytest.raises(ValueError, match="stage_repeats=2 needs pipeline stages"):
         redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
@@ -173,12 +211,15 @@ def test_stages_need_scanned_layers_that_divide():
                        progress=False).init(list(IDS[:4]))
 
 
-def test_a_trainer_on_stages_trains_as_one_device_and_its_checkpoint_loads_without(tmp_path):
-    """On a circular plan (2 repeats): the Trainer's path is GPipe's plus the reorder of
-    the stacked arrays at the checkpoint's edges, so this covers both (GPipe's steps are
-    checked exactly above)."""
-    repeats = 2
+@pytest.mark.parametrize("layers,repeats", [(4, 2), (5, 1)], ids=["circular", "unequal"])
+def test_a_trainer_on_stages_trains_as_one_device_and_its_checkpoint_loads_without(
+        tmp_path, layers, repeats):
+    """On a circular plan (2 repeats), and on stages of unequal layer counts (5 layers
+    over 2 stages, then over 4): the Trainer's path is GPipe's plus the reorder of the
+    stacked arrays at the checkpoint's edges (pads dropped), so this covers both
+    (GPipe's steps are checked exactly above)."""
     config = CONFIGS["llama"]()
+    config.num_hidden_layers = layers
     data = [{"ids": row} for row in np.random.default_rng(1).integers(0, 64, (32, SEQ))]
 
     def loss(model, batch, rng, train):
@@ -198,7 +239,7 @@ def test_a_trainer_on_stages_trains_as_one_device_and_its_checkpoint_loads_witho
                      stage_repeats=repeats)
     first = [r["loss"] for r in staged.fit(data, epochs=1, max_steps=2)]
     assert staged.describe()["accumulation_steps"] == 4  # 4 pipeline micro-batches
-    assert staged.describe()["stage_repeats"] == 2
+    assert staged.describe().get("stage_repeats", 1) == repeats
     np.testing.assert_allclose(first, one[:2], rtol=1e-5)
     # the same parameter tree: a run without stages resumes from the pipelined
     # checkpoint, and a pipelined run from its checkpoint in turn
@@ -317,19 +358,22 @@ def test_other_families_pipeline_exactly(family):
         assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), family
 
 
-@pytest.mark.parametrize("repeats,schedule", [(1, "gpipe"), (2, "gpipe"), (1, "1f1b")],
-                         ids=["gpipe", "circular", "1f1b"])
-def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_step(repeats,
-                                                                                   schedule):
+@pytest.mark.parametrize("layers,repeats,schedule", [(4, 1, "gpipe"), (4, 2, "gpipe"),
+                                                     (4, 1, "1f1b"), (5, 1, "gpipe")],
+                         ids=["gpipe", "circular", "1f1b", "unequal"])
+def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_step(
+        layers, repeats, schedule):
     """``plan_model``'s count of a pipelined step (every tick's activations kept,
     ``pipelined_parts``) within 0.8-1.25 of XLA's compiled peak on CPU, GPipe's and the
-    circular one's (whose ticks keep no copy of their chunk of the parameters)."""
+    circular one's (whose ticks keep no copy of their chunk of the parameters), and on
+    5 layers over 2 stages (3 and 2: the held pad counted, in the parameters and the
+    ticks' activations)."""
     from redray.planning.memory import StepShape
     from redray.planning.from_config import plan_model
 
     from tiny import memory_case
 
-    config, data, collate, loss = memory_case(4, 16)
+    config, data, collate, loss = memory_case(layers, 16)
     trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True), collate, loss,
                              optax.adamw(1e-3), batch_size=16, micro_batch_size=1,
                              progress=False, stage_axis=2, data_axis=2, stage_repeats=repeats,
@@ -341,6 +385,10 @@ def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_ste
                                         stage_repeats=repeats, pipeline_schedule=schedule))
     assert planned["memory"]["parts"]["pipeline_buffers"] > 0
     assert 0.8 <= planned["memory"]["total"] / peak <= 1.25, (planned["memory"], peak)
+    # the Trainer's own count holds the pad too: the same parameters and activations
+    counted = trainer.memory(device_gib=1)["parts"]
+    for part in ("parameters", "activations"):
+        assert counted[part] == pytest.approx(planned["memory"]["parts"][part], rel=0.1), part
 
 
 # ------------------------------------------------------------------ 1F1B
@@ -430,23 +478,25 @@ def test_the_interleaved_schedule_keeps_every_dependency_and_megatrons_bubble(S,
         assert schedule.slots == 2 * (S - 1) + (R - 1) * S + 1
 
 
-@pytest.mark.parametrize("family,axes", [("llama", dict(stage_axis=2, data_axis=2)),
-                                         ("gpt2", dict(stage_axis=2, fsdp_axis=2)),
-                                         ("llama", dict(stage_axis=2, data_axis=2,
-                                                        stage_repeats=2))],
-                         ids=["llama-s2-data2", "gpt2-s2-fsdp2", "llama-s2-r2-data2"])
-def test_a_trainer_on_1f1b_trains_as_one_device(family, axes):
+@pytest.mark.parametrize("family,axes,layers", [
+    ("llama", dict(stage_axis=2, data_axis=2), 4), ("gpt2", dict(stage_axis=2, fsdp_axis=2), 4),
+    ("llama", dict(stage_axis=2, data_axis=2, stage_repeats=2), 5)],
+    ids=["llama-s2-data2", "gpt2-s2-fsdp2", "llama-5-layers-s2-r2-data2"])
+def test_a_trainer_on_1f1b_trains_as_one_device(family, axes, layers):
     """``pipeline_schedule="1f1b"``: the user's loss cut at the stacked layers, each
     micro-batch's loss averaged; the losses of 3 steps and the parameters after them
     those of one device (the loss's token mean over equal micro-batches is the mean
     of their means); interleaved too (``stage_repeats=2``: the parameters held in
-    ``layer_order``, the checkpointed ones in the layers' own)."""
+    ``layer_order``, the checkpointed ones in the layers' own), on 5 layers over 4
+    chunks (one of 2 layers, three of 1 and a pad)."""
     def loss(model, batch, rng, train):
         value = lm_loss(model, batch["ids"])
         return value, {"twice": 2 * value}
 
+    config = CONFIGS[family]()
+    setattr(config, "num_hidden_layers" if family == "llama" else "n_layer", layers)
     history, expected = assert_trains_as_one_device(
-        CONFIGS[family](), loss, SEQ, micro_batch_size=1, pipeline_schedule="1f1b", **axes)
+        config, loss, SEQ, micro_batch_size=1, pipeline_schedule="1f1b", **axes)
     np.testing.assert_allclose([r["twice"] for r in history], 2 * np.array(expected), rtol=1e-5)
 
 

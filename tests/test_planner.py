@@ -211,7 +211,7 @@ def test_the_published_runs_pinned_reproduce_their_configurations():
 
 def test_no_plan_names_the_constraint_that_left_none():
     """A batch no split takes: the refusal names the data-parallel size the batch must be
-    a multiple of and the stage counts the layers take, not the pinned sizes. (Unpinned,
+    a multiple of and the stage counts above the layers, not the pinned sizes. (Unpinned,
     one sequence on 8 devices of 2 hosts is split over a context axis instead.)"""
     hw = dataclasses.replace(PRESETS["cpu"], device_memory=1 << 30)
     config = LlamaConfig(**{**TINY, "num_hidden_layers": 3})
@@ -219,12 +219,13 @@ def test_no_plan_names_the_constraint_that_left_none():
     assert shape["data"] * shape["fsdp"] == 1 and shape["context"] >= 2, shape
     from redray.planning.planner import rank
 
-    with pytest.raises(ValueError) as e:  # whole sequences; 3 layers: 2 stages do not divide
+    with pytest.raises(ValueError) as e:  # whole sequences; 3 layers: 4 stages are more
         rank(ConfigFacts(config, SEQ, scan=True), 8, 2, 1, hw, pinned={"context_axis": 1})
     text = str(e.value)
     assert "takes a batch of 1" in text and "does not divide the batch" in text
     assert "the smallest, 2, would take a batch that is a multiple of 2" in text
-    assert "stacked layers ([2" in text and "the stage counts that do: [3]" in text
+    assert "needs one of the model's 3 stacked layers ([4, 8] stages are more: use at most " \
+        "3)" in text
     assert "pinned axis sizes do not split" not in text
     with pytest.raises(PlanError, match="the pinned axis sizes do not split the devices"):
         choose_plan(config, 8, 2, 16, SEQ, hw, model_axis=3)

@@ -23,7 +23,7 @@ from redray.engine.runtime import ModelRuntime, abstract_batch
 from redray.engine.steps import model_loss
 from redray.planning.memory import (hidden_width, nbytes, saved_residuals,
                                     split_residual_bytes, split_sizes, step_parts, totals)
-from redray.planning.planner import ModelFacts
+from redray.planning.planner import ModelFacts, stacked_layers
 from redray.sharding import CONTEXT, MODEL, Parallelism, flatten
 from redray.sharding.activations import (BlocksCut, blockwise_attention, cut_at_blocks,
                                          unrolled_loops)
@@ -137,7 +137,8 @@ class RuntimeFacts(ModelFacts):
         return totals(step_parts(held, rows, parallelism, per_device_batch, accumulation,
                                  self.compute_itemsize, acts, experts=self.experts,
                                  tokens=-(-self.sequence // ways),
-                                 hidden=self.hidden, schedule=schedule, repeats=repeats),
+                                 hidden=self.hidden, schedule=schedule, repeats=repeats,
+                                 layers=stacked_layers(self)),
                       None)
 
 

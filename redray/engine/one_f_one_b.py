@@ -29,7 +29,7 @@ from flax import nnx
 
 from redray.functions import split_loss_output
 from redray.sharding.activations import BlocksCut, cut_at_blocks
-from redray.sharding.parallelism import BATCH_AXES, CONTEXT, STAGE, layer_order
+from redray.sharding.parallelism import BATCH_AXES, CONTEXT, STAGE, layer_order, stacked_count
 from redray.sharding.pipeline_schedules import merge_micro, one_f_one_b, rows_flags, split_micro
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -114,21 +114,27 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
         graphdef, block_params, block_rest = nnx.split(found["blocks"], nnx.Param, ...)
         param_tree, rest_tree = jax.tree.structure(block_params), jax.tree.structure(block_rest)
         under, leaves, treedef = _split_at(params, path)
-        layers = next(a for a, u in zip(leaves, under) if u).shape[0]
+        held = next(a for a, u in zip(leaves, under) if u).shape[0]
+        layers = stacked_count(held, runtime.stacked_layers, stages, repeats)
         # the stacked parameters are held in layer_order (with repeats: stage s's
-        # chunks r S + s in turn), so a stage's block is its chunks
+        # chunks r S + s in turn; pads where the chunks do not divide the layers), so a
+        # stage's block is its chunks
         lead = (stages,) if repeats == 1 else (stages, repeats)
-        by_stage = lambda a: a.reshape(*lead, a.shape[0] // (stages * repeats),  # noqa: E731
+        by_stage = lambda a: a.reshape(*lead, held // (stages * repeats),  # noqa: E731
                                        *a.shape[1:])
         order = layer_order(layers, stages, repeats)
-        ordered = lambda a: a if repeats == 1 else jnp.take(a, order, axis=0)  # noqa: E731
+        pads = held > layers
+        ordered = lambda a: a if repeats == 1 and not pads else \
+            jnp.take(a, order, axis=0, mode="clip")  # noqa: E731
         stage_params = [by_stage(a) for a, u in zip(leaves, under) if u]
         tail_params = [a for a, u in zip(leaves, under) if not u]
         # each chunk's share of the layers' other state (RNG counts) and per-layer
-        # inputs, which come in the layers' own order (as run_stages takes them)
+        # inputs, which come in the layers' own order (as run_stages takes them; a
+        # pad's: the last layer's), and which of its layers are real (None: all)
         rest_under, rest_leaves, _ = _split_at(extra, path)
         own = ([by_stage(ordered(a)) for a, u in zip(rest_leaves, rest_under) if u],
-               jax.tree.map(lambda a: by_stage(ordered(a)), per_layer))
+               jax.tree.map(lambda a: by_stage(ordered(a)), per_layer),
+               by_stage(jnp.asarray(order < layers)) if pads else None)
         x_m = split_micro(x, micro, ways)
         flags = rows_flags(args, rows)
         args_leaves, args_tree = jax.tree.flatten(args)
@@ -138,11 +144,11 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
                   "extra": extra}
 
         def stage_fn(chunk, own, h, m, consts):
-            rest, per_layer = own
+            rest, per_layer, real = own
             blocks = nnx.merge(graphdef, param_tree.unflatten(chunk),
                                rest_tree.unflatten(salted(rest, salt, m)))
             a = args_tree.unflatten([z[m] if f else z for z, f in zip(consts["args"], flags)])
-            return found["run"](blocks, h, a, per_layer)
+            return found["run"](blocks, h, a, per_layer, real)
 
         def tail_fn(tail_params, h, m, consts):
             it = iter(tail_params)
@@ -166,7 +172,7 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
         (grads,) = head_vjp(merge_micro(d_x, ways))
         g_leaves = jax.tree.leaves(grads)
         d_stages, d_tail = iter(d_stages), iter(d_tail)
-        summed = [g + (next(d_stages).reshape(layers, *g.shape[1:]) if u else next(d_tail))
+        summed = [g + (next(d_stages).reshape(held, *g.shape[1:]) if u else next(d_tail))
                   for g, u in zip(g_leaves, under)]
         grads = jax.tree.structure(grads).unflatten([g / micro for g in summed])
         return (total / micro, jax.tree.map(lambda v: v / micro, metrics), new_extra, grads)

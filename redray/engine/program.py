@@ -83,7 +83,7 @@ class TrainProgram:
         runtime.derive(
             lambda model, batch: _loss_value(loss(model, batch, jax.random.key(0), True)), micro)
         warn_whole(runtime)
-        params, extra = runtime.abstract
+        params, extra = runtime.held
         param_specs = runtime.specs[0]
         params_sh, extra_sh = runtime.shardings
         frozen_sh = None
@@ -138,6 +138,17 @@ class TrainProgram:
         any plan restores them."""
         return self.runtime.reorder(state.checkpoint_items(),
                                     self.layout.shardings.checkpoint_items(), False)
+
+    def checkpoint_targets(self) -> dict[str, dict]:
+        """What a checkpoint restores into on this plan: its items as
+        ``jax.ShapeDtypeStruct`` in the layers' own order (``checkpoint_items``), laid
+        out as this plan's state is but for the stage split of the stacked arrays
+        where the plan holds them padded."""
+        held = self.layout.shardings.checkpoint_items()
+        shapes = jax.eval_shape(lambda t: self.runtime._reordered(t, held, False),
+                                self.layout.abstract.checkpoint_items())
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            shapes, self.runtime.saved(held))
 
     def from_checkpoint(self, items: dict[str, dict], frozen) -> TrainState:
         """``checkpoint_items``' inverse: restored ``items`` as this plan's state."""
@@ -225,7 +236,7 @@ class TrainProgram:
                          * jnp.dtype(cd).itemsize
                          for x in jax.tree.leaves((state.params, state.frozen))
                          if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(cd))
-        rows = placement(self.runtime.abstract[0], self.runtime.specs[0], plan.mesh)
+        rows = placement(self.runtime.held[0], self.runtime.specs[0], plan.mesh)
         geometry = self.geometry
         counted = facts.memory(plan, rows, geometry.micro_batch_size, "none",
                                geometry.accumulation, self.runtime.pipeline_schedule,

@@ -17,7 +17,7 @@ from redray.sharding import placement
 def describe(trainer, plan_facts: dict | None) -> dict:
     """``Trainer.describe``'s value; ``plan_facts``: the planner's, under "auto"."""
     runtime, state, parallelism = trainer.runtime, trainer.state, trainer.parallelism
-    rows = placement(runtime.abstract[0], runtime.specs[0], trainer.mesh)
+    rows = placement(runtime.held[0], runtime.specs[0], trainer.mesh)
     opt = sum(x.nbytes for x in jax.tree.leaves(state.opt_state)
               if hasattr(x, "nbytes")) // max(parallelism.devices, 1)
     attention = trainer.attention

@@ -8,12 +8,12 @@ import math
 from typing import Any, Callable
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from redray.engine.model import abstract_state, adapter, cast_floating
 from redray.rngs import KeyStream, stream_key
 from redray.sharding.activations import parameter_specs, rows_split
-from redray.sharding.parallelism import reorder
+from redray.sharding.parallelism import held_layers, is_staged, reorder, stacked_count, unstaged
 from redray.sharding.plan import Plan
 from redray.sharding import (MODEL, STAGE, Parallelism, derive_specs, format_placement,
                              format_whole, placement, shardings)
@@ -100,7 +100,8 @@ class ModelRuntime:
                 specs = None
         with rows_split(None if plan is None else plan.mesh,
                         1 if plan is None else plan.data_parallel, self.micro_rows,
-                        self.stage_repeats, self._context_method()), parameter_specs(specs):
+                        self.stage_repeats, self._context_method(),
+                        self.stacked_layers), parameter_specs(specs):
             out = fn(model, *args)
         return out, self.adapter.extra_of(model, extra)
 
@@ -146,7 +147,42 @@ class ModelRuntime:
         self.whole = []
         self.specs = derive_specs(self.abstract, self.mesh, run, abstract_args,
                                   whole=self.whole, passes=self.parallelism.spec_passes())
+        if self.stages > 1:  # two stacks held in as many rows could not be read back
+            for count in self.stacked_layers:
+                stacked_count(held_layers(count, self.stages, self.stage_repeats),
+                              self.stacked_layers, self.stages, self.stage_repeats)
         return self.specs
+
+    @property
+    def stages(self) -> int:
+        return self.parallelism.size(STAGE) if self.parallelism is not None else 1
+
+    @property
+    def stacked_layers(self) -> tuple:
+        """The layer counts of the model's stacks that the plan splits over ``stage``
+        (empty without stages or specs)."""
+        if self.specs is None or self.stages == 1:
+            return ()
+        specs = jax.tree.leaves(self.specs[0], is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return tuple(sorted({a.shape[0] for a, spec in zip(jax.tree.leaves(self.abstract[0]), specs)
+                             if is_staged(spec)}))
+
+    @property
+    def held(self):
+        """(params, extra) as ShapeDtypeStructs in the form this runtime holds them: the
+        stacked arrays padded to ``parallelism.held_layers`` rows where the stages'
+        chunks do not divide the layers (``abstract``: the model's own shapes)."""
+        if not self.stacked_layers:
+            return self.abstract
+        return jax.eval_shape(lambda t: self._reordered(t, self.shardings, True), self.abstract)
+
+    def saved(self, shardings):
+        """``shardings`` (of a tree in this runtime's held form) as they lay out the
+        same tree in the layers' own order (a checkpoint's, the model a user reads):
+        a stacked array no longer split over ``stage``, which may not divide it."""
+        if not self.stacked_layers:
+            return shardings
+        return jax.tree.map(unstaged, shardings)
 
     def costly_whole(self, share: float = 0.01) -> list:
         """The layer parameters left whole over ``model`` that a split would have saved,
@@ -181,18 +217,23 @@ class ModelRuntime:
         return self._reordered(self.adapter.init(key), self.shardings, True)
 
     def _reordered(self, tree, shardings, to_plan: bool):
-        stages = self.parallelism.size(STAGE) if self.parallelism is not None else 1
-        return reorder(tree, shardings, stages, self.stage_repeats, to_plan)
+        return reorder(tree, shardings, self.stages, self.stage_repeats, to_plan,
+                       self.stacked_layers)
+
+    def _pads(self) -> bool:
+        return any(held_layers(n, self.stages, self.stage_repeats) > n
+                   for n in self.stacked_layers)
 
     def reorder(self, tree, shardings, to_plan: bool):
-        """``tree`` (arrays on ``shardings``) with its stacked arrays moved from the
-        layers' own order into the one this runtime holds them in (``to_plan``), or
-        back: the same tree without circular pipeline repeats. Checkpoints and the
-        model a user reads hold the layers' own order (``parallelism.layer_order``)."""
-        if self.stage_repeats == 1 or self.parallelism is None or self.parallelism.size(STAGE) == 1:
+        """``tree`` with its stacked arrays moved from the layers' own order into the one
+        this runtime holds them in (``to_plan``: onto ``shardings``), or back (from
+        ``shardings``, onto ``saved(shardings)``): the same tree without circular
+        pipeline repeats or pads. Checkpoints and the model a user reads hold the
+        layers' own order (``parallelism.layer_order``)."""
+        if self.stages == 1 or (self.stage_repeats == 1 and not self._pads()):
             return tree
         return jax.jit(lambda t: self._reordered(t, shardings, to_plan),
-                       out_shardings=shardings)(tree)
+                       out_shardings=shardings if to_plan else self.saved(shardings))(tree)
 
     def place(self, params, extra):
         """Copies given (params, extra) onto this runtime's shardings.
@@ -205,7 +246,7 @@ class ModelRuntime:
         that every host received), are cut into each device's shard.
         """
         placed = jax.tree.map(lambda value, sharding: put(value, sharding, copy=True),
-                              (params, extra), self.shardings)
+                              (params, extra), self.saved(self.shardings))
         return self.reorder(placed, self.shardings, True)
 
     def bound(self, params, extra, rng=None):
@@ -215,7 +256,7 @@ class ModelRuntime:
         return self.adapter.bind(params, extra, jax.random.key(0) if rng is None else rng)
 
     def placement_text(self) -> str:
-        text = format_placement(placement(self.abstract, self.specs, self.mesh), self.mesh)
+        text = format_placement(placement(self.held, self.specs, self.mesh), self.mesh)
         model_size = self.parallelism.size(MODEL)
         if model_size > 1:
             text += "\n" + format_whole(self.whole, model_size)

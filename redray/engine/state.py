@@ -86,12 +86,6 @@ class StateLayout:
     abstract: TrainState
     shardings: TrainState
 
-    def checkpoint_targets(self) -> dict[str, dict]:
-        """The checkpoint's items as ``jax.ShapeDtypeStruct`` on this layout's
-        shardings: what a checkpoint restores into on this mesh."""
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            self.abstract.checkpoint_items(), self.shardings.checkpoint_items())
-
     @classmethod
     def build(cls, parallelism: Parallelism, seed: int, optimizer, params, param_specs, extra,
               extra_shardings, frozen_shardings=None) -> "StateLayout":

@@ -251,7 +251,7 @@ class Trainer:
         if kernels.why:
             self._say(f"attention: {kernels.describe()}")
         with startup.phase("restore"):
-            items = self._checkpoints.open(self.program.layout.checkpoint_targets())
+            items = self._checkpoints.open(self.program.checkpoint_targets())
         with startup.phase("init"):
             self.state = self.program.initial_state(items)
         if items is not None:
@@ -391,7 +391,7 @@ class Trainer:
         """Restores the newest checkpoint's state, keeps counting steps from
         ``bad_step`` and continues after that step's batch (``position``). Returns the
         checkpoint's step, or None when there is no checkpoint to go back to."""
-        found = self._checkpoints.restore_newest(self.program.layout.checkpoint_targets())
+        found = self._checkpoints.restore_newest(self.program.checkpoint_targets())
         if found is None:
             return None
         items, meta = found

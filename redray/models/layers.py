@@ -14,8 +14,8 @@ from flax import nnx
 from redray.models import context, paged, staged_layers
 from redray.models.attention import AttentionMask, attend, dense_attention
 from redray.sharding.activations import (blocks_cut, constrain_rows, gathered_features,
-                                         loop_unroll, pipeline_stages, stage_repeats)
-from redray.sharding.parallelism import layer_order
+                                         loop_unroll, pipeline_stages, stage_layout)
+from redray.sharding.parallelism import layer_positions, stacked_count
 
 ACTIVATIONS: dict[str, Callable] = {
     "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
@@ -486,6 +486,18 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
             x, report = step(block, x, *a)
             return constrain_rows(x), report
 
+        @nnx.scan(in_axes=(0, nnx.Carry, *broadcast, *scanned, 0), out_axes=(nnx.Carry, 0),
+                  unroll=loop_unroll())
+        def padded(block, x, *a):  # the last input: whether the layer is real (a pad,
+            *a, real = a           # parallelism.layer_order's, passes its input on)
+            y, report = step(block, x, *a)
+            return constrain_rows(jnp.where(real, y, x)), report
+
+        def run(b, h, a, own, real=None):  # a stage's chunk (staged_layers.run_stages)
+            if real is None:
+                return forward(b, h, *a, *own)[0]
+            return padded(b, h, *a, *own, real)[0]
+
         cut = blocks_cut()
         if cut is not None:  # a 1F1B step's head or tail pass (engine/one_f_one_b.py)
             cut.calls += 1
@@ -498,17 +510,14 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
                                  "with pipeline_schedule='1f1b' yet: use 'gpipe'")
             if cut.output is not None:
                 return cut.output, None
-            cut.found = dict(blocks=blocks, x=x, args=args, per_layer=per_layer,
-                             run=lambda b, h, a, own: forward(b, h, *a, *own)[0])
+            cut.found = dict(blocks=blocks, x=x, args=args, per_layer=per_layer, run=run)
             return x, None
         staged = pipeline_stages(x.shape[0])
         if staged is not None:
             if reports:
                 raise ValueError("aux=True (the experts' router statistics) is not available "
                                  "with pipeline stages yet: train with stage_axis=1")
-            x = staged_layers.run_stages(blocks, x, args, per_layer, train,
-                                         lambda b, h, a, own: forward(b, h, *a, *own)[0],
-                                         *staged)
+            x = staged_layers.run_stages(blocks, x, args, per_layer, train, run, *staged)
             return x, None
         with _in_layer_order(blocks) as ordered:
             x, found = forward(ordered, x, *args, *per_layer)
@@ -570,19 +579,23 @@ def split_layers(blocks) -> nnx.List:
 @contextlib.contextmanager
 def _in_layer_order(blocks):
     """Stacked ``blocks`` with their parameters in the layers' own order, for a pass
-    that is not pipelined (a short batch, decoding) on a plan with circular repeats,
-    which holds them in ``parallelism.layer_order`` (a gather across the stages); the
-    blocks themselves elsewhere. What the pass changes in their other state (RNG
-    counts) is written back on leaving."""
-    stages, repeats = stage_repeats()
-    if stages == 1 or repeats == 1:
+    that is not pipelined (a short batch, decoding) on a plan with circular repeats or
+    pads, which holds them in ``parallelism.layer_order`` (a gather across the stages,
+    the pads dropped); the blocks themselves elsewhere. What the pass changes in their
+    other state (RNG counts) is written back on leaving."""
+    stages, repeats, counts = stage_layout()
+    if stages == 1:
         yield blocks
         return
     graphdef, params, rest = nnx.split(blocks, nnx.Param, ...)
-    layers = jax.tree.leaves(params)[0].shape[0]
-    inverse = np.argsort(layer_order(layers, stages, repeats))
-    ordered = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.take(a, inverse, axis=0), params),
-                        rest)
+    held = jax.tree.leaves(params)[0].shape[0]
+    layers = stacked_count(held, counts, stages, repeats)
+    if repeats == 1 and held == layers:
+        yield blocks
+        return
+    positions = layer_positions(layers, stages, repeats)
+    ordered = nnx.merge(graphdef,
+                        jax.tree.map(lambda a: jnp.take(a, positions, axis=0), params), rest)
     yield ordered
     nnx.update(blocks, nnx.split(ordered, nnx.Param, ...)[2])
 

@@ -43,13 +43,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from redray.sharding.activations import loop_unroll, parameter_spec
-from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, FSDP, STAGE, check_stages,
-                                         layer_order, pipeline_ticks)
+from redray.sharding.activations import loop_unroll, parameter_spec, stage_layout
+from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, FSDP, STAGE, held_layers,
+                                         layer_order, layer_positions, pipeline_ticks,
+                                         stacked_count)
 from redray.sharding.pipeline_schedules import merge_micro, rows_flags, split_micro
 
 
@@ -117,12 +117,19 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
     ``x``), ``per_layer`` one entry per layer (split into stages with the parameters).
     The blocks' other state (dropout's RNG counts) advances once per tick."""
     graphdef, params, rest = nnx.split(blocks, nnx.Param, ...)
-    layers = jax.tree.leaves(params)[0].shape[0]
-    check_stages(layers, stages, repeats)
+    held = jax.tree.leaves(params)[0].shape[0]  # the layers' rows, pads included
+    layers = stacked_count(held, stage_layout()[2], stages, repeats)
     rows = x.shape[0]
-    S, M, R, k = stages, micro, repeats, layers // (stages * repeats)
+    S, M, R, k = stages, micro, repeats, held // (stages * repeats)
     padded, ticks = pipeline_ticks(S, M, R)
     order = layer_order(layers, S, R)
+    if held_layers(layers, S, R) != held:  # the model's own arrays (an abstract check
+        # before the plan holds them: engine/program.check_loss): held as the plan would
+        params = jax.tree.map(lambda a: jnp.take(a, order, axis=0, mode="fill", fill_value=0),
+                              params)
+        held = len(order)
+        k = held // (S * R)
+    pads = held > layers
 
     def by_stage(a, spec=None):
         # split over ``stage``; a parameter's other dimensions keep the plan's split
@@ -135,11 +142,14 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
         return _constrain(a.reshape(S, R, k, *a.shape[1:]), mesh,
                           P(STAGE.name, None, None, *rest))
 
-    def ordered(a):  # the other state and the per-layer inputs come in the layers' order
-        return a if R == 1 else jnp.take(a, order, axis=0)
+    def ordered(a):  # the other state and the per-layer inputs come in the layers' own
+        # order (a pad's: the last layer's, its output unused)
+        return a if R == 1 and not pads else jnp.take(a, order, axis=0, mode="clip")
 
     params_s = jax.tree.map(lambda a: by_stage(a, parameter_spec(a)), params)
     rest_s, own_s = jax.tree.map(lambda a: by_stage(ordered(a)), (rest, per_layer))
+    # which of a chunk's layers are real (None: all are)
+    real_s = by_stage(jnp.asarray(order < layers)) if pads else None
     ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
     x_m = split_micro(x, M, ways)
     flags = rows_flags(args, rows)
@@ -150,21 +160,22 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
     seq = CONTEXT.name if mesh.shape.get(CONTEXT.name, 1) > 1 and x.ndim > 2 else None
     slot = P(STAGE.name, BATCH_AXES, seq)
 
-    def one_stage(p, r, own, h, a, rep):
+    def one_stage(p, r, own, real, h, a, rep):
         def pick(z):  # this tick's chunk
             if R == 1:  # the same at every tick: the scan's backward reads the parameters
                 return z[0]
             return jax.lax.dynamic_index_in_dim(z, rep, 0, keepdims=False)
 
         block = nnx.merge(graphdef, *jax.tree.map(pick, (p, r)))
-        h = run_layers(block, h, a, jax.tree.map(pick, own))
+        h = run_layers(block, h, a, jax.tree.map(pick, own),
+                       *(() if real is None else (pick(real),)))
         new = nnx.split(block, nnx.Param, ...)[2]
         return h, jax.tree.map(lambda z, n: z.at[rep].set(n), r, new)
 
     if R > 1:  # a tick's chunk is sliced again in the backward pass, not kept per tick
         one_stage = jax.checkpoint(one_stage, policy=_not_chunks)
     row_axes = jax.tree.structure(args).unflatten([0 if f else None for f in flags])
-    stage_step = jax.vmap(one_stage, in_axes=(0, 0, 0, 0, row_axes, 0),
+    stage_step = jax.vmap(one_stage, in_axes=(0, 0, 0, 0 if pads else None, 0, row_axes, 0),
                           spmd_axis_name=STAGE.name)
     first = (jnp.arange(S) == 0).reshape(S, *(1,) * (x.ndim))
 
@@ -188,7 +199,7 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
         # the item each stage holds at this tick (a bubble's: a clipped one)
         rep, m = _item(jnp.clip(t - jnp.arange(S), 0, padded * R - 1), S, R)
         a = _map_rows(args_m, flags, lambda z: z[jnp.minimum(m, M - 1)])
-        out, r = stage_step(params_s, r, own_s, buffer, a, rep)
+        out, r = stage_step(params_s, r, own_s, real_s, buffer, a, rep)
         out = _constrain(out, mesh, slot)
         return (jnp.roll(out, 1, axis=0), outs, r), None
 
@@ -199,9 +210,10 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
     (buffer, outs, rest_s), _ = jax.lax.scan(tick, (buffer, outs, rest_s),
                                              jnp.arange(ticks), unroll=loop_unroll())
     outs = file_output(outs, buffer, ticks)[:, :M]
-    inverse = np.argsort(order)
+    positions = layer_positions(layers, S, R)
     nnx.update(blocks, jax.tree.map(
-        lambda a: a.reshape(layers, *a.shape[3:])[inverse if R > 1 else slice(None)], rest_s))
+        lambda a: a.reshape(held, *a.shape[3:])[positions if R > 1 or pads else slice(None)],
+        rest_s))
     if M % S:  # the head runs on every stage's devices, on all the rows
         return merge_micro(outs[0], ways)
     out = merge_micro(_scatter_first(outs, mesh, S, seq), ways)

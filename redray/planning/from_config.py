@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from redray.planning.memory import StepShape, _fresh_state, memory_plan
 from redray.planning.memory import part_lines, size_text
-from redray.planning.planner import ModelFacts
+from redray.planning.planner import ModelFacts, stacked_layers
 from redray.sharding import (AXES, EXPERT, FSDP, MODEL, PARAMETER_AXES, STAGE, Parallelism,
                              follow_specs, placement)
 from redray.sharding.parallelism import describe_shape
@@ -476,7 +476,7 @@ class ConfigFacts(ModelFacts):
         params = sum(r.bytes_per_device for r in rows)
         return memory_plan(self.fam, self.config, rows, 2 * params, parallelism, step,
                            traces=self._traces, experts=self.experts,
-                           blockwise=self.fused_attention)
+                           blockwise=self.fused_attention, layers=stacked_layers(self))
 
 
 def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,

@@ -44,7 +44,7 @@ from redray.models.layers import remat_policy
 from redray.models.moe import ExpertLayers
 from redray.sharding import CONTEXT, EXPERT, FSDP, MODEL, STAGE, Parallelism
 from redray.sharding.activations import blockwise_attention
-from redray.sharding.parallelism import pipeline_ticks
+from redray.sharding.parallelism import held_layers, is_staged, pipeline_ticks
 from redray.sharding.pipeline_schedules import one_f_one_b_table
 from redray.sharding.rules import axes_of
 
@@ -132,12 +132,23 @@ def layer_gather_bytes(param_rows, fsdp: int) -> int:
     return max(sizes, default=0)
 
 
+def chunk_share(stages: int, repeats: int = 1, layers: int = 0) -> float:
+    """The share of a step's stacked layers that one chunk of ``S R`` runs: ``1/(S R)``,
+    or where the chunks do not divide the ``layers`` (held padded,
+    ``parallelism.layer_order``) ``ceil(L/(S R)) / L``: every chunk runs as many layer
+    slots as the largest holds layers."""
+    if not layers:
+        return 1 / (stages * repeats)
+    return held_layers(layers, stages, repeats) / (stages * repeats) / layers
+
+
 def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int,
-                    repeats: int = 1, order: str = "gpipe") -> dict:
+                    repeats: int = 1, order: str = "gpipe", layers: int = 0) -> dict:
     """A step's memory ``parts`` (for one micro-batch of one device, as the memory
     models count it) on ``stages`` pipeline stages over ``micro_batches`` micro-batches
     (``redray/models/staged_layers.py``, GPipe or circular): each stage keeps what its
-    ``L/(S R)`` layers save at every one of the ``P R + S - 1`` ticks
+    ``L/(S R)`` layers (``chunk_share``: ``ceil(L/(S R))`` where the chunks do not
+    divide the ``layers``) save at every one of the ``P R + S - 1`` ticks
     (``parallelism.pipeline_ticks``; the bubble's included: the schedule runs every stage at
     every tick) until the backward pass, and the head its ``M/S`` micro-batches' rows,
     so the saved activations are about ``(M + S - 1) / S`` times one micro-batch's
@@ -157,15 +168,16 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
     if stages <= 1:
         return parts
     out = dict(parts)
+    share = chunk_share(stages, repeats, layers)
     if order == "1f1b":
         schedule = one_f_one_b_table(stages, micro_batches, repeats)
-        out["activations"] = parts.get("activations", 0) / (stages * repeats)
+        out["activations"] = parts.get("activations", 0) * share
         out["pipeline_buffers"] = (2 * micro_batches + schedule.slots + schedule.grad_slots
                                    + 2) * act_bytes
         out["pipeline_gradients"] = parts.get("gradients", 0)
         return out
     ticks = pipeline_ticks(stages, micro_batches, repeats)[1]
-    out["activations"] = parts.get("activations", 0) * ticks / (stages * repeats)
+    out["activations"] = parts.get("activations", 0) * ticks * share
     out["pipeline_buffers"] = (2 * micro_batches + 2) * act_bytes
     return out
 
@@ -174,7 +186,7 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
                accumulation: int, compute_itemsize: int, activations: int,
                recompute: int = 0, experts: Sequence[ExpertLayers] = (), tokens: int = 1,
                every_layer: bool = True, hidden: int = 0, schedule: str = "gpipe",
-               repeats: int = 1) -> dict:
+               repeats: int = 1, layers: int = 0) -> dict:
     """What one training step holds per device, by part: the one count behind
     ``Trainer.memory()``, the planner (``facts.memory``) and ``redray plan``
     (``memory_plan``), each giving it what it knows of the state and the activations.
@@ -197,6 +209,7 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
       hidden: the width of the hidden states between layers (a pipeline's buffers).
       schedule, repeats: the pipeline's schedule ("gpipe" or "1f1b") and circular
         repeats, on a stage axis (``pipelined_parts``).
+      layers: the model's stacked layers (0: a count the stages' chunks divide).
     """
     parts = dict(state)
     fsdp = parallelism.size(FSDP)
@@ -208,7 +221,8 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
         parts["expert_exchange"] = expert_exchange_bytes(
             experts, parallelism.shape, per_device * tokens, compute_itemsize, every_layer)
     return pipelined_parts(parts, parallelism.size(STAGE), accumulation,
-                           per_device * tokens * hidden * compute_itemsize, repeats, schedule)
+                           per_device * tokens * hidden * compute_itemsize, repeats, schedule,
+                           layers)
 
 
 def hidden_width(shapes: Sequence[tuple], scanned: dict | None = None) -> int:
@@ -557,13 +571,15 @@ def config_activation_bytes(fam, config, step: StepShape, per_device_batch: int,
 
 def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelism,
                 step: StepShape, device_gib: float | None = None,
-                traces: dict | None = None, experts=(), blockwise: bool = False) -> dict:
+                traces: dict | None = None, experts=(), blockwise: bool = False,
+                layers: int | None = None) -> dict:
     """Bytes per device of one training step of ``config``'s model on ``parallelism``
     (built, or abstract) (see the module); ``experts``: its mixture-of-experts layers
     (``redray.models.moe.ExpertLayers``), whose exchange an expert axis adds; on a
     stage axis, what the pipeline's micro-batches hold (``pipelined_parts``).
     ``blockwise``: count attention as a fused kernel keeps it (planned for a GPU or TPU
-    from another machine): the blockwise kernel's residuals.
+    from another machine): the blockwise kernel's residuals. ``layers``: the model's
+    stacked layers (None: read from the stage-split rows of ``param_rows``).
 
     Returns a JSON-ready dict: ``parts`` (name -> bytes per device: parameters,
     optimizer, gradients, compute_copies, fsdp_gathered, activations, recompute, and on
@@ -584,11 +600,13 @@ def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
         copies = params * item // 4
     state = {"parameters": params, "optimizer": opt_bytes, "gradients": params,
              "compute_copies": copies}
+    if layers is None:
+        layers = max((r.shape[0] for r in param_rows if is_staged(r.spec)), default=0)
     parts = step_parts(state, param_rows, parallelism, per_device, geometry.accumulation,
                        item, acts["saved"], acts["recompute"], experts,
                        -(-step.seq_len // parallelism.size(CONTEXT)),
                        step.remat in ("none", "dots"), hidden, step.pipeline_schedule,
-                       step.stage_repeats)
+                       step.stage_repeats, layers)
     return {**totals(parts, device_gib), "per_device_batch": per_device,
             "activations_per_layer": acts["per_layer"], "offloaded_to_host": acts["host"],
             "step": dataclasses.asdict(step)}

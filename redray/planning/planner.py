@@ -24,10 +24,11 @@ from redray.planning.cost import (DeviceWork, ModelTiming, Parameter, StepCost,
                                   work_seconds)
 from redray.sharding.dataflow import Trace
 from redray.planning.hardware import Hardware
-from redray.planning.memory import hidden_width, size_text
+from redray.planning.memory import chunk_share, hidden_width, size_text
 from redray.planning.work import ModelWork, Work
 from redray.sharding.parallelism import (AXES, CONTEXT, EXPERT, INSIDE, MODEL, STAGE, Parallelism,
-                                         axis_defaults, hybrid_shapes, pipeline_ticks)
+                                         axis_defaults, held_layers, hybrid_shapes, is_staged,
+                                         pipeline_ticks)
 from redray.sharding.pipeline_schedules import one_f_one_b_table
 from redray.sharding.placement import Placement, placement
 from redray.sharding.plan import Plan
@@ -302,7 +303,7 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
             refused["experts"] = refused.get("experts", 0) + 1
             continue
         stages = sizes[STAGE.keyword]
-        if layers % stages:
+        if stages > 1 and stages > layers:  # each stage needs a layer (more: pads)
             refused.setdefault("layers", set()).add(stages)
             continue
         dp = math.prod(sizes[a.keyword] for a in AXES if a.splits_batch)
@@ -336,13 +337,15 @@ MAX_REPEATS = 8
 def _repeats(layers: int, stages: int, pinned: int | None) -> list[int]:
     """The circular repeats a plan with ``stages`` may take (GPipe's circular form, or
     interleaved 1F1B): a pinned count, else every count up to ``MAX_REPEATS`` whose
-    chunks divide the stages' layers (1 included)."""
+    chunks divide the layers (1 included), or, where the stages do not divide them,
+    every count that leaves each chunk a layer (its chunks held padded,
+    ``parallelism.layer_order``, which the cost counts)."""
     if pinned is not None:  # circular repeats need stages
-        return [pinned] if pinned == 1 or (stages > 1
-                                           and layers % (stages * pinned) == 0) else []
+        return [pinned] if pinned == 1 or (stages > 1 and layers >= stages * pinned) else []
     if stages <= 1:
         return [1]
-    return [r for r in _divisors(layers // stages) if r <= MAX_REPEATS]
+    return [r for r in range(1, MAX_REPEATS + 1) if stages * r <= layers
+            and (layers % (stages * r) == 0 or layers % stages)]
 
 
 def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
@@ -361,9 +364,10 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                                 or shape[EXPERT.name] > 1 or shape[STAGE.name] > 1 else None)
         cache[key] = specs
     specs = cache[key]
-    rows = _placement(facts, specs, plan)
     stages, micro_batches = shape[STAGE.name], geometry.accumulation
     repeats = candidate.stage_repeats
+    shapes = _held_shapes(facts, specs, stages, repeats)
+    rows = _placement(facts, specs, plan, shapes)
     # with stages the micro-batches are the pipeline's: M + S - 1 ticks (P R + S - 1
     # with circular repeats), each running a chunk of a stage's layers; 1F1B's own
     # table gives its length (M R + S - 1 where S divides M)
@@ -371,13 +375,16 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     ticks = (one_f_one_b_table(stages, micro_batches, repeats).passes if one_f_one_b
              else pipeline_ticks(stages, micro_batches, repeats)[1] if stages > 1
              else micro_batches)
-    bubble = ticks / (micro_batches * repeats)
+    # a tick runs a chunk's layer slots, pads included (``chunk_share``)
+    layers = stacked_layers(facts)
+    bubble = ticks / (micro_batches * repeats) * (
+        chunk_share(stages, repeats, layers) * stages * repeats if stages > 1 else 1.0)
     memory = facts.memory(plan, rows, micro_batch_size, remat,
                           micro_batches, candidate.pipeline_schedule, repeats)
     scanned = facts.trace.scanned if facts.trace is not None else {}
     hidden = hidden_width(facts.shapes, scanned)
     params = [Parameter(tuple(s), _itemsize(d), tuple(spec), stacked=bool(scanned.get(i)))
-              for i, (s, d, spec) in enumerate(zip(facts.shapes, facts.dtypes, specs))]
+              for i, (s, d, spec) in enumerate(zip(shapes, facts.dtypes, specs))]
     recompute = remat != "none" or one_f_one_b
     ways = shape[CONTEXT.name]  # a device computes 1/context of each sequence's tokens
     tensor = [] if facts.trace is None else tensor_traffic(
@@ -421,8 +428,8 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     # stages ``ticks`` is the micro-batches)
     ring = context_traffic(shape, micro_batch_size, facts.tokens_per_example,
                            facts.kv_width or hidden, hidden,
-                           (facts.attention_layers or stacked_layers(facts) or 1)
-                           / (stages * repeats), facts.compute_itemsize, micro_batches,
+                           -(-(facts.attention_layers or layers or 1) // (stages * repeats)),
+                           facts.compute_itemsize, micro_batches,
                            ticks)
     update_bytes = UPDATE_ACCESSES * sum(n * p.itemsize for p, n in held)
     cost = step_cost(flops, tensor, state, ticks, shape, hosts, hardware,
@@ -509,10 +516,10 @@ def refusal(devices: int, hosts: int, batch_size: int, pinned: dict, refused: di
                    f"(the smallest, {smallest}, would take a batch that is a multiple of "
                    f"{smallest})")
     if "layers" in refused:
-        counts = [d for d in _divisors(layers) if d > 1]
-        why.append(f"pipeline stages must divide the model's {layers} stacked layers "
-                   f"({sorted(refused['layers'])[:6]} do not; the stage counts that do: "
-                   f"{counts[:12]})" if layers else "the model stacks no layers to pipeline")
+        why.append(f"each pipeline stage needs one of the model's {layers} stacked layers "
+                   f"({sorted(refused['layers'])[:6]} stages are more: use at most {layers})"
+                   if layers else "the model stacks no layers to pipeline (build it with "
+                   "scan=True)")
     if refused.get("micro"):
         why.append("a pinned micro-batch does not divide a device's share of the batch, or "
                    "leaves fewer micro-batches than pipeline stages")
@@ -550,7 +557,7 @@ def _device_work(counted: ModelWork, remat: str, examples: float, model: int,
     rest = example.rest * examples
     rest = dataclasses.replace(rest, memory=rest.memory * model)
     forward = work_seconds(counted.forward.layer, hardware) / work_seconds(one, hardware)
-    return DeviceWork(layer, rest, forward, max(1, example.layers // stages))
+    return DeviceWork(layer, rest, forward, max(1, -(-example.layers // stages)))
 
 
 def stacked_layers(facts: ModelFacts) -> int:
@@ -593,9 +600,18 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
 
 
-def _placement(facts: ModelFacts, specs, plan: Parallelism) -> list[Placement]:
+def _held_shapes(facts: ModelFacts, specs, stages: int, repeats: int) -> list[tuple]:
+    """The parameters' shapes as a plan holds them: a stage-split stack of layers
+    padded to ``parallelism.held_layers`` rows."""
+    if stages <= 1:
+        return list(facts.shapes)
+    return [(held_layers(s[0], stages, repeats), *s[1:]) if is_staged(spec) else s
+            for s, spec in zip(facts.shapes, specs)]
+
+
+def _placement(facts: ModelFacts, specs, plan: Parallelism, shapes) -> list[Placement]:
     import jax
 
-    leaves = [jax.ShapeDtypeStruct(s, d) for s, d in zip(facts.shapes, facts.dtypes)]
+    leaves = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, facts.dtypes)]
     rows = placement(leaves, specs, plan.mesh)
     return [dataclasses.replace(r, path=p) for r, p in zip(rows, facts.paths)]

@@ -116,14 +116,16 @@ def note_attention(kernel: str, why: str, check=None) -> None:
 
 @contextlib.contextmanager
 def rows_split(mesh, ways: int, micro_rows: int | None = None, repeats: int = 1,
-               context_method=None):
+               context_method=None, layers: tuple = ()):
     """Within: ``constrain_rows`` splits rows over ``mesh``'s batch axes (``ways`` in
     all); ``mesh`` None turns it off. ``micro_rows``: the rows of one pipeline
     micro-batch over all devices (``pipeline``), None: a pass's rows are one.
     ``repeats``: the pipeline's circular repeats (its stacked parameters are then held
     in ``parallelism.layer_order``). ``context_method``: the plan's choice of how
-    attention crosses a context axis (``context_choice``)."""
-    token = _ROWS.set(None if mesh is None else (mesh, ways, micro_rows, repeats))
+    attention crosses a context axis (``context_choice``). ``layers``: the model's
+    stacked layer counts (``stage_layout``: a stack the stages do not divide is held
+    padded)."""
+    token = _ROWS.set(None if mesh is None else (mesh, ways, micro_rows, repeats, layers))
     chosen = _CONTEXT_METHOD.set(context_method)
     try:
         yield
@@ -221,7 +223,7 @@ def pipeline_stages(rows: int) -> tuple | None:
     active = _ROWS.get()
     if active is None or rows % active[1]:
         return None
-    mesh, ways, micro_rows, repeats = active
+    mesh, ways, micro_rows, repeats = active[:4]
     stages = mesh.shape.get(STAGE.name, 1)
     if stages <= 1:
         return None
@@ -229,14 +231,14 @@ def pipeline_stages(rows: int) -> tuple | None:
     return mesh, stages, rows // micro_rows if rows % micro_rows == 0 else 1, repeats
 
 
-def stage_repeats() -> tuple[int, int]:
-    """(stages, circular repeats) of the plan a step is being traced on ((1, 1): none):
-    how its stacked parameters are ordered (``parallelism.layer_order``), whether or not
-    this pass is pipelined."""
+def stage_layout() -> tuple[int, int, tuple]:
+    """(stages, circular repeats, the model's stacked layer counts) of the plan a step
+    is being traced on ((1, 1, ()): none): how its stacked parameters are ordered and
+    padded (``parallelism.layer_order``), whether or not this pass is pipelined."""
     active = _ROWS.get()
     if active is None:
-        return 1, 1
-    return active[0].shape.get(STAGE.name, 1), active[3]
+        return 1, 1, ()
+    return active[0].shape.get(STAGE.name, 1), active[3], active[4]
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ import warnings
 from typing import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
@@ -259,47 +260,121 @@ def pipeline_ticks(stages: int, micro: int, repeats: int = 1) -> tuple[int, int]
 
 
 def check_stages(layers: int, stages: int, repeats: int = 1) -> None:
-    if layers % (stages * repeats):
-        chunks = stages * repeats
-        divisors = [d for d in range(1, layers + 1) if layers % d == 0]
-        if repeats == 1:
-            raise ValueError(f"stage_axis={stages} does not divide the model's {layers} "
-                             f"layers: use a stage axis among {divisors}")
-        raise ValueError(f"stage_axis={stages} x stage_repeats={repeats} = {chunks} chunks do "
-                         f"not divide the model's {layers} layers: use a product among "
-                         f"{divisors}")
+    """Raises where ``stages`` x ``repeats`` chunks cannot hold ``layers`` layers: each
+    chunk needs at least one. A count the chunks do not divide is held padded
+    (``layer_order``)."""
+    if layers < stages * repeats:
+        what = f"stage_axis={stages}" if repeats == 1 else \
+            f"stage_axis={stages} x stage_repeats={repeats} = {stages * repeats} chunks"
+        raise ValueError(f"{what} is more than the model's {layers} layers (each stage's "
+                         f"chunk needs one): use at most {layers} in all")
+
+
+def held_layers(layers: int, stages: int, repeats: int = 1) -> int:
+    """How many layers' rows a plan with ``stages`` x ``repeats`` chunks holds for a
+    stack of ``layers``: every chunk as large as the largest, ``ceil(L / (S R))``, so
+    the layer axis splits evenly over ``stage`` (the rows past ``layers`` are pads,
+    identity layers: ``layer_order``)."""
+    chunks = stages * repeats
+    return -(-layers // chunks) * chunks
+
+
+def chunk_sizes(layers: int, stages: int, repeats: int = 1) -> list[int]:
+    """The real layers of each of the ``S R`` chunks, in the order a micro-batch runs
+    them: ``ceil(L / (S R))``, one fewer in each of the last ``held - L`` chunks (where
+    the chunks do not divide the layers; at most one pad a chunk, so no stage runs more
+    than one layer of padding a pass)."""
+    check_stages(layers, stages, repeats)
+    chunks = stages * repeats
+    k = -(-layers // chunks)
+    pads = k * chunks - layers
+    return [k - (c >= chunks - pads) for c in range(chunks)]
 
 
 def layer_order(layers: int, stages: int, repeats: int) -> np.ndarray:
-    """The order in which a plan with circular repeats holds stacked parameters:
-    position ``p`` of the layer axis holds layer ``order[p]``.
+    """The order in which a plan with stages holds stacked parameters: position ``p``
+    of the layer axis (``held_layers`` long) holds layer ``order[p]``, or a pad where
+    ``order[p] == layers`` (an identity layer: ``staged_layers.run_stages`` keeps its
+    input; its parameters are zeros, their gradients zero).
 
-    With ``R`` repeats the layers form ``S R`` chunks of ``k = L / (S R)`` and chunk
-    ``c`` runs on stage ``c mod S``: a micro-batch passes the stages ``R`` times. The
-    layer axis is split over ``stage`` in consecutive blocks, so stage ``s``'s block
-    holds its chunks ``s, S + s, ..., (R - 1) S + s`` in turn. Without repeats the
-    order is the layers' own. The state (and its optimizer moments) keeps this order
-    for the whole run, so no parameter moves between stages; checkpoints and the
-    model a user reads hold the layers' own order (``ModelRuntime.reorder``)."""
-    check_stages(layers, stages, repeats)
-    k = layers // (stages * repeats)
-    return np.arange(layers).reshape(repeats, stages, k).transpose(1, 0, 2).reshape(layers)
+    The layers form ``S R`` chunks (``chunk_sizes``: consecutive layers, ``k =
+    ceil(L / (S R))`` slots each) and chunk ``c`` runs on stage ``c mod S``: with ``R``
+    circular repeats a micro-batch passes the stages ``R`` times. The layer axis is
+    split over ``stage`` in consecutive blocks, so stage ``s``'s block holds its chunks
+    ``s, S + s, ..., (R - 1) S + s`` in turn. Without repeats and pads the order is the
+    layers' own. The state (and its optimizer moments) keeps this order for the whole
+    run, so no parameter moves between stages; checkpoints and the model a user reads
+    hold the layers' own order, pads dropped (``reorder``, ``ModelRuntime.reorder``)."""
+    sizes = chunk_sizes(layers, stages, repeats)
+    k, start = sizes[0], 0
+    order = np.full((stages, repeats, k), layers)
+    for c, n in enumerate(sizes):
+        order[c % stages, c // stages, :n] = np.arange(start, start + n)
+        start += n
+    return order.reshape(-1)
 
 
-def reorder(tree, shardings, stages: int, repeats: int, to_plan: bool):
+def layer_positions(layers: int, stages: int, repeats: int) -> np.ndarray:
+    """Where ``layer_order`` holds each layer: layer ``i`` at position ``positions[i]``."""
+    return np.argsort(layer_order(layers, stages, repeats), kind="stable")[:layers]
+
+
+def is_staged(sharding) -> bool:
+    """Whether ``sharding`` (a NamedSharding, or a PartitionSpec) splits an array's
+    leading axis over ``stage``: a stacked layer array on a plan with stages."""
+    spec = getattr(sharding, "spec", sharding)
+    lead = spec[0] if spec else None
+    return STAGE.name in (lead if isinstance(lead, tuple) else (lead,))
+
+
+def unstaged(sharding):
+    """``sharding`` with ``stage`` taken off its leading axis: how a stacked array is
+    laid out in the layers' own order, which ``stage`` may not divide (a checkpoint's,
+    the model a user reads); anything else as it is."""
+    if not is_staged(sharding):
+        return sharding
+    lead = sharding.spec[0]
+    rest = tuple(n for n in (lead if isinstance(lead, tuple) else (lead,)) if n != STAGE.name)
+    lead = None if not rest else rest[0] if len(rest) == 1 else rest
+    return NamedSharding(sharding.mesh, P(lead, *sharding.spec[1:]))
+
+
+def reorder(tree, shardings, stages: int, repeats: int, to_plan: bool, layers=()):
     """``tree``'s stacked arrays (those whose ``shardings`` split their leading axis over
     ``stage``: parameters and what follows them, as optimizer moments) from the
-    layers' own order into ``layer_order`` (``to_plan``), or back; every other leaf as
-    it is. Traceable: jit it with ``shardings`` as the output's."""
+    layers' own order into ``layer_order`` (``to_plan``: pads of zeros added where the
+    chunks do not divide the layers), or back (the pads dropped); every other leaf as it
+    is. ``layers``: the model's stacked layer counts (each array's, read from its held
+    length going back). Traceable: jit it with ``shardings`` (``to_plan``), or
+    ``unstaged`` ones, as the output's."""
     def move(x, sharding):
-        spec = getattr(sharding, "spec", None)
-        lead = spec[0] if spec else None
-        if repeats == 1 or STAGE.name not in (lead if isinstance(lead, tuple) else (lead,)):
+        if stages <= 1 or not is_staged(sharding):
             return x
-        order = layer_order(x.shape[0], stages, repeats)
-        return x[order if to_plan else np.argsort(order)]
+        if to_plan:
+            count = x.shape[0]
+        else:
+            count = stacked_count(x.shape[0], layers, stages, repeats)
+        held = held_layers(count, stages, repeats)
+        if repeats == 1 and held == count:
+            return x
+        if not to_plan:
+            return x[layer_positions(count, stages, repeats)]
+        if held > count:
+            x = jnp.concatenate([x, jnp.zeros((1, *x.shape[1:]), x.dtype)])
+        return x[layer_order(count, stages, repeats)]
 
     return jax.tree.map(move, tree, shardings)
+
+
+def stacked_count(held: int, layers, stages: int, repeats: int) -> int:
+    """The layer count among ``layers`` (a model's stacks') that a plan holds in
+    ``held`` rows; ``held`` itself where none does (no pads)."""
+    found = {n for n in layers if held_layers(n, stages, repeats) == held}
+    if len(found) > 1:
+        raise ValueError(f"stacks of {sorted(found)} layers are both held in {held} rows on "
+                         f"stage_axis={stages} x stage_repeats={repeats}: use a stage axis "
+                         "that divides each stack's layers")
+    return found.pop() if found else held
 
 
 def _check_batch_size(batch_size) -> None:

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
@@ -36,6 +35,21 @@ def _shards(spec: P, mesh_shape: dict) -> int:
     return n
 
 
+def _per_device(shape: tuple, spec: P, mesh_shape: dict) -> int:
+    """Elements of an array of ``shape`` that one device holds on ``spec``: each split
+    dimension's share rounded up (a stage split of layers it does not divide is held
+    padded: ``parallelism.layer_order``)."""
+    n = 1
+    for d, size in enumerate(shape):
+        entry = spec[d] if d < len(spec) else None
+        ways = 1
+        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+            if axis is not None:
+                ways *= mesh_shape[axis]
+        n *= -(-size // ways)
+    return n
+
+
 def placement(tree, specs, mesh: Mesh) -> list[Placement]:
     """One row per array: path, shape, dtype, spec and bytes held by each device.
 
@@ -48,9 +62,9 @@ def placement(tree, specs, mesh: Mesh) -> list[Placement]:
     spec_leaves = _spec_leaves(specs)
     rows = []
     for path, leaf, spec in zip(paths, leaves, spec_leaves):
-        size = math.prod(leaf.shape) * leaf.dtype.itemsize
         rows.append(Placement(path, tuple(leaf.shape), str(leaf.dtype), spec,
-                            size // _shards(spec, dict(mesh.shape))))
+                              _per_device(leaf.shape, spec, dict(mesh.shape))
+                              * leaf.dtype.itemsize))
     return rows
 
 

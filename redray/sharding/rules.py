@@ -515,6 +515,10 @@ class _OneDimension(SpecPass):
     def check(self, draft: SpecDraft, size: int) -> None:
         """Raises where the model cannot take the axis at all."""
 
+    def fits(self, n: int, size: int) -> bool:
+        """Whether a dimension of ``n`` splits over the axis of ``size``."""
+        return n % size == 0
+
     def __call__(self, draft: SpecDraft) -> None:
         size = draft.size(self.axis)
         if size <= 1 or draft.trace is None:
@@ -525,7 +529,7 @@ class _OneDimension(SpecPass):
             if not dims:
                 continue
             d, shape = dims[0], draft.shapes[i]
-            if draft.entries[i][d] is None and shape[d] % size == 0:
+            if draft.entries[i][d] is None and self.fits(shape[d], size):
                 draft.entries[i][d] = self.axis
             else:
                 draft.whole[i] = (self.axis, *self.note(shape[d], size), False)
@@ -535,16 +539,20 @@ class _OneDimension(SpecPass):
 class StageParallel(_OneDimension):
     """Pipeline stages over ``axis``: the layer axis of every stacked (scanned) layer
     parameter (``Trace.scanned``) is split over it in consecutive blocks, stage ``s``
-    holding layers ``s * L/S`` to ``(s + 1) * L/S - 1``. Every other parameter (the
-    embeddings, the final norm, the head) stays whole over it: each stage's devices
-    hold them."""
+    holding layers ``s * L/S`` to ``(s + 1) * L/S - 1``; where ``S`` does not divide
+    ``L`` the run holds the axis padded (``parallelism.layer_order``), the spec the
+    same. Every other parameter (the embeddings, the final norm, the head) stays whole
+    over it: each stage's devices hold them."""
 
     def dims(self, draft: SpecDraft, i: int) -> list[int]:
         return sorted(draft.stacked(i))
 
+    def fits(self, n: int, size: int) -> bool:
+        return n >= size
+
     def note(self, n: int, size: int) -> tuple[str, str]:
-        return (f"its {n} layers do not divide into {size} stages",
-                f"use a stage axis that divides {n}")
+        return (f"its {n} layers are fewer than its {size} stages",
+                f"use a stage axis of at most {n}")
 
     def check(self, draft: SpecDraft, size: int) -> None:
         if not any(draft.stacked(i) for i in draft.free()):
