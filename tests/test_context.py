@@ -13,7 +13,6 @@ from redray.models import build, context, next_token_loss
 from redray.sharding import Parallelism
 from redray.planning.cost import context_method
 from redray.planning.hardware import preset
-from redray.planning.planner import candidates
 from tiny import assert_trains_as_one_device, memory_case
 
 CONFIGS = {
@@ -265,32 +264,23 @@ def test_context_refuses_what_it_does_not_split():
     with pytest.raises(ValueError, match="attention dropout.*context_axis"):
         runtime.apply(loss, params, extra, jax.random.key(0), IDS)
 
-    # 1F1B's stages do not split a sequence yet (GPipe's do: the test below)
-    with pytest.raises(ValueError, match="context_axis=2 with pipeline_schedule='1f1b'"):
-        candidates(4, 1, 8, ["none"], pinned={"context_axis": 2, "stage_axis": 2,
-                                              "pipeline_schedule": "1f1b"}, layers=2)
-    import optax
 
-    import redray
-
-    trainer = redray.Trainer(lambda rngs: build(CONFIGS["llama"](), rngs=rngs, scan=True),
-                             lambda ex: {"ids": np.stack([e["ids"] for e in ex])},
-                             lambda m, b, rng, train: next_token_loss(m, b["ids"]),
-                             optax.sgd(0.1), batch_size=4, progress=False, checkpoint=False,
-                             stage_axis=2, context_axis=2, pipeline_schedule="1f1b")
-    with pytest.raises(ValueError, match="'1f1b' with context_axis=2: .* use "
-                                         "pipeline_schedule='gpipe'"):
-        trainer.fit([{"ids": row} for row in IDS], epochs=1)
-
-
-@pytest.mark.parametrize("layers,axes", [(2, dict(stage_axis=2, context_axis=2)),
-                                         (4, dict(stage_axis=2, context_axis=2,
-                                                  stage_repeats=2))],
-                         ids=["stage2-context2", "stage2-circular2-context2"])
+@pytest.mark.parametrize("layers,axes", [
+    (2, dict(stage_axis=2, context_axis=2)),
+    (4, dict(stage_axis=2, context_axis=2, stage_repeats=2)),
+    (2, dict(stage_axis=2, context_axis=2, pipeline_schedule="1f1b", micro_batch_size=1)),
+    (5, dict(stage_axis=2, context_axis=2, stage_repeats=2, pipeline_schedule="1f1b",
+             micro_batch_size=1))],
+    ids=["stage2-context2", "stage2-circular2-context2", "1f1b-stage2-context2",
+         "1f1b-5-layers-stage2-interleaved2-context2"])
 def test_pipeline_stages_split_a_sequence_over_the_context_axis(layers, axes):
-    """GPipe's stages, plain and circular, with the sequence split over a context axis
-    (the ring runs inside the stages' ``vmap``, its hidden states passed split over the
-    axis): the losses of 3 steps and the parameters after them are one device's."""
+    """Pipeline stages with the sequence split over a context axis: GPipe's, plain and
+    circular (the ring runs inside the stages' ``vmap``, its hidden states passed split
+    over the axis), and 1F1B's, plain and interleaved over 5 layers' unequal chunks (the
+    ring inside 1F1B's ``shard_map``, manual over the context axis alone; every stage
+    runs a tick's forward, backward and tail where any does, since the ring's exchanges
+    span the stages): the losses of 3 steps and the parameters after them are one
+    device's."""
     def loss(model, batch, rng, train):
         return next_token_loss(model, batch["ids"], train=train)
 
@@ -301,11 +291,13 @@ def test_pipeline_stages_split_a_sequence_over_the_context_axis(layers, axes):
 
 def test_the_planner_costs_a_context_axis_it_is_given():
     """``rank`` with a pinned context axis: every plan splits the sequence (those with
-    stages by GPipe, each tick's chunk running the ring), the ring's passes are in the
+    stages by GPipe, each tick's chunk running the ring, or by 1F1B, whose backward
+    runs a chunk's ring again in its recomputed forward), the ring's passes are in the
     predicted step, and a device's activations are those of its share of the tokens
     (the memory model's trace of the ring's blockwise attention, 1/context of each
     sequence)."""
     from redray.sharding.parallelism import pipeline_ticks
+    from redray.sharding.pipeline_schedules import one_f_one_b_table
     from redray.planning.from_config import ConfigFacts
     from redray.planning.planner import rank
 
@@ -314,11 +306,13 @@ def test_the_planner_costs_a_context_axis_it_is_given():
     split = rank(facts, 8, 1, 8, h100, pinned={"context_axis": 4})
     assert split.ranked and all(p.plan.shape["context"] == 4 for p in split.ranked)
     staged = [p for p in split.ranked if p.plan.shape["stage"] > 1]
-    assert staged and all(p.plan.pipeline_schedule == "gpipe" for p in staged)
+    assert {p.plan.pipeline_schedule for p in staged} == {"gpipe", "1f1b"}
     for p in staged:  # 2 layers over 2 stages: a stage's layer, at every tick, C - 1 passes
-        ticks = pipeline_ticks(2, p.plan.geometry.accumulation, p.plan.stage_repeats)[1]
+        micro, repeats = p.plan.geometry.accumulation, p.plan.stage_repeats
+        ticks = pipeline_ticks(2, micro, repeats)[1] if p.plan.pipeline_schedule == "gpipe" \
+            else one_f_one_b_table(2, micro, repeats).passes * 1.5
         ring = next(t for t in p.cost.traffic if t.what.startswith("context: keys"))
-        assert ring.times == 2 * 3 * (2 / (2 * p.plan.stage_repeats)) * ticks
+        assert ring.times == pytest.approx(2 * 3 * -(-2 // (2 * repeats)) * ticks)
     whole = rank(facts, 8, 1, 8, h100)
     assert all(p.plan.shape["context"] == 1 for p in whole.ranked)  # never unasked
     for plan in split.ranked:

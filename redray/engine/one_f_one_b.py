@@ -29,7 +29,8 @@ from flax import nnx
 
 from redray.functions import split_loss_output
 from redray.sharding.activations import BlocksCut, cut_at_blocks
-from redray.sharding.parallelism import BATCH_AXES, CONTEXT, STAGE, layer_order, stacked_count
+from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, STAGE, layer_order,
+                                         stacked_count)
 from redray.sharding.pipeline_schedules import merge_micro, one_f_one_b, rows_flags, split_micro
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -82,10 +83,6 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
     mesh = runtime.parallelism.mesh
     stages, repeats = mesh.shape[STAGE.name], runtime.stage_repeats
     ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
-    if mesh.shape.get(CONTEXT.name, 1) > 1:
-        raise ValueError(f"pipeline_schedule='1f1b' with context_axis="
-                         f"{mesh.shape[CONTEXT.name]}: its stages do not split a sequence "
-                         "yet; use pipeline_schedule='gpipe' (the default), whose stages do")
 
     def gradients(params, frozen, extra, batch, rng):
         if frozen is not None:
@@ -148,7 +145,11 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
             blocks = nnx.merge(graphdef, param_tree.unflatten(chunk),
                                rest_tree.unflatten(salted(rest, salt, m)))
             a = args_tree.unflatten([z[m] if f else z for z, f in zip(consts["args"], flags)])
-            return found["run"](blocks, h, a, per_layer, real)
+            # traced as on the plan: the rows' split, and a sequence split over the
+            # context axis runs its ring inside the stage (manual over context alone:
+            # ``stage`` is manual here already)
+            with runtime.tracing():
+                return found["run"](blocks, h, a, per_layer, real)
 
         def tail_fn(tail_params, h, m, consts):
             it = iter(tail_params)
@@ -167,8 +168,10 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
             value, metrics = split_loss_output(out)
             return value, metrics
 
+        # a sequence split over a context axis: the ring's exchanges span the stages
         total, metrics, d_stages, d_tail, d_x = one_f_one_b(
-            stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh, own, repeats)
+            stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh, own, repeats,
+            in_step=mesh.shape.get(CONTEXT.name, 1) > 1)
         (grads,) = head_vjp(merge_micro(d_x, ways))
         g_leaves = jax.tree.leaves(grads)
         d_stages, d_tail = iter(d_stages), iter(d_tail)

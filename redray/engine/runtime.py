@@ -98,12 +98,25 @@ class ModelRuntime:
                 specs = {id(x): s for x, s in zip(leaves, treedef.flatten_up_to(self.specs[0]))}
             except ValueError:  # not the model's parameters (a part of them)
                 specs = None
-        with rows_split(None if plan is None else plan.mesh,
-                        1 if plan is None else plan.data_parallel, self.micro_rows,
-                        self.stage_repeats, self._context_method(),
-                        self.stacked_layers), parameter_specs(specs):
+        with self.tracing(planned), parameter_specs(specs):
             out = fn(model, *args)
         return out, self.adapter.extra_of(model, extra)
+
+    def tracing(self, planned: bool = True):
+        """Within: a model's layers traced as on this runtime's plan (``planned``; else as
+        on one device): its rows and sequences split, its stacks' layout
+        (``activations.rows_split``). ``apply`` traces in it; so do the pieces of a
+        step that run a model's layers outside ``apply`` (1F1B's stages: inside its
+        ``shard_map`` the constraints name the abstract mesh traced in, its ``stage``
+        manual)."""
+        plan = self.parallelism if planned else None
+        mesh = None if plan is None else plan.mesh
+        current = jax.sharding.get_abstract_mesh()
+        if mesh is not None and current.manual_axes:
+            mesh = current
+        return rows_split(mesh,
+                          1 if plan is None else plan.data_parallel, self.micro_rows,
+                          self.stage_repeats, self._context_method(), self.stacked_layers)
 
     def unplanned(self) -> "ModelRuntime":
         """This model without its plan: its layers run as on one device (what the

@@ -121,7 +121,7 @@ def from_zigzag(x: jax.Array, mesh, ways: int) -> jax.Array:
                                 jax.lax.ppermute(odd, AXIS, odd_route)], axis=1)
 
     spec = P(None, AXIS)
-    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec,
+    return jax.shard_map(local, mesh=_within(mesh), in_specs=spec, out_specs=spec,
                          axis_names={AXIS}, check_vma=False)(x)
 
 
@@ -303,10 +303,18 @@ def attention(q, k, v, mask: AttentionMask, scale: float, softcap: float | None 
              jnp.asarray(0 if window is None else window, jnp.int32))
     seq, rows = P(None, AXIS), P(AXIS)
     body = _ring_attention if how == "ring" else _gathered_attention
-    return jax.shard_map(functools.partial(body, ring), mesh=mesh,
+    return jax.shard_map(functools.partial(body, ring), mesh=_within(mesh),
                          in_specs=(seq, seq, seq, rows, rows, seq, seq, P()),
                          out_specs=seq, axis_names=_manual(mesh), check_vma=False)(
                              q, k, v, *facts)
+
+
+def _within(mesh):
+    """The mesh the ring's ``shard_map`` names: the plan's, or inside another
+    ``shard_map`` (1F1B's, manual over ``stage``) the abstract mesh it traces in, as a
+    nested ``shard_map`` must."""
+    current = jax.sharding.get_abstract_mesh()
+    return current if current.manual_axes else mesh
 
 
 def _manual(mesh) -> set:

@@ -280,7 +280,7 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
         pinned.setdefault(EXPERT.keyword, 1)
     # the context axis is the size given (1 unless pinned); ``rank`` asks for the sizes
     # it tries
-    ways = pinned.setdefault(CONTEXT.keyword, 1)
+    pinned.setdefault(CONTEXT.keyword, 1)
     if not layers:
         pinned.setdefault(STAGE.keyword, 1)
     micro_pin = pinned.pop("micro_batch_size", None)
@@ -288,12 +288,8 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     remat_pin = pinned.pop("remat", None)
     remats = [remat_pin] if remat_pin is not None else list(remat_policies)
     schedule_pin = pinned.pop("pipeline_schedule", None)
-    # 1F1B's stages do not split a sequence (``engine/one_f_one_b.py`` refuses it)
     schedules = [schedule_pin] if schedule_pin is not None else \
-        ["gpipe", "1f1b"] if one_f_one_b and ways == 1 else ["gpipe"]
-    if ways > 1 and schedule_pin == "1f1b":
-        raise ValueError(f"{CONTEXT.keyword}={ways} with pipeline_schedule='1f1b': its "
-                         "stages do not split a sequence yet; pin pipeline_schedule='gpipe'")
+        ["gpipe", "1f1b"] if one_f_one_b else ["gpipe"]
     repeats_pin = pinned.pop("stage_repeats", None)
     out = []
     splits = axis_sizes(devices, hosts, pinned)
@@ -426,11 +422,13 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                              facts.compute_itemsize, micro_batches, repeats)
     # with stages, a device's attention layers are its chunk's, run at every tick (without
     # stages ``ticks`` is the micro-batches)
+    # (1F1B's backward recomputes a chunk's forward, its ring included: half as many
+    # passes again)
     ring = context_traffic(shape, micro_batch_size, facts.tokens_per_example,
                            facts.kv_width or hidden, hidden,
                            -(-(facts.attention_layers or layers or 1) // (stages * repeats)),
                            facts.compute_itemsize, micro_batches,
-                           ticks)
+                           ticks * (1.5 if one_f_one_b else 1))
     update_bytes = UPDATE_ACCESSES * sum(n * p.itemsize for p, n in held)
     cost = step_cost(flops, tensor, state, ticks, shape, hosts, hardware,
                      facts.timing, elements, experts,
@@ -461,8 +459,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
 
     grid = grid_of(pinned, refused)
     pinned = dict(pinned or {})
-    may_split = (facts.splits_sequences and CONTEXT.keyword not in pinned
-                 and pinned.get("pipeline_schedule") != "1f1b")
+    may_split = facts.splits_sequences and CONTEXT.keyword not in pinned
     top = 1  # the context sizes in the grid: every one that divides the devices up to it
     if may_split and (not grid or batch_size < devices):
         # no split of whole sequences takes the batch (every context size), or fewer

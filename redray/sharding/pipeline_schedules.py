@@ -203,7 +203,7 @@ def one_f_one_b_schedule(stages: int, micro: int, repeats: int = 1) -> tuple[int
 
 
 def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
-                stage_consts=(), repeats: int = 1):
+                stage_consts=(), repeats: int = 1, in_step: bool = False):
     """One pipelined gradient step in the 1F1B order: each stage alternates one
     micro-batch's forward and an earlier one's backward, so a stage holds a bounded
     number of micro-batches' inputs (``one_f_one_b_table``), where GPipe keeps every
@@ -244,6 +244,12 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
         ``R``), without gradients: each chunk's share of what its layers read (their
         other state, per-layer inputs).
       repeats: the chunks per stage (``R``).
+      in_step: every stage runs a forward, a backward or the tail at a tick where any
+        stage runs one, and keeps its result only where it is its own: for functions
+        whose collectives span the stages (a ring over a context axis: a
+        collective-permute, which XLA runs as one exchange among every device, would
+        wait for ever on the stages that skip it). Such a tick lasts its busiest stage's
+        work either way.
 
     Returns:
       (the micro-batches' losses summed, their metrics summed, the gradients of
@@ -275,6 +281,14 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
         s = jax.lax.axis_index(STAGE.name)
         zero_h = jnp.zeros_like(x_m[0])
 
+        def when(mine, anyone, fn, otherwise):
+            # ``fn()`` where this stage runs it, else ``otherwise()``; in step, every
+            # stage runs it where any does and keeps its own result
+            if not in_step:
+                return jax.lax.cond(mine, fn, otherwise)
+            return jax.lax.cond(anyone, lambda: jax.tree.map(
+                lambda a, b: jnp.where(mine, a, b), fn(), otherwise()), otherwise)
+
         def run(p, r, h, m):
             return stage_fn(p, pick(own, r), h, m, consts)
 
@@ -282,6 +296,8 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
             got, got_grad, ring, grad_ring, grads, tail_grads, x_grads, loss, metrics = carry
             row = table[t, s]
             at = lambda name: row[_COLUMNS.index(name)]  # noqa: E731
+            # whether any stage does it at this tick (the same on every device)
+            anyone = lambda name, low: (table[t, :, _COLUMNS.index(name)] >= low).any()  # noqa: E731
             # what the neighbours passed at the end of the last tick, kept for its turn
             ring = jax.lax.cond(at("store") >= 0, lambda: ring.at[at("store")].set(got),
                                 lambda: ring)
@@ -292,7 +308,8 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
             # ring for its backward
             forward, r, m = at("forward") == 1, at("f_repeat"), at("f_micro")
             h = jnp.where((s == 0) & (r == 0), x_m[m], ring[at("f_slot")])
-            out = jax.lax.cond(forward, lambda: run(pick(chunks, r), r, h, m), lambda: zero_h)
+            out = when(forward, anyone("forward", 1), lambda: run(pick(chunks, r), r, h, m),
+                       lambda: zero_h)
             ring = jax.lax.cond(forward, lambda: ring.at[at("f_slot")].set(h), lambda: ring)
 
             def tail():  # the gradients added where they are kept: no zeros made
@@ -304,8 +321,9 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
                         jax.tree.map(jnp.add, tail_grads, d_tail),
                         grad_ring.at[at("tail_slot")].set(d_out))
 
-            loss, metrics, tail_grads, grad_ring = jax.lax.cond(
-                at("tail_slot") >= 0, tail, lambda: (loss, metrics, tail_grads, grad_ring))
+            loss, metrics, tail_grads, grad_ring = when(
+                at("tail_slot") >= 0, anyone("tail_slot", 0), tail,
+                lambda: (loss, metrics, tail_grads, grad_ring))
             # a chunk's backward: its output's gradient (from the next chunk, or the
             # tail's) through the forward recomputed from the input kept
             backward, rb, b = at("backward") == 1, at("b_repeat"), at("b_micro")
@@ -318,7 +336,7 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
                     return jax.tree.map(jnp.add, grads, d_chunk), d_in
                 return jax.tree.map(lambda g, d: g.at[rb].add(d), grads, d_chunk), d_in
 
-            grads, d_in = jax.lax.cond(backward, back, lambda: (grads, zero_h))
+            grads, d_in = when(backward, anyone("backward", 1), back, lambda: (grads, zero_h))
             x_grads = jax.lax.cond(backward & (s == 0) & (rb == 0),
                                    lambda: x_grads.at[b].set(d_in), lambda: x_grads)
             carry = (jax.lax.ppermute(out, STAGE.name, ahead),
