@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -358,16 +359,21 @@ def test_other_families_pipeline_exactly(family):
         assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), family
 
 
-@pytest.mark.parametrize("layers,repeats,schedule", [(4, 1, "gpipe"), (4, 2, "gpipe"),
-                                                     (4, 1, "1f1b"), (5, 1, "gpipe")],
-                         ids=["gpipe", "circular", "1f1b", "unequal"])
+DATA2, MODEL2 = dict(data_axis=2), dict(model_axis=2)
+
+
+@pytest.mark.parametrize("layers,repeats,schedule,axes", [
+    (4, 1, "gpipe", DATA2), (4, 2, "gpipe", DATA2), (4, 1, "1f1b", DATA2),
+    (5, 1, "gpipe", DATA2), (4, 1, "gpipe", MODEL2)],
+    ids=["gpipe", "circular", "1f1b", "unequal", "gpipe-model2"])
 def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_step(
-        layers, repeats, schedule):
+        layers, repeats, schedule, axes):
     """``plan_model``'s count of a pipelined step (every tick's activations kept,
     ``pipelined_parts``) within 0.8-1.25 of XLA's compiled peak on CPU, GPipe's and the
-    circular one's (whose ticks keep no copy of their chunk of the parameters), and on
-    5 layers over 2 stages (3 and 2: the held pad counted, in the parameters and the
-    ticks' activations)."""
+    circular one's (whose ticks keep no copy of their chunk of the parameters), on 5
+    layers over 2 stages (3 and 2: the held pad counted, in the parameters and the
+    ticks' activations), and with tensor parallelism inside the stages (the slots'
+    features split over the model axis: half the buffers)."""
     from redray.planning.memory import StepShape
     from redray.planning.from_config import plan_model
 
@@ -376,12 +382,13 @@ def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_ste
     config, data, collate, loss = memory_case(layers, 16)
     trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True), collate, loss,
                              optax.adamw(1e-3), batch_size=16, micro_batch_size=1,
-                             progress=False, stage_axis=2, data_axis=2, stage_repeats=repeats,
-                             pipeline_schedule=schedule)
+                             progress=False, stage_axis=2, stage_repeats=repeats,
+                             pipeline_schedule=schedule, **axes)
     trainer.init(data)
     peak = trainer.memory(device_gib=1)["compiled"]["peak"]
-    planned = plan_model(config, 4, stage_axis=2, data_axis=2,
-                         step=StepShape(batch_size=16, seq_len=64, micro_batch_size=2,
+    planned = plan_model(config, 4, stage_axis=2, **axes,
+                         step=StepShape(batch_size=16, seq_len=64,
+                                        micro_batch_size=axes.get("data_axis", 1),
                                         stage_repeats=repeats, pipeline_schedule=schedule))
     assert planned["memory"]["parts"]["pipeline_buffers"] > 0
     assert 0.8 <= planned["memory"]["total"] / peak <= 1.25, (planned["memory"], peak)
@@ -617,6 +624,29 @@ def test_the_planner_weighs_circular_repeats_against_the_bubble():
     stretch = [(4 * r + 3) / (4 * r) for r in (1, 2, 4, 8)]
     assert (computes[0] - computes[1]) / (computes[1] - computes[2]) == pytest.approx(
         (stretch[0] - stretch[1]) / (stretch[1] - stretch[2]), rel=1e-9)
+
+
+def test_gpipe_passes_its_slots_split_over_the_model_axis():
+    """With tensor parallelism inside the stages, GPipe holds and passes a slot's
+    features split over the model axis (Megatron's sequence parallelism between the
+    stages): every collective-permute of the compiled step carries half the hidden
+    width, and the cost model counts the passes at that size with the gathers beside."""
+    from redray.planning.cost import stage_traffic
+
+    plan = Parallelism.of(stage_axis=2, model_axis=2, data_axis=1).build(jax.devices()[:4])
+    runtime = ModelRuntime(lambda rngs: build(CONFIGS["llama"](), rngs=rngs, scan=True), plan)
+    runtime.derive(lm_loss, jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
+    runtime.use(Plan(plan, micro_rows=ROWS // 4))
+    params, extra = runtime.init()
+    step = jax.jit(jax.value_and_grad(
+        lambda p, e, ids: runtime.apply(lm_loss, p, e, jax.random.key(0), ids)[0]))
+    text = step.lower(params, extra, IDS).compile().as_text()
+    widths = [int(m) for m in re.findall(r"f32\[[\d,]*?(\d+)\]\S* collective-permute\(", text)]
+    assert widths and set(widths) == {16}, widths  # hidden 32 over model 2
+    split = stage_traffic(dict(plan.shape), 1, SEQ, 32, 4, 4, split=2)
+    whole = stage_traffic(dict(plan.shape), 1, SEQ, 32, 4, 4)
+    assert split[0].bytes * 2 == whole[0].bytes
+    assert [t.kind for t in split[-2:]] == ["all-gather", "reduce-scatter"]
 
 
 def test_tensor_parallel_layers_stay_split_inside_the_stages():

@@ -47,9 +47,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redray.sharding.activations import loop_unroll, parameter_spec, stage_layout
-from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, FSDP, STAGE, held_layers,
-                                         layer_order, layer_positions, pipeline_ticks,
-                                         stacked_count)
+from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, FSDP, MODEL, STAGE,
+                                         held_layers, layer_order, layer_positions,
+                                         pipeline_ticks, stacked_count)
 from redray.sharding.pipeline_schedules import merge_micro, rows_flags, split_micro
 
 
@@ -158,7 +158,14 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
     # axes, a sequence over the context axis where the plan splits it (else kept whole
     # at every tick, gathered and split again around each stage's attention)
     seq = CONTEXT.name if mesh.shape.get(CONTEXT.name, 1) > 1 and x.ndim > 2 else None
-    slot = P(STAGE.name, BATCH_AXES, seq)
+    # and its features split over the model axis (Megatron's sequence parallelism
+    # between the stages: a slot, the outputs and the passes 1/model of the hidden
+    # states; each stage's layers gather them whole, inside the tensor-parallel group)
+    model = mesh.shape.get(MODEL.name, 1)
+    features = MODEL.name if model > 1 and x.ndim > 2 and x.shape[-1] % model == 0 else None
+    inner = (None,) * (x.ndim - 3) + (features,) if x.ndim > 2 else ()
+    slot = P(STAGE.name, BATCH_AXES, seq, *inner)
+    x_m = _constrain(x_m, mesh, P(None, BATCH_AXES, seq, *inner))
 
     def one_stage(p, r, own, real, h, a, rep):
         def pick(z):  # this tick's chunk
@@ -203,7 +210,7 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
         out = _constrain(out, mesh, slot)
         return (jnp.roll(out, 1, axis=0), outs, r), None
 
-    keep = P(STAGE.name, None, BATCH_AXES, seq)
+    keep = P(STAGE.name, None, BATCH_AXES, seq, *inner)
     buffer = _constrain(jnp.zeros((S, *x_m.shape[1:]), x.dtype), mesh, slot)
     # one block of M micro-batches per stage, and a sink for what is not an output
     outs = _constrain(jnp.zeros((S, M + 1, *x_m.shape[1:]), x.dtype), mesh, keep)
@@ -216,15 +223,17 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
         rest_s))
     if M % S:  # the head runs on every stage's devices, on all the rows
         return merge_micro(outs[0], ways)
-    out = merge_micro(_scatter_first(outs, mesh, S, seq), ways)
+    out = merge_micro(_scatter_first(outs, mesh, S, seq, features), ways)
     return _constrain(out, mesh, P((*BATCH_AXES, STAGE.name), seq))
 
 
-def _scatter_first(outs, mesh, stages: int, seq: str | None = None):
+def _scatter_first(outs, mesh, stages: int, seq: str | None = None,
+                   features: str | None = None):
     """(S, M, ...) split over ``stage``, whose first stage's block holds the output:
     that block's ``M / S`` micro-batches sent to each stage (``S - 1`` point-to-point
     transfers from stage 0), returned as (M, ...) split over ``stage`` on ``M`` (the
-    head's rows split over the stages as over the batch axes)."""
+    head's rows split over the stages as over the batch axes); a sequence and the
+    features split as ``run_stages``' slots (over ``seq`` and ``features``)."""
     micro = outs.shape[1]
     part = micro // stages
 
@@ -240,5 +249,7 @@ def _scatter_first(outs, mesh, stages: int, seq: str | None = None):
     rows = (None,) * (outs.ndim - 3)  # a micro-batch's dimensions after its rows
     if seq is not None:  # the first the sequence's, split as run_stages' slots
         rows = (seq, *rows[1:])
+    if features is not None:  # the last the features', split as the slots too
+        rows = (*rows[:-1], features)
     return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE.name, None, BATCH_AXES, *rows),
                          out_specs=P(STAGE.name, BATCH_AXES, *rows), check_vma=False)(outs)

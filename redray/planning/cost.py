@@ -317,7 +317,8 @@ def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_ite
 
 
 def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
-                  act_itemsize: int, micro_batches: int, repeats: int = 1) -> list[Traffic]:
+                  act_itemsize: int, micro_batches: int, repeats: int = 1,
+                  split: int = 1) -> list[Traffic]:
     """Pipeline parallelism's traffic (``redray.models.staged_layers``), per step:
 
     - at each of the ``M + S - 1`` ticks (``P R + S - 1`` with circular repeats:
@@ -328,18 +329,25 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
       output is read on the first): an all-reduce over ``stage`` per tick;
     - the output, ``M / S`` micro-batches to each stage for the head (where ``S``
       divides ``M``), and their gradients back: the first stage sends ``(S - 1) / S``
-      of ``M`` micro-batches (each other stage sends back ``M / S``).
+      of ``M`` micro-batches (each other stage sends back ``M / S``);
+    - with the slots' features split over the model axis (``split``: GPipe's stages on
+      a plan with one, Megatron's sequence parallelism between the stages), each of
+      those carries ``1 / split`` of the hidden states, and every stage gathers its
+      slot whole at each tick (its gradient scattered back): an all-gather and a
+      reduce-scatter over ``model`` per tick, inside the tensor-parallel group.
 
     Args:
       shape: the mesh's axis sizes.
       rows: examples per device in a micro-batch; tokens: tokens per example.
       hidden: the hidden states' width; act_itemsize: bytes per element.
-      micro_batches: ``M``; repeats: the circular repeats ``R``.
+      micro_batches: ``M``; repeats: the circular repeats ``R``; split: the ways the
+      slots' features are split over the model axis.
     """
     stages = shape.get(STAGE.name, 1)
     if stages <= 1:
         return []
-    slot = rows * tokens * hidden * act_itemsize
+    whole = rows * tokens * hidden * act_itemsize
+    slot = whole / split
     ticks = pipeline_ticks(stages, micro_batches, repeats)[1]
     out = [Traffic("collective-permute", slot, (STAGE.name,), 2 * ticks,
                    "pipeline: hidden states to the next stage, gradients back", True),
@@ -349,6 +357,11 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
         out.append(Traffic("collective-permute", slot * micro_batches * (stages - 1) / stages,
                            (STAGE.name,), 1, "pipeline: the output to each stage's rows of "
                            "the head, gradients back", True))
+    if split > 1:
+        out += [Traffic("all-gather", whole, (MODEL.name,), ticks,
+                        "pipeline: a slot's features gathered for the stage's layers", True),
+                Traffic("reduce-scatter", whole, (MODEL.name,), ticks,
+                        "pipeline: their gradient scattered back", True)]
     return out
 
 

@@ -142,8 +142,18 @@ def chunk_share(stages: int, repeats: int = 1, layers: int = 0) -> float:
     return held_layers(layers, stages, repeats) / (stages * repeats) / layers
 
 
+def features_split(shape, hidden: int, schedule: str = "gpipe") -> int:
+    """The ways GPipe's stages split the hidden states they hold and pass over the
+    model axis (``staged_layers.run_stages``: Megatron's sequence parallelism between
+    the stages), where it divides their width; 1 for 1F1B's, which keep them whole."""
+    model = shape.get(MODEL.name, 1)
+    return model if schedule == "gpipe" and model > 1 and hidden and hidden % model == 0 \
+        else 1
+
+
 def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int,
-                    repeats: int = 1, order: str = "gpipe", layers: int = 0) -> dict:
+                    repeats: int = 1, order: str = "gpipe", layers: int = 0,
+                    split: int = 1) -> dict:
     """A step's memory ``parts`` (for one micro-batch of one device, as the memory
     models count it) on ``stages`` pipeline stages over ``micro_batches`` micro-batches
     (``redray/models/staged_layers.py``, GPipe or circular): each stage keeps what its
@@ -155,7 +165,8 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
     without repeats (measured against XLA's compiled peak on CPU, LLaMA of 4 layers:
     0.85 at stage 2 x data 2, 0.96 at stage 4, against 0.90 without stages); the
     pipeline's buffers add the micro-batches' inputs and outputs (``2 M`` hidden states
-    of ``act_bytes``) and the two slots in flight.
+    of ``act_bytes``) and the two slots in flight, ``1 / split`` of each where their
+    features are split over the model axis (``features_split``).
 
     ``order="1f1b"`` (the 1F1B schedule, ``redray/sharding/pipeline_schedules.py``): a
     stage recomputes one micro-batch's share of one chunk's layers at a time (``1/(S R)``
@@ -178,7 +189,7 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
         return out
     ticks = pipeline_ticks(stages, micro_batches, repeats)[1]
     out["activations"] = parts.get("activations", 0) * ticks * share
-    out["pipeline_buffers"] = (2 * micro_batches + 2) * act_bytes
+    out["pipeline_buffers"] = (2 * micro_batches + 2) * act_bytes // split
     return out
 
 
@@ -222,7 +233,7 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
             experts, parallelism.shape, per_device * tokens, compute_itemsize, every_layer)
     return pipelined_parts(parts, parallelism.size(STAGE), accumulation,
                            per_device * tokens * hidden * compute_itemsize, repeats, schedule,
-                           layers)
+                           layers, features_split(parallelism.shape, hidden, schedule))
 
 
 def hidden_width(shapes: Sequence[tuple], scanned: dict | None = None) -> int:

@@ -24,7 +24,7 @@ from redray.planning.cost import (DeviceWork, ModelTiming, Parameter, StepCost,
                                   work_seconds)
 from redray.sharding.dataflow import Trace
 from redray.planning.hardware import Hardware
-from redray.planning.memory import chunk_share, hidden_width, size_text
+from redray.planning.memory import chunk_share, features_split, hidden_width, size_text
 from redray.planning.work import ModelWork, Work
 from redray.sharding.parallelism import (AXES, CONTEXT, EXPERT, INSIDE, MODEL, STAGE, Parallelism,
                                          axis_defaults, held_layers, hybrid_shapes, is_staged,
@@ -419,7 +419,8 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                              facts.compute_itemsize, recompute, geometry.accumulation)
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
     pipeline = stage_traffic(shape, micro_batch_size, local_tokens, hidden,
-                             facts.compute_itemsize, micro_batches, repeats)
+                             facts.compute_itemsize, micro_batches, repeats,
+                             features_split(shape, hidden, candidate.pipeline_schedule))
     # with stages, a device's attention layers are its chunk's, run at every tick (without
     # stages ``ticks`` is the micro-batches)
     # (1F1B's backward recomputes a chunk's forward, its ring included: half as many
