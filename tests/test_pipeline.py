@@ -364,8 +364,8 @@ DATA2, MODEL2 = dict(data_axis=2), dict(model_axis=2)
 
 @pytest.mark.parametrize("layers,repeats,schedule,axes", [
     (4, 1, "gpipe", DATA2), (4, 2, "gpipe", DATA2), (4, 1, "1f1b", DATA2),
-    (5, 1, "gpipe", DATA2), (4, 1, "gpipe", MODEL2)],
-    ids=["gpipe", "circular", "1f1b", "unequal", "gpipe-model2"])
+    (5, 1, "gpipe", DATA2), (4, 1, "gpipe", MODEL2), (4, 1, "1f1b", MODEL2)],
+    ids=["gpipe", "circular", "1f1b", "unequal", "gpipe-model2", "1f1b-model2"])
 def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_step(
         layers, repeats, schedule, axes):
     """``plan_model``'s count of a pipelined step (every tick's activations kept,
@@ -373,7 +373,7 @@ def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_ste
     circular one's (whose ticks keep no copy of their chunk of the parameters), on 5
     layers over 2 stages (3 and 2: the held pad counted, in the parameters and the
     ticks' activations), and with tensor parallelism inside the stages (the slots'
-    features split over the model axis: half the buffers)."""
+    features split over the model axis, GPipe's and 1F1B's: half the buffers)."""
     from redray.planning.memory import StepShape
     from redray.planning.from_config import plan_model
 
@@ -487,15 +487,17 @@ def test_the_interleaved_schedule_keeps_every_dependency_and_megatrons_bubble(S,
 
 @pytest.mark.parametrize("family,axes,layers", [
     ("llama", dict(stage_axis=2, data_axis=2), 4), ("gpt2", dict(stage_axis=2, fsdp_axis=2), 4),
-    ("llama", dict(stage_axis=2, data_axis=2, stage_repeats=2), 5)],
-    ids=["llama-s2-data2", "gpt2-s2-fsdp2", "llama-5-layers-s2-r2-data2"])
+    ("llama", dict(stage_axis=2, data_axis=2, stage_repeats=2), 5),
+    ("llama", dict(stage_axis=2, model_axis=2), 4)],
+    ids=["llama-s2-data2", "gpt2-s2-fsdp2", "llama-5-layers-s2-r2-data2", "llama-s2-model2"])
 def test_a_trainer_on_1f1b_trains_as_one_device(family, axes, layers):
     """``pipeline_schedule="1f1b"``: the user's loss cut at the stacked layers, each
     micro-batch's loss averaged; the losses of 3 steps and the parameters after them
     those of one device (the loss's token mean over equal micro-batches is the mean
     of their means); interleaved too (``stage_repeats=2``: the parameters held in
     ``layer_order``, the checkpointed ones in the layers' own), on 5 layers over 4
-    chunks (one of 2 layers, three of 1 and a pad)."""
+    chunks (one of 2 layers, three of 1 and a pad); with tensor parallelism inside the
+    stages, the slots held and passed split over the model axis."""
     def loss(model, batch, rng, train):
         value = lm_loss(model, batch["ids"])
         return value, {"twice": 2 * value}

@@ -25,11 +25,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 from flax import nnx
 
 from redray.functions import split_loss_output
 from redray.sharding.activations import BlocksCut, cut_at_blocks
-from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, STAGE, layer_order,
+from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, MODEL, STAGE, layer_order,
                                          stacked_count)
 from redray.sharding.pipeline_schedules import merge_micro, one_f_one_b, rows_flags, split_micro
 
@@ -169,9 +170,18 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
             return value, metrics
 
         # a sequence split over a context axis: the ring's exchanges span the stages
+        # (rows, tokens, features): the rows over the batch axes, the tokens over the
+        # context axis, the features over the model axis where it divides them (as
+        # GPipe's slots: Megatron's sequence parallelism between the stages)
+        model = mesh.shape.get(MODEL.name, 1)
+        slot = None
+        if x.ndim == 3:
+            slot = P(BATCH_AXES, CONTEXT.name if mesh.shape.get(CONTEXT.name, 1) > 1 else None,
+                     MODEL.name if model > 1 and x.shape[-1] % model == 0 else None)
+            x_m = jax.lax.with_sharding_constraint(x_m, NamedSharding(mesh, P(None, *slot)))
         total, metrics, d_stages, d_tail, d_x = one_f_one_b(
             stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh, own, repeats,
-            in_step=mesh.shape.get(CONTEXT.name, 1) > 1)
+            in_step=mesh.shape.get(CONTEXT.name, 1) > 1, slot=slot)
         (grads,) = head_vjp(merge_micro(d_x, ways))
         g_leaves = jax.tree.leaves(grads)
         d_stages, d_tail = iter(d_stages), iter(d_tail)

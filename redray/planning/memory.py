@@ -142,13 +142,12 @@ def chunk_share(stages: int, repeats: int = 1, layers: int = 0) -> float:
     return held_layers(layers, stages, repeats) / (stages * repeats) / layers
 
 
-def features_split(shape, hidden: int, schedule: str = "gpipe") -> int:
-    """The ways GPipe's stages split the hidden states they hold and pass over the
-    model axis (``staged_layers.run_stages``: Megatron's sequence parallelism between
-    the stages), where it divides their width; 1 for 1F1B's, which keep them whole."""
+def features_split(shape, hidden: int) -> int:
+    """The ways pipeline stages split the hidden states they hold and pass over the
+    model axis (``staged_layers.run_stages``, ``engine/one_f_one_b.py``: Megatron's
+    sequence parallelism between the stages), where it divides their width."""
     model = shape.get(MODEL.name, 1)
-    return model if schedule == "gpipe" and model > 1 and hidden and hidden % model == 0 \
-        else 1
+    return model if model > 1 and hidden and hidden % model == 0 else 1
 
 
 def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int,
@@ -173,7 +172,7 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
     of one micro-batch's saved activations), and keeps the schedule's slots of stage
     inputs and output gradients (``one_f_one_b_table``: ``2 S - 1`` and 1 without
     repeats) beside the first stage's inputs and their gradients (``2 M``) and the two
-    passes in flight, and
+    passes in flight (``1 / split`` of each, as GPipe's), and
     its gradients are summed in the loop's carry before they meet the embeddings'
     (``pipeline_gradients``: one more copy of the gradients)."""
     if stages <= 1:
@@ -184,7 +183,7 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
         schedule = one_f_one_b_table(stages, micro_batches, repeats)
         out["activations"] = parts.get("activations", 0) * share
         out["pipeline_buffers"] = (2 * micro_batches + schedule.slots + schedule.grad_slots
-                                   + 2) * act_bytes
+                                   + 2) * act_bytes // split
         out["pipeline_gradients"] = parts.get("gradients", 0)
         return out
     ticks = pipeline_ticks(stages, micro_batches, repeats)[1]
@@ -233,7 +232,7 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
             experts, parallelism.shape, per_device * tokens, compute_itemsize, every_layer)
     return pipelined_parts(parts, parallelism.size(STAGE), accumulation,
                            per_device * tokens * hidden * compute_itemsize, repeats, schedule,
-                           layers, features_split(parallelism.shape, hidden, schedule))
+                           layers, features_split(parallelism.shape, hidden))
 
 
 def hidden_width(shapes: Sequence[tuple], scanned: dict | None = None) -> int:

@@ -420,7 +420,7 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
     pipeline = stage_traffic(shape, micro_batch_size, local_tokens, hidden,
                              facts.compute_itemsize, micro_batches, repeats,
-                             features_split(shape, hidden, candidate.pipeline_schedule))
+                             features_split(shape, hidden))
     # with stages, a device's attention layers are its chunk's, run at every tick (without
     # stages ``ticks`` is the micro-batches)
     # (1F1B's backward recomputes a chunk's forward, its ring included: half as many

@@ -203,7 +203,7 @@ def one_f_one_b_schedule(stages: int, micro: int, repeats: int = 1) -> tuple[int
 
 
 def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
-                stage_consts=(), repeats: int = 1, in_step: bool = False):
+                stage_consts=(), repeats: int = 1, in_step: bool = False, slot=None):
     """One pipelined gradient step in the 1F1B order: each stage alternates one
     micro-batch's forward and an earlier one's backward, so a stage holds a bounded
     number of micro-batches' inputs (``one_f_one_b_table``), where GPipe keeps every
@@ -250,6 +250,9 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
         collective-permute, which XLA runs as one exchange among every device, would
         wait for ever on the stages that skip it). Such a tick lasts its busiest stage's
         work either way.
+      slot: the PartitionSpec of one micro-batch's hidden states (over the axes other
+        than ``stage``) that the schedule holds and passes: the slots its rings keep,
+        what goes to the neighbours (None: XLA's choice).
 
     Returns:
       (the micro-batches' losses summed, their metrics summed, the gradients of
@@ -279,7 +282,14 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
     def local(chunks, own, tail_params, x_m, consts):
         chunks, own = jax.tree.map(lambda a: a[0], (chunks, own))
         s = jax.lax.axis_index(STAGE.name)
-        zero_h = jnp.zeros_like(x_m[0])
+
+        def held(h, lead=0):  # hidden states as the schedule holds them (``slot``)
+            if slot is None:
+                return h
+            return jax.lax.with_sharding_constraint(h, jax.sharding.NamedSharding(
+                jax.sharding.get_abstract_mesh(), P(*(None,) * lead, *slot)))
+
+        zero_h = held(jnp.zeros_like(x_m[0]))
 
         def when(mine, anyone, fn, otherwise):
             # ``fn()`` where this stage runs it, else ``otherwise()``; in step, every
@@ -308,8 +318,8 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
             # ring for its backward
             forward, r, m = at("forward") == 1, at("f_repeat"), at("f_micro")
             h = jnp.where((s == 0) & (r == 0), x_m[m], ring[at("f_slot")])
-            out = when(forward, anyone("forward", 1), lambda: run(pick(chunks, r), r, h, m),
-                       lambda: zero_h)
+            out = held(when(forward, anyone("forward", 1),
+                            lambda: run(pick(chunks, r), r, h, m), lambda: zero_h))
             ring = jax.lax.cond(forward, lambda: ring.at[at("f_slot")].set(h), lambda: ring)
 
             def tail():  # the gradients added where they are kept: no zeros made
@@ -337,6 +347,7 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
                 return jax.tree.map(lambda g, d: g.at[rb].add(d), grads, d_chunk), d_in
 
             grads, d_in = when(backward, anyone("backward", 1), back, lambda: (grads, zero_h))
+            d_in = held(d_in)
             x_grads = jax.lax.cond(backward & (s == 0) & (rb == 0),
                                    lambda: x_grads.at[b].set(d_in), lambda: x_grads)
             carry = (jax.lax.ppermute(out, STAGE.name, ahead),
@@ -344,10 +355,11 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
                      ring, grad_ring, grads, tail_grads, x_grads, loss, metrics)
             return carry, None
 
-        carry = (zero_h, zero_h, jnp.zeros((schedule.slots, *zero_h.shape), zero_h.dtype),
-                 jnp.zeros((schedule.grad_slots, *zero_h.shape), zero_h.dtype),
+        carry = (zero_h, zero_h,
+                 held(jnp.zeros((schedule.slots, *zero_h.shape), zero_h.dtype), 1),
+                 held(jnp.zeros((schedule.grad_slots, *zero_h.shape), zero_h.dtype), 1),
                  jax.tree.map(jnp.zeros_like, chunks), jax.tree.map(jnp.zeros_like, tail_params),
-                 jnp.zeros_like(x_m), jnp.zeros((), jnp.float32), no_metrics)
+                 held(jnp.zeros_like(x_m), 1), jnp.zeros((), jnp.float32), no_metrics)
         (_, _, _, _, grads, tail_grads, x_grads, loss, metrics), _ = jax.lax.scan(
             tick, carry, jnp.arange(schedule.ticks), unroll=loop_unroll())
         # the loss and the tail's gradients live on the last stage, x_m's on the first
