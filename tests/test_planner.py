@@ -92,6 +92,41 @@ def test_the_collectives_counted_are_those_xla_compiles(axes, micro, scan):
         assert value == pytest.approx(got[kind], rel=0.01), (kind, value, got[kind])
 
 
+def test_gpipe_stages_gather_their_fsdp_layers_once_a_step():
+    """FSDP inside GPipe's stages: the compiled step (its ticks unrolled) gathers each
+    stacked parameter once, before the ticks, and the head once, whatever the
+    micro-batches; the cost model's count (``gathered_once``, one pass) is its bytes.
+    Counted per tick, as 1F1B gathers (each tick's chunk twice, the head at each), it
+    would be 8.6x."""
+    from redray.sharding.activations import unrolled_loops
+    from redray.sharding.parallelism import pipeline_ticks
+
+    config = LlamaConfig(**{**TINY, "tie_word_embeddings": True})
+    t = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True), collate, loss,
+                       optax.adam(1e-3), batch_size=8, micro_batch_size=1, progress=False,
+                       stage_axis=2, fsdp_axis=2, data_axis=1)
+    t.init(DATA)
+    with unrolled_loops():
+        text = t.compiled_step().as_text()
+    got = collectives.summarize(collectives.collectives(text))["all-gather"]["bytes"]
+    rt = t.runtime
+    specs = jax.tree.leaves(rt.specs[0], is_leaf=lambda x: isinstance(x, P))
+    params = [Parameter(tuple(x.shape), x.dtype.itemsize, tuple(s),
+                        stacked=bool(s) and s[0] == "stage")
+              for x, s in zip(jax.tree.leaves(rt.held[0]), specs)]
+    assert sum(p.stacked for p in params) >= 4
+
+    def gathered(traffic):
+        return sum(c.bytes * c.times for c in traffic if c.kind == "all-gather")
+
+    shape = t.parallelism.shape
+    once = gathered(state_traffic(params, shape, 4, PRESETS["cpu"], gathered_once=True))
+    assert once == pytest.approx(got, rel=0.01)
+    ticks = pipeline_ticks(2, t.geometry.accumulation)[1]
+    per_tick = gathered(state_traffic(params, shape, 4, PRESETS["cpu"], accumulation=ticks))
+    assert per_tick > 8 * got, per_tick / got
+
+
 def test_ring_collectives_cost_their_steps_on_the_link_they_cross():
     hw = Hardware("test", 1e12, 1e12, 1e9, 4, intra=Link(100.0, 1.0), inter=Link(10.0, 5.0))
     # inside a host: 2 (n - 1) / n of the bytes at 100 B/s and 2 (n - 1) latencies

@@ -421,12 +421,18 @@ def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> f
 
 def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_itemsize: int,
                   hardware: Hardware, recompute: bool = False,
-                  accumulation: int = 1, repeats: int = 1) -> list[Traffic]:
+                  accumulation: int = 1, repeats: int = 1,
+                  gathered_once: bool = False) -> list[Traffic]:
     """The FSDP gathers and gradient reductions of a step (see the module docstring).
     With pipeline stages the parameters the stages hold whole (embeddings, head) see
     rows split over ``stage`` too: their gradients are summed over it as well. With
     circular ``repeats`` a pass (``accumulation`` of them) runs one of a stage's
-    ``repeats`` chunks of stacked layers: their traffic per pass is that chunk's."""
+    ``repeats`` chunks of stacked layers: their traffic per pass is that chunk's.
+    ``gathered_once``: GPipe's stages gather their stacked parameters over ``fsdp``
+    once, before the ticks, and reduce their gradients once, after them
+    (``staged_layers.run_stages``; the compiled step of ``tests/test_planner.py``
+    holds one gather each): a stage's whole share once a step, on no layer's
+    compute."""
     out = []
     # the gradients are summed over the axes splitting the batch, the context axis
     # splitting its sequences, and (for what the stages hold whole) the stages
@@ -437,18 +443,25 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
         axes = param.axes()
         others = math.prod(shape[a] for a in axes if a != FSDP.name)
         elements = math.prod(param.shape) / others
-        if FSDP.name in axes and shape[FSDP.name] > 1:
+        kind = "reduce-scatter" if hardware.reduce_scatter else "all-reduce"
+        if FSDP.name in axes and shape[FSDP.name] > 1 and param.stacked and gathered_once:
+            out.append(Traffic("all-gather", elements * compute_itemsize, (FSDP.name,), 1,
+                               "FSDP: a stage's layers gathered before its ticks", False,
+                               "forward"))
+            out.append(Traffic(kind, elements * param.itemsize, (FSDP.name,), 1,
+                               "FSDP: their gradients reduced after the ticks", False))
+        elif FSDP.name in axes and shape[FSDP.name] > 1:
             again = recompute or param.stacked
             chunk = repeats if param.stacked else 1
             out.append(Traffic("all-gather", elements * compute_itemsize / chunk,
                                (FSDP.name,), (2 if again else 1) * accumulation,
                                "FSDP: a parameter gathered", False,
                                "both" if again else "forward", param.stacked))
-            kind = "reduce-scatter" if hardware.reduce_scatter else "all-reduce"
             out.append(Traffic(kind, elements * param.itemsize / chunk, (FSDP.name,),
                                accumulation,
                                "FSDP: a gradient reduced onto its shards", False,
                                "backward", param.stacked))
+        if FSDP.name in axes and shape[FSDP.name] > 1:
             rest = tuple(a for a in (*BATCH_AXES, *head_rows) if a != FSDP.name
                          and a not in axes and shape[a] > 1)
             if rest:

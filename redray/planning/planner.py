@@ -386,8 +386,11 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     tensor = [] if facts.trace is None else tensor_traffic(
         facts.trace, params, shape, micro_batch_size / facts.trace_examples / ways,
         facts.compute_itemsize, recompute, ticks / (stages * repeats))
-    state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute, ticks,
-                          repeats)
+    # GPipe's stages run the embeddings and the head once a step, on every row, and
+    # gather their stacked layers once before the ticks (``state_traffic``)
+    gpipe = stages > 1 and not one_f_one_b
+    state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute,
+                          1 if gpipe else ticks, repeats, gathered_once=gpipe)
     flops = facts.flops(remat) * batch_size / devices
     if stages > 1:  # the bubble: the layers run on M + S - 1 slots, M of them real
         share = layer_share(facts)
