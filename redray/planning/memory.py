@@ -225,6 +225,13 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
     fsdp = parallelism.size(FSDP)
     parts["fsdp_gathered"] = GATHERED_LAYERS * layer_gather_bytes(rows, fsdp) \
         * compute_itemsize // 4 if fsdp > 1 else 0
+    if fsdp > 1 and parallelism.size(STAGE) > 1 and schedule == "gpipe":
+        # GPipe's stages gather their stacked layers once, before the ticks, and sum
+        # their gradients gathered until after them (staged_layers.run_stages): a
+        # stage's whole share, in the compute dtype and as float32 gradients
+        staged = sum(r.bytes_per_device * fsdp for r in rows if is_staged(r.spec)
+                     and FSDP.name in {a for e in r.spec for a in axes_of(e)})
+        parts["fsdp_gathered"] = staged * compute_itemsize // 4 + staged
     parts["activations"] = activations
     parts["recompute"] = recompute
     if parallelism.size(EXPERT) > 1:
