@@ -127,6 +127,28 @@ def test_stages_of_unequal_layer_counts_equal_the_unpipelined_step(family, axes,
     assert 5 not in {a.shape[0] for a in jax.tree.leaves(runtime.held[0])}
 
 
+@pytest.mark.parametrize("layers,repeats", [(4, 1), (4, 2), (5, 1)],
+                         ids=["as-they-are", "circular", "unequal"])
+def test_a_given_model_is_placed_on_the_plan_s_shardings_and_read_back(layers, repeats):
+    """``place`` (a built model's arrays, a Predictor's given parameters): the stacked
+    arrays end on the plan's stage split, in its held form (padded, reordered) or as
+    they are where it holds them so; ``bound`` reads them back as they were given."""
+    config = CONFIGS["llama"]()
+    config.num_hidden_layers = layers
+    plan = Parallelism.of(stage_axis=2, data_axis=1).build(jax.devices()[:2])
+    runtime = ModelRuntime(lambda rngs: build(config, rngs=rngs, scan=True), plan)
+    runtime.derive(lm_loss, jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
+    runtime.use(Plan(plan, micro_rows=ROWS // 4, stage_repeats=repeats))
+    given = jax.device_get(runtime.adapter.init(runtime.init_key))
+    params, extra = runtime.place(*given)
+    for got, want, held in zip(jax.tree.leaves(params), jax.tree.leaves(runtime.shardings[0]),
+                               jax.tree.leaves(runtime.held[0]), strict=True):
+        assert got.sharding.is_equivalent_to(want, got.ndim) and got.shape == held.shape
+    back = nnx.state(runtime.bound(params, extra), nnx.Param)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(given[0]), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_unequal_chunks_hold_consecutive_layers_and_at_most_one_pad_each():
     # LLaMA 3.1 405B's 126 layers over 16 stages: 14 stages of 8, the last two of 7
     assert chunk_sizes(126, 16) == [8] * 14 + [7] * 2

@@ -192,8 +192,10 @@ class ModelRuntime:
     def saved(self, shardings):
         """``shardings`` (of a tree in this runtime's held form) as they lay out the
         same tree in the layers' own order (a checkpoint's, the model a user reads):
-        a stacked array no longer split over ``stage``, which may not divide it."""
-        if not self.stacked_layers:
+        a stacked array no longer split over ``stage``, which may not divide it. The
+        same shardings where the runtime holds the stacks as they are (no circular
+        repeats, no pads: ``reorder`` moves nothing)."""
+        if not self._moves():
             return shardings
         return jax.tree.map(unstaged, shardings)
 
@@ -233,9 +235,11 @@ class ModelRuntime:
         return reorder(tree, shardings, self.stages, self.stage_repeats, to_plan,
                        self.stacked_layers)
 
-    def _pads(self) -> bool:
-        return any(held_layers(n, self.stages, self.stage_repeats) > n
-                   for n in self.stacked_layers)
+    def _moves(self) -> bool:
+        """Whether the held form differs from the layers' own: circular repeats, or
+        pads."""
+        return self.stages > 1 and (self.stage_repeats > 1 or any(
+            held_layers(n, self.stages, self.stage_repeats) > n for n in self.stacked_layers))
 
     def reorder(self, tree, shardings, to_plan: bool):
         """``tree`` with its stacked arrays moved from the layers' own order into the one
@@ -243,7 +247,7 @@ class ModelRuntime:
         ``shardings``, onto ``saved(shardings)``): the same tree without circular
         pipeline repeats or pads. Checkpoints and the model a user reads hold the
         layers' own order (``parallelism.layer_order``)."""
-        if self.stages == 1 or (self.stage_repeats == 1 and not self._pads()):
+        if not self._moves():
             return tree
         return jax.jit(lambda t: self._reordered(t, shardings, to_plan),
                        out_shardings=shardings if to_plan else self.saved(shardings))(tree)
