@@ -261,15 +261,16 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
         common divisor), 0 for a dense model: the expert axis takes the sizes that
         divide it (a dense model's only 1: it would be the data axis by another name).
       layers: the stacked (scanned) layers of the model, 0 where it has none: the stage
-        axis takes the sizes that divide them, with at least as many micro-batches as
-        stages (a model without stacked layers cannot be pipelined: only 1).
+        axis takes the sizes up to them (where a size does not divide them the run holds
+        them padded, ``parallelism.layer_order``), with at least as many micro-batches
+        as stages (a model without stacked layers cannot be pipelined: only 1).
       one_f_one_b: the model can run the 1F1B schedule (one stack of layers, a Trainer
         that allows it): plans with stages are also tried with it, without remat inside
         any remat inside the layers (its backward recomputes a stage's forward, and the
         layers' remat what that forward keeps).
       rules: the user's sharding rules, in every plan.
       refused: where given, why splits of the devices were left out: filled with
-        "experts", "layers" (a stage count that does not divide the layers), "batch"
+        "experts", "layers" (a stage count above the layers), "batch"
         (the smallest data-parallel size that did not divide the batch), "micro" (too
         few micro-batches for the stages, or a pinned micro-batch that does not divide
         a device's share), "splits" (how many splits of the devices there were).
