@@ -30,8 +30,8 @@ from flax import nnx
 
 from redray.functions import split_loss_output
 from redray.sharding.activations import BlocksCut, cut_at_blocks
-from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, MODEL, STAGE, layer_order,
-                                         stacked_count)
+from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, MODEL, STAGE, in_held_order,
+                                         layer_order, stacked_count)
 from redray.sharding.pipeline_schedules import merge_micro, one_f_one_b, rows_flags, split_micro
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -122,8 +122,7 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
                                        *a.shape[1:])
         order = layer_order(layers, stages, repeats)
         pads = held > layers
-        ordered = lambda a: a if repeats == 1 and not pads else \
-            jnp.take(a, order, axis=0, mode="clip")  # noqa: E731
+        ordered = lambda a: in_held_order(a, layers, stages, repeats)  # noqa: E731
         stage_params = [by_stage(a) for a, u in zip(leaves, under) if u]
         tail_params = [a for a, u in zip(leaves, under) if not u]
         # each chunk's share of the layers' other state (RNG counts) and per-layer

@@ -48,9 +48,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redray.sharding.activations import loop_unroll, parameter_spec, stage_layout
 from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, FSDP, MODEL, STAGE,
-                                         held_layers, layer_order, layer_positions,
-                                         pipeline_ticks, stacked_count)
+                                         held_layers, in_held_order, layer_order,
+                                         layer_positions, pipeline_ticks, stacked_count)
 from redray.sharding.pipeline_schedules import merge_micro, rows_flags, split_micro
+from redray.sharding.rules import without_axis
 
 
 # what only moves or slices values: recomputed in a circular tick's backward pass
@@ -64,13 +65,6 @@ def _not_chunks(prim, *_, **__) -> bool:
     slice (and so are the layers' slices of it), and would otherwise be kept once per
     tick: ``S R`` copies of the stage's parameters, more than its activations."""
     return prim.name not in _MOVES
-
-
-def _without_fsdp(entry):
-    """A PartitionSpec entry without the fsdp axis (None where nothing is left)."""
-    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,))
-                  if n is not None and n != FSDP.name)
-    return None if not names else names[0] if len(names) == 1 else names
 
 
 def _constrain(x, mesh, spec):
@@ -138,16 +132,14 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
         # FSDP's gathers would repeat at every tick); without its spec, whole
         rest = [None] * (a.ndim - 1)
         if spec is not None:
-            rest = [_without_fsdp(e) for e in tuple(spec)[1:]] + rest[len(spec) - 1:]
+            rest = [without_axis(e, FSDP.name) for e in tuple(spec)[1:]] + rest[len(spec) - 1:]
         return _constrain(a.reshape(S, R, k, *a.shape[1:]), mesh,
                           P(STAGE.name, None, None, *rest))
 
-    def ordered(a):  # the other state and the per-layer inputs come in the layers' own
-        # order (a pad's: the last layer's, its output unused)
-        return a if R == 1 and not pads else jnp.take(a, order, axis=0, mode="clip")
-
     params_s = jax.tree.map(lambda a: by_stage(a, parameter_spec(a)), params)
-    rest_s, own_s = jax.tree.map(lambda a: by_stage(ordered(a)), (rest, per_layer))
+    # the other state and the per-layer inputs come in the layers' own order
+    rest_s, own_s = jax.tree.map(lambda a: by_stage(in_held_order(a, layers, S, R)),
+                                 (rest, per_layer))
     # which of a chunk's layers are real (None: all are)
     real_s = by_stage(jnp.asarray(order < layers)) if pads else None
     ways = math.prod(mesh.shape[a] for a in BATCH_AXES)

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from redray.sharding.rules import (ExpertParallel, Fsdp, LargeOver, SpecPass, StageParallel,
-                                   TensorParallel, UserRules)
+                                   TensorParallel, UserRules, axes_of, without_axis)
 
 # Where an axis lies when the mesh spans hosts.
 INSIDE = "inside"  # within one host: its collectives stay on the fast link (NVLink, ICI)
@@ -319,12 +319,21 @@ def layer_positions(layers: int, stages: int, repeats: int) -> np.ndarray:
     return np.argsort(layer_order(layers, stages, repeats), kind="stable")[:layers]
 
 
+def in_held_order(a, layers: int, stages: int, repeats: int):
+    """``a`` (one entry per layer, in the layers' own order: a stack's other state, a
+    per-layer input) in ``layer_order``, a pad's entry the last layer's (its output
+    unused); ``a`` itself where that order is the layers' own."""
+    order = layer_order(layers, stages, repeats)
+    if len(order) == layers and repeats == 1:
+        return a
+    return jnp.take(a, order, axis=0, mode="clip")
+
+
 def is_staged(sharding) -> bool:
     """Whether ``sharding`` (a NamedSharding, or a PartitionSpec) splits an array's
     leading axis over ``stage``: a stacked layer array on a plan with stages."""
     spec = getattr(sharding, "spec", sharding)
-    lead = spec[0] if spec else None
-    return STAGE.name in (lead if isinstance(lead, tuple) else (lead,))
+    return bool(spec) and STAGE.name in axes_of(spec[0])
 
 
 def unstaged(sharding):
@@ -333,10 +342,8 @@ def unstaged(sharding):
     the model a user reads); anything else as it is."""
     if not is_staged(sharding):
         return sharding
-    lead = sharding.spec[0]
-    rest = tuple(n for n in (lead if isinstance(lead, tuple) else (lead,)) if n != STAGE.name)
-    lead = None if not rest else rest[0] if len(rest) == 1 else rest
-    return NamedSharding(sharding.mesh, P(lead, *sharding.spec[1:]))
+    return NamedSharding(sharding.mesh, P(without_axis(sharding.spec[0], STAGE.name),
+                                          *sharding.spec[1:]))
 
 
 def reorder(tree, shardings, stages: int, repeats: int, to_plan: bool, layers=()):

@@ -7,12 +7,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from redray.sharding.parallelism import describe_shape
-from redray.sharding.rules import Whole
+from redray.sharding.rules import Whole, axes_of
 from redray.sharding.specs import flatten
 
 
@@ -26,28 +27,21 @@ class Placement:
     bytes_per_device: int
 
 
+def _ways(entry, mesh_shape: dict) -> int:
+    """The shards one entry of a PartitionSpec cuts its dimension into."""
+    return math.prod(mesh_shape[axis] for axis in axes_of(entry))
+
+
 def _shards(spec: P, mesh_shape: dict) -> int:
-    n = 1
-    for entry in spec:
-        for axis in (entry if isinstance(entry, tuple) else (entry,)):
-            if axis is not None:
-                n *= mesh_shape[axis]
-    return n
+    return math.prod(_ways(entry, mesh_shape) for entry in spec)
 
 
 def _per_device(shape: tuple, spec: P, mesh_shape: dict) -> int:
     """Elements of an array of ``shape`` that one device holds on ``spec``: each split
     dimension's share rounded up (a stage split of layers it does not divide is held
     padded: ``parallelism.layer_order``)."""
-    n = 1
-    for d, size in enumerate(shape):
-        entry = spec[d] if d < len(spec) else None
-        ways = 1
-        for axis in (entry if isinstance(entry, tuple) else (entry,)):
-            if axis is not None:
-                ways *= mesh_shape[axis]
-        n *= -(-size // ways)
-    return n
+    return math.prod(-(-size // _ways(spec[d] if d < len(spec) else None, mesh_shape))
+                     for d, size in enumerate(shape))
 
 
 def placement(tree, specs, mesh: Mesh) -> list[Placement]:

@@ -370,6 +370,12 @@ def axes_of(entry) -> tuple[str, ...]:
     return entry if isinstance(entry, tuple) else (entry,)
 
 
+def without_axis(entry, axis: str):
+    """One entry of a PartitionSpec without ``axis`` (None where nothing is left)."""
+    names = tuple(n for n in axes_of(entry) if n != axis)
+    return None if not names else names[0] if len(names) == 1 else names
+
+
 @dataclasses.dataclass
 class SpecDraft:
     """What the spec passes refine, in order: one list of entries per array (None, an
