@@ -9,13 +9,17 @@ specs, as XLA's SPMD partitioner inserts them for redray's step:
   lookup's output are all-reduced in the forward pass, a group of column layers
   reading one activation all-reduces that activation's gradient once in the backward
   pass (``fuse_reductions``); with remat the forward's all-reduces run again;
-* FSDP (a parameter split over ``fsdp``): the parameter is all-gathered in the compute
-  dtype once per micro-batch (XLA keeps the gathered copy for the backward pass; with
-  remat the forward's gather runs again), its gradient reduce-scattered onto the
+* FSDP (a parameter split over ``fsdp``): a stacked layer's parameter is all-gathered
+  in the compute dtype in each micro-batch's forward scan and again in its backward one
+  (with remat, any parameter's forward gather runs again); one outside the layers' scan
+  (the embedding, the head) once a step, before the accumulation's loop (the same
+  gather in every micro-batch: XLA hoists it); its gradient reduce-scattered onto the
   sharded accumulator per micro-batch (all-reduced and sliced on XLA:CPU);
 * data parallelism: a gradient is all-reduced over the batch axes that do not split
-  its parameter, once per step (XLA sums the micro-batches' partial gradients first and
-  reduces after the accumulation loop);
+  its parameter in every micro-batch, inside the accumulation's loop (XLA's SPMD
+  partitioner reduces each micro-batch's gradient where it is computed, a scanned
+  layer's inside the layers' loop, where no pass moves it out); after a pipeline's
+  ticks, once a step;
 * expert parallelism (a mixture of experts' experts split over ``expert``): each
   layer's tokens go to their experts' devices and back by all-to-all, twice in the
   forward pass and twice in the backward (``expert_traffic``); on the critical path.
@@ -25,9 +29,10 @@ specs, as XLA's SPMD partitioner inserts them for redray's step:
   critical path. The layers' FLOPs and per-micro-batch costs stretch by the bubble,
   ``(M + S - 1) / M`` (``redray.models.staged_layers.flops_ratio``).
 
-Read against XLA's compiled steps on 4 CPU devices (tests/test_planner.py): the bytes of
-a tensor-parallel, FSDP, data-parallel step, and one split over both ``fsdp`` and
-``model``, agree to within 1%, for models whose activations stay on the batch split
+Read against XLA's compiled steps on 4 CPU devices (tests/test_planner.py, each
+collective weighed by how often its loop runs): the bytes of a tensor-parallel, FSDP,
+data-parallel step, one split over both ``fsdp`` and ``model``, and data-parallel steps
+with accumulation, agree to within 1%, for models whose activations stay on the batch split
 (``redray.sharding.activations``: redray's models mark them; without the marks XLA
 reshards a fsdp x model step's activations by replicating them). Layers the model
 axis leaves whole run whole on every device of its group (``whole_flops``). A
@@ -39,8 +44,9 @@ Overlap (``exposed_seconds``, as XLA's latency-hiding scheduler can do it): tens
 all-reduces, expert all-to-alls and pipeline passes are on the critical path; a stacked
 layer's FSDP gather hides behind the layer before it, its gradient's reduction behind
 the next layer's backward, and only the first gather, the last reduction and what
-exceeds a layer's compute count; a data-parallel reduction after an accumulation loop
-counts whole; on XLA:CPU (``Hardware.overlap`` 0) nothing hides.
+exceeds a layer's compute count; a data-parallel reduction runs in each micro-batch's
+backward, layer by layer like FSDP's, and counts whole only after a pipeline's ticks; on
+XLA:CPU (``Hardware.overlap`` 0) nothing hides.
 
 Compute: where the model's work was counted (``redray.planning.work``: a config's
 model), its matmuls at ``Hardware.matmul_flops``, attention at the fused kernel's rate
@@ -422,7 +428,7 @@ def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> f
 def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_itemsize: int,
                   hardware: Hardware, recompute: bool = False,
                   accumulation: int = 1, repeats: int = 1,
-                  gathered_once: bool = False) -> list[Traffic]:
+                  gathered_once: bool = False, looped: bool = False) -> list[Traffic]:
     """The FSDP gathers and gradient reductions of a step (see the module docstring).
     With pipeline stages the parameters the stages hold whole (embeddings, head) see
     rows split over ``stage`` too: their gradients are summed over it as well. With
@@ -432,7 +438,16 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
     once, before the ticks, and reduce their gradients once, after them
     (``staged_layers.run_stages``; the compiled step of ``tests/test_planner.py``
     holds one gather each): a stage's whole share once a step, on no layer's
-    compute."""
+    compute.
+
+    ``looped``: the ``accumulation`` passes are the gradient accumulation's loop (no
+    stages), as XLA compiles it (read in the compiled steps of
+    ``tests/test_planner.py``, scanned layers and not): every gradient reduction,
+    data-parallel ones included, runs inside the loop, on each micro-batch's gradient
+    (the SPMD partitioner reduces a gradient where it is computed; a scanned stack's
+    reductions sit in the layers' loop, nested in the accumulation's, where no pass
+    moves them out), while a parameter gathered outside a layer scan is gathered once,
+    before the loop (loop-invariant: the same gather every micro-batch)."""
     out = []
     # the gradients are summed over the axes splitting the batch, the context axis
     # splitting its sequences, and (for what the stages hold whole) the stages
@@ -450,6 +465,13 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
                                "forward"))
             out.append(Traffic(kind, elements * param.itemsize, (FSDP.name,), 1,
                                "FSDP: their gradients reduced after the ticks", False))
+        elif FSDP.name in axes and shape[FSDP.name] > 1 and looped and not param.stacked:
+            out.append(Traffic("all-gather", elements * compute_itemsize, (FSDP.name,), 1,
+                               "FSDP: a parameter gathered before the micro-batches' loop",
+                               False, "forward"))
+            out.append(Traffic(kind, elements * param.itemsize, (FSDP.name,), accumulation,
+                               "FSDP: a gradient reduced onto its shards", False,
+                               "backward"))
         elif FSDP.name in axes and shape[FSDP.name] > 1:
             again = recompute or param.stacked
             chunk = repeats if param.stacked else 1
@@ -461,18 +483,21 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
                                accumulation,
                                "FSDP: a gradient reduced onto its shards", False,
                                "backward", param.stacked))
+        # the data-parallel reduction: once a step after a pipeline's ticks, in every
+        # micro-batch of an accumulation loop (beside that micro-batch's backward)
+        times, phase = (accumulation, "backward") if looped else (1, "step")
         if FSDP.name in axes and shape[FSDP.name] > 1:
             rest = tuple(a for a in (*BATCH_AXES, *head_rows) if a != FSDP.name
                          and a not in axes and shape[a] > 1)
             if rest:
                 out.append(Traffic("all-reduce", elements / shape[FSDP.name] * param.itemsize,
-                                   rest, 1, "data parallel: a gradient shard", False,
-                                   "step", param.stacked))
+                                   rest, times, "data parallel: a gradient shard", False,
+                                   phase, param.stacked))
             continue
         group = tuple(a for a in (*BATCH_AXES, *head_rows) if a not in axes and shape[a] > 1)
         if group:
-            out.append(Traffic("all-reduce", elements * param.itemsize, group, 1,
-                               "data parallel: a gradient", False, "step", param.stacked))
+            out.append(Traffic("all-reduce", elements * param.itemsize, group, times,
+                               "data parallel: a gradient", False, phase, param.stacked))
     return out
 
 
@@ -526,8 +551,8 @@ def exposed_seconds(traffic: Sequence[Traffic], spans: dict, hardware: Hardware,
       of each other exceeds a layer's backward, are exposed;
     - a data-parallel gradient reduction runs layer by layer in the backward pass too
       (inside a scanned stack's loop: XLA's SPMD partitioner reduces each layer's
-      gradient in the loop's body), but after an accumulation loop, which sums the
-      micro-batches' gradients first: then it is exposed;
+      gradient in the loop's body), in every micro-batch of an accumulation loop; once
+      after a pipeline's ticks (phase "step"), where it is exposed;
     - the embedding's and the head's traffic hides behind their own compute.
 
     ``hardware.overlap`` scales the compute a layer's traffic may hide behind (0 on

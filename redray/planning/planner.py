@@ -391,7 +391,8 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     # gather their stacked layers once before the ticks (``state_traffic``)
     gpipe = stages > 1 and not one_f_one_b
     state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute,
-                          1 if gpipe else ticks, repeats, gathered_once=gpipe)
+                          1 if gpipe else ticks, repeats, gathered_once=gpipe,
+                          looped=stages == 1)
     flops = facts.flops(remat) * batch_size / devices
     if stages > 1:  # the bubble: the layers run on M + S - 1 slots, M of them real
         share = layer_share(facts)

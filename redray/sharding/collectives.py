@@ -3,8 +3,9 @@
 ``jax.jit(f).lower(...).compile().as_text()`` is the program after SPMD partitioning:
 every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute that a
 sharding costs is written there, in every computation (fusions, loop bodies and called
-computations included). Each is counted once where it is written (a collective inside
-a loop body runs once per iteration but is listed once) with the bytes of its result:
+computations included). ``collectives`` lists each once where it is written (a
+collective inside a loop body runs once per iteration but is listed once; ``counted``
+weighs each by how often it runs) with the bytes of its result:
 an all-gather counts the gathered size, a tuple all-reduce every operand, an
 asynchronous ``*-start`` its output buffer only.
 """
@@ -71,6 +72,61 @@ def collectives(hlo: str) -> list[Collective]:
         found.append(Collective(match["kind"], tuple(shapes), size, line.strip()))
     return found
 
+
+
+_HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLED = re.compile(r"(?:calls|to_apply|branch_computations)=\{?(?P<names>[%\w.\-, ]+)")
+_BODY = re.compile(r"body=%?(?P<name>[\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"')
+
+
+def runs(hlo: str) -> dict[str, float]:
+    """How often each computation of a compiled HLO text runs in one call of it: the
+    entry once, a loop's body as often as its known trip count says (times the runs of
+    the computation holding the loop), a called computation or a fusion's as often as
+    its caller. A computation nothing reaches is left out."""
+    body: dict[str, list[str]] = {}
+    entry = current = None
+    for line in hlo.splitlines():
+        header = _HEADER.match(line) if line[:1] not in (" ", "\t", "") else None
+        if header:
+            current = header["name"]
+            body[current] = []
+            entry = current if header["entry"] else entry
+        elif current is not None:
+            body[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    out: dict[str, float] = {}
+    stack = [(entry, 1.0)]
+    while stack:
+        name, times = stack.pop()
+        out[name] = out.get(name, 0.0) + times
+        for line in body.get(name, ()):
+            loop = _BODY.search(line)
+            if loop and " while(" in line:
+                trip = _TRIP.search(line)
+                stack.append((loop["name"], times * (float(trip["n"]) if trip else 1.0)))
+            for group in _CALLED.findall(line):
+                stack += [(c.strip().lstrip("%"), times) for c in group.split(",")
+                          if c.strip()]
+    return out
+
+
+def counted(hlo: str) -> list[tuple[Collective, float]]:
+    """Every collective of a compiled HLO text with how often one call runs it: its
+    computation's ``runs`` (a collective inside the gradient accumulation's loop, once
+    per micro-batch)."""
+    times = runs(hlo)
+    out, current = [], None
+    for line in hlo.splitlines():
+        header = _HEADER.match(line) if line[:1] not in (" ", "\t", "") else None
+        if header:
+            current = header["name"]
+            continue
+        for c in collectives(line):
+            out.append((c, times.get(current, 0.0)))
+    return out
 
 _GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
