@@ -162,6 +162,50 @@ def test_gpipe_stages_gather_their_fsdp_layers_once_a_step():
     assert per_tick > 8 * got, per_tick / got
 
 
+@pytest.mark.parametrize("stages,micro", [(2, 1), (4, 2)])
+def test_gpipe_passes_and_reductions_counted_are_those_xla_compiles(stages, micro):
+    """GPipe's traffic on a data-parallel plan, weighed by how often each collective
+    runs, against the compiled step's: three passes of a slot a tick (the rotation's
+    backward passes it twice), the output's passes forward and back, the first stage's
+    input gradients; the stacked layers' gradients reduced at every tick (inside the
+    ticks' loop), the embeddings' and the head's once. Counted as before (two passes a
+    tick, the stage's gradients reduced once after the ticks), the reductions were
+    under half the compiled step's."""
+    from redray.planning.cost import stage_traffic
+    from redray.sharding.parallelism import pipeline_ticks
+
+    config = LlamaConfig(**{**TINY, "num_hidden_layers": 4})
+    t = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True), collate, loss,
+                       optax.adam(1e-3), batch_size=8, micro_batch_size=micro,
+                       progress=False, stage_axis=stages, data_axis=4 // stages)
+    t.init(DATA)
+    got: dict = {}
+    for c, times in collectives.counted(t.compiled_step().as_text()):
+        got[c.kind] = got.get(c.kind, 0) + c.bytes * times
+    rt = t.runtime
+    specs = jax.tree.leaves(rt.specs[0], is_leaf=lambda x: isinstance(x, P))
+    paths = flatten(rt.abstract[0])[0]
+    # the input embedding, untied: only looked up
+    params = [Parameter(tuple(x.shape), x.dtype.itemsize, tuple(s),
+                        stacked=bool(s) and s[0] == "stage", lookup="embed" in path)
+              for x, s, path in zip(jax.tree.leaves(rt.held[0]), specs, paths)]
+    assert sum(p.lookup for p in params) == 1
+    shape = t.parallelism.shape
+    m = t.geometry.accumulation
+    ticks = pipeline_ticks(stages, m)[1]
+    counted = (stage_traffic(shape, micro, SEQ, TINY["hidden_size"], 4, m, gpipe=True)
+               + state_traffic(params, shape, 4, PRESETS["cpu"], accumulation=ticks,
+                               gathered_once=True))
+    by_kind: dict = {}
+    for c in counted:
+        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.bytes * c.times
+    # (the compiled step also gathers the RNG's key bits: a few bytes)
+    assert set(by_kind) == {k for k, v in got.items() if v > 1024}, (by_kind, got)
+    for kind, value in by_kind.items():
+        # within 2%: the compiled step also reduces a few scalars (the loss, norms)
+        assert value == pytest.approx(got[kind], rel=0.02), (kind, value, got[kind])
+
+
 def test_ring_collectives_cost_their_steps_on_the_link_they_cross():
     hw = Hardware("test", 1e12, 1e12, 1e9, 4, intra=Link(100.0, 1.0), inter=Link(10.0, 5.0))
     # inside a host: 2 (n - 1) / n of the bytes at 100 B/s and 2 (n - 1) latencies

@@ -242,14 +242,17 @@ def traffic_seconds(t: Traffic, spans: dict, hardware: Hardware) -> float:
 @dataclasses.dataclass(frozen=True)
 class Parameter:
     """A parameter as the cost model sees it: its shape, its spec's split per axis,
-    bytes per element, whether it is trained, and whether it stacks scanned layers
+    bytes per element, whether it is trained, whether it stacks scanned layers
     (FSDP then gathers each layer's slice in the forward scan and again in the
-    backward one: XLA keeps no gathered layer of a loop for the backward pass)."""
+    backward one: XLA keeps no gathered layer of a loop for the backward pass), and
+    whether it is only looked up (an input embedding, no matmul's weight: before
+    GPipe's stages, where every stage computes its gradient alike)."""
     shape: tuple[int, ...]
     itemsize: int
     spec: tuple
     trained: bool = True
     stacked: bool = False
+    lookup: bool = False
 
     def split(self, axis: str) -> int:
         """Which dimension ``axis`` splits, or None."""
@@ -324,7 +327,7 @@ def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_ite
 
 def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
                   act_itemsize: int, micro_batches: int, repeats: int = 1,
-                  split: int = 1) -> list[Traffic]:
+                  split: int = 1, gpipe: bool = False) -> list[Traffic]:
     """Pipeline parallelism's traffic (``redray.models.staged_layers``), per step:
 
     - at each of the ``M + S - 1`` ticks (``P R + S - 1`` with circular repeats:
@@ -342,6 +345,12 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
       slot whole at each tick (its gradient scattered back): an all-gather and a
       reduce-scatter over ``model`` per tick, inside the tensor-parallel group.
 
+    ``gpipe``: as XLA compiles GPipe's ``run_stages`` (read in the compiled steps of
+    ``tests/test_planner.py``): the rotation's backward (the transpose of a roll, a
+    split and a pad) passes a slot twice per tick, so three passes a tick in all; the
+    output's passes run forward and back; and the gradient of the first stage's
+    block of outputs is summed over ``stage`` once (its ``M`` micro-batches).
+
     Args:
       shape: the mesh's axis sizes.
       rows: examples per device in a micro-batch; tokens: tokens per example.
@@ -355,14 +364,17 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
     whole = rows * tokens * hidden * act_itemsize
     slot = whole / split
     ticks = pipeline_ticks(stages, micro_batches, repeats)[1]
-    out = [Traffic("collective-permute", slot, (STAGE.name,), 2 * ticks,
+    out = [Traffic("collective-permute", slot, (STAGE.name,), (3 if gpipe else 2) * ticks,
                    "pipeline: hidden states to the next stage, gradients back", True),
            Traffic("all-reduce", slot, (STAGE.name,), ticks,
                    "pipeline: the first stage's input gradient", True)]
     if micro_batches % stages == 0:
         out.append(Traffic("collective-permute", slot * micro_batches * (stages - 1) / stages,
-                           (STAGE.name,), 1, "pipeline: the output to each stage's rows of "
-                           "the head, gradients back", True))
+                           (STAGE.name,), 2 if gpipe else 1, "pipeline: the output to each "
+                           "stage's rows of the head, gradients back", True))
+        if gpipe:
+            out.append(Traffic("all-reduce", slot * micro_batches, (STAGE.name,), 1,
+                               "pipeline: the first stage's outputs' gradient", True))
     if split > 1:
         out += [Traffic("all-gather", whole, (MODEL.name,), ticks,
                         "pipeline: a slot's features gathered for the stage's layers", True),
@@ -435,10 +447,12 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
     circular ``repeats`` a pass (``accumulation`` of them) runs one of a stage's
     ``repeats`` chunks of stacked layers: their traffic per pass is that chunk's.
     ``gathered_once``: GPipe's stages gather their stacked parameters over ``fsdp``
-    once, before the ticks, and reduce their gradients once, after them
-    (``staged_layers.run_stages``; the compiled step of ``tests/test_planner.py``
-    holds one gather each): a stage's whole share once a step, on no layer's
-    compute.
+    once, before the ``accumulation`` ticks (``staged_layers.run_stages``; the
+    compiled step of ``tests/test_planner.py`` holds one gather each): a stage's whole
+    share once a step, on no layer's compute; their gradients are reduced (over
+    ``fsdp`` and the data-parallel axes) at every tick, inside the ticks' loop, as the
+    compiled step runs them; the embeddings and the head, which run once on every row,
+    once.
 
     ``looped``: the ``accumulation`` passes are the gradient accumulation's loop (no
     stages), as XLA compiles it (read in the compiled steps of
@@ -463,8 +477,9 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
             out.append(Traffic("all-gather", elements * compute_itemsize, (FSDP.name,), 1,
                                "FSDP: a stage's layers gathered before its ticks", False,
                                "forward"))
-            out.append(Traffic(kind, elements * param.itemsize, (FSDP.name,), 1,
-                               "FSDP: their gradients reduced after the ticks", False))
+            out.append(Traffic(kind, elements * param.itemsize / repeats, (FSDP.name,),
+                               accumulation, "FSDP: a tick's chunk's gradients reduced",
+                               False, "backward", True))
         elif FSDP.name in axes and shape[FSDP.name] > 1 and looped and not param.stacked:
             out.append(Traffic("all-gather", elements * compute_itemsize, (FSDP.name,), 1,
                                "FSDP: a parameter gathered before the micro-batches' loop",
@@ -475,28 +490,38 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
         elif FSDP.name in axes and shape[FSDP.name] > 1:
             again = recompute or param.stacked
             chunk = repeats if param.stacked else 1
+            # GPipe runs what is not stacked once a step, outside its ticks
+            passes = 1 if gathered_once else accumulation
             out.append(Traffic("all-gather", elements * compute_itemsize / chunk,
-                               (FSDP.name,), (2 if again else 1) * accumulation,
+                               (FSDP.name,), (2 if again else 1) * passes,
                                "FSDP: a parameter gathered", False,
                                "both" if again else "forward", param.stacked))
             out.append(Traffic(kind, elements * param.itemsize / chunk, (FSDP.name,),
-                               accumulation,
+                               passes,
                                "FSDP: a gradient reduced onto its shards", False,
                                "backward", param.stacked))
-        # the data-parallel reduction: once a step after a pipeline's ticks, in every
-        # micro-batch of an accumulation loop (beside that micro-batch's backward)
-        times, phase = (accumulation, "backward") if looped else (1, "step")
+        # the data-parallel reduction: in every micro-batch of an accumulation loop
+        # (beside that micro-batch's backward), at every tick of GPipe's for a stage's
+        # stacked layers (its embeddings and head run once, outside the ticks)
+        each = looped or (gathered_once and param.stacked)
+        times, phase = (accumulation, "backward") if each else (1, "step")
+        # a pass reduces its chunk of a stage's layers (circular repeats)
+        share = elements * param.itemsize / (repeats if param.stacked and each else 1)
         if FSDP.name in axes and shape[FSDP.name] > 1:
             rest = tuple(a for a in (*BATCH_AXES, *head_rows) if a != FSDP.name
                          and a not in axes and shape[a] > 1)
             if rest:
-                out.append(Traffic("all-reduce", elements / shape[FSDP.name] * param.itemsize,
-                                   rest, times, "data parallel: a gradient shard", False,
-                                   phase, param.stacked))
+                out.append(Traffic("all-reduce", share / shape[FSDP.name], rest, times,
+                                   "data parallel: a gradient shard", False, phase,
+                                   param.stacked))
             continue
-        group = tuple(a for a in (*BATCH_AXES, *head_rows) if a not in axes and shape[a] > 1)
+        # GPipe sums an input embedding's gradient over ``stage`` at every tick, as the
+        # first stage's input gradient (``stage_traffic``): every stage then holds it
+        rows_of = tuple(a for a in head_rows if not (gathered_once and param.lookup
+                                                     and a == STAGE.name))
+        group = tuple(a for a in (*BATCH_AXES, *rows_of) if a not in axes and shape[a] > 1)
         if group:
-            out.append(Traffic("all-reduce", elements * param.itemsize, group, times,
+            out.append(Traffic("all-reduce", share, group, times,
                                "data parallel: a gradient", False, phase, param.stacked))
     return out
 

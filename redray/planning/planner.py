@@ -15,6 +15,7 @@ dropped; the rest are ranked by predicted seconds per step. No candidate is run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -82,6 +83,16 @@ class ModelFacts:
     def flops(self, remat: str) -> float:
         """Matmul FLOPs of one example's forward and backward pass under ``remat``."""
         raise NotImplementedError
+
+    @functools.cached_property
+    def lookups(self) -> frozenset[int]:
+        """The parameters the trace only looks up (input embeddings: no matmul reads
+        them, as a tied head would)."""
+        if self.trace is None:
+            return frozenset()
+        runs = self.trace.runs()
+        dots = {p for p, use in runs if use.kind == "dot"}
+        return frozenset(p for p, use in runs if use.kind == "gather" and p not in dots)
 
     def work(self) -> ModelWork | None:
         """One example's work by kind (``redray.planning.work``), or None where it is not
@@ -380,7 +391,8 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                           micro_batches, candidate.pipeline_schedule, repeats)
     scanned = facts.trace.scanned if facts.trace is not None else {}
     hidden = hidden_width(facts.shapes, scanned)
-    params = [Parameter(tuple(s), _itemsize(d), tuple(spec), stacked=bool(scanned.get(i)))
+    params = [Parameter(tuple(s), _itemsize(d), tuple(spec), stacked=bool(scanned.get(i)),
+                        lookup=i in facts.lookups)
               for i, (s, d, spec) in enumerate(zip(shapes, facts.dtypes, specs))]
     recompute = remat != "none" or one_f_one_b
     ways = shape[CONTEXT.name]  # a device computes 1/context of each sequence's tokens
@@ -391,8 +403,7 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     # gather their stacked layers once before the ticks (``state_traffic``)
     gpipe = stages > 1 and not one_f_one_b
     state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute,
-                          1 if gpipe else ticks, repeats, gathered_once=gpipe,
-                          looped=stages == 1)
+                          ticks, repeats, gathered_once=gpipe, looped=stages == 1)
     flops = facts.flops(remat) * batch_size / devices
     if stages > 1:  # the bubble: the layers run on M + S - 1 slots, M of them real
         share = layer_share(facts)
@@ -425,7 +436,7 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
     pipeline = stage_traffic(shape, micro_batch_size, local_tokens, hidden,
                              facts.compute_itemsize, micro_batches, repeats,
-                             features_split(shape, hidden))
+                             features_split(shape, hidden), gpipe)
     # with stages, a device's attention layers are its chunk's, run at every tick (without
     # stages ``ticks`` is the micro-batches)
     # (1F1B's backward recomputes a chunk's forward, its ring included: half as many
