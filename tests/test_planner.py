@@ -40,6 +40,14 @@ def loss(model, batch, rng, train):
     return next_token_loss(model, batch["ids"], train=train)
 
 
+def traffic_by_kind(traffic) -> dict:
+    """kind -> bytes of the cost model's collectives, each times how often it runs."""
+    out: dict = {}
+    for c in traffic:
+        out[c.kind] = out.get(c.kind, 0) + c.bytes * c.times
+    return out
+
+
 @pytest.mark.parametrize("axes,micro,scan", [
     (dict(model_axis=2, data_axis=2), None, False),
     (dict(model_axis=2, data_axis=2), 1, False),     # accumulation: 4 micro-batches
@@ -66,9 +74,7 @@ def test_the_collectives_counted_are_those_xla_compiles(axes, micro, scan):
     # the layers' scans unrolled: a layer's collectives apart from the others'
     with unrolled_loops():
         text = t.compiled_step().as_text()
-    got: dict = {}
-    for c, times in collectives.counted(text):
-        got[c.kind] = got.get(c.kind, 0) + c.bytes * times
+    got = collectives.weighed_bytes(text)
     rt = t.runtime
 
     def forward(params, batch):
@@ -92,9 +98,7 @@ def test_the_collectives_counted_are_those_xla_compiles(axes, micro, scan):
                               4, recompute=False, accumulation=accumulation)
                + state_traffic(params, shape, 4, PRESETS["cpu"], accumulation=accumulation,
                                looped=True))
-    by_kind: dict = {}
-    for c in counted:
-        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.bytes * c.times
+    by_kind = traffic_by_kind(counted)
     got = {k: v for k, v in got.items() if v}
     assert set(by_kind) == set(got), (by_kind, got)
     for kind, value in by_kind.items():
@@ -179,9 +183,7 @@ def test_gpipe_passes_and_reductions_counted_are_those_xla_compiles(stages, micr
                        optax.adam(1e-3), batch_size=8, micro_batch_size=micro,
                        progress=False, stage_axis=stages, data_axis=4 // stages)
     t.init(DATA)
-    got: dict = {}
-    for c, times in collectives.counted(t.compiled_step().as_text()):
-        got[c.kind] = got.get(c.kind, 0) + c.bytes * times
+    got = collectives.weighed_bytes(t.compiled_step().as_text())
     rt = t.runtime
     specs = jax.tree.leaves(rt.specs[0], is_leaf=lambda x: isinstance(x, P))
     paths = flatten(rt.abstract[0])[0]
@@ -196,9 +198,7 @@ def test_gpipe_passes_and_reductions_counted_are_those_xla_compiles(stages, micr
     counted = (stage_traffic(shape, micro, SEQ, TINY["hidden_size"], 4, m, gpipe=True)
                + state_traffic(params, shape, 4, PRESETS["cpu"], accumulation=ticks,
                                gathered_once=True))
-    by_kind: dict = {}
-    for c in counted:
-        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.bytes * c.times
+    by_kind = traffic_by_kind(counted)
     # (the compiled step also gathers the RNG's key bits: a few bytes)
     assert set(by_kind) == {k for k, v in got.items() if v > 1024}, (by_kind, got)
     for kind, value in by_kind.items():

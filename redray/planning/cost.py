@@ -480,22 +480,18 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
             out.append(Traffic(kind, elements * param.itemsize / repeats, (FSDP.name,),
                                accumulation, "FSDP: a tick's chunk's gradients reduced",
                                False, "backward", True))
-        elif FSDP.name in axes and shape[FSDP.name] > 1 and looped and not param.stacked:
-            out.append(Traffic("all-gather", elements * compute_itemsize, (FSDP.name,), 1,
-                               "FSDP: a parameter gathered before the micro-batches' loop",
-                               False, "forward"))
-            out.append(Traffic(kind, elements * param.itemsize, (FSDP.name,), accumulation,
-                               "FSDP: a gradient reduced onto its shards", False,
-                               "backward"))
         elif FSDP.name in axes and shape[FSDP.name] > 1:
-            again = recompute or param.stacked
+            # gathered once, before an accumulation loop, outside a layer scan (hoisted)
+            hoisted = looped and not param.stacked
+            again = (recompute or param.stacked) and not hoisted
             chunk = repeats if param.stacked else 1
             # GPipe runs what is not stacked once a step, outside its ticks
-            passes = 1 if gathered_once else accumulation
+            passes = 1 if gathered_once and not hoisted else accumulation
             out.append(Traffic("all-gather", elements * compute_itemsize / chunk,
-                               (FSDP.name,), (2 if again else 1) * passes,
-                               "FSDP: a parameter gathered", False,
-                               "both" if again else "forward", param.stacked))
+                               (FSDP.name,), (2 if again else 1) * (1 if hoisted else passes),
+                               "FSDP: a parameter gathered" + (
+                                   " before the micro-batches' loop" if hoisted else ""),
+                               False, "both" if again else "forward", param.stacked))
             out.append(Traffic(kind, elements * param.itemsize / chunk, (FSDP.name,),
                                passes,
                                "FSDP: a gradient reduced onto its shards", False,

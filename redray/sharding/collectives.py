@@ -80,11 +80,8 @@ _BODY = re.compile(r"body=%?(?P<name>[\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"')
 
 
-def runs(hlo: str) -> dict[str, float]:
-    """How often each computation of a compiled HLO text runs in one call of it: the
-    entry once, a loop's body as often as its known trip count says (times the runs of
-    the computation holding the loop), a called computation or a fusion's as often as
-    its caller. A computation nothing reaches is left out."""
+def _computations(hlo: str) -> tuple[str | None, dict[str, list[str]]]:
+    """(the entry's name, each computation's name -> its instruction lines)."""
     body: dict[str, list[str]] = {}
     entry = current = None
     for line in hlo.splitlines():
@@ -95,6 +92,18 @@ def runs(hlo: str) -> dict[str, float]:
             entry = current if header["entry"] else entry
         elif current is not None:
             body[current].append(line)
+    return entry, body
+
+
+def runs(hlo: str) -> dict[str, float]:
+    """How often each computation of a compiled HLO text runs in one call of it: the
+    entry once, a loop's body as often as its known trip count says (times the runs of
+    the computation holding the loop), a called computation or a fusion's as often as
+    its caller. A computation nothing reaches is left out."""
+    return _runs(*_computations(hlo))
+
+
+def _runs(entry: str | None, body: dict[str, list[str]]) -> dict[str, float]:
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     out: dict[str, float] = {}
@@ -117,15 +126,18 @@ def counted(hlo: str) -> list[tuple[Collective, float]]:
     """Every collective of a compiled HLO text with how often one call runs it: its
     computation's ``runs`` (a collective inside the gradient accumulation's loop, once
     per micro-batch)."""
-    times = runs(hlo)
-    out, current = [], None
-    for line in hlo.splitlines():
-        header = _HEADER.match(line) if line[:1] not in (" ", "\t", "") else None
-        if header:
-            current = header["name"]
-            continue
-        for c in collectives(line):
-            out.append((c, times.get(current, 0.0)))
+    entry, body = _computations(hlo)
+    times = _runs(entry, body)
+    return [(c, times.get(name, 0.0)) for name, lines in body.items()
+            for c in collectives("\n".join(lines))]
+
+
+def weighed_bytes(hlo: str) -> dict[str, float]:
+    """kind -> bytes one call of a compiled HLO text moves in collectives of that kind,
+    each weighed by how often it runs (``counted``)."""
+    out: dict[str, float] = {}
+    for c, times in counted(hlo):
+        out[c.kind] = out.get(c.kind, 0.0) + c.bytes * times
     return out
 
 _GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
