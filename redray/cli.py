@@ -6,7 +6,8 @@ Subcommands:
   how the automatic rules would shard a model on N devices, computed abstractly
   (no device, no allocation).
 * ``redray run SCRIPT [ARGS]``: runs a training script against the current Ray cluster
-  (``--address``, else ``RAY_ADDRESS``, else a local one the script starts).
+  (``--address``, else ``RAY_ADDRESS``, else a local one the script starts);
+  ``--profile FIRST:LAST`` traces those optimizer steps (``REDRAY_PROFILE``).
 * ``redray submit SCRIPT [ARGS] --address http://HEAD:8265``: submits it as a Ray job
   with the working directory, handles Ray's token auth, streams the logs and exits
   with the job's status (``--no-wait``: prints the job id; Ctrl-C stops following, not
@@ -150,6 +151,14 @@ def _run(args) -> int:
     env = dict(os.environ)
     if args.address:
         env["RAY_ADDRESS"] = args.address
+    if args.profile is not None:
+        from redray.engine.profile import PROFILE_ENV, profile_window
+
+        try:
+            profile_window(args.profile, "--profile")
+        except ValueError as error:
+            raise UsageError(str(error).replace("--profile=", "--profile ")) from None
+        env[PROFILE_ENV] = args.profile
     return subprocess.call([sys.executable, _script(args.script), *args.args], env=env)
 
 
@@ -566,8 +575,13 @@ def build_parser() -> argparse.ArgumentParser:
                  "Runs SCRIPT with this Python. redray.fit in it connects to --address "
                  "(or RAY_ADDRESS), else starts a local Ray cluster.",
                  "examples:\n  redray run examples/language_modeling/train.py --steps 50\n"
-                 "  redray run --address ray://head:10001 train.py")
+                 "  redray run --address ray://head:10001 train.py\n"
+                 "  redray run --profile 10:12 train.py   # a profiler trace of steps 10-12")
     p.add_argument("--address", help="a Ray cluster address (ray://HOST:10001 or HOST:6379)")
+    p.add_argument("--profile", metavar="FIRST:LAST",
+                   help="trace optimizer steps FIRST to LAST with JAX's profiler on every "
+                        "host, into the run's profile folder (sets REDRAY_PROFILE for the "
+                        "script's Trainers; docs/profiling.md)")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument("script", metavar="SCRIPT", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")

@@ -1,10 +1,11 @@
-"""MLflow tracking from one place, in the background, never in the training step's way.
+"""Tracking from one place, in the background, never in the training step's way.
 
-``MlflowLogger`` owns one MLflow run. Every call only queues; a thread talks to the
+``QueuedLogger`` owns one tracker's run: ``MlflowLogger`` here, TensorBoard's and
+Weights & Biases' in ``redray.trackers``. Every call only queues; a thread talks to the
 store. A store that fails (server down, disk full, bad URI) produces ONE warning
-naming the URI and the reason; what could not be logged is retried while the run goes
+naming the store and the reason; what could not be logged is retried while the run goes
 on and counted as dropped if it still cannot be logged at the end (or if the queue
-overflows). Training never waits on MLflow and never fails because of it.
+overflows). Training never waits on a tracker and never fails because of it.
 
 One value per metric and step, always: a resumed run trains again the steps between
 its checkpoint and the last logged step, and those replayed rows are not logged a
@@ -43,29 +44,21 @@ def ui_command(uri: str) -> str:
     return f"mlflow ui --backend-store-uri {uri}"
 
 
-class MlflowLogger:
-    """One MLflow run, logged from a background thread.
+class QueuedLogger:
+    """One tracker's run (MLflow's, TensorBoard's, W&B's), logged from a background
+    thread: every call only queues; the thread opens the store (``_open``) and sends
+    what is queued (``_send``), retrying while the run goes on. One value per metric and
+    step across sessions: ``_open`` sets ``_newest`` from what the store already holds,
+    and ``_fresh`` leaves out the rows at or below the session's mark.
 
-    Args:
-      uri: the tracking URI.
-      run_name: the run's name in MLflow (redray's run name).
-      run_path: identifies the run across restarts (``<storage>/<name>``); stored as the
-        tag ``redray.run_path``.
-      experiment: MLflow experiment name.
-      resume: continue the MLflow run of ``run_path`` (or ``run_id``) if there is one.
-      run_id: the run to continue (e.g. read from a checkpoint), tried first.
-    """
+    Subclasses set ``kind`` (the tracker's name, for messages) and ``where`` (its store)
+    and implement ``_open`` and ``_send``."""
 
-    def __init__(self, uri: str, run_name: str, run_path: str,
-                 experiment: str = DEFAULT_EXPERIMENT, resume: bool = True,
-                 run_id: str | None = None):
-        # MLflow's HTTP client retries for minutes by default; the queue retries instead.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        self.uri, self.run_name, self.run_path = uri, run_name, run_path
-        self.experiment, self.resume = experiment, resume
-        self._wanted_run_id = run_id
-        self.run_id = None
+    kind = "tracking"
+
+    def __init__(self, where: str):
+        self.where = where
+        self.run_id: str | None = None
         self.failure: str | None = None
         self.dropped = 0
         self.logged_metrics = 0
@@ -74,7 +67,8 @@ class MlflowLogger:
         self._mark: dict[str, int] = {}  # per metric: the newest step before this session
         self._queue: queue.Queue = queue.Queue()
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._work, name="redray-mlflow", daemon=True)
+        self._thread = threading.Thread(target=self._work, name=f"redray-{self.kind}",
+                                        daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ what callers use
@@ -98,16 +92,21 @@ class MlflowLogger:
     def log_text(self, text: str, artifact_file: str) -> None:
         self._put(("text", text, artifact_file))
 
+    def log_artifacts(self, folder: str, artifact_path: str) -> None:
+        """The files under ``folder`` as the run's artifact folder ``artifact_path``."""
+        self._put(("artifacts", folder, artifact_path))
+
     def finish(self, status: str = "FINISHED", timeout: float = 60.0) -> dict:
         """Ends the run; waits up to ``timeout`` s for the queue. Returns a report:
-        ``run_id``, ``failure`` (the first error, or None), ``dropped`` (values lost)."""
+        ``run_id``, ``failure`` (the first error, or None), ``dropped`` (values lost),
+        ``uri`` (where the run is)."""
         self._put(("end", status))
         self._done.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
             self.dropped += self._queue.qsize()
         return {"run_id": self.run_id, "failure": self.failure, "dropped": self.dropped,
-                "uri": self.uri}
+                "uri": self.where}
 
     # ------------------------------------------------------------ the thread
     def _put(self, item) -> None:
@@ -132,19 +131,79 @@ class MlflowLogger:
             try:
                 if client is None:
                     client = self._open()
+                    self._mark = dict(self._newest)
                 backlog = self._send(client, backlog)
                 delay = 1.0
             except Exception as error:  # noqa: BLE001 - the store's fault, never training's
                 if self.failure is None:
                     self.failure = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}" \
                         if str(error) else type(error).__name__
-                    log.warning("MLflow tracking at %s failed (%s); training goes on and "
-                                "logging is retried", self.uri, self.failure)
+                    log.warning("%s tracking at %s failed (%s); training goes on and "
+                                "logging is retried", self.kind, self.where, self.failure)
                 if ending:  # one last try failed: what is left is lost
                     self.dropped += sum(_values(item) for item in backlog)
                     return
                 self._done.wait(delay)
                 delay = min(delay * 2, 30.0)
+
+    def _metric_rows(self, backlog: list, most: int = 900) -> tuple[list, dict, int]:
+        """The queued metric rows at the head of ``backlog`` (up to ``most`` values), as
+        (step, stamp, values) without the replays of this session's mark; the newest
+        steps they make; how many items they were. ``backlog`` is left as it was: the
+        caller commits (``_commit``) once they are sent."""
+        rows, newest, taken, count = [], dict(self._newest), 0, 0
+        while taken < len(backlog) and backlog[taken][0] == "metrics" and count < most:
+            _, step, values, stamp = backlog[taken]
+            kept = {}
+            for k, v in values.items():
+                if step <= self._mark.get(k, -1):
+                    continue
+                kept[k] = v
+                newest[k] = max(step, newest.get(k, step))
+            rows.append((step, stamp, kept, len(values) - len(kept)))
+            count += len(kept)
+            taken += 1
+        return rows, newest, taken
+
+    def _commit(self, backlog: list, rows: list, newest: dict, taken: int) -> None:
+        """The rows of ``_metric_rows`` were sent: the replays counted, the marks moved."""
+        self.replayed += sum(r[3] for r in rows)
+        self.logged_metrics += sum(len(r[2]) for r in rows)
+        self._newest = newest
+        del backlog[:taken]
+
+    def _open(self):
+        raise NotImplementedError
+
+    def _send(self, client, backlog: list) -> list:
+        raise NotImplementedError
+
+
+class MlflowLogger(QueuedLogger):
+    """One MLflow run, logged from a background thread (``QueuedLogger``).
+
+    Args:
+      uri: the tracking URI.
+      run_name: the run's name in MLflow (redray's run name).
+      run_path: identifies the run across restarts (``<storage>/<name>``); stored as the
+        tag ``redray.run_path``.
+      experiment: MLflow experiment name.
+      resume: continue the MLflow run of ``run_path`` (or ``run_id``) if there is one.
+      run_id: the run to continue (e.g. read from a checkpoint), tried first.
+    """
+
+    kind = "MLflow"
+
+    def __init__(self, uri: str, run_name: str, run_path: str,
+                 experiment: str = DEFAULT_EXPERIMENT, resume: bool = True,
+                 run_id: str | None = None):
+        # MLflow's HTTP client retries for minutes by default; the queue retries instead.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        self.uri, self.run_name, self.run_path = uri, run_name, run_path
+        self.experiment, self.resume = experiment, resume
+        self._wanted_run_id = run_id
+        super().__init__(uri)
 
     def _open(self):
         from mlflow.tracking import MlflowClient
@@ -188,7 +247,6 @@ class MlflowLogger:
             steps = [m.step for m in client.get_metric_history(self.run_id, key)]
             if steps:
                 self._newest[key] = max(steps)
-        self._mark = dict(self._newest)
         return client
 
     def _send(self, client, backlog: list) -> list:
@@ -198,21 +256,12 @@ class MlflowLogger:
         while backlog:
             kind = backlog[0][0]
             if kind == "metrics":
-                batch = []
-                newest = dict(self._newest)
-                while backlog and backlog[0][0] == "metrics" and len(batch) < 900:
-                    _, step, values, stamp = backlog[0]
-                    for k, v in values.items():
-                        if step <= self._mark.get(k, -1):
-                            self.replayed += 1
-                            continue
-                        batch.append(Metric(k, v, stamp, step))
-                        newest[k] = max(step, newest.get(k, step))
-                    backlog.pop(0)
+                rows, newest, taken = self._metric_rows(backlog)
+                batch = [Metric(k, v, stamp, step) for step, stamp, values, _ in rows
+                         for k, v in values.items()]
                 if batch:
                     client.log_batch(self.run_id, metrics=batch)
-                self._newest = newest
-                self.logged_metrics += len(batch)
+                self._commit(backlog, rows, newest, taken)
                 continue
             item = backlog[0]
             if kind == "params":
@@ -228,6 +277,8 @@ class MlflowLogger:
                 client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in item[1].items()])
             elif kind == "text":
                 client.log_text(self.run_id, item[1], item[2])
+            elif kind == "artifacts":
+                client.log_artifacts(self.run_id, item[1], item[2])
             elif kind == "session":
                 self._mark = dict(self._newest)
             elif kind == "end":

@@ -19,6 +19,10 @@ def test_run_passes_the_script_its_arguments_and_the_address(tmp_path):
                "--address", "mine")
     assert done.returncode == 3  # the script's own exit status
     assert json.loads(done.stdout) == [["--steps", "5", "--address", "mine"], "ray://head:10001"]
+    # --profile reaches the script's Trainers as REDRAY_PROFILE
+    script.write_text("import os\nprint(os.environ.get('REDRAY_PROFILE'))\n")
+    done = cli("run", "--profile", "10:12", str(script))
+    assert (done.returncode, done.stdout.strip()) == (0, "10:12")
 
 
 def test_errors_are_one_line_with_the_fix(tmp_path):
@@ -26,7 +30,9 @@ def test_errors_are_one_line_with_the_fix(tmp_path):
                         (["submit", str(tmp_path)], "no script"),
                         (["runs", str(tmp_path / "none")], "no storage folder"),
                         (["export", "nope", "--storage", str(tmp_path), "--to", "x"], "no run"),
-                        (["plot", "nope", "--storage", str(tmp_path)], "no MLflow store")]:
+                        (["plot", "nope", "--storage", str(tmp_path)], "no MLflow store"),
+                        (["run", "--profile", "12:10", str(tmp_path / "x.py")],
+                         "--profile '12:10': give the optimizer steps to trace")]:
         if args[0] == "export":  # a run folder with a config, and a tokenizer that is not
             (tmp_path / "run" / "checkpoints").mkdir(parents=True, exist_ok=True)
             (tmp_path / "run" / "config.json").write_text("{}")

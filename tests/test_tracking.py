@@ -1,6 +1,7 @@
 """MLflow tracking of 2-host runs (2 simulated hosts x 2 CPU devices on a local Ray
 cluster): the SQLite default, a real `mlflow server`, a resumed run, a dead store."""
 
+import glob
 import json
 import os
 import socket
@@ -16,6 +17,7 @@ from mlflow.tracking import MlflowClient
 
 import redray
 from redray.checkpoint import latest_meta
+from redray.engine.profile import PROFILE_ENV
 from redray.tracking import MlflowLogger, TrackingWarning, plot
 from tiny import TinyLM, lm_collate, lm_loss, token_data
 
@@ -51,8 +53,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_a_resumed_run_logs_once_per_step_into_the_same_sqlite_run(tmp_path):
+def test_a_resumed_run_logs_once_per_step_into_the_same_sqlite_run(tmp_path, monkeypatch):
+    # the driver's REDRAY_PROFILE (as `redray run --profile 3:4` sets it) reaches every
+    # host's Trainer through the job (the hosts' processes started without it)
+    monkeypatch.setenv(PROFILE_ENV, "3:4")
     first = run(tmp_path, epochs=1)
+    monkeypatch.delenv(PROFILE_ENV)
+    for host in (0, 1):  # each host's own trace, in the run's profile folder
+        assert glob.glob(f"{tmp_path}/lm/profile/host{host}/**/*.xplane.pb", recursive=True)
     assert first.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"  # the embedded default
     second = run(tmp_path, epochs=2)  # resumes at step 12
     assert second.resumed_from_step == 12
@@ -83,6 +91,8 @@ def test_a_resumed_run_logs_once_per_step_into_the_same_sqlite_run(tmp_path):
     assert found.info.artifact_uri.startswith(f"{tmp_path}/mlartifacts/")  # beside the db
     plan = client.download_artifacts(found.info.run_id, "sharding_plan.txt", str(tmp_path))
     assert "mesh data=2 x fsdp=1 x model=2" in open(plan).read()
+    traces = client.download_artifacts(found.info.run_id, "profile", str(tmp_path / "got"))
+    assert glob.glob(f"{traces}/**/*.xplane.pb", recursive=True)  # host 0's, as an artifact
 
     listed = subprocess.run([sys.executable, "-m", "redray.cli", "runs", str(tmp_path), "--json"],
                             capture_output=True, text=True)

@@ -101,6 +101,9 @@ class HostJob:
         (the room an elastic run looks for to grow).
       data_context: the driver's Ray Data settings (``DataContext``), for the hosts'
         own reads (a stream), or None.
+      profile: the steps every Trainer of the run traces when given no ``profile``
+        (the driver's ``REDRAY_PROFILE``), or None.
+      profile_dir: the run's ``profile`` folder, where its Trainers' traces go.
     """
     task: FitTask | CallTask
     code: bytes
@@ -115,6 +118,8 @@ class HostJob:
     grow_to: int | None = None
     room: Room | None = None
     data_context: Any = None
+    profile: tuple[int, int] | None = None
+    profile_dir: str | None = None
 
 
 class HostFailure(RuntimeError):

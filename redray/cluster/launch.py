@@ -382,13 +382,17 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
             tracker = start_tracker(folders, config.experiment, config.resume,
                                     config.checkpoint, recorded)
     room = group_room(config, task)
+    from redray.engine.profile import PROFILE_ENV, profile_window
+
     job = HostJob(task=task, code=user_code, results=results, tracker=tracker,
                   checkpoint=config.checkpoint, config=recorded,
                   hang_timeout=config.hang_timeout, console=quiet,
                   compile_cache=folders.compile_cache if config.compile_cache else None,
                   probe_cache=folders.hardware,
                   grow_to=config.max_hosts if config.elastic else None,
-                  room=room, data_context=_data_context(task))
+                  room=room, data_context=_data_context(task),
+                  profile=profile_window(os.environ.get(PROFILE_ENV), PROFILE_ENV),
+                  profile_dir=os.path.join(folders.run, "profile"))
     try:
         # A group runs the job to its end; an elastic run's group may end itself at a
         # checkpoint when the cluster has room for more hosts (worker.Regrow), and a

@@ -55,6 +55,9 @@ class Tracker:
         self.logger.set_tags(tags)
         self.logger.log_text(plan, "sharding_plan.txt")
 
+    def artifacts(self, folder: str, artifact_path: str) -> None:
+        self.logger.log_artifacts(folder, artifact_path)
+
     def checkpoint(self, path: str) -> None:
         self.logger.set_tags({"redray.last_checkpoint": path})
 

@@ -191,7 +191,8 @@ class HostRun:
         console = DriverConsole(self.job.results) if self.job.console and self.rank == 0 \
             else None
         return Adoption(checkpoint=checkpoint, config=self.job.config, hooks=hooks,
-                        console=console, probe_cache=self.job.probe_cache)
+                        console=console, probe_cache=self.job.probe_cache,
+                        profile=self.job.profile, profile_dir=self.job.profile_dir)
 
     def result(self, value) -> dict:
         """What host 0 sends the driver: the function's value and the main Trainer's
@@ -213,6 +214,7 @@ class TrackerHook(Hook):
         self.tracker = tracker if rank == 0 else None
         self.sent: list = []
         self.run_id: str | None = None
+        self.profile_sent: str | None = None
 
     def on_restore(self, run, step: int, path: str, meta: dict) -> None:
         self.run_id = meta.get("run", {}).get(RUN_ID_KEY) or self.run_id
@@ -243,11 +245,26 @@ class TrackerHook(Hook):
             except Exception:  # noqa: BLE001 - tracking never fails a run
                 pass
 
+    def on_fit_end(self, run) -> None:
+        self._send_profile(run)
+
+    def _send_profile(self, run) -> None:
+        """Host 0's complete profiler trace, once, to the tracker (an MLflow artifact)."""
+        trace = run.profile_trace
+        if self.tracker is None or trace is None or trace == self.profile_sent:
+            return
+        self.profile_sent = trace
+        try:
+            self.sent.append(self.tracker.artifacts.remote(trace, "profile"))
+        except Exception:  # noqa: BLE001 - tracking never fails a run
+            pass
+
     def on_log(self, run, row: dict) -> None:
         import ray
 
         if self.tracker is None:
             return
+        self._send_profile(run)
         try:
             self.sent.append(self.tracker.log.remote(row))  # no waiting: the actor queues it
             if len(self.sent) > 100:

@@ -180,12 +180,18 @@ class Adoption:
         ``redray.engine.console.Console``; None: this process's terminal).
       probe_cache: the folder keeping the cluster's probed hardware numbers, for a
         Trainer choosing its plan (None: probe each time).
+      profile: the steps to trace, ``(first, last)``, for a Trainer given no
+        ``profile`` of its own (``redray.engine.profile``); None: none.
+      profile_dir: where a Trainer given no ``profile_dir`` writes its traces (None:
+        ``./redray_profile``).
     """
     checkpoint: Any = None
     config: dict = dataclasses.field(default_factory=dict)
     hooks: list = dataclasses.field(default_factory=list)
     console: Any = None
     probe_cache: str | None = None
+    profile: tuple[int, int] | None = None
+    profile_dir: str | None = None
 
 
 class Scope(Protocol):

@@ -68,6 +68,10 @@ class RunView:
                           "(read-only), or None.")
     saving_step = property(lambda self: self._trainer._checkpoints.saving,
                            doc="The step whose checkpoint is being written, if one is.")
+    profile_trace = property(
+        lambda self: None if self._trainer._profile is None else self._trainer._profile.trace,
+        doc="The folder of this process's profiler trace once it is complete "
+            "(``Trainer(profile=...)``), else None.")
 
     def wait_for_checkpoints(self) -> None:
         """Returns once every checkpoint started has been written."""

@@ -27,6 +27,7 @@ from redray.engine.loop import TrainingData
 from redray.engine.nonfinite import NonFiniteError, message as nonfinite_message
 from redray.engine.plan_choice import asked_plan
 from redray.engine.predictor import TrainerPredictors
+from redray.engine.profile import Profile
 from redray.engine.program import TrainProgram
 from redray.engine.run_checkpoints import RunCheckpoints
 from redray.engine.run_view import RunView
@@ -105,6 +106,9 @@ class Trainer:
         reaches the state or a checkpoint): ``"stop"`` (default,
         ``redray.NonFiniteError``), ``"skip"`` the update, or ``"rollback"`` to the
         newest checkpoint, going on after the failing batch.
+      profile, profile_dir: ``(first, last)``: a JAX profiler trace of those optimizer
+        steps on every host, into ``profile_dir`` (default: the run's ``profile`` folder,
+        else ``./redray_profile``); default ``REDRAY_PROFILE``. docs/profiling.md.
       **axes: the mesh's axis sizes by keyword (ints, or "auto" for what the others
         leave; None: not given): ``data_axis``, ``fsdp_axis``, ``model_axis``, ... one
         per axis of ``redray.sharding.AXES``. Giving any fixes the plan.
@@ -120,7 +124,8 @@ class Trainer:
                  trainable: str | None = None, grad_fn: Callable | None = None,
                  hooks: Sequence[Hook] = (), on_nonfinite: str = "stop", hardware=None,
                  plan_timing: bool | None = None,
-                 stage_repeats: int = 1, pipeline_schedule: str | None = None, **axes):
+                 stage_repeats: int = 1, pipeline_schedule: str | None = None,
+                 profile=None, profile_dir: str | None = None, **axes):
         self.functions = UserFunctions(collate, loss, predict)
         check_step_arguments(optimizer, grad_fn, on_nonfinite)
         self.on_nonfinite, self.grad_fn, self.trainable = on_nonfinite, grad_fn, trainable
@@ -151,7 +156,8 @@ class Trainer:
         self.config = {**adopted.config, **(config or {})}
         self._progress = Progress()
         self._hooks = Hooks(RunView(self))  # each event gets the run, read-only
-        for hook in (*hooks, *adopted.hooks):
+        self._profile = Profile.of(profile, profile_dir, adopted, lambda t: self._console.say(t))
+        for hook in (*filter(None, [self._profile]), *hooks, *adopted.hooks):
             self.add_hook(hook)
         self._fit: Fit | None = None  # the fit call under way
         self._summarized = False
@@ -176,17 +182,12 @@ class Trainer:
                         doc="The plan's batch geometry (global batch, micro-batch, "
                             "accumulation, this process's rows); None under \"auto\" before "
                             "``init``.")
-
-    @property
-    def batch_size(self) -> int:
-        """Examples per optimizer update (the global batch)."""
-        return self._batch_size
-
-    @property
-    def plan_ranking(self):
-        """Every plan the planner weighed (``redray.planning.planner.Ranking``), under
-        "auto" once ``init`` chose one; None when the plan was given or kept."""
-        return None if self._choice is None else self._choice.ranking
+    batch_size = property(lambda self: self._batch_size,
+                          doc="Examples per optimizer update (the global batch).")
+    plan_ranking = property(
+        lambda self: None if self._choice is None else self._choice.ranking,
+        doc="Every plan the planner weighed (``redray.planning.planner.Ranking``), under "
+            "\"auto\" once ``init`` chose one; None when the plan was given or kept.")
 
     # Read-only (the Trainer and its loop change them). Hooks read the run through its
     # view (``RunView``), which reads these and a few of the Trainer's parts.
@@ -386,6 +387,8 @@ class Trainer:
             return self._fit.run(epochs, max_steps, eval_at_start)
         finally:
             self._fit = None
+            if self._profile is not None:
+                self._profile.close()
 
     def roll_back(self, bad_step: int, position: Position) -> int | None:
         """Restores the newest checkpoint's state, keeps counting steps from
