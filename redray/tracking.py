@@ -172,10 +172,34 @@ class QueuedLogger:
         self._newest = newest
         del backlog[:taken]
 
+    def _send(self, client, backlog: list) -> list:
+        """Sends queued items in order, each taken off ``backlog`` once sent; returns
+        what is left (nothing, or raises: what failed stays queued)."""
+        while backlog:
+            kind = backlog[0][0]
+            if kind == "metrics":
+                rows, newest, taken = self._metric_rows(backlog)
+                self._write(client, rows)
+                self._commit(backlog, rows, newest, taken)
+                continue
+            if kind == "session":
+                self._mark = dict(self._newest)
+            else:
+                self._apply(client, backlog[0])
+            backlog.pop(0)
+        return backlog
+
     def _open(self):
+        """Opens (or continues) the run; sets ``run_id`` and ``_newest`` from what the
+        store holds; returns what ``_write`` and ``_apply`` get."""
         raise NotImplementedError
 
-    def _send(self, client, backlog: list) -> list:
+    def _write(self, client, rows: list) -> None:
+        """Sends metric rows, (step, stamp in ms, values, replays left out)."""
+        raise NotImplementedError
+
+    def _apply(self, client, item: tuple) -> None:
+        """Sends one queued item: params, tags, text, artifacts or the end."""
         raise NotImplementedError
 
 
@@ -249,43 +273,35 @@ class MlflowLogger(QueuedLogger):
                 self._newest[key] = max(steps)
         return client
 
-    def _send(self, client, backlog: list) -> list:
-        """Sends queued items in order; returns what is left (nothing, or raises)."""
-        from mlflow.entities import Metric, Param, RunTag
+    def _write(self, client, rows: list) -> None:
+        from mlflow.entities import Metric
 
-        while backlog:
-            kind = backlog[0][0]
-            if kind == "metrics":
-                rows, newest, taken = self._metric_rows(backlog)
-                batch = [Metric(k, v, stamp, step) for step, stamp, values, _ in rows
-                         for k, v in values.items()]
-                if batch:
-                    client.log_batch(self.run_id, metrics=batch)
-                self._commit(backlog, rows, newest, taken)
-                continue
-            item = backlog[0]
-            if kind == "params":
-                new = {k: v for k, v in item[1].items() if k not in self._existing_params}
-                changed = {k: v for k, v in item[1].items()
-                           if k in self._existing_params and self._existing_params[k] != v}
-                if new:
-                    client.log_batch(self.run_id, params=[Param(k, v) for k, v in new.items()])
-                    self._existing_params.update(new)
-                if changed:
-                    self._change_params(client, changed)
-            elif kind == "tags":
-                client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in item[1].items()])
-            elif kind == "text":
-                client.log_text(self.run_id, item[1], item[2])
-            elif kind == "artifacts":
-                client.log_artifacts(self.run_id, item[1], item[2])
-            elif kind == "session":
-                self._mark = dict(self._newest)
-            elif kind == "end":
-                client.set_terminated(self.run_id, status=item[1])
-            backlog.pop(0)
-        return backlog
+        batch = [Metric(k, v, stamp, step) for step, stamp, values, _ in rows
+                 for k, v in values.items()]
+        if batch:
+            client.log_batch(self.run_id, metrics=batch)
 
+    def _apply(self, client, item: tuple) -> None:
+        from mlflow.entities import Param, RunTag
+
+        kind = item[0]
+        if kind == "params":
+            new = {k: v for k, v in item[1].items() if k not in self._existing_params}
+            changed = {k: v for k, v in item[1].items()
+                       if k in self._existing_params and self._existing_params[k] != v}
+            if new:
+                client.log_batch(self.run_id, params=[Param(k, v) for k, v in new.items()])
+                self._existing_params.update(new)
+            if changed:
+                self._change_params(client, changed)
+        elif kind == "tags":
+            client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in item[1].items()])
+        elif kind == "text":
+            client.log_text(self.run_id, item[1], item[2])
+        elif kind == "artifacts":
+            client.log_artifacts(self.run_id, item[1], item[2])
+        elif kind == "end":
+            client.set_terminated(self.run_id, status=item[1])
 
     def _change_params(self, client, changed: dict[str, str]) -> None:
         """A resumed run with other settings (a larger ``max_steps``): its params must

@@ -16,6 +16,14 @@ def test_cluster_flags_become_fit_keywords_with_an_absolute_storage(tmp_path, mo
         hosts=1, devices_per_host=4, use_gpu=True, name="digits",
         storage_path=os.path.join(str(tmp_path), "out"))
     assert "--hosts HOSTS" in parser.format_help()
+    # --tracking: comma-separated trackers, or none
+    picked = redray.cluster_options(parser.parse_args(["--tracking", "mlflow,tensorboard"]))
+    assert picked.trackers == ("mlflow", "tensorboard")
+    assert redray.cluster_options(parser.parse_args(["--tracking", "none"])).trackers == ()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tracking", "mlflow,tensorflow"])
+    with pytest.raises(ValueError, match="tracking='neptune': give True"):
+        redray.ClusterConfig(tracking="neptune")
 
 
 def test_summary_says_where_things_are_and_when_nothing_was_left_to_train():
@@ -28,6 +36,12 @@ def test_summary_says_where_things_are_and_when_nothing_was_left_to_train():
     assert "already complete" not in trained
     done = redray.FitResult(history=[], resumed_from_step=300, **common).summary()
     assert done.startswith("run 'lm' was already complete at step 300")
+    both = redray.RunResult(name="lm", storage_path="/data/runs", seconds=1.0, trackers={
+        "tensorboard": {"run_id": "/data/runs/lm/tensorboard",
+                        "uri": "/data/runs/lm/tensorboard"},
+        "wandb": {"run_id": "x1", "uri": "/data/runs/lm/wandb"}}).summary()
+    assert "TensorBoard:   tensorboard --logdir /data/runs/lm" in both
+    assert "W&B run:       x1 in /data/runs/lm/wandb (offline: wandb sync" in both
     untracked = redray.RunResult(name="x", storage_path="/s", seconds=1.0).summary()
     assert "MLflow" not in untracked and "checkpoint:    none" in untracked
 

@@ -125,6 +125,8 @@ PROBES = {
     "schedule_steps": "[r['step'] for r in longer_history if 'loss' in r]",
     "hook_best": "best.best",
     "profiled_steps": "[len(step_spans), profiled.step]",
+    "tracked": "[sorted(tracked.trackers), [r['failure'] for r in tracked.trackers.values()],"
+               " tracked.trackers['wandb']['run_id'] in tracked.summary()]",
     "hook_evals": "[r['eval_loss'] for r in watched_history if 'eval_loss' in r]",
     "looped": "[looped.value, looped.checkpoint, looped.resumed_from_step]",
     "looped_logged": "[(m.step, round(m.value, 6)) for m in __import__('mlflow').MlflowClient("
@@ -466,6 +468,8 @@ def test_the_python_blocks_run_and_do_what_they_say(program, work):
     assert program["generated_shape"] == [2, 8]
     # the profiling guide: the trace of steps 5-7 holds three runs of the step, of 14
     assert program["profiled_steps"] == [3, 14]
+    # the tracking guide: three trackers, none failed, the W&B run named in the summary
+    assert program["tracked"] == [["mlflow", "tensorboard", "wandb"], [None] * 3, True]
     # the sampler's completions: at most each request's length, EOS or not
     for (n, logprobs, reason), most in zip(program["sampled"], [8, 4, 8, 4, 6]):
         assert 1 <= n <= most and logprobs == n

@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 import redray
 from redray import CheckpointConfig, load_params
+from test_tracking_logger import tensorboard_history, wandb_history
 from tiny import TinyLM, assert_same, lm_collate, lm_loss, token_data
 
 pytestmark = pytest.mark.ray  # a local Ray cluster (or a Ray head)
@@ -65,13 +66,15 @@ def killing_collate(marker, at_call):
     return collate
 
 
-def test_a_host_killed_mid_epoch_resumes_bitwise_exactly(tmp_path, uninterrupted):
+def test_a_host_killed_mid_epoch_resumes_bitwise_exactly(tmp_path, uninterrupted, monkeypatch):
     reference, reference_params = uninterrupted
+    monkeypatch.setenv("WANDB_MODE", "offline")
     at_call = random.Random(os.getpid()).randint(15, 23)  # a random batch inside epoch 1
     marker = str(tmp_path / "killed")
     result = redray.fit(model, killing_collate(marker, at_call), lm_loss, optax.adam(1e-2),
                         train_data=DATA, epochs=2, name="run", storage_path=str(tmp_path),
-                        max_failures=1, checkpoint=CheckpointConfig(save_every=4), **OPTIONS)
+                        max_failures=1, checkpoint=CheckpointConfig(save_every=4),
+                        tracking=("mlflow", "tensorboard", "wandb"), **OPTIONS)
     assert os.path.exists(marker), "host 1 was never killed"
     resumed = result.resumed_from_step
     # the last checkpoint complete at the kill (batches are collated a little ahead)
@@ -89,6 +92,10 @@ def test_a_host_killed_mid_epoch_resumes_bitwise_exactly(tmp_path, uninterrupted
         assert sorted(logged) == list(range(1, 25)), key
     logged = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, "loss")}
     assert logged == expected
+    # TensorBoard and W&B the same: one value per step, the replayed steps not twice
+    board = tensorboard_history(tmp_path / "run" / "tensorboard", "loss")
+    assert [s for s, _ in board] == list(range(1, 25))
+    assert wandb_history(tmp_path / "run", "loss") == sorted(expected.items())
 
 
 def train_step_programs(storage: str, name: str) -> list:

@@ -11,6 +11,7 @@ import time
 import urllib.request
 import warnings
 
+import numpy as np
 import optax
 import pytest
 from mlflow.tracking import MlflowClient
@@ -19,6 +20,7 @@ import redray
 from redray.checkpoint import latest_meta
 from redray.engine.profile import PROFILE_ENV
 from redray.tracking import MlflowLogger, TrackingWarning, plot
+from test_tracking_logger import tensorboard_history, wandb_history, wandb_summary
 from tiny import TinyLM, lm_collate, lm_loss, token_data
 
 pytestmark = pytest.mark.ray  # a local Ray cluster (or a Ray head)
@@ -28,6 +30,9 @@ ray = pytest.importorskip("ray")
 DATA, EVAL = token_data(96), token_data(16, seed=1)  # 12 steps per epoch at batch 8
 OPTIONS = dict(batch_size=8, model_axis=2, log_every=2, seed=0, progress=False, hosts=2,
                devices_per_host=2, learning_rate=1e-2)
+
+
+ALL = ("mlflow", "tensorboard", "wandb")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,15 +62,20 @@ def test_a_resumed_run_logs_once_per_step_into_the_same_sqlite_run(tmp_path, mon
     # the driver's REDRAY_PROFILE (as `redray run --profile 3:4` sets it) reaches every
     # host's Trainer through the job (the hosts' processes started without it)
     monkeypatch.setenv(PROFILE_ENV, "3:4")
-    first = run(tmp_path, epochs=1)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the driver's, for the tracker actor
+    first = run(tmp_path, epochs=1, tracking=ALL)
     monkeypatch.delenv(PROFILE_ENV)
     for host in (0, 1):  # each host's own trace, in the run's profile folder
         assert glob.glob(f"{tmp_path}/lm/profile/host{host}/**/*.xplane.pb", recursive=True)
     assert first.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"  # the embedded default
-    second = run(tmp_path, epochs=2)  # resumes at step 12
+    second = run(tmp_path, epochs=2, tracking=ALL)  # resumes at step 12
     assert second.resumed_from_step == 12
     assert second.mlflow_run_id == first.mlflow_run_id  # the same MLflow run, continued
-    assert latest_meta(f"{tmp_path}/lm/checkpoints")["run"]["mlflow_run_id"] == first.mlflow_run_id
+    kept = latest_meta(f"{tmp_path}/lm/checkpoints")["run"]
+    wandb_id = first.trackers["wandb"]["run_id"]
+    assert (kept["mlflow_run_id"], kept["wandb_run_id"]) == (first.mlflow_run_id, wandb_id)
+    assert second.trackers["wandb"]["run_id"] == wandb_id  # the same W&B run, continued
+    assert all(r["failure"] is None for r in second.trackers.values()), second.trackers
 
     client = MlflowClient(second.tracking_uri)
     found = client.get_run(second.mlflow_run_id)
@@ -91,6 +101,20 @@ def test_a_resumed_run_logs_once_per_step_into_the_same_sqlite_run(tmp_path, mon
     assert found.info.artifact_uri.startswith(f"{tmp_path}/mlartifacts/")  # beside the db
     plan = client.download_artifacts(found.info.run_id, "sharding_plan.txt", str(tmp_path))
     assert "mesh data=2 x fsdp=1 x model=2" in open(plan).read()
+    # TensorBoard and W&B hold every metric MLflow holds, at the same steps, once each
+    for key, values in found.data.metrics.items():
+        logged = sorted((m.step, m.value) for m in client.get_metric_history(found.info.run_id,
+                                                                            key))
+        board = tensorboard_history(tmp_path / "lm" / "tensorboard", key)
+        assert [s for s, _ in board] == [s for s, _ in logged], key
+        np.testing.assert_allclose([v for _, v in board], [v for _, v in logged], rtol=1e-6)
+        if key.startswith("startup/"):  # logged at the run's first step, at its end: W&B's
+            # steps only go forward, so the newest run's value is in the W&B run's summary
+            assert wandb_summary(tmp_path / "lm", key) == logged[-1][1], key
+        else:
+            assert wandb_history(tmp_path / "lm", key) == logged, key
+    assert "sharding_plan.txt" in os.listdir(glob.glob(f"{tmp_path}/lm/wandb/*run-*{wandb_id}/"
+                                                       "files")[0])
     traces = client.download_artifacts(found.info.run_id, "profile", str(tmp_path / "got"))
     assert glob.glob(f"{traces}/**/*.xplane.pb", recursive=True)  # host 0's, as an artifact
 

@@ -11,9 +11,8 @@ def history(uri, run_id, key):
             sorted(MlflowClient(uri).get_metric_history(run_id, key), key=lambda m: m.step)]
 
 
-def test_resumed_sessions_log_each_metric_once_per_step(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    first = MlflowLogger(uri, "r", f"{tmp_path}/r")
+def log_two_sessions(first):
+    """Steps 1-10 (an evaluation at 10), then a restarted worker group's steps 7-12."""
     first.new_session()
     for step in range(1, 11):
         first.log_metrics({"loss": step, "lr": 0.1}, step)
@@ -21,11 +20,10 @@ def test_resumed_sessions_log_each_metric_once_per_step(tmp_path):
     first.new_session()  # a restarted worker group, resumed from step 6
     for step in range(7, 13):
         first.log_metrics({"loss": step + 0.5, "lr": 0.2}, step)
-    first.log_metrics({"loss": 99.0}, 12)  # within a session nothing is filtered
-    report = first.finish("KILLED")
-    assert first.replayed == 8  # steps 7-10, loss and lr
 
-    second = MlflowLogger(uri, "r", f"{tmp_path}/r")  # a new driver: the store's mark
+
+def log_the_next_session(second, report):
+    """A new driver's session: steps 11-15, a replayed evaluation at 10, one at 15."""
     second.new_session()
     for step in range(11, 16):
         second.log_metrics({"loss": step + 0.25}, step)
@@ -33,6 +31,18 @@ def test_resumed_sessions_log_each_metric_once_per_step(tmp_path):
     second.log_metrics({"eval_loss": 3.0}, 15)
     assert second.finish()["run_id"] == report["run_id"]
     assert second.replayed == 3
+
+
+def test_resumed_sessions_log_each_metric_once_per_step(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = MlflowLogger(uri, "r", f"{tmp_path}/r")
+    log_two_sessions(first)
+    first.log_metrics({"loss": 99.0}, 12)  # within a session nothing is filtered
+    report = first.finish("KILLED")
+    assert first.replayed == 8  # steps 7-10, loss and lr
+
+    second = MlflowLogger(uri, "r", f"{tmp_path}/r")  # a new driver: the store's mark
+    log_the_next_session(second, report)
 
     run = report["run_id"]
     loss = history(uri, run, "loss")
@@ -150,3 +160,101 @@ def test_new_stores_are_copies_of_one_store_migrated_once(tmp_path, monkeypatch)
         names = {e.name for e in MlflowClient(uri).search_experiments()}
         assert names == {"Default", "redray"}
     assert runs[0][1] == runs[2][1]  # the same run resumed in the first store
+
+
+def tensorboard_history(logdir, key):
+    """(step, value) of a scalar in write order, read by TensorBoard's own loader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found = EventAccumulator(str(logdir))
+    found.Reload()
+    return [(e.step, e.value) for e in found.Scalars(key)] if key in found.Tags()["scalars"] \
+        else []
+
+
+def wandb_rows(folder, kind):
+    """(step, {key: value}) of every history (or summary) record of a W&B run's local
+    .wandb files, session after session."""
+    import glob
+    import json
+
+    from redray.trackers import wandb_records
+
+    for path in sorted(glob.glob(f"{folder}/wandb/*run-*/run-*.wandb")):
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") == kind:
+                part = getattr(record, kind)
+                items = part.item if kind == "history" else part.update
+                yield (part.step.num if kind == "history" else None,
+                       {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in items})
+
+
+def wandb_history(folder, key):
+    """(step, value) of a metric over every session's local .wandb file, in order."""
+    return [(step, values[key]) for step, values in wandb_rows(folder, "history")
+            if key in values]
+
+
+def wandb_summary(folder, key):
+    """The newest value of ``key`` in the run's summary, over every session's file."""
+    found = [values[key] for _, values in wandb_rows(folder, "summary") if key in values]
+    return found[-1] if found else None
+
+
+@pytest.fixture
+def offline_wandb(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+@pytest.mark.parametrize("kind", ["tensorboard", "wandb"])
+def test_tensorboard_and_wandb_resume_without_a_replayed_step(tmp_path, kind, offline_wandb):
+    from redray.trackers import TensorBoardLogger, WandbLogger
+
+    def logger(run_id=None):
+        if kind == "tensorboard":
+            return TensorBoardLogger(str(tmp_path / "tensorboard"))
+        return WandbLogger(str(tmp_path), "redray", "r", run_id=run_id)
+
+    def history(key):
+        return tensorboard_history(tmp_path / "tensorboard", key) if kind == "tensorboard" \
+            else wandb_history(tmp_path, key)
+
+    first = logger()
+    first.log_params({"max_steps": 20, "opt": {"b1": 0.9}})
+    log_two_sessions(first)
+    report = first.finish("KILLED")
+    assert report["failure"] is None and first.replayed == 8  # steps 7-10, loss and lr
+
+    second = logger(report["run_id"])  # a new driver: the marks from the files
+    log_the_next_session(second, report)
+
+    assert history("loss") == [*((s, float(s)) for s in range(1, 11)), (11, 11.5), (12, 12.5),
+                               *((s, s + 0.25) for s in range(13, 16))]
+    assert [s for s, _ in history("lr")] == list(range(1, 13))
+    assert history("eval_loss") == [(10, 5.0), (15, 3.0)]
+
+
+def test_tracking_names_are_checked():
+    from redray.trackers import trackers
+
+    assert trackers(True) == ("mlflow",) and trackers(False) == ()
+    assert trackers("wandb") == ("wandb",)
+    assert trackers(["tensorboard", "mlflow", "tensorboard"]) == ("tensorboard", "mlflow")
+    for bad in ("tensorflow", ("mlflow", 3), (), 1):
+        with pytest.raises(ValueError, match="give True \\(MLflow\\), False \\(none\\), or "
+                                             "trackers among 'mlflow', 'tensorboard', 'wandb'"):
+            trackers(bad)
+
+
+def test_a_tracker_that_cannot_write_reports_it_and_loses_only_its_rows(tmp_path, caplog):
+    from redray.trackers import TensorBoardLogger
+
+    (tmp_path / "file").write_text("")  # a folder that cannot be made
+    broken = TensorBoardLogger(str(tmp_path / "file" / "tensorboard"))
+    for step in range(1, 4):
+        broken.log_metrics({"loss": 1.0}, step)
+    report = broken.finish(timeout=5)
+    assert report["failure"].startswith(("FileExistsError", "NotADirectoryError")), report
+    assert report["dropped"] == 3 and report["uri"] == str(tmp_path / "file" / "tensorboard")
+    assert "TensorBoard tracking at" in caplog.text and "training goes on" in caplog.text

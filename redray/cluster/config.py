@@ -56,7 +56,10 @@ class ClusterConfig:
       tracking_uri: where MLflow logs go; default ``MLFLOW_TRACKING_URI``, else
         ``sqlite:///<storage_path>/mlflow.db``.
       experiment: the MLflow experiment.
-      tracking: False: no MLflow.
+      tracking: the trackers the run logs to: True (default: MLflow), False (none), or
+        names among "mlflow", "tensorboard" and "wandb" (``redray.trackers``), e.g.
+        ``("mlflow", "tensorboard")``. TensorBoard writes ``<run folder>/tensorboard``;
+        W&B runs in the mode ``WANDB_MODE`` says (``offline``: no network).
       compile_cache: keep the run's compiled programs in
         ``<storage_path>/<name>/compile_cache`` (JAX's persistent compilation cache), so
         a restart or a resumed run loads them instead of compiling again.
@@ -84,7 +87,7 @@ class ClusterConfig:
     resume: bool = True
     tracking_uri: str | None = None
     experiment: str = "redray"
-    tracking: bool = True
+    tracking: bool | str | tuple = True
     compile_cache: bool = True
     keep_hosts: bool = True
     verbose: bool | None = None
@@ -116,6 +119,14 @@ class ClusterConfig:
                              "(None: no watchdog)")
         if self.checkpoint is not False:
             CheckpointConfig.of(self.checkpoint)  # a wrong type fails here, on the driver
+        self.trackers  # a wrong tracker name fails here, on the driver
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers of ``tracking``, by name (``redray.trackers.trackers``)."""
+        from redray.trackers import trackers
+
+        return trackers(self.tracking)
 
     @property
     def elastic(self) -> bool:

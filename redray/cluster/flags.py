@@ -12,8 +12,8 @@ from redray.verbosity import set_verbose
 def add_cluster_args(parser: argparse.ArgumentParser, *, name: str, hosts: int = 2,
                      devices_per_host: int = 2, storage: str = DEFAULT_STORAGE
                      ) -> argparse.ArgumentParser:
-    """Adds ``--hosts``, ``--devices-per-host``, ``--gpu``, ``--storage``, ``--name`` and
-    ``--verbose``.
+    """Adds ``--hosts``, ``--devices-per-host``, ``--gpu``, ``--storage``, ``--name``,
+    ``--tracking`` and ``--verbose``.
 
     On one machine the hosts are simulated (separate processes, each with its own CPU
     devices); on a Ray cluster (``RAY_ADDRESS``, ``redray run --address``, ``ray job
@@ -37,6 +37,9 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, name: str, hosts: int =
                        help=f"runs folder: checkpoints, mlflow.db (default {storage})")
     group.add_argument("--name", default=name,
                        help=f"run name; the same name resumes (default {name})")
+    group.add_argument("--tracking", type=tracker_names, default=None, metavar="NAMES",
+                       help="trackers, comma-separated, among mlflow, tensorboard and wandb "
+                       "(default mlflow; none: no tracking)")
     group.add_argument("--verbose", action="store_true",
                        help="show everything every process prints (default: one progress "
                        "line and the run's messages)")
@@ -56,6 +59,20 @@ def host_count(text: str) -> int | tuple[int, int]:
     raise argparse.ArgumentTypeError(f"{text!r}: give a number of hosts (2) or MIN:MAX (2:4)")
 
 
+def tracker_names(text: str) -> tuple[str, ...] | bool:
+    """``--tracking``'s value: ``mlflow,tensorboard``..., or ``none``."""
+    from redray.trackers import trackers
+
+    if text.strip().lower() == "none":
+        return False
+    try:
+        return trackers(tuple(n.strip() for n in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give trackers among mlflow, tensorboard and wandb, comma-separated "
+            "(mlflow,tensorboard), or none") from None
+
+
 def cluster_options(args: argparse.Namespace) -> ClusterConfig:
     """The ``ClusterConfig`` of ``add_cluster_args``'s flags, for ``redray.fit(...,
     cluster=...)``/``redray.run`` (the storage folder made absolute: a Ray job runs in a
@@ -63,6 +80,8 @@ def cluster_options(args: argparse.Namespace) -> ClusterConfig:
     verbose = getattr(args, "verbose", False) or None  # not given: REDRAY_VERBOSE decides
     if verbose:
         set_verbose(True)  # this process too (the libraries' advice, Ray's INFO lines)
+    tracking = getattr(args, "tracking", None)
     return ClusterConfig(hosts=args.hosts, devices_per_host=args.devices_per_host,
                          use_gpu=args.gpu, name=args.name,
-                         storage_path=storage_folder(args.storage), verbose=verbose)
+                         storage_path=storage_folder(args.storage), verbose=verbose,
+                         tracking=True if tracking is None else tracking)

@@ -32,7 +32,10 @@ class RunResult:
         None for a run that started fresh (of the run's main Trainer: the first one
         made with the default checkpoint).
       checkpoint: the newest checkpoint written (its folder), or None.
-      tracking_uri, mlflow_run_id: where the run is tracked (None without tracking).
+      tracking_uri, mlflow_run_id: where the run is tracked in MLflow (None without).
+      trackers: every tracker's report by name (``"mlflow"``, ``"tensorboard"``,
+        ``"wandb"``): its ``run_id`` (TensorBoard's: its log folder), ``uri`` (where it
+        writes), ``failure`` and ``dropped`` values.
     """
     value: Any = None
     name: str
@@ -42,6 +45,7 @@ class RunResult:
     checkpoint: str | None = None
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    trackers: dict = dataclasses.field(default_factory=dict)
     startup: dict = dataclasses.field(default_factory=dict)
 
     def summary(self) -> str:
@@ -53,6 +57,13 @@ class RunResult:
         if self.tracking_uri:
             lines += [f"MLflow store:  {self.tracking_uri} (run {self.mlflow_run_id})",
                       f"MLflow UI:     {ui_command(self.tracking_uri)}"]
+        if "tensorboard" in self.trackers:
+            lines.append(f"TensorBoard:   tensorboard --logdir "
+                         f"{os.path.dirname(self.trackers['tensorboard']['uri'])}")
+        if "wandb" in self.trackers:
+            found = self.trackers["wandb"]
+            lines.append(f"W&B run:       {found['run_id']} in {found['uri']} (offline: "
+                         f"wandb sync {found['uri']}/offline-run-*)")
         lines.append(f"resume / more: the same command (run {self.name!r} in "
                      f"{self.storage_path}) resumes; raise its budget (steps, epochs, "
                      "iterations) to train on")
@@ -378,9 +389,9 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
     tracker = None
     with spans.phase("actors"):
         results = results_kept.results_actor()
-        if config.tracking:
+        if config.trackers:
             tracker = start_tracker(folders, config.experiment, config.resume,
-                                    config.checkpoint, recorded)
+                                    config.checkpoint, recorded, config.trackers)
     room = group_room(config, task)
     from redray.engine.profile import PROFILE_ENV, profile_window
 
@@ -451,7 +462,8 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
     return {**out, "name": folders.name, "storage_path": folders.storage,
             "seconds": total, "startup": phases,
             "tracking_uri": report and report["uri"],
-            "mlflow_run_id": report and report["run_id"]}
+            "mlflow_run_id": report and report["run_id"],
+            "trackers": (report or {}).get("trackers", {})}
 
 
 def _data_context(task):

@@ -15,7 +15,7 @@ import traceback
 from redray import startup
 from redray.cluster.console import DriverConsole
 from redray.cluster.job import DONE, REGROUP, TRAINED, HostJob, Room
-from redray.cluster.tracker import FINISH_TIMEOUT_S, RUN_ID_KEY
+from redray.cluster.tracker import FINISH_TIMEOUT_S, RUN_ID_KEY, WANDB_ID_KEY
 from redray.engine.hooks import Adoption, Hook, trainer_scope
 from redray.engine.watchdog import Stall, Watchdog
 from redray.sharding.parallelism import describe_shape
@@ -207,20 +207,22 @@ class HostRun:
 class TrackerHook(Hook):
     """A host's Trainer hook: host 0 sends every logged row and every complete
     checkpoint to the tracker (the other hosts send nothing), describes the run there
-    once the state exists, and keeps the MLflow run id in the Trainer's checkpoints
-    (``run_meta``) so a resume logs into the same MLflow run."""
+    once the state exists, and keeps the trackers' run ids (MLflow's, W&B's) in the
+    Trainer's checkpoints (``run_meta``) so a resume logs into the same runs."""
 
     def __init__(self, tracker, rank: int):
         self.tracker = tracker if rank == 0 else None
         self.sent: list = []
-        self.run_id: str | None = None
+        self.run_ids: dict = {}  # the trackers' run ids (MLflow's, W&B's), by meta key
+        self.ids_known = False  # every tracker has opened its run
         self.profile_sent: str | None = None
 
     def on_restore(self, run, step: int, path: str, meta: dict) -> None:
-        self.run_id = meta.get("run", {}).get(RUN_ID_KEY) or self.run_id
+        kept = meta.get("run", {})
+        self.run_ids.update({k: kept[k] for k in (RUN_ID_KEY, WANDB_ID_KEY) if kept.get(k)})
 
     def run_meta(self, run) -> dict:
-        return {RUN_ID_KEY: self.run_id} if self.run_id else {}
+        return dict(self.run_ids)
 
     def on_init(self, run) -> None:
         if self.tracker is None:
@@ -272,11 +274,12 @@ class TrackerHook(Hook):
                 self.sent[:] = pending
         except Exception:  # noqa: BLE001 - tracking never fails a run
             return
-        if self.run_id is None:
+        if not self.ids_known:  # until every tracker has opened its run
             try:
-                self.run_id = ray.get(self.tracker.run_id.remote(), timeout=10)
+                ids, self.ids_known = ray.get(self.tracker.run_ids.remote(), timeout=10)
+                self.run_ids.update(ids)
             except Exception:  # noqa: BLE001 - tracking never fails a run
-                self.run_id = None
+                pass
 
     def flush(self) -> None:
         """Waits (briefly) until the rows sent so far have reached the tracker: calls
