@@ -42,6 +42,8 @@ and redray does the rest. Public API:
 * ``UserFunctions``: the three functions, checked; ``UserFunctionError``: what a user
   function returned that cannot be used, and the fix.
 * ``NonFiniteError``: a step's loss or gradient norm was NaN/inf (``on_nonfinite="stop"``).
+* ``evaluate_tasks(tasks, run=... | model=...)``: lm-evaluation-harness tasks on a
+  trained run or a Hugging Face folder, on a plan (``redray eval``).
 
 Beside them, ``redray.models`` (model families, Hugging Face import/export, ``generate``)
 and ``redray.post_training`` (``Sampler`` with continuous batching; the SFT, DPO and GRPO
@@ -60,6 +62,7 @@ __all__, __getattr__, __dir__ = exports(__name__, {
     "redray.cluster": ["ClusterConfig", "FitResult", "RunResult", "add_cluster_args",
                        "cluster_options", "fit", "run"],
     "redray.data": ["Stream"],
+    "redray.evaluation": ["evaluate_tasks"],
     "redray.engine": ["Hook", "LinenModel", "NonFiniteError", "Predictor", "Schedule", "Trainer",
                       "load_model", "load_params"],
     "redray.functions": ["UserFunctions", "UserFunctionError"],

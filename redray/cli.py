@@ -18,6 +18,8 @@ Subcommands:
   safetensors, for a run of a redray.models model (its config.json in the run folder).
 * ``redray runs [STORAGE] [--json]``: the runs in a storage folder with their status,
   last step, last checkpoint and best metric.
+* ``redray eval RUN --tasks T1,T2`` (or ``--model HF_FOLDER``): lm-evaluation-harness
+  tasks on the run's model, sharded; a table, and the scores in its MLflow run.
 * ``redray plot RUN [--metric NAME ...] [--out PNG] [--storage DIR | --tracking-uri URI]``:
   a PNG of a run's metric curves (default loss and learning rate) from its MLflow run.
 
@@ -124,6 +126,27 @@ def _scored_json(s) -> dict:
             "tensor_seconds": c.tensor, "gradient_seconds": c.gradients,
             "exposed_gradient_seconds": c.exposed, "tokens_per_s": s.tokens_per_s,
             "mfu": s.mfu, "memory_bytes": s.memory["total"]}
+
+
+def _eval(args) -> int:
+    from redray.evaluation import evaluate_tasks
+    from redray.sharding.parallelism import AXES
+
+    if (args.run is None) == (args.model is None):
+        raise UsageError("give a run (RUN, a run folder or a name with --storage) or "
+                         "--model HF_FOLDER, not both")
+    axes = {a.keyword: getattr(args, a.keyword) for a in AXES
+            if getattr(args, a.keyword, None) is not None}
+    try:
+        evaluate_tasks([t for t in args.tasks.split(",") if t], run=args.run,
+                       model=args.model, storage=args.storage, tokenizer=args.tokenizer,
+                       include_path=args.include_path, batch_size=args.batch_size,
+                       limit=args.limit, num_fewshot=args.num_fewshot, samples=args.samples,
+                       track=not args.no_track, hosts=args.hosts,
+                       devices_per_host=args.devices_per_host, **axes)
+    except (ImportError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    return 0
 
 
 def _plot(args) -> int:
@@ -554,6 +577,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run_command=_plan)
 
+    p = _command(sub, "eval", "score a run or a Hugging Face model on lm-eval tasks",
+                 "Runs lm-evaluation-harness tasks on a trained run (its newest checkpoint, "
+                 "config.json and tokenizer) or a Hugging Face folder, on redray's sharded "
+                 "Predictor; prints a table and logs eval/<task>/<measure> to the run's "
+                 "MLflow run. Needs pip install 'redray[eval]'.",
+                 "examples:\n  redray eval demo --storage runs --tasks hellaswag,arc_easy\n"
+                 "  redray eval --model hf/ --tasks my_task --include-path tasks/ "
+                 "--model-axis 2")
+    p.add_argument("run", metavar="RUN", nargs="?",
+                   help="a run folder, or a run name with --storage")
+    p.add_argument("--tasks", required=True, help="task names, comma-separated")
+    p.add_argument("--model", help="a Hugging Face folder instead of a run")
+    p.add_argument("--storage", help=f"the storage folder of RUN (default "
+                                     f"{storage_module.DEFAULT_STORAGE})")
+    p.add_argument("--tokenizer", help="a tokenizer folder (default the run's or the model's)")
+    p.add_argument("--include-path", help="a folder of task YAML files (local tasks)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per program call")
+    p.add_argument("--limit", type=float, default=None, help="examples per task")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples")
+    p.add_argument("--samples", help="a JSON lines file to write every example's requests "
+                                     "and responses to")
+    p.add_argument("--no-track", action="store_true", help="do not log to the run's MLflow")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="evaluate on this many hosts of a Ray cluster (on one machine: "
+                        "simulated ones; default: this process)")
+    p.add_argument("--devices-per-host", type=int, default=None,
+                   help="CPU devices each simulated host has (with --hosts)")
+    for axis in AXES:
+        if axis.default != "auto":
+            p.add_argument(f"--{axis.keyword.replace('_', '-')}", type=int, default=None,
+                           help=f"{axis.doc}: its size")
+    p.set_defaults(run_command=_eval)
+
     p = _command(sub, "plot", "write a PNG of a run's metric curves",
                  "Reads the run's metrics from MLflow and plots them against the step: by "
                  "default loss (and eval loss) and learning rate, or the --metric ones.",
@@ -652,7 +708,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.run_command not in (_run, _submit):
+    if args.run_command not in (_run, _submit, _eval):
         # Planning and listing are abstract: keep JAX off any accelerator.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from redray.planning.from_config import PlanError

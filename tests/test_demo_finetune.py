@@ -75,3 +75,43 @@ def test_fine_tuning_a_local_checkpoint_lowers_its_perplexity_and_exports(tmp_pa
     assert AutoTokenizer.from_pretrained(str(exported))("def f")["input_ids"] == [4299, 277]
     np.testing.assert_allclose(perplexity(tuned, evaluation), numbers["perplexity_after"],
                                rtol=1e-4)
+
+    # `redray eval` on the trained run: two local lm-eval tasks, on one device and on 2
+    # hosts x 2 devices with the model split over 2; the same scores, and every
+    # log-likelihood transformers' on the exported checkpoint
+    from test_evaluation import CHOICES, torch_logprob, write_tasks
+
+    tasks = write_tasks(tmp_path / "tasks")
+    scores = {}
+    for plan, flags in [("one", []), ("split", ["--hosts", "2", "--devices-per-host", "2",
+                                                 "--model-axis", "2"])]:
+        done = subprocess.run(
+            [sys.executable, "-m", "redray.cli", "eval", "ft", "--storage",
+             str(tmp_path / "runs"), "--tasks", "redray_choice,redray_echo", "--include-path",
+             tasks, "--batch-size", "4", "--samples", str(tmp_path / f"{plan}.jsonl"), *flags],
+            capture_output=True, text=True, timeout=600,
+            env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        lines = [line.split() for line in done.stdout.splitlines()]
+        scores[plan] = {(row[0], row[1]): float(row[2]) for row in lines
+                        if len(row) == 3 and row[0].startswith("redray_")}
+    assert scores["one"] == scores["split"] and ("redray_choice", "acc") in scores["one"]
+    tokenizer = AutoTokenizer.from_pretrained(str(exported))
+    for plan in ("one", "split"):
+        rows = [json.loads(line) for line in open(tmp_path / f"{plan}.jsonl")]
+        for row in (r for r in rows if r["task"] == "redray_choice"):
+            question, choices, _ = CHOICES[row["doc_id"]]
+            context = tokenizer.encode(question)
+            for choice, response in zip(choices, row["responses"]):
+                whole = tokenizer.encode(question + choice)
+                expected = torch_logprob(tuned, context, whole[len(context):])[0]
+                assert abs(response[0][0] - expected) <= 1e-4, (plan, question, choice)
+    # the scores in the run's MLflow run, at its last step (logged by each eval)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/runs/mlflow.db")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    logged = client.get_metric_history(run.info.run_id, "eval/redray_choice/acc")
+    assert [m.step for m in logged] == [8, 8]
+    assert [m.value for m in logged] == pytest.approx([scores["one"]["redray_choice", "acc"]] * 2,
+                                                      abs=1e-4)  # the table's 4 decimals

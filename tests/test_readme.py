@@ -40,7 +40,8 @@ LAYOUT = "docs/contributing.md"  # the page whose text block is the layout
 SUBSTITUTIONS = [
     ("/abs/path/runs", "{work}/runs", "the reader's absolute storage folder"),
     ("/path/to/checkpoint", "{work}/tiny-llama",
-     "a Hugging Face checkpoint: a tiny random LLaMA written by transformers + torch"),
+     "a Hugging Face checkpoint: a tiny random LLaMA written by transformers + torch, with "
+     "GPT-2's tokenizer"),
     ("/path/to/out", "{work}/exported", "the folder save_pretrained writes"),
     ("--port 5000", "--port {port}", "a free port rather than MLflow's default"),
     ("make demo   # creates .venv if missing, installs, runs the main job",
@@ -125,6 +126,7 @@ PROBES = {
     "schedule_steps": "[r['step'] for r in longer_history if 'loss' in r]",
     "hook_best": "best.best",
     "profiled_steps": "[len(step_spans), profiled.step]",
+    "capitals": "scores",
     "tracked": "[sorted(tracked.trackers), [r['failure'] for r in tracked.trackers.values()],"
                " tracked.trackers['wandb']['run_id'] in tracked.summary()]",
     "hook_evals": "[r['eval_loss'] for r in watched_history if 'eval_loss' in r]",
@@ -381,7 +383,9 @@ def work(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("readme")
     os.symlink(os.path.join(ROOT, "examples"), folder / "examples")  # commands name them
-    llama_folder(folder / "tiny-llama")
+    from hf_tiny import gpt2_tokenizer
+
+    llama_folder(folder / "tiny-llama", tokenizer=gpt2_tokenizer())  # evaluation reads text
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
                XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
@@ -466,6 +470,9 @@ def test_the_python_blocks_run_and_do_what_they_say(program, work):
         "data=2 x fsdp=1 x model=2, batch 64 = 32 per device x 1 accumulation steps"
 
     assert program["generated_shape"] == [2, 8]
+    # the evaluation guide: the local task scored, its accuracy one of 0, 1/2 and 1
+    assert set(program["capitals"]) == {"capitals"}
+    assert program["capitals"]["capitals"]["acc"] in (0.0, 0.5, 1.0)
     # the profiling guide: the trace of steps 5-7 holds three runs of the step, of 14
     assert program["profiled_steps"] == [3, 14]
     # the tracking guide: three trackers, none failed, the W&B run named in the summary
@@ -577,7 +584,8 @@ def check_plan(work, done):
 
 def check_runs(work, done):
     rows = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines()[1:]}
-    assert rows == {"demo": "FINISHED", "points": "FINISHED", "rounds": "FINISHED"}, done.stdout
+    assert rows == {"demo": "FINISHED", "points": "FINISHED", "rounds": "FINISHED",
+                    "tracked": "FINISHED"}, done.stdout  # tracked: the tracking guide's
 
 
 def check_plot(work, done):
