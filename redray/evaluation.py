@@ -254,6 +254,10 @@ def evaluate_tasks(tasks, *, run: str | None = None, model: str | None = None,
       show: print the scores' table (process 0).
       **axes: the plan's axis sizes (``model_axis=2``...).
     """
+    _harness()
+    if (run is None) == (model is None):
+        raise ValueError("give one of run= (a trained redray run) or model= (a Hugging "
+                         "Face folder)")
     options = dict(run=run, model=model, storage=storage, tokenizer=tokenizer,
                    include_path=include_path, batch_size=batch_size, limit=limit,
                    num_fewshot=num_fewshot, max_length=max_length, samples=samples,
@@ -270,13 +274,10 @@ def evaluate_tasks(tasks, *, run: str | None = None, model: str | None = None,
         if track and run is not None:
             _track(_run_folders(run, storage), scores)
         return scores
-    _harness()
+    import jax
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    if (run is None) == (model is None):
-        raise ValueError("give one of run= (a trained redray run) or model= (a Hugging "
-                         "Face folder)")
     factory, params, extra, tokenizer, folders, config = _source(run, model, storage,
                                                                   tokenizer)
     lm = lm_class()(factory, tokenizer, params=params, extra=extra, batch_size=batch_size,
@@ -287,14 +288,12 @@ def evaluate_tasks(tasks, *, run: str | None = None, model: str | None = None,
     found = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
                                     num_fewshot=num_fewshot, log_samples=samples is not None,
                                     bootstrap_iters=0)
-    if samples is not None:
+    if samples is not None and jax.process_index() == 0:  # every host has them all
         _write_samples(samples, found["samples"])
     scores = {task: {_measure(k): float(v) for k, v in values.items()
                      if isinstance(v, (int, float)) and not isinstance(v, bool)
                      and "_stderr" not in k and k not in NOT_SCORES}
               for task, values in found["results"].items()}
-    import jax
-
     if show and jax.process_index() == 0:
         print(table(scores), flush=True)
     if track and folders is not None:
