@@ -68,8 +68,8 @@ WALKTHROUGH = (
 )
 
 COVERED_ELSEWHERE = {
-    "make test   # same set-up, then the test suite (CPU only; 36 to 45 minutes on a 2-core "
-    "Xeon over the last runs)":
+    "make test   # same set-up, then the test suite (CPU only; 36 to 47 minutes on 2 cores "
+    "over the last runs)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
     "make bench-check   # every benchmark script at a tiny size: each still runs (about 7 min)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
