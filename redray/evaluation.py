@@ -43,6 +43,13 @@ def _padded(length: int) -> int:
     return width
 
 
+def _length_batches(lengths: list[int], size: int) -> list[list[int]]:
+    """The indices of ``lengths``, longest first, in batches of ``size``: each batch
+    is padded to its own longest, and only the last has padding rows."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[start:start + size] for start in range(0, len(order), size)]
+
+
 def _score_collate(examples: list[dict]) -> dict:
     return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
 
@@ -131,7 +138,7 @@ def lm_class():
 
         def generate_until(self, requests, disable_tqdm: bool = False):
             out = [""] * len(requests)
-            groups: dict = {}
+            by_new: dict = {}  # one generating program per number of new tokens
             for i, request in enumerate(requests):
                 context, kwargs = request.args
                 kwargs = dict(kwargs or {})
@@ -143,20 +150,24 @@ def lm_class():
                 ids = self.tokenizer.encode(context, add_special_tokens=False) \
                     or [self.prefix_token_id]
                 ids = ids[-(self.max_length - new):]
-                groups.setdefault((new, _padded(len(ids))), []).append((i, ids, until))
-            for (new, width), members in groups.items():
-                rows = []
-                for _, ids, _ in members:  # left-padded prompts
-                    pad = width - len(ids)
-                    rows.append({"ids": np.array([0] * pad + ids, np.int32),
-                                 "mask": np.array([0] * pad + [1] * len(ids), np.int32)})
-                tokens = self._generator(new).predict(rows)
-                for (i, _, until), row in zip(members, tokens):
-                    text = self.tokenizer.decode(np.asarray(row).tolist(),
-                                                 skip_special_tokens=False)
-                    for stop in until:
-                        text = text.split(stop)[0]
-                    out[i] = text
+                by_new.setdefault(new, []).append((i, ids, until))
+            for new, members in by_new.items():
+                for chunk in _length_batches([len(ids) for _, ids, _ in members],
+                                             self.batch_size):
+                    width = _padded(max(len(members[j][1]) for j in chunk))
+                    rows = []
+                    for j in chunk:  # left-padded prompts
+                        ids = members[j][1]
+                        pad = width - len(ids)
+                        rows.append({"ids": np.array([0] * pad + ids, np.int32),
+                                     "mask": np.array([0] * pad + [1] * len(ids), np.int32)})
+                    for j, row in zip(chunk, self._generator(new).predict(rows)):
+                        i, _, until = members[j]
+                        text = self.tokenizer.decode(np.asarray(row).tolist(),
+                                                     skip_special_tokens=False)
+                        for stop in until:
+                            text = text.split(stop)[0]
+                        out[i] = text
             return out
 
         # ------------------------------------------------------------ the work
@@ -181,9 +192,7 @@ def lm_class():
             for context, continuation in pairs:
                 whole = (list(context) + list(continuation))[-(self.max_length + 1):]
                 rows.append((whole, min(len(continuation), len(whole) - 1)))
-            order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-            for start in range(0, len(order), self.batch_size):
-                chunk = order[start:start + self.batch_size]
+            for chunk in _length_batches([len(whole) for whole, _ in rows], self.batch_size):
                 width = _padded(max(len(rows[i][0]) for i in chunk))
                 scored = min(_padded(max(rows[i][1] for i in chunk)), width - 1)
                 batch = []
@@ -355,28 +364,26 @@ def _source(run, model, storage, tokenizer):
 
     from redray.models import build, load_config
 
-    if model is not None:
-        config = load_config(model)
-        factory = lambda rngs: build(config, rngs=rngs)  # noqa: E731
-        params, extra = _hf_weights(model)
-        folder, folders = model, None
-    else:
-        folders = _run_folders(run, storage)
-        if not os.path.exists(folders.model_config):
-            raise FileNotFoundError(
-                f"no model config at {folders.model_config}: redray eval scores a run of a "
-                "redray.models model (its config.json in the run folder), or give a Hugging "
-                "Face folder with model=")
-        from redray.engine.load import load_params
-
-        config = load_config(folders.model_config)
-        factory = lambda rngs: build(config, rngs=rngs)  # noqa: E731
-        params, extra = load_params(folders.run, factory)
-        folder = folders.tokenizer
-    if getattr(config, "is_encoder_decoder", False):
+    folders = None if model is not None else _run_folders(run, storage)
+    if folders is not None and not os.path.exists(folders.model_config):
+        raise FileNotFoundError(
+            f"no model config at {folders.model_config}: redray eval scores a run of a "
+            "redray.models model (its config.json in the run folder), or give a Hugging "
+            "Face folder with model=")
+    config = load_config(model if folders is None else folders.model_config)
+    if getattr(config, "is_encoder_decoder", False):  # before any weight is read
         raise ValueError(f"{config.model_type} is an encoder-decoder model: redray eval "
                          "scores causal language models (their continuation's tokens after "
                          "the context's)")
+    factory = lambda rngs: build(config, rngs=rngs)  # noqa: E731
+    if folders is None:
+        params, extra = _hf_weights(model)
+        folder = model
+    else:
+        from redray.engine.load import load_params
+
+        params, extra = load_params(folders.run, factory)
+        folder = folders.tokenizer
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         where = tokenizer or folder
         if not os.path.isdir(where):

@@ -57,21 +57,18 @@ def trackers(tracking) -> tuple[str, ...]:
 
 
 class TensorBoardLogger(QueuedLogger):
-    """A run's TensorBoard event files in ``logdir`` (``QueuedLogger``)."""
+    """A run's TensorBoard event files in a folder, ``TensorBoardLogger(logdir)``
+    (``QueuedLogger``)."""
 
     kind = "TensorBoard"
-
-    def __init__(self, logdir: str):
-        self.logdir = logdir
-        super().__init__(logdir)
 
     def _open(self):
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        os.makedirs(self.logdir, exist_ok=True)
-        self._newest = logged_steps(self.logdir)
-        self.run_id = self.logdir
-        return EventFileWriter(self.logdir, max_queue_size=1000, flush_secs=5)
+        os.makedirs(self.where, exist_ok=True)
+        self._newest = logged_steps(self.where)
+        self.run_id = self.where
+        return EventFileWriter(self.where, max_queue_size=1000, flush_secs=5)
 
     def _write(self, writer, rows: list) -> None:
         from tensorboard.compat.proto.event_pb2 import Event

@@ -49,10 +49,11 @@ class QueuedLogger:
     thread: every call only queues; the thread opens the store (``_open``) and sends
     what is queued (``_send``), retrying while the run goes on. One value per metric and
     step across sessions: ``_open`` sets ``_newest`` from what the store already holds,
-    and ``_fresh`` leaves out the rows at or below the session's mark.
+    and ``_metric_rows`` leaves out the rows at or below the session's mark.
 
-    Subclasses set ``kind`` (the tracker's name, for messages) and ``where`` (its store)
-    and implement ``_open`` and ``_send``."""
+    Subclasses set ``kind`` (the tracker's name, for messages), pass ``where`` (its
+    store) and implement ``_open``, ``_write`` (metric rows) and ``_apply`` (every other
+    item)."""
 
     kind = "tracking"
 

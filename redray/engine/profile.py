@@ -59,8 +59,8 @@ class Profile(Hook):
 
     def __init__(self, first: int, last: int, folder: str, process: int, say=None):
         self.first, self.last = first, last
-        self.folder = os.path.join(os.path.abspath(folder), f"host{process}")
         self.parent = os.path.abspath(folder)
+        self.folder = os.path.join(self.parent, f"host{process}")
         self.process = process
         self.say = say
         self.tracing = False
