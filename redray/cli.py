@@ -512,6 +512,13 @@ def _runs(args) -> int:
     return 0
 
 
+def _preset_names() -> list[str]:
+    """The shipped presets of ``redray plan`` (redray/models/presets), read without
+    importing the models (which would import JAX)."""
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "presets")
+    return sorted(n[:-len(".json")] for n in os.listdir(folder) if n.endswith(".json"))
+
+
 def _command(sub, name: str, help: str, description: str, epilog: str):
     """A subcommand whose --help ends with usage examples."""
     return sub.add_parser(name, help=help, description=description, epilog=epilog,
@@ -537,9 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "  redray plan llama-7b --devices 64 --hosts 8 --batch-size 256 --seq-len "
                  "4096 --compute-dtype bfloat16 --hardware h100+ethernet")
     p.add_argument("config", metavar="PRESET_OR_CONFIG",
-                   help="a preset (gpt2-xl, gpt-j-6b, llama-7b, llama-13b, t5-11b, opt-13b, "
-                        "opt-66b, qwen3-8b, mixtral-8x7b, qwen3-30b-a3b) or the path of a "
-                        "Hugging Face config.json")
+                   help=f"a preset ({', '.join(_preset_names())}) or the path of a Hugging "
+                        "Face config.json")
     p.add_argument("--devices", type=int, required=True, help="number of devices")
     for axis in reversed(AXES):  # the data axis takes what the others leave
         if axis.default != "auto":

@@ -28,7 +28,7 @@ CONFIGS = {
         **SMALL, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
         **{"norm_topk_prob": False, **kw}),
     "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
-        **SMALL, moe_intermediate_size=32, num_experts=4, **{"norm_topk_prob": True, **kw}),
+        **{**SMALL, "moe_intermediate_size": 32, "num_experts": 4, "norm_topk_prob": True, **kw}),
 }
 
 
@@ -185,13 +185,35 @@ def test_capacity_drops_what_an_expert_cannot_take():
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5)
 
 
+# Dense MLPs among the experts: a first layer apart (mlp_only_layers), and dense and
+# sparse layers in turn (decoder_sparse_step 2: one stacked period of two layers).
+DENSE_LAYERS = {"first": dict(mlp_only_layers=[0], num_hidden_layers=3),
+                "period": dict(decoder_sparse_step=2, num_hidden_layers=4)}
+
+
+@pytest.mark.parametrize("layout", sorted(DENSE_LAYERS))
+def test_qwen3_moe_with_dense_layers_matches_transformers(layout, tmp_path):
+    hf = hf_model("qwen3_moe", str(tmp_path / "hf"), intermediate_size=48,
+                  **DENSE_LAYERS[layout])
+    model = rm.from_pretrained(str(tmp_path / "hf"))
+    pattern = model.pattern(model.config)
+    assert (pattern.first, pattern.period) == ((1, 1) if layout == "first" else (0, 2))
+    stacked = dict(first="first_layers/0/mlp/gate_up_proj/kernel",
+                   period="layers/period/0/mlp/gate_up_proj/kernel")[layout]
+    assert stacked in {"/".join(map(str, p)) for p, _ in nnx.state(model, nnx.Param).flat_state()}
+    assert_logits_match(model, hf)
+    assert_greedy_generation_matches(model, hf, 6)
+    listed = rm.from_pretrained(str(tmp_path / "hf"), scan=False)
+    ids = jnp.asarray(IDS)
+    (a, aux_a), (b, aux_b) = listed(ids, aux=True), model(ids, aux=True)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
+    for key in aux_a:
+        np.testing.assert_allclose(np.asarray(aux_b[key]), np.asarray(aux_a[key]), atol=1e-6)
+    assert aux_a["expert_tokens"].shape[0] == pattern.kinds.count("moe")
+    assert_export_round_trip(model, hf, tmp_path / "export")
+
+
 def test_unsupported_layouts_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"layers \[0\] have dense MLPs.*decoder_sparse_step=1"):
-        rm.build(CONFIGS["qwen3_moe"](decoder_sparse_step=2))
-    with pytest.raises(ValueError, match=r"layers \[1\] have dense MLPs"):
-        rm.build(CONFIGS["qwen3_moe"](mlp_only_layers=[1]))
-    with pytest.raises(ValueError, match=r"qwen2_moe config: layers \[0, 1\] have dense MLPs"):
-        rm.build(CONFIGS["qwen2_moe"](mlp_only_layers=[0, 1]))
     with pytest.raises(ValueError, match=r"qwen2_moe config: layer_types slides the window in 1 "
                                          r"of 2 layers .* set use_sliding_window=False"):
         rm.build(CONFIGS["qwen2_moe"](use_sliding_window=True))

@@ -7,7 +7,6 @@ Nothing is allocated: opt-66b is 245 GiB of float32 parameters.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -16,7 +15,7 @@ import sys
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from redray.models.hub import FAMILIES
+from redray.models.families import FAMILIES, lookup
 from redray.planning.memory import StepShape
 from redray.planning.from_config import (PlanError, format_model_plan, plan_model, plan_parallelism,
                                 preset_fields, presets)
@@ -39,33 +38,21 @@ SETTINGS = {
     "mixtral-8x7b": (64, 8, 8, 46_702_792_704),
     "qwen3-30b-a3b": (32, 4, 8, 30_532_122_624),
 }
-def require_family(name: str) -> None:
-    """Skips when the preset's family module is not written yet (and only then)."""
-    module = FAMILIES[preset_fields(name)["model_type"]]
-    try:
-        importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name != module:
-            raise
-        pytest.skip(f"{module} does not exist yet: preset {name} cannot be built")
-
-
 def run_cli(*args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "redray.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
-def test_presets_are_shipped():
+def test_presets_are_shipped_and_named_by_their_family():
     assert set(presets()) == set(SETTINGS)
+    assert sorted(p for f in FAMILIES.values() for p in f.presets) == presets()
     for name in presets():
-        fields = preset_fields(name)
-        assert fields["model_type"] in FAMILIES, name
+        assert name in lookup(preset_fields(name)["model_type"]).presets, name
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_paper_setting_fits(name):
-    require_family(name)
     devices, model, fsdp, n_params = SETTINGS[name]
     result = plan_model(name, devices, model, fsdp)
     assert result["n_params"] == n_params
@@ -97,7 +84,6 @@ def test_llama_plan_lists_nothing_big_replicated():
 
 
 def test_replicated_parameters_are_listed_with_their_axes():
-    require_family("opt-13b")
     # OPT's learned positions (2048 + 2 offset rows) divide by no model axis of 8: being
     # large, they are sharded over model as an extra FSDP axis, not left whole.
     result = plan_model("opt-13b", 16, 8, 2)

@@ -17,13 +17,13 @@ Mixtral, Qwen2-MoE and Qwen3-MoE, OPT, GPT-J, T5) with Hugging Face I/O.
   them to a loss, ``moe.metrics(aux)`` logs them (``redray/models/moe.py``).
 """
 
+from redray.models.families import FAMILIES, Family
 from redray.models.generate import generate, sample_token
-from redray.models.hub import (FAMILIES, build, from_pretrained, load_config, save_pretrained,
-                               save_tokenizer)
+from redray.models.hub import build, from_pretrained, load_config, save_pretrained, save_tokenizer
 from redray.models.lora import LoRA, add_lora, merge_lora
 from redray.models.losses import chunked_cross_entropy, next_token_loss
 from redray.models.tokenizer import gpt2_tokenizer
 
-__all__ = ["FAMILIES", "LoRA", "add_lora", "build", "chunked_cross_entropy", "from_pretrained",
-           "generate", "gpt2_tokenizer", "load_config", "merge_lora", "next_token_loss",
-           "sample_token", "save_pretrained", "save_tokenizer"]
+__all__ = ["FAMILIES", "Family", "LoRA", "add_lora", "build", "chunked_cross_entropy",
+           "from_pretrained", "generate", "gpt2_tokenizer", "load_config", "merge_lora",
+           "next_token_loss", "sample_token", "save_pretrained", "save_tokenizer"]

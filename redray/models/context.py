@@ -33,12 +33,18 @@ the run's hardware, probed or named): the ring's steps cost the larger of their 
 and their transfer, the gather its whole compute plus what of its transfer the scheduler
 cannot hide. A model traced without a chooser takes the ring.
 
+**Attention sinks** (gpt-oss) join the softmax once: the diagonal block's statistics start
+with them (``flash_forward``'s ``sinks``), the other blocks' merge into those, and the
+sinks' gradient is the diagonal step's (``flash_backward``'s), summed over the devices'
+queries as the ring's ``shard_map`` transposes a replicated input. **Chunks** (Llama 4)
+are the mask's, each query's position travelling with it.
+
 **Each block's kernel** (``ring_blocks``): on a GPU, for plain causal attention in
-bf16 (no padding but the split's alignment after the last token, no segments, window or
-soft-capping), cuDNN's fused attention (``CudnnBlocks``): in the zigzag layout the
-diagonal block (the device's two chunks, in order, against themselves) is causal and
-every other block is seen whole, which cuDNN's causal and unmasked kernels take; each
-block's forward returns its log-sum-exp, the parts merge by it, and each block's
+bf16 (no padding but the split's alignment after the last token, no segments, window,
+chunks, sinks or soft-capping), cuDNN's fused attention (``CudnnBlocks``): in the zigzag
+layout the diagonal block (the device's two chunks, in order, against themselves) is
+causal and every other block is seen whole, which cuDNN's causal and unmasked kernels
+take; each block's forward returns its log-sum-exp, the parts merge by it, and each block's
 backward is cuDNN's from the merged output and log-sum-exp (FlashAttention-2's backward
 needs nothing else). The gathered keys' mask is not one cuDNN takes, so a fused ring is
 always a ring. Elsewhere, and for every other mask, redray's blockwise kernel
@@ -161,8 +167,10 @@ def zigzag_inputs(ways: int, ids, mask: AttentionMask, positions):
     order = jnp.asarray(zigzag_order(ids.shape[1], ways), jnp.int32)
     take = functools.partial(jnp.take, indices=order, axis=1)
     segments = None if mask.q_segments is None else take(mask.q_segments)
+    q_positions = None if mask.q_positions is None else take(mask.q_positions)
     mask = mask.replace(kv_valid=take(mask.kv_valid), q_slots=mask.q_slots[order],
-                        q_segments=segments, kv_segments=segments, kv_slots=order)
+                        q_segments=segments, kv_segments=segments, kv_slots=order,
+                        q_positions=q_positions)
     return take(ids), mask, take(positions)
 
 
@@ -264,29 +272,34 @@ BLOCK_KERNELS = {"cudnn": CudnnBlocks()}
 
 def ring_blocks(q, mask: AttentionMask, softcap: float | None) -> str:
     """The kernel of the ring's blocks: "cudnn" on a GPU for plain causal attention in
-    bf16/fp16 (no padding but the alignment's at the sequence's end, no segments, window
-    or soft-capping: a block of the zigzag layout is then causal or whole), else
-    "flash" (redray's blockwise kernel, every mask)."""
+    bf16/fp16 (no padding but the alignment's at the sequence's end, no segments,
+    window, chunks or soft-capping: a block of the zigzag layout is then causal or
+    whole), else "flash" (redray's blockwise kernel, every mask). Attention with sinks
+    takes "flash" whatever this says (``attention``)."""
     target = Target.live()
     limit = 256 if target.packed else 128
     if (target.platform == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
             and q.shape[-1] <= limit and q.shape[-1] % 8 == 0 and not mask.padded
-            and not mask.segmented and not mask.sliding and softcap is None):
+            and not mask.segmented and not mask.sliding and not mask.chunking
+            and softcap is None):
         return "cudnn"
     return "flash"
 
 
 # ------------------------------------------------------------------ attention
-def attention(q, k, v, mask: AttentionMask, scale: float, softcap: float | None = None):
+def attention(q, k, v, mask: AttentionMask, scale: float, softcap: float | None = None,
+              sinks=None):
     """Attention of a sequence split over the context axis in the zigzag layout (``q``
-    (B, T, H, D), ``k`` and ``v`` (B, T, KV, D), ``mask`` with its key slots): each
-    device's queries over every key, by a ring or an all-gather (``method``)."""
+    (B, T, H, D), ``k`` and ``v`` (B, T, KV, D), ``mask`` with its key slots, and its
+    queries' positions where it has chunks): each device's queries over every key, by a
+    ring or an all-gather (``method``); ``sinks``: (H,) attention sinks, or None."""
     mesh, ways = context_split()
     if not mask.causal:
         raise ValueError("context parallelism splits causal attention only")
     b, t, h, d = q.shape
     how = method()
-    blocks = ring_blocks(q, mask, softcap)
+    # cuDNN's blocks have no sinks
+    blocks = ring_blocks(q, mask, softcap) if sinks is None else "flash"
     if how == "auto":
         # a fused kernel takes the ring's blocks (each a causal or a full block of the
         # zigzag layout), not the gathered keys' mask: the ring
@@ -297,16 +310,21 @@ def attention(q, k, v, mask: AttentionMask, scale: float, softcap: float | None 
         blocks = "flash"
     segmented = mask.segmented
     window = mask.layer_window if mask.layer_window is not None else mask.window
-    ring = _Ring(ways, scale, softcap, segmented, window is not None, blocks)
+    chunk = mask.layer_chunk if mask.layer_chunk is not None else mask.chunk
+    ring = _Ring(ways, scale, softcap, segmented, window is not None, blocks,
+                 chunk is not None)
     segments = mask.q_segments if segmented else jnp.zeros((b, t), jnp.int32)
-    facts = (mask.q_slots, mask.key_slots(), mask.kv_valid, segments,
-             jnp.asarray(0 if window is None else window, jnp.int32))
+    positions = jnp.zeros((b, t), jnp.int32) if chunk is None else \
+        jnp.broadcast_to(mask.q_slots if mask.q_positions is None else mask.q_positions,
+                         (b, t)).astype(jnp.int32)
+    limits = tuple(jnp.asarray(0 if x is None else x, jnp.int32) for x in (window, chunk))
+    facts = (mask.q_slots, mask.key_slots(), mask.kv_valid, segments, positions, limits)
     seq, rows = P(None, AXIS), P(AXIS)
     body = _ring_attention if how == "ring" else _gathered_attention
     return jax.shard_map(functools.partial(body, ring), mesh=_within(mesh),
-                         in_specs=(seq, seq, seq, rows, rows, seq, seq, P()),
+                         in_specs=(seq, seq, seq, P(), rows, rows, seq, seq, seq, P()),
                          out_specs=seq, axis_names=_manual(mesh), check_vma=False)(
-                             q, k, v, *facts)
+                             q, k, v, sinks, *facts)
 
 
 def _within(mesh):
@@ -339,26 +357,38 @@ class _Ring:
     segmented: bool
     windowed: bool
     blocks: str = "flash"  # the kernel of each block: BLOCK_KERNELS' key
+    chunked: bool = False
 
-    def mask(self, q_slots, q_seg, kv_slots, kv_valid, kv_seg, window) -> AttentionMask:
+    def mask(self, q_facts, kv_slots, kv_valid, kv_seg, limits) -> AttentionMask:
+        """The mask of queries of ``q_facts`` (slots, segments, positions) over keys;
+        ``limits``: the (window, chunk) arrays."""
+        q_slots, q_seg, q_pos = q_facts
+        window, chunk = limits
         return AttentionMask(kv_valid, q_slots, q_seg if self.segmented else None,
                              kv_seg if self.segmented else None, causal=True,
                              layer_window=window if self.windowed else None,
-                             kv_slots=kv_slots)
+                             kv_slots=kv_slots,
+                             layer_chunk=chunk if self.chunked else None,
+                             q_positions=q_pos if self.chunked else None)
 
 
-def _gathered_attention(ring: _Ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window):
+def _gathered_attention(ring: _Ring, q, k, v, sinks, q_slots, kv_slots, kv_valid, segments,
+                        positions, limits):
     gather = functools.partial(jax.lax.all_gather, axis_name=AXIS, tiled=True)
     k_all, v_all = gather(k, axis=1), gather(v, axis=1)
     kv_segments = gather(segments, axis=1) if ring.segmented else None
-    mask = ring.mask(q_slots, segments, gather(kv_slots, axis=0), gather(kv_valid, axis=1),
-                     kv_segments, window)
-    return flash_attention(q, k_all, v_all, mask, ring.scale, softcap=ring.softcap)
+    mask = ring.mask((q_slots, segments, positions), gather(kv_slots, axis=0),
+                     gather(kv_valid, axis=1), kv_segments, limits)
+    return flash_attention(q, k_all, v_all, mask, ring.scale, softcap=ring.softcap,
+                           sinks=sinks)
 
 
-def _ring_attention(ring: _Ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window):
+def _ring_attention(ring: _Ring, q, k, v, sinks, q_slots, kv_slots, kv_valid, segments,
+                    positions, limits):
     segments = segments if ring.segmented else None  # not sent round without packing
-    return _ring(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window).astype(v.dtype)
+    positions = positions if ring.chunked else None
+    return _ring(ring, q, k, v, sinks, (q_slots, segments, positions), kv_slots, kv_valid,
+                 limits).astype(v.dtype)
 
 
 def _shift(tree):
@@ -407,14 +437,14 @@ def _nothing(q_like):
             jnp.zeros((b, t, h), jnp.float32))
 
 
-def _part(ring: _Ring, q, keys, q_facts, window, diagonal: bool):
+def _part(ring: _Ring, q, keys, q_facts, limits, diagonal: bool, sinks=None):
     k, v, kv_slots, kv_valid, kv_seg = keys
     if ring.blocks != "flash":
         out, lse = BLOCK_KERNELS[ring.blocks].forward(q, k, v, ring.scale, diagonal)
         lse = jnp.moveaxis(lse, 1, 2)  # (B, H, T) -> (B, T, H): a total of one
         return out.astype(jnp.float32), lse, jnp.ones_like(lse)
-    out, stats = flash_forward(q, k, v, ring.mask(*q_facts, kv_slots, kv_valid, kv_seg, window),
-                               ring.scale, ring.softcap)
+    out, stats = flash_forward(q, k, v, ring.mask(q_facts, kv_slots, kv_valid, kv_seg, limits),
+                               ring.scale, ring.softcap, sinks=sinks)
     return (out, *_per_query(stats))
 
 
@@ -446,69 +476,79 @@ def _ring_steps(ring: _Ring, keys, compute, state, travel: bool = False):
     return state
 
 
+def _query_half(q_facts, which: int):
+    """The first or second half of the queries' (slots, segments, positions)."""
+    return tuple(_half(x, which) for x in q_facts)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window):
-    return _ring_forward(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window)[0]
+def _ring(ring, q, k, v, sinks, q_facts, kv_slots, kv_valid, limits):
+    return _ring_forward(ring, q, k, v, sinks, q_facts, kv_slots, kv_valid, limits)[0]
 
 
-def _ring_forward(ring, q, k, v, q_slots, kv_slots, kv_valid, segments, window):
-    q_facts = (q_slots, segments)
-    keys = (k, v, kv_slots, kv_valid, segments)
+def _ring_forward(ring, q, k, v, sinks, q_facts, kv_slots, kv_valid, limits):
+    keys = (k, v, kv_slots, kv_valid, q_facts[1])
 
     def step(state, ks, which):
-        if which == 0:
-            return _part(ring, q, ks, q_facts, window, diagonal=True)
+        if which == 0:  # the sinks join the softmax here, once
+            return _part(ring, q, ks, q_facts, limits, diagonal=True, sinks=sinks)
         if which == 1:  # an earlier device's block: its first chunk only is seen
             first = tuple(_half(x, 0) for x in ks)
-            return _merge(state, _part(ring, q, first, q_facts, window, diagonal=False))
+            return _merge(state, _part(ring, q, first, q_facts, limits, diagonal=False))
         q_late = _half(q, 1)  # a later device's block: seen by the local late chunk only
-        late_facts = (_half(q_slots, 1), _half(segments, 1))
         early = _nothing(_half(q, 0))
-        part = _part(ring, q_late, ks, late_facts, window, diagonal=False)
+        part = _part(ring, q_late, ks, _query_half(q_facts, 1), limits, diagonal=False)
         both = tuple(jnp.concatenate([e, p], axis=1) for e, p in zip(early, part))
         return _merge(state, both)
 
     out, top, total = _ring_steps(ring, keys, step, None)
     stats = _per_head(top, total, k.shape[2])
-    return out, (q, k, v, q_slots, kv_slots, kv_valid, segments, window, out, stats)
+    return out, (q, k, v, sinks, q_facts, kv_slots, kv_valid, limits, out, stats)
 
 
 def _ring_bwd(ring, residuals, d_out):
-    q, k, v, q_slots, kv_slots, kv_valid, segments, window, out, stats = residuals
+    q, k, v, sinks, q_facts, kv_slots, kv_valid, limits, out, stats = residuals
     d_out = d_out.astype(jnp.float32)
-    q_facts = (q_slots, segments)
-    keys = (k, v, kv_slots, kv_valid, segments)
+    keys = (k, v, kv_slots, kv_valid, q_facts[1])
 
-    def grads(qq, ks, facts, o, st, do, diagonal=False):
+    def grads(qq, ks, facts, o, st, do, diagonal=False, sinks=None):
         kk, vv, slots, valid, seg = ks
         if ring.blocks != "flash":  # the block's gradients from the merged statistics
             top, total = _per_query(st)
             lse = jnp.moveaxis(top + jnp.log(total), 2, 1)  # (B, H, T)
-            return BLOCK_KERNELS[ring.blocks].backward(qq, kk, vv, ring.scale, diagonal, o,
-                                                       lse, do)
-        mask = ring.mask(*facts, slots, valid, seg, window)
-        return flash_backward(qq, kk, vv, mask, ring.scale, o, st, do, ring.softcap)
+            return (*BLOCK_KERNELS[ring.blocks].backward(qq, kk, vv, ring.scale, diagonal, o,
+                                                         lse, do), None)
+        mask = ring.mask(facts, slots, valid, seg, limits)
+        return flash_backward(qq, kk, vv, mask, ring.scale, o, st, do, ring.softcap,
+                              sinks=sinks)
 
     def step(state, ks, which):
-        dq, (dk, dv) = state
+        dq, d_sinks, (dk, dv) = state
         if which in (0, 1):
             seen = ks if which == 0 else tuple(_half(x, 0) for x in ks)
-            gq, gk, gv = grads(q, seen, q_facts, out, stats, d_out, diagonal=which == 0)
+            # the sinks' gradient: the diagonal step's, over every local query
+            gq, gk, gv, gs = grads(q, seen, q_facts, out, stats, d_out, diagonal=which == 0,
+                                   sinks=sinks if which == 0 else None)
+            if which == 0 and gs is not None:
+                d_sinks = gs
             if which == 1:
                 gk = jnp.concatenate([gk, jnp.zeros_like(gk)], axis=1)
                 gv = jnp.concatenate([gv, jnp.zeros_like(gv)], axis=1)
         else:
-            gq, gk, gv = grads(_half(q, 1), ks, (_half(q_slots, 1), _half(segments, 1)),
-                               _half(out, 1), _half(stats, 1, axis=4), _half(d_out, 1))
+            gq, gk, gv, _ = grads(_half(q, 1), ks, _query_half(q_facts, 1), _half(out, 1),
+                                  _half(stats, 1, axis=4), _half(d_out, 1))
             gq = jnp.concatenate([jnp.zeros_like(gq), gq], axis=1)
-        return (dq + gq.astype(jnp.float32),
+        return (dq + gq.astype(jnp.float32), d_sinks,
                 (dk + gk.astype(jnp.float32), dv + gv.astype(jnp.float32)))
 
     init = (jnp.zeros(q.shape, jnp.float32),
+            None if sinks is None else jnp.zeros(sinks.shape, jnp.float32),
             (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)))
-    dq, (dk, dv) = _ring_steps(ring, keys, step, init, travel=True)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None,
-            None)
+    dq, d_sinks, (dk, dv) = _ring_steps(ring, keys, step, init, travel=True)
+    if d_sinks is not None:
+        d_sinks = d_sinks.astype(sinks.dtype)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks,
+            jax.tree.map(lambda _: None, q_facts), None, None, (None, None))
 
 
 _ring.defvjp(_ring_forward, _ring_bwd)

@@ -66,6 +66,14 @@ class CausalLM(nnx.Module):
     inv_freq = None
     # How many slots back a query sees (Mistral's sliding window); None: all of them.
     window = None
+    # Where layers differ in their attention without differing in parameters (windows,
+    # chunks, rotary tables or none): one ``layers.LayerAttention`` per layer, and the
+    # rotary tables they index ((inverse frequencies, scale) pairs). None: every layer
+    # alike (``inv_freq`` and ``window``).
+    layer_attention = None
+    rope_tables = ()
+    # YaRN's attention factor on the rotary tables' cos and sin (``layers.rope_scale``)
+    rope_scale = 1.0
     # Whether the blocks return a report beside (x, layer_cache), which ``aux=True``
     # collects (``layers.run_blocks``) and ``auxiliary`` summarizes (mixtures of experts).
     REPORTS = False
@@ -85,6 +93,27 @@ class CausalLM(nnx.Module):
                                       rngs=rngs)
         elif self.HEAD_BIAS:
             self.lm_head_bias = nnx.Param(jnp.zeros((c.vocab_size,), jnp.float32))
+
+    @classmethod
+    def layer_kinds(cls, c) -> tuple[str, ...]:
+        """Each layer's kind for the ``transformers`` config ``c``: layers of one kind
+        share their parameters' shapes and code (``layers.LayerPattern``: how they
+        stack). Here every layer is alike."""
+        return ("layer",) * c.num_hidden_layers
+
+    @classmethod
+    def pattern(cls, c) -> layers.LayerPattern:
+        """How the layers of config ``c`` stack (``layers.make_layers``)."""
+        return layers.LayerPattern.of(cls.layer_kinds(c))
+
+    def make_layers(self, c, make, rngs: nnx.Rngs, scan: bool) -> None:
+        """Builds the blocks, ``make(kind, rngs)`` one of ``layer_kinds(c)``'s kind: the
+        ``BLOCKS`` attribute (a list, a stack, or a stack of ``layers.Period``) and,
+        where the pattern starts late, ``first_<BLOCKS>`` (a list)."""
+        first, blocks = layers.make_layers(make, self.layer_kinds(c), rngs, scan)
+        setattr(self, self.BLOCKS, blocks)
+        if first is not None:
+            setattr(self, f"first_{self.BLOCKS}", first)
 
     def layers_differ(self, c) -> str | None:
         """Why the config ``c`` gives each layer parameters or code of its own (so its
@@ -109,8 +138,22 @@ class CausalLM(nnx.Module):
         """What the blocks get beside the hidden states: (inputs every block gets, inputs
         per layer: ``layers.run_blocks``'s ``per_layer``). Here the rotary embeddings'
         cos and sin where the family sets ``inv_freq``, and the mask; nothing per layer."""
-        rotary = () if self.inv_freq is None else layers.rope_angles(positions, self.inv_freq)
+        if self.layer_attention is not None:
+            return self._differing_inputs(positions, mask)
+        rotary = () if self.inv_freq is None else layers.rope_angles(positions, self.inv_freq,
+                                                                      self.rope_scale)
         return (*rotary, mask), ()
+
+    def _differing_inputs(self, positions, mask) -> tuple[tuple, tuple]:
+        """``block_inputs`` where layers differ (``layer_attention``): every rotary table
+        stacked (cos, sin), the mask with the queries' positions where a layer chunks,
+        and per layer its window, chunk and table (``layers.layer_inputs``)."""
+        kinds = self.layer_attention
+        cos, sin = layers.rotary_tables(positions, self.rope_tables, kinds)
+        if layers.attention_choices(kinds)[1]:
+            mask = mask.chunked(None, positions)
+        stacked = layers.is_stacked(getattr(self, self.BLOCKS))
+        return (cos, sin, mask), layers.layer_inputs(kinds, stacked)
 
     def auxiliary(self, reports):
         """The auxiliary outputs of ``model(..., aux=True)`` from the blocks' reports
@@ -149,9 +192,9 @@ class CausalLM(nnx.Module):
             input_ids, mask, positions = context.zigzag_inputs(ways, input_ids, mask, positions)
         shared, per_layer = self.block_inputs(positions, mask)
         x = self.embed(input_ids, positions, train)
-        x, new_cache, *reports = layers.run_blocks(getattr(self, self.BLOCKS), x, shared, cache,
-                                                   cache_index, train, self.remat, per_layer,
-                                                   reports=aux)
+        x, new_cache, *reports = layers.run_layers(
+            getattr(self, f"first_{self.BLOCKS}", None), getattr(self, self.BLOCKS), x, shared,
+            cache, cache_index, train, self.remat, per_layer, reports=aux)
         final_norm = getattr(self, self.FINAL_NORM, None)
         if final_norm is not None:
             x = final_norm(x)

@@ -21,10 +21,13 @@ every run (padding) gets zeros, and no gradient flows through it. A Trainer refu
 the host and with the fix, a batch whose ``segment_ids`` hold more documents in a row
 than the bound (``check_segments``).
 
-**Splash** takes the mask's static shape (causal, and the window as a local band) and
-segment ids per token: packed rows are their segment ids, padding a segment of its own
-(so padding in any position is exact), soft-capped scores its ``attn_logits_soft_cap``,
-grouped-query heads the multi-query kernel run over each key/value head. Its blocks are
+**Splash** takes the mask's static shape (causal, the window as a local band, chunks as
+its ``ChunkedCausalMask``) and segment ids per token: packed rows are their segment ids,
+padding a segment of its own (so padding in any position is exact), soft-capped scores
+its ``attn_logits_soft_cap``, attention sinks its ``sinks``, grouped-query heads the
+multi-query kernel run over each key/value head. Its chunks count from slot 0: a
+chunked mask runs on it only where each real query's position is its slot (no segments,
+no leading padding; ``attention.attend`` checks at run time). Its blocks are
 the largest of 512, 256, 128 that divide the sequence. It takes no scale: the queries
 are scaled in float32 and rounded once to their dtype before it (as MaxText does), where
 the XLA path scales scores in float32. At the usual scale that costs little. With scores
@@ -34,7 +37,8 @@ in bf16 at 8x the usual scale, 5x the XLA path's error against float32.
 A scanned stack of layers whose windows differ (Gemma's local and global layers)
 passes each layer's window traced; the kernels need it static, so the mask lists the
 values it can take (``AttentionMask.windows``) and each layer switches among kernels
-compiled for each.
+compiled for each. Chunks likewise (``AttentionMask.chunks``: Llama 4's chunked and
+global layers).
 """
 
 from __future__ import annotations
@@ -68,29 +72,49 @@ def segment_bound(tokens: int) -> int:
     return max(2, min(max_segments(), tokens))
 
 
-# ------------------------------------------------------------------ windows
+# ------------------------------------------------------------------ windows and chunks
+def _static(fixed, traced, values, keys: int) -> tuple[list, jax.Array | int]:
+    """(the static lengths a layer's window or chunk can be, None for none, and which one
+    applies here: an index, traced where the layer's length is). A length of the keys
+    or more is none."""
+    def static(length):
+        return None if length is None or length >= keys else int(length)
+
+    if traced is None:
+        return [static(fixed)], 0
+    choices = [static(x) for x in values]
+    index = sum(i * (traced == x) for i, x in enumerate(values))
+    return choices, jnp.asarray(index, jnp.int32)
+
+
 def static_windows(mask, keys: int) -> tuple[list, jax.Array | int]:
     """(the static windows the mask's layers can have, None for none, and which one
     applies here: an index, traced where the layer's window is). A window as long as the
     keys or longer is none."""
-    def static(window):
-        return None if window is None or window >= keys else int(window)
+    return _static(mask.window, mask.layer_window, mask.windows, keys)
 
-    if mask.layer_window is None:
-        return [static(mask.window)], 0
-    choices = [static(w) for w in mask.windows]
-    index = sum(i * (mask.layer_window == w) for i, w in enumerate(mask.windows))
-    return choices, jnp.asarray(index, jnp.int32)
+
+def static_chunks(mask, keys: int) -> tuple[list, jax.Array | int]:
+    """``static_windows`` for the mask's chunks."""
+    return _static(mask.chunk, mask.layer_chunk, mask.chunks, keys)
+
+
+def _switched(choices, index, kernel):
+    if len(choices) == 1:
+        return kernel(choices[0])
+    branches = [kernel(x) for x in choices]
+    return lambda *args: jax.lax.switch(index, branches, *args)
 
 
 def by_window(mask, keys: int, kernel):
     """``kernel(window)`` (a function of arrays) for this layer's window: switched among
     the static choices where the layer's window is traced."""
-    choices, index = static_windows(mask, keys)
-    if len(choices) == 1:
-        return kernel(choices[0])
-    branches = [kernel(w) for w in choices]
-    return lambda *args: jax.lax.switch(index, branches, *args)
+    return _switched(*static_windows(mask, keys), kernel)
+
+
+def by_chunk(mask, keys: int, kernel):
+    """``by_window`` for this layer's chunk: ``kernel(chunk)``."""
+    return _switched(*static_chunks(mask, keys), kernel)
 
 
 # ------------------------------------------------------------------ cuDNN
@@ -209,10 +233,12 @@ def splash_blocks(tokens: int) -> int | None:
 
 
 def splash_attention(q, k, v, mask, scale: float, softcap: float | None = None,
-                     interpret: bool | None = None):
+                     interpret: bool | None = None, sinks=None):
     """Splash attention for ``mask`` (causal; see the module docstring): q (B, T, H, D),
-    k and v (B, T, KV, D). ``interpret``: run the kernel in Pallas's interpreter (on
-    CPU; default there)."""
+    k and v (B, T, KV, D); ``sinks``: (H,) attention sinks, or None. ``interpret``: run
+    the kernel in Pallas's interpreter (on CPU; default there). A chunked mask's chunks
+    count from slot 0 here: the caller makes sure each real query's position is its
+    slot."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash, splash_attention_mask as masks)
 
@@ -236,23 +262,49 @@ def splash_attention(q, k, v, mask, scale: float, softcap: float | None = None,
     qg = scaled.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4)
     kk, vv = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-    def of_window(window):
+    # (KV, G): each key/value head's group of sinks, as the multi-query kernel takes them
+    grouped = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(kvh, g)
+
+    def of_shape(window, chunk):
         if window is None:
             shape = masks.CausalMask((t, t))
         else:
             shape = masks.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
+        if chunk is not None:
+            chunked = masks.ChunkedCausalMask((t, t), chunk_size=chunk)
+            shape = chunked if window is None else masks.LogicalAnd(shape, chunked)
         kernel = splash.make_splash_mqa(
             masks.MultiHeadMask([shape] * g), block_sizes=sizes, head_shards=1,
             q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
 
-        def call(qg, kk, vv, seg):
+        def call(qg, kk, vv, seg, sinks):
             ids = splash.SegmentIds(seg, seg)
-            per_head = jax.vmap(kernel, in_axes=(0, 0, 0, None))  # key/value heads
-            return jax.vmap(per_head, in_axes=(0, 0, 0, 0))(qg, kk, vv, ids)
+
+            def one(q, k, v, ids, sinks):
+                if sinks is None:
+                    return kernel(q, k, v, ids)
+                return kernel(q, k, v, ids, _float32_cotangent(sinks))
+            per_head = jax.vmap(one, in_axes=(0, 0, 0, None, 0))  # key/value heads
+            return jax.vmap(per_head, in_axes=(0, 0, 0, 0, None))(qg, kk, vv, ids, sinks)
         return call
 
-    out = by_window(mask, t, of_window)(qg, kk, vv, seg)
+    def of_window(window):
+        return by_chunk(mask, t, lambda chunk: of_shape(window, chunk))
+
+    out = by_window(mask, t, of_window)(qg, kk, vv, seg, grouped)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+@jax.custom_vjp
+def _float32_cotangent(sinks):
+    """The sinks as they are; their gradient in float32. Splash's backward gives the
+    sinks' gradient in the queries' dtype (bf16 for a bf16 model's float32 sinks): cast
+    where it leaves the kernel, before the heads' and rows' gradients are summed."""
+    return sinks
+
+
+_float32_cotangent.defvjp(lambda sinks: (sinks, None),
+                          lambda _, grad: (grad.astype(jnp.float32),))
 
 
 def packed_layout_available() -> bool:

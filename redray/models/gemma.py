@@ -22,7 +22,6 @@ import types
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from redray.models import layers, llama
@@ -30,12 +29,9 @@ from redray.models.attention import soft_cap
 from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, plain
 
-MODEL_TYPES = ("gemma2", "gemma3_text")
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
 BASE_PREFIX = "model."
 LAYER_KINDS = ("sliding_attention", "full_attention")
-# A scanned global layer's window: wider than any sequence.
-EVERY_KEY = int(np.iinfo(np.int32).max)
 
 
 def _layer_kinds(c) -> list[str]:
@@ -62,6 +58,18 @@ def _rope(c, kind: str) -> dict:
     rope = getattr(c, "rope_parameters", None) or {}
     own = rope.get(kind)
     return own if isinstance(own, dict) else rope
+
+
+def _attention(c) -> tuple[tuple, tuple]:
+    """(the rotary tables, each layer's ``layers.LayerAttention``): a sliding layer's
+    window, and one table per distinct rotary embedding."""
+    kinds = _layer_kinds(c)
+    freqs = [tuple(float(f) for f in layers.rope_inv_freq(
+        _rope(c, kind), c.head_dim, getattr(c, "rope_theta", 1e4))) for kind in kinds]
+    tables = tuple(dict.fromkeys(freqs))
+    return tuple((f, 1.0) for f in tables), tuple(
+        layers.LayerAttention(window=c.sliding_window if kind == "sliding_attention" else None,
+                              rope=tables.index(f)) for kind, f in zip(kinds, freqs))
 
 
 def _mlp_fields(c):
@@ -119,15 +127,14 @@ class Block(nnx.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         # the windows a scanned layer's traced window can be (the fused kernels compile
         # one for each): the local layers' and the global ones'
-        self.windows = (int(c.sliding_window), EVERY_KEY) if c.sliding_window else ()
+        self.choices = layers.attention_choices(_attention(c)[1])
 
-    def __call__(self, x, cos, sin, mask, window, rope, cache, cache_index, train):
-        """``cos``, ``sin``: every rotary table stacked on axis 1 (rows first), this
-        layer's at ``rope``;
-        ``window``: this layer's sliding window (None or ``EVERY_KEY``: global)."""
-        mask = mask.windowed(window, self.windows)
-        attn, new_cache = self.self_attn(self.input_layernorm(x), cos[:, rope], sin[:, rope],
-                                         mask, cache, cache_index, train)
+    def __call__(self, x, cos, sin, mask, window, chunk, rope, cache, cache_index, train):
+        """``cos``, ``sin``: every rotary table stacked on axis 1, this layer's at
+        ``rope``; ``window``: this layer's sliding window (``layers.layer_view``)."""
+        cos, sin, mask = layers.layer_view(cos, sin, mask, window, chunk, rope, self.choices)
+        attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
+                                         cache_index, train)
         x = x + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(mlp), new_cache
@@ -141,19 +148,11 @@ class Model(CausalLM):
     TIED_BY_DEFAULT = True
 
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
-        kinds = _layer_kinds(c)
         self.embed_tokens = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs,
                                          padding_idx=layers.padding_row(c))
-        self.layers = layers.make_blocks(lambda r: Block(c, rngs=r, dtype=dtype),
-                                         c.num_hidden_layers, rngs, scan)
+        self.make_layers(c, lambda kind, r: Block(c, rngs=r, dtype=dtype), rngs, scan)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        freqs = [tuple(float(f) for f in layers.rope_inv_freq(
-            _rope(c, kind), c.head_dim, getattr(c, "rope_theta", 1e4))) for kind in kinds]
-        # one table per distinct rotary embedding, and which one each layer reads
-        self.inv_freqs = tuple(dict.fromkeys(freqs))
-        self.layer_ropes = tuple(self.inv_freqs.index(f) for f in freqs)
-        self.layer_windows = tuple(c.sliding_window if kind == "sliding_attention" else None
-                                   for kind in kinds)
+        self.rope_tables, self.layer_attention = _attention(c)
         self.final_softcap = getattr(c, "final_logit_softcapping", None)
 
     def key_value_heads(self) -> tuple[int, int]:
@@ -162,15 +161,6 @@ class Model(CausalLM):
     def embed(self, input_ids, positions, train: bool):
         x = self.embed_tokens(input_ids)
         return x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
-
-    def block_inputs(self, positions, mask) -> tuple[tuple, tuple]:
-        cos, sin = (jnp.stack(t, axis=1) for t in zip(*(layers.rope_angles(positions, f)
-                                                 for f in self.inv_freqs)))
-        windows, ropes = self.layer_windows, self.layer_ropes
-        if layers.is_stacked(self.layers):
-            windows = jnp.asarray([EVERY_KEY if w is None else w for w in windows], jnp.int32)
-            ropes = jnp.asarray(ropes, jnp.int32)
-        return (cos, sin, mask), (windows, ropes)
 
     def logits(self, x):
         return soft_cap(super().logits(x), self.final_softcap)

@@ -15,7 +15,6 @@ from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, conv1d, linear, plain
 from redray.sharding.activations import constrain_rows
 
-MODEL_TYPES = ("gpt2",)
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
 BASE_PREFIX = "transformer."
 # Causal-mask buffers that old checkpoints saved with the weights.

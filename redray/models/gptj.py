@@ -16,7 +16,6 @@ from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, linear, plain, qkv
 from redray.sharding.activations import constrain_rows
 
-MODEL_TYPES = ("gptj",)
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
 BASE_PREFIX = "transformer."
 # Non-persistent buffers: the causal mask and the sinusoid table are rebuilt, not loaded.

@@ -11,7 +11,6 @@ its share, and the host holds one tensor at a time.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -24,32 +23,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from redray.models.families import lookup, supported
 from redray.rngs import rngs as fast_rngs
 from redray.sharding import Parallelism, flatten
 from redray.sharding.on_mesh import model_specs, put
 from redray.sharding.parallelism import KEYWORDS as AXIS_KEYWORDS
 
-# model_type -> module implementing the family (Model, weight_table, trace_inputs).
-FAMILIES = {
-    "llama": "redray.models.llama", "mistral": "redray.models.llama",
-    "qwen2": "redray.models.llama",
-    "qwen3": "redray.models.llama",
-    "gpt2": "redray.models.gpt2", "opt": "redray.models.opt", "gptj": "redray.models.gptj",
-    "t5": "redray.models.t5",
-    "gemma2": "redray.models.gemma", "gemma3_text": "redray.models.gemma",
-    "mixtral": "redray.models.mixtral", "qwen3_moe": "redray.models.mixtral",
-    "qwen2_moe": "redray.models.mixtral",
-}
-# The transformers class of each family's export (config.json's ``architectures``).
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "gptj": "GPTJForCausalLM",
-    "t5": "T5ForConditionalGeneration",
-    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -166,12 +145,8 @@ def gated(modules: tuple[str, str], path: str, bias: bool = False) -> list[Fused
 
 
 def family(model_type: str):
-    """The module implementing a Hugging Face ``model_type``."""
-    try:
-        return importlib.import_module(FAMILIES[model_type])
-    except KeyError:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: "
-                         f"{', '.join(sorted(FAMILIES))}") from None
+    """The module implementing a Hugging Face ``model_type`` (``families.FAMILIES``)."""
+    return lookup(model_type).code
 
 
 def load_config(path: str):
@@ -187,7 +162,7 @@ def load_config(path: str):
     if not isinstance(content, dict) or not isinstance(content.get("model_type"), str):
         raise ValueError(f"{file} has no 'model_type' (e.g. \"gpt2\", \"llama\"): it is not a "
                          "transformers model config; redray reads "
-                         f"{', '.join(sorted(FAMILIES))}")
+                         f"{', '.join(supported())}")
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as error:  # noqa: BLE001 - transformers' errors vary by version
@@ -341,7 +316,7 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
     stacked: dict[str, dict[int, np.ndarray]] = {}  # stacked path -> layer -> value
     prefix = getattr(fam, "BASE_PREFIX", None)
     for row in table:
-        where = _model_path(row.path, by_path, fam)
+        where = _model_path(row.path, by_path, fam, config)
         if where is None:
             raise AssertionError(f"{fam.__name__}: table path {row.path!r} is not a parameter")
         names = [_stored_name(part, available, prefix) for part in row.parts]
@@ -377,7 +352,7 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
     ignore = re.compile("|".join(getattr(fam, "IGNORED", ())) or r"(?!)")
     used = {_stored_name(part, available, prefix) for row in table for part in row.parts}
     unexpected = sorted(n for n in available - used if not ignore.search(n))
-    in_table = {w[0] for w in (_model_path(r.path, by_path, fam) for r in table)
+    in_table = {w[0] for w in (_model_path(r.path, by_path, fam, config) for r in table)
                 if w is not None}
     not_loaded = sorted(set(by_path) - set(loaded) - in_table)
     if missing or misshaped or unexpected or not_loaded:
@@ -407,14 +382,21 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
 _LAYER = re.compile(r"^(.*?)/(\d+)/(.+)$")
 
 
-def _model_path(table_path: str, params, fam=None) -> tuple[str, int | None] | None:
+def _model_path(table_path: str, params, fam=None, config=None) -> tuple[str, int | None] | None:
     """Where a weight table's path lives in the model: (the path, None) for a model with a
-    list of layers; (the stacked path, the layer) when ``layers/3/x`` is row 3 of a
-    stacked ``layers/x`` (scanned layers), or (the path, None) where the family's
+    list of layers; (the stacked path, the row) when ``layers/3/x`` is a row of a stacked
+    array (scanned layers: row 3 of ``layers/x``, or with a ``LayerPattern`` of the
+    family's model for ``config`` the row of its period's layer, ``layers/period/1/x``,
+    or a first layer apart, ``first_layers/0/x``); (the path, None) where the family's
     ``scanned_path`` moves it; None when none exists."""
     if table_path in params:
         return table_path, None
     match = _LAYER.match(table_path)
+    pattern = getattr(getattr(fam, "Model", None), "pattern", None)
+    if match and pattern is not None and config is not None:
+        where, row = pattern(config).place(int(match[2]), match[1])
+        if f"{where}/{match[3]}" in params:
+            return f"{where}/{match[3]}", row
     if match and f"{match[1]}/{match[3]}" in params:
         return f"{match[1]}/{match[3]}", int(match[2])
     moved = getattr(fam, "scanned_path", lambda _: None)(table_path)
@@ -451,7 +433,7 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
 
     os.makedirs(path, exist_ok=True)
     config = copy.deepcopy(model.config.hf)
-    config.architectures = [ARCHITECTURES[config.model_type]]
+    config.architectures = [lookup(config.model_type).architecture]
     config.save_pretrained(path)
     if tokenizer is not None:
         save_tokenizer(tokenizer, path)
@@ -490,7 +472,7 @@ def hf_tensors(config, params) -> dict[str, np.ndarray]:
     values = dict(zip(paths, leaves))
     tensors = {}
     for row in fam.weight_table(config):
-        model_path, layer = _model_path(row.path, values, fam)
+        model_path, layer = _model_path(row.path, values, fam, config)
         value = np.asarray(jax.device_get(values[model_path]), dtype=np.float32)
         if layer is not None:
             value = value[layer]

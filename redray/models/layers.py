@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Callable
 
@@ -36,13 +37,20 @@ def activation(name: str) -> Callable:
 
 
 # ------------------------------------------------------------------ rotary embeddings
-def rope_inv_freq(rope: dict | None, rotary_dim: int, default_theta: float = 10000.0) -> np.ndarray:
+def rope_inv_freq(rope: dict | None, rotary_dim: int, default_theta: float = 10000.0,
+                  max_positions: int | None = None, truncate: bool | None = None) -> np.ndarray:
     """Inverse frequencies of rotary embeddings, with the scaling a config asks for.
 
     Args:
       rope: a Hugging Face ``rope_parameters`` dict (``rope_type``, ``rope_theta``,
         ``factor`` ...), or None for the default with ``default_theta``.
       rotary_dim: number of rotated dimensions (even).
+      max_positions: the config's ``max_position_embeddings`` (YaRN without a
+        ``factor`` takes it over ``original_max_position_embeddings``).
+      truncate: YaRN's correction range rounded to whole dimensions; None: the dict's
+        ``truncate`` (default True). ``transformers`` reads it from the config's
+        top-level ``rope_parameters``, so a config with parameters per layer type
+        always truncates: its caller passes that.
     """
     rope = dict(rope or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -63,13 +71,75 @@ def rope_inv_freq(rope: dict | None, rotary_dim: int, default_theta: float = 100
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / high) & (wavelen <= old / low)
         return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
+    if kind == "yarn":
+        return _yarn_inv_freq(rope, inv, rotary_dim, theta, max_positions,
+                              rope.get("truncate", True) if truncate is None else truncate)
+    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, "
+                     "llama3, yarn")
 
 
-def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of position x frequency, float32, shape positions.shape + (dim/2,)."""
+def _yarn_factor(rope: dict, max_positions: int | None) -> float:
+    factor = rope.get("factor")
+    if factor is None:  # DeepSeek-V3's configs: the ratio of the two lengths
+        factor = max_positions / rope["original_max_position_embeddings"]
+    return float(factor)
+
+
+def _yarn_inv_freq(rope: dict, inv: np.ndarray, dim: int, theta: float, max_positions,
+                   truncate: bool) -> np.ndarray:
+    """YaRN (arXiv 2309.00071) as ``transformers``' ``_compute_yarn_parameters``: the
+    fast-rotating dimensions kept, the slow ones interpolated by ``factor``, a linear
+    ramp between the dimensions ``beta_fast`` and ``beta_slow`` rotations pick."""
+    factor = _yarn_factor(rope, max_positions)
+    fast, slow = float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1)
+    original = float(rope["original_max_position_embeddings"])
+
+    def dimension(rotations: float) -> float:  # which dimension turns that many times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(fast), dimension(slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low))
+                   / np.float32(high - low), 0, 1).astype(np.float32)
+    kept = np.float32(1) - ramp
+    periods = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32)
+                                    / np.float32(dim))
+    interpolated = np.float32(1) / (np.float32(factor) * periods)
+    return (interpolated * (1 - kept) + inv * kept).astype(np.float32)
+
+
+def rope_scale(rope: dict | None, max_positions: int | None = None) -> float:
+    """What the rotary tables' cos and sin are multiplied by (``transformers``'
+    ``attention_scaling``): YaRN's attention factor (given, or ``0.1 ln(factor) + 1``,
+    DeepSeek's ratio of two such with ``mscale`` and ``mscale_all_dim``), else 1."""
+    rope = dict(rope or {})
+    if rope.get("rope_type", rope.get("type")) != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor = _yarn_factor(rope, max_positions)
+
+    def of(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    mscale, every = rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and every:
+        return float(of(factor, mscale) / of(factor, every))
+    return of(factor)
+
+
+def rope_angles(positions: jax.Array, inv_freq: np.ndarray,
+                scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of position x frequency, float32, shape positions.shape + (dim/2,),
+    both times ``scale`` (``rope_scale``: YaRN's attention factor)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    return jnp.cos(freqs), jnp.sin(freqs)
+    if scale == 1.0:
+        return jnp.cos(freqs), jnp.sin(freqs)
+    return jnp.cos(freqs) * scale, jnp.sin(freqs) * scale
 
 
 def rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -97,6 +167,74 @@ def rotate_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arra
     rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], -1).reshape(xr.shape)
     out = xr * c + rotated * s
     return jnp.concatenate([out, rest], -1) if rest.shape[-1] else out
+
+
+# ------------------------------------------------------------------ layers that differ
+# A scanned layer's window or chunk that is none: wider than any sequence.
+EVERY_KEY = int(np.iinfo(np.int32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """What one decoder layer's attention does that another's may not, with the same
+    parameters (a ``CausalLM``'s ``layer_attention``, one per layer): its sliding
+    ``window`` (Gemma, gpt-oss, OLMo 3), its ``chunk`` (Llama 4's chunked attention) and
+    which rotary table it rotates with (``rope``: an index into the model's
+    ``rope_tables``; None: no rotary embedding, a NoPE layer of SmolLM3 or Llama 4)."""
+    window: int | None = None
+    chunk: int | None = None
+    rope: int | None = 0
+
+
+def attention_choices(kinds) -> tuple[tuple, tuple]:
+    """(the windows, the chunks) a scanned layer of ``kinds`` (``LayerAttention``s) may
+    have, as the fused kernels need them static (``EVERY_KEY``: none); () where every
+    layer has none."""
+    def values(name):
+        found = {getattr(k, name) for k in kinds}
+        if found == {None}:
+            return ()
+        return tuple(sorted(EVERY_KEY if v is None else int(v) for v in found))
+    return values("window"), values("chunk")
+
+
+def layer_inputs(kinds, stacked: bool) -> tuple:
+    """The per-layer inputs (``run_blocks``' ``per_layer``) of layers ``kinds``: each
+    one's window, chunk and rotary table (an identity table, past the model's own, for
+    NoPE layers): Python values for a list of blocks, int32 arrays (``EVERY_KEY`` where
+    none) for stacked ones."""
+    nope = 1 + max((k.rope for k in kinds if k.rope is not None), default=-1)
+    windows = [k.window for k in kinds]
+    chunks = [k.chunk for k in kinds]
+    ropes = [nope if k.rope is None else k.rope for k in kinds]
+    if not stacked:
+        return windows, chunks, ropes
+    as_array = lambda v: jnp.asarray([EVERY_KEY if x is None else x for x in v],  # noqa: E731
+                                     jnp.int32)
+    return as_array(windows), as_array(chunks), jnp.asarray(ropes, jnp.int32)
+
+
+def rotary_tables(positions, tables, kinds) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of every rotary table (``tables``: (inverse frequencies, scale)
+    pairs) at ``positions``, stacked on axis 1 (rows, tables, ..., dim/2), and an
+    identity table after them (cos 1, sin 0) where a layer of ``kinds`` has none."""
+    found = [rope_angles(positions, inv, scale) for inv, scale in tables]
+    if any(k.rope is None for k in kinds):
+        cos = found[0][0] if found else jnp.zeros((*positions.shape, 1), jnp.float32)
+        found.append((jnp.ones_like(cos), jnp.zeros_like(cos)))
+    return tuple(jnp.stack(t, axis=1) for t in zip(*found))
+
+
+def layer_view(cos, sin, mask, window, chunk, rope, choices: tuple):
+    """One layer's (cos, sin, mask) from every layer's (``rotary_tables``; the mask as
+    the model made it, holding the queries' positions where chunks count from them) and
+    its own ``layer_inputs`` (Python values, or a scanned layer's int32 scalars);
+    ``choices``: ``attention_choices``' pair."""
+    windows, chunks = choices
+    mask = mask.windowed(window, windows)
+    if chunks:
+        mask = mask.chunked(chunk, mask.q_positions, chunks)
+    return cos[:, rope], sin[:, rope], mask
 
 
 # ------------------------------------------------------------------ masks and positions
@@ -183,26 +321,31 @@ def attention_heads(config) -> tuple[int, int]:
 
 
 def dot_attention(q, k, v, mask: AttentionMask, scale: float, bias=None,
-                  dropout: Callable | None = None, softcap: float | None = None):
+                  dropout: Callable | None = None, softcap: float | None = None,
+                  sinks=None):
     """Scaled dot-product attention with grouped-query heads, softmax in float32
     (``redray/models/attention.py`` chooses how: cuDNN's fused kernel, XLA, or blocks).
 
     q: (B, T, H, D); k, v: (B, S, KV, D) with H a multiple of KV (query head h reads
-    key/value head h // (H // KV)); mask: an ``AttentionMask``; bias: broadcastable to
-    (B, H, T, S); dropout: applied to the attention probabilities; softcap: the scores
-    soft-capped to (-softcap, softcap) (Gemma 2).
+    key/value head h // (H // KV)); mask: an ``AttentionMask`` (chunked attention:
+    ``mask.chunked``); bias: broadcastable to (B, H, T, S); dropout: applied to the
+    attention probabilities; softcap: the scores soft-capped to (-softcap, softcap)
+    (Gemma 2); sinks: (H,) a logit per query head joining each query's softmax as one
+    more column, dropped after it (gpt-oss's attention sinks), or None.
     """
-    return attend(q, k, v, mask, scale, bias=bias, dropout=dropout, softcap=softcap)
+    return attend(q, k, v, mask, scale, bias=bias, dropout=dropout, softcap=softcap,
+                  sinks=sinks)
 
 
 def self_attention(q, k, v, mask: AttentionMask, scale: float, cache: dict | None, cache_index,
-                   dropout: nnx.Dropout, train: bool, softcap: float | None = None) -> tuple:
+                   dropout: nnx.Dropout, train: bool, softcap: float | None = None,
+                   sinks=None) -> tuple:
     """A decoder layer's attention over its new keys/values and those its KV cache holds.
 
     With a ``cache`` (the layer's {"k", "v"}), ``k`` and ``v`` are written into it at
     ``cache_index`` first and the queries read every slot; ``dropout`` drops attention
-    probabilities in training; ``softcap``: as ``dot_attention``'s. Returns (output
-    (B, T, H, D), the new cache or None).
+    probabilities in training; ``softcap``, ``sinks``: as ``dot_attention``'s. Returns
+    (output (B, T, H, D), the new cache or None).
     """
     # a rate of 0 drops nothing: without it the scores need not be materialized (flash)
     drop = (lambda p: dropout(p, deterministic=False)) if train and dropout.rate > 0 else None
@@ -210,7 +353,7 @@ def self_attention(q, k, v, mask: AttentionMask, scale: float, cache: dict | Non
         if drop is not None:
             raise ValueError(f"attention dropout ({dropout.rate}) is not available with "
                              "context_axis > 1: set the config's attention dropout to 0")
-        out = context.attention(q, k, v, mask, scale, softcap)
+        out = context.attention(q, k, v, mask, scale, softcap, sinks=sinks)
         # a prefill: the prompt's keys and values into the cache, in the tokens' order
         if cache is None:
             return out, None
@@ -218,10 +361,11 @@ def self_attention(q, k, v, mask: AttentionMask, scale: float, cache: dict | Non
         return out, update_cache(cache, context.in_order(k, slots), context.in_order(v, slots),
                                  0)
     if cache is None:
-        return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap), None
+        return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap,
+                             sinks=sinks), None
     if paged.is_paged(cache_index):  # a pool of pages (``redray/models/paged.py``)
         cache = paged.write(cache, cache_index, k, v, mask.kv_valid)
-        return paged.attention(q, cache, cache_index, mask, scale, softcap), cache
+        return paged.attention(q, cache, cache_index, mask, scale, softcap, sinks), cache
     cache = update_cache(cache, k, v, cache_index)
     if isinstance(cache_index, int) and cache_index == 0 and mask.causal and not mask.segmented:
         # a prefill from slot 0: causal, its queries see none of the cache's later slots,
@@ -230,12 +374,13 @@ def self_attention(q, k, v, mask: AttentionMask, scale: float, cache: dict | Non
         dtype, tokens = cache["k"].dtype, k.shape[1]
         mask = mask.replace(kv_valid=mask.kv_valid[:, :tokens])
         return dot_attention(q, k.astype(dtype), v.astype(dtype), mask, scale, dropout=drop,
-                             softcap=softcap), cache
+                             softcap=softcap, sinks=sinks), cache
     if q.shape[1] <= DECODE_QUERIES:  # decoding: the cache read in its own layout
         return dense_attention(q, cache["k"], cache["v"], mask.dense(), scale, dropout=drop,
-                               softcap=softcap, heads_first=True), cache
+                               softcap=softcap, heads_first=True, sinks=sinks), cache
     k, v = cached_keys(cache)
-    return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap), cache
+    return dot_attention(q, k, v, mask, scale, dropout=drop, softcap=softcap,
+                         sinks=sinks), cache
 
 
 # The KV cache holds (batch, kv_heads, length, head_dim): a decoding step's attention
@@ -369,6 +514,93 @@ def make_blocks(make: Callable, count: int, rngs: nnx.Rngs, scan: bool):
     return stacked(rngs)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerPattern:
+    """Which kind each layer of a decoder is, and how its layers stack.
+
+    Layers whose parameters differ (a dense MLP here, a mixture of experts there) cannot
+    share one stacked block. A pattern finds the shortest way to stack them: its
+    ``first`` layers apart (a list: DeepSeek's dense prefix, Qwen3-MoE's
+    ``mlp_only_layers`` at the front), then the rest as one stack of a repeating
+    ``period`` of consecutive layers (``Period``: Llama 4's dense and MoE layers in
+    turn), so the compiled program holds ``first + period`` blocks whatever the depth.
+    Every layer alike is a period of 1 and no first layers: the stack of blocks every
+    family had before patterns.
+
+    Attributes:
+      kinds: each layer's kind (any names; equal names: equal parameters and code).
+      first: the layers before the repeating part.
+      period: the repeating part's length.
+    """
+    kinds: tuple[str, ...]
+    first: int = 0
+    period: int = 1
+
+    @classmethod
+    def of(cls, kinds) -> LayerPattern:
+        """The pattern of ``kinds`` that holds the fewest distinct blocks (``first +
+        period``; on a tie the shorter period: the longer stack, which pipeline stages
+        can split)."""
+        kinds = tuple(kinds)
+        candidates = []
+        for first in range(len(kinds)):
+            rest = kinds[first:]
+            period = next(p for p in range(1, len(rest) + 1)
+                          if len(rest) % p == 0 and rest == rest[:p] * (len(rest) // p))
+            candidates.append((first + period, period, first))
+        _, period, first = min(candidates)
+        return cls(kinds, first, period)
+
+    @property
+    def repeats(self) -> int:
+        """How many times the period repeats (the stacked layer axis's length)."""
+        return (len(self.kinds) - self.first) // self.period
+
+    @property
+    def body(self) -> tuple[str, ...]:
+        """The kinds of one period."""
+        return self.kinds[self.first:self.first + self.period]
+
+    def place(self, layer: int, stack: str) -> tuple[str, int | None]:
+        """Where layer ``layer`` of stacked blocks named ``stack`` lives: (the module
+        path, the row of its stacked arrays or None)."""
+        if layer < self.first:
+            return f"first_{stack}/{layer}", None
+        row, slot = divmod(layer - self.first, self.period)
+        return (stack, row) if self.period == 1 else (f"{stack}/period/{slot}", row)
+
+
+class Period(nnx.Module):
+    """One period of a ``LayerPattern``: consecutive layers of differing kinds, run in
+    turn (``period``: the blocks). Stacked over the pattern's repeats (``make_layers``),
+    it is the block a scan, pipeline stages and 1F1B see; each of its layers gets its
+    own entry of every per-layer input (the inputs arrive as (period,) arrays)."""
+
+    def __init__(self, blocks: list):
+        self.period = nnx.List(blocks)
+
+    def __len__(self) -> int:
+        return len(self.period)
+
+
+def make_layers(make: Callable, kinds, rngs: nnx.Rngs, scan: bool) -> tuple:
+    """The blocks of a decoder whose layers are ``kinds`` (a ``LayerPattern``'s),
+    ``make(kind, rngs)`` building one: (the first layers as a list or None, the rest).
+    Without ``scan`` every layer is in the second, a list; with it the rest is one
+    stacked block (``make_blocks``), a ``Period`` of blocks where the period is longer
+    than one layer."""
+    pattern = LayerPattern.of(kinds)
+    if not scan:
+        return None, nnx.List([make(kind, rngs) for kind in pattern.kinds])
+    first = nnx.List([make(kind, rngs) for kind in pattern.kinds[:pattern.first]]) \
+        if pattern.first else None
+    if pattern.period == 1:
+        return first, make_blocks(lambda r: make(pattern.body[0], r), pattern.repeats, rngs,
+                                  True)
+    return first, make_blocks(lambda r: Period([make(kind, r) for kind in pattern.body]),
+                              pattern.repeats, rngs, True)
+
+
 def is_stacked(blocks) -> bool:
     """Whether ``blocks`` is one stacked block (``make_blocks(..., scan=True)``)."""
     return not isinstance(blocks, nnx.List)
@@ -430,7 +662,8 @@ def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat,
 
     ``per_layer``: inputs that differ by layer (Gemma's window and rotary table), each
     with one entry per block; block i gets entry i of each as ``own``. Stacked blocks
-    take them as arrays, scanned over their leading axis with the blocks. Without a
+    take them as arrays, scanned over their leading axis with the blocks (a stacked
+    ``Period``: arrays of one entry per layer, taken a period at a time). Without a
     cache each block may be rematerialized (training); with one, the new cache is
     collected. Stacked blocks run in one ``scan``; decoding, they run unrolled over a
     cache per layer (``_unrolled``), or scanned over a stacked one. Returns (x, new
@@ -438,10 +671,15 @@ def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat,
 
     Blocks may return a third output, a report of what they measured (a pytree: a
     mixture of experts' router statistics). With ``reports`` (and no cache) the reports
-    come back stacked on a leading layer axis: returns (x, None, reports).
+    of the blocks that give one come back stacked on a leading layer axis: returns (x,
+    None, reports) (reports None where no block gives one).
     """
     x = constrain_rows(x)
     if is_stacked(blocks):
+        if isinstance(blocks, Period):
+            period = len(blocks)
+            per_layer = tuple(jnp.reshape(jnp.asarray(a), (-1, period, *jnp.shape(a)[1:]))
+                              for a in per_layer)
         return _scan_blocks(blocks, x, args, per_layer, cache, cache_index, train, remat,
                             reports)
     owns = list(zip(*per_layer)) if per_layer else [()] * len(blocks)
@@ -452,8 +690,38 @@ def run_blocks(blocks, x, args: tuple, cache, cache_index, train: bool, remat,
             x, report = step(block, x, *args, *own)
             x = constrain_rows(x)
             found.append(report)
-        return (x, None, jax.tree.map(lambda *r: jnp.stack(r), *found)) if reports else (x, None)
+        return (x, None, _stacked_reports(found)) if reports else (x, None)
     return _decode_layers(blocks, owns, x, args, cache, cache_index, train)
+
+
+def _stacked_reports(found: list):
+    """The reports of the blocks that gave one, stacked on a leading layer axis (None
+    where none did)."""
+    found = [r for r in found if r is not None]
+    return jax.tree.map(lambda *r: jnp.stack(r), *found) if found else None
+
+
+def run_layers(first, blocks, x, args: tuple, cache, cache_index, train: bool, remat,
+               per_layer: tuple = (), reports: bool = False):
+    """``run_blocks`` over a pattern's layers (``make_layers``): the ``first`` layers
+    (a list, or None), then ``blocks``. ``per_layer`` and a list ``cache`` hold every
+    layer's entries, in the layers' order; the reports of both parts are joined."""
+    if first is None:
+        return run_blocks(blocks, x, args, cache, cache_index, train, remat, per_layer,
+                          reports)
+    n = len(first)
+    x, head_cache, *head = run_blocks(first, x, args, None if cache is None else cache[:n],
+                                      cache_index, train, remat,
+                                      tuple(a[:n] for a in per_layer), reports)
+    x, tail_cache, *tail = run_blocks(blocks, x, args, None if cache is None else cache[n:],
+                                      cache_index, train, remat,
+                                      tuple(a[n:] for a in per_layer), reports)
+    new_cache = None if cache is None else [*head_cache, *tail_cache]
+    if not reports:
+        return x, new_cache
+    parts = [r for r in (head[0], tail[0]) if r is not None]
+    joined = jax.tree.map(lambda *r: jnp.concatenate(r), *parts) if parts else None
+    return x, new_cache, joined
 
 
 def _decode_layers(blocks, owns, x, args, cache: list, cache_index, train):
@@ -469,7 +737,22 @@ def _training_call(train: bool, reports: bool) -> Callable:
     """A block's call without a cache, as (x, its report or None)."""
     def call(block, x, *args):
         out = block(x, *args, None, 0, train)
-        return out[0], out[2] if reports else None
+        return out[0], out[2] if reports and len(out) > 2 else None
+
+    return call
+
+
+def _period_call(step: Callable, shared: int) -> Callable:
+    """``step`` (a block's call, maybe rematerialized) over each layer of a ``Period`` in
+    turn: the first ``shared`` arguments every layer's, the rest (period,) arrays of
+    which layer j takes entry j; returns (x, the layers' reports stacked or None)."""
+    def call(period, x, *args):
+        found = []
+        for j, block in enumerate(period.period):
+            x, report = step(block, x, *args[:shared], *(a[j] for a in args[shared:]))
+            x = constrain_rows(x)
+            found.append(report)
+        return x, _stacked_reports(found)
 
     return call
 
@@ -479,6 +762,8 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
     broadcast, scanned = (None,) * len(args), (0,) * len(per_layer)
     if cache is None:
         step = maybe_remat(_training_call(train, reports), remat if train else "none")
+        if isinstance(blocks, Period):  # each layer of a period rematerialized alone
+            step = _period_call(step, len(args))
 
         @nnx.scan(in_axes=(0, nnx.Carry, *broadcast, *scanned), out_axes=(nnx.Carry, 0),
                   unroll=loop_unroll())
@@ -521,6 +806,9 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
             return x, None
         with _in_layer_order(blocks) as ordered:
             x, found = forward(ordered, x, *args, *per_layer)
+        if reports and isinstance(blocks, Period) and found is not None:
+            # (repeats, reporting layers of a period, ...) -> one entry per layer
+            found = jax.tree.map(lambda r: r.reshape(-1, *r.shape[2:]), found)
         return (x, None, found) if reports else (x, None)
 
     with _in_layer_order(blocks) as ordered:
@@ -557,6 +845,8 @@ def _unrolled(blocks, x, args, per_layer, cache: list, cache_index, train):
     layer's slice of a stacked cache before attention reads it (a copy of the whole
     cache per decoding step, 3x the step's time at 64 rows x 176 slots); separate
     per-layer arrays are read and written in place."""
+    per_layer = tuple(jnp.reshape(a, (-1, *a.shape[2:])) if isinstance(blocks, Period) else a
+                      for a in per_layer)  # a period's (repeats, period) back to layers
     owns = [tuple(a[i] for a in per_layer) for i in range(len(cache))]
     return _decode_layers(split_layers(blocks), owns, x, args, cache, cache_index, train)
 
@@ -572,8 +862,11 @@ def split_layers(blocks) -> nnx.List:
     with _in_layer_order(blocks) as ordered:
         graphdef, state = nnx.split(ordered)
         count = jax.tree.leaves(state)[0].shape[0]
-        return nnx.List([nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], state))
-                         for i in range(count)])
+        rows = [nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], state))
+                for i in range(count)]
+    if isinstance(blocks, Period):  # a period's layers in turn, one block each
+        rows = [block for period in rows for block in period.period]
+    return nnx.List(rows)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, gated, linear, plain, qkv
 from redray.sharding.activations import constrain_rows
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
 BASE_PREFIX = "model."
 IGNORED = (r"rotary_emb\.inv_freq$",)
@@ -130,8 +129,7 @@ class Model(CausalLM):
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         self.embed_tokens = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs,
                                          padding_idx=layers.padding_row(c))
-        self.layers = layers.make_blocks(lambda r: Block(c, rngs=r, dtype=dtype),
-                                         c.num_hidden_layers, rngs, scan)
+        self.make_layers(c, lambda kind, r: Block(c, rngs=r, dtype=dtype), rngs, scan)
         self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
         heads, kv, d = _dims(c)
         rope = getattr(c, "rope_parameters", None) or {}

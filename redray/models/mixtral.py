@@ -9,9 +9,10 @@ a ``moe.MoE``: Mixtral renormalizes the top-k router probabilities and combines 
 float32; the Qwen families renormalize only with ``norm_topk_prob``. Qwen2-MoE adds a
 shared expert (``SharedExpertMoE``): a dense gated MLP that every token runs through,
 weighed by sigmoid(``shared_expert_gate``(x)), added to the routed experts' output.
-Every Qwen-MoE layer is sparse (``decoder_sparse_step`` 1, no ``mlp_only_layers``: the
-released checkpoints); other layouts are refused, so every layer is alike and the layers
-scan as one block.
+A Qwen-MoE config may keep dense MLPs in some layers (``mlp_only_layers``, or
+``decoder_sparse_step`` > 1); their layers are LLaMA's, and the layers stack by their
+pattern (``layers.LayerPattern``: dense layers at the front apart, a repeating period of
+dense and sparse layers as one stacked ``Period``).
 
 Called with ``aux=True`` the model returns ``(logits, aux)``: the load-balancing and
 router z-losses and each layer's expert token counts (``redray/models/moe.py`` says how
@@ -32,7 +33,6 @@ from flax import nnx
 from redray.models import layers, llama, moe
 from redray.models.hub import HFConfig, gated, linear
 
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 BASE_PREFIX = llama.BASE_PREFIX
 IGNORED = llama.IGNORED
 # Hugging Face's names: the MoE module of a layer, and each expert's gate, up and down.
@@ -47,18 +47,19 @@ def _experts(c) -> tuple[int, int, int]:
     return c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
 
 
+def _kinds(c) -> tuple[str, ...]:
+    """Each layer's MLP: "moe", or "dense" where a Qwen-MoE config keeps a dense one
+    (``mlp_only_layers``, or a layer off ``decoder_sparse_step``'s beat), as
+    ``transformers`` builds them."""
+    if c.model_type == "mixtral":
+        return ("moe",) * c.num_hidden_layers
+    dense = set(c.mlp_only_layers or ())
+    return tuple("dense" if i in dense or not c.num_experts or (i + 1) % c.decoder_sparse_step
+                 else "moe" for i in range(c.num_hidden_layers))
+
+
 def _check(c) -> None:
     """Refuses what this family does not implement, naming the field and the fix."""
-    if c.model_type != "mixtral":
-        step = c.decoder_sparse_step
-        dense = sorted(set(c.mlp_only_layers or ())
-                       | {i for i in range(c.num_hidden_layers) if (i + 1) % step})
-        if dense:
-            raise ValueError(
-                f"{c.model_type} config: layers {dense} have dense MLPs (decoder_sparse_step="
-                f"{step}, mlp_only_layers={list(c.mlp_only_layers or ())}); redray makes every "
-                "layer sparse, as the released checkpoints do: set decoder_sparse_step=1 and "
-                "mlp_only_layers=[]")
     jitter = getattr(c, "router_jitter_noise", 0.0)
     if jitter:
         raise ValueError(f"{c.model_type} config: router_jitter_noise={jitter} is not "
@@ -97,12 +98,13 @@ def _moe(c, *, rngs, dtype) -> moe.MoE:
 
 
 class Block(nnx.Module):
-    """LLaMA's pre-norm block with experts for its MLP; it returns the router's report
-    beside (x, layer_cache)."""
+    """LLaMA's pre-norm block with experts for its MLP (a "moe" layer: it returns the
+    router's report beside (x, layer_cache)) or LLaMA's gated MLP (a "dense" one)."""
 
-    def __init__(self, c, *, rngs, dtype):
+    def __init__(self, c, kind: str, *, rngs, dtype):
         self.self_attn = llama.Attention(c, rngs=rngs, dtype=dtype)
-        self.mlp = _moe(c, rngs=rngs, dtype=dtype)
+        self.mlp = _moe(c, rngs=rngs, dtype=dtype) if kind == "moe" else \
+            llama.MLP(c, rngs=rngs, dtype=dtype)
         norm = dict(epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.input_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
         self.post_attention_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
@@ -111,6 +113,8 @@ class Block(nnx.Module):
         attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
                                          cache_index, train)
         x = x + attn
+        if not isinstance(self.mlp, moe.MoE):
+            return x + self.mlp(self.post_attention_layernorm(x)), new_cache
         # without a cache the mask's key slots are the tokens: padding counts nowhere
         out, report = self.mlp(self.post_attention_layernorm(x),
                                mask.kv_valid if cache is None else None)
@@ -123,12 +127,15 @@ class Model(llama.Model):
 
     REPORTS = True
 
+    @classmethod
+    def layer_kinds(cls, c) -> tuple[str, ...]:
+        return _kinds(c)
+
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         _check(c)
         self.embed_tokens = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs,
                                          padding_idx=layers.padding_row(c))
-        self.layers = layers.make_blocks(lambda r: Block(c, rngs=r, dtype=dtype),
-                                         c.num_hidden_layers, rngs, scan)
+        self.make_layers(c, lambda kind, r: Block(c, kind, rngs=r, dtype=dtype), rngs, scan)
         self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
         rope = getattr(c, "rope_parameters", None)
         self.inv_freq = tuple(float(f) for f in layers.rope_inv_freq(
@@ -139,6 +146,9 @@ class Model(llama.Model):
                        else getattr(c, "sliding_window", None))
 
     def auxiliary(self, reports: dict) -> dict:
+        if reports is None:
+            raise ValueError(f"aux=True: this {self.config.model_type} config has no "
+                             "mixture-of-experts layer (every layer dense)")
         return moe.summarize(reports, _experts(self.config)[0])
 
 
@@ -150,10 +160,14 @@ def weight_table(config) -> list:
     rows replaced by the router and the stacked experts (and Qwen2-MoE's shared
     expert)."""
     c = config.hf if isinstance(config, HFConfig) else config
-    rows = [row for row in llama.weight_table(c) if "/mlp/" not in row.path]
+    kinds = _kinds(c)
+    rows = [row for row in llama.weight_table(c)
+            if "/mlp/" not in row.path or kinds[int(row.path.split("/")[1])] == "dense"]
     module, gate, up, down = NAMES[c.model_type]
     experts = _experts(c)[0]
     for i in range(c.num_hidden_layers):
+        if kinds[i] == "dense":
+            continue
         hf, me = f"model.layers.{i}", f"layers/{i}"
         rows.append(linear(f"{hf}.{module}.gate.weight", f"{me}/mlp/router/kernel"))
         each = f"{hf}.{module}.experts.{{j}}"

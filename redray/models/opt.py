@@ -18,7 +18,6 @@ from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, linear, plain, qkv
 from redray.sharding.activations import constrain_rows
 
-MODEL_TYPES = ("opt",)
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
 BASE_PREFIX = "model."
 # OPT's learned position table has 2 extra rows in front (a fairseq padding legacy).

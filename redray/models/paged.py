@@ -17,11 +17,13 @@ tokens only), and attend causally to the row's earlier tokens and each other. Th
 caller then advances ``lengths`` by each row's valid tokens.
 
 Attention reads a row's pages through its table: on a GPU (bfloat16 or float16) and a
-TPU, one decoded token per row with no sliding window runs JAX's Pallas paged-attention
-kernel, which reads each row's own pages only; everything else (a prefill through the
-pages, a sliding window, a CPU) gathers the table's pages into a dense view and attends
-over it, masked by each row's length, as many pages per row as the call's longest row
-fills, at one of four widths of the table (``table_widths``).
+TPU, one decoded token per row with no sliding window, chunks or sinks runs JAX's Pallas
+paged-attention kernel, which reads each row's own pages only; everything else (a
+prefill through the pages, a sliding window, chunks, attention sinks, which the kernels
+do not take, a CPU) gathers the table's pages into a dense view and attends over it,
+masked by each row's length, as many pages per row as the call's longest row fills, at
+one of four widths of the table (``table_widths``). A row's pages hold its real tokens
+only, so a token's slot in that view is its position: chunks count from slot 0.
 """
 
 from __future__ import annotations
@@ -102,14 +104,16 @@ def gathered(pool: jax.Array, table: jax.Array) -> jax.Array:
 
 
 def attention(q, layer: dict, pages: Pages, mask: attn.AttentionMask, scale: float,
-              softcap: float | None = None) -> jax.Array:
+              softcap: float | None = None, sinks=None) -> jax.Array:
     """The new tokens' attention (q: (rows, tokens, heads, head_dim)) over their rows'
     pages, the new keys already written (``write``); ``mask.kv_valid``: which of the
-    new tokens are real, ``mask.window`` / ``layer_window``: a sliding window."""
+    new tokens are real, ``mask.window`` / ``layer_window``: a sliding window,
+    ``mask.chunk`` / ``layer_chunk``: chunks (counted from each row's first token);
+    ``sinks``: (heads,) attention sinks, or None."""
     valid = mask.kv_valid
     pos = positions(pages, valid)
     ends = pages.lengths + valid.astype(jnp.int32).sum(1)
-    kernel = kernel_for(q, layer["k"], pages, mask)
+    kernel = None if sinks is not None else kernel_for(q, layer["k"], pages, mask)
     if kernel is not None:
         return kernel(q[:, 0], layer["k"], layer["v"], pages.table, ends, scale,
                       softcap)[:, None].astype(q.dtype)
@@ -122,7 +126,11 @@ def attention(q, layer: dict, pages: Pages, mask: attn.AttentionMask, scale: flo
         for window in (mask.window, mask.layer_window):
             if window is not None:
                 seen = seen & (pos[..., None] - slot[None, None, :] < window)
-        return attn.dense_attention(q, k, v, seen, scale, softcap=softcap, heads_first=True)
+        for chunk in (mask.chunk, mask.layer_chunk):
+            if chunk is not None:  # the keys of the token's chunk (slots are positions)
+                seen = seen & (pos[..., None] - slot[None, None, :] <= (pos % chunk)[..., None])
+        return attn.dense_attention(q, k, v, seen, scale, softcap=softcap, heads_first=True,
+                                    sinks=sinks)
     widths = table_widths(pages.table.shape[1])
     if len(widths) == 1:
         return over(widths[0])
@@ -147,11 +155,11 @@ def table_columns(pages: int) -> int:
 
 def kernel_for(q, pool, pages: Pages, mask: attn.AttentionMask):
     """JAX's Pallas paged-attention kernel for this call, or None where it does not
-    apply: one new token per row, no sliding window, the live platform's kernel (GPU:
-    bfloat16 or float16; TPU: a head size that is a multiple of 128), "auto" attention
-    asked for (``REDRAY_ATTENTION``)."""
+    apply: one new token per row, no sliding window or chunks, the live platform's
+    kernel (GPU: bfloat16 or float16; TPU: a head size that is a multiple of 128),
+    "auto" attention asked for (``REDRAY_ATTENTION``). (Nor sinks: ``attention``.)"""
     platform = jax.default_backend()
-    if q.shape[1] != 1 or mask.sliding or attn.implementation() != "auto":
+    if q.shape[1] != 1 or mask.sliding or mask.chunking or attn.implementation() != "auto":
         return None
     if platform == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) \
             and pages.table.shape[1] % min(GPU_SPLITS, pages.table.shape[1]) == 0:

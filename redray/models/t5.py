@@ -27,7 +27,6 @@ from redray.models.generate import special_tokens, decode_loop
 from redray.models.hub import HFConfig, fused, gated, linear, plain, qkv
 from redray.sharding.activations import constrain_rows
 
-MODEL_TYPES = ("t5",)
 # v4 checkpoints may hold the stacks' aliases of the shared embedding, and old ones a
 # cross-attention bias table that T5 never uses.
 IGNORED = (r"^(encoder|decoder)\.embed_tokens\.weight$",

@@ -87,15 +87,16 @@ def make_config(fields: dict):
     """A ``transformers`` config from config.json fields (``model_type`` required)."""
     from transformers import AutoConfig
 
-    from redray.models.hub import FAMILIES
+    from redray.models.families import lookup, supported
 
     model_type = fields.get("model_type")
     if model_type is None:
         raise PlanError("the config has no 'model_type' field: it must be a Hugging Face "
-                        f"config.json (model_type one of {', '.join(sorted(FAMILIES))})")
-    if model_type not in FAMILIES:
-        raise PlanError(f"model_type {model_type!r} is not supported; supported: "
-                        f"{', '.join(sorted(FAMILIES))}")
+                        f"config.json (model_type one of {', '.join(supported())})")
+    try:
+        lookup(model_type)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     rest = {k: v for k, v in fields.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(model_type, **rest)
@@ -140,15 +141,16 @@ def abstract_model(config, dtype=jnp.float32, scan: bool | None = None):
     ``scan``: the layers stacked and scanned (None: as ``build`` does by default)."""
     from flax import nnx
 
-    from redray.models.hub import FAMILIES, family
+    from redray.models.families import lookup
     from redray.rngs import rngs as fast_rngs
 
     try:
-        fam = family(config.model_type)
+        record = lookup(config.model_type)
+        fam = record.code
     except ValueError as e:
         raise PlanError(str(e)) from None
     except ModuleNotFoundError as e:
-        if e.name != FAMILIES[config.model_type]:
+        if e.name != f"redray.models.{record.module}":
             raise
         raise PlanError(f"model_type {config.model_type!r} needs {e.name}, which this "
                         "install does not have") from None

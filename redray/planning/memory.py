@@ -25,8 +25,9 @@ tokens, and the ring keeps of the keys and values only the device's own
 (``redray/models/context.py``).
 
 From a config, layers are traced at depth 1 and 2 and the difference extrapolated to
-the model's depth (every layer is alike), so a plan of an 80-layer model traces 2-layer
-ones. Checked against XLA's ``compiled.memory_analysis()`` of redray's real training
+the model's depth (every layer is alike; where layers differ by a pattern, the depth
+counts the pattern's periods after its first layers), so a plan of an 80-layer model
+traces 2-layer ones. Checked against XLA's ``compiled.memory_analysis()`` of redray's real training
 step at small sizes on CPU (``benchmarks/memory.py``, ``memory/plan_over_compiled``).
 """
 
@@ -381,8 +382,32 @@ def expert_exchange_bytes(layers: Sequence[ExpertLayers], shape: dict[str, int],
     return extra
 
 
-# Layer-count fields of a config, per model type (every other family: one field).
-LAYER_FIELDS = {"t5": ("num_layers", "num_decoder_layers")}
+def layer_depth(config) -> tuple[tuple[str, ...], list[int]]:
+    """(the config fields that count a model's layers, its family's ``layer_fields``;
+    its depth in each, in units that are alike: layers, or where a decoder's layers
+    stack by a pattern, ``redray.models.layers.LayerPattern``, the period's repeats
+    after the first layers)."""
+    fields = _family(config).layer_fields
+    pattern = _pattern(config, fields)
+    if pattern is not None:
+        return fields, [pattern.repeats]
+    return fields, [getattr(config, f) for f in fields]
+
+
+def _family(config):
+    from redray.models.families import lookup
+
+    return lookup(config.model_type)
+
+
+def _pattern(config, fields):
+    """The layer pattern of a one-stack decoder whose pattern repeats a period longer
+    than a layer or starts late (its depth then counts periods), else None."""
+    pattern = getattr(getattr(_family(config).code, "Model", None), "pattern", None)
+    if pattern is None or len(fields) != 1:
+        return None
+    found = pattern(config)
+    return found if (found.first, found.period) != (0, 1) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,8 +513,7 @@ def example_flops(fam, config, seq: int, compute_dtype=None, chunk=None) -> floa
     """FLOPs of one example's forward and backward pass (no remat), from XLA's cost
     analysis of the lowered gradient, at depth 1 and 2 and extrapolated to the model's
     depth (every layer is alike)."""
-    fields = LAYER_FIELDS.get(config.model_type, ("num_hidden_layers",))
-    depth = [getattr(config, f) for f in fields]
+    fields, depth = layer_depth(config)
 
     def at(counts):
         # the layers as a list: XLA's cost analysis counts a loop's body once
@@ -518,9 +542,12 @@ def _fresh_state(x):
 
 
 def _with_layers(config, fields, counts):
+    """``config`` at ``counts`` units of depth in each field (``layer_depth``'s): a
+    pattern's first layers and ``counts`` periods, or ``counts`` layers."""
+    pattern = _pattern(config, fields)
     config = config.__class__.from_dict(config.to_dict())
     for field, n in zip(fields, counts):
-        setattr(config, field, n)
+        setattr(config, field, n if pattern is None else pattern.first + n * pattern.period)
     return config
 
 
@@ -535,8 +562,7 @@ def config_activation_bytes(fam, config, step: StepShape, per_device_batch: int,
     and a batch beyond 2 rows is extrapolated from 1 and 2 (every residual holds the
     batch, or nothing that grows with it: the count is linear in the rows)."""
     policy = remat_policy(step.remat)
-    fields = LAYER_FIELDS.get(config.model_type, ("num_hidden_layers",))
-    depth = [getattr(config, f) for f in fields]
+    fields, depth = layer_depth(config)
     # offload keeps the matmul outputs in host memory: on the device it holds what
     # "full" holds; the host holds what "dots" adds to that.
     traced = ({"full", "dots"} if policy == "offload" else {policy}) | {"none"}

@@ -222,7 +222,7 @@ def config_work(fam, config, seq: int, compute_dtype=None, chunk=None) -> ModelW
     """One example's work in ``config``'s model (a ``redray.models`` family): its layers
     as a list at depth 1 and 2, the difference one layer (for encoder-decoders, each
     stack's layers apart, one layer their depth-weighted mean), and the share of a
-    layer's memory-bound bytes a model axis splits (``SPLIT_FIELDS``). Kept for the
+    layer's memory-bound bytes a model axis splits (``Family.split_widths``). Kept for the
     process: five compilations of a few seconds each."""
     key = (config.to_json_string(), seq, str(compute_dtype), chunk)
     if key not in _COUNTED:
@@ -231,11 +231,9 @@ def config_work(fam, config, seq: int, compute_dtype=None, chunk=None) -> ModelW
 
 
 def _config_work(fam, config, seq: int, compute_dtype, chunk) -> ModelWork:
-    from redray.planning.memory import (LAYER_FIELDS, _abstract_loss, _fresh_state,
-                                        _with_layers)
+    from redray.planning.memory import _abstract_loss, _fresh_state, _with_layers, layer_depth
 
-    fields = LAYER_FIELDS.get(config.model_type, ("num_hidden_layers",))
-    depth = [getattr(config, f) for f in fields]
+    fields, depth = layer_depth(config)
     # traced in float32 and its elements counted at the compute dtype's size: XLA:CPU
     # computes bfloat16 in float32, with conversions around each kernel that a GPU's
     # kernels do not make
@@ -276,19 +274,14 @@ def _config_work(fam, config, seq: int, compute_dtype, chunk) -> ModelWork:
     return ModelWork(step, forward)
 
 
-# The config fields of the widths a model axis splits, per family: (heads, key/value
-# heads, the MLP's inner width); a family left out counts its memory-bound work whole
-# on every device of a model axis.
-SPLIT_FIELDS = {family: ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-                for family in ("llama", "mistral", "qwen2", "qwen3", "gemma2",
-                               "gemma3_text")}
-
-
 def _narrowed(config):
     """``config`` with its heads and inner width halved (the head size kept), or None
-    where its family is not in ``SPLIT_FIELDS`` or a width is odd."""
-    fields = SPLIT_FIELDS.get(config.model_type)
-    if fields is None or any(getattr(config, f, 1) % 2 for f in fields):
+    where its family names none (``Family.split_widths``: a family without them counts
+    its memory-bound work whole on every device of a model axis) or a width is odd."""
+    from redray.models.families import lookup
+
+    fields = lookup(config.model_type).split_widths
+    if not fields or any(getattr(config, f, 1) % 2 for f in fields):
         return None
     narrow = config.__class__.from_dict(config.to_dict())
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
