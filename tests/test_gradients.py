@@ -31,7 +31,8 @@ VOCAB, PAD = 128, 0
 # One tiny configuration per model type redray reads (the registry's): every one gives
 # the pad token an id (the families whose torch model has no padding row must keep its
 # gradient).
-CONFIGS = {name: family.tiny for name, family in rm.FAMILIES.items()}
+CONFIGS = {name: family.tiny for name, family in rm.FAMILIES.items()
+           if family.text_config is None}  # a wrapped language model: its own family's
 ROWS, LENGTH = 4, 16
 
 

@@ -139,18 +139,22 @@ def test_sharded_load_matches_one_device(pair):
                                atol=1e-5, rtol=0)
 
 
-def test_qwen3_slides_the_window_in_every_layer_or_none(tmp_path):
+@pytest.mark.parametrize("window_layers", [0, 1])
+def test_qwen3_windows_the_layers_its_config_names(window_layers, tmp_path):
     window = dict(SMALL, head_dim=24, use_sliding_window=True, sliding_window=6)
-    with pytest.raises(ValueError, match=r"qwen3 config: layer_types slides the window in 1 of 2 "
-                                         r"layers .* set use_sliding_window=False"):
-        rm.build(transformers.Qwen3Config(**window, max_window_layers=1))
-    # every layer windowed, with biases on q/k/v/o ahead of the q/k norms
+    # max_window_layers 0: every layer windowed (one window for the model); 1: the
+    # second only (each layer its own window, a scanned input), with biases on q/k/v/o
+    # ahead of the q/k norms
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(
-        transformers.Qwen3Config(**window, max_window_layers=0, attention_bias=True)).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(
+        **window, max_window_layers=window_layers, attention_bias=True)).eval()
     hf.save_pretrained(str(tmp_path))
     model = rm.from_pretrained(str(tmp_path))
-    assert model.window == 6 and IDS.shape[1] > 6
+    if window_layers:
+        assert model.window is None and [k.window for k in model.layer_attention] == [None, 6]
+    else:
+        assert model.window == 6 and model.layer_attention is None
+    assert IDS.shape[1] > 6
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(IDS))), hf_logits(hf, IDS),
                                atol=1e-4, rtol=0)
     ours = np.asarray(model(jnp.asarray(IDS), jnp.asarray(MASK)))

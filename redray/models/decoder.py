@@ -115,6 +115,20 @@ class CausalLM(nnx.Module):
         if first is not None:
             setattr(self, f"first_{self.BLOCKS}", first)
 
+    def set_attention(self, tables: tuple, kinds: tuple) -> None:
+        """The layers' attention: ``tables`` the rotary tables ((inverse frequencies,
+        scale) pairs), ``kinds`` each layer's ``layers.LayerAttention``. Where every
+        layer is alike (one table, or none) they are the model's ``inv_freq``,
+        ``rope_scale`` and ``window``; else ``rope_tables`` and ``layer_attention``,
+        which the blocks get per layer."""
+        if len(set(kinds)) == 1 and kinds[0].chunk is None and len(tables) <= 1 \
+                and (kinds[0].rope is None) == (not tables):
+            self.window = kinds[0].window
+            if tables:
+                self.inv_freq, self.rope_scale = tables[0]
+            return
+        self.rope_tables, self.layer_attention = tables, kinds
+
     def layers_differ(self, c) -> str | None:
         """Why the config ``c`` gives each layer parameters or code of its own (so its
         layers cannot be stacked and scanned), or None."""
@@ -134,10 +148,12 @@ class CausalLM(nnx.Module):
         """(key/value heads, head_dim) of one layer: what its KV cache holds per token."""
         raise NotImplementedError(f"{type(self).__name__} does not define key_value_heads")
 
-    def block_inputs(self, positions, mask) -> tuple[tuple, tuple]:
+    def block_inputs(self, positions, mask, cache_index=0) -> tuple[tuple, tuple]:
         """What the blocks get beside the hidden states: (inputs every block gets, inputs
         per layer: ``layers.run_blocks``'s ``per_layer``). Here the rotary embeddings'
-        cos and sin where the family sets ``inv_freq``, and the mask; nothing per layer."""
+        cos and sin where the family sets ``inv_freq``, and the mask; nothing per layer
+        (where layers differ, ``layer_attention``: every rotary table, and each layer's
+        window, chunk and table). ``cache_index``: the call's (paged or not)."""
         if self.layer_attention is not None:
             return self._differing_inputs(positions, mask)
         rotary = () if self.inv_freq is None else layers.rope_angles(positions, self.inv_freq,
@@ -190,7 +206,7 @@ class CausalLM(nnx.Module):
                 # token: keys no real query sees (a fused kernel may ignore them)
                 mask = mask.replace(padded=False)
             input_ids, mask, positions = context.zigzag_inputs(ways, input_ids, mask, positions)
-        shared, per_layer = self.block_inputs(positions, mask)
+        shared, per_layer = self.block_inputs(positions, mask, cache_index)
         x = self.embed(input_ids, positions, train)
         x, new_cache, *reports = layers.run_layers(
             getattr(self, f"first_{self.BLOCKS}", None), getattr(self, self.BLOCKS), x, shared,

@@ -28,6 +28,13 @@ TINY_MOE = dict(TINY, num_experts_per_tok=2)
 TINY_GEMMA = dict(TINY, head_dim=8, sliding_window=6, query_pre_attn_scalar=8,
                   final_logit_softcapping=3.0)
 
+# Llama 4's every difference in 4 layers: dense and MoE layers in turn, a NoPE layer (the
+# third) among chunked rotary ones, chunks and a temperature scale that show in 12 tokens
+TINY_LLAMA4 = dict(TINY, num_hidden_layers=4, head_dim=8, num_local_experts=4,
+                   num_experts_per_tok=1, intermediate_size_mlp=48, interleave_moe_layer_step=2,
+                   no_rope_layers=[1, 1, 0, 1], attention_chunk_size=4, floor_scale=4,
+                   attn_scale=0.5)
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -43,13 +50,12 @@ class Family:
       aliases: other ``model_type`` values that are this architecture under another
         name, read as this one and exported under their own name.
       text_config: where a multimodal config keeps this family's language model (its
-        sub-config's field, e.g. "text_config"); None: the config is the model's own.
+        sub-config's field, e.g. "text_config"): the language model is loaded, and
+        exported as its own family; None: the config is the model's own.
       weight_prefixes: (checkpoint prefix, redray's) pairs renaming a wrapped model's
         tensors on load (``language_model.model.`` -> ``model.``).
       left_out: prefixes of the checkpoint's tensors a load leaves out, with a console
         line (a multimodal checkpoint's vision tower).
-      exports_as: the ``model_type`` an export writes (a wrapped language model is
-        exported as the text model); None: its own.
       layer_fields: the config fields that count its layers (T5: encoder and decoder).
       split_widths: the config fields of the widths a model axis splits (the planner
         counts a layer's memory-bound bytes split by them); () where none is counted.
@@ -66,7 +72,6 @@ class Family:
     text_config: str | None = None
     weight_prefixes: tuple[tuple[str, str], ...] = ()
     left_out: tuple[str, ...] = ()
-    exports_as: str | None = None
     layer_fields: tuple[str, ...] = ("num_hidden_layers",)
     split_widths: tuple[str, ...] = ()
     encoder_decoder: bool = False
@@ -94,6 +99,18 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            tiny=dict(TINY, use_sliding_window=False, tie_word_embeddings=True)),
     Family("qwen3", "Qwen3", "llama", "Qwen3ForCausalLM", split_widths=GQA_WIDTHS,
            presets=("qwen3-8b",), tiny=dict(TINY, head_dim=12)),
+    Family("smollm3", "SmolLM3", "llama", "SmolLM3ForCausalLM", split_widths=GQA_WIDTHS,
+           presets=("smollm3-3b",),
+           tiny=dict(TINY, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=6)),
+    Family("olmo3", "OLMo 3", "olmo", "Olmo3ForCausalLM", split_widths=GQA_WIDTHS,
+           presets=("olmo-3-7b",),
+           tiny=dict(TINY, sliding_window=6, max_position_embeddings=64,
+                     layer_types=["sliding_attention", "full_attention"],
+                     rope_parameters={
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 16,
+                                            "rope_theta": 5e5}})),
     Family("gemma2", "Gemma 2", "gemma", "Gemma2ForCausalLM", split_widths=GQA_WIDTHS,
            tiny=dict(TINY_GEMMA, attn_logit_softcapping=2.0)),
     Family("gemma3_text", "Gemma 3 (text)", "gemma", "Gemma3ForCausalLM",
@@ -107,6 +124,25 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_moe", "Qwen3-MoE", "mixtral", "Qwen3MoeForCausalLM",
            presets=("qwen3-30b-a3b",),
            tiny=dict(TINY_MOE, moe_intermediate_size=16, num_experts=4, norm_topk_prob=True)),
+    Family("gpt_oss", "gpt-oss", "gpt_oss", "GptOssForCausalLM", presets=("gpt-oss-20b",),
+           tiny=dict(TINY_MOE, num_local_experts=4, head_dim=8, sliding_window=6,
+                     max_position_embeddings=64,
+                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": False,
+                                      "original_max_position_embeddings": 16,
+                                      "rope_theta": 1.5e5})),
+    Family("llama4_text", "Llama 4 (text)", "llama4", "Llama4ForCausalLM",
+           presets=("llama-4-scout", "llama-4-maverick"), tiny=TINY_LLAMA4),
+    Family("llama4", "Llama 4", "llama4", "Llama4ForConditionalGeneration",
+           text_config="text_config",
+           weight_prefixes=(("language_model.model.", "model."),
+                            ("language_model.lm_head.", "lm_head.")),
+           left_out=("vision_model.", "multi_modal_projector."),
+           tiny=dict(text_config=TINY_LLAMA4,
+                     vision_config=dict(hidden_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=64,
+                                        image_size=28, patch_size=14, vision_output_dim=32,
+                                        projector_input_dim=32, projector_output_dim=32))),
     Family("gpt2", "GPT-2", "gpt2", "GPT2LMHeadModel", presets=("gpt2-xl",),
            tiny=dict(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                      pad_token_id=0)),

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import sys
 from typing import Callable
 
 import jax
@@ -23,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from redray.models import mxfp4
 from redray.models.families import lookup, supported
 from redray.rngs import rngs as fast_rngs
 from redray.sharding import Parallelism, flatten
@@ -182,13 +184,19 @@ def build(config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, remat=Fals
 class _Weights:
     """Tensors of a checkpoint folder, read lazily (one at a time, memory-mapped).
 
+    ``renames``: (prefix in the checkpoint, prefix it is read under) pairs (a wrapped
+    language model's ``language_model.model.`` as ``model.``); ``left_out``: prefixes of
+    tensors not read at all (a multimodal checkpoint's vision tower). A tensor stored in
+    MXFP4 (``X_blocks`` and ``X_scales``, gpt-oss's experts) reads as ``X``, dequantized
+    to float32 when it is read (``redray/models/mxfp4.py``).
+
     Every failure names the file (and the tensor) it comes from: a damaged or
     half-downloaded ``.safetensors`` file, an index that is not JSON or whose
     ``weight_map`` is not a name -> file mapping, a shard the index names but the
     folder lacks, a tensor a file does not hold.
     """
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, renames=(), left_out=()):
         index = os.path.join(folder, INDEX_FILE)
         if os.path.exists(index):
             weight_map = _weight_map(index)
@@ -206,20 +214,34 @@ class _Weights:
         self.folder = folder
         self.handles = {f: _open_safetensors(os.path.join(folder, f)) for f in files}
         self.where = weight_map or {k: SINGLE_FILE for k in self.handles[SINGLE_FILE].keys()}
+        self.left_out = sorted(n for n in self.where if n.startswith(tuple(left_out)))
+        self.stored = {}  # name read under -> name in the checkpoint
+        for name in self.where:
+            if name.startswith(tuple(left_out)):
+                continue
+            theirs = next((p for p, _ in renames if name.startswith(p)), None)
+            ours = name if theirs is None else dict(renames)[theirs] + name[len(theirs):]
+            self.stored[ours] = name
+        self.quantized = mxfp4.quantized_names(self.stored)
 
     def names(self) -> set[str]:
-        return set(self.where)
+        parts = {n for pair in self.quantized.values() for n in pair}
+        return (set(self.stored) - parts) | set(self.quantized)
 
     def get(self, name: str) -> np.ndarray:
-        file = os.path.join(self.folder, self.where[name])
+        if name in self.quantized:
+            blocks, scales = (self.get(n) for n in self.quantized[name])
+            return mxfp4.dequantize(blocks, scales)
+        stored = self.stored[name]
+        file = os.path.join(self.folder, self.where[stored])
         try:
-            return self.handles[self.where[name]].get_tensor(name)
+            return self.handles[self.where[stored]].get_tensor(stored)
         except Exception as error:  # noqa: BLE001 - safetensors' errors name neither
             raise ValueError(
-                f"tensor {name!r} cannot be read from {file} ({_first_line(error)}): "
+                f"tensor {stored!r} cannot be read from {file} ({_first_line(error)}): "
                 + ("the index maps it to this file, which does not hold it; fix the "
                    "index's weight_map or re-save the checkpoint"
-                   if name not in self.handles[self.where[name]].keys() else
+                   if stored not in self.handles[self.where[stored]].keys() else
                    "the file is damaged or incomplete; download or save it again")) from None
 
 
@@ -293,6 +315,9 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
     """
     axes = {k: v for k, v in overrides.items() if k in AXIS_KEYWORDS}
     config = load_config(path)
+    record = lookup(config.model_type)
+    if record.text_config is not None:  # a multimodal checkpoint's language model
+        config = getattr(config, record.text_config)
     for key, value in overrides.items():
         if key not in axes:
             setattr(config, key, value)
@@ -309,7 +334,9 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
                                   is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     by_path = {p: (leaf, s) for p, leaf, s in zip(paths, leaves, spec_leaves)}
 
-    weights = _Weights(path if not path.endswith(".json") else os.path.dirname(path))
+    weights = _Weights(path if not path.endswith(".json") else os.path.dirname(path),
+                       record.weight_prefixes, record.left_out)
+    _tell_reading(path, record, weights)
     table = fam.weight_table(config)
     available = weights.names()
     missing, misshaped, loaded = [], [], {}
@@ -379,6 +406,18 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
     return nnx.merge(graphdef, params, extra)
 
 
+def _tell_reading(path: str, record, weights: _Weights) -> None:
+    """The console's line on what a load leaves out or converts (nothing otherwise)."""
+    if weights.left_out:
+        print(f"redray: {path}: a {record.name} checkpoint; reading its language model, "
+              f"leaving out {len(weights.left_out)} tensors "
+              f"({', '.join(sorted({n.split('.')[0] for n in weights.left_out}))})",
+              file=sys.stderr, flush=True)
+    if weights.quantized:
+        print(f"redray: {path}: {len(weights.quantized)} tensors stored in MXFP4, "
+              "dequantized to float32 one at a time as they load", file=sys.stderr, flush=True)
+
+
 _LAYER = re.compile(r"^(.*?)/(\d+)/(.+)$")
 
 
@@ -415,7 +454,7 @@ def _stored_name(row: Tensor, available: set, base_prefix: str | None) -> str | 
 
 
 def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
-                    tokenizer=None) -> None:
+                    tokenizer=None, dtype=None) -> None:
     """Writes ``config.json`` (with ``architectures``, so ``transformers``' Auto classes
     load it) and safetensors, and the tokenizer's files when one is given.
 
@@ -426,18 +465,31 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
         files of at most this size, with an index; None writes one file.
       tokenizer: a ``transformers`` tokenizer (its ``save_pretrained`` writes into
         ``path``), or the path of a folder holding one (its files are copied).
+      dtype: the tensors' dtype ("float32", "bfloat16"); None: float32, or bfloat16 for
+        a model loaded from a quantized checkpoint (its ``quantization_config``, which
+        the export drops: gpt-oss's MXFP4 experts are written dequantized).
     """
     import copy
 
+    import ml_dtypes
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
     config = copy.deepcopy(model.config.hf)
     config.architectures = [lookup(config.model_type).architecture]
+    quantized = getattr(config, "quantization_config", None) is not None
+    if quantized:
+        del config.quantization_config
+    dtype = dtype or ("bfloat16" if quantized else "float32")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"save_pretrained dtype={dtype!r}: use 'float32' or 'bfloat16'")
+    config.dtype = dtype
     config.save_pretrained(path)
     if tokenizer is not None:
         save_tokenizer(tokenizer, path)
     tensors = hf_tensors(model.config, nnx.state(model, nnx.Param))
+    if dtype == "bfloat16":
+        tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
     if max_shard_bytes is None:
         save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
         return

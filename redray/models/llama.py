@@ -1,9 +1,13 @@
-"""LLaMA, and the configs that differ from it only by fields: Mistral, Qwen2, Qwen3.
+"""LLaMA, and the configs that differ from it only by fields: Mistral, Qwen2, Qwen3,
+SmolLM3.
 
-Grouped-query attention, RoPE (default, linear, llama3 scaling), RMSNorm, gated MLP,
-optional biases (Qwen2: on q/k/v), an explicit ``head_dim``, queries and keys
-RMS-normalized per head before RoPE (Qwen3: ``q_norm``, ``k_norm``), optional sliding
-window (Mistral; Qwen2/Qwen3 when every layer slides), tied or untied LM head. Q, K and
+Grouped-query attention, RoPE (default, linear, llama3 and YaRN scaling), RMSNorm, gated
+MLP, optional biases (Qwen2: on q/k/v), an explicit ``head_dim``, queries and keys
+RMS-normalized per head before RoPE (Qwen3: ``q_norm``, ``k_norm``), sliding windows
+(Mistral: every layer; Qwen2/Qwen3/SmolLM3: the layers ``layer_types`` names), layers
+without rotary embeddings (SmolLM3's NoPE layers, ``no_rope_layers``), tied or untied LM
+head. Where layers differ in window or rotary embedding, each gets its own as a scanned
+input (``layers.LayerAttention``). Q, K and
 V share one kernel (hidden, kv_heads, group + 2, head_dim), gate and up one (hidden, 2,
 intermediate) (``layers.qkv_projection``): the automatic rules split whole key/value
 groups, and tensor parallelism costs one all-reduce per sublayer and direction.
@@ -44,33 +48,37 @@ def _qk_norm(c) -> bool:
     return c.model_type in ("qwen3", "qwen3_moe")
 
 
-def _window(c) -> int | None:
-    """How many slots back a query sees, alike in every layer; None: all of them.
+def _windows(c) -> list:
+    """Each layer's sliding window (None: none). Mistral, Mixtral and Qwen3-MoE window
+    every layer where the config sets one; the others the layers ``layer_types`` calls
+    sliding (SmolLM3: only with ``use_sliding_window``)."""
+    n = c.num_hidden_layers
+    if c.model_type in ("mistral", "mixtral", "qwen3_moe"):
+        return [getattr(c, "sliding_window", None)] * n
+    kinds = list(getattr(c, "layer_types", None) or ())[:n] or ["full_attention"] * n
+    on = bool(getattr(c, "use_sliding_window", False)) if c.model_type == "smollm3" else True
+    return [c.sliding_window if on and kind == "sliding_attention" else None for kind in kinds]
 
-    Mistral windows every layer. Qwen2, Qwen3 and Qwen2-MoE name each layer's kind
-    (``layer_types``, by default a window from layer ``max_window_layers`` on when
-    ``use_sliding_window``; Qwen2-MoE's: every other layer below it); one mask serves
-    every layer here, so the kinds must agree.
-    """
-    if c.model_type == "mistral":
-        return getattr(c, "sliding_window", None)
-    kinds = list(getattr(c, "layer_types", None) or ())
-    sliding = kinds.count("sliding_attention")
-    if not sliding:
-        return None
-    if sliding < len(kinds):
-        every = ("layer_types=['sliding_attention'] * num_hidden_layers"
-                 if c.model_type == "qwen2_moe" else "max_window_layers=0")
-        raise ValueError(
-            f"{c.model_type} config: layer_types slides the window in {sliding} of "
-            f"{len(kinds)} layers (use_sliding_window={getattr(c, 'use_sliding_window', None)},"
-            f" max_window_layers={getattr(c, 'max_window_layers', None)}); redray windows all "
-            "layers or none: set use_sliding_window=False (as the released checkpoints do), "
-            f"or {every} to window every layer")
-    return c.sliding_window
+
+def _attention(c) -> tuple[tuple, tuple]:
+    """(the rotary table, each layer's ``layers.LayerAttention``: its window, and no
+    rotary embedding where SmolLM3's ``no_rope_layers`` says 0)."""
+    heads, kv, d = _dims(c)
+    rope = getattr(c, "rope_parameters", None) or {}
+    rotary = int(d * rope.get("partial_rotary_factor", 1.0))
+    table = (tuple(float(f) for f in layers.rope_inv_freq(
+        rope, rotary, getattr(c, "rope_theta", 1e4), c.max_position_embeddings)),
+        layers.rope_scale(rope, c.max_position_embeddings))
+    uses = list(getattr(c, "no_rope_layers", None) or [1] * c.num_hidden_layers)
+    return (table,), tuple(layers.LayerAttention(window=w, rope=0 if uses[i] else None)
+                           for i, w in enumerate(_windows(c)))
 
 
 class Attention(nnx.Module):
+    # a learned logit per head that joins each query's softmax (gpt-oss's attention
+    # sinks, a parameter of its subclass); None: none
+    sinks = None
+
     def __init__(self, c, *, rngs, dtype):
         heads, kv, d = _dims(c)
         hidden = c.hidden_size
@@ -87,8 +95,9 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, mask, cache, cache_index, train):
         norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
         q, k, v = layers.split_rotated_qkv(self.qkv_proj(x), cos, sin, layers.rotate_half, norms)
-        out, new_cache = layers.self_attention(q, k, v, mask, self.scale, cache, cache_index,
-                                               self.dropout, train)
+        out, new_cache = layers.self_attention(
+            q, k, v, mask, self.scale, cache, cache_index, self.dropout, train,
+            sinks=None if self.sinks is None else self.sinks[...])
         return self.o_proj(out), new_cache
 
 
@@ -112,8 +121,14 @@ class Block(nnx.Module):
         self.self_attn = Attention(c, rngs=rngs, dtype=dtype)
         self.post_attention_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
         self.mlp = MLP(c, rngs=rngs, dtype=dtype)
+        self.choices = layers.attention_choices(_attention(c)[1])
 
-    def __call__(self, x, cos, sin, mask, cache, cache_index, train):
+    def __call__(self, x, cos, sin, mask, *rest):
+        """``rest``: (cache, cache_index, train), after this layer's window, chunk and
+        rotary table where layers differ (``layers.layer_view``)."""
+        *own, cache, cache_index, train = rest
+        if own:
+            cos, sin, mask = layers.layer_view(cos, sin, mask, *own, self.choices)
         attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
                                          cache_index, train)
         x = x + attn
@@ -131,12 +146,7 @@ class Model(CausalLM):
                                          padding_idx=layers.padding_row(c))
         self.make_layers(c, lambda kind, r: Block(c, rngs=r, dtype=dtype), rngs, scan)
         self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        heads, kv, d = _dims(c)
-        rope = getattr(c, "rope_parameters", None) or {}
-        rotary = int(d * rope.get("partial_rotary_factor", 1.0))
-        self.inv_freq = tuple(float(f) for f in layers.rope_inv_freq(rope, rotary,
-                                                                    getattr(c, "rope_theta", 1e4)))
-        self.window = _window(c)
+        self.set_attention(*_attention(c))
 
     def key_value_heads(self) -> tuple[int, int]:
         _, kv, d = _dims(self.config)

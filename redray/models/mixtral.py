@@ -3,8 +3,8 @@ every MLP.
 
 Attention is LLaMA's (``llama.Attention``: grouped-query, RoPE, one QKV kernel), with
 Qwen2-MoE's biases on q/k/v (``qkv_bias``), Qwen3-MoE's queries and keys RMS-normalized
-per head before RoPE (``q_norm``, ``k_norm``) and a sliding window where the config sets
-one (Qwen2-MoE: in every layer or none, as ``llama._window`` says). Each block's MLP is
+per head before RoPE (``q_norm``, ``k_norm``) and sliding windows where the config sets
+them (``llama._windows``: Qwen2-MoE's in the layers ``layer_types`` names). Each block's MLP is
 a ``moe.MoE``: Mixtral renormalizes the top-k router probabilities and combines in
 float32; the Qwen families renormalize only with ``norm_topk_prob``. Qwen2-MoE adds a
 shared expert (``SharedExpertMoE``): a dense gated MLP that every token runs through,
@@ -67,21 +67,25 @@ def _check(c) -> None:
 
 
 class SharedExpertMoE(moe.MoE):
-    """Qwen2-MoE's MLP: routed experts (``moe.MoE``, whose arguments it takes) plus a
-    shared expert of width ``shared``, a gated MLP every token runs through, weighed by
-    sigmoid(``shared_expert_gate``(x))."""
+    """Routed experts (``moe.MoE``, whose arguments it takes) plus a shared expert of
+    width ``shared``, a gated MLP every token runs through: Qwen2-MoE's, weighed by
+    sigmoid(``shared_expert_gate``(x)); Llama 4's (``gated=False``) added as it is."""
 
     def __init__(self, hidden: int, *args, shared: int, act: str, dtype, rngs: nnx.Rngs,
-                 **kwargs):
+                 gated: bool = True, **kwargs):
         super().__init__(hidden, *args, act=act, dtype=dtype, rngs=rngs, **kwargs)
         fields = types.SimpleNamespace(hidden_size=hidden, intermediate_size=shared,
                                        hidden_act=act)
         self.shared_expert = llama.MLP(fields, rngs=rngs, dtype=dtype)
-        self.shared_expert_gate = nnx.Linear(hidden, 1, use_bias=False, dtype=dtype, rngs=rngs)
+        if gated:
+            self.shared_expert_gate = nnx.Linear(hidden, 1, use_bias=False, dtype=dtype,
+                                                 rngs=rngs)
 
     def __call__(self, x, valid=None) -> tuple:
         out, report = super().__call__(x, valid)
-        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self.shared_expert(x)
+        if hasattr(self, "shared_expert_gate"):
+            shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
         return out + shared.astype(out.dtype), report
 
 
@@ -101,15 +105,23 @@ class Block(nnx.Module):
     """LLaMA's pre-norm block with experts for its MLP (a "moe" layer: it returns the
     router's report beside (x, layer_cache)) or LLaMA's gated MLP (a "dense" one)."""
 
-    def __init__(self, c, kind: str, *, rngs, dtype):
-        self.self_attn = llama.Attention(c, rngs=rngs, dtype=dtype)
-        self.mlp = _moe(c, rngs=rngs, dtype=dtype) if kind == "moe" else \
+    def __init__(self, c, kind: str, *, rngs, dtype, attention=llama.Attention, experts=None):
+        """``attention``, ``experts``: the classes of a family whose attention or
+        experts differ (gpt-oss), called as ``(c, rngs=, dtype=)``."""
+        self.self_attn = attention(c, rngs=rngs, dtype=dtype)
+        self.mlp = (experts or _moe)(c, rngs=rngs, dtype=dtype) if kind == "moe" else \
             llama.MLP(c, rngs=rngs, dtype=dtype)
         norm = dict(epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.input_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
         self.post_attention_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
+        self.choices = layers.attention_choices(llama._attention(c)[1])
 
-    def __call__(self, x, cos, sin, mask, cache, cache_index, train):
+    def __call__(self, x, cos, sin, mask, *rest):
+        """``rest``: (cache, cache_index, train), after this layer's window, chunk and
+        rotary table where layers differ (``layers.layer_view``)."""
+        *own, cache, cache_index, train = rest
+        if own:
+            cos, sin, mask = layers.layer_view(cos, sin, mask, *own, self.choices)
         attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
                                          cache_index, train)
         x = x + attn
@@ -137,13 +149,7 @@ class Model(llama.Model):
                                          padding_idx=layers.padding_row(c))
         self.make_layers(c, lambda kind, r: Block(c, kind, rngs=r, dtype=dtype), rngs, scan)
         self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        rope = getattr(c, "rope_parameters", None)
-        self.inv_freq = tuple(float(f) for f in layers.rope_inv_freq(
-            rope, llama._dims(c)[2], getattr(c, "rope_theta", 1e4)))
-        # Qwen3-MoE's config keeps it only with use_sliding_window; Qwen2-MoE's sets 0
-        # then and names each layer's kind, as Qwen2's does
-        self.window = (llama._window(c) if c.model_type == "qwen2_moe"
-                       else getattr(c, "sliding_window", None))
+        self.set_attention(*llama._attention(c))
 
     def auxiliary(self, reports: dict) -> dict:
         if reports is None:

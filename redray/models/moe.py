@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -136,7 +137,9 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, *,
                  act: str = "silu", renormalize: bool = True, float32_weights: bool = True,
-                 capacity_factor: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+                 capacity_factor: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs,
+                 router_bias: bool = False, expert_bias: bool = False,
+                 clamp: tuple[float, float] | None = None, sigmoid_inputs: bool = False):
         if not 1 <= top_k <= experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number "
                              f"of experts ({experts})")
@@ -145,14 +148,30 @@ class MoE(nnx.Module):
                              "dropless)")
         self.top_k, self.renormalize, self.float32_weights = top_k, renormalize, float32_weights
         self.capacity_factor, self.dtype = capacity_factor, dtype
+        self.clamp, self.sigmoid_inputs = clamp, sigmoid_inputs
         self.act = layers.activation(act)
-        self.router = nnx.Linear(hidden, experts, use_bias=False, dtype=dtype, rngs=rngs)
+        self.router = nnx.Linear(hidden, experts, use_bias=router_bias, dtype=dtype, rngs=rngs)
         # fan-in scaled per expert: the expert axis is a batch of independent kernels
         init = jax.nn.initializers.lecun_normal
         self.gate_up_proj = nnx.Param(init(in_axis=1, out_axis=(2, 3), batch_axis=0)(
             rngs.params(), (experts, hidden, 2, intermediate)))
         self.down_proj = nnx.Param(init(in_axis=1, out_axis=2, batch_axis=0)(
             rngs.params(), (experts, intermediate, hidden)))
+        if expert_bias:
+            self.gate_up_bias = nnx.Param(jnp.zeros((experts, 2, intermediate), jnp.float32))
+            self.down_bias = nnx.Param(jnp.zeros((experts, hidden), jnp.float32))
+
+    def gated(self, h):
+        """The experts' gated activation of ``h`` (..., 2, inner): ``act(gate) * up``, or
+        gpt-oss's clamped SwiGLU (``clamp`` = (alpha, limit)): the gate clamped from
+        above and up both ways at ``limit``, ``(up + 1) * gate * sigmoid(alpha gate)``."""
+        gate, up = h[..., 0, :], h[..., 1, :]
+        if self.clamp is None:
+            return self.act(gate) * up
+        alpha, limit = self.clamp
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
 
     def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> tuple:
         """(output like ``x``, report) for ``x`` (..., hidden); ``valid`` (...): which
@@ -160,13 +179,19 @@ class MoE(nnx.Module):
         logits = self.router(x)
         probs = jax.nn.softmax(logits.astype(jnp.float32), -1)
         weights, chosen = jax.lax.top_k(probs, self.top_k)
-        if self.renormalize:
+        if self.sigmoid_inputs:  # Llama 4: the chosen logits' sigmoid scales the input
+            weights = jax.nn.sigmoid(jnp.take_along_axis(logits.astype(jnp.float32), chosen, -1))
+        elif self.renormalize:
             weights = weights / weights.sum(-1, keepdims=True)
         if not self.float32_weights:
             weights = weights.astype(logits.dtype)
         experts = probs.shape[-1]
 
         out, kept = self.routed(x, chosen, weights)
+        if hasattr(self, "down_bias"):  # each chosen expert's output bias, weighed
+            bias = self.down_bias[...].astype(self.dtype)[chosen]
+            scale = kept if self.sigmoid_inputs else weights * kept
+            out = out + (bias * scale.astype(bias.dtype)[..., None]).sum(-2)
         real = jnp.ones(x.shape[:-1], jnp.float32) if valid is None else \
             valid.astype(jnp.float32)
         per_choice = jnp.broadcast_to(real[..., None], chosen.shape)
@@ -196,6 +221,9 @@ class MoE(nnx.Module):
         gate_up = self.gate_up_proj[...].astype(self.dtype)
         down = self.down_proj[...].astype(self.dtype)
         experts = gate_up.shape[0]
+        bias = self.gate_up_bias[...].astype(self.dtype) if hasattr(self, "gate_up_bias") \
+            else jnp.zeros((experts, 2, 1), self.dtype)
+        ffn = ExpertFn(self.gated, self.sigmoid_inputs)
 
         def capacity(n: int) -> int | None:  # per device, over its own tokens
             return expert_capacity(self.capacity_factor, n, self.top_k, experts)
@@ -210,7 +238,7 @@ class MoE(nnx.Module):
             x, chosen, weights = (a.reshape(-1, a.shape[-1]) for a in (x, chosen, weights))
             mesh, rows = traced_mesh(x.shape[0]), P(BATCH_AXES)
         if mesh is None:
-            out, kept = dispatch(x, chosen, weights, gate_up, down, self.act,
+            out, kept = dispatch(x, chosen, weights, gate_up, bias, down, ffn,
                                  capacity(x.shape[0]))
             return out.reshape(*lead, -1), kept.reshape(*lead, -1)
         ways, inner = mesh.shape[EXPERT.name], mesh.shape[MODEL.name]
@@ -219,24 +247,26 @@ class MoE(nnx.Module):
                              f"an expert axis that divides {experts}")
         by_expert = EXPERT.name if ways > 1 else None
         by_model = MODEL.name if inner > 1 and gate_up.shape[-1] % inner == 0 else None
+        bias_by_model = by_model if bias.shape[-1] == gate_up.shape[-1] else None
 
-        def local(tokens, chosen, weights, gate_up, down):
+        def local(tokens, chosen, weights, gate_up, bias, down):
             shape = tokens.shape[:-1]  # (rows, its part of the sequence) on a context axis
             tokens, chosen, weights = (a.reshape(-1, a.shape[-1])
                                        for a in (tokens, chosen, weights))
             if by_expert is None:
-                out, kept = dispatch(tokens, chosen, weights, gate_up, down, self.act,
+                out, kept = dispatch(tokens, chosen, weights, gate_up, bias, down, ffn,
                                      capacity(tokens.shape[0]))
             else:
-                out, kept = exchange(tokens, chosen, weights, gate_up, down, self.act,
+                out, kept = exchange(tokens, chosen, weights, gate_up, bias, down, ffn,
                                      capacity(tokens.shape[0]), by_expert, ways)
             if by_model is not None:  # each device summed over its share of the width
                 out = jax.lax.psum(out, by_model)
             return out.reshape(*shape, -1), kept.reshape(*shape, -1)
 
         out, kept = jax.shard_map(local, mesh=mesh, in_specs=(
-            rows, rows, rows, P(by_expert, None, None, by_model), P(by_expert, by_model)),
-            out_specs=(rows, rows))(x, chosen, weights, gate_up, down)
+            rows, rows, rows, P(by_expert, None, None, by_model),
+            P(by_expert, None, bias_by_model), P(by_expert, by_model)),
+            out_specs=(rows, rows))(x, chosen, weights, gate_up, bias, down)
         return out.reshape(*lead, -1), kept.reshape(*lead, -1)
 
 
@@ -247,13 +277,24 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(
     rhs_group_dimensions=[0])
 
 
-def dispatch(tokens, chosen, weights, gate_up, down, act, capacity: int | None = None):
+@dataclasses.dataclass(frozen=True)
+class ExpertFn:
+    """How an expert computes and where its routing weight applies: ``gated`` the
+    activation of its (..., 2, inner) gate and up (``MoE.gated``); ``on_inputs``: the
+    weight scales the expert's input (Llama 4) instead of its output."""
+    gated: Callable
+    on_inputs: bool = False
+
+
+def dispatch(tokens, chosen, weights, gate_up, bias, down, ffn: ExpertFn,
+             capacity: int | None = None):
     """Each token through its chosen experts, sorted by expert and grouped per matmul.
 
     Args:
       tokens: (n, hidden); chosen, weights: (n, k) experts and their weights.
-      gate_up: (experts, hidden, 2, intermediate); down: (experts, intermediate, hidden).
-      act: the gate's activation.
+      gate_up: (experts, hidden, 2, intermediate); bias: its bias (experts, 2,
+        intermediate), or (experts, 2, 1) zeros; down: (experts, intermediate, hidden).
+      ffn: the experts' activation and where the weights apply.
       capacity: the most assignments an expert keeps (None: all).
 
     Returns:
@@ -264,17 +305,19 @@ def dispatch(tokens, chosen, weights, gate_up, down, act, capacity: int | None =
     flat = chosen.reshape(-1)
     order, sizes = _by_expert(flat, gate_up.shape[0])
     rows = tokens[order // k]
+    if ffn.on_inputs:
+        rows = rows * weights.reshape(-1)[order][:, None].astype(rows.dtype)
     # gate and up in one grouped matmul over the (experts, hidden, 2, inner) kernel: the
     # inner width stays a dimension of its own (what tensor parallelism splits)
-    h = jax.lax.ragged_dot_general(rows, gate_up, sizes, _GROUPED)
-    y = jax.lax.ragged_dot(act(h[:, 0]) * h[:, 1], down, sizes)
+    h = jax.lax.ragged_dot_general(rows, gate_up, sizes, _GROUPED) + bias[flat[order]]
+    y = jax.lax.ragged_dot(ffn.gated(h), down, sizes)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = y[back].reshape(n, k, -1)
     kept = jnp.ones((n, k), jnp.float32)
     if capacity is not None:
         kept = (_places(flat, order, sizes) < capacity)[back].reshape(n, k).astype(jnp.float32)
-        weights = weights * kept.astype(weights.dtype)
-    return (y * weights[..., None]).sum(1), kept
+    scale = kept.astype(weights.dtype) if ffn.on_inputs else weights * kept.astype(weights.dtype)
+    return (y * scale[..., None]).sum(1), kept
 
 
 def _by_expert(flat, experts: int) -> tuple:
@@ -290,8 +333,8 @@ def _places(flat, order, sizes):
     return jnp.arange(flat.shape[0]) - starts[flat[order]]
 
 
-def exchange(tokens, chosen, weights, gate_up, down, act, capacity: int | None,
-             axis: str, ways: int):
+def exchange(tokens, chosen, weights, gate_up, bias, down, ffn: ExpertFn,
+             capacity: int | None, axis: str, ways: int):
     """``dispatch`` with the experts split over the mesh axis ``axis`` (``ways``
     devices, each holding ``gate_up.shape[0]`` consecutive experts), inside
     ``shard_map``: every device's assignments sent to their expert's device and the
@@ -313,21 +356,24 @@ def exchange(tokens, chosen, weights, gate_up, down, act, capacity: int | None,
     rank = jnp.zeros_like(flat).at[order].set(_places(flat, order, sizes))  # token order
     kept = rank < room
     slot = jnp.where(kept, flat * room + rank, experts * room)  # dropped: off the end
-    send = jnp.zeros((experts * room, hidden), tokens.dtype).at[slot].set(
-        tokens[jnp.arange(n * k) // k], mode="drop")
+    rows = tokens[jnp.arange(n * k) // k]
+    if ffn.on_inputs:
+        rows = rows * weights.reshape(-1)[:, None].astype(rows.dtype)
+    send = jnp.zeros((experts * room, hidden), tokens.dtype).at[slot].set(rows, mode="drop")
     # (devices, local experts x room, hidden): the block for each device's experts
     got = jax.lax.all_to_all(send.reshape(ways, local * room, hidden), axis, 0, 0,
                              tiled=True)
     x = got.reshape(ways, local, room, hidden).transpose(1, 0, 2, 3).reshape(
         local, ways * room, hidden)
-    h = jnp.einsum("erh,ehgf->ergf", x, gate_up)
-    y = jnp.einsum("erf,efh->erh", act(h[:, :, 0]) * h[:, :, 1], down)
+    h = jnp.einsum("erh,ehgf->ergf", x, gate_up) + bias[:, None]
+    y = jnp.einsum("erf,efh->erh", ffn.gated(h), down)
     y = y.reshape(local, ways, room, hidden).transpose(1, 0, 2, 3).reshape(
         ways, local * room, hidden)
     back = jax.lax.all_to_all(y, axis, 0, 0, tiled=True).reshape(experts * room, hidden)
     out = jnp.take(back, slot, axis=0, mode="fill", fill_value=0).reshape(n, k, hidden)
     kept = kept.reshape(n, k).astype(jnp.float32)
-    return (out * (weights * kept.astype(weights.dtype))[..., None]).sum(1), kept
+    scale = kept.astype(weights.dtype) if ffn.on_inputs else weights * kept.astype(weights.dtype)
+    return (out * scale[..., None]).sum(1), kept
 
 
 def summarize(reports: dict, experts: int) -> dict:
