@@ -1,0 +1,258 @@
+"""The family registry, and the 2026 families against transformers' PyTorch models.
+
+Each new family's tiny checkpoint (the registry's ``tiny`` configuration: windows and
+chunks shorter than the sequence, sinks, NoPE layers, YaRN, dense and MoE layers in
+turn) is written by transformers' own ``save_pretrained``; redray's model must give its
+logits on left-padded rows, its greedy tokens, an export transformers reads back with
+the same logits, the same logits stacked or listed, and one step's loss and gradients
+on every plan equal to one device's. Their gradients against torch's are in
+tests/test_gradients.py (every registry family).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hf_tiny import (IDS, MASK, assert_export_round_trip, assert_greedy_generation_matches,
+                     assert_logits_match, hf_logits)
+
+import redray.models as rm
+from redray.engine.runtime import ModelRuntime
+from redray.models import mxfp4
+from redray.models.families import FAMILIES, lookup, supported
+from redray.sharding import Parallelism
+from redray.sharding.plan import Plan
+
+torch = pytest.importorskip("torch", reason="parity tests need torch (pip install torch==2.13.0; "
+                                            "make test installs it)")
+transformers = pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NEW = ("gpt_oss", "llama4_text", "olmo3", "smollm3")
+
+
+# ------------------------------------------------------------------ the registry
+def test_every_record_is_data_and_names_code_that_exists():
+    for name, family in FAMILIES.items():
+        assert family.model_type == name
+        assert json.loads(json.dumps(family.to_dict()))["module"] == family.module
+        for part in ("Model", "weight_table", "trace_inputs"):
+            assert hasattr(family.code, part), (name, part)
+        config = transformers.AutoConfig.for_model(name, **family.tiny)
+        assert config.model_type == name
+        assert type(config).__name__ != "PretrainedConfig"
+    assert set(supported()) >= set(FAMILIES)
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported; supported: .*"
+                                         "gpt_oss.*llama4_text.*olmo3.*smollm3"):
+        lookup("bert")
+
+
+def test_the_docs_family_table_is_the_registry():
+    """docs/models.md's table of families: one row per record, in the registry's order,
+    naming its model_type, module and export class."""
+    with open(os.path.join(ROOT, "docs", "models.md")) as f:
+        text = f.read()
+    rows = [line for line in text.splitlines() if line.startswith("| `")][1:]  # the header
+    assert [r.split("`")[1] for r in rows] == list(FAMILIES)
+    for row, family in zip(rows, FAMILIES.values()):
+        assert f"`redray.models.{family.module}`" in row and family.architecture in row, row
+
+
+# ------------------------------------------------------------------ parity
+def hf_model(name, folder=None, **overrides):
+    """transformers' random model of the registry's tiny ``name`` (its biases, norms and
+    sinks drawn away from their initial values, so each one shows), saved to
+    ``folder``."""
+    config = transformers.AutoConfig.for_model(name, **{**FAMILIES[name].tiny, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for key, value in model.named_parameters():
+            if value.ndim == 1 or key.endswith(("bias", "sinks")):
+                value.add_(0.3 * torch.randn_like(value))
+    if folder is not None:
+        model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=NEW)
+def pair(request, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp(request.param))
+    hf = hf_model(request.param, folder)
+    return request.param, hf, folder, rm.from_pretrained(folder)
+
+
+def test_logits_and_greedy_generation_match_transformers(pair):
+    _, hf, _, model = pair
+    assert_logits_match(model, hf)
+    assert_greedy_generation_matches(model, hf, 8)
+
+
+def test_the_export_reads_back_in_transformers(pair, tmp_path):
+    _, hf, _, model = pair
+    assert_export_round_trip(model, hf, tmp_path)
+
+
+def test_stacked_layers_equal_the_list(pair):
+    name, hf, folder, model = pair
+    listed = rm.from_pretrained(folder, scan=False)
+    assert isinstance(listed.layers, nnx.List) and not isinstance(model.layers, nnx.List)
+    ids, mask = jnp.asarray(IDS), jnp.asarray(MASK)
+    np.testing.assert_allclose(np.asarray(model(ids, mask)), np.asarray(listed(ids, mask)),
+                               atol=1e-5, rtol=0)
+
+
+def test_llama4_interleaves_dense_and_expert_layers_in_one_stacked_period(pair):
+    name, _, _, model = pair
+    if name != "llama4_text":
+        pytest.skip("Llama 4's pattern")
+    pattern = model.pattern(model.config)
+    assert (pattern.first, pattern.period, pattern.repeats) == (0, 2, 2)
+    assert model.layers.period[1].feed_forward.gate_up_proj[...].shape == (2, 4, 32, 2, 64)
+    assert [k.chunk for k in model.layer_attention] == [4, 4, None, 4]
+    assert [k.rope for k in model.layer_attention] == [0, 0, None, 0]
+
+
+def test_the_multimodal_llama4_checkpoint_loads_its_language_model(tmp_path, capfd):
+    config = transformers.AutoConfig.for_model("llama4", **FAMILIES["llama4"].tiny)
+    torch.manual_seed(0)
+    hf = transformers.Llama4ForConditionalGeneration(config).eval()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    model = rm.from_pretrained(str(tmp_path / "hf"))
+    assert "leaving out 26 tensors (multi_modal_projector, vision_model)" in capfd.readouterr().err
+    assert model.config.model_type == "llama4_text"
+    real = MASK.astype(bool)
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(IDS), jnp.asarray(MASK)))[real],
+                               hf_logits(hf, IDS, MASK)[real], atol=1e-4, rtol=0)
+    rm.save_pretrained(model, str(tmp_path / "text"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "text")).eval()
+    assert type(back).__name__ == "Llama4ForCausalLM"
+    np.testing.assert_allclose(hf_logits(back, IDS), hf_logits(hf, IDS), atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------ plans
+ROWS, SEQ = 8, 17
+PLAN_IDS = np.random.default_rng(2).integers(1, 128, (ROWS, SEQ)).astype(np.int32)
+
+
+def lm_loss(model, ids):
+    logits = model(ids[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+def loss_and_grads(config, micro_rows=None, **axes):
+    """One step's loss and gradients of ``config``'s model on ``axes`` (4 devices at
+    most), from the same initial parameters."""
+    n = int(np.prod(list(axes.values()))) if axes else 1
+    plan = Parallelism.of(**({"data_axis": 1} | axes)).build(jax.devices()[:n])
+    runtime = ModelRuntime(lambda rngs: rm.build(config, rngs=rngs, scan=True), plan)
+    runtime.derive(lm_loss, jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
+    runtime.use(Plan(plan, micro_rows=micro_rows))
+    params, extra = runtime.init()
+    step = jax.jit(jax.value_and_grad(
+        lambda p, e, ids: runtime.apply(lm_loss, p, e, jax.random.key(0), ids)[0]))
+    value, grads = step(params, extra, PLAN_IDS)
+    return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+PLANS = {"data": dict(data_axis=4), "fsdp_model": dict(fsdp_axis=2, model_axis=2),
+         "stage": dict(stage_axis=2), "context": dict(context_axis=2, data_axis=2),
+         "expert": dict(expert_axis=2, data_axis=2)}
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_every_plan_takes_the_one_device_step(name):
+    config = transformers.AutoConfig.for_model(name, **FAMILIES[name].tiny)
+    expected, expected_grads = loss_and_grads(config)
+    experts = getattr(config, "num_local_experts", 0)
+    for plan, axes in PLANS.items():
+        if plan == "expert" and not experts:
+            continue
+        micro = ROWS // 2 if plan == "stage" else None
+        value, grads = loss_and_grads(config, micro, **axes)
+        assert abs(value - expected) <= 1e-5 * abs(expected), (name, plan)
+        for got, want in zip(grads, expected_grads):
+            assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), (name, plan)
+
+
+# ------------------------------------------------------------------ gpt-oss's pieces
+def test_mxfp4_dequantizes_as_transformers_does():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 8, 2, 16), dtype=np.uint8)
+    scales = rng.integers(110, 140, (3, 8, 2), dtype=np.uint8)
+    theirs = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
+                                        dtype=torch.float32).numpy()
+    ours = mxfp4.dequantize(blocks, scales)
+    assert ours.shape == (3, 64, 8)
+    np.testing.assert_array_equal(ours, theirs)
+    with pytest.raises(ValueError, match=r"MXFP4 blocks \(3, 8, 2, 16\) and scales \(3, 8\)"):
+        mxfp4.dequantize(blocks, scales[..., 0])
+
+
+def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads_and_exports_in_bfloat16(tmp_path, capfd):
+    """The released checkpoints' layout: every expert tensor as blocks and scales, the
+    config's quantization_config; the model whose experts are those values dequantized
+    gives transformers' logits, and the export (bfloat16, no quantization_config) reads
+    back in transformers."""
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = hf_model("gpt_oss")
+    rng = np.random.default_rng(1)
+    tensors = {k: v.numpy() for k, v in hf.state_dict().items()}
+    for key, value in list(tensors.items()):
+        if not key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            continue
+        experts, inner, outer = value.shape  # stored transposed: (experts, out, in / 32, 16)
+        blocks = rng.integers(0, 256, (experts, outer, inner // 32, 16), dtype=np.uint8)
+        scales = rng.integers(118, 124, (experts, outer, inner // 32), dtype=np.uint8)
+        del tensors[key]
+        tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
+        dense = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
+                                           dtype=torch.float32)
+        with torch.no_grad():
+            hf.get_parameter(key).copy_(dense)
+    folder = tmp_path / "mxfp4"
+    hf.config.save_pretrained(str(folder))
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model = rm.from_pretrained(str(folder))
+    assert "4 tensors stored in MXFP4, dequantized" in capfd.readouterr().err
+    assert_logits_match(model, hf)
+    rm.save_pretrained(model, str(tmp_path / "out"))
+    with open(tmp_path / "out" / "config.json") as f:
+        written = json.load(f)
+    assert "quantization_config" not in written and written["dtype"] == "bfloat16"
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert {str(v.dtype) for v in saved.values()} == {"bfloat16"}
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "out"), dtype=torch.float32).eval()
+    ours = hf_logits(back, IDS)
+    scale = np.abs(hf_logits(hf, IDS)).max()
+    np.testing.assert_allclose(ours, hf_logits(hf, IDS), atol=2e-2 * scale, rtol=0)
+
+
+def test_the_clamped_swiglu_is_gpt_oss_own():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = transformers.AutoConfig.for_model("gpt_oss", **FAMILIES["gpt_oss"].tiny)
+    theirs = GptOssExperts(config)
+    ours = rm.build(config).layers.mlp
+    h = np.random.default_rng(0).normal(0, 6, (5, 2, 8)).astype(np.float32)  # past the limit
+    interleaved = torch.tensor(h.swapaxes(-1, -2).reshape(5, 16))
+    np.testing.assert_allclose(np.asarray(ours.gated(jnp.asarray(h))),
+                               theirs._apply_gate(interleaved).numpy(), rtol=1e-6, atol=1e-6)
