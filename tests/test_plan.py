@@ -37,6 +37,13 @@ SETTINGS = {
     "qwen3-8b": (16, 8, 2, 8_190_735_360),
     "mixtral-8x7b": (64, 8, 8, 46_702_792_704),
     "qwen3-30b-a3b": (32, 4, 8, 30_532_122_624),
+    # the 2026 families (each count equal to transformers' own model's, built on the
+    # meta device from the same config)
+    "gpt-oss-20b": (16, 8, 2, 20_914_757_184),
+    "llama-4-scout": (64, 8, 8, 107_769_861_120),
+    "llama-4-maverick": (256, 8, 32, 400_711_848_960),
+    "olmo-3-7b": (16, 8, 2, 7_298_011_136),
+    "smollm3-3b": (8, 4, 2, 3_075_098_624),
 }
 def run_cli(*args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -67,8 +67,9 @@ def rope_inv_freq(rope: dict | None, rotary_dim: int, default_theta: float = 100
         old = float(rope["original_max_position_embeddings"])
         wavelen = 2 * math.pi / inv
         scaled = np.where(wavelen > old / low, inv / factor, inv)
-        smooth = (old / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        with np.errstate(divide="ignore", invalid="ignore"):  # Llama 4: high == low, no band
+            smooth = (old / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / high) & (wavelen <= old / low)
         return np.where(medium, smoothed, scaled).astype(np.float32)
     if kind == "yarn":

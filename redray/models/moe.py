@@ -208,7 +208,7 @@ class MoE(nnx.Module):
 
     def expert_layers(self) -> ExpertLayers:
         """This layer as the planner sees it (``redray.planning.memory.expert_layers``)."""
-        shape = self.gate_up_proj.value.shape  # (stacked..., experts, hidden, 2, inner)
+        shape = self.gate_up_proj.get_value().shape  # (stacked..., experts, hidden, 2, inner)
         return ExpertLayers(math.prod(shape[:-4]), shape[-4], self.top_k, shape[-3], shape[-1],
                             self.capacity_factor)
 

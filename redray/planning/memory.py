@@ -109,14 +109,16 @@ def layer_gather_bytes(param_rows, fsdp: int) -> int:
     """Bytes of the largest layer's parameters on a device once gathered over fsdp. A
     layer is what shares a path up to its first numeric part (``layers/3/...``); under
     a first part without numbers whose parameters all lead with the same size
-    (stacked, scanned layers) one slice of each; anything else is its own group."""
+    (stacked, scanned layers; a stacked period's layers, ``layers/period/1/...``, are
+    one row of it) one slice of each; anything else is its own group."""
     numbered: dict = {}
     unnumbered: dict = {}
     for row in param_rows:
         axes = {a for e in row.spec for a in axes_of(e)}
         gathered = row.bytes_per_device * (fsdp if FSDP.name in axes else 1)
         parts = row.path.split("/")
-        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        index = next((i for i, part in enumerate(parts)
+                      if part.isdigit() and (i == 0 or parts[i - 1] != "period")), None)
         if index is not None:
             key = "/".join(parts[:index + 1])
             numbered[key] = numbered.get(key, 0) + gathered
