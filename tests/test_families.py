@@ -256,3 +256,42 @@ def test_the_clamped_swiglu_is_gpt_oss_own():
     interleaved = torch.tensor(h.swapaxes(-1, -2).reshape(5, 16))
     np.testing.assert_allclose(np.asarray(ours.gated(jnp.asarray(h))),
                                theirs._apply_gate(interleaved).numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_first_layers_run_before_the_pipeline_and_the_rest_splits_by_stage():
+    """Qwen3-MoE with a dense first layer (``mlp_only_layers``): the first layer apart,
+    the two expert layers stacked and split over 2 stages; the step equals one device's,
+    and so on an expert axis."""
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe", **{**FAMILIES["qwen3_moe"].tiny, "num_hidden_layers": 3,
+                        "mlp_only_layers": [0]})
+    expected, expected_grads = loss_and_grads(config)
+    for axes, micro in ((dict(stage_axis=2), ROWS // 2), (dict(expert_axis=2, data_axis=2), None)):
+        value, grads = loss_and_grads(config, micro, **axes)
+        assert abs(value - expected) <= 1e-5 * abs(expected), axes
+        for got, want in zip(grads, expected_grads):
+            assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), axes
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4_text"])
+def test_the_sampler_completes_as_generate_does(name):
+    """The continuous-batching sampler's greedy completions, through its window of rows
+    and through pages (sinks, windows, chunks and NoPE layers in the paged decode), equal
+    ``generate``'s. Llama 4's temperature scale at its released floor (8192 tokens): it
+    counts slots, which the sampler's window shifts."""
+    from redray.post_training import Sampler, SamplingParams
+
+    config = transformers.AutoConfig.for_model(name, **{**FAMILIES[name].tiny,
+                                                        "floor_scale": 8192})
+    model = rm.build(config, seed=3)
+    rs = np.random.default_rng(0)
+    prompts = [rs.integers(1, 128, rs.integers(3, 13)).tolist() for _ in range(6)]
+    width = max(map(len, prompts))
+    ids, mask = np.zeros((6, width), np.int32), np.zeros((6, width), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    ref = np.asarray(rm.generate(model, ids, mask, max_new_tokens=10, eos_token_id=-1))
+    for kw in (dict(), dict(kv_cache="paged", kv_pages=12, page_size=8)):
+        sampler = Sampler(model, slots=4, max_length=32, eos_token_id=-1, **kw)
+        done = sampler.sample(prompts, SamplingParams(max_new_tokens=10))
+        assert [list(c.tokens) for c in done] == ref.tolist(), kw
