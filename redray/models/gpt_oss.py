@@ -51,14 +51,9 @@ class Model(mixtral.Model):
     def layer_kinds(cls, c) -> tuple[str, ...]:
         return ("moe",) * c.num_hidden_layers
 
-    def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
-        self.embed_tokens = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs,
-                                         padding_idx=layers.padding_row(c))
-        self.make_layers(c, lambda kind, r: mixtral.Block(c, kind, rngs=r, dtype=dtype,
-                                                          attention=Attention,
-                                                          experts=_experts), rngs, scan)
-        self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.set_attention(*llama._attention(c))
+    def block(self, c, kind: str, *, rngs, dtype, choices):
+        return llama.Block(c, rngs=rngs, dtype=dtype, choices=choices, attention=Attention,
+                           mlp=_experts)
 
     def auxiliary(self, reports: dict) -> dict:
         return moe.summarize(reports, self.config.num_local_experts)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from redray.models import layers
+from redray.models import layers, moe
 from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, gated, linear, plain, qkv
 from redray.sharding.activations import constrain_rows
@@ -88,9 +88,14 @@ class Attention(nnx.Module):
         self.o_proj = nnx.LinearGeneral((heads, d), hidden, axis=(-2, -1), use_bias=o_bias, **dense)
         self.dropout = nnx.Dropout(getattr(c, "attention_dropout", 0.0) or 0.0, rngs=rngs)
         self.scale = d ** -0.5
-        norm = dict(epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.q_norm, self.k_norm = ((nnx.RMSNorm(d, **norm), nnx.RMSNorm(d, **norm))
-                                    if _qk_norm(c) else (None, None))
+        self.q_norm, self.k_norm = self.qk_norms(c, dict(epsilon=c.rms_norm_eps, dtype=dtype,
+                                                         rngs=rngs))
+
+    def qk_norms(self, c, norm: dict) -> tuple:
+        """The query and key norms (``nnx.RMSNorm``'s arguments ``norm``): Qwen3's over
+        each head's features, or (None, None)."""
+        d = _dims(c)[2]
+        return (nnx.RMSNorm(d, **norm), nnx.RMSNorm(d, **norm)) if _qk_norm(c) else (None, None)
 
     def __call__(self, x, cos, sin, mask, cache, cache_index, train):
         norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
@@ -115,13 +120,27 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, c, *, rngs, dtype):
+    """A pre-norm block: attention, then the MLP (or a mixture of experts, whose report
+    it returns beside (x, layer_cache)).
+
+    Args:
+      c: the ``transformers`` config.
+      choices: the windows and chunks a scanned layer may have (``layers.
+        attention_choices``), where layers differ in their attention.
+      attention, mlp: the classes (called as ``(c, rngs=, dtype=)``) of a family whose
+        attention or MLP differs (gpt-oss's sinks; a ``moe.MoE``).
+    """
+
+    # the MLP's attribute: Hugging Face's name of it (Llama 4's "feed_forward")
+    MLP_NAME = "mlp"
+
+    def __init__(self, c, *, rngs, dtype, choices=((), ()), attention=Attention, mlp=MLP):
         norm = dict(epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.input_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
-        self.self_attn = Attention(c, rngs=rngs, dtype=dtype)
+        self.self_attn = attention(c, rngs=rngs, dtype=dtype)
         self.post_attention_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
-        self.mlp = MLP(c, rngs=rngs, dtype=dtype)
-        self.choices = layers.attention_choices(_attention(c)[1])
+        setattr(self, self.MLP_NAME, mlp(c, rngs=rngs, dtype=dtype))
+        self.choices = choices
 
     def __call__(self, x, cos, sin, mask, *rest):
         """``rest``: (cache, cache_index, train), after this layer's window, chunk and
@@ -132,21 +151,43 @@ class Block(nnx.Module):
         attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
                                          cache_index, train)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), new_cache
+        out, *report = self.mlp_output(self.post_attention_layernorm(x), mask, cache)
+        return (x + out, new_cache, *report)
+
+    def mlp_output(self, h, mask, cache) -> tuple:
+        """(the MLP's output,), or a mixture of experts' (output, report)."""
+        mlp = getattr(self, self.MLP_NAME)
+        if not isinstance(mlp, moe.MoE):
+            return (mlp(h),)
+        # without a cache the mask's key slots are the tokens: padding counts nowhere
+        return mlp(h, mask.kv_valid if cache is None else None)
 
 
 class Model(CausalLM):
     """A LLaMA-family causal LM built from a ``transformers`` config (called as
-    ``CausalLM`` says)."""
+    ``CausalLM`` says). A family built on it names its ``attention`` (rotary tables and
+    each layer's ``layers.LayerAttention``) and its ``block``."""
 
     TOKENS, BLOCKS, FINAL_NORM = "embed_tokens", "layers", "norm"
+
+    @staticmethod
+    def attention(c) -> tuple[tuple, tuple]:
+        """(the rotary tables, each layer's ``layers.LayerAttention``)."""
+        return _attention(c)
+
+    def block(self, c, kind: str, *, rngs, dtype, choices):
+        """One layer of ``kind`` (``layer_kinds``)."""
+        return Block(c, rngs=rngs, dtype=dtype, choices=choices)
 
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         self.embed_tokens = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs,
                                          padding_idx=layers.padding_row(c))
-        self.make_layers(c, lambda kind, r: Block(c, rngs=r, dtype=dtype), rngs, scan)
+        tables, kinds = self.attention(c)
+        choices = layers.attention_choices(kinds)
+        self.make_layers(c, lambda kind, r: self.block(c, kind, rngs=r, dtype=dtype,
+                                                       choices=choices), rngs, scan)
         self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.set_attention(*_attention(c))
+        self.set_attention(tables, kinds)
 
     def key_value_heads(self) -> tuple[int, int]:
         _, kv, d = _dims(self.config)
@@ -162,30 +203,44 @@ trace_inputs = layers.causal_lm_inputs
 def weight_table(config) -> list:
     """Hugging Face tensor names <-> redray parameter paths."""
     c = config.hf if isinstance(config, HFConfig) else config
-    qkv_bias, o_bias = _biases(c)
-    heads, kv, _ = _dims(c)
     mlp_bias = bool(getattr(c, "mlp_bias", False))
-    rows = [plain("model.embed_tokens.weight", "embed_tokens/embedding"),
-            plain("model.norm.weight", "norm/scale")]
-    if not getattr(c, "tie_word_embeddings", False):
-        rows.append(linear("lm_head.weight", "lm_head/kernel"))
+    rows = head_rows(c)
     for i in range(c.num_hidden_layers):
         hf, me = f"model.layers.{i}", f"layers/{i}"
-        rows += [plain(f"{hf}.input_layernorm.weight", f"{me}/input_layernorm/scale"),
-                 plain(f"{hf}.post_attention_layernorm.weight",
-                       f"{me}/post_attention_layernorm/scale")]
-        rows += qkv(tuple(f"{hf}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")),
-                    f"{me}/self_attn/qkv_proj", heads, kv, bias=qkv_bias)
-        if _qk_norm(c):
-            rows += [plain(f"{hf}.self_attn.{n}.weight", f"{me}/self_attn/{n}/scale")
-                     for n in ("q_norm", "k_norm")]
-        rows.append(linear(f"{hf}.self_attn.o_proj.weight", f"{me}/self_attn/o_proj/kernel",
-                           in_dims=2))
-        if o_bias:
-            rows.append(plain(f"{hf}.self_attn.o_proj.bias", f"{me}/self_attn/o_proj/bias"))
+        rows += attention_rows(c, i)
         rows += gated((f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"), f"{me}/mlp/gate_up_proj",
                       bias=mlp_bias)
         rows.append(linear(f"{hf}.mlp.down_proj.weight", f"{me}/mlp/down_proj/kernel"))
         if mlp_bias:
             rows.append(plain(f"{hf}.mlp.down_proj.bias", f"{me}/mlp/down_proj/bias"))
+    return rows
+
+
+def head_rows(c) -> list:
+    """The rows of the token embedding, the final norm and (untied) the LM head."""
+    rows = [plain("model.embed_tokens.weight", "embed_tokens/embedding"),
+            plain("model.norm.weight", "norm/scale")]
+    if not getattr(c, "tie_word_embeddings", False):
+        rows.append(linear("lm_head.weight", "lm_head/kernel"))
+    return rows
+
+
+def attention_rows(c, i: int) -> list:
+    """The rows of layer ``i``'s two norms and its attention (Q, K and V in one kernel,
+    the output, their biases, Qwen3's per-head norms)."""
+    qkv_bias, o_bias = _biases(c)
+    heads, kv, _ = _dims(c)
+    hf, me = f"model.layers.{i}", f"layers/{i}"
+    rows = [plain(f"{hf}.input_layernorm.weight", f"{me}/input_layernorm/scale"),
+            plain(f"{hf}.post_attention_layernorm.weight",
+                  f"{me}/post_attention_layernorm/scale")]
+    rows += qkv(tuple(f"{hf}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")),
+                f"{me}/self_attn/qkv_proj", heads, kv, bias=qkv_bias)
+    if _qk_norm(c):
+        rows += [plain(f"{hf}.self_attn.{n}.weight", f"{me}/self_attn/{n}/scale")
+                 for n in ("q_norm", "k_norm")]
+    rows.append(linear(f"{hf}.self_attn.o_proj.weight", f"{me}/self_attn/o_proj/kernel",
+                       in_dims=2))
+    if o_bias:
+        rows.append(plain(f"{hf}.self_attn.o_proj.bias", f"{me}/self_attn/o_proj/bias"))
     return rows

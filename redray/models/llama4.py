@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redray.models import layers, llama, mixtral, moe, paged
-from redray.models.hub import HFConfig, Tensor, gated, linear, plain, qkv
+from redray.models.hub import HFConfig, Tensor, gated, linear, plain
 
 BASE_PREFIX = llama.BASE_PREFIX
 IGNORED = llama.IGNORED
@@ -74,15 +74,12 @@ def _l2_norm(x, eps: float):
     return (y * jax.lax.rsqrt(jnp.mean(jnp.square(y), -1, keepdims=True) + eps)).astype(x.dtype)
 
 
-class Attention(nnx.Module):
+class Attention(llama.Attention):
+    """LLaMA's attention, rotated in interleaved pairs, with the weightless q/k norm of
+    rotary layers and the temperature scale of NoPE layers."""
+
     def __init__(self, c, *, rngs, dtype):
-        heads, kv, d = llama._dims(c)
-        bias = bool(getattr(c, "attention_bias", False))
-        dense = dict(use_bias=bias, dtype=dtype, rngs=rngs)
-        self.qkv_proj = layers.qkv_projection(c.hidden_size, heads, kv, d, **dense)
-        self.o_proj = nnx.LinearGeneral((heads, d), c.hidden_size, axis=(-2, -1), **dense)
-        self.dropout = nnx.Dropout(getattr(c, "attention_dropout", 0.0) or 0.0, rngs=rngs)
-        self.scale = d ** -0.5
+        super().__init__(c, rngs=rngs, dtype=dtype)
         self.qk_norm = c.rms_norm_eps if c.use_qk_norm else None
 
     def __call__(self, x, cos, sin, mask, temperature, rotary, cache, cache_index, train):
@@ -109,22 +106,23 @@ def _experts(c, *, rngs, dtype) -> moe.MoE:
         renormalize=False, float32_weights=False, dtype=dtype, rngs=rngs)
 
 
-class Block(nnx.Module):
-    """A pre-norm block (attention, then the MLP or the experts: ``kind``); a "moe"
-    layer returns the router's report beside (x, layer_cache)."""
+def _dense(c, *, rngs, dtype) -> llama.MLP:
+    """A dense layer's gated MLP, ``intermediate_size_mlp`` wide."""
+    fields = types.SimpleNamespace(hidden_size=c.hidden_size, hidden_act=c.hidden_act,
+                                   intermediate_size=c.intermediate_size_mlp)
+    return llama.MLP(fields, rngs=rngs, dtype=dtype)
 
-    def __init__(self, c, kind: str, *, rngs, dtype):
-        norm = dict(epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.input_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
-        self.self_attn = Attention(c, rngs=rngs, dtype=dtype)
-        self.post_attention_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
-        dense = types.SimpleNamespace(hidden_size=c.hidden_size, hidden_act=c.hidden_act,
-                                      intermediate_size=c.intermediate_size_mlp)
-        self.feed_forward = _experts(c, rngs=rngs, dtype=dtype) if kind == "moe" else \
-            llama.MLP(dense, rngs=rngs, dtype=dtype)
-        tables, kinds = _attention(c)
-        self.choices = layers.attention_choices(kinds)
-        self.nope = len(tables)  # the identity table's index (layers.layer_inputs)
+
+class Block(llama.Block):
+    """LLaMA's pre-norm block with Llama 4's attention, its MLP or experts (``kind``)
+    under Hugging Face's name (``feed_forward``)."""
+
+    MLP_NAME = "feed_forward"
+
+    def __init__(self, c, kind: str, *, rngs, dtype, choices):
+        super().__init__(c, rngs=rngs, dtype=dtype, choices=choices, attention=Attention,
+                         mlp=_experts if kind == "moe" else _dense)
+        self.nope = len(_attention(c)[0])  # the identity table's index (layers.layer_inputs)
 
     def __call__(self, x, cos, sin, mask, temperature, window, chunk, rope, cache,
                  cache_index, train):
@@ -132,12 +130,8 @@ class Block(nnx.Module):
         attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, temperature,
                                          rope != self.nope, cache, cache_index, train)
         x = x + attn
-        h = self.post_attention_layernorm(x)
-        if not isinstance(self.feed_forward, moe.MoE):
-            return x + self.feed_forward(h), new_cache
-        # without a cache the mask's key slots are the tokens: padding counts nowhere
-        out, report = self.feed_forward(h, mask.kv_valid if cache is None else None)
-        return x + out, new_cache, report
+        out, *report = self.mlp_output(self.post_attention_layernorm(x), mask, cache)
+        return (x + out, new_cache, *report)
 
 
 class Model(llama.Model):
@@ -146,16 +140,17 @@ class Model(llama.Model):
     experts)."""
 
     REPORTS = True
+    attention = staticmethod(_attention)
 
     @classmethod
     def layer_kinds(cls, c) -> tuple[str, ...]:
         return _kinds(c)
 
+    def block(self, c, kind: str, *, rngs, dtype, choices):
+        return Block(c, kind, rngs=rngs, dtype=dtype, choices=choices)
+
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
-        self.embed_tokens = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs,
-                                         padding_idx=layers.padding_row(c))
-        self.make_layers(c, lambda kind, r: Block(c, kind, rngs=r, dtype=dtype), rngs, scan)
-        self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        super().build_parts(c, rngs=rngs, dtype=dtype, scan=scan)
         # every layer gets its own chunk and table, whatever the config
         self.rope_tables, self.layer_attention = _attention(c)
         self.temperature = (float(c.floor_scale), float(c.attn_scale)) \
@@ -182,26 +177,13 @@ trace_inputs = layers.causal_lm_inputs
 
 
 def weight_table(config) -> list:
-    """Hugging Face tensor names <-> redray parameter paths."""
+    """Hugging Face tensor names <-> redray parameter paths: LLaMA's attention, and each
+    layer's dense MLP or experts with their shared expert (``feed_forward``)."""
     c = config.hf if isinstance(config, HFConfig) else config
-    heads, kv, _ = llama._dims(c)
-    bias = bool(getattr(c, "attention_bias", False))
-    rows = [plain("model.embed_tokens.weight", "embed_tokens/embedding"),
-            plain("model.norm.weight", "norm/scale")]
-    if not getattr(c, "tie_word_embeddings", False):
-        rows.append(linear("lm_head.weight", "lm_head/kernel"))
+    rows = llama.head_rows(c)
     for i, kind in enumerate(_kinds(c)):
-        hf, me = f"model.layers.{i}", f"layers/{i}"
-        rows += [plain(f"{hf}.input_layernorm.weight", f"{me}/input_layernorm/scale"),
-                 plain(f"{hf}.post_attention_layernorm.weight",
-                       f"{me}/post_attention_layernorm/scale")]
-        rows += qkv(tuple(f"{hf}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")),
-                    f"{me}/self_attn/qkv_proj", heads, kv, bias=bias)
-        rows.append(linear(f"{hf}.self_attn.o_proj.weight", f"{me}/self_attn/o_proj/kernel",
-                           in_dims=2))
-        if bias:
-            rows.append(plain(f"{hf}.self_attn.o_proj.bias", f"{me}/self_attn/o_proj/bias"))
-        theirs, ours = f"{hf}.feed_forward", f"{me}/feed_forward"
+        rows += llama.attention_rows(c, i)
+        theirs, ours = f"model.layers.{i}.feed_forward", f"layers/{i}/feed_forward"
         if kind == "dense":
             rows += gated((f"{theirs}.gate_proj", f"{theirs}.up_proj"), f"{ours}/gate_up_proj")
             rows.append(linear(f"{theirs}.down_proj.weight", f"{ours}/down_proj/kernel"))

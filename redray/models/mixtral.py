@@ -101,41 +101,10 @@ def _moe(c, *, rngs, dtype) -> moe.MoE:
                 **extra)
 
 
-class Block(nnx.Module):
-    """LLaMA's pre-norm block with experts for its MLP (a "moe" layer: it returns the
-    router's report beside (x, layer_cache)) or LLaMA's gated MLP (a "dense" one)."""
-
-    def __init__(self, c, kind: str, *, rngs, dtype, attention=llama.Attention, experts=None):
-        """``attention``, ``experts``: the classes of a family whose attention or
-        experts differ (gpt-oss), called as ``(c, rngs=, dtype=)``."""
-        self.self_attn = attention(c, rngs=rngs, dtype=dtype)
-        self.mlp = (experts or _moe)(c, rngs=rngs, dtype=dtype) if kind == "moe" else \
-            llama.MLP(c, rngs=rngs, dtype=dtype)
-        norm = dict(epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.input_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
-        self.post_attention_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
-        self.choices = layers.attention_choices(llama._attention(c)[1])
-
-    def __call__(self, x, cos, sin, mask, *rest):
-        """``rest``: (cache, cache_index, train), after this layer's window, chunk and
-        rotary table where layers differ (``layers.layer_view``)."""
-        *own, cache, cache_index, train = rest
-        if own:
-            cos, sin, mask = layers.layer_view(cos, sin, mask, *own, self.choices)
-        attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
-                                         cache_index, train)
-        x = x + attn
-        if not isinstance(self.mlp, moe.MoE):
-            return x + self.mlp(self.post_attention_layernorm(x)), new_cache
-        # without a cache the mask's key slots are the tokens: padding counts nowhere
-        out, report = self.mlp(self.post_attention_layernorm(x),
-                               mask.kv_valid if cache is None else None)
-        return x + out, new_cache, report
-
-
 class Model(llama.Model):
     """A Mixtral, Qwen2-MoE or Qwen3-MoE causal LM built from a ``transformers`` config
-    (called as ``CausalLM`` says; ``aux=True`` adds the router's auxiliary outputs)."""
+    (called as ``CausalLM`` says; ``aux=True`` adds the router's auxiliary outputs).
+    Its blocks are LLaMA's, with experts for the MLP of a "moe" layer."""
 
     REPORTS = True
 
@@ -143,13 +112,13 @@ class Model(llama.Model):
     def layer_kinds(cls, c) -> tuple[str, ...]:
         return _kinds(c)
 
+    def block(self, c, kind: str, *, rngs, dtype, choices):
+        return llama.Block(c, rngs=rngs, dtype=dtype, choices=choices,
+                           mlp=_moe if kind == "moe" else llama.MLP)
+
     def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
         _check(c)
-        self.embed_tokens = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs,
-                                         padding_idx=layers.padding_row(c))
-        self.make_layers(c, lambda kind, r: Block(c, kind, rngs=r, dtype=dtype), rngs, scan)
-        self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.set_attention(*llama._attention(c))
+        super().build_parts(c, rngs=rngs, dtype=dtype, scan=scan)
 
     def auxiliary(self, reports: dict) -> dict:
         if reports is None:

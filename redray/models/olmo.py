@@ -47,17 +47,13 @@ def _attention(c) -> tuple[tuple, tuple]:
                               rope=index[kind]) for kind in kinds)
 
 
-class Attention(nnx.Module):
-    def __init__(self, c, *, rngs, dtype):
+class Attention(llama.Attention):
+    """LLaMA's attention with queries and keys RMS-normalized over the whole projection
+    before RoPE."""
+
+    def qk_norms(self, c, norm: dict) -> tuple:
         heads, kv, d = llama._dims(c)
-        bias = bool(getattr(c, "attention_bias", False))
-        dense = dict(use_bias=bias, dtype=dtype, rngs=rngs)
-        self.qkv_proj = layers.qkv_projection(c.hidden_size, heads, kv, d, **dense)
-        self.o_proj = nnx.LinearGeneral((heads, d), c.hidden_size, axis=(-2, -1), **dense)
-        self.dropout = nnx.Dropout(getattr(c, "attention_dropout", 0.0) or 0.0, rngs=rngs)
-        self.scale = d ** -0.5
-        norm = dict(epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.q_norm, self.k_norm = nnx.RMSNorm(heads * d, **norm), nnx.RMSNorm(kv * d, **norm)
+        return nnx.RMSNorm(heads * d, **norm), nnx.RMSNorm(kv * d, **norm)
 
     def __call__(self, x, cos, sin, mask, cache, cache_index, train):
         q, k, v = layers.split_qkv(self.qkv_proj(x))
@@ -70,13 +66,15 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, c, *, rngs, dtype):
+    """A post-norm block: attention and the MLP each normalized before the residual."""
+
+    def __init__(self, c, *, rngs, dtype, choices):
         norm = dict(epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.self_attn = Attention(c, rngs=rngs, dtype=dtype)
         self.post_attention_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
         self.mlp = llama.MLP(c, rngs=rngs, dtype=dtype)
         self.post_feedforward_layernorm = nnx.RMSNorm(c.hidden_size, **norm)
-        self.choices = layers.attention_choices(_attention(c)[1])
+        self.choices = choices
 
     def __call__(self, x, cos, sin, mask, *rest):
         """``rest``: (cache, cache_index, train), after this layer's window, chunk and
@@ -93,12 +91,10 @@ class Model(llama.Model):
     """An OLMo 3 causal LM built from a ``transformers`` config (called as ``CausalLM``
     says)."""
 
-    def build_parts(self, c, *, rngs: nnx.Rngs, dtype, scan: bool):
-        self.embed_tokens = layers.Embed(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs,
-                                         padding_idx=layers.padding_row(c))
-        self.make_layers(c, lambda kind, r: Block(c, rngs=r, dtype=dtype), rngs, scan)
-        self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.set_attention(*_attention(c))
+    attention = staticmethod(_attention)
+
+    def block(self, c, kind: str, *, rngs, dtype, choices):
+        return Block(c, rngs=rngs, dtype=dtype, choices=choices)
 
 
 trace_inputs = layers.causal_lm_inputs
