@@ -295,3 +295,56 @@ def test_the_sampler_completes_as_generate_does(name):
         sampler = Sampler(model, slots=4, max_length=32, eos_token_id=-1, **kw)
         done = sampler.sample(prompts, SamplingParams(max_new_tokens=10))
         assert [list(c.tokens) for c in done] == ref.tolist(), kw
+
+
+@pytest.mark.parametrize("fields", [
+    dict(model_type="gpt_oss"),  # its default: factor 32, truncate False
+    dict(model_type="llama", rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4,
+                                                  original_max_position_embeddings=512)),
+    dict(model_type="qwen3", max_position_embeddings=65536, rope_parameters=dict(
+        rope_type="yarn", factor=None, rope_theta=1e6, original_max_position_embeddings=4096,
+        mscale=0.707, mscale_all_dim=1.0, beta_fast=16, beta_slow=2)),
+    dict(model_type="llama", rope_parameters=dict(rope_type="yarn", factor=8.0, rope_theta=1e4,
+                                                  original_max_position_embeddings=512,
+                                                  attention_factor=1.5))],
+    ids=["gpt_oss", "plain", "ratio_mscale", "attention_factor"])
+def test_yarn_is_transformers_own(fields):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from redray.models import layers
+
+    fields = dict(fields)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    inv, scale = ROPE_INIT_FUNCTIONS["yarn"](config)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = config.rope_parameters
+    np.testing.assert_allclose(
+        layers.rope_inv_freq(rope, dim, max_positions=config.max_position_embeddings),
+        inv.numpy(), rtol=1e-6, atol=0)
+    assert layers.rope_scale(rope, config.max_position_embeddings) == pytest.approx(scale,
+                                                                                   rel=1e-12)
+
+
+def test_a_sharded_export_with_its_tokenizer_and_chat_template(tmp_path):
+    """``save_pretrained`` of a 2026 family: sharded files and their index, the tokenizer's
+    files and its chat template copied; transformers reads it all back."""
+    from hf_tiny import gpt2_tokenizer
+
+    hf = hf_model("smollm3", str(tmp_path / "hf"))
+    tokenizer = gpt2_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}" \
+                              "{% endfor %}"
+    tokenizer.save_pretrained(str(tmp_path / "tok"))
+    model = rm.from_pretrained(str(tmp_path / "hf"))
+    out = tmp_path / "out"
+    rm.save_pretrained(model, str(out), max_shard_bytes=20_000, tokenizer=str(tmp_path / "tok"))
+    with open(out / "model.safetensors.index.json") as f:
+        shards = set(json.load(f)["weight_map"].values())
+    assert len(shards) > 1 and all((out / name).exists() for name in shards)
+    assert (out / "chat_template.jinja").exists()
+    back = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert back.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        "<|user|>hi"
+    np.testing.assert_allclose(
+        hf_logits(transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval(), IDS),
+        hf_logits(hf, IDS), atol=1e-5, rtol=0)
