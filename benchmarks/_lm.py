@@ -14,6 +14,9 @@ import numpy as np
 import optax
 
 FAMILIES = ("gpt2", "llama", "opt", "gptj", "t5")
+# redray's own families with experts, configured by ``config`` too: 4 experts each
+MOE_FAMILIES = ("gpt_oss", "llama4")
+EXPERTS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +36,14 @@ TINY = Sizes(layers=1, hidden=64, heads=4, intermediate=128, vocab=128, batch=4,
 
 def config(family: str, s: Sizes):
     """The ``transformers`` config of a model of ``family`` at sizes ``s`` (no dropout,
-    untied LM head where the family allows it)."""
+    untied LM head where the family allows it).
+
+    ``gpt_oss``: ``EXPERTS`` experts, top-2, a sink per head, biases on the attention,
+    the router and the experts, a window of seq/2 in its even layers (0, 2, ...), YaRN.
+    ``llama4``: a dense and a MoE layer in turn (``interleave_moe_layer_step=2``), top-1
+    of ``EXPERTS`` experts beside a shared expert (both ``intermediate`` wide, as the
+    dense MLP), chunks of seq/4 in its rotary layers, every fourth layer NoPE with its
+    queries' temperature counted in steps of seq/4."""
     import transformers as hf
 
     gpt = dict(n_layer=s.layers, n_embd=s.hidden, n_head=s.heads, n_inner=s.intermediate,
@@ -58,7 +68,22 @@ def config(family: str, s: Sizes):
                            num_heads=s.heads, d_ff=s.intermediate, num_layers=s.layers,
                            num_decoder_layers=s.layers, dropout_rate=0.0,
                            feed_forward_proj="relu")
-    raise ValueError(f"family {family!r}: choose from {', '.join(FAMILIES)}")
+    moe = dict(num_hidden_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
+               num_key_value_heads=s.heads, head_dim=s.hidden // s.heads,
+               intermediate_size=s.intermediate, num_local_experts=EXPERTS,
+               vocab_size=s.vocab, max_position_embeddings=s.seq, tie_word_embeddings=False)
+    if family == "gpt_oss":
+        return hf.AutoConfig.for_model(
+            "gpt_oss", **moe, num_experts_per_tok=2, sliding_window=s.seq // 2,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "rope_theta": 1.5e5,
+                             "original_max_position_embeddings": s.seq // 4})
+    if family == "llama4":
+        return hf.AutoConfig.for_model(
+            "llama4_text", **moe, num_experts_per_tok=1, intermediate_size_mlp=s.intermediate,
+            interleave_moe_layer_step=2, attention_chunk_size=s.seq // 4,
+            floor_scale=s.seq // 4)
+    raise ValueError(f"family {family!r}: choose from {', '.join(FAMILIES + MOE_FAMILIES)}")
 
 
 def collate(examples):

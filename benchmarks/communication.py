@@ -5,6 +5,8 @@ Every case is redray's real training step (``redray.Trainer``, Adam, ``model_axi
 ``compiled.as_text()`` is counted (``redray.sharding.collectives``: all-reduce,
 all-gather, reduce-scatter, all-to-all, collective-permute; an all-gather counts its
 gathered size, a tuple all-reduce every operand) and divided by the ideal.
+``detail.idle_bytes`` is the part of those bytes in collectives each of whose device
+groups holds one device (an all-reduce over mesh axes of size 1), which move nothing.
 
 Cases (``communication/<case>``), language models at 2 layers, hidden 256, 4 heads,
 intermediate 1024, vocabulary 1024, batch 8 x sequence 128:
@@ -25,6 +27,15 @@ intermediate 1024, vocabulary 1024, batch 8 x sequence 128:
   layers on named axes) in a 15-line NNX wrapper (``benchmarks/_others.py``).
 * ``dense12``: a Linen MLP of 12 auto-named ``Dense`` layers, 256 -> 512 x 11 -> 16,
   batch 64 (MEASURED.md's MLP, deeper).
+* ``gpt_oss``, ``llama4``: redray's own gpt-oss and Llama 4 (text) at the sizes above,
+  with 4 experts (the model axis splits each expert's inner width, as ``moe_tp``'s
+  Megatron specs do; the routers whole). gpt-oss: 2 layers, top-2 of the experts,
+  a sink per head, biases on every attention projection, on the router and on the
+  experts, a window of S/2 in its first layer, YaRN. Llama 4: 4 layers, a dense and a
+  MoE layer in turn (``interleave_moe_layer_step=2``), chunks of S/4 in the first three
+  and none in the fourth (NoPE), the MoE layers' top-1 expert (its sigmoid scaling the
+  token before the expert) beside a shared expert of the same width. The dense MLP is
+  ``intermediate`` wide.
 * ``moe_tp``: two NNX mixture-of-experts LMs written as a user writes them
   (``benchmarks/_others.py``): separate Q, K, V and O, a router, and 4 SwiGLU experts run
   densely on every token and mixed by the top-2 router weights, the experts either
@@ -43,6 +54,23 @@ sequence S, hidden H), is the fewest all-reduces tensor parallelism needs:
   input gradient of the vocabulary-parallel LM head; 3 of B*S floats for the
   vocabulary-parallel cross-entropy (max, sum of exponentials, the label's logit); 1
   scalar (the gradient norm).
+* a decoder with mixture-of-experts layers (``gpt_oss``, ``llama4``), L layers of
+  which L_moe have experts, k of them per token: ``(4L + 2) * A + L_moe * B*S*k*4 +
+  3 * B*S*4 + 4``. A MoE layer is a sublayer like an MLP: each device computes its share
+  of the inner width of every expert a token uses (and of Llama 4's shared expert) and
+  of the output projections, so the experts' outputs, weighted and added (with the
+  shared expert's), are one partial sum: 1 forward all-reduce; the input gradients of
+  every expert's and the shared expert's gate/up, summed, 1 backward. The routers are
+  whole (their logits pick experts) and read the replicated normed input: their
+  gradients need nothing, but the routing weights' gradients do: a weight multiplies an
+  expert output that is a partial sum until the forward all-reduce (gpt-oss), or scales
+  the token whose gradient is one until the backward one (Llama 4), so its gradient (its
+  dot product with the output's or the input's gradient) is a partial sum too: one
+  all-reduce of B*S*k floats per MoE layer. gpt-oss's sinks, one per head, split with
+  the heads, and so do the attention projections' biases but the output's (added after
+  the all-reduce, whole); the router's bias is whole; the experts' gate/up biases split
+  with their inner width; their down biases are added after the all-reduce (whole):
+  none of them communicates.
 * parallel residual (``gptj``, ``parallel_residual``): ``(2L + 2) * A + 3 * B*S*4 + 4``,
   as GPT-J's own implementation (mesh-transformer-jax) reduces it: one forward
   all-reduce per layer of the attention and MLP outputs added, one backward of the input
@@ -124,7 +152,17 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _lm import FAMILIES, FULL, TINY, Sizes, collate, config, loss, seq2seq_loss  # noqa: E402
+from _lm import (  # noqa: E402
+    FAMILIES,
+    FULL,
+    MOE_FAMILIES,
+    TINY,
+    Sizes,
+    collate,
+    config,
+    loss,
+    seq2seq_loss,
+)
 from common import HERE, figure, parser, save, simulate_devices  # noqa: E402
 
 simulate_devices(4)
@@ -137,7 +175,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import redray  # noqa: E402
 from redray.models import build  # noqa: E402
 from redray.sharding import flatten, placement  # noqa: E402
-from redray.sharding.collectives import collectives, summarize, total_bytes  # noqa: E402
+from redray.sharding.collectives import (  # noqa: E402
+    collectives,
+    device_groups,
+    summarize,
+    total_bytes,
+)
 
 MODEL_AXIS = 4
 COMMAND = "python benchmarks/communication.py"
@@ -146,12 +189,13 @@ COMMAND = "python benchmarks/communication.py"
 KIND = {"gpt2": "decoder", "llama": "decoder", "opt": "decoder", "gptj": "parallel",
         "t5": "t5", "separate_qkv": "decoder", "parallel_residual": "parallel",
         "gpt2_layout": "decoder", "gemma": "decoder", "penzai_llama": "decoder",
-        "dense12": "mlp"}
+        "dense12": "mlp", "gpt_oss": "moe", "llama4": "moe"}
 MOE_TP = "moe_tp"  # the rules against hand-written specs on user-written MoE LMs
 MOE_EP = "moe_ep"  # expert parallelism's all-to-alls against their ideal
 EXPERTS, TOP_K = 4, 2  # redray's Mixtral of the moe_ep case
 CASES = (*KIND, MOE_TP, MOE_EP)
-TINY_CASES = ("llama", "t5", "separate_qkv", "parallel_residual", "dense12", MOE_TP, MOE_EP)
+TINY_CASES = ("llama", "t5", "separate_qkv", "parallel_residual", "dense12", *MOE_FAMILIES,
+              MOE_TP, MOE_EP)
 # Cases redco's rules are also measured on, in redray's step (separate_qkv's tree with
 # Hugging Face Flax LLaMA names), and those compiled by redco's own step too.
 REDCO_CASES = (*FAMILIES, "separate_qkv", "dense12")
@@ -177,6 +221,18 @@ def examples(family: str, s: Sizes) -> list[dict]:
     return [{"ids": r[0]} for r in rows]
 
 
+def moe_sizes(case: str, s: Sizes) -> Sizes:
+    """The sizes of redray's own MoE family ``case``: Llama 4 at twice the layers (a
+    dense and a MoE layer for each of the other cases' layers)."""
+    return dataclasses.replace(s, layers=s.layers * (2 if case == "llama4" else 1))
+
+
+def moe_layers(c) -> int:
+    """How many of a config's layers have experts (gpt-oss: all)."""
+    moe = getattr(c, "moe_layers", None)
+    return c.num_hidden_layers if moe is None else len(moe)
+
+
 def ideal(case: str, s: Sizes, m: MlpSizes = MLP_FULL) -> dict:
     """The fewest bytes tensor parallelism moves for ``case`` (see the module docstring):
     bytes, the activation all-reduces by kind, and Megatron-LM's per-sublayer total."""
@@ -194,6 +250,16 @@ def ideal(case: str, s: Sizes, m: MlpSizes = MLP_FULL) -> dict:
         terms = {"encoder activations (A_e)": 4 * s.layers + 2,
                  "decoder activations (A_d)": 6 * s.layers + 2}
         megatron = s.layers - 1  # one encoder-output reduction per decoder layer
+    elif kind == "moe":
+        c = config(case, moe_sizes(case, s))
+        top_k = c.num_experts_per_tok
+        routing = moe_layers(c) * s.batch * s.seq * top_k * 4
+        total = (4 * c.num_hidden_layers + 2) * act + routing + 3 * tokens + 4
+        return {"bytes": total, "activation_bytes": act,
+                "activation_all_reduces": {"activations (A)": 4 * c.num_hidden_layers + 2},
+                "routing_weight_bytes": routing, "megatron_bytes": total,
+                "cross_entropy_bytes": 3 * tokens, "scalar_bytes": 4,
+                "layers": c.num_hidden_layers, "moe_layers": moe_layers(c), "top_k": top_k}
     elif kind == "parallel":
         terms = {"activations (A)": 2 * s.layers + 2}
         megatron = 2 * s.layers  # attention and MLP reduced apart, forward and backward
@@ -217,6 +283,9 @@ def setup(case: str, s: Sizes, m: MlpSizes = MLP_FULL, rules=(),
         # scanned step holds one loop body, which the count would see once)
         model, loss_fn = (lambda rngs: build(c, rngs=rngs, scan=False)), \
             (seq2seq_loss if case == "t5" else loss)
+    elif case in MOE_FAMILIES:
+        c = config(case, moe_sizes(case, s))
+        model, loss_fn = (lambda rngs: build(c, rngs=rngs, scan=False)), loss
     elif case == "dense12":
         model, loss_fn, make = _others.dense_stack(m.width, m.classes, m.inputs, m.depth)
         return _trainer(model, loss_fn, m.batch, rules), make(m.batch)
@@ -381,15 +450,16 @@ def measure(case: str, s: Sizes, m: MlpSizes, redco_python: str | None) -> list[
     if case == MOE_EP:
         return measure_moe_ep(s)
     want = ideal(case, s, m)
-    sizes = dataclasses.asdict(m if KIND[case] == "mlp" else s)
+    sizes = dataclasses.asdict(m if KIND[case] == "mlp" else
+                               moe_sizes(case, s) if case in MOE_FAMILIES else s)
     trainer, data = setup(case, s, m)
     found = step_collectives(trainer, data)
     figures = [figure(f"communication/{case}", total_bytes(found) / want["bytes"], "x",
                       f"ideal, {want['bytes']:,} B (model axis {MODEL_AXIS}; module docstring)",
                       None if case == "gpt2_layout" else "<= 1.1", COMMAND,
                       bytes=total_bytes(found), ideal=want,
-                      collectives=_nonzero(summarize(found)), sizes=sizes,
-                      **memory_detail(trainer))]
+                      collectives=_nonzero(summarize(found)), idle_bytes=idle_bytes(found),
+                      sizes=sizes, **memory_detail(trainer))]
     unfused, _ = setup(case, s, m)
     unfused.runtime.train_apply = unfused.runtime.apply  # the step as XLA alone reduces it
     found = step_collectives(unfused, data)
@@ -397,7 +467,8 @@ def measure(case: str, s: Sizes, m: MlpSizes, redco_python: str | None) -> list[
         f"communication/{case}/unfused", total_bytes(found) / want["bytes"], "x",
         "the same ideal; redray's step without fuse_reductions (each partial sum reduced "
         "where XLA makes it)", None, COMMAND, bytes=total_bytes(found),
-        ideal_bytes=want["bytes"], collectives=_nonzero(summarize(found)), sizes=sizes))
+        ideal_bytes=want["bytes"], collectives=_nonzero(summarize(found)),
+        idle_bytes=idle_bytes(found), sizes=sizes))
     if redco_python is not None and case in REDCO_CASES:
         rules = redco_rules(setup(case, s, m, hf_names=True)[0], redco_python)
         redco_trainer, _ = setup(case, s, m, rules=rules, hf_names=True)
@@ -419,6 +490,13 @@ def measure(case: str, s: Sizes, m: MlpSizes, redco_python: str | None) -> list[
                 COMMAND, bytes=total_bytes(found), ideal_bytes=want["bytes"],
                 collectives=_nonzero(summarize(found)), sizes=sizes))
     return figures
+
+
+def idle_bytes(found) -> int:
+    """Bytes of the collectives each of whose device groups holds one device: they move
+    nothing (an all-reduce over mesh axes of size 1)."""
+    return sum(c.bytes for c in found
+               if all(len(g) <= 1 for g in device_groups(c, MODEL_AXIS)))
 
 
 def _nonzero(summary: dict) -> dict:

@@ -11,6 +11,16 @@ setting and round, alternating, the median; each round's ratio in ``detail``).
 Targets <= 1.3 and <= 2.0. The same with the layers as a list (one copy of the block
 per layer) is in ``detail``.
 
+``compile/hlo_lines_48_over_4/llama4``: the same count for a Llama-4-shaped model
+(``_lm.config("llama4", ...)``: a dense and a MoE layer in turn, 4 experts top-1 beside
+a shared expert, chunks of 32 tokens in its rotary layers, every fourth layer NoPE;
+hidden 256, 4 heads, intermediate 1024, the same batch, optimizer, mesh and remat), its
+layers stacked as one period of a dense and a MoE layer (``layers.Period``) and scanned,
+at 48 layers over 4: 24 periods over 2, whose per-layer chunks and rotary tables are
+the scan's inputs. The compile seconds of each round (a fresh Trainer per depth,
+alternating) and the compiled program's loops' trip counts are in ``detail``.
+Target <= 1.3.
+
 ``compile/scanned_step_over_listed_32``: the time of that 32-layer step itself (3 steps
 after an untimed one, per round and setting, in the same alternating rounds), scanned
 over listed: what making scanned layers every family's default costs or saves a step.
@@ -23,7 +33,7 @@ folder already holding the run's programs (what ``redray.fit`` keeps in
 ``<storage>/<name>/compile_cache``, ``redray/engine/compile_cache.py``) over the same
 with an empty one. Fresh processes, alternating, the median of each. Target <= 0.5.
 
-    python benchmarks/compilation.py [--rounds 3]
+    python benchmarks/compilation.py [--rounds 3] [--only restart depth llama4]
 """
 
 import json
@@ -127,18 +137,75 @@ def depth_figures(tiny: bool, rounds: int) -> list[dict]:
                    steps_per_round=STEPS, rounds=rounds)]
 
 
+def llama4_depth_figure(tiny: bool, rounds: int) -> dict:
+    """``compile/hlo_lines_48_over_4/llama4``: the scanned Llama 4 step's lines at 48
+    layers over 4 (``tiny``: 8 over 4); ``rounds`` fresh Trainers per depth, alternating,
+    their compile seconds beside."""
+    import re
+
+    import optax
+
+    import redray
+    from redray.models import build
+
+    base = TINY if tiny else SIZES
+    shallow, deep = 4, 8 if tiny else 48
+    rows = np.random.default_rng(0).integers(1, base.vocab, (base.batch, base.seq + 1), np.int32)
+    data = [{"ids": r} for r in rows]
+    lines, seconds, trips = {}, {}, {}
+    for _ in range(rounds):
+        for layers in (shallow, deep):
+            c = config("llama4", Sizes(**{**base.__dict__, "layers": layers}))
+            trainer = redray.Trainer(
+                lambda rngs, c=c: build(c, rngs=rngs, scan=True, remat="full"), collate,
+                loss, optax.adam(1e-3), batch_size=base.batch, model_axis=2, progress=False)
+            trainer.init(data)
+            start = time.perf_counter()
+            text = trainer.compiled_step().as_text()
+            seconds.setdefault(layers, []).append(time.perf_counter() - start)
+            lines[layers] = len(text.splitlines())
+            trips[layers] = sorted(int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"',
+                                                              text))
+    return figure(f"compile/hlo_lines_{deep}_over_{shallow}/llama4", lines[deep] / lines[shallow],
+                  "x", f"the same scanned Llama 4 step at {shallow} layers", "<= 1.3", COMMAND,
+                  lines=lines, seconds=seconds, loop_trip_counts=trips,
+                  seconds_ratio=float(np.median(seconds[deep]) / np.median(seconds[shallow])),
+                  layers=[shallow, deep], rounds=rounds)
+
+
+GROUPS = ("restart", "depth", "llama4")  # the figures, by group (``--only``)
+
+
 def main(argv=None):
     ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", nargs="*", choices=GROUPS,
+                    help="these groups of figures: restart (restart_with_cache_over_cold), "
+                         "depth (LLaMA's *_32_over_2), llama4 (hlo_lines_48_over_4/llama4); "
+                         "default: all")
     ap.add_argument("--first-step", help=__import__("argparse").SUPPRESS)
     args = ap.parse_args(argv)
     if args.first_step:
         return first_step(args.first_step, args.tiny)
     rounds = 1 if args.tiny else args.rounds
+    groups = args.only or GROUPS
+    figures = []
+    if "restart" in groups:
+        figures.append(restart_figure(args.tiny, rounds))
+    if "depth" in groups:
+        figures += depth_figures(args.tiny, rounds)
+    if "llama4" in groups:
+        figures.append(llama4_depth_figure(args.tiny, rounds))
+    save(figures, args.out)
+
+
+def restart_figure(tiny: bool, rounds: int) -> dict:
+    """``compile/restart_with_cache_over_cold``: fresh processes' first steps with the
+    run's cache filled over empty, alternating, the medians."""
     times = {"cold": [], "cached": []}
     with tempfile.TemporaryDirectory(prefix="redray-compile-") as work:
         warm = os.path.join(work, "warm")
-        run = [sys.executable, os.path.join(HERE, "compilation.py")] + (["--tiny"] if args.tiny
+        run = [sys.executable, os.path.join(HERE, "compilation.py")] + (["--tiny"] if tiny
                                                                      else [])
         subprocess.run(run + ["--first-step", warm], check=True, capture_output=True)  # fills
         for r in range(rounds):
@@ -150,9 +217,9 @@ def main(argv=None):
                     raise RuntimeError(done.stderr[-4000:])
                 times[name].append(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
     ratio = float(np.median(times["cached"]) / np.median(times["cold"]))
-    save([figure("compile/restart_with_cache_over_cold", ratio, "x",
-                 "the same fresh process with an empty compilation cache", "<= 0.5", COMMAND,
-                 seconds=times, rounds=rounds)] + depth_figures(args.tiny, rounds), args.out)
+    return figure("compile/restart_with_cache_over_cold", ratio, "x",
+                  "the same fresh process with an empty compilation cache", "<= 0.5", COMMAND,
+                  seconds=times, rounds=rounds)
 
 
 if __name__ == "__main__":
