@@ -232,7 +232,8 @@ def layer_view(cos, sin, mask, window, chunk, rope, choices: tuple):
     its own ``layer_inputs`` (Python values, or a scanned layer's int32 scalars);
     ``choices``: ``attention_choices``' pair."""
     windows, chunks = choices
-    mask = mask.windowed(window, windows)
+    if windows:  # where no layer has a window, none: a traced "every key" would keep the
+        mask = mask.windowed(window, windows)  # fused kernels off (their window is static)
     if chunks:
         mask = mask.chunked(chunk, mask.q_positions, chunks)
     return cos[:, rope], sin[:, rope], mask

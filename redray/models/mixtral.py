@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import types
 
-import jax
 from flax import nnx
 
 from redray.models import layers, llama, moe
@@ -69,7 +68,9 @@ def _check(c) -> None:
 class SharedExpertMoE(moe.MoE):
     """Routed experts (``moe.MoE``, whose arguments it takes) plus a shared expert of
     width ``shared``, a gated MLP every token runs through: Qwen2-MoE's, weighed by
-    sigmoid(``shared_expert_gate``(x)); Llama 4's (``gated=False``) added as it is."""
+    sigmoid(``shared_expert_gate``(x)); Llama 4's (``gated=False``) added as it is. On a
+    plan it is computed beside the routed experts (``MoE.routed``), its inner width
+    split over the model axis as theirs, so one all-reduce sums both."""
 
     def __init__(self, hidden: int, *args, shared: int, act: str, dtype, rngs: nnx.Rngs,
                  gated: bool = True, **kwargs):
@@ -81,12 +82,12 @@ class SharedExpertMoE(moe.MoE):
             self.shared_expert_gate = nnx.Linear(hidden, 1, use_bias=False, dtype=dtype,
                                                  rngs=rngs)
 
-    def __call__(self, x, valid=None) -> tuple:
-        out, report = super().__call__(x, valid)
-        shared = self.shared_expert(x)
+    def shared_kernels(self) -> tuple:
+        expert = self.shared_expert
+        kernels = (expert.gate_up_proj.kernel[...], expert.down_proj.kernel[...])
         if hasattr(self, "shared_expert_gate"):
-            shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
-        return out + shared.astype(out.dtype), report
+            kernels += (self.shared_expert_gate.kernel[...],)
+        return tuple(k.astype(self.dtype) for k in kernels)
 
 
 def _moe(c, *, rngs, dtype) -> moe.MoE:

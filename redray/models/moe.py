@@ -82,6 +82,7 @@ from redray.models import layers
 from redray.models.hub import Tensor, linear
 from redray.sharding.activations import context_split, traced_mesh
 from redray.sharding.parallelism import BATCH_AXES, CONTEXT, EXPERT, MODEL
+from redray.sharding.rules import axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +225,7 @@ class MoE(nnx.Module):
         bias = self.gate_up_bias[...].astype(self.dtype) if hasattr(self, "gate_up_bias") \
             else jnp.zeros((experts, 2, 1), self.dtype)
         ffn = ExpertFn(self.gated, self.sigmoid_inputs)
+        shared = self.shared_kernels()
 
         def capacity(n: int) -> int | None:  # per device, over its own tokens
             return expert_capacity(self.capacity_factor, n, self.top_k, experts)
@@ -240,6 +242,8 @@ class MoE(nnx.Module):
         if mesh is None:
             out, kept = dispatch(x, chosen, weights, gate_up, bias, down, ffn,
                                  capacity(x.shape[0]))
+            if shared:
+                out = out + self.shared_output(x, *shared).astype(out.dtype)
             return out.reshape(*lead, -1), kept.reshape(*lead, -1)
         ways, inner = mesh.shape[EXPERT.name], mesh.shape[MODEL.name]
         if experts % ways:
@@ -248,26 +252,63 @@ class MoE(nnx.Module):
         by_expert = EXPERT.name if ways > 1 else None
         by_model = MODEL.name if inner > 1 and gate_up.shape[-1] % inner == 0 else None
         bias_by_model = by_model if bias.shape[-1] == gate_up.shape[-1] else None
+        # a shared expert's inner width splits over model too: one all-reduce for both
+        shared_by_model = MODEL.name if shared and inner > 1 and \
+            shared[0].shape[-1] % inner == 0 else None
+        summed = by_model or shared_by_model
 
-        def local(tokens, chosen, weights, gate_up, bias, down):
+        def local(tokens, chosen, weights, gate_up, bias, down, *shared):
             shape = tokens.shape[:-1]  # (rows, its part of the sequence) on a context axis
             tokens, chosen, weights = (a.reshape(-1, a.shape[-1])
                                        for a in (tokens, chosen, weights))
+            if summed is not None:
+                # the tokens vary over model from here: their gradient's sum over it is
+                # taken once, on the tokens, not on each token's k assignments
+                tokens = jax.lax.pcast(tokens, (summed,), to="varying")
             if by_expert is None:
                 out, kept = dispatch(tokens, chosen, weights, gate_up, bias, down, ffn,
                                      capacity(tokens.shape[0]))
             else:
                 out, kept = exchange(tokens, chosen, weights, gate_up, bias, down, ffn,
                                      capacity(tokens.shape[0]), by_expert, ways)
-            if by_model is not None:  # each device summed over its share of the width
-                out = jax.lax.psum(out, by_model)
+            if shared:
+                out = out + self.shared_output(tokens, *shared).astype(out.dtype)
+            if summed is not None:  # each device summed over its share of the widths
+                out = jax.lax.psum(out, summed)
             return out.reshape(*shape, -1), kept.reshape(*shape, -1)
 
-        out, kept = jax.shard_map(local, mesh=mesh, in_specs=(
-            rows, rows, rows, P(by_expert, None, None, by_model),
-            P(by_expert, None, bias_by_model), P(by_expert, by_model)),
-            out_specs=(rows, rows))(x, chosen, weights, gate_up, bias, down)
+        # The kernels name the mesh's axes of one device on a dimension of theirs: a
+        # split over them is no split, and their gradients need no sum over them, which
+        # the shard_map's transpose would write as all-reduces over one device each
+        # (XLA:CPU keeps those; they move nothing)
+        one = tuple(a for a in mesh.axis_names if mesh.shape[a] == 1) or None
+        # the tokens, their choices and the outputs name those not among their rows' on
+        # their last dimension
+        rest = tuple(a for a in one or () if a not in {n for e in rows for n in axes_of(e)})
+        result = P(*rows, rest or None)
+        specs = [result, result, result, P(by_expert, one, None, by_model),
+                 P(by_expert, one, bias_by_model), P(by_expert, by_model, one)]
+        if shared:  # the shared expert's gate and up, down, and its gate's kernel
+            specs += [P(one, None, shared_by_model), P(shared_by_model, one),
+                      P(one, None)][:len(shared)]
+        out, kept = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
+                                  out_specs=(result, result))(x, chosen, weights, gate_up,
+                                                              bias, down, *shared)
         return out.reshape(*lead, -1), kept.reshape(*lead, -1)
+
+    def shared_kernels(self) -> tuple:
+        """A shared expert's kernels (``mixtral.SharedExpertMoE``): (gate and up (hidden,
+        2, inner), down (inner, hidden)[, its gate (hidden, 1)]); () where none."""
+        return ()
+
+    def shared_output(self, tokens, gate_up, down, gate=None):
+        """The shared expert's output for ``tokens`` (..., hidden) from its kernels (on a
+        plan, each device's share of its inner width: a partial sum)."""
+        h = jnp.einsum("...h,hpi->...pi", tokens, gate_up)
+        out = (self.act(h[..., 0, :]) * h[..., 1, :]) @ down
+        if gate is not None:
+            out = jax.nn.sigmoid(tokens @ gate) * out
+        return out
 
 
 # rows (m, hidden) x kernels (experts, hidden, 2, inner) -> (m, 2, inner), row groups
