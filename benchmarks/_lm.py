@@ -17,6 +17,8 @@ FAMILIES = ("gpt2", "llama", "opt", "gptj", "t5")
 # redray's own families with experts, configured by ``config`` too: 4 experts each
 MOE_FAMILIES = ("gpt_oss", "llama4")
 EXPERTS = 4
+# the dense 2026 families, configured by ``config`` too
+DENSE_2026 = ("olmo3", "smollm3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +45,9 @@ def config(family: str, s: Sizes):
     ``llama4``: a dense and a MoE layer in turn (``interleave_moe_layer_step=2``), top-1
     of ``EXPERTS`` experts beside a shared expert (both ``intermediate`` wide, as the
     dense MLP), chunks of seq/4 in its rotary layers, every fourth layer NoPE with its
-    queries' temperature counted in steps of seq/4."""
+    queries' temperature counted in steps of seq/4.
+    ``olmo3``: post-norm blocks, whole-projection q/k norms, a window of seq/2 in its
+    even layers. ``smollm3``: every second layer NoPE."""
     import transformers as hf
 
     gpt = dict(n_layer=s.layers, n_embd=s.hidden, n_head=s.heads, n_inner=s.intermediate,
@@ -83,7 +87,19 @@ def config(family: str, s: Sizes):
             "llama4_text", **moe, num_experts_per_tok=1, intermediate_size_mlp=s.intermediate,
             interleave_moe_layer_step=2, attention_chunk_size=s.seq // 4,
             floor_scale=s.seq // 4)
-    raise ValueError(f"family {family!r}: choose from {', '.join(FAMILIES + MOE_FAMILIES)}")
+    dense = dict(num_hidden_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
+                 num_key_value_heads=s.heads, intermediate_size=s.intermediate,
+                 vocab_size=s.vocab, max_position_embeddings=s.seq, tie_word_embeddings=False,
+                 pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if family == "olmo3":
+        return hf.AutoConfig.for_model(
+            "olmo3", **dense, sliding_window=s.seq // 2,
+            layer_types=["sliding_attention", "full_attention"] * (s.layers // 2)
+            + ["sliding_attention"] * (s.layers % 2))
+    if family == "smollm3":
+        return hf.AutoConfig.for_model("smollm3", **dense, no_rope_layer_interval=2)
+    raise ValueError(f"family {family!r}: choose from "
+                     f"{', '.join(FAMILIES + MOE_FAMILIES + DENSE_2026)}")
 
 
 def collate(examples):

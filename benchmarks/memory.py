@@ -53,7 +53,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _lm import FULL, TINY, Sizes, collate, config  # noqa: E402
+from _lm import DENSE_2026, FULL, MOE_FAMILIES, TINY, Sizes, collate, config  # noqa: E402
 from common import figure, parser, save, simulate_devices  # noqa: E402
 
 DEVICES = 4
@@ -98,9 +98,11 @@ def plan_loss(model, batch, rng, train):
     return next_token_loss(model, batch["ids"], train=train)
 
 
-def compiled_step(s: Sizes, model_axis: int, fsdp_axis: int, remat: str, scan: bool = False):
-    """A Trainer on the 4 devices, initialized, for a LLaMA of sizes ``s``."""
-    config_ = config("llama", s)
+def compiled_step(s: Sizes, model_axis: int, fsdp_axis: int, remat: str, scan: bool = False,
+                  family: str = "llama"):
+    """A Trainer on the 4 devices, initialized, for a model of ``family`` (LLaMA) of
+    sizes ``s``."""
+    config_ = config(family, s)
     trainer = redray.Trainer(lambda rngs: build(config_, rngs=rngs, remat=remat, scan=scan),
                              collate,
                              plan_loss, optax.adamw(1e-3), batch_size=s.batch,
@@ -157,6 +159,28 @@ def step_memory(name: str, s: Sizes) -> list[dict]:
                compiled_full_over_none=policies["full"]["compiled_peak"] / none["compiled_peak"],
                sizes=dataclasses.asdict(s)),
     ]
+
+
+def family_figure(family: str, s: Sizes) -> dict:
+    """``memory/plan_over_compiled/<family>``: a 2026 family's plan over the compiled
+    peak, model 2 x fsdp 2, remat none, its layers listed (as the LLaMA figures') and,
+    in ``detail``, stacked."""
+    model_axis, fsdp_axis = MESHES["model2_fsdp2"]
+    ratios = {}
+    for scan in (False, True):
+        trainer, config_ = compiled_step(s, model_axis, fsdp_axis, "none", scan, family)
+        compiled = peak(trainer.compiled_step().memory_analysis())
+        planned = plan_model(config_, DEVICES, model_axis, fsdp_axis, scan=scan,
+                             step=StepShape(batch_size=s.batch, seq_len=s.seq))["memory"]
+        ratios["stacked" if scan else "listed"] = {
+            "ratio": planned["total"] / compiled, "plan": planned["total"],
+            "compiled_peak": compiled, "parts": planned["parts"]}
+    listed = ratios["listed"]
+    return figure(f"memory/plan_over_compiled/{family}", listed["ratio"], "x",
+                  f"XLA's compiled peak per device ({listed['compiled_peak']:,} B), model "
+                  f"{model_axis} x fsdp {fsdp_axis} ({DEVICES} CPU devices), remat none, "
+                  "layers listed", "0.95-1.05", COMMAND, layouts=ratios,
+                  sizes=dataclasses.asdict(s))
 
 
 def remat_figure(s: Sizes) -> dict:
@@ -233,6 +257,8 @@ def main(argv=None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--meshes", nargs="*", default=None, choices=list(MESHES))
     ap.add_argument("--presets", nargs="*", default=None, choices=list(PLANS))
+    ap.add_argument("--families", nargs="*", default=None,
+                    choices=list(MOE_FAMILIES + DENSE_2026))
     args = ap.parse_args(argv)
     sizes = TINY if args.tiny else FULL
     meshes = args.meshes if args.meshes is not None else \
@@ -249,6 +275,9 @@ def main(argv=None) -> None:
             "memory/plan_over_compiled", worst["value"], "x",
             f"the compiled peak; the mesh farthest from 1 ({worst['name'].rsplit('/', 1)[1]})",
             "0.8-1.25", COMMAND, all={f["name"]: f["value"] for f in spread}))
+    families = args.families if args.families is not None else \
+        (() if args.tiny else MOE_FAMILIES + DENSE_2026)
+    figures += [family_figure(f, sizes) for f in families]
     figures.append(remat_figure(sizes))
     figures += [plan_figure(p) for p in presets]
     figures.append(attention_figure(args.tiny))

@@ -101,6 +101,37 @@ class CausalLM(nnx.Module):
         stack). Here every layer is alike."""
         return ("layer",) * c.num_hidden_layers
 
+    # The config fields that hold a value per layer (cut or continued when a config is
+    # made at another depth, ``at_depth``), and those that list layer indices.
+    PER_LAYER_FIELDS = ("layer_types", "no_rope_layers")
+    LAYER_INDEX_FIELDS = ()
+
+    @classmethod
+    def at_depth(cls, c, layers: int):
+        """A copy of the config ``c`` with ``layers`` layers that go on as its own do: each
+        per-layer field cut there, or continued by repeating its shortest period (a
+        list of layer indices as the layers it marks), so the pattern the planner
+        counts in (``redray.planning.memory.layer_depth``) holds at any depth."""
+        total = c.num_hidden_layers
+        c = c.__class__.from_dict(c.to_dict())
+
+        def continued(values: list) -> list:
+            period = next(p for p in range(1, len(values) + 1)
+                          if all(v == values[i % p] for i, v in enumerate(values)))
+            return [values[i % period] for i in range(layers)]
+
+        for name in cls.PER_LAYER_FIELDS:
+            values = getattr(c, name, None)
+            if isinstance(values, (list, tuple)) and len(values) >= total > 0:
+                setattr(c, name, continued(list(values)[:total]))
+        for name in cls.LAYER_INDEX_FIELDS:
+            marked = set(getattr(c, name, None) or ())
+            if total > 0:
+                flags = continued([i in marked for i in range(total)])
+                setattr(c, name, [i for i, flag in enumerate(flags) if flag])
+        c.num_hidden_layers = layers
+        return c
+
     @classmethod
     def pattern(cls, c) -> layers.LayerPattern:
         """How the layers of config ``c`` stack (``layers.make_layers``)."""

@@ -140,6 +140,7 @@ class Model(llama.Model):
     experts)."""
 
     REPORTS = True
+    LAYER_INDEX_FIELDS = ("moe_layers",)
     attention = staticmethod(_attention)
 
     @classmethod

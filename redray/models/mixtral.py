@@ -108,6 +108,7 @@ class Model(llama.Model):
     Its blocks are LLaMA's, with experts for the MLP of a "moe" layer."""
 
     REPORTS = True
+    LAYER_INDEX_FIELDS = ("mlp_only_layers",)
 
     @classmethod
     def layer_kinds(cls, c) -> tuple[str, ...]:

@@ -545,11 +545,16 @@ def _fresh_state(x):
 
 def _with_layers(config, fields, counts):
     """``config`` at ``counts`` units of depth in each field (``layer_depth``'s): a
-    pattern's first layers and ``counts`` periods, or ``counts`` layers."""
+    pattern's first layers and ``counts`` periods, or ``counts`` layers; a decoder's
+    per-layer fields cut or continued with it (``CausalLM.at_depth``)."""
     pattern = _pattern(config, fields)
+    at_depth = getattr(getattr(_family(config).code, "Model", None), "at_depth", None)
+    if at_depth is not None and len(fields) == 1:
+        (n,) = counts
+        return at_depth(config, n if pattern is None else pattern.first + n * pattern.period)
     config = config.__class__.from_dict(config.to_dict())
     for field, n in zip(fields, counts):
-        setattr(config, field, n if pattern is None else pattern.first + n * pattern.period)
+        setattr(config, field, n)
     return config
 
 
