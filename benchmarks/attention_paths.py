@@ -21,8 +21,8 @@ that they cut 4,096 tokens.
 Figure: ``attention_paths/unfused_defaults``: how many (family, kind) pairs a bf16
 model on Hopper or on TPU computes, in some attention call, with the blockwise kernel
 or a materialized mask where a fused kernel could honour the mask. A kernel picked with
-a fallback that a batch of the kind takes at run time (leading padding: splash where
-chunks count from the first real token) counts as the fallback. The exceptions, where
+a fallback that a batch of the kind takes at run time (leading padding: cuDNN before
+Hopper) counts as the fallback. The exceptions, where
 no fused kernel JAX reaches can (``EXCEPTIONS``): soft-capped scores and attention sinks
 on a GPU (JAX's cuDNN attention has neither; splash on TPU has both), a learned position
 bias (T5: neither kernel takes one without it materialized), and attention that is not
@@ -262,21 +262,9 @@ EXCEPTIONS = {("gemma2", HOPPER): "soft-capped scores: cuDNN has no soft-capping
               ("t5", TPU): "as on GPU"}
 
 # Where a fused kernel could honour a pair counted unfused: (family, target) -> how.
-COULD = {
-    ("llama4", HOPPER):
-        "cuDNN's packed layout with each chunk a run of its own: chunked causal attention "
-        "is block-diagonal, causal inside each chunk, so runs cut at every chunk's start "
-        "(counted from the row's first real token, or each document's start) give the "
-        "chunked mask exactly where the layout is exact now (each document's real tokens "
-        "together), within the bound on runs a row (a chunk per 1,024 tokens here); its "
-        "NoPE layers: cuDNN's kernel as LLaMA's",
-    ("llama4", TPU):
-        "splash: its ChunkedCausalMask where chunks count from slot 0 (causal rows, "
-        "trailing padding); elsewhere (leading padding, packed rows) a causal mask with "
-        "segment ids of (document, chunk) per token, as for cuDNN",
-    ("smollm3", HOPPER): "cuDNN, as LLaMA's layers: a NoPE layer's attention is LLaMA's",
-    ("smollm3", TPU): "splash, as LLaMA's layers",
-}
+# Empty since Llama 4's chunks run fused (a run per chunk on cuDNN's packed layout and
+# as splash's segments): a pair counted again is explained here.
+COULD: dict[tuple[str, str], str] = {}
 
 
 def main(argv=None) -> None:

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from redray.models import attention, context, layers, paged
-from redray.models.attention import AttentionCall, AttentionMask, Target, attend, decide
+from redray.models.attention import AttentionCall, AttentionMask, Target, attend, choose, decide
 
 B, H, KV, D = 2, 4, 2, 8
 SCALE = 0.3
@@ -153,32 +153,31 @@ def test_a_query_that_sees_no_key_puts_all_its_weight_on_the_sink():
 def chunk_case(kind, t):
     """(kv_valid, segment ids or None, the mask) of a chunked case of ``t`` tokens."""
     slots = jnp.arange(t)
+    chunk = 48 if t > 100 else 7
     if kind == "segments":  # packed rows: chunks count from each document's start
         seg = packed(t)
         mask = AttentionMask(jnp.asarray(seg != 0), slots, jnp.asarray(seg), jnp.asarray(seg))
-        return seg != 0, seg, mask.chunked(7, layers.segment_positions(jnp.asarray(seg)))
+        return seg != 0, seg, mask.chunked(chunk, layers.segment_positions(jnp.asarray(seg)))
     valid = {"left padding": left_padded(t, (11, 0)),
              "trailing padding": np.arange(t)[None].repeat(B, 0) < t - np.array([[0], [6]]),
              }.get(kind, np.ones((B, t), bool))
     mask = AttentionMask(jnp.asarray(valid), slots)
     positions = layers.positions_for(jnp.asarray(valid), slots)
-    chunk = 48 if t > 100 else 7
     if kind == "traced chunk":  # a scanned layer's: one of the stack's values
         return valid, None, mask.chunked(jnp.int32(chunk), positions, (chunk, NO_CHUNK))
     return valid, None, mask.chunked(chunk, positions)
 
 
 CHUNK_KINDS = ["left padding", "segments", "trailing padding", "traced chunk"]
-CHUNK_CASES = [(i, k) for i in IMPLS for k in CHUNK_KINDS
-               if not (i == "splash" and k == "segments")]
+CHUNK_CASES = [(i, k) for i in IMPLS for k in CHUNK_KINDS]
 
 
 @pytest.mark.parametrize("impl,kind", CHUNK_CASES, ids=[f"{k}-{i}" for i, k in CHUNK_CASES])
 def test_chunked_masks_are_transformers_chunks_on_every_implementation(impl, kind):
     """Chunks of 7 keys in 40 tokens (48 in splash's 384), from each row's first real
-    token (11 tokens of left padding: splash, whose chunks count from slot 0, gives way
-    to the blockwise kernel at run time), from each packed document's start, with
-    trailing padding, and a scanned layer's traced chunk."""
+    token (11 tokens of left padding: splash, whose chunked mask counts from slot 0,
+    takes each chunk as a segment of its own), from each packed document's start (the
+    same), with trailing padding, and a scanned layer's traced chunk."""
     t = LENGTH.get(impl, 40)
     q, k, v, _ = inputs(t)
     valid, seg, mask = chunk_case(kind, t)
@@ -186,6 +185,60 @@ def test_chunked_masks_are_transformers_chunks_on_every_implementation(impl, kin
     allowed = allowed_of(valid, chunk=chunk, segments=seg)
     assert_matches(runner(impl, mask), lambda q, k, v, s: reference(q, k, v, allowed),
                    q, k, v, None, valid)
+
+
+@pytest.mark.parametrize("kind", ["left padding", "segments", "trailing padding",
+                                  "padding inside a document"])
+def test_a_chunk_each_a_run_is_the_chunked_mask_where_documents_are_together(kind):
+    """What cuDNN's packed layout and splash's segment ids compute for a chunked mask
+    (``fused_attention.chunk_runs``): causal attention inside runs of (document, chunk)
+    is the mask's attention for every real query; a row with padding inside a
+    document is told (``documents_together``: the kernels then give way)."""
+    from redray.models import fused_attention
+
+    t, chunk = 40, 7
+    if kind == "padding inside a document":
+        valid = np.ones((B, t), bool)
+        valid[1, 17] = False
+        mask = AttentionMask(jnp.asarray(valid), jnp.arange(t)).chunked(
+            chunk, layers.positions_for(jnp.asarray(valid), jnp.arange(t)))
+    else:
+        valid, _, mask = chunk_case(kind, t)
+    runs = fused_attention.chunk_runs(mask, chunk)
+    causal = AttentionMask(mask.kv_valid, mask.q_slots, runs, runs).dense()
+    real = np.asarray(valid, bool)
+    together = bool(fused_attention.documents_together(mask))
+    assert together == (kind != "padding inside a document")
+    if together:
+        np.testing.assert_array_equal(np.asarray(causal)[real], np.asarray(mask.dense())[real])
+    else:  # the runs would cut a chunk where the padding is
+        assert not np.array_equal(np.asarray(causal)[real], np.asarray(mask.dense())[real])
+
+
+@pytest.mark.parametrize("layer", ["chunked", "traced"])
+def test_chunks_lower_to_cudnns_packed_layout_on_hopper(hopper, layer):
+    """A bf16 training step's chunked attention lowered for CUDA on Hopper: cuDNN's
+    flash attention on its packed layout (a run per chunk), forward and backward, under
+    the run-time condition that each document's tokens are together; a scanned layer's
+    traced chunk switches between that and the plain causal kernel."""
+    t = 256
+    positions = jnp.broadcast_to(jnp.arange(t), (2, t))
+    mask = AttentionMask(jnp.ones((2, t), bool), jnp.arange(t), padded=False)
+    mask = mask.chunked(64, positions) if layer == "chunked" else \
+        mask.chunked(jnp.int32(64), positions, (64, NO_CHUNK))
+    shape = jax.ShapeDtypeStruct((2, t, 4, 64), jnp.bfloat16)
+    assert choose(jnp.zeros(shape.shape, shape.dtype), jnp.zeros(shape.shape, shape.dtype),
+                  mask, None, None, "auto") == "cudnn"
+
+    def loss(q, k, v):
+        return attend(q, k, v, mask, 0.125).astype(jnp.float32).sum()
+
+    targets = ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"]
+    text = exported(loss, "cuda", targets, shape, shape, shape)
+    assert set(re.findall(r"@(__cudnn\$\w+)", text)) == set(targets)
+    config = text.replace("\\22", '"')
+    assert '"mask_type": "PADDING_CAUSAL"' in config
+    assert ('"mask_type": "CAUSAL"' in config) == (layer == "traced")
 
 
 def test_the_planner_counts_each_chunks_triangle():
@@ -331,9 +384,12 @@ def test_auto_sends_sinks_and_chunks_to_a_kernel_that_honours_them(monkeypatch):
 
     assert pick(plain, hopper_gpu) == ("cudnn", "causal")
     assert pick(plain, hopper_gpu, sinks) == ("dense", "attention sinks (cuDNN has none)")
-    assert pick(chunked, hopper_gpu)[0] == "xla" and "cuDNN" in pick(chunked, hopper_gpu)[1]
+    ampere = Target("gpu", packed=False)
+    assert pick(chunked, hopper_gpu) == ("cudnn", "packed layout, a run per chunk")
+    assert pick(packed_chunks, hopper_gpu)[0] == "cudnn"
+    assert pick(chunked, ampere)[0] == "xla" and "Hopper" in pick(chunked, ampere)[1]
     assert pick(plain, tpu, sinks)[0] == "splash" and pick(chunked, tpu)[0] == "splash"
-    assert pick(packed_chunks, tpu)[0] == "xla"  # splash's chunks count from slot 0
+    assert pick(packed_chunks, tpu)[0] == "splash"  # each document's chunks a segment
     assert pick(plain, cpu, sinks)[0] == "dense" and pick(chunked, cpu)[0] == "xla"
     assert pick(plain, cpu, sinks, asked="xla") == (
         "dense", "attention sinks (XLA's attention has none)")
@@ -345,14 +401,13 @@ def test_auto_sends_sinks_and_chunks_to_a_kernel_that_honours_them(monkeypatch):
                                          r".*use 'auto', 'splash' \(TPU\), 'chunked' or "
                                          r"'dense'"):
         pick(plain, hopper_gpu, sinks, asked="cudnn")
-    with pytest.raises(ValueError, match="no chunked attention"):
-        pick(chunked, hopper_gpu, asked="cudnn")
+    with pytest.raises(ValueError, match="no chunked attention .* before Hopper"):
+        pick(chunked, ampere, asked="cudnn")
+    assert pick(chunked, hopper_gpu, asked="cudnn") == ("cudnn", "asked for")
     monkeypatch.setenv("REDRAY_ATTENTION", "cudnn")
     with pytest.raises(ValueError, match="REDRAY_ATTENTION=cudnn: cuDNN's fused attention "
                                          "has no attention sinks"):
         pick(plain, hopper_gpu, sinks, asked=None)
-    with pytest.raises(ValueError, match="REDRAY_ATTENTION=splash: splash's chunks count"):
-        pick(packed_chunks, tpu, asked="splash")
 
 
 def exported(loss, platform, calls, *shapes):

@@ -31,15 +31,18 @@ the same tokens) of a family's model:
 | sliding window | cudnn | cudnn | splash | general |
 | soft-capped scores (Gemma 2) | general | general | splash | general |
 | attention sinks (gpt-oss) | general | general | splash | general |
-| chunks (Llama 4) | general | general | splash | general |
-| chunks in packed rows | general | general | general | general |
+| chunks (Llama 4) | cudnn (packed) | general | splash | general |
+| chunks in packed rows | cudnn (packed) | general | splash | general |
 | a bias (T5) / dropout | xla / dense | xla / dense | xla / dense | xla / dense |
 
 "general" is chunked from ``CHUNKED_FROM`` (2,048) keys, else xla (dense with
 soft-capped scores or sinks): no fused kernel takes the attention there (cuDNN has no
-soft-capping, sinks or chunks; a left-padded batch on a GPU before Hopper goes this way
-at run time, and on TPU a chunked batch whose positions are not its slots: leading
-padding).
+soft-capping or sinks, and takes chunks only as runs of its packed layout, Hopper's; a
+left-padded batch on a GPU before Hopper goes this way at run time). Chunks on cuDNN's
+packed layout, and on splash where they do not count from slot 0 (leading padding,
+packed rows), are causal attention inside a run per (document, chunk)
+(``fused_attention.chunk_runs``): exact where each document's real tokens are
+together, which the step checks at run time (else the blockwise kernel).
 cuDNN needs bfloat16 or float16 and a head size that is a multiple of 8, up to 256 on
 Hopper (128 before); splash a sequence that divides into blocks of 128. Where they do
 not apply, and for other attention (a KV cache's decoding, cross-attention, a sequence
@@ -253,15 +256,13 @@ def decide(q, k, mask: AttentionMask, bias, dropout, asked: str | None = None,
             (f"logit soft-capping (softcap={softcap}, attn_logit_softcapping)",
              softcap is not None),
             ("attention sinks (gpt-oss's per-head sink logits)", sinks is not None),
-            ("chunked attention (Llama 4's attention_chunk_size)", mask.chunking)) if present]
+            ("chunked attention (Llama 4's attention_chunk_size) before Hopper (its packed "
+             "layout takes a run per chunk)",
+             mask.chunking and not (target or Target.live()).packed)) if present]
         if lacks:
             raise ValueError(f"REDRAY_ATTENTION=cudnn: cuDNN's fused attention has no "
                              f"{' and no '.join(lacks)}; use 'auto', 'splash' (TPU), "
                              "'chunked' or 'dense'")
-    if asked == "splash" and mask.chunking and mask.segmented:
-        raise ValueError("REDRAY_ATTENTION=splash: splash's chunks count from slot 0, not "
-                         "from each packed document's start (segment_ids); use 'auto', "
-                         "'chunked' or 'dense'")
     if asked == "xla" and (softcap is not None or sinks is not None):
         return "dense", ("soft-capped scores" if softcap is not None else "attention sinks") \
             + " (XLA's attention has none)"
@@ -278,21 +279,19 @@ def decide(q, k, mask: AttentionMask, bias, dropout, asked: str | None = None,
     if not own:
         return general, "not causal self-attention with a static window and chunk"
     if target.platform == "tpu":
-        if mask.chunking and mask.segmented:
-            return general, "chunks counted from each packed document's start (splash's " \
-                "count from slot 0)"
         if fused_attention.splash_blocks(q.shape[1]) and q.shape[-1] % 8 == 0:
-            if mask.chunking and mask.q_positions is not None:
-                return "splash", "splash attention; blockwise where positions are not " \
-                    "slots (leading padding)"
+            if mask.chunking and (mask.q_positions is not None or mask.segmented):
+                return "splash", "splash attention; a segment per chunk where chunks " \
+                    "do not count from slot 0: leading padding, packed rows"
             return "splash", "splash attention"
         return general, "a sequence splash cannot cut into blocks of 128"
     if target.platform != "gpu":
         return general, f"no fused kernel on {target.platform}"
     if sinks is not None:
         return general, "attention sinks (cuDNN has none)"
-    if mask.chunking:
-        return general, "chunked attention (cuDNN has no chunked mask)"
+    if mask.chunking and not target.packed:
+        return general, "chunked attention (cuDNN takes it as a run per chunk of its " \
+            "packed layout: Hopper or newer)"
     limit = 256 if target.packed else 128
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return general, f"{q.dtype} (cuDNN's flash attention takes bfloat16 or float16)"
@@ -302,6 +301,8 @@ def decide(q, k, mask: AttentionMask, bias, dropout, asked: str | None = None,
         return general, "soft-capped scores (cuDNN has no soft-capping)"
     if mask.segmented and not target.packed:
         return general, "packed rows (cuDNN's packed layout needs Hopper or newer)"
+    if target.packed and mask.chunking:
+        return "cudnn", "packed layout, a run per chunk"
     if target.packed and (mask.padded or mask.segmented):
         return "cudnn", "packed layout"
     if mask.padded:
@@ -355,16 +356,25 @@ def attend(q, k, v, mask: AttentionMask, scale: float, bias=None,
                              f"{', '.join(map(str, fused_attention.SPLASH_BLOCKS))}: "
                              f"{q.shape[1]} tokens divide by none; pad the sequence")
 
-        def splash(q, k, v):
+        def splash(q, k, v, by_runs=False):
             return fused_attention.splash_attention(q, k, v, mask, scale, softcap,
-                                                    sinks=sinks).astype(v.dtype)
-        if mask.chunking and mask.q_positions is not None:
-            # splash counts chunks from slot 0, the mask from each row's first real
-            # token: a batch where they differ (leading padding) runs the blockwise kernel
+                                                    sinks=sinks, by_runs=by_runs
+                                                    ).astype(v.dtype)
+        if mask.chunking and (mask.q_positions is not None or mask.segmented):
+            # splash's chunked mask counts chunks from slot 0, the mask from each
+            # document's first real token: where they differ (leading padding, packed
+            # rows) each chunk is a segment of its own, exact where each document's
+            # real tokens are together, else the blockwise kernel runs
             def blockwise(q, k, v):
                 return flash_attention(q, k, v, mask, scale, softcap=softcap,
                                        sinks=sinks).astype(v.dtype)
-            return jax.lax.cond(mask.positions_are_slots(), splash, blockwise, q, k, v)
+
+            def by_runs(q, k, v):
+                return jax.lax.cond(fused_attention.documents_together(mask),
+                                    functools.partial(splash, by_runs=True), blockwise,
+                                    q, k, v)
+            slots = mask.positions_are_slots() & (not mask.segmented)
+            return jax.lax.cond(slots, splash, by_runs, q, k, v)
         return splash(q, k, v)
     return _xla(q, k, v, mask, scale, bias)
 

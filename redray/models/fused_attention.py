@@ -26,8 +26,12 @@ its ``ChunkedCausalMask``) and segment ids per token: packed rows are their segm
 padding a segment of its own (so padding in any position is exact), soft-capped scores
 its ``attn_logits_soft_cap``, attention sinks its ``sinks``, grouped-query heads the
 multi-query kernel run over each key/value head. Its chunks count from slot 0: a
-chunked mask runs on it only where each real query's position is its slot (no segments,
-no leading padding; ``attention.attend`` checks at run time). Its blocks are
+chunked mask runs on its ``ChunkedCausalMask`` where each real query's position is its
+slot (no segments, no leading padding; ``attention.attend`` checks at run time), and
+elsewhere on a causal mask with a segment per (document, chunk) (``chunk_runs``), which
+cuDNN's packed layout takes the same way on Hopper: chunked attention is causal
+attention inside each chunk, where each document's real tokens are together (checked
+at run time, else the blockwise kernel). Its blocks are
 the largest of 512, 256, 128 that divide the sequence. It takes no scale: the queries
 are scaled in float32 and rounded once to their dtype before it (as MaxText does), where
 the XLA path scales scores in float32. At the usual scale that costs little. With scores
@@ -152,10 +156,39 @@ def packed_layout(kv_valid: jax.Array, segments: jax.Array | None, bound: int):
     return offsets, lengths, real & (run < bound), exact
 
 
+def chunk_runs(mask, chunk: int) -> jax.Array:
+    """(batch, tokens) int32 ids that give each (document, chunk) of a row's real tokens
+    a run of its own, 0 for padding: the chunks of ``chunk`` tokens counted from each
+    document's start (or the row's first real token; ``mask.q_positions``). Where each
+    document's real tokens are consecutive (``documents_together``), causal attention
+    inside each run is the chunked mask's attention for every real query: a query sees
+    the keys of its chunk up to itself. Self-attention: the queries are the keys."""
+    real = mask.kv_valid.astype(bool)
+    b, s = real.shape
+    doc = jnp.zeros((b, s), jnp.int32) if mask.kv_segments is None \
+        else mask.kv_segments.astype(jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s)) if mask.q_positions is None \
+        else mask.q_positions
+    part = positions // chunk
+    before = jnp.pad(real, ((0, 0), (1, 0)))[:, :-1]
+    moved = jnp.pad((doc[:, 1:] != doc[:, :-1]) | (part[:, 1:] != part[:, :-1]),
+                    ((0, 0), (1, 0)), constant_values=True)
+    starts = real & (~before | moved)
+    return jnp.where(real, jnp.cumsum(starts, -1), 0).astype(jnp.int32)
+
+
+def documents_together(mask) -> jax.Array:
+    """Whether each document's real tokens (each row's, without segments) are
+    consecutive in every row: no padding inside a document, no segment id in two
+    places. Where they are, a document's chunks are runs (``chunk_runs``)."""
+    return packed_layout(mask.kv_valid, mask.kv_segments, mask.kv_valid.shape[1])[3]
+
+
 def cudnn_attention(q, k, v, mask, scale: float, packed: bool, general):
     """cuDNN's fused attention for ``mask`` (causal, its window, its padding and
-    segments as the module docstring says); ``general(q, k, v)``: the exact path a batch
-    the kernel cannot take runs instead. ``packed``: the GPU has the packed layout."""
+    segments as the module docstring says; its chunks on the packed layout, a run per
+    chunk: ``chunk_runs``); ``general(q, k, v)``: the exact path a batch the kernel
+    cannot take runs instead. ``packed``: the GPU has the packed layout."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     def kernel(lengths=None, offsets=None):
@@ -168,15 +201,9 @@ def cudnn_attention(q, k, v, mask, scale: float, packed: bool, general):
             return call
         return by_window(mask, k.shape[1], of_window)
 
-    if not mask.padded and not mask.segmented:
-        return kernel()(q, k, v)
-    if packed:
-        # a row without segments holds one run (its real tokens together); the layout
-        # always has room for two: JAX converts the offsets into cuDNN's packed form
-        # (cumulated over the rows, in elements) only where it holds more than one
-        bound = segment_bound(k.shape[1]) if mask.segmented else 2
-        offsets, lengths, inside, exact = packed_layout(mask.kv_valid, mask.kv_segments,
-                                                        bound)
+    def on_runs(segments, bound: int, exact=True):
+        """The packed layout of ``segments``' runs (``exact`` besides its own check)."""
+        offsets, lengths, inside, fits = packed_layout(mask.kv_valid, segments, bound)
 
         def fused(q, k, v):
             # nothing of a token outside every run reaches the kernel or comes back
@@ -186,11 +213,33 @@ def cudnn_attention(q, k, v, mask, scale: float, packed: bool, general):
             out = kernel(lengths, offsets)(q, k, v)
             return jnp.where(keep, out, jnp.zeros((), out.dtype))
 
-        return jax.lax.cond(exact, fused, general, q, k, v)
-    if mask.segmented:
-        return general(q, k, v)
-    lengths, trailing = trailing_padding(mask.kv_valid)
-    return jax.lax.cond(trailing, lambda q, k, v: kernel(lengths)(q, k, v), general, q, k, v)
+        return lambda q, k, v: jax.lax.cond(fits & exact, fused, general, q, k, v)
+
+    def unchunked():
+        if not mask.padded and not mask.segmented:
+            return kernel()
+        if packed:
+            # a row without segments holds one run (its real tokens together); the
+            # layout always has room for two: JAX converts the offsets into cuDNN's
+            # packed form (cumulated over the rows, in elements) only where it holds
+            # more than one
+            return on_runs(mask.kv_segments,
+                           segment_bound(k.shape[1]) if mask.segmented else 2)
+        if mask.segmented:
+            return general
+        lengths, trailing = trailing_padding(mask.kv_valid)
+        return lambda q, k, v: jax.lax.cond(trailing, kernel(lengths), general, q, k, v)
+
+    if not mask.chunking:
+        return unchunked()(q, k, v)
+    together = documents_together(mask)
+
+    def of_chunk(chunk):
+        if chunk is None:  # this layer's chunk is none (a scanned stack's global layer)
+            return unchunked()
+        return on_runs(chunk_runs(mask, chunk), segment_bound(k.shape[1]), together)
+
+    return by_chunk(mask, k.shape[1], of_chunk)(q, k, v)
 
 
 def trailing_padding(kv_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -233,12 +282,14 @@ def splash_blocks(tokens: int) -> int | None:
 
 
 def splash_attention(q, k, v, mask, scale: float, softcap: float | None = None,
-                     interpret: bool | None = None, sinks=None):
+                     interpret: bool | None = None, sinks=None, by_runs: bool = False):
     """Splash attention for ``mask`` (causal; see the module docstring): q (B, T, H, D),
     k and v (B, T, KV, D); ``sinks``: (H,) attention sinks, or None. ``interpret``: run
     the kernel in Pallas's interpreter (on CPU; default there). A chunked mask's chunks
-    count from slot 0 here: the caller makes sure each real query's position is its
-    slot."""
+    count from slot 0 in splash's ``ChunkedCausalMask``: the caller makes sure each real
+    query's position is its slot, or asks for them ``by_runs``: a causal mask with the
+    segment ids of ``chunk_runs`` (each document's chunks counted from its start; the
+    caller makes sure each document's real tokens are together)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash, splash_attention_mask as masks)
 
@@ -270,7 +321,7 @@ def splash_attention(q, k, v, mask, scale: float, softcap: float | None = None,
             shape = masks.CausalMask((t, t))
         else:
             shape = masks.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
-        if chunk is not None:
+        if chunk is not None and not by_runs:
             chunked = masks.ChunkedCausalMask((t, t), chunk_size=chunk)
             shape = chunked if window is None else masks.LogicalAnd(shape, chunked)
         kernel = splash.make_splash_mqa(
@@ -289,7 +340,14 @@ def splash_attention(q, k, v, mask, scale: float, softcap: float | None = None,
         return call
 
     def of_window(window):
-        return by_chunk(mask, t, lambda chunk: of_shape(window, chunk))
+        def of_chunk(chunk):
+            call = of_shape(window, chunk)
+            if chunk is None or not by_runs:
+                return call
+            # each (document, chunk) a segment of its own; padding one no real token shares
+            runs = jnp.where(valid, chunk_runs(mask, chunk), -1)
+            return lambda qg, kk, vv, seg, sinks: call(qg, kk, vv, runs, sinks)
+        return by_chunk(mask, t, of_chunk)
 
     out = by_window(mask, t, of_window)(qg, kk, vv, seg, grouped)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
