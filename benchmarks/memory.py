@@ -138,7 +138,8 @@ def step_memory(name: str, s: Sizes) -> list[dict]:
         if remat != "none":
             trainer, _ = compiled_step(s, model_axis, fsdp_axis, remat)
         compiled = peak(trainer.compiled_step().memory_analysis())
-        planned = plan_model(config_, DEVICES, model_axis, fsdp_axis,
+        # the plan of the compiled step's model: its layers listed, as built above
+        planned = plan_model(config_, DEVICES, model_axis, fsdp_axis, scan=False,
                              step=StepShape(batch_size=s.batch, seq_len=s.seq,
                                             remat=remat))["memory"]
         policies[remat] = {"plan": planned["total"], "compiled_peak": compiled,
