@@ -7,7 +7,11 @@
   tokens, say) the loss and the metrics average over in it. Evaluation then averages
   over every unit of the data (sums of value x weight, divided once by the total
   weight), not over batches, and so does each log window over its steps. Without
-  it a batch weighs its examples.
+  it a batch weighs its examples. Gradient accumulation weighs each micro-batch by it
+  too: the update's loss, metrics and gradients are the means over every unit of the
+  global batch. Metrics named in ``COUNTS`` (``tokens``, ``sequences``: what
+  ``next_token_loss(..., metrics=True)`` gives) are counts: summed over micro-batches
+  and over an evaluation's batches, a log window's mean per step.
 * ``predict(model, batch, rng) -> pytree`` whose every leaf is batch-major.
 
 ``model`` is the user's Flax NNX module, or a Linen module bound to its parameters.
@@ -25,6 +29,8 @@ import numpy as np
 
 # The loss metric that weighs its batch (see the module docstring): not logged itself.
 WEIGHT = "weight"
+# Loss metrics that count units of the batch (see the module docstring): summed.
+COUNTS = ("tokens", "sequences")
 
 
 class UserFunctionError(ValueError):

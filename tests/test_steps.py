@@ -70,6 +70,38 @@ def test_micro_batches_average_to_the_whole_batch_gradient():
     assert set(parts[1]) == {"mae"}
 
 
+def test_micro_batches_of_unequal_weight_average_to_the_whole_batchs_mean_per_unit():
+    """A loss that gives its weight (the tokens it averages over, as next_token_loss's
+    metrics do): micro-batches holding 1 to 4 of them each make the update's loss,
+    gradient and metric the mean over every unit of the batch, not of the micro-batch
+    means; counts are summed."""
+    mask = (np.arange(16) % 4 < np.repeat([1, 2, 3, 4], 4)).astype(np.float32)
+    batch = dict(BATCH, m=mask)
+
+    def masked(model, b, rng, train):
+        error = (b["x"] @ model["w"] - b["y"]) ** 2
+        n = b["m"].sum()
+        return (error * b["m"]).sum() / n, {"mse": (error * b["m"]).sum() / n, "weight": n,
+                                            "tokens": n}
+
+    gradients = model_gradients(model_loss(apply, masked))
+    mesh = make_mesh(data_axis=4)
+    accumulated = microbatched(gradients, 4, 4, NamedSharding(mesh, P(None, ("data", "fsdp"))),
+                               ["mse", "weight", "tokens"])
+    w = jnp.asarray([0.3, -0.1, 0.2], jnp.float32)
+    key = jax.random.key(1)
+    whole = jax.jit(gradients)(dict(w=w), None, {}, batch, key)
+    parts = jax.jit(accumulated)(dict(w=w), None, {}, batch, key)
+    np.testing.assert_allclose(parts[0], whole[0], rtol=1e-6)
+    np.testing.assert_allclose(parts[3]["w"], whole[3]["w"], rtol=1e-5)
+    np.testing.assert_allclose(parts[1]["mse"], whole[1]["mse"], rtol=1e-6)
+    assert float(parts[1]["tokens"]) == float(parts[1]["weight"]) == mask.sum()
+    # the micro-batches' plain mean differs: the test can tell the two apart
+    means = [float(jax.jit(gradients)(dict(w=w), None, {}, {k: v[a::4] for k, v in batch.items()},
+                                      key)[0]) for a in range(4)]
+    assert abs(np.mean(means) - float(whole[0])) > 1e-3
+
+
 def test_a_custom_grad_fn_gets_the_users_loss_as_a_function_of_params():
     calls = []
 

@@ -49,9 +49,13 @@ def prepare(source: Any, output: str, *, transform: Callable | None = None,
       output: the folder to write ``part-00000.parquet``... into (created; it must not
         already hold parquet files, which a Stream of it would also read).
       transform: ``fn(row) -> row`` run on every row; it may return None to drop the
-        row.
+        row, or a list of rows (a conversation's row per assistant turn,
+        ``redray.data.chat.transform(..., turns="each")``).
       pack: a row length in tokens: the rows' ``key`` sequences are packed into rows of
-        that many tokens with ``segment_ids`` (``redray.data.pack``; ``split`` as there).
+        that many tokens with ``segment_ids`` (``redray.data.pack``; ``split`` as there),
+        and with them every per-token column: a column of the first row that holds a
+        sequence as long as its ``key`` (a chat row's ``loss_mask``), each in a column
+        of the packed rows, 0 in padding. The packed rows name the token ids ``key``.
       rows_per_file, row_group_rows: the output's layout.
       parallel: True reads and transforms through Ray Data, on the cluster's CPUs;
         False in this process (a list of dicts only: files are read through Ray Data).
@@ -78,8 +82,7 @@ def prepare(source: Any, output: str, *, transform: Callable | None = None,
     else:
         dataset = _dataset(source)
         if transform is not None:
-            dataset = dataset.flat_map(
-                lambda row: [] if (out := transform(row)) is None else [out])
+            dataset = dataset.flat_map(lambda row: _as_rows(transform(row)))
         source_rows = dataset.iter_rows()
 
     documents = 0
@@ -92,15 +95,20 @@ def prepare(source: Any, output: str, *, transform: Callable | None = None,
 
     produced = rows()
     if pack is not None:
+        columns = None
+
         def tokens(source=produced):
+            nonlocal columns
             for row in source:
                 if key not in row:
                     raise KeyError(f"packing reads the token ids under {key!r}, but the "
                                    f"rows hold {sorted(row)}: give key=... or return it "
                                    "from the transform")
-                yield row[key]
-        produced = ({key: r["ids"], "segment_ids": r["segment_ids"]}
-                    for r in pack_rows(tokens(), pack, split=split))
+                if columns is None:  # the per-token columns, as the first row has them
+                    columns = [c for c, v in row.items() if c != key and _per_token(v, row[key])]
+                yield {key: row[key], **{c: row.get(c, ()) for c in columns}}
+        produced = ({key: r["ids"], **{c: v for c, v in r.items() if c != "ids"}}
+                    for r in pack_rows(tokens(), pack, split=split, key=key))
 
     files, total, real, writer, in_file, group = [], 0, 0, None, 0, []
 
@@ -143,9 +151,24 @@ def _is_row_list(source) -> bool:
 def _here(source: list, transform: Callable | None):
     """The rows of a list, transformed in this process (the dropped ones left out)."""
     for row in source:
-        out = row if transform is None else transform(dict(row))
-        if out is not None:
-            yield out
+        if transform is None:
+            yield row
+        else:
+            yield from _as_rows(transform(dict(row)))
+
+
+def _as_rows(out) -> list:
+    """What a transform returned, as a list of rows: None none, a list its rows."""
+    if out is None:
+        return []
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _per_token(value, ids) -> bool:
+    """Whether a row's ``value`` is a per-token column beside its token ``ids``."""
+    return not isinstance(value, (str, bytes, dict)) and hasattr(value, "__len__") \
+        and len(value) == len(ids) and all(isinstance(x, (int, bool)) or hasattr(x, "dtype")
+                                           for x in list(value)[:1])
 
 
 def _dataset(source):

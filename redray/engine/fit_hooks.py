@@ -15,7 +15,7 @@ import numpy as np
 
 from redray.engine.console import row_text
 from redray.engine.hooks import EpochEnd, Hook, StepInfo
-from redray.functions import WEIGHT
+from redray.functions import COUNTS, WEIGHT
 
 
 class Recorder(Hook):
@@ -61,7 +61,7 @@ class LogWindow(Hook):
         row = {"step": step, "epoch": epoch}
         weights = [float(m[WEIGHT]) for m in fetched] if WEIGHT in fetched[0] else None
         for k in fetched[0]:
-            if weights is None:
+            if weights is None or k in COUNTS:  # a count: its mean per step
                 row[k] = float(np.mean([m[k] for m in fetched]))
             elif k != WEIGHT:  # each step by its weight, divided once
                 row[k] = sum(float(m[k]) * w for m, w in zip(fetched, weights)) / sum(weights)

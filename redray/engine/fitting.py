@@ -21,7 +21,7 @@ from redray.engine.fit_hooks import Checkpoints, Evaluation, LogWindow, Recorder
 from redray.engine.hooks import Hook, Hooks, Progress
 from redray.engine.loop import TrainingData, tokens_per_example, training_steps
 from redray.engine.nonfinite import NonFiniteGuard, RolledBack
-from redray.functions import WEIGHT
+from redray.functions import COUNTS, WEIGHT
 from redray.rngs import KeyStream, stream_key
 
 
@@ -117,7 +117,8 @@ class Fit:
 
 def evaluate(trainer, examples: Sequence) -> dict[str, float]:
     """``Trainer.evaluate``'s loop on an initialized ``trainer``: each batch's metrics
-    times its weight, summed, over the total weight, divided once. Full batches run
+    times its weight, summed, over the total weight, divided once (counts, ``COUNTS``,
+    summed). Full batches run
     split over the devices; a final partial batch runs at its exact size (split if it
     divides, replicated otherwise), so no padding enters the mean."""
     program, rng = trainer.program.eval_step(), stream_key(trainer.seed, KeyStream.EVAL)
@@ -133,8 +134,8 @@ def evaluate(trainer, examples: Sequence) -> dict[str, float]:
         w = float(metrics.pop(WEIGHT))
         weight += w
         for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + float(v) * w
-    return {k: v / weight for k, v in totals.items()}
+            totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k in COUNTS else w)
+    return {k: v if k in COUNTS else v / weight for k, v in totals.items()}
 
 
 def shown(trainer) -> bool:

@@ -15,7 +15,8 @@ which ``layers.run_blocks`` obeys) into three pieces:
 
 ``sharding.pipeline_schedules.one_f_one_b`` runs them. The micro-batches are cut as GPipe cuts them
 (``pipeline_schedules.split_micro``: each keeps the batch's split over the data axes) and the loss
-and its metrics are averaged over them, as gradient accumulation averages them.
+and its metrics are averaged over them, as gradient accumulation averages them (by
+their ``WEIGHT`` where the loss gives one: ``steps.combine``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from flax import nnx
 
+from redray.engine.steps import combine, weighed
 from redray.functions import split_loss_output
 from redray.sharding.activations import BlocksCut, cut_at_blocks
 from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, MODEL, STAGE, in_held_order,
@@ -165,8 +167,8 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
 
             out, _ = runtime.apply(fn, whole, salted(consts["extra"], salt, m), rng,
                                    micro_batch)
-            value, metrics = split_loss_output(out)
-            return value, metrics
+            # weighed by its WEIGHT, as gradient accumulation weighs it (steps.combine)
+            return weighed(*split_loss_output(out))
 
         # a sequence split over a context axis: the ring's exchanges span the stages
         # (rows, tokens, features): the rows over the batch axes, the tokens over the
@@ -186,7 +188,8 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
         d_stages, d_tail = iter(d_stages), iter(d_tail)
         summed = [g + (next(d_stages).reshape(held, *g.shape[1:]) if u else next(d_tail))
                   for g, u in zip(g_leaves, under)]
-        grads = jax.tree.structure(grads).unflatten([g / micro for g in summed])
-        return (total / micro, jax.tree.map(lambda v: v / micro, metrics), new_extra, grads)
+        value, metrics, grads = combine(total, metrics,
+                                        jax.tree.structure(grads).unflatten(summed), micro)
+        return value, metrics, new_extra, grads
 
     return gradients

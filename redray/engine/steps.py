@@ -20,7 +20,7 @@ import optax
 
 from redray.engine.model import merge_trainable
 from redray.engine.state import TrainState
-from redray.functions import WEIGHT, split_loss_output
+from redray.functions import COUNTS, WEIGHT, split_loss_output
 
 
 def model_loss(apply: Callable, loss: Callable, train: bool = True) -> Callable:
@@ -73,6 +73,11 @@ def microbatched(gradients: Callable, accum: int, micro_rows: int, micro_shardin
     the batch's split over devices, so no data moves between devices. Micro-batch ``a``
     gets ``fold_in(rng, a)``; the model's other state threads through them in order.
 
+    A loss with a ``WEIGHT`` metric (the tokens it averages over, say) is averaged by
+    it: each micro-batch's loss, metrics and gradients weigh its weight, so a mean over
+    tokens is the mean over every token of the update, however the micro-batches hold
+    them (``combine``). Without one, each micro-batch weighs the same.
+
     Args:
       gradients: a gradient function of one micro-batch.
       accum: micro-batches per batch (1: ``gradients`` itself).
@@ -93,7 +98,9 @@ def microbatched(gradients: Callable, accum: int, micro_rows: int, micro_shardin
             g_sum, v_sum, m_sum, extra = carry
             mb, i = xs
             v, m, extra, g = gradients(params, frozen, extra, mb, jax.random.fold_in(rng, i))
-            g_sum = jax.tree.map(jnp.add, g_sum, g)
+            w = weight_of(m)
+            g_sum = jax.tree.map(lambda a, b: a + b * w, g_sum, g)
+            v, m = weighed(v, m)
             m_sum = {k: m_sum[k] + jnp.asarray(m[k], jnp.float32) for k in m_sum}
             return (g_sum, v_sum + v, m_sum, extra), None
 
@@ -101,10 +108,35 @@ def microbatched(gradients: Callable, accum: int, micro_rows: int, micro_shardin
         m_zero = {k: jnp.zeros((), jnp.float32) for k in metric_names}
         (g_sum, v_sum, m_sum, extra), _ = jax.lax.scan(
             body, (zeros, jnp.zeros((), jnp.float32), m_zero, extra), (micro, jnp.arange(accum)))
-        return (v_sum / accum, jax.tree.map(lambda m: m / accum, m_sum), extra,
-                jax.tree.map(lambda g: g / accum, g_sum))
+        value, metrics, grads = combine(v_sum, m_sum, g_sum, accum)
+        return value, metrics, extra, grads
 
     return accumulated
+
+
+def weight_of(metrics) -> jax.Array:
+    """A micro-batch's weight: its loss's ``WEIGHT`` metric, else 1."""
+    return jax.lax.stop_gradient(jnp.asarray(metrics.get(WEIGHT, 1.0), jnp.float32))
+
+
+def weighed(value, metrics) -> tuple:
+    """A micro-batch's loss and metrics times its weight (``weight_of``), to be summed
+    over the micro-batches and divided once (``combine``); counts (``COUNTS``, and the
+    weight itself) as they are, to be summed."""
+    w = weight_of(metrics)
+    return value * w, {k: v if k in COUNTS or k == WEIGHT else v * w
+                       for k, v in metrics.items()}
+
+
+def combine(value_sum, metric_sums: dict, grad_sums, micro: int) -> tuple:
+    """The update's loss, metrics and gradients from the sums of ``micro`` micro-batches'
+    weighed ones (``weighed``; gradients times ``weight_of``): divided by the total
+    weight (the summed ``WEIGHT``; ``micro`` without one), counts left summed."""
+    total = metric_sums[WEIGHT] if WEIGHT in metric_sums else jnp.float32(micro)
+    total = jnp.maximum(total, 1e-30)  # no weight at all: every sum is 0, and stays 0
+    metrics = {k: v if k in COUNTS or k == WEIGHT else v / total
+               for k, v in metric_sums.items()}
+    return value_sum / total, metrics, jax.tree.map(lambda g: g / total, grad_sums)
 
 
 NONFINITE_POLICIES = ("stop", "skip", "rollback")

@@ -14,19 +14,39 @@ import jax.numpy as jnp
 import optax
 
 
-def next_token_loss(model, ids, segment_ids=None, *, chunk: int | None = None,
-                    train: bool = False, **call):
+NORMALIZATIONS = ("tokens", "sequences")
+
+
+def next_token_loss(model, ids, segment_ids=None, *, loss_mask=None,
+                    normalize: str = "tokens", metrics: bool = False,
+                    chunk: int | None = None, train: bool = False, **call):
     """Mean cross-entropy of predicting ``ids[:, 1:]`` from ``ids[:, :-1]``.
 
     Args:
       model: a redray causal LM (``model(ids, hidden=True)`` and ``model.logits``).
       ids: (batch, length) token ids.
       segment_ids: (batch, length) of packed rows (``redray.data.pack``): attention and
-        the loss stay inside each document, padding (0) counts nowhere.
+        the loss stay inside each document, padding (0) counts nowhere, and no
+        document's first token is predicted from the one before it.
+      loss_mask: (batch, length), 1 on the tokens to learn (a chat row's assistant
+        tokens, ``redray.data.chat``): token ``t + 1`` is a target where its mask is 1.
+        None: every token (of a document).
+      normalize: ``"tokens"``: the mean over every target token of the batch, so each
+        token weighs the same whatever its row (the batch is the whole global batch
+        inside the step; with ``metrics=True`` the Trainer's gradient accumulation
+        weighs each micro-batch by its tokens, so the mean is over every micro-batch of
+        the update, as TRL's ``average_tokens_across_devices`` is); ``"sequences"``:
+        the mean over documents (each row, or each packed segment) of each one's mean
+        over its target tokens.
+      metrics: return ``(loss, {"tokens": n, "weight": n})``: the target tokens (or,
+        normalized by sequences, the documents: ``"sequences"``) the loss averages,
+        logged beside it, and as the batch's weight (``redray.functions.WEIGHT``).
       chunk: tokens whose logits exist at once (None: all of them).
       train: passed to the model (dropout, remat).
       **call: other arguments of the model's call (``attention_mask``...).
     """
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize={normalize!r}: give one of {NORMALIZATIONS}")
     inputs, targets = ids[:, :-1], ids[:, 1:]
     if segment_ids is not None:
         call["segment_ids"] = segment_ids[:, :-1]
@@ -34,16 +54,44 @@ def next_token_loss(model, ids, segment_ids=None, *, chunk: int | None = None,
                    & (segment_ids[:, 1:] != 0)).astype(jnp.float32)
     else:
         weights = jnp.ones(targets.shape, jnp.float32)
+    if loss_mask is not None:
+        if loss_mask.shape != ids.shape:
+            raise ValueError(f"loss_mask has shape {loss_mask.shape}, ids {ids.shape}: give "
+                             "a mask per token (the packed rows' loss_mask)")
+        weights = weights * (loss_mask[:, 1:] != 0).astype(jnp.float32)
+    count = weights.sum()
+    if normalize == "sequences":
+        weights, count = per_sequence(weights, None if segment_ids is None
+                                      else segment_ids[:, 1:])
     if chunk is None:
         logits = model(inputs, train=train, **call)
         tokens = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
                                                                 targets)
-        return (tokens * weights).sum() / jnp.maximum(weights.sum(), 1.0)
-    hidden = model(inputs, train=train, hidden=True, **call)
-    return chunked_cross_entropy(model.logits, hidden, targets, weights, chunk)
+        value = (tokens * weights).sum() / jnp.maximum(count, 1.0)
+    else:
+        hidden = model(inputs, train=train, hidden=True, **call)
+        value = chunked_cross_entropy(model.logits, hidden, targets, weights, chunk,
+                                      divide=count)
+    if metrics:
+        return value, {"tokens": count, "weight": count}
+    return value
 
 
-def chunked_cross_entropy(head, hidden, targets, weights, chunk: int):
+def per_sequence(weights, segments=None):
+    """Token weights that average each document's targets, then the documents: every
+    target of a document with n targets weighs 1 / n (a document: a row, or a packed
+    row's segment: ``segments``, the targets' segment ids); and the documents with a
+    target, the total the weighted sum is divided by."""
+    b, t = weights.shape
+    doc = jnp.zeros((b, t), jnp.int32) if segments is None else segments.astype(jnp.int32)
+    slot = (jnp.arange(b)[:, None] * (t + 1) + doc).reshape(-1)
+    per_doc = jax.ops.segment_sum(weights.reshape(-1), slot, num_segments=b * (t + 1))
+    n = per_doc[slot].reshape(b, t)
+    return jnp.where(weights > 0, weights / jnp.maximum(n, 1e-30), 0.0), \
+        (per_doc > 0).sum().astype(jnp.float32)
+
+
+def chunked_cross_entropy(head, hidden, targets, weights, chunk: int, divide=None):
     """Weighted mean cross-entropy of ``head(hidden)`` against ``targets``, computed for
     ``chunk`` tokens at a time (see the module docstring).
 
@@ -51,6 +99,7 @@ def chunked_cross_entropy(head, hidden, targets, weights, chunk: int):
       head: hidden (n, d) -> logits (n, vocab).
       hidden: (..., d) final hidden states; targets, weights: (...) per token.
       chunk: tokens per piece.
+      divide: what the weighted sum is divided by (None: the weights' sum).
     """
     d = hidden.shape[-1]
     h = hidden.reshape(-1, d)
@@ -72,4 +121,4 @@ def chunked_cross_entropy(head, hidden, targets, weights, chunk: int):
     total, _ = jax.lax.scan(piece, jnp.zeros((), jnp.float32),
                             (h.reshape(pieces, chunk, d), y.reshape(pieces, chunk),
                              w.reshape(pieces, chunk)))
-    return total / jnp.maximum(w.sum(), 1.0)
+    return total / jnp.maximum(w.sum() if divide is None else divide, 1.0)
