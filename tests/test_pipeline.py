@@ -15,7 +15,7 @@ from flax import nnx
 
 import redray
 from redray.engine.runtime import ModelRuntime
-from redray.models import build
+from redray.models import build, next_token_loss
 from redray.models.staged_layers import flops_ratio
 from redray.sharding.pipeline_schedules import merge_micro, split_micro
 from redray.sharding import STAGE, Parallelism
@@ -519,15 +519,17 @@ def test_the_interleaved_schedule_keeps_every_dependency_and_megatrons_bubble(S,
     ids=["llama-s2-data2", "gpt2-s2-fsdp2", "llama-5-layers-s2-r2-data2", "llama-s2-model2"])
 def test_a_trainer_on_1f1b_trains_as_one_device(family, axes, layers):
     """``pipeline_schedule="1f1b"``: the user's loss cut at the stacked layers, each
-    micro-batch's loss averaged; the losses of 3 steps and the parameters after them
-    those of one device (the loss's token mean over equal micro-batches is the mean
-    of their means); interleaved too (``stage_repeats=2``: the parameters held in
+    micro-batch's loss weighed by the tokens it learns (a mask that keeps a different
+    number in each row: the loss gives its count as its weight); the losses of 3 steps
+    and the parameters after them those of one device, whose loss is the mean over
+    every kept token of the batch; interleaved too (``stage_repeats=2``: the parameters held in
     ``layer_order``, the checkpointed ones in the layers' own), on 5 layers over 4
     chunks (one of 2 layers, three of 1 and a pad); with tensor parallelism inside the
     stages, the slots held and passed split over the model axis."""
     def loss(model, batch, rng, train):
-        value = lm_loss(model, batch["ids"])
-        return value, {"twice": 2 * value}
+        value, counted = next_token_loss(model, batch["ids"], loss_mask=batch["ids"] % 3 != 0,
+                                         metrics=True)
+        return value, {"twice": 2 * value, **counted}
 
     config = CONFIGS[family]()
     setattr(config, "num_hidden_layers" if family == "llama" else "n_layer", layers)
