@@ -247,3 +247,40 @@ def test_what_cannot_be_masked_is_refused_by_name():
     with pytest.raises(ValueError, match="per-token columns"):
         list(pack([{"ids": [1, 2], "loss_mask": [1, 1]}, {"ids": [3, 4], "loss_mask": [1]}], 8))
     assert json.loads(json.dumps(chat.render(conversations(False)[0], tokenizer("llama3"))))
+
+
+def test_the_end_of_turn_tokens_are_read_and_written_with_the_checkpoint(sft, tmp_path):
+    """An instruct checkpoint lists its end-of-turn tokens in generation_config.json:
+    decoding stops on all of them by default, and save_pretrained writes them (with the
+    tokenizer's EOS, a chat fine-tune's end of turn) for any server of the folder."""
+    import shutil
+
+    import transformers
+
+    import redray.models as rm
+    from redray.models.generate import special_tokens
+
+    folder = str(tmp_path / "instruct")
+    shutil.copytree(sft["folder"], folder)
+    chatml, llama3 = tokenizer("chatml"), tokenizer("llama3")
+    end, eot = chatml.eos_token_id, llama3.eos_token_id
+    transformers.GenerationConfig(bos_token_id=chatml.bos_token_id,
+                                  eos_token_id=[end, 50256]).save_pretrained(folder)
+    model = rm.from_pretrained(folder)
+    assert special_tokens(model.config, None, None)[0] == [end, 50256]
+    assert special_tokens(model.config, 7, None)[0] == 7  # asked for: as asked
+    out = str(tmp_path / "export")
+    rm.save_pretrained(model, out, tokenizer=llama3)
+    written = transformers.GenerationConfig.from_pretrained(out)
+    assert written.eos_token_id == [end, 50256, eot]
+    assert written.bos_token_id == chatml.bos_token_id
+    assert rm.from_pretrained(out).config.generation["eos_token_id"] == [end, 50256, eot]
+    # a checkpoint without one: the config's EOS, and the tokenizer's beside it
+    bare = str(tmp_path / "bare")
+    shutil.copytree(sft["folder"], bare)
+    os.remove(os.path.join(bare, "generation_config.json"))
+    plain = rm.from_pretrained(bare)
+    assert plain.config.generation is None
+    rm.save_pretrained(plain, str(tmp_path / "plain"), tokenizer=llama3)
+    assert transformers.GenerationConfig.from_pretrained(
+        str(tmp_path / "plain")).eos_token_id == [end, eot]

@@ -145,9 +145,16 @@ def for_decoding(model):
 
 
 def special_tokens(config, eos_token_id, pad_token_id):
-    """(eos, pad) ids: given ones, else the config's; pad falls back to EOS, then 0."""
+    """(eos, pad) ids: given ones, else the checkpoint's generation config's (all of
+    ``generation_config.json``'s EOS ids: an instruct model's end-of-turn tokens), else
+    the config's; pad falls back to EOS, then 0."""
+    generation = getattr(config, "generation", None) or {}
+    if eos_token_id is None:
+        eos_token_id = generation.get("eos_token_id")
     if eos_token_id is None:
         eos_token_id = getattr(config, "eos_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = generation.get("pad_token_id")
     if pad_token_id is None:
         pad_token_id = getattr(config, "pad_token_id", None)
         if pad_token_id is None:

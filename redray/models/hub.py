@@ -403,7 +403,64 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
     extra_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), extra_specs,
                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     extra = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2], out_shardings=extra_sh)()
-    return nnx.merge(graphdef, params, extra)
+    model = nnx.merge(graphdef, params, extra)
+    generation = load_generation(path)
+    if generation is not None and isinstance(getattr(model, "config", None), HFConfig):
+        model.config = HFConfig(model.config.hf, generation)
+    return model
+
+
+def load_generation(path: str) -> dict | None:
+    """A checkpoint folder's ``generation_config.json`` as a dict (None without one):
+    its ``eos_token_id`` (an int or a list: an instruct model's end-of-turn tokens) is
+    where decoding stops by default."""
+    folder = os.path.dirname(path) if path.endswith(".json") else path
+    file = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(file):
+        return None
+    content = _read_json(file)
+    if not isinstance(content, dict):
+        raise ValueError(f"{file} is not a JSON object: a generation config holds fields "
+                         "such as \"eos_token_id\"; fix or remove the file")
+    return content
+
+
+def generation_for_export(model, tokenizer=None) -> dict:
+    """What ``save_pretrained`` writes as ``generation_config.json``: the model's own
+    (its checkpoint's), else the config's special tokens, with the tokenizer's EOS
+    among the EOS ids (a chat template's end-of-turn token, as a chat fine-tune sets
+    it), so a server that reads the folder stops where redray's sampler does."""
+    from transformers import GenerationConfig
+
+    config = model.config
+    own = getattr(config, "generation", None)
+    out = dict(own) if own is not None else {
+        k: v for k, v in GenerationConfig.from_model_config(config.hf).to_diff_dict().items()
+        if k != "transformers_version"}
+    eos = out.get("eos_token_id", getattr(config, "eos_token_id", None))
+    eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    turn = _tokenizer_eos(tokenizer)
+    if turn is not None and turn not in eos:
+        eos.append(turn)
+    if eos:
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    out.pop("transformers_version", None)
+    return out
+
+
+def _tokenizer_eos(tokenizer) -> int | None:
+    """A tokenizer's EOS id (a tokenizer object, or a folder of its files), or None."""
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer), local_files_only=True)
+        except Exception:  # noqa: BLE001 - a folder transformers cannot read: files only
+            return None
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return eos if isinstance(eos, int) else None
 
 
 def _tell_reading(path: str, record, weights: _Weights) -> None:
@@ -456,7 +513,9 @@ def _stored_name(row: Tensor, available: set, base_prefix: str | None) -> str | 
 def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
                     tokenizer=None, dtype=None) -> None:
     """Writes ``config.json`` (with ``architectures``, so ``transformers``' Auto classes
-    load it) and safetensors, and the tokenizer's files when one is given.
+    load it) and safetensors, the tokenizer's files when one is given (its chat
+    template among them), and ``generation_config.json`` (``generation_for_export``:
+    the end-of-turn tokens decoding stops on).
 
     Args:
       model: a redray model (from ``from_pretrained`` or ``build``), sharded or not.
@@ -487,6 +546,9 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
     config.save_pretrained(path)
     if tokenizer is not None:
         save_tokenizer(tokenizer, path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(generation_for_export(model, tokenizer), f, indent=2, sort_keys=True)
+        f.write("\n")
     tensors = hf_tensors(model.config, nnx.state(model, nnx.Param))
     if dtype == "bfloat16":
         tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
@@ -560,12 +622,22 @@ class HFConfig:
     """A ``transformers`` config kept on a model: read-through, hashable, comparable.
 
     NNX keeps non-array attributes in the (hashed) graph definition; ``transformers``
-    configs are not hashable, so the model holds this wrapper, keyed by the JSON.
+    configs are not hashable, so the model holds this wrapper, keyed by the JSON. It
+    also keeps the checkpoint's ``generation_config.json`` (``generation``: its dict,
+    or None), which ``transformers`` keeps apart from the config: an instruct model's
+    end-of-turn tokens are listed there, not in ``config.json``.
     """
 
-    def __init__(self, config):
+    def __init__(self, config, generation: dict | None = None):
         object.__setattr__(self, "_config", config)
-        object.__setattr__(self, "_key", config.to_json_string(use_diff=False))
+        object.__setattr__(self, "_generation", None if generation is None else dict(generation))
+        object.__setattr__(self, "_key", config.to_json_string(use_diff=False)
+                           + json.dumps(generation, sort_keys=True))
+
+    @property
+    def generation(self) -> dict | None:
+        """The checkpoint's generation config (``generation_config.json``), or None."""
+        return None if self._generation is None else dict(self._generation)
 
     def __getattr__(self, name):
         return getattr(self._config, name)
@@ -588,7 +660,7 @@ class HFConfig:
         return self._config
 
     def __getstate__(self):
-        return {"config": self._config}
+        return {"config": self._config, "generation": self._generation}
 
     def __setstate__(self, state):
-        self.__init__(state["config"])
+        self.__init__(state["config"], state.get("generation"))
