@@ -39,6 +39,9 @@ PIPELINES = {
                                                       "reinforcement_learning", 218),
     # redco has no DPO: its closest pipeline fine-tunes a causal LM (its language modeling)
     "preference learning (DPO)": (["examples/dpo/train.py"], "language_modeling", 113),
+    # redco has no chat fine-tuning: its closest pipeline is its language modeling
+    "chat fine-tuning (assistant-only loss)": (["examples/chat_sft/train.py"],
+                                               "language_modeling", 113),
 }
 
 SKIPPED = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,

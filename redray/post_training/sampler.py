@@ -91,7 +91,8 @@ class Sampler:
       slots: sequences decoded at once (a multiple of the plan's data-parallel size).
       max_length: the longest prompt plus completion a request may have (the cache's
         window, the live sequences' span, is at most this and a quarter more).
-      eos_token_id, pad_token_id: as ``generate``'s (default: the config's).
+      eos_token_id, pad_token_id: as ``generate``'s (default: the checkpoint's
+        generation config's EOS ids, else the config's).
       seed: the key every request's randomness is folded from (an attribute: it may
         change between calls).
       parallelism: place ``model``'s parameters on this plan (automatic specs); None:
