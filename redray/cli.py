@@ -143,6 +143,8 @@ def _eval(args) -> int:
                        include_path=args.include_path, batch_size=args.batch_size,
                        limit=args.limit, num_fewshot=args.num_fewshot, samples=args.samples,
                        track=not args.no_track, hosts=args.hosts,
+                       apply_chat_template=args.apply_chat_template or False,
+                       fewshot_as_multiturn=args.fewshot_as_multiturn != "false",
                        devices_per_host=args.devices_per_host, **axes)
     except (ImportError, ValueError) as error:
         raise UsageError(str(error)) from None
@@ -605,6 +607,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", help="a JSON lines file to write every example's requests "
                                      "and responses to")
     p.add_argument("--no-track", action="store_true", help="do not log to the run's MLflow")
+    p.add_argument("--apply-chat-template", nargs="?", const=True, default=None,
+                   metavar="NAME", help="render each request with the tokenizer's chat "
+                                        "template (or its template NAME), as lm-eval's own "
+                                        "--apply_chat_template")
+    p.add_argument("--fewshot-as-multiturn", choices=("true", "false"), default="true",
+                   help="with a chat template, the few-shot examples as earlier turns "
+                        "(default true, as lm-eval)")
     p.add_argument("--hosts", type=int, default=None,
                    help="evaluate on this many hosts of a Ray cluster (on one machine: "
                         "simulated ones; default: this process)")

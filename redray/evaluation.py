@@ -116,6 +116,48 @@ def lm_class():
             self.prefix_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id \
                 is not None else eos
 
+        # ------------------------------------------------------------ chat templates
+        @property
+        def tokenizer_name(self) -> str:
+            """The tokenizer's name, as the harness keys its caches and results by it."""
+            return str(getattr(self.tokenizer, "name_or_path", "") or "").replace("/", "__")
+
+        def chat_template(self, chat_template: bool | str = False) -> str | None:
+            """The template ``apply_chat_template`` renders with: the tokenizer's (a
+            named one of a tokenizer's dict of templates, or its ``default``); None
+            where none is asked for; a ``ValueError`` where the tokenizer has none."""
+            if chat_template is False or chat_template is None:
+                return None
+            template = getattr(self.tokenizer, "chat_template", None)
+            if isinstance(template, dict):
+                name = chat_template if isinstance(chat_template, str) else "default"
+                if name not in template:
+                    raise ValueError(f"the tokenizer has no chat template {name!r}; it has "
+                                     f"{sorted(template)}")
+                template = template[name]
+            if not template:
+                raise ValueError("--apply-chat-template: the tokenizer has no chat template "
+                                 "(tokenizer_config.json's \"chat_template\" or "
+                                 "chat_template.jinja in its folder); give --tokenizer a "
+                                 "folder that has one")
+            return template
+
+        def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+            """A conversation (a task's few-shot turns and its question) as the chat
+            template renders it: ending with the assistant's turn opened (or, without
+            the generation prompt, its last message left open to continue), as the
+            harness's Hugging Face model renders it, a template that refuses system
+            messages given the conversation without them."""
+            import jinja2
+
+            kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=not add_generation_prompt)
+            try:
+                return self.tokenizer.apply_chat_template(chat_history, **kw)
+            except jinja2.exceptions.TemplateError:
+                return self.tokenizer.apply_chat_template(
+                    [m for m in chat_history if m["role"] != "system"], **kw)
+
         # ------------------------------------------------------------ the harness's calls
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             pairs = [self._encode_pair(*r.args) for r in requests]
@@ -236,6 +278,7 @@ def evaluate_tasks(tasks, *, run: str | None = None, model: str | None = None,
                    batch_size: int = 8, limit: int | float | None = None,
                    num_fewshot: int | None = None, max_length: int | None = None,
                    samples: str | None = None, track: bool = True,
+                   apply_chat_template: bool | str = False, fewshot_as_multiturn: bool = True,
                    hosts: int | None = None, devices_per_host: int | None = None,
                    show: bool = True, **axes) -> dict[str, dict[str, float]]:
     """Scores a model on lm-evaluation-harness tasks; returns {task: {measure: value}}.
@@ -257,6 +300,11 @@ def evaluate_tasks(tasks, *, run: str | None = None, model: str | None = None,
       samples: a JSON lines file to write every example to: its task, document index,
         the requests' arguments and the model's responses (a log-likelihood and whether
         greedy, or the generated text).
+      apply_chat_template: render each request as a conversation with the tokenizer's
+        chat template (True, or the name of one of a tokenizer's named templates), as
+        the harness's own ``apply_chat_template``: what an instruct model is scored on.
+      fewshot_as_multiturn: with a chat template, the few-shot examples as earlier
+        turns of the conversation (the harness's default with a template).
       hosts, devices_per_host: evaluate on that many hosts of a Ray cluster (on one
         machine: simulated ones, each with ``devices_per_host`` CPU devices), one plan
         over all their devices (``redray.run``); default: this process's devices.
@@ -270,7 +318,8 @@ def evaluate_tasks(tasks, *, run: str | None = None, model: str | None = None,
     options = dict(run=run, model=model, storage=storage, tokenizer=tokenizer,
                    include_path=include_path, batch_size=batch_size, limit=limit,
                    num_fewshot=num_fewshot, max_length=max_length, samples=samples,
-                   track=track, show=False, **axes)
+                   track=track, apply_chat_template=apply_chat_template,
+                   fewshot_as_multiturn=fewshot_as_multiturn, show=False, **axes)
     if hosts is not None:  # the hosts score (paths made absolute); this process shows, tracks
         folder = run is not None and os.path.isdir(run)
         scores = _on_hosts(tasks, dict(
@@ -294,9 +343,12 @@ def evaluate_tasks(tasks, *, run: str | None = None, model: str | None = None,
                     **axes)
     names = [tasks] if isinstance(tasks, str) else list(tasks)
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    if apply_chat_template:
+        lm.chat_template(apply_chat_template)  # a tokenizer without one: refused here
     found = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
                                     num_fewshot=num_fewshot, log_samples=samples is not None,
-                                    bootstrap_iters=0)
+                                    bootstrap_iters=0, apply_chat_template=apply_chat_template,
+                                    fewshot_as_multiturn=fewshot_as_multiturn)
     if samples is not None and jax.process_index() == 0:  # every host has them all
         _write_samples(samples, found["samples"])
     scores = {task: {_measure(k): float(v) for k, v in values.items()

@@ -161,3 +161,53 @@ def test_a_run_and_a_model_are_one_or_the_other(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model config at"):
         redray.evaluate_tasks(["x"], run=str(tmp_path))
     assert os.path.isdir(tmp_path)
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+          "{% if not loop.last or m['role'] != 'assistant' or add_generation_prompt %}"
+          "{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_redray_eval_with_the_chat_template_scores_as_lm_evals_own_model(tmp_path):
+    """``redray eval --apply-chat-template`` (few-shot examples as turns, lm-eval's
+    default with a template) on the two local tasks of an instruct checkpoint (a ChatML
+    template, its end of turn the tokenizer's EOS): the scores, and every request the
+    harness made, are those of lm-eval's own Hugging Face model with
+    ``apply_chat_template=True`` on the same folder."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from redray.cli import main
+
+    tokenizer = gpt2_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.eos_token, tokenizer.chat_template = "<|im_end|>", CHATML
+    folder = llama_folder(tmp_path / "instruct", tokenizer=tokenizer)
+    tasks = write_tasks(tmp_path / "tasks")
+    samples = str(tmp_path / "samples.jsonl")
+    assert main(["eval", "--model", folder, "--tasks", "redray_choice,redray_echo",
+                 "--include-path", tasks, "--num-fewshot", "1", "--apply-chat-template",
+                 "--samples", samples, "--batch-size", "4", "--no-track"]) == 0
+    ours = {}
+    for line in open(samples):
+        row = json.loads(line)
+        ours[(row["task"], row["doc_id"])] = row
+    theirs = lm_eval.simple_evaluate(
+        model=HFLM(pretrained=folder, batch_size=4, device="cpu"),
+        tasks=["redray_choice", "redray_echo"], task_manager=TaskManager(include_path=tasks),
+        num_fewshot=1, apply_chat_template=True, log_samples=True, bootstrap_iters=0)
+    for task, rows in theirs["samples"].items():
+        for row in rows:
+            mine = ours[(task, row["doc_id"])]
+            # the same rendered requests: the template, the few-shot turns, the question
+            assert [list(a)[:1] for a in mine["arguments"]] == \
+                [[a[0]] for a in row["arguments"]]
+            assert "<|im_start|>assistant\n" in row["arguments"][0][0]
+            if task == "redray_choice":
+                for (value, greedy), (want, want_greedy) in zip(
+                        [r[0] for r in mine["responses"]], [r[0] for r in row["resps"]]):
+                    assert value == pytest.approx(want, abs=1e-4) and greedy == want_greedy
+            else:
+                assert mine["responses"][0][0] == row["resps"][0][0]
