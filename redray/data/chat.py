@@ -46,6 +46,7 @@ every row; ``prepare(..., pack=N)`` then carries ``loss_mask`` through packing b
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import re
@@ -163,19 +164,17 @@ def turn_spans(text: str, family: str) -> list[tuple[int, int]]:
 
 def tokens_of(offsets, spans) -> list[int]:
     """A 0/1 per token: 1 from the token holding each span's first character through the
-    one holding its last (``transformers``' rule for its generation markers)."""
+    one holding its last (``transformers``' rule for its generation markers). Tokens of
+    no characters are never the ends of a span."""
     mask = [0] * len(offsets)
+    kept = [i for i, (a, b) in enumerate(offsets) if b > a]
+    starts = [offsets[i][0] for i in kept]
+    ends = [offsets[i][1] for i in kept]
     for start, end in spans:
-        first = last = None
-        for i, (a, b) in enumerate(offsets):
-            if b <= a:  # a token of no characters
-                continue
-            if first is None and b > start:
-                first = i
-            if a < end:
-                last = i
-        if first is not None and last is not None and first <= last:
-            mask[first:last + 1] = [1] * (last + 1 - first)
+        first = bisect.bisect_right(ends, start)  # the first token ending after start
+        last = bisect.bisect_left(starts, end) - 1  # the last token starting before end
+        if first <= last:
+            mask[kept[first]:kept[last] + 1] = [1] * (kept[last] + 1 - kept[first])
     return mask
 
 
