@@ -68,7 +68,7 @@ WALKTHROUGH = (
 )
 
 COVERED_ELSEWHERE = {
-    "make test   # same set-up, then the test suite (CPU only; 36 to 47 minutes on 2 cores "
+    "make test   # same set-up, then the test suite (CPU only; 36 to 55 minutes on 2 cores "
     "over the last runs)":
         "tests/test_readme.py::test_make_test_installs_then_runs_the_whole_suite",
     "make bench-check   # every benchmark script at a tiny size: each still runs (about 7 min)":
