@@ -186,7 +186,8 @@ def test_sequences_normalize_per_conversation_packed_or_not(sft):
         model, jnp.asarray(packed["ids"][None]), jnp.asarray(packed["segment_ids"][None]),
         loss_mask=jnp.asarray(packed["loss_mask"][None]), normalize="sequences", metrics=True)
     np.testing.assert_allclose(float(value), np.mean(each), rtol=1e-5)
-    assert float(counted["weight"]) == len(rows)
+    assert float(counted["weight"]) == float(counted["sequences"]) == len(rows)
+    assert float(counted["tokens"]) == sum(sum(r["loss_mask"][1:]) for r in rows)
     tokens = float(next_token_loss(model, jnp.asarray(packed["ids"][None]),
                                    jnp.asarray(packed["segment_ids"][None]),
                                    loss_mask=jnp.asarray(packed["loss_mask"][None])))

@@ -130,12 +130,9 @@ def render(messages: Sequence[dict], tokenizer, *, tools=None, template: str | N
       **template_kwargs: other variables the template reads (``enable_thinking``...).
     """
     messages = check_messages(messages)
-    template = template or template_of(tokenizer)
-    source = mask_source(template)
-    if isinstance(tools, str):
-        tools = json.loads(tools)
-    common = dict(tools=tools, chat_template=template,
-                  add_generation_prompt=add_generation_prompt, **template_kwargs)
+    common = _template_args(tokenizer, tools, template, add_generation_prompt=add_generation_prompt,
+                            **template_kwargs)
+    source = mask_source(common["chat_template"])
     if source == "markers":
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True, **common)
@@ -183,12 +180,10 @@ def render_prompt(messages: Sequence[dict], tokenizer, *, tools=None,
     """The token ids of a prompt: the conversation so far and the opening of the
     assistant's turn (the generation prompt), as a sampler continues it."""
     messages = check_messages(messages)
-    if isinstance(tools, str):
-        tools = json.loads(tools)
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        tools=tools, add_generation_prompt=True,
-                                        chat_template=template or template_of(tokenizer),
-                                        **template_kwargs)
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True,
+        **_template_args(tokenizer, tools, template, add_generation_prompt=True,
+                         **template_kwargs))
     return list(out["input_ids"])
 
 
@@ -202,12 +197,9 @@ def render_completion(prompt: Sequence[dict], completion: Sequence[dict], tokeni
     prompt, completion = check_messages(prompt), check_messages(completion)
     head = render_prompt(prompt, tokenizer, tools=tools, template=template,
                          **template_kwargs)
-    if isinstance(tools, str):
-        tools = json.loads(tools)
-    whole = tokenizer.apply_chat_template(prompt + completion, tokenize=True,
-                                          return_dict=True, tools=tools,
-                                          chat_template=template or template_of(tokenizer),
-                                          **template_kwargs)
+    whole = tokenizer.apply_chat_template(
+        prompt + completion, tokenize=True, return_dict=True,
+        **_template_args(tokenizer, tools, template, **template_kwargs))
     ids = list(whole["input_ids"])
     same = 0
     while same < min(len(head), len(ids)) and head[same] == ids[same]:
@@ -321,6 +313,13 @@ def transform(tokenizer, *, key: str = "messages", tools_key: str = "tools",
         return rows[0] if rows else None
 
     return fn
+
+
+def _template_args(tokenizer, tools, template: str | None, **template_kwargs) -> dict:
+    """``apply_chat_template``'s keywords: the tools (parsed from their JSON text), the
+    template (the tokenizer's unless given) and the template's other variables."""
+    return dict(tools=json.loads(tools) if isinstance(tools, str) else tools,
+                chat_template=template or template_of(tokenizer), **template_kwargs)
 
 
 def _say(what: str, text: str) -> None:

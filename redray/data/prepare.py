@@ -166,9 +166,10 @@ def _as_rows(out) -> list:
 
 def _per_token(value, ids) -> bool:
     """Whether a row's ``value`` is a per-token column beside its token ``ids``."""
-    return not isinstance(value, (str, bytes, dict)) and hasattr(value, "__len__") \
-        and len(value) == len(ids) and all(isinstance(x, (int, bool)) or hasattr(x, "dtype")
-                                           for x in list(value)[:1])
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__") \
+            or len(value) != len(ids):
+        return False
+    return len(value) == 0 or isinstance(value[0], (int, bool)) or hasattr(value[0], "dtype")
 
 
 def _dataset(source):

@@ -434,9 +434,8 @@ def generation_for_export(model, tokenizer=None) -> dict:
 
     config = model.config
     own = getattr(config, "generation", None)
-    out = dict(own) if own is not None else {
-        k: v for k, v in GenerationConfig.from_model_config(config.hf).to_diff_dict().items()
-        if k != "transformers_version"}
+    out = dict(own) if own is not None else \
+        GenerationConfig.from_model_config(config.hf).to_diff_dict()
     eos = out.get("eos_token_id", getattr(config, "eos_token_id", None))
     eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
     turn = _tokenizer_eos(tokenizer)

@@ -38,9 +38,10 @@ def next_token_loss(model, ids, segment_ids=None, *, loss_mask=None,
         the update, as TRL's ``average_tokens_across_devices`` is); ``"sequences"``:
         the mean over documents (each row, or each packed segment) of each one's mean
         over its target tokens.
-      metrics: return ``(loss, {"tokens": n, "weight": n})``: the target tokens (or,
-        normalized by sequences, the documents: ``"sequences"``) the loss averages,
-        logged beside it, and as the batch's weight (``redray.functions.WEIGHT``).
+      metrics: return ``(loss, {"tokens": n, "weight": n})``: the target tokens, logged
+        beside the loss, and what the loss averages over as the batch's weight
+        (``redray.functions.WEIGHT``): the tokens, or normalized by sequences the
+        documents with a target, then logged as ``"sequences"`` too.
       chunk: tokens whose logits exist at once (None: all of them).
       train: passed to the model (dropout, remat).
       **call: other arguments of the model's call (``attention_mask``...).
@@ -59,7 +60,7 @@ def next_token_loss(model, ids, segment_ids=None, *, loss_mask=None,
             raise ValueError(f"loss_mask has shape {loss_mask.shape}, ids {ids.shape}: give "
                              "a mask per token (the packed rows' loss_mask)")
         weights = weights * (loss_mask[:, 1:] != 0).astype(jnp.float32)
-    count = weights.sum()
+    count = tokens_counted = weights.sum()
     if normalize == "sequences":
         weights, count = per_sequence(weights, None if segment_ids is None
                                       else segment_ids[:, 1:])
@@ -73,7 +74,8 @@ def next_token_loss(model, ids, segment_ids=None, *, loss_mask=None,
         value = chunked_cross_entropy(model.logits, hidden, targets, weights, chunk,
                                       divide=count)
     if metrics:
-        return value, {"tokens": count, "weight": count}
+        counted = {"tokens": tokens_counted, "weight": count}
+        return value, counted if normalize == "tokens" else {**counted, "sequences": count}
     return value
 
 
