@@ -32,12 +32,31 @@ def test_pack_fills_rows_in_order_and_splits_long_documents():
     assert efficiency(rows) == 16 / 18
 
 
-def test_pack_without_split_starts_a_row_for_a_document_that_does_not_fit():
+def test_pack_without_split_puts_each_document_whole_in_the_row_it_fits_best():
     docs = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10] * 13]
     rows = list(pack(docs, 6, split=False))
-    assert [r["ids"].tolist() for r in rows] == [[1, 2, 3, 0, 0, 0], [4, 5, 6, 7, 8, 9],
-                                                 [10] * 6, [10] * 6, [10, 0, 0, 0, 0, 0]]
-    assert rows[1]["segment_ids"].tolist() == [1, 1, 1, 1, 1, 2]
+    # [9] fits both open rows: the fuller one takes it (and is written as it fills);
+    # the long document fills two rows and its rest joins the row with room for it
+    assert [r["ids"].tolist() for r in rows] == [[4, 5, 6, 7, 8, 9], [10] * 6, [10] * 6,
+                                                 [1, 2, 3, 10, 0, 0]]
+    assert rows[0]["segment_ids"].tolist() == [1, 1, 1, 1, 1, 2]
+    assert rows[3]["segment_ids"].tolist() == [1, 1, 1, 2, 0, 0]
+    # at most open_rows wait: with one, a document that does not fit writes the row out
+    one = list(pack(docs[:3], 6, split=False, open_rows=1))
+    assert [r["ids"].tolist() for r in one] == [[1, 2, 3, 0, 0, 0], [4, 5, 6, 7, 8, 9]]
+
+
+def test_rows_with_a_loss_mask_keep_each_conversation_whole_by_default():
+    talks = [{"ids": [t] * n, "loss_mask": [1] * n} for t, n in ((1, 4), (2, 5), (3, 2), (4, 3))]
+    rows = list(pack(talks, 6))
+    for talk in talks:  # every conversation in one row, its mask beside it
+        (holder,) = [r for r in rows if talk["ids"][0] in r["ids"]]
+        assert (holder["ids"] == talk["ids"][0]).sum() == len(talk["ids"])
+        assert holder["loss_mask"][holder["ids"] == talk["ids"][0]].tolist() == talk["loss_mask"]
+    assert [r["ids"].tolist() for r in rows] == [[1, 1, 1, 1, 3, 3], [2, 2, 2, 2, 2, 0],
+                                                 [4, 4, 4, 0, 0, 0]]
+    cut = list(pack(talks, 6, split=True))  # asked for: laid end to end, cut at the rows
+    assert [r["ids"].tolist() for r in cut][0] == [1, 1, 1, 1, 2, 2]
 
 
 def test_next_token_mask_and_positions_restart_at_each_document():

@@ -38,7 +38,7 @@ class Prepared:
 
 
 def prepare(source: Any, output: str, *, transform: Callable | None = None,
-            pack: int | None = None, key: str = "ids", split: bool = True,
+            pack: int | None = None, key: str = "ids", split: bool | None = None,
             rows_per_file: int = 100_000, row_group_rows: int = 1024,
             parallel: bool | None = None) -> Prepared:
     """Writes ``source``, transformed (and packed), as parquet files in ``output``.
