@@ -39,11 +39,11 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["a", "b"]}}}]
 
 
-def conversations(tool_calls: bool) -> list[list[dict]]:
-    """Four conversations: a system prompt, two or three exchanges, one with a tool
+def conversations(tool_calls: bool, count: int = 4) -> list[list[dict]]:
+    """``count`` conversations: a system prompt, two or three exchanges, one with a tool
     call and its result (as a call where the template renders calls, else as text)."""
     out = []
-    for i in range(4):
+    for i in range(count):
         call = {"role": "assistant", "content": "",
                 "tool_calls": [{"type": "function", "function": {
                     "name": "multiply", "arguments": {"a": i, "b": 3}}}]} if tool_calls \
@@ -285,3 +285,50 @@ def test_the_end_of_turn_tokens_are_read_and_written_with_the_checkpoint(sft, tm
     rm.save_pretrained(plain, str(tmp_path / "plain"), tokenizer=llama3)
     assert transformers.GenerationConfig.from_pretrained(
         str(tmp_path / "plain")).eos_token_id == [end, eot]
+
+
+def test_a_vocabulary_tokenizer_and_a_built_models_generation_config(tmp_path):
+    """vocabulary_tokenizer reads the longest listed token first and renders chats with
+    its template (saved and loaded as any tokenizer); build(generation=) gives a random
+    model the end-of-turn tokens an instruct checkpoint's generation_config.json holds:
+    the Sampler stops on them, save_pretrained writes them, messages() decodes to them."""
+    import transformers
+    from transformers import LlamaConfig
+
+    import redray.models as rm
+    from redray.models.generate import special_tokens
+    from redray.post_training import Sampler, SamplingParams, messages
+
+    tokens = ["<pad>", "<|im_start|>", "<|im_end|>", "a", "ab", "b", "\n", "user",
+              "assistant"]
+    tok = rm.vocabulary_tokenizer(tokens, special=tokens[:3], pad="<pad>", eos="<|im_end|>",
+                                  chat_template=chat.CHATML)
+    assert tok.encode("abab", add_special_tokens=False) == [4, 4]
+    assert tok.encode("aab", add_special_tokens=False) == [3, 4]
+    ids = chat.render_prompt([{"role": "user", "content": "ba"}], tok)
+    assert tok.convert_ids_to_tokens(ids) == ["<|im_start|>", "user", "\n", "b", "a",
+                                              "<|im_end|>", "\n", "<|im_start|>",
+                                              "assistant", "\n"]
+    assert tok.decode([4, 5, 2], skip_special_tokens=True) == "abb"
+    tok.save_pretrained(str(tmp_path / "tok"))
+    again = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert chat.render_prompt([{"role": "user", "content": "ba"}], again) == ids
+    with pytest.raises(ValueError, match="<eos>"):
+        rm.vocabulary_tokenizer(tokens, eos="<eos>")
+
+    config = LlamaConfig(vocab_size=len(tokens), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, eos_token_id=0,
+                         pad_token_id=0)
+    model = rm.build(config, generation={"eos_token_id": [2, 0]})
+    assert list(special_tokens(model.config, None, None)[0]) == [2, 0]
+    assert rm.build(config).config.generation is None
+    done = Sampler(model, slots=4, max_length=24).sample([ids] * 4, SamplingParams(
+        max_new_tokens=6, temperature=1.0))
+    said = messages(done, tok, [2, 0])
+    for c, text in zip(done, said):  # stopped on an end of turn, or cut at 6 tokens
+        assert (c.finish_reason == "eos") == (c.tokens[-1] in (2, 0)) == (text is not None)
+        if text is not None:
+            assert text == tok.decode(c.tokens[:-1], skip_special_tokens=True)
+    rm.save_pretrained(model, str(tmp_path / "out"), tokenizer=tok)
+    written = transformers.GenerationConfig.from_pretrained(str(tmp_path / "out"))
+    assert written.eos_token_id == [2, 0]

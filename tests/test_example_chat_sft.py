@@ -13,9 +13,6 @@ import pytest
 
 from hf_tiny import ROOT, gpt2_tokenizer, llama_folder
 
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
-          "{{ '<|im_end|>\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 @pytest.mark.slow
@@ -31,7 +28,7 @@ def test_chat_fine_tuning_learns_the_answers_and_transformers_serves_the_export(
     tokenizer = gpt2_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
-    tokenizer.chat_template = CHATML
+    tokenizer.chat_template = chat.CHATML
     folder = llama_folder(tmp_path / "instruct", tokenizer=tokenizer)
     runs = str(tmp_path / "runs")
     done = subprocess.run(

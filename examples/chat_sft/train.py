@@ -24,9 +24,6 @@ import optax
 import redray
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
-          "{{ '<|im_end|>\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 def parse(argv=None):
@@ -44,6 +41,7 @@ def tiny_checkpoint(folder):
     """A random Qwen3-shaped checkpoint with GPT-2's BPE and a ChatML template."""
     from transformers import Qwen3Config
 
+    from redray.data.chat import CHATML
     from redray.models import build, gpt2_tokenizer, save_pretrained
 
     tokenizer = gpt2_tokenizer(hf=True)

@@ -69,6 +69,12 @@ FAMILIES = {
                "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>", ""),
 }
 
+# ChatML at its plainest (Qwen's and SmolLM's turns without their tools or default system
+# prompt): a template for a tokenizer that has none, on toy tasks and in tests
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+          "{{ '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
 # how many rows this process shortened or dropped, by why (said in warnings)
 _counts: Counter = Counter()
 

@@ -7,7 +7,10 @@ Mixtral, Qwen2-MoE and Qwen3-MoE, OPT, GPT-J, T5) with Hugging Face I/O.
   ``transformers``' Auto classes load, with the tokenizer's files.
 * ``build(config)``: a random model from a ``transformers`` config.
 * ``generate(model, input_ids, attention_mask, max_new_tokens=...)``: KV-cache decoding.
-* ``gpt2_tokenizer()``: GPT-2's real BPE, offline.
+* ``gpt2_tokenizer()``: GPT-2's real BPE, offline; ``vocabulary_tokenizer(tokens)``: a
+  tokenizer over a fixed list of tokens (toy tasks), with a chat template if given.
+* ``build(config, generation={"eos_token_id": [...]})``: the generation config an
+  instruct checkpoint keeps in ``generation_config.json`` (the Sampler's stop tokens).
 * ``next_token_loss(model, ids, segment_ids=None, chunk=...)``: the causal-LM loss,
   inside packed documents, with the LM head run a chunk of tokens at a time.
 * ``add_lora(model, rank, targets=...)`` / ``merge_lora(model)``: LoRA adapters (train
@@ -22,8 +25,9 @@ from redray.models.generate import generate, sample_token
 from redray.models.hub import build, from_pretrained, load_config, save_pretrained, save_tokenizer
 from redray.models.lora import LoRA, add_lora, merge_lora
 from redray.models.losses import chunked_cross_entropy, next_token_loss
-from redray.models.tokenizer import gpt2_tokenizer
+from redray.models.tokenizer import gpt2_tokenizer, vocabulary_tokenizer
 
 __all__ = ["FAMILIES", "Family", "LoRA", "add_lora", "build", "chunked_cross_entropy",
            "from_pretrained", "generate", "gpt2_tokenizer", "load_config", "merge_lora",
-           "next_token_loss", "sample_token", "save_pretrained", "save_tokenizer"]
+           "next_token_loss", "sample_token", "save_pretrained", "save_tokenizer",
+           "vocabulary_tokenizer"]

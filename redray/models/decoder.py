@@ -80,7 +80,7 @@ class CausalLM(nnx.Module):
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat=False,
                  scan: bool | None = None):
-        self.config = HFConfig(config.hf if isinstance(config, HFConfig) else config)
+        self.config = config if isinstance(config, HFConfig) else HFConfig(config)
         self.dtype = dtype
         self.remat = layers.remat_policy(remat)
         c = self.config.hf

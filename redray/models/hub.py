@@ -173,10 +173,15 @@ def load_config(path: str):
 
 
 def build(config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, remat=False,
-          seed: int = 0, scan: bool | None = None):
+          seed: int = 0, scan: bool | None = None, generation: dict | None = None):
     """A randomly initialized redray model for a ``transformers`` config; ``scan``: its
     layers stacked and scanned (one compiled block, whatever the depth), or a list of
-    layers (False); None (the default): stacked where the config allows it."""
+    layers (False); None (the default): stacked where the config allows it.
+    ``generation``: what a checkpoint's ``generation_config.json`` would hold (an
+    instruct model's end-of-turn ``eos_token_id``s, which the Sampler stops on, and
+    ``save_pretrained`` writes)."""
+    if generation is not None:
+        config = HFConfig(config.hf if isinstance(config, HFConfig) else config, generation)
     fam = family(config.model_type)
     return fam.Model(config, rngs=rngs or fast_rngs(seed), dtype=dtype, remat=remat, scan=scan)
 

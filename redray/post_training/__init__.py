@@ -12,11 +12,11 @@ from redray.post_training.losses import (dpo_loss, group_advantages, grpo_loss,
                                          recomputed_logprobs, sequence_logprobs, sft_loss,
                                          token_logprobs)
 from redray.post_training.remote import Pending, SamplerGroup, WeightSync
-from redray.post_training.rewards import RewardError, score
+from redray.post_training.rewards import RewardError, messages, score
 from redray.post_training.sampler import Sampler
 from redray.post_training.sampling import Completion, SamplingParams, sample_rows
 
 __all__ = ["Completion", "Pending", "RewardError", "Sampler", "SamplerGroup",
            "SamplingParams", "WeightSync", "dpo_loss", "group_advantages", "grpo_loss",
-           "logprob_mismatch", "masked_mean", "preference_pairs", "recomputed_logprobs",
+           "logprob_mismatch", "masked_mean", "messages", "preference_pairs", "recomputed_logprobs",
            "sample_rows", "score", "sequence_logprobs", "sft_loss", "token_logprobs"]

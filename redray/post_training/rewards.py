@@ -93,3 +93,22 @@ def _on_tasks(reward, rows: list, workers: int, options: dict) -> list[float]:
             raise RewardError(str(cause)) from None
         raise
     return [v for part in parts for v in part]
+
+
+def messages(completions: Sequence, tokenizer, end_of_turn) -> list[str | None]:
+    """The assistant messages a reward reads: each completion (a ``Completion`` or its
+    token ids) decoded with the tokenizer, its end-of-turn token and other special tokens
+    left out; None for one that no token of ``end_of_turn`` ended (cut at
+    ``max_new_tokens``: an unfinished message, which a reward should not take for a
+    whole one).
+
+    ``end_of_turn``: the ids the sampler stopped on (a checkpoint's
+    ``generation_config.json`` ``eos_token_id``s, as ``Sampler`` reads them).
+    """
+    stops = set(np.atleast_1d(end_of_turn).tolist())
+    out = []
+    for c in completions:
+        tokens = list(np.asarray(getattr(c, "tokens", c)).tolist())
+        out.append(tokenizer.decode(tokens, skip_special_tokens=True)
+                   if tokens and tokens[-1] in stops else None)
+    return out
