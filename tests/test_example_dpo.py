@@ -27,21 +27,25 @@ def saved_pairs(module, folder):
 
 def test_a_row_is_a_prompt_with_two_answers_masked_and_the_judge_ranks_answers():
     d = example_module("dpo")
-    r = d.row(3745, d.answer(3745), [8, 3, d.EOS], reference=(-1.5, -2.5))  # 37+45=82, 83
-    head = [d.BOS, 3, 7, 10, 4, 5, 11]
-    assert r["chosen"].tolist() == head + [8, 2, d.EOS, d.PAD, d.PAD]
-    assert r["rejected"].tolist() == head + [8, 3, d.EOS, d.PAD, d.PAD]
-    assert r["chosen_mask"].tolist() == r["rejected_mask"].tolist() == [0] * 7 + [1] * 3 + [0] * 2
+    tok = d.TOKENIZER
+
+    def said(text, end=True):  # an answer's tokens, ended by the end-of-turn token
+        return tok.encode(text, add_special_tokens=False) + ([d.EOT] if end else [])
+    r = d.row(3745, d.answer(3745), said("83"), reference=(-1.5, -2.5))  # 37+45=82, 83
+    head = list(d.prompt(3745))
+    assert tok.decode(head) == "<|im_start|>user\n37+45=<|im_end|>\n<|im_start|>assistant\n"
+    assert r["chosen"].tolist() == head + said("82") + [d.PAD]
+    assert r["rejected"].tolist() == head + said("83") + [d.PAD]
+    assert r["chosen_mask"].tolist() == r["rejected_mask"].tolist() == [0] * 14 + [1] * 3 + [0]
     assert r["reference"].tolist() == [-1.5, -2.5] and not r["warmup"]
-    assert d.judge(3745, [8, 2, d.EOS]) == 0 and d.judge(3745, [7, 9, d.EOS]) == -3
-    assert d.judge(3745, [1, 0, 2, d.EOS]) == -20
-    for unreadable in ([8, 2], [d.EOS], [8, 10, d.EOS], [8, d.EOS, d.PAD], []):
-        assert d.judge(3745, unreadable) == -1000
-    odd = d.row(3745, d.answer(3745), [8, d.PAD, d.EOS])  # a sampled PAD counts as answer
-    assert odd["rejected_mask"].tolist() == [0] * 7 + [1] * 3 + [0] * 2
-    cut = d.row(3745, d.answer(3745), [9, 9, 9, 9])  # a sampled answer cut at 4 tokens
-    assert cut["rejected"].tolist() == head + [9, 9, 9, 9, d.PAD]
-    assert cut["rejected_mask"].tolist() == [0] * 7 + [1] * 4 + [0]
+    # the judge reads the decoded messages (None: cut before the end of turn)
+    messages = d.messages([said("82"), said("79"), said("102"), said("82", end=False),
+                           [d.EOT], said("8+"), said("8") + [d.PAD]], tok, d.STOP)
+    assert messages == ["82", "79", "102", None, "", "8+", "8"]
+    assert [d.judge(3745, m) for m in messages] == [0, -3, -20, -1000, -1000, -1000, -74]
+    cut = d.row(3745, d.answer(3745), said("9999", end=False))  # cut at 4 tokens
+    assert cut["rejected"].tolist() == head + said("9999", end=False)
+    assert cut["rejected_mask"].tolist() == [0] * 14 + [1] * 4
 
 
 @pytest.mark.slow
@@ -54,13 +58,16 @@ def test_a_killed_run_resumes_exactly_with_its_saved_pairs(tmp_path, monkeypatch
     pairs = saved_pairs(d, tmp_path / "whole")
     for rows in pairs.values():  # two of the model's answers, the judge's better one chosen
         assert len(rows["chosen"]) > 0
-        for i, chosen in enumerate(rows["chosen"]):  # BOS a+b= answer, padded
-            a, b = "".join(d.CHARS[t] for t in chosen if t < len(d.CHARS)).split("=")[0].split("+")
-            start, pair = len(a) + len(b) + 3, int(a) * 100 + int(b)
+        for i, chosen in enumerate(rows["chosen"]):  # the prompt, an answer, padding
+            start = int(np.argmax(rows["chosen_mask"][i]))
+            a, b = d.TOKENIZER.decode(chosen[:start]).split("\n")[1].split("=")[0].split("+")
+            pair = int(a) * 100 + int(b)
+            assert list(chosen[:start]) == d.prompt(pair)
             assert (rows["rejected"][i, :start] == chosen[:start]).all()
             keys = ("chosen", "rejected")
             assert all(rows[k + "_mask"][i, :start].sum() == 0 for k in keys)
-            answers = [rows[k][i][rows[k + "_mask"][i] == 1].tolist() for k in keys]
+            answers = d.messages([rows[k][i][rows[k + "_mask"][i] == 1] for k in keys],
+                                 d.TOKENIZER, d.STOP)
             assert d.judge(pair, answers[0]) > d.judge(pair, answers[1])
     params = jax.device_get(trainer.state.params)
 

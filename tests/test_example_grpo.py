@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from example_runs import Killed, example_module, run_loop
+from redray.models.generate import special_tokens
 
 TINY = ["--warmup", "2", "--prompts", "4", "--group", "4"]
 
@@ -24,19 +25,33 @@ def run(module, monkeypatch, folder, iterations, kill_at=None):
                     monkeypatch, kill_at)
 
 
-def test_rows_follow_the_samples():
+def test_prompts_are_conversations_and_rows_follow_the_samples():
     g = example()
     pair = 3745  # 37 + 45
-    assert g.prompt(pair) == [g.BOS, 3, 7, 10, 4, 5, 11] and g.answer(pair) == [8, 2, g.EOS]
-    assert g.reward(pair, [8, 2, g.EOS]) == 1.0
-    assert g.reward(pair, [8, 2]) == g.reward(pair, [8, 3, g.EOS]) == 0.0
-    r = g.row(pair, [8, 3, g.EOS], [-0.5, -1.0, -0.25], advantage=-2.0)
-    assert r["ids"].tolist() == [g.BOS, 3, 7, 10, 4, 5, 11, 8, 3, g.EOS, g.PAD, g.PAD]
+    tok = g.tokenizer()
+    # the user's turn through the chat template, with the assistant's opening
+    assert tok.decode(g.prompt(pair)) == \
+        "<|im_start|>user\n37+45=<|im_end|>\n<|im_start|>assistant\n"
+    head, two = g.prompt(pair), tok.encode("82", add_special_tokens=False)
+    assert len(head) == 14 and g.answer(pair) == [*two, g.EOT]
+    # the end of turn is the generation config's, not the config's EOS: the sampler stops there
+    config = g.model(None).config
+    assert config.eos_token_id == g.PAD and config.generation["eos_token_id"] == g.STOP
+    assert list(special_tokens(config, None, None)[0]) == [g.EOT, g.PAD]
+    # the reward reads the decoded message; one cut before its end of turn is None
+    said = g.messages([g.answer(pair), two, tok.encode("83") + [g.EOT]], tok, g.STOP)
+    assert said == ["82", None, "83"]
+    assert [g.reward(pair, m) for m in said] == [1.0, 0.0, 0.0]
+    wrong = tok.encode("83", add_special_tokens=False) + [g.EOT]
+    r = g.row(pair, wrong, [-0.5, -1.0, -0.25], advantage=-2.0)
+    assert r["ids"].tolist() == [*head, *wrong, g.PAD] and len(r["ids"]) == g.LENGTH
     # the completion's tokens, and the sampler's log-probabilities at their positions
-    assert r["completion"].tolist() == [0] * 7 + [1] * 3 + [0] * 2
-    assert r["old_logp"][7:10].tolist() == [-0.5, -1.0, -0.25] and r["old_logp"][:7].sum() == 0
+    assert r["completion"].tolist() == [0] * 14 + [1] * 3 + [0]
+    assert r["old_logp"][14:17].tolist() == [-0.5, -1.0, -0.25] and r["old_logp"][:14].sum() == 0
     assert not r["warmup"] and r["advantage"] == -2.0
     assert g.row(pair, g.answer(pair))["warmup"]
+    longest = len(g.prompt(9999)) + len(g.answer(9999))  # 99+99=198
+    assert longest == g.LENGTH
 
 
 @pytest.mark.slow
@@ -72,7 +87,7 @@ def test_the_kl_penalty_scores_samples_on_the_warmup_model_and_resumes(tmp_path,
     to the same parameters."""
     g = example()
     # a reward that varies within groups at this size, so that the policy moves
-    monkeypatch.setattr(g, "reward", lambda pair, tokens: float(sum(tokens) % 2))
+    monkeypatch.setattr(g, "reward", lambda pair, message: float(sum(map(ord, message or "?")) % 2))
     batches, collate = {}, g.collate
 
     def recording(examples):  # an iteration's rows, as the Trainer collates them

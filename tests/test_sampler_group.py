@@ -196,7 +196,7 @@ def test_the_grpo_example_trains_alike_with_its_sampler_on_an_actor(local_ray, t
     made = g.row
     # a reward that varies within every group at this size (an untrained model rarely
     # adds right), so that the samples' advantages train the model
-    monkeypatch.setattr(g, "reward", lambda pair, tokens: float(sum(tokens) % 2))
+    monkeypatch.setattr(g, "reward", lambda pair, message: float(sum(map(ord, message or "?")) % 2))
 
     def recording(into):
         def row(pair, completion, old_logp=None, advantage=1.0):
@@ -261,7 +261,7 @@ def test_the_grpo_example_overlapped_resumes_on_the_rollouts_it_drew(local_ray, 
     from example_runs import example_module, run_loop
 
     g = example_module("grpo")
-    monkeypatch.setattr(g, "reward", lambda pair, tokens: float(sum(tokens) % 2))
+    monkeypatch.setattr(g, "reward", lambda pair, message: float(sum(map(ord, message or "?")) % 2))
     tiny = ["--warmup", "1", "--prompts", "4", "--group", "4", "--sampler-replicas", "1",
             "--overlap"]
     with pytest.raises(SystemExit):  # overlapping needs samplers of their own

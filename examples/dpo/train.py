@@ -1,10 +1,9 @@
 """Preference learning: DPO on a small LM's own answers, ranked by a judge.
 
-After a supervised warm-up on sums (``37+45=``) the model answers each prompt 8 times, a judge
-ranks the answers, and DPO (plus ``--nll`` x NLL; ``--sft``: NLL alone) trains on the pairs.
-
-    python examples/dpo/train.py [--epochs 12] [--sft] [--storage DIR] [--name RUN]
-"""
+After a supervised warm-up on sums (a user's ``37+45=`` in a ChatML conversation) the model
+answers each prompt 8 times, a judge ranks the decoded answers, and DPO (plus ``--nll`` x
+NLL; ``--sft``: NLL alone) trains on the pairs. README.md says more; to run it:
+``python examples/dpo/train.py [--epochs 12] [--sft] [--storage DIR] [--name RUN]``"""
 
 import argparse
 import json
@@ -15,13 +14,19 @@ import jax.numpy as jnp
 import mlflow
 import numpy as np
 import optax
+from transformers import LlamaConfig
 
 import redray
-from redray.post_training import (Sampler, SamplingParams, dpo_loss, preference_pairs, score,
-                                  sequence_logprobs, token_logprobs)
+from redray.data import chat
+from redray.models import build, vocabulary_tokenizer
+from redray.post_training import (Sampler, SamplingParams, dpo_loss, messages,
+                                  preference_pairs, score, sequence_logprobs, token_logprobs)
 
-CHARS = "0123456789+="
-BOS, EOS, PAD, VOCAB, LENGTH = 12, 13, 14, 16, 12  # a row: BOS a+b= digits EOS, padded
+TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *"0123456789+=\n", "user", "assistant"]
+# padding (the config's EOS), end of turn, tokens in a row, the generation config's EOS ids
+PAD, EOT, LENGTH, STOP = 0, 2, 18, [2, 0]  # (STOP: what the sampler stops on)
+TOKENIZER = vocabulary_tokenizer(TOKENS, special=TOKENS[:3], pad=TOKENS[PAD], eos=TOKENS[EOT],
+                                 chat_template=chat.CHATML)  # ChatML's turns and template
 
 
 def parse(argv=None):
@@ -37,21 +42,17 @@ def parse(argv=None):
 
 
 def model(rngs):
-    from transformers import LlamaConfig
-
-    from redray.models import build
-
-    return build(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=256,
-                             num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
-                             bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD), rngs=rngs)
+    return build(LlamaConfig(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=256,
+                             num_hidden_layers=2, num_attention_heads=4, eos_token_id=PAD,
+                             pad_token_id=PAD), generation={"eos_token_id": STOP}, rngs=rngs)
 
 
-def prompt(pair):  # pair: a * 100 + b
-    return [BOS, *(CHARS.index(c) for c in f"{pair // 100}+{pair % 100}=")]
+def prompt(p):  # p: a * 100 + b; the user's turn (a+b=), then the assistant's opening
+    return chat.render_prompt([{"role": "user", "content": "%d+%d=" % divmod(p, 100)}], TOKENIZER)
 
 
 def answer(pair):
-    return [*(CHARS.index(c) for c in str(pair // 100 + pair % 100)), EOS]
+    return [*TOKENIZER.encode(str(pair // 100 + pair % 100), add_special_tokens=False), EOT]
 
 
 def row(pair, chosen, rejected, reference=(0.0, 0.0), warmup=False):
@@ -64,10 +65,9 @@ def row(pair, chosen, rejected, reference=(0.0, 0.0), warmup=False):
     return out
 
 
-def judge(pair, tokens):
-    """Minus how far an answer is from the sum (0: right); -1000 if it is not a number."""
-    text = "".join(CHARS[t] if t < 10 else "x" for t in tokens[:-1]) if tokens[-1:] == [EOS] else ""
-    return -abs(int(text) - pair // 100 - pair % 100) if text.isdigit() else -1000.0
+def judge(pair, message):  # minus the decoded answer's distance to the sum; -1000: no number
+    number = message is not None and message.isdigit()
+    return -abs(int(message) - pair // 100 - pair % 100) if number else -1000.0
 
 
 def own_pairs(trainer, sampler, pairs, samples=8):
@@ -75,7 +75,7 @@ def own_pairs(trainer, sampler, pairs, samples=8):
     asked = np.repeat(pairs, samples)
     done = [c.tokens.tolist() for c in sampler.sample(
         [prompt(p) for p in asked], SamplingParams(max_new_tokens=4, temperature=1.0))]
-    ranks = preference_pairs(score(judge, asked, done), samples)
+    ranks = preference_pairs(score(judge, asked, messages(done, TOKENIZER, STOP)), samples)
     rows = [row(asked[c], done[c], done[r]) for c, r in ranks]
     return [dict(r, reference=x) for r, x in zip(rows, trainer.predictor().predict(rows))]
 
@@ -138,8 +138,8 @@ def main(argv=None):
     result = redray.run(dpo, args := parse(argv), cluster=redray.cluster_options(args))
     accuracy = [m.value for m in sorted(mlflow.MlflowClient(result.tracking_uri).get_metric_history(
         result.mlflow_run_id, "preference_accuracy"), key=lambda m: m.step)]  # every resumption's
-    print(f"\nheld-out preference accuracy: {np.round(accuracy, 3)}\n\n{result.summary()}")
-    print(json.dumps({"before": accuracy[0], "after": accuracy[-1], **result.value}))
+    print(f"\nheld-out preference accuracy: {np.round(accuracy, 3)}\n\n{result.summary()}\n"
+          + json.dumps({"before": accuracy[0], "after": accuracy[-1], **result.value}))
 
 
 if __name__ == "__main__":

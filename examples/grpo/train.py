@@ -1,33 +1,20 @@
 """Reinforcement learning from a verifiable reward: GRPO teaches a small LM to add.
 
-A LLaMA-architecture decoder (``redray.models``) over 16 characters answers prompts like
-``37+45=``; the reward function checks the answer (1 if right, else 0). Worked sums are
-scarce: ``--demos`` of the 9,744 training prompts have one. A supervised warm-up
-(``--warmup`` epochs over those) teaches what they can, then each GRPO iteration, over
-every training prompt: ``redray.post_training.Sampler`` continues ``--prompts`` prompts
-``--group`` times each at temperature 1 (continuous batching, on the trainer's own
-weights and devices, or on ``--sampler-replicas`` Ray actors sent the weights), the
-rewards become group-relative advantages, and the Trainer takes one epoch of GRPO's
-clipped loss over them, its ratio to the trainer's own log-probabilities of the samples
-(their largest and mean gap to the sampler's logged each iteration: where sampling and
-training disagree, in dtype or kernels, it shows). The held-out accuracy (greedy answers
-to prompts never trained on) is logged each iteration. ``redray.run`` runs the loop on
-every host; MLflow and checkpoints go to ``--storage``, and the same command resumes the
-run exactly (each iteration's prompts and samples are keyed by its number).
-
-``--kl COEF`` adds GRPO's KL penalty to the warm-up model (frozen when GRPO begins, kept
-in the run's folder for resuming): each sample's log-probabilities under it, against the
-policy's, hold the policy near what the demonstrations taught.
-
-``--overlap`` (with ``--sampler-replicas``) samples the next iteration's rollouts while
-the trainer trains on this one's, on the weights of one update before: a staleness of
-one update, which GRPO's ratio to the sampler's own log-probabilities corrects. Those
-rollouts are kept in every checkpoint, so a resumed run trains on the very samples the
-killed one drew.
+A LLaMA-architecture decoder answers a user's ``37+45=`` in a ChatML conversation: each
+prompt rendered by the chat template with the assistant's opening, the sampler stopping
+on the generation config's end-of-turn token, the reward reading the decoded message (1
+for the sum). ``--demos`` of the 9,744 training prompts have a worked answer: ``--warmup``
+supervised epochs over those, then each iteration the ``Sampler`` continues ``--prompts``
+prompts ``--group`` times at temperature 1 (on the trainer's weights, or on
+``--sampler-replicas`` Ray actors), and the Trainer takes an epoch of GRPO's clipped
+loss over the group-relative advantages, its ratio to its own log-probabilities of the
+samples (their gap to the sampler's logged). The held-out accuracy is logged each
+iteration; the same command resumes a run exactly. ``--kl COEF``: GRPO's KL penalty to
+the warm-up model; ``--overlap`` (with ``--sampler-replicas``): the next iteration
+sampled while this one trains, one update stale (README.md says more).
 
     python examples/grpo/train.py [--iterations 20] [--storage DIR] [--name RUN]
 """
-
 import argparse
 import json
 import os
@@ -41,12 +28,16 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import redray
+from redray.data import chat
+from redray.models import vocabulary_tokenizer
 from redray.post_training import (Sampler, SamplerGroup, SamplingParams, grpo_loss,
-                                  group_advantages, logprob_mismatch, recomputed_logprobs,
-                                  score, token_logprobs)
+                                  group_advantages, logprob_mismatch, messages,
+                                  recomputed_logprobs, score, token_logprobs)
 
-CHARS = "0123456789+="
-BOS, EOS, PAD, VOCAB, LENGTH = 12, 13, 14, 16, 12  # a row: BOS a+b= digits EOS, padded
+TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *"0123456789+=\n", "user", "assistant"]
+PAD, EOT, LENGTH = 0, 2, 18  # padding (the config's EOS), end of turn, tokens in a row
+STOP = [EOT, PAD]  # the generation config's EOS ids: what the sampler stops on
+MADE = {}  # this process's tokenizer and rendered prompts
 
 
 def parse(argv=None):
@@ -77,27 +68,30 @@ def model(rngs):
 
     from redray.models import build
 
-    return build(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=256,
+    return build(LlamaConfig(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=256,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                             max_position_embeddings=32, bos_token_id=BOS, eos_token_id=EOS,
-                             pad_token_id=PAD), rngs=rngs)
+                             max_position_embeddings=32, bos_token_id=None, eos_token_id=PAD,
+                             pad_token_id=PAD), generation={"eos_token_id": STOP}, rngs=rngs)
 
 
-def prompt(pair):
-    return [BOS, *encode(f"{pair // 100}+{pair % 100}=")]  # pair: a * 100 + b
+def tokenizer():  # characters and ChatML's turn tokens, with ChatML's template
+    return MADE.get("tokenizer") or MADE.setdefault("tokenizer", vocabulary_tokenizer(
+        TOKENS, special=TOKENS[:3], pad=TOKENS[PAD], eos=TOKENS[EOT], chat_template=chat.CHATML))
+
+
+def prompt(pair):  # pair: a * 100 + b; the user's turn, then the assistant's opening
+    return MADE.get(pair) or MADE.setdefault(pair, chat.render_prompt(
+        [{"role": "user", "content": f"{pair // 100}+{pair % 100}="}], tokenizer()))
 
 
 def answer(pair):
-    return [*encode(str(pair // 100 + pair % 100)), EOS]
+    return [*tokenizer().encode(str(pair // 100 + pair % 100), add_special_tokens=False), EOT]
 
 
-def encode(text):
-    return [CHARS.index(c) for c in text]
-
-
-def reward(pair, tokens):
-    """The verifier: 1 for exactly the right sum (and its EOS), else 0."""
-    return float(list(tokens) == answer(pair))
+def reward(pair, message):
+    """The verifier, on the decoded assistant message: 1 for exactly the sum, else 0
+    (None: a message cut before its end of turn)."""
+    return float(message == str(pair // 100 + pair % 100))
 
 
 def row(pair, completion, old_logp=None, advantage=1.0):
@@ -169,7 +163,7 @@ class Ahead(redray.Hook):
 
 def accuracy(sampler, pairs):
     done = sampler.sample([prompt(p) for p in pairs], SamplingParams(max_new_tokens=4))
-    return float(np.mean([reward(p, c.tokens) for p, c in zip(pairs, done)]))
+    return float(np.mean([reward(*r) for r in zip(pairs, messages(done, tokenizer(), STOP))]))
 
 
 def grpo(args):
@@ -213,8 +207,8 @@ def grpo(args):
             if args.overlap:  # sampled while this epoch trains (after the last one too:
                 # a run resumed with more --iterations goes on as if never stopped)
                 ahead.pending[epoch + 1] = draw(epoch + 1, sampler.submit)
-            rewards = score(reward, chosen(epoch), [tokens for tokens, _ in done],
-                            workers=args.reward_workers)
+            said = messages([tokens for tokens, _ in done], tokenizer(), STOP)
+            rewards = score(reward, chosen(epoch), said, workers=args.reward_workers)
             advantages = np.asarray(group_advantages(rewards, args.group))
             data = [row(p, tokens, logp, a)
                     for p, (tokens, logp), a in zip(chosen(epoch), done, advantages)]
