@@ -29,7 +29,8 @@ Figures (means over the seeds, their spread and each seed's values beside):
   start included. Target: under 10 minutes.
 - ``grpo/heldout_accuracy_minus_more_sft``,
   ``dpo/heldout_preference_accuracy_minus_more_sft``: the held-out measure at the end
-  minus that of the supervised run of as many epochs, seed for seed. Target: > 0.
+  minus that of the supervised run of as many epochs, seed for seed: the smallest of the
+  seeds' margins (the mean in the detail). Target: > 0, so in every seed.
 
     python benchmarks/post_training_examples.py [--only grpo|dpo] [--seeds 3] [--tiny]
 """
@@ -117,11 +118,11 @@ def run(name: str, tiny: bool, seeds: int) -> list[dict]:
         figure(f"{name}/minutes_on_cpu", float(np.mean(seconds)) / 60, "min",
                "the issue's bound for the example on CPU", "< 10", command,
                cpus=os.cpu_count(), spread=[min(seconds) / 60, max(seconds) / 60]),
-        figure(f"{gain_name.rsplit('_gain', 1)[0]}_minus_more_sft", float(np.mean(margins)),
+        figure(f"{gain_name.rsplit('_gain', 1)[0]}_minus_more_sft", float(min(margins)),
                unit, f"the {unit} of the same run with its {name.upper()} epochs spent on "
-               f"{control}, seed for seed", "> 0", command,
-               seeds=seeds, spread=[min(margins), max(margins)], per_seed=per_seed,
-               more_sft_step=controls[0]["step"])]
+               f"{control}, seed for seed: the smallest seed's margin", "> 0", command,
+               seeds=seeds, mean=float(np.mean(margins)), spread=[min(margins), max(margins)],
+               per_seed=per_seed, more_sft_step=controls[0]["step"])]
 
 
 def main(argv=None) -> None:

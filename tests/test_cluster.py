@@ -176,3 +176,65 @@ def test_a_killed_host_restarts_the_worker_group(tmp_path):
                         max_failures=1, **OPTIONS)
     assert os.path.exists(marker)  # host 1 really died once
     assert [r["step"] for r in result.history] == list(range(1, 7))  # and the run completed
+
+
+def test_a_chat_batch_accumulated_over_two_hosts_has_trls_loss(tmp_path):
+    """Eight conversations (system prompts, tool calls, two or three exchanges) with
+    ChatML's assistant masks, one update of 2 hosts x 1 device x 2 micro-batches of 2:
+    the logged loss is TRL's for the same update (SFTTrainer's rows and collator; its
+    loss per micro-batch divided by the update's target tokens over every micro-batch
+    and process, ``num_items_in_batch`` with ``average_tokens_across_devices``, summed
+    as DDP's mean x the process count does), within 1e-5, and the target tokens are
+    counted over the whole update. Micro-batches of unequal token counts averaged
+    alike would be off by more."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    import redray.models as rm
+    from hf_tiny import llama_folder
+    from redray.data import chat
+    from test_chat import TOOLS, conversations, tokenizer
+
+    tok = tokenizer("chatml")
+    folder = llama_folder(tmp_path / "model", tokenizer=tok)
+    talks = conversations(True, count=8)
+    for i, talk in enumerate(talks):  # answers of 2 to 50 words: micro-batches unequal
+        talk += [{"role": "user", "content": "Again?"},
+                 {"role": "assistant", "content": "Yes. " * (1 + i * i)}]
+    rows = [{"messages": c, "tools": TOOLS} for c in talks]
+    args = SFTConfig(output_dir=str(tmp_path / "trl"), max_length=1024, report_to=[],
+                     assistant_only_loss=True, use_cpu=True, per_device_train_batch_size=2,
+                     gradient_accumulation_steps=2, average_tokens_across_devices=True)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    trl = SFTTrainer(model=reference, args=args, train_dataset=Dataset.from_list(rows),
+                     processing_class=tok)
+    micro = [trl.data_collator([trl.train_dataset[i] for i in range(j, j + 2)])
+             for j in range(0, 8, 2)]  # host 0's two micro-batches, then host 1's
+    targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
+    with torch.no_grad():
+        want = sum(float(trl.compute_loss(reference, m, num_items_in_batch=targets))
+                   for m in micro)
+        alike = np.mean([float(trl.compute_loss(reference, m)) for m in micro])
+    # the weighting is what this test sees: unweighted is 10x the tolerance off or more
+    assert abs(alike - want) > 1e-4 * want
+
+    data = [chat.render(c, tok, tools=TOOLS) for c in talks]
+    width = max(len(r["ids"]) for r in data)
+
+    def collate(examples):
+        return {k: np.stack([np.pad(e[k], (0, width - len(e[k]))) for e in examples])
+                for k in ("ids", "loss_mask")}
+
+    def loss(model, batch, rng, train):
+        return rm.next_token_loss(model, batch["ids"], loss_mask=batch["loss_mask"],
+                                  metrics=True, train=train)
+
+    result = redray.fit(rm.from_pretrained(folder), collate, loss, optax.sgd(0.0),
+                        train_data=data, batch_size=8, micro_batch_size=2, max_steps=1,
+                        hosts=2, devices_per_host=1, storage_path=str(tmp_path / "runs"),
+                        progress=False, log_every=1, seed=0)
+    (first,) = [r for r in result.history if "loss" in r]
+    assert first["step"] == 1 and first["tokens"] == targets
+    np.testing.assert_allclose(first["loss"], want, rtol=1e-5)

@@ -44,7 +44,7 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=20, help="GRPO iterations")
     ap.add_argument("--warmup", type=int, default=200, help="supervised epochs first")
-    ap.add_argument("--demos", type=int, default=2048, help="prompts with a worked answer")
+    ap.add_argument("--demos", type=int, default=1536, help="prompts with a worked answer")
     ap.add_argument("--prompts", type=int, default=64, help="prompts per iteration")
     ap.add_argument("--group", type=int, default=8, help="completions per prompt")
     ap.add_argument("--lr", type=float, default=3e-3, help="warm-up learning rate (Adam)")
