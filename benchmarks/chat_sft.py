@@ -198,10 +198,7 @@ def main(argv=None):
                  **{f"{k}_{f}": round(v, 4) for k in counted
                     for f, v in fractions(counted[k]).items()},
                  machine=machine())
-    if not args.tiny:
-        save([fig], args.out)
-    else:
-        print(json.dumps(fig))
+    save([fig], args.out)
 
 
 if __name__ == "__main__":

@@ -195,17 +195,21 @@ def test_sequences_normalize_per_conversation_packed_or_not(sft):
 
 
 def test_prepare_packs_the_masks_beside_the_segments(tmp_path):
+    """Each conversation lands whole in one row, as one segment, its mask beside it
+    (never cut across rows: packing rows with a per-token column does not split)."""
     tok = tokenizer("chatml")
     rows = rows_of("chatml")
-    out = prepare(rows, str(tmp_path / "packed"), transform=chat.transform(tok), pack=96)
+    rendered = [chat.render(r["messages"], tok, tools=TOOLS) for r in rows]
+    length = max(len(r["ids"]) for r in rendered) * 2  # two of them to a row
+    out = prepare(rows, str(tmp_path / "packed"), transform=chat.transform(tok), pack=length)
     table = pq.read_table(out.files).to_pylist()
     assert set(table[0]) == {"ids", "segment_ids", "loss_mask"}
-    rendered = [chat.render(r["messages"], tok, tools=TOOLS) for r in rows]
-    flat = {k: sum((r[k] for r in rendered), []) for k in ("ids", "loss_mask")}
-    got = {k: sum(([v for v, s in zip(t[k], t["segment_ids"]) if s] for t in table), [])
-           for k in ("ids", "loss_mask")}
-    assert got == flat  # every token with its own mask, in order, wherever it landed
-    assert out.rows == len(table) > 1
+    segments = [tuple(tuple(v for v, s in zip(t[k], t["segment_ids"]) if s == n)
+                      for k in ("ids", "loss_mask"))
+                for t in table for n in range(1, max(t["segment_ids"]) + 1)]
+    assert sorted(segments) == sorted((tuple(r["ids"]), tuple(r["loss_mask"]))
+                                      for r in rendered)
+    assert out.rows == len(table) > 1 and len(segments) > len(table)  # packed, some together
 
 
 def test_turns_each_and_truncation_keep_whole_assistant_turns(caplog):
