@@ -41,20 +41,10 @@ import tempfile
 import time
 
 import numpy as np
-from common import ROOT, figure, machine, parser, save
+from common import ROOT, example_module, figure, machine, parser, save
 
 COMMAND = "python benchmarks/chat_sft.py"
 SEQ, BATCH, LR = 256, 8, 1e-3
-
-
-def example():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "chat_sft_example", os.path.join(ROOT, "examples", "chat_sft", "train.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def conversations() -> list[dict]:
@@ -69,7 +59,7 @@ def checkpoint(folder: str) -> str:
     import trl
     from transformers import AutoTokenizer
 
-    example().tiny_checkpoint(folder)
+    example_module("chat_sft").tiny_checkpoint(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen2_5.jinja")) as f:
         tokenizer.chat_template = f.read()
@@ -134,7 +124,7 @@ def redray_side(folder: str, out: str):
     from redray.models import from_pretrained
     from transformers import AutoTokenizer
 
-    ex = example()
+    ex = example_module("chat_sft")
     done = redray.data.prepare(conversations(), out, pack=SEQ,
                                transform=chat.transform(AutoTokenizer.from_pretrained(folder),
                                                         max_length=SEQ))

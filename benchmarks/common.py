@@ -22,6 +22,16 @@ RESULTS = os.path.join(HERE, "results.json")
 KEYS = ("name", "value", "unit", "reference", "target", "command")
 
 
+def example_module(name: str):
+    """``examples/<name>/train.py`` as a module (tests/example_runs.py's loader)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from example_runs import example_module as load
+
+    return load(name)
+
+
 def simulate_devices(n: int) -> None:
     """Asks JAX for ``n`` CPU devices; call before JAX is imported."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()

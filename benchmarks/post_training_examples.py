@@ -37,7 +37,6 @@ Figures (means over the seeds, their spread and each seed's values beside):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -46,7 +45,7 @@ import tempfile
 import time
 
 import numpy as np
-from common import ROOT, figure, parser, save
+from common import ROOT, example_module, figure, parser, save
 
 COMMAND = "python benchmarks/post_training_examples.py"
 
@@ -89,11 +88,7 @@ def more_sft(name: str, sizes: list[str]) -> list[str]:
     flag = EXAMPLES[name][-2]
     if flag is None:
         return [*sizes, "--sft"]
-    spec = importlib.util.spec_from_file_location(
-        f"{name}_example", os.path.join(ROOT, "examples", name, "train.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    args = module.parse(sizes)
+    args = example_module(name).parse(sizes)
     return [*sizes, "--warmup", str(args.warmup + getattr(args, flag)), f"--{flag}", "0"]
 
 

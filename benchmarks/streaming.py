@@ -38,7 +38,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import HERE, ROOT, figure, parser, save, simulate_devices  # noqa: E402
+from common import (HERE, ROOT, example_module, figure, parser, save,  # noqa: E402
+                    simulate_devices)
 
 simulate_devices(4)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -291,14 +292,9 @@ def resume_figure(args, work: str) -> dict:
 
 # ----------------------------------------------------------------------------- packing
 def packing_figure(args, work: str) -> dict:
-    import importlib.util
-
     import ray
 
-    spec = importlib.util.spec_from_file_location(
-        "lm_demo", os.path.join(ROOT, "examples", "language_modeling", "train.py"))
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = example_module("language_modeling")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         train, _, _ = demo.corpus(os.path.join(work, "demo-data"), 64)
