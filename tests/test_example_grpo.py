@@ -28,7 +28,7 @@ def run(module, monkeypatch, folder, iterations, kill_at=None):
 def test_prompts_are_conversations_and_rows_follow_the_samples():
     g = example()
     pair = 3745  # 37 + 45
-    tok = g.tokenizer()
+    tok = g.TOKENIZER
     # the user's turn through the chat template, with the assistant's opening
     assert tok.decode(g.prompt(pair)) == \
         "<|im_start|>user\n37+45=<|im_end|>\n<|im_start|>assistant\n"

@@ -37,7 +37,9 @@ from redray.post_training import (Sampler, SamplerGroup, SamplingParams, grpo_lo
 TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *"0123456789+=\n", "user", "assistant"]
 PAD, EOT, LENGTH = 0, 2, 18  # padding (the config's EOS), end of turn, tokens in a row
 STOP = [EOT, PAD]  # the generation config's EOS ids: what the sampler stops on
-MADE = {}  # this process's tokenizer and rendered prompts
+TOKENIZER = vocabulary_tokenizer(TOKENS, special=TOKENS[:3], pad=TOKENS[PAD], eos=TOKENS[EOT],
+                                 chat_template=chat.CHATML)  # ChatML's turns and template
+PROMPTS = {}  # this process's rendered prompts
 
 
 def parse(argv=None):
@@ -74,18 +76,13 @@ def model(rngs):
                              pad_token_id=PAD), generation={"eos_token_id": STOP}, rngs=rngs)
 
 
-def tokenizer():  # characters and ChatML's turn tokens, with ChatML's template
-    return MADE.get("tokenizer") or MADE.setdefault("tokenizer", vocabulary_tokenizer(
-        TOKENS, special=TOKENS[:3], pad=TOKENS[PAD], eos=TOKENS[EOT], chat_template=chat.CHATML))
-
-
 def prompt(pair):  # pair: a * 100 + b; the user's turn, then the assistant's opening
-    return MADE.get(pair) or MADE.setdefault(pair, chat.render_prompt(
-        [{"role": "user", "content": f"{pair // 100}+{pair % 100}="}], tokenizer()))
+    return PROMPTS.get(pair) or PROMPTS.setdefault(pair, chat.render_prompt(
+        [{"role": "user", "content": f"{pair // 100}+{pair % 100}="}], TOKENIZER))
 
 
 def answer(pair):
-    return [*tokenizer().encode(str(pair // 100 + pair % 100), add_special_tokens=False), EOT]
+    return [*TOKENIZER.encode(str(pair // 100 + pair % 100), add_special_tokens=False), EOT]
 
 
 def reward(pair, message):
@@ -163,7 +160,7 @@ class Ahead(redray.Hook):
 
 def accuracy(sampler, pairs):
     done = sampler.sample([prompt(p) for p in pairs], SamplingParams(max_new_tokens=4))
-    return float(np.mean([reward(*r) for r in zip(pairs, messages(done, tokenizer(), STOP))]))
+    return float(np.mean([reward(*r) for r in zip(pairs, messages(done, TOKENIZER, STOP))]))
 
 
 def grpo(args):
@@ -207,7 +204,7 @@ def grpo(args):
             if args.overlap:  # sampled while this epoch trains (after the last one too:
                 # a run resumed with more --iterations goes on as if never stopped)
                 ahead.pending[epoch + 1] = draw(epoch + 1, sampler.submit)
-            said = messages([tokens for tokens, _ in done], tokenizer(), STOP)
+            said = messages([tokens for tokens, _ in done], TOKENIZER, STOP)
             rewards = score(reward, chosen(epoch), said, workers=args.reward_workers)
             advantages = np.asarray(group_advantages(rewards, args.group))
             data = [row(p, tokens, logp, a)

@@ -108,7 +108,7 @@ def messages(completions: Sequence, tokenizer, end_of_turn) -> list[str | None]:
     stops = set(np.atleast_1d(end_of_turn).tolist())
     out = []
     for c in completions:
-        tokens = list(np.asarray(getattr(c, "tokens", c)).tolist())
+        tokens = np.asarray(getattr(c, "tokens", c)).tolist()
         out.append(tokenizer.decode(tokens, skip_special_tokens=True)
                    if tokens and tokens[-1] in stops else None)
     return out
