@@ -109,3 +109,31 @@ def assert_greedy_generation_matches(model, hf, new_tokens: int):
     ours = np.asarray(nnx.jit(lambda m, i, a: generate(m, i, a, max_new_tokens=new_tokens))(
         model, jnp.asarray(IDS), jnp.asarray(MASK)))
     np.testing.assert_array_equal(ours[:, :ref.shape[1]], ref)
+
+
+def assert_language_model_loads(model_type, tiny, folder, capfd, left_out: str, text_type: str,
+                                text_class: str):
+    """A multimodal checkpoint of ``model_type`` (its registry ``tiny`` fields), written by
+    transformers' own class into ``folder``, loads as its language model (``text_type``,
+    the console naming what was ``left_out``) with transformers' logits on IDS/MASK, and
+    exports a text checkpoint that transformers reads back as ``text_class``."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    from redray.models import from_pretrained, save_pretrained
+
+    config = transformers.AutoConfig.for_model(model_type, **tiny)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForImageTextToText.from_config(config).eval()
+    hf.save_pretrained(str(folder / "hf"))
+    model = from_pretrained(str(folder / "hf"))
+    assert left_out in capfd.readouterr().err
+    assert model.config.model_type == text_type
+    real = MASK.astype(bool)
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(IDS), jnp.asarray(MASK)))[real],
+                               hf_logits(hf, IDS, MASK)[real], atol=1e-4, rtol=0)
+    save_pretrained(model, str(folder / "text"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(folder / "text")).eval()
+    assert type(back).__name__ == text_class
+    np.testing.assert_allclose(hf_logits(back, IDS), hf_logits(hf, IDS), atol=1e-5, rtol=0)

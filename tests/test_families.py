@@ -21,7 +21,7 @@ import optax
 import pytest
 from flax import nnx
 from hf_tiny import (IDS, MASK, assert_export_round_trip, assert_greedy_generation_matches,
-                     assert_logits_match, hf_logits)
+                     assert_language_model_loads, assert_logits_match, hf_logits)
 
 import redray.models as rm
 from redray.engine.runtime import ModelRuntime
@@ -122,20 +122,9 @@ def test_llama4_interleaves_dense_and_expert_layers_in_one_stacked_period(pair):
 
 
 def test_the_multimodal_llama4_checkpoint_loads_its_language_model(tmp_path, capfd):
-    config = transformers.AutoConfig.for_model("llama4", **FAMILIES["llama4"].tiny)
-    torch.manual_seed(0)
-    hf = transformers.Llama4ForConditionalGeneration(config).eval()
-    hf.save_pretrained(str(tmp_path / "hf"))
-    model = rm.from_pretrained(str(tmp_path / "hf"))
-    assert "leaving out 26 tensors (multi_modal_projector, vision_model)" in capfd.readouterr().err
-    assert model.config.model_type == "llama4_text"
-    real = MASK.astype(bool)
-    np.testing.assert_allclose(np.asarray(model(jnp.asarray(IDS), jnp.asarray(MASK)))[real],
-                               hf_logits(hf, IDS, MASK)[real], atol=1e-4, rtol=0)
-    rm.save_pretrained(model, str(tmp_path / "text"))
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "text")).eval()
-    assert type(back).__name__ == "Llama4ForCausalLM"
-    np.testing.assert_allclose(hf_logits(back, IDS), hf_logits(hf, IDS), atol=1e-5, rtol=0)
+    assert_language_model_loads("llama4", FAMILIES["llama4"].tiny, tmp_path, capfd,
+                                "leaving out 26 tensors (multi_modal_projector, vision_model)",
+                                "llama4_text", "Llama4ForCausalLM")
 
 
 # ------------------------------------------------------------------ plans

@@ -35,6 +35,17 @@ TINY_LLAMA4 = dict(TINY, num_hidden_layers=4, head_dim=8, num_local_experts=4,
                    no_rope_layers=[1, 1, 0, 1], attention_chunk_size=4, floor_scale=4,
                    attn_scale=0.5)
 
+# Qwen3-Next and Qwen3.5: a linear and a full attention layer in turn (the released
+# configs have three linear layers to one full), twice as many value heads as key heads
+# in the linear layers, and packed rows longer than a convolution's window.
+TINY_HYBRID = dict(TINY, num_hidden_layers=4, head_dim=8, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                   layer_types=["linear_attention", "full_attention"] * 2)
+TINY_HYBRID_MOE = dict(TINY_HYBRID, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=24)
+TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
+                   out_hidden_size=32)
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -143,6 +154,20 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                                         num_attention_heads=2, intermediate_size=64,
                                         image_size=28, patch_size=14, vision_output_dim=32,
                                         projector_input_dim=32, projector_output_dim=32))),
+    Family("qwen3_next", "Qwen3-Next", "qwen3_next", "Qwen3NextForCausalLM",
+           tiny=TINY_HYBRID_MOE),
+    Family("qwen3_5_text", "Qwen3.5 (text)", "qwen3_next", "Qwen3_5ForCausalLM",
+           tiny=TINY_HYBRID),
+    Family("qwen3_5_moe_text", "Qwen3.5-MoE (text)", "qwen3_next", "Qwen3_5MoeForCausalLM",
+           tiny=TINY_HYBRID_MOE),
+    Family("qwen3_5", "Qwen3.5", "qwen3_next", "Qwen3_5ForConditionalGeneration",
+           text_config="text_config",
+           weight_prefixes=(("model.language_model.", "model."),), left_out=("model.visual.",),
+           tiny=dict(text_config=TINY_HYBRID, vision_config=TINY_VISION)),
+    Family("qwen3_5_moe", "Qwen3.5-MoE", "qwen3_next", "Qwen3_5MoeForConditionalGeneration",
+           text_config="text_config",
+           weight_prefixes=(("model.language_model.", "model."),), left_out=("model.visual.",),
+           tiny=dict(text_config=TINY_HYBRID_MOE, vision_config=TINY_VISION)),
     Family("gpt2", "GPT-2", "gpt2", "GPT2LMHeadModel", presets=("gpt2-xl",),
            tiny=dict(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                      pad_token_id=0)),

@@ -472,11 +472,17 @@ def _tell_reading(path: str, record, weights: _Weights) -> None:
     if weights.left_out:
         print(f"redray: {path}: a {record.name} checkpoint; reading its language model, "
               f"leaving out {len(weights.left_out)} tensors "
-              f"({', '.join(sorted({n.split('.')[0] for n in weights.left_out}))})",
+              f"({', '.join(sorted({_part(n, record.left_out) for n in weights.left_out}))})",
               file=sys.stderr, flush=True)
     if weights.quantized:
         print(f"redray: {path}: {len(weights.quantized)} tensors stored in MXFP4, "
               "dequantized to float32 one at a time as they load", file=sys.stderr, flush=True)
+
+
+def _part(name: str, prefixes) -> str:
+    """The part of a checkpoint a left-out tensor is of: the prefix it matched, without
+    its dot (``model.visual``, ``vision_model``)."""
+    return next(p for p in prefixes if name.startswith(p)).rstrip(".")
 
 
 _LAYER = re.compile(r"^(.*?)/(\d+)/(.+)$")

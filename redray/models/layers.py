@@ -408,8 +408,10 @@ def cached_keys(layer_cache: dict) -> tuple[jax.Array, jax.Array]:
 
 
 def cache_length(cache) -> int:
-    """The slots of a cache (a layer's, a list of layers', or a stacked one)."""
-    return (cache if isinstance(cache, dict) else cache[0])["k"].shape[-2]
+    """The slots of a cache (a layer's, a list of layers', or a stacked one); a list's
+    first attention layer's, where linear-attention layers hold a state of no length."""
+    layer = cache if isinstance(cache, dict) else next(c for c in cache if "k" in c)
+    return layer["k"].shape[-2]
 
 
 def empty_cache(layers: int, batch: int, length: int, kv_heads: int, head_dim: int,

@@ -142,6 +142,10 @@ class Sampler:
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("Sampler serves decoder-only models; an encoder-decoder model "
                              "(T5) generates with redray.models.generate")
+        if getattr(model, "RECURRENT_LAYERS", False):
+            raise ValueError(f"Sampler: {config.model_type} has linear-attention layers, whose "
+                             "state the Sampler's slots do not hold yet; generate with "
+                             "redray.models.generate")
         eos, self.pad = special_tokens(config, eos_token_id, pad_token_id)
         self.eos = np.asarray([] if eos is None else np.atleast_1d(eos), np.int32)
         self.slots, self.max_length, self.seed = slots, max_length, seed

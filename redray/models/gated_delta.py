@@ -1,0 +1,249 @@
+"""Gated DeltaNet: the linear attention of Qwen3-Next and Qwen3.5's hybrid layers.
+
+Each value head keeps a state S (key dim x value dim) in place of a KV cache. A token
+decays it by exp(g) (g <= 0, per head), reads what it predicts for the token's key,
+writes back the difference from the token's value at a rate beta (the delta rule), and
+answers its query from the result:
+
+    S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q
+
+q and k are L2-normalized per head (q then scaled by dk^-0.5); grouped heads let one
+query/key head serve ``value heads / key heads`` consecutive value heads. Before the
+rule, q, k and v pass through a causal depthwise convolution of a few tokens (its last
+inputs are the other half of the layer's state) and SiLU; after it, each value head's
+output is RMS-normalized and gated by SiLU of its own projection z.
+
+``delta_rule`` computes the rule in chunks of ``CHUNK`` tokens (the WY form of the
+DeltaNet and Gated DeltaNet papers): inside a chunk a (chunk x chunk) triangular solve
+and matmuls, across chunks a scan carrying S; nothing is (T x T). Rows packed with
+several documents reset the state and the convolution's window where a document
+starts (``groups``), so a packed row equals its documents run alone; padding tokens
+leave both untouched.
+
+Parameters are laid out by key head (``GatedDeltaNet``): each key head's query, key,
+values and gates side by side, so a split over key heads keeps every head's group
+whole (the layout Qwen3-Next's checkpoints use; Qwen3.5's separate projections are
+permuted into it on load, ``redray/models/qwen3_next.py``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redray.models import paged
+from redray.sharding.activations import constrain_rows
+
+# Tokens per chunk of the chunked delta rule: the (chunk x chunk) solve and matmuls per
+# head; transformers' and flash-linear-attention's default.
+CHUNK = 64
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """``x`` over its last axis divided by its norm (``eps`` inside the root, as
+    flash-linear-attention and transformers compute it)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + eps)
+
+
+def reset_groups(starts: jax.Array) -> jax.Array:
+    """(batch, tokens) int32: how many resets (``starts``: True where a document starts)
+    are at or before each token; a token sees the state of its own group only, and the
+    state a call starts from is group 0."""
+    return jnp.cumsum(starts.astype(jnp.int32), axis=1)
+
+
+def causal_conv(x: jax.Array, kernel: jax.Array, tail: jax.Array, groups: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """A causal depthwise convolution over tokens, each channel its own kernel.
+
+    x: (batch, tokens, channels); kernel: (width, channels), its last entry on the token
+    itself; tail: (batch, width - 1, channels), the inputs before ``x`` (zeros: none);
+    groups: ``reset_groups`` (a token sees the inputs of its own group; the tail is
+    group 0). Returns (the output, the new tail: the last width - 1 inputs).
+    """
+    width, t = kernel.shape[0], x.shape[1]
+    ext = jnp.concatenate([tail.astype(x.dtype), x], 1)
+    gext = jnp.concatenate([jnp.zeros((x.shape[0], width - 1), groups.dtype), groups], 1)
+    out = jnp.zeros_like(x)
+    for back in range(width):  # the input ``back`` tokens before each token
+        start = width - 1 - back
+        same = gext[:, start:start + t] == groups
+        out = out + jnp.where(same[..., None], ext[:, start:start + t], 0) * kernel[start]
+    return out, ext[:, t:]
+
+
+def delta_rule(q, k, v, g, beta, state, groups, chunk: int = CHUNK):
+    """The gated delta rule over a sequence, in chunks, in float32 (or wider inputs').
+
+    q, k: (batch, tokens, heads, dk), normalized and (q) scaled, one per value head;
+    v: (batch, tokens, heads, dv); g, beta: (batch, tokens, heads) the log-decay and the
+    write rate (0 and 0 at padding: the state passes through); state: (batch, heads,
+    dk, dv) the state before the first token; groups: ``reset_groups``. Returns (the
+    output (batch, tokens, heads, dv), the state after the last token).
+    """
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    size = min(chunk, t)
+    pad = (-t) % size
+    wide = jnp.promote_types(jnp.asarray(q).dtype, jnp.float32)
+    f32 = lambda a: jnp.asarray(a, wide)  # noqa: E731
+    q, k, v, g, beta = (jnp.pad(f32(a), ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
+                        for a in (q, k, v, g, beta))
+    groups = jnp.pad(groups, ((0, 0), (0, pad)), mode="edge")
+    n = (t + pad) // size
+    # the group of the token before each chunk (the carried state's)
+    before = jnp.concatenate([jnp.zeros((b, 1), groups.dtype), groups], 1)[:, :-1:size][:, :n]
+
+    def chunks(a, heads=True):  # (b, n*size, h, ...) -> (n, b, h, size, ...)
+        a = a.reshape(b, n, size, *a.shape[2:])
+        return jnp.moveaxis(a, (1, 3), (0, 2)) if heads and a.ndim > 3 else \
+            jnp.moveaxis(a, 1, 0)
+
+    xs = (chunks(q), chunks(k), chunks(v), chunks(g[..., None])[..., 0],
+          chunks(beta[..., None])[..., 0], chunks(groups, heads=False), jnp.moveaxis(before, 1, 0))
+    lower = jnp.tril(jnp.ones((size, size), bool))
+    strict = jnp.tril(jnp.ones((size, size), bool), -1)
+
+    def step(s, x):
+        qc, kc, vc, gc, bc, grp, prev = x  # (b, h, size, ...); grp (b, size); prev (b,)
+        cum = jnp.cumsum(gc, -1)
+        same = (grp[:, :, None] == grp[:, None, :])[:, None]  # (b, 1, size, size)
+        diff = cum[..., :, None] - cum[..., None, :]
+        decay = jnp.where(lower & same, jnp.exp(jnp.where(lower & same, diff, 0.0)), 0.0)
+        from_start = (grp == prev[:, None])[:, None]  # (b, 1, size): sees the carried state
+        to_end = (grp == grp[:, -1:])[:, None]  # reaches the state passed on
+        kb, vb = kc * bc[..., None], vc * bc[..., None]
+        system = jnp.eye(size, dtype=wide) + jnp.where(
+            strict, (kb @ jnp.swapaxes(kc, -1, -2)) * decay, 0.0)
+        read = jnp.where(from_start, jnp.exp(cum), 0.0)
+        solved = jax.lax.linalg.triangular_solve(
+            system, jnp.concatenate([vb, kb * read[..., None]], -1), left_side=True,
+            lower=True, unit_diagonal=True)
+        u, w = solved[..., :dv], solved[..., dv:]
+        new_v = u - w @ s
+        out = (qc * read[..., None]) @ s + ((qc @ jnp.swapaxes(kc, -1, -2)) * decay) @ new_v
+        last = cum[..., -1:]
+        keep = jnp.where(from_start[..., -1:], jnp.exp(last), 0.0)[..., None]
+        written = jnp.where(to_end, jnp.exp(last - cum), 0.0)[..., None] * kc
+        return s * keep + jnp.swapaxes(written, -1, -2) @ new_v, out
+
+    state, out = jax.lax.scan(step, f32(state), xs)
+    out = jnp.moveaxis(out, (0, 2), (1, 3)).reshape(b, n * size, h, dv)
+    return out[:, :t], state
+
+
+def empty_state(batch: int, dims: tuple, width: int, dtype) -> dict:
+    """A layer's state for ``batch`` rows before any token, zeros: {"conv": the
+    convolution's last ``width`` - 1 inputs (batch, width - 1, channels), "state": S
+    (batch, value heads, dk, dv) in float32}; ``dims``: (key heads, value heads per key
+    head, dk, dv)."""
+    key_heads, r, dk, dv = dims
+    return {"conv": jnp.zeros((batch, width - 1, key_heads * (2 * dk + r * dv)), dtype),
+            "state": jnp.zeros((batch, key_heads * r, dk, dv), jnp.float32)}
+
+
+class GatedDeltaNet(nnx.Module):
+    """One Gated DeltaNet layer (see the module docstring).
+
+    Args:
+      hidden: the model's width.
+      key_heads, value_heads: the query/key heads and the value heads (a multiple).
+      key_dim, value_dim: their widths.
+      conv: the convolution's width in tokens.
+      eps: the output norm's epsilon.
+      act: the activation after the convolution (SiLU in every released config).
+
+    Parameters, by key head (``r`` = value heads / key heads): ``in_proj`` (hidden,
+    key heads, 2 dk + 2 r dv): its query, key, r values and r output gates z;
+    ``ba_proj`` (hidden, key heads, 2 r): each value head's write-rate and decay
+    inputs; ``conv`` (width, key heads, 2 dk + r dv): the convolution over its query,
+    key and values; ``A_log``, ``dt_bias`` (key heads, r); ``norm`` (dv,) the gated
+    norm's scale; ``out_proj`` (key heads, r dv, hidden).
+    """
+
+    def __init__(self, hidden: int, key_heads: int, value_heads: int, key_dim: int,
+                 value_dim: int, conv: int, eps: float, *, rngs: nnx.Rngs, dtype,
+                 act: str = "silu"):
+        if value_heads % key_heads:
+            raise ValueError(f"linear_num_value_heads {value_heads} is not a multiple of "
+                             f"linear_num_key_heads {key_heads}")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r}: the linear attention's convolution is "
+                             "followed by SiLU in every released config; set it to 'silu'")
+        r = value_heads // key_heads
+        self.dims = (key_heads, r, key_dim, value_dim)
+        dense = dict(use_bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj = nnx.LinearGeneral(hidden, (key_heads, 2 * key_dim + 2 * r * value_dim),
+                                         **dense)
+        self.ba_proj = nnx.LinearGeneral(hidden, (key_heads, 2 * r), **dense)
+        channels = 2 * key_dim + r * value_dim
+        # transformers' initial values: a depthwise Conv1d's uniform in +-1/sqrt(width), A
+        # (the decay's rate, exp(A_log)) uniform in [0.01, 16]
+        self.conv = nnx.Param(jax.random.uniform(rngs.params(), (conv, key_heads, channels),
+                                                 jnp.float32, -conv ** -0.5, conv ** -0.5))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(
+            rngs.params(), (key_heads, r), jnp.float32, 0.01, 16.0)))
+        # the step size softplus(dt_bias) log-uniform in [0.001, 0.1], as Mamba and
+        # flash-linear-attention start (transformers' ones decay most heads' state within a
+        # few tokens, whose near-zero readouts the gated norm then amplifies)
+        step = jnp.exp(jax.random.uniform(rngs.params(), (key_heads, r), jnp.float32,
+                                          jnp.log(1e-3), jnp.log(1e-1)))
+        self.dt_bias = nnx.Param(step + jnp.log(-jnp.expm1(-step)))
+        self.norm = nnx.Param(jnp.ones((value_dim,), jnp.float32))
+        self.out_proj = nnx.LinearGeneral((key_heads, r * value_dim), hidden, axis=(-2, -1),
+                                          **dense)
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x, mask, cache: dict | None, cache_index):
+        """(output, new cache or None) of ``x`` (batch, tokens, hidden); ``mask``: the
+        decoder's ``AttentionMask`` (padding and packed documents), ``cache``: the
+        layer's {"conv", "state"} when decoding."""
+        key_heads, r, dk, dv = self.dims
+        b, t = x.shape[:2]
+        valid, groups = _tokens(mask, cache, cache_index, t)
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        x = jnp.where(valid[..., None], x, 0)
+        mixed = constrain_rows(self.in_proj(x), whole=False)  # (b, t, key heads, ...)
+        conv_in, z = mixed[..., :2 * dk + r * dv], mixed[..., 2 * dk + r * dv:]
+        kernel = self.conv[...].astype(x.dtype).reshape(self.conv.shape[0], -1)
+        state = empty_state(b, self.dims, self.conv.shape[0], x.dtype) if cache is None \
+            else cache
+        conv_out, tail = causal_conv(conv_in.reshape(b, t, -1), kernel, state["conv"], groups)
+        conv_out = jax.nn.silu(conv_out).reshape(b, t, key_heads, -1)
+        q = l2_normalize(conv_out[..., :dk].astype(wide))
+        k = l2_normalize(conv_out[..., dk:2 * dk].astype(wide))
+        v = conv_out[..., 2 * dk:].reshape(b, t, key_heads * r, dv)
+        q = jnp.repeat(q, r, axis=2) * dk ** -0.5  # key head j serves value heads j*r...
+        k = jnp.repeat(k, r, axis=2)
+        ba = self.ba_proj(x).astype(wide)
+        beta = jax.nn.sigmoid(ba[..., :r]).reshape(b, t, -1)
+        g = (-jnp.exp(self.A_log[...]) * jax.nn.softplus(ba[..., r:] + self.dt_bias[...])
+             ).reshape(b, t, -1)
+        beta, g = (jnp.where(valid[..., None], a, 0.0) for a in (beta, g))
+        out, last = delta_rule(q, k, v, g, beta, state["state"], groups)
+        out = out * jax.lax.rsqrt(jnp.mean(out * out, -1, keepdims=True) + self.eps)
+        out = (self.norm[...] * out.astype(self.dtype)).astype(wide)
+        gate = z.reshape(b, t, key_heads * r, dv).astype(wide)
+        out = (out * jax.nn.silu(gate)).astype(self.dtype).reshape(b, t, key_heads, r * dv)
+        new_cache = None if cache is None else {"conv": tail.astype(cache["conv"].dtype),
+                                                "state": last}
+        return self.out_proj(out), new_cache
+
+
+def _tokens(mask, cache, cache_index, tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(which of a call's tokens are real (batch, tokens), ``reset_groups``) from the
+    decoder's mask: packed documents reset where each starts; a call without a cache
+    starts from an empty state."""
+    if mask.kv_slots is not None:
+        raise ValueError("a context axis with linear-attention layers (Gated DeltaNet) is "
+                         "not available yet: train with context_axis=1")
+    valid = mask.kv_valid
+    if cache is not None and not paged.is_paged(cache_index):  # the whole cache's slots
+        valid = jax.lax.dynamic_slice_in_dim(valid, cache_index, tokens, 1)
+    if mask.q_segments is None:
+        return valid, jnp.zeros(valid.shape, jnp.int32)
+    seg = mask.q_segments
+    starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], 1)
+    return valid & (seg != 0), reset_groups(starts)
