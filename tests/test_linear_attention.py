@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_tiny import (IDS, MASK, assert_export_round_trip, assert_greedy_generation_matches,
-                     assert_language_model_loads, assert_logits_match, hf_logits)
+                     assert_language_model_loads, assert_logits_match, hf_logits,
+                     loaded_pair)
 from test_families import ROWS, hf_model, loss_and_grads
 
 import redray.models as rm
@@ -128,9 +129,7 @@ def strong(name, folder=None):
 
 @pytest.fixture(scope="module", params=TEXT)
 def pair(request, tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp(request.param))
-    hf = strong(request.param, folder)
-    return request.param, hf, folder, rm.from_pretrained(folder)
+    return loaded_pair(request.param, strong, tmp_path_factory)
 
 
 def test_logits_greedy_tokens_and_export_match_transformers(pair, tmp_path):

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from redray.models import gated_delta, gemma, layers, llama, mixtral, moe
+from redray.models import gated_delta, gemma, layers, llama, mixtral, moe, paged
 from redray.models.hub import HFConfig, Tensor, fused, gated, linear, plain
 
 BASE_PREFIX = llama.BASE_PREFIX
@@ -142,18 +142,16 @@ class Block(nnx.Module):
         return (x + out, new_cache, *report)
 
 
-class Model(llama.Model):
+class Model(mixtral.Model):
     """A Qwen3-Next or Qwen3.5 (dense or MoE) causal LM built from a ``transformers``
     config (called as ``CausalLM`` says; ``aux=True`` adds the routers' auxiliary
     outputs where layers have experts). Its cache holds, per layer, a full attention's
     keys and values or a linear attention's state (``init_cache``)."""
 
-    REPORTS = True
     # layers with a state in place of a KV cache (the Sampler's slots do not hold it yet)
     RECURRENT_LAYERS = True
     # a context axis would split the linear layers' recurrence (not available yet)
     SPLITS_SEQUENCES = False
-    LAYER_INDEX_FIELDS = ("mlp_only_layers",)
 
     @classmethod
     def layer_kinds(cls, c) -> tuple[str, ...]:
@@ -167,12 +165,6 @@ class Model(llama.Model):
         super().build_parts(c, rngs=rngs, dtype=dtype, scan=scan)
         self.norm = gemma.RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def auxiliary(self, reports: dict) -> dict:
-        if reports is None:
-            raise ValueError(f"aux=True: this {self.config.model_type} config has no "
-                             "mixture-of-experts layer (every layer dense)")
-        return moe.summarize(reports, self.config.num_experts)
-
     def init_cache(self, batch: int, length: int, dtype=None):
         """An empty cache for ``batch`` rows of up to ``length`` tokens: a full attention
         layer's {"k", "v"} (``layers.empty_cache``), a linear one's {"conv", "state"}
@@ -184,7 +176,7 @@ class Model(llama.Model):
                 layers.empty_cache(1, batch, length, kv_heads, head_dim, dtype)[0]
                 for kind in _kinds(c)]
 
-    def init_pages(self, pages: int, page_size: int = 16, dtype=None):
+    def init_pages(self, pages: int, page_size: int = paged.PAGE_SIZE, dtype=None):
         raise ValueError(f"{self.config.model_type}: a paged KV cache for linear-attention "
                          "layers is not available yet: generate with redray.models.generate")
 
