@@ -19,6 +19,8 @@ MOE_FAMILIES = ("gpt_oss", "llama4")
 EXPERTS = 4
 # the dense 2026 families, configured by ``config`` too
 DENSE_2026 = ("olmo3", "smollm3")
+# the hybrid linear-attention families, configured by ``config`` too
+HYBRID = ("qwen3_next", "qwen3_5")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,12 @@ def config(family: str, s: Sizes):
     dense MLP), chunks of seq/4 in its rotary layers, every fourth layer NoPE with its
     queries' temperature counted in steps of seq/4.
     ``olmo3``: post-norm blocks, whole-projection q/k norms, a window of seq/2 in its
-    even layers. ``smollm3``: every second layer NoPE."""
+    even layers. ``smollm3``: every second layer NoPE.
+    ``qwen3_5`` (Qwen3.5 dense) and ``qwen3_next`` (``EXPERTS`` experts, top-2, a
+    sigmoid-gated shared expert, each a quarter of ``intermediate`` wide): three Gated
+    DeltaNet layers to one full attention layer (a linear and a full one in turn below 4
+    layers), as many key heads as ``heads`` and twice as many value heads, every head
+    ``hidden / heads`` wide."""
     import transformers as hf
 
     gpt = dict(n_layer=s.layers, n_embd=s.hidden, n_head=s.heads, n_inner=s.intermediate,
@@ -98,8 +105,45 @@ def config(family: str, s: Sizes):
             + ["sliding_attention"] * (s.layers % 2))
     if family == "smollm3":
         return hf.AutoConfig.for_model("smollm3", **dense, no_rope_layer_interval=2)
+    if family in HYBRID:
+        d = s.hidden // s.heads
+        sizes = dict(vocab=s.vocab, hidden=s.hidden, layers=s.layers,
+                     intermediate=s.intermediate, heads=s.heads, kv_heads=s.heads, head_dim=d,
+                     key_heads=s.heads, value_heads=2 * s.heads, linear_dim=d,
+                     max_position_embeddings=s.seq)
+        if family == "qwen3_5":
+            return hybrid_config(**sizes)
+        return hybrid_config(
+            **sizes, model_type="qwen3_next", num_experts=EXPERTS, num_experts_per_tok=2,
+            moe_intermediate_size=s.intermediate // EXPERTS,
+            shared_expert_intermediate_size=s.intermediate // EXPERTS, norm_topk_prob=True)
     raise ValueError(f"family {family!r}: choose from "
-                     f"{', '.join(FAMILIES + MOE_FAMILIES + DENSE_2026)}")
+                     f"{', '.join(FAMILIES + MOE_FAMILIES + DENSE_2026 + HYBRID)}")
+
+
+def hybrid_config(vocab: int, hidden: int, layers: int, intermediate: int, heads: int,
+                  kv_heads: int, head_dim: int, key_heads: int, value_heads: int,
+                  linear_dim: int, layer_types=None, model_type: str = "qwen3_5_text",
+                  **fields):
+    """A Qwen3.5 (text; or ``model_type``) config: ``layers`` layers, three Gated DeltaNet
+    layers to one full attention layer (the released period; a linear and a full one in
+    turn below 4 layers) unless ``layer_types`` says; the full layers' ``heads`` and
+    ``kv_heads`` of ``head_dim``, the linear ones' ``key_heads`` and ``value_heads`` of
+    ``linear_dim``; untied, no special tokens; ``fields``: any other config field."""
+    import transformers as hf
+
+    if layer_types is None:
+        period = ["linear_attention"] * 3 + ["full_attention"] if layers >= 4 else \
+            ["linear_attention", "full_attention"]
+        layer_types = [period[i % len(period)] for i in range(layers)]
+    fields = dict(dict(tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
+                       eos_token_id=None), **fields)
+    return hf.AutoConfig.for_model(
+        model_type, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+        intermediate_size=intermediate, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads, linear_key_head_dim=linear_dim,
+        linear_value_head_dim=linear_dim, layer_types=layer_types, **fields)
 
 
 def collate(examples):

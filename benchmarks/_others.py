@@ -308,3 +308,15 @@ def moe_lm(kind: str, s: Sizes):
     """(model factory, loss) of the user-written MoE LM ``kind`` (``MOE_LMS``)."""
     lm = MOE_LMS[kind]
     return (lambda rngs: lm(s, rngs)), _lm_loss(lambda m, ids: m(ids))
+
+
+def linear_attention_lm(s: Sizes):
+    """(model factory, loss) of the linear-attention LM the tests write
+    (``tests/tiny.py``'s ``LinearLM``: every name meaningless, a gated linear attention
+    with per-head decays, short convolutions and a per-head norm, its state run by a
+    ``lax.scan`` over tokens) at sizes ``s``."""
+    from common import tests_module
+
+    LinearLM = tests_module("tiny").LinearLM
+    return (lambda rngs: LinearLM(rngs, s.vocab, s.hidden, s.heads, s.layers,
+                                  s.intermediate)), _lm_loss(lambda m, ids: m(ids))

@@ -22,12 +22,19 @@ RESULTS = os.path.join(HERE, "results.json")
 KEYS = ("name", "value", "unit", "reference", "target", "command")
 
 
-def example_module(name: str):
-    """``examples/<name>/train.py`` as a module (tests/example_runs.py's loader)."""
+def tests_module(name: str):
+    """``tests/<name>.py`` as a module (the models and loaders the tests write)."""
+    import importlib
     import sys
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from example_runs import example_module as load
+    if os.path.join(ROOT, "tests") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+    return importlib.import_module(name)
+
+
+def example_module(name: str):
+    """``examples/<name>/train.py`` as a module (tests/example_runs.py's loader)."""
+    load = tests_module("example_runs").example_module
 
     return load(name)
 

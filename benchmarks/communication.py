@@ -36,6 +36,15 @@ intermediate 1024, vocabulary 1024, batch 8 x sequence 128:
   and none in the fourth (NoPE), the MoE layers' top-1 expert (its sigmoid scaling the
   token before the expert) beside a shared expert of the same width. The dense MLP is
   ``intermediate`` wide.
+* ``qwen3_5``, ``qwen3_next``: redray's own Qwen3.5 (dense) and Qwen3-Next (4 experts,
+  top-2, a sigmoid-gated shared expert) at 4 layers: three Gated DeltaNet layers (4 key
+  heads, 8 value heads, each 64 wide; their q, k, v, z, b, a projections grouped by key
+  head, a convolution of 4 tokens) and one gated full attention layer.
+* ``linear_attention_user``: the linear-attention LM ``tests/tiny.py`` writes
+  (``LinearLM``), every name meaningless (``p1``...``p6``, ``w1``...``w3``, ``s1``,
+  ``s2``): separate q, k, v projections each through a short convolution, a per-head
+  decay ``-exp(s1) * softplus(p4(x))``, the state run by a ``lax.scan`` over tokens, a
+  per-head norm scale and an output gate; 2 layers with a GELU MLP.
 * ``moe_tp``: two NNX mixture-of-experts LMs written as a user writes them
   (``benchmarks/_others.py``): separate Q, K, V and O, a router, and 4 SwiGLU experts run
   densely on every token and mixed by the top-2 router weights, the experts either
@@ -54,9 +63,9 @@ sequence S, hidden H), is the fewest all-reduces tensor parallelism needs:
   input gradient of the vocabulary-parallel LM head; 3 of B*S floats for the
   vocabulary-parallel cross-entropy (max, sum of exponentials, the label's logit); 1
   scalar (the gradient norm).
-* a decoder with mixture-of-experts layers (``gpt_oss``, ``llama4``), L layers of
-  which L_moe have experts, k of them per token: ``(4L + 2) * A + L_moe * B*S*k*4 +
-  3 * B*S*4 + 4``. A MoE layer is a sublayer like an MLP: each device computes its share
+* a decoder with mixture-of-experts layers (``gpt_oss``, ``llama4``, ``qwen3_next``), L
+  layers of which L_moe have experts, k of them per token: ``(4L + 2) * A + L_moe *
+  B*S*k*4 + 3 * B*S*4 + 4``. A MoE layer is a sublayer like an MLP: each device computes its share
   of the inner width of every expert a token uses (and of Llama 4's shared expert) and
   of the output projections, so the experts' outputs, weighted and added (with the
   shared expert's), are one partial sum: 1 forward all-reduce; the input gradients of
@@ -71,6 +80,19 @@ sequence S, hidden H), is the fewest all-reduces tensor parallelism needs:
   the all-reduce, whole); the router's bias is whole; the experts' gate/up biases split
   with their inner width; their down biases are added after the all-reduce (whole):
   none of them communicates.
+* a linear-attention layer (``qwen3_5``, ``qwen3_next``, ``linear_attention_user``) is
+  a sublayer like attention, counted in the decoder formula above: its q, k and v (and
+  the output gate z, the write rate b and the decay a) are column layers reading the
+  normed input, split by (key) head groups; the output projection is row. So 1 forward
+  all-reduce after the output projection, 1 backward for the summed input gradients of
+  the column layers. The per-head parameters (the convolution kernel, the decay's rate
+  and step bias, the user model's per-head norm scale) split with the heads and
+  communicate nothing; the recurrence runs inside each device's heads. Gated DeltaNet's
+  norm scale (one value head's width, shared by all heads) and the full attention's
+  q/k norm scales are whole and scale head-split values: their gradients are partial
+  sums, a few hundred bytes the ideal leaves out. ``qwen3_next`` counts as a decoder
+  with experts (the formula below); its shared expert's sigmoid gate (one unit per
+  token) is whole.
 * parallel residual (``gptj``, ``parallel_residual``): ``(2L + 2) * A + 3 * B*S*4 + 4``,
   as GPT-J's own implementation (mesh-transformer-jax) reduces it: one forward
   all-reduce per layer of the attention and MLP outputs added, one backward of the input
@@ -155,6 +177,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _lm import (  # noqa: E402
     FAMILIES,
     FULL,
+    HYBRID,
     MOE_FAMILIES,
     TINY,
     Sizes,
@@ -189,13 +212,14 @@ COMMAND = "python benchmarks/communication.py"
 KIND = {"gpt2": "decoder", "llama": "decoder", "opt": "decoder", "gptj": "parallel",
         "t5": "t5", "separate_qkv": "decoder", "parallel_residual": "parallel",
         "gpt2_layout": "decoder", "gemma": "decoder", "penzai_llama": "decoder",
-        "dense12": "mlp", "gpt_oss": "moe", "llama4": "moe"}
+        "dense12": "mlp", "gpt_oss": "moe", "llama4": "moe", "qwen3_next": "moe",
+        "qwen3_5": "decoder", "linear_attention_user": "decoder"}
 MOE_TP = "moe_tp"  # the rules against hand-written specs on user-written MoE LMs
 MOE_EP = "moe_ep"  # expert parallelism's all-to-alls against their ideal
 EXPERTS, TOP_K = 4, 2  # redray's Mixtral of the moe_ep case
 CASES = (*KIND, MOE_TP, MOE_EP)
 TINY_CASES = ("llama", "t5", "separate_qkv", "parallel_residual", "dense12", *MOE_FAMILIES,
-              MOE_TP, MOE_EP)
+              *HYBRID, "linear_attention_user", MOE_TP, MOE_EP)
 # Cases redco's rules are also measured on, in redray's step (separate_qkv's tree with
 # Hugging Face Flax LLaMA names), and those compiled by redco's own step too.
 REDCO_CASES = (*FAMILIES, "separate_qkv", "dense12")
@@ -222,9 +246,11 @@ def examples(family: str, s: Sizes) -> list[dict]:
 
 
 def moe_sizes(case: str, s: Sizes) -> Sizes:
-    """The sizes of redray's own MoE family ``case``: Llama 4 at twice the layers (a
-    dense and a MoE layer for each of the other cases' layers)."""
-    return dataclasses.replace(s, layers=s.layers * (2 if case == "llama4" else 1))
+    """The sizes of ``case``: Llama 4 at twice the layers (a dense and a MoE layer for
+    each of the other cases' layers), the hybrid families too (three linear-attention
+    layers and a full one for two of the others')."""
+    double = case == "llama4" or case in HYBRID
+    return dataclasses.replace(s, layers=s.layers * (2 if double else 1))
 
 
 def moe_layers(c) -> int:
@@ -264,7 +290,7 @@ def ideal(case: str, s: Sizes, m: MlpSizes = MLP_FULL) -> dict:
         terms = {"activations (A)": 2 * s.layers + 2}
         megatron = 2 * s.layers  # attention and MLP reduced apart, forward and backward
     else:
-        terms = {"activations (A)": 4 * s.layers + 2}
+        terms = {"activations (A)": 4 * moe_sizes(case, s).layers + 2}
         megatron = 0
     total = sum(terms.values()) * act + 3 * tokens + 4
     return {"bytes": total, "activation_bytes": act, "activation_all_reduces": terms,
@@ -283,7 +309,7 @@ def setup(case: str, s: Sizes, m: MlpSizes = MLP_FULL, rules=(),
         # scanned step holds one loop body, which the count would see once)
         model, loss_fn = (lambda rngs: build(c, rngs=rngs, scan=False)), \
             (seq2seq_loss if case == "t5" else loss)
-    elif case in MOE_FAMILIES:
+    elif case in MOE_FAMILIES or case in HYBRID:
         c = config(case, moe_sizes(case, s))
         model, loss_fn = (lambda rngs: build(c, rngs=rngs, scan=False)), loss
     elif case == "dense12":
@@ -293,6 +319,8 @@ def setup(case: str, s: Sizes, m: MlpSizes = MLP_FULL, rules=(),
         model, loss_fn = _others.gemma_lm(s)
     elif case == "penzai_llama":
         model, loss_fn = _others.penzai_lm(s)
+    elif case == "linear_attention_user":
+        model, loss_fn = _others.linear_attention_lm(s)
     else:
         module = {"separate_qkv": lambda: _others.SeparateLM(s, hf_names),
                   "parallel_residual": lambda: _others.ParallelLM(s),
@@ -450,8 +478,7 @@ def measure(case: str, s: Sizes, m: MlpSizes, redco_python: str | None) -> list[
     if case == MOE_EP:
         return measure_moe_ep(s)
     want = ideal(case, s, m)
-    sizes = dataclasses.asdict(m if KIND[case] == "mlp" else
-                               moe_sizes(case, s) if case in MOE_FAMILIES else s)
+    sizes = dataclasses.asdict(m if KIND[case] == "mlp" else moe_sizes(case, s))
     trainer, data = setup(case, s, m)
     found = step_collectives(trainer, data)
     figures = [figure(f"communication/{case}", total_bytes(found) / want["bytes"], "x",

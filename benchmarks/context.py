@@ -26,11 +26,22 @@ bytes a device needs) and the collectives of ``as_text()``.
   measurement, not in the ideal). The ideal is the planner's own count
   (``redray.planning.cost.context_traffic``), so this figure checks what the planner
   charges a context plan.
+* ``context/linear_state_bytes_over_gather``: Gated DeltaNet layers over the context
+  axis pass their state, not the sequence (``redray.models.gated_delta.across_context``):
+  the bytes of the layers' all-gathers and reduce-scatters (each chunk's state map and
+  last convolution inputs, and their gradients; not the zigzag's permutes, which
+  attention has too, the parameters' gradient all-reduce or the chunked loss's own
+  gathers) over what gathering each linear layer's input
+  sequence would move, an all-gather of ``B T d s`` bytes forward and a reduce-scatter
+  of its gradient backward. Qwen3.5-shaped linear layers (``LINEAR``: hidden 2048, 16
+  key heads and 32 value heads of 128, a convolution of 4 tokens), every layer linear,
+  no remat, compiled only.
 
-    python benchmarks/context.py
+    python benchmarks/context.py [--only linear]
 """
 
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +59,36 @@ TINY = dict(vocab=64, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2
             seq=2048, budget=24 << 20, ring_seq=512, step=512)
 
 
+LINEAR = dict(vocab=1024, hidden=2048, intermediate=4096, layers=2, key_heads=16,
+              value_heads=32, head=128, seq=16384, ways=4)
+LINEAR_TINY = dict(vocab=64, hidden=64, intermediate=128, layers=2, key_heads=2,
+                   value_heads=4, head=16, seq=256, ways=4)
+
+
+def linear_config(s: dict):
+    from _lm import hybrid_config
+
+    return hybrid_config(s["vocab"], s["hidden"], s["layers"], s["intermediate"],
+                         s["key_heads"], s["key_heads"], s["head"], s["key_heads"],
+                         s["value_heads"], s["head"],
+                         layer_types=["linear_attention"] * s["layers"])
+
+
+def linear_state_bytes(s: dict) -> tuple[int, int, dict]:
+    """(the linear layers' collective bytes over the context axis, gathering their
+    input sequences' bytes, detail) of one compiled step (module docstring)."""
+    from redray.sharding.collectives import collectives, summarize
+
+    # the layers' own: their shard_map's gathers and the transposes' reduce-scatters (not
+    # the parameters' gradient all-reduce, nor the chunked loss's gathers)
+    found = [c for c in collectives(compiled(s, s["seq"], s["ways"], cfg=linear_config(s),
+                                             remat=None, unrolled=True).as_text())
+             if re.search(r'op_name="[^"]*shard_map/(all_gather|reduce_scatter)"', c.line)]
+    measured = sum(c.bytes for c in found)
+    gather = 2 * s["layers"] * s["seq"] * s["hidden"] * 4
+    return measured, gather, dict(collectives=summarize(found))
+
+
 def config(s: dict):
     from transformers import LlamaConfig
 
@@ -63,9 +104,11 @@ def loss(model, ids):
     return next_token_loss(model, ids, chunk=512, train=True)
 
 
-def compiled(s: dict, seq: int, ways: int, method: str = "ring", unrolled: bool = False):
+def compiled(s: dict, seq: int, ways: int, method: str = "ring", unrolled: bool = False,
+             cfg=None, remat: str | None = "full"):
     """The compiled loss-and-gradient step on ``ways`` devices (context ``ways``) for a
-    row of ``seq`` tokens (the model sees ``seq``: the ids are one longer)."""
+    row of ``seq`` tokens (the model sees ``seq``: the ids are one longer) of ``cfg``
+    (default: ``config(s)``)."""
     from redray.engine.runtime import ModelRuntime
     from redray.models import build
     from redray.sharding import Parallelism
@@ -73,8 +116,8 @@ def compiled(s: dict, seq: int, ways: int, method: str = "ring", unrolled: bool 
 
     os.environ["REDRAY_CONTEXT_ATTENTION"] = method
     plan = Parallelism.of(data_axis=1, context_axis=ways).build(jax.devices()[:ways])
-    cfg = config(s)
-    runtime = ModelRuntime(lambda rngs: build(cfg, rngs=rngs, scan=True, remat="full"), plan)
+    cfg = config(s) if cfg is None else cfg
+    runtime = ModelRuntime(lambda rngs: build(cfg, rngs=rngs, scan=True, remat=remat), plan)
     batch = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
     runtime.derive(loss, batch)
     params, extra = runtime.abstract
@@ -132,10 +175,16 @@ def ring_bytes(s: dict, ways: int) -> tuple[int, float, dict]:
 
 
 def main(argv=None) -> None:
-    args = parser(__doc__).parse_args(argv)
+    ap = parser(__doc__)
+    ap.add_argument("--only", choices=("linear",),
+                    help="only context/linear_state_bytes_over_gather (seconds)")
+    args = ap.parse_args(argv)
     s = TINY if args.tiny else FULL
     model = {k: v for k, v in s.items() if k not in ("budget", "step")}
     figures = []
+    if args.only == "linear":
+        save([linear_figure(args.tiny)], args.out)
+        return
     single, single_tried = longest(s, 1)
     split, split_tried = longest(s, 4)
     figures.append(figure(
@@ -159,7 +208,18 @@ def main(argv=None) -> None:
         "the ring's ideal bytes (module docstring's formula)", "<= 1.1", COMMAND,
         measured_bytes=measured, ideal_bytes=ideal, tokens=s["ring_seq"], **about,
         model=model))
+    figures.append(linear_figure(args.tiny))
     save(figures, args.out)
+
+
+def linear_figure(tiny: bool) -> dict:
+    lin = LINEAR_TINY if tiny else LINEAR
+    measured, gather, about = linear_state_bytes(lin)
+    return figure(
+        "context/linear_state_bytes_over_gather", measured / gather, "x",
+        f"gathering each linear layer's input sequence ({lin['seq']} tokens, context "
+        f"{lin['ways']}): an all-gather forward, a reduce-scatter backward", None, COMMAND,
+        measured_bytes=measured, gather_bytes=gather, **about, model=lin)
 
 
 if __name__ == "__main__":

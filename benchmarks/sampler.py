@@ -45,8 +45,15 @@ length; beside the sampler, the same sampler with every slot's prompt run throug
 model on its own (``each_prompt_run`` in the detail: the prefill before a prompt taken
 by several slots was run once).
 
+With ``--hybrid`` (``--prompts 256 --hybrid``: figure
+``sampler/hybrid_tokens_per_s_over_generate``) the model is a Qwen3.5-shaped hybrid
+of the same width (``hybrid_config``: three Gated DeltaNet layers to one full attention
+layer), which the Sampler serves on its paged cache only (each slot holding its linear
+layers' state and convolution window, replaced on refill); transformers' side is not
+run (its Gated DeltaNet is a PyTorch loop over tokens without flash-linear-attention).
+
     python benchmarks/sampler.py [--slots 64] [--base 8] [--rounds 3] [--prompts 256]
-                                 [--group 8]
+                                 [--group 8] [--hybrid]
 """
 
 import os
@@ -95,10 +102,16 @@ def main(argv=None) -> None:
                     "as slots; more: the refill workload, figures ..._refills)")
     ap.add_argument("--group", type=int, default=1, help="requests per prompt, side by side "
                     "(GRPO's group; above 1: figures ..._groups)")
+    ap.add_argument("--hybrid", action="store_true", help="a Qwen3.5-shaped hybrid model "
+                    "(figure sampler/hybrid_tokens_per_s_over_generate)")
     args = ap.parse_args(argv)
     s = TINY if args.tiny else FULL
     slots = min(args.slots, s["prompts"])
     s = dict(s, prompts=args.prompts or s["prompts"], group=args.group)
+    if args.hybrid:
+        save([hybrid_figure(s, args.base or s["base"], slots,
+                            1 if args.tiny else args.rounds)], args.out)
+        return
     suffix = "_groups" if args.group > 1 else "_refills" if s["prompts"] > slots else ""
     # with refills: the same Sampler refilled by the host between rounds, and one with
     # the structure it has off CPUs (a check every 16 steps, the rest in one call), whose
@@ -145,8 +158,34 @@ def main(argv=None) -> None:
     save(out, args.out)
 
 
+def hybrid_figure(s: dict, base: int, slots: int, rounds: int) -> dict:
+    """``sampler/hybrid_tokens_per_s_over_generate``: the paged Sampler on the hybrid
+    model against its static ``generate`` (the module docstring)."""
+    per_s, detail = measure(dict(s, hybrid=True), base, slots, rounds, torch=False)
+    command = COMMAND + (f" --prompts {s['prompts']}" if s["prompts"] > slots else "") + \
+        " --hybrid"
+    return figure(
+        "sampler/hybrid_tokens_per_s_over_generate", per_s["sampler"] / per_s["generate"],
+        "x", f"redray's generate on the same hybrid model (Gated DeltaNet and full "
+        f"attention), weights and greedy tokens: the {s['prompts']} prompts as left-padded "
+        f"batches of {slots}, each decoded to its longest completion", ">= 2.0", command,
+        **detail)
+
+
+def hybrid_config(s: dict):
+    """A Qwen3.5 (text) config of ``s``'s sizes (``_lm.hybrid_config``: three Gated
+    DeltaNet layers to one full attention), as many key heads as ``heads`` and twice as
+    many value heads, every head ``hidden / heads`` wide, a convolution of 4 tokens."""
+    from _lm import hybrid_config as qwen3_5
+
+    d = s["hidden"] // s["heads"]
+    return qwen3_5(s["vocab"], s["hidden"], s["layers"], s["intermediate"], s["heads"],
+                   s["heads"], d, s["heads"], 2 * s["heads"], d, max_position_embeddings=512,
+                   pad_token_id=0)
+
+
 def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
-            variants: dict | None = None):
+            variants: dict | None = None, torch: bool = True):
     """Useful tokens/s of the three (``generate``, ``sampler``, ``transformers`` where
     torch is installed) on the workload of size ``s``, and the run's detail; ``bf16``:
     the weights and the computation in bfloat16 (float32 otherwise); ``variants``:
@@ -186,7 +225,7 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
                      **{k: v for k, v in kwargs.items() if k != "kind"})
         runs[name] = (lambda other: lambda: other.sample(prompts, requests))(other)
         samplers[name] = other
-    reference = transformers_reference(model, config, batches, bf16)
+    reference = transformers_reference(model, config, batches, bf16) if torch else None
     torch_on = None  # where transformers ran (None: torch is not installed)
     if reference is not None:
         runs["transformers"], torch_on = reference
@@ -230,19 +269,19 @@ def measure(s: dict, base: int, slots: int, rounds: int, bf16: bool = False,
 
 
 def built(s: dict, bf16: bool = False):
-    """(config, model): the random LLaMA of size ``s``, in float32 or bfloat16."""
+    """(config, model): the random LLaMA of size ``s`` (``s["hybrid"]``: the
+    ``hybrid_config`` model), in float32 or bfloat16."""
     import jax.numpy as jnp
     from flax import nnx
     from transformers import LlamaConfig
 
     from redray.models import build
 
-    config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
-                         intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
-                         num_attention_heads=s["heads"],
-                         num_key_value_heads=s.get("kv_heads", s["heads"]),
-                         max_position_embeddings=512, eos_token_id=None, pad_token_id=0,
-                         tie_word_embeddings=False)
+    config = hybrid_config(s) if s.get("hybrid") else LlamaConfig(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+        num_key_value_heads=s.get("kv_heads", s["heads"]), max_position_embeddings=512,
+        eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     model = build(config, rngs=nnx.Rngs(0), dtype=dtype)
     if bf16:  # the parameters too, as an inference checkpoint holds them

@@ -10,6 +10,7 @@ import transformers
 
 from redray.engine.runtime import ModelRuntime
 from redray.models import build, context, next_token_loss
+from redray.models.families import FAMILIES
 from redray.sharding import Parallelism
 from redray.planning.cost import context_method
 from redray.planning.hardware import preset
@@ -26,6 +27,10 @@ CONFIGS = {
         vocab_size=64, num_hidden_layers=2, hidden_size=32, intermediate_size=64,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
         num_experts_per_tok=2),
+    # Gated DeltaNet beside gated full attention: the linear layers pass their state and
+    # convolution inputs across the axis (eps 1e-2: see test_linear_attention's plans)
+    "qwen3_next": lambda: transformers.AutoConfig.for_model(
+        "qwen3_next", **(FAMILIES["qwen3_next"].tiny | dict(vocab_size=64)), rms_norm_eps=1e-2),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2),
@@ -105,7 +110,8 @@ CASES = [(f, k, c, m) for f, k in (("llama", "causal"), ("gpt2", "causal"), ("ll
                                    ("gpt2", "packed"), ("mistral", "causal"))
          for c, m in ((4, "ring"), (2, "all_gather"))] + \
     [("llama", "causal", 2, "ring"), ("llama", "causal", 4, "all_gather"),
-     ("mixtral", "packed", 4, "ring")]
+     ("mixtral", "packed", 4, "ring"), ("qwen3_next", "packed", 4, "ring"),
+     ("qwen3_next", "causal", 2, "all_gather")]
 
 
 @pytest.mark.parametrize("family,kind,ways,method", CASES,
@@ -433,9 +439,10 @@ def generated(family, **axes):
 
 @pytest.mark.parametrize("family,axes", [("llama", dict(context_axis=4)),
                                          ("gpt2", dict(context_axis=2, model_axis=2)),
-                                         ("mixtral", dict(context_axis=2, expert_axis=2))],
+                                         ("mixtral", dict(context_axis=2, expert_axis=2)),
+                                         ("qwen3_next", dict(context_axis=2))],
                          ids=["llama-context4", "gpt2-context2-model2",
-                              "mixtral-context2-expert2"])
+                              "mixtral-context2-expert2", "qwen3_next-context2"])
 def test_a_prompt_prefilled_over_the_context_axis_generates_as_one_device(family, axes):
     """``generate`` on a context plan: the prompt's prefill is split over the axis (the
     ring fills the KV cache, put back in the tokens' order), the decoding reads it;

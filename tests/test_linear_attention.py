@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from hf_tiny import (IDS, MASK, assert_export_round_trip, assert_greedy_generation_matches,
                      assert_language_model_loads, assert_logits_match, hf_logits,
                      loaded_pair)
@@ -73,6 +74,19 @@ def test_the_chunked_rule_is_the_token_by_token_rule(chunk):
     got_out, got_state = ours(*args, chunk=chunk)
     np.testing.assert_allclose(got_out, want_out, atol=1e-4, rtol=0)
     np.testing.assert_allclose(got_state, want_state, atol=1e-4, rtol=0)
+
+
+def test_one_token_at_a_time_is_the_token_by_token_rule():
+    """A decoding step's rule (one token per call, ``delta_rule``'s own path for it),
+    carried over the 37 tokens: the reference's outputs and final state."""
+    q, k, v, g, beta, state = rule_inputs()
+    want_out, want_state = reference(q, k, v, g, beta, state)
+    outs = []
+    for i in range(q.shape[1]):
+        out, state = ours(*(a[:, i:i + 1] for a in (q, k, v, g, beta)), state)
+        outs.append(out)
+    np.testing.assert_allclose(np.concatenate(outs, 1), want_out, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(state, want_state, atol=1e-4, rtol=0)
 
 
 def test_a_packed_row_resets_the_state_where_each_document_starts():
@@ -186,7 +200,8 @@ def test_the_vision_language_checkpoint_loads_its_language_model(name, tmp_path,
 
 
 PLANS = {"data": dict(data_axis=2), "fsdp_model": dict(fsdp_axis=2, model_axis=2),
-         "stage": dict(stage_axis=2), "expert": dict(expert_axis=2, data_axis=2)}
+         "stage": dict(stage_axis=2), "context": dict(context_axis=2, model_axis=2),
+         "expert": dict(expert_axis=2, data_axis=2)}
 
 
 # The gated output norm divides each value head's readout by its root mean square plus
@@ -210,13 +225,95 @@ def test_every_plan_takes_the_one_device_step(name):
             assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), (name, plan)
 
 
-def test_what_is_not_available_yet_is_refused_with_the_way_around():
+def test_the_rules_split_the_linear_layers_by_key_head():
+    """Found by the dataflow, not by name: every linear layer's projections column by
+    key head, its convolution kernel, decays and step biases with them, the output
+    projection row; the full attention's fused kernel by its key/value heads."""
+    import jax
+    from test_families import SEQ, lm_loss
+
+    from redray.engine.runtime import ModelRuntime
+    from redray.sharding import Parallelism, flatten
+
+    config = transformers.AutoConfig.for_model("qwen3_next", **FAMILIES["qwen3_next"].tiny)
+    plan = Parallelism.of(model_axis=2).build(jax.devices()[:2])
+    runtime = ModelRuntime(lambda rngs: rm.build(config, rngs=rngs, scan=False), plan)
+    runtime.derive(lm_loss, jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
+    paths, _, _ = flatten(runtime.abstract[0])
+    specs = dict(zip(paths, jax.tree.leaves(runtime.specs[0],
+                                            is_leaf=lambda x: isinstance(x, P))))
+    want = {"in_proj/kernel": P(None, "model"), "ba_proj/kernel": P(None, "model"),
+            "conv": P(None, "model"), "A_log": P("model"), "dt_bias": P("model"),
+            "out_proj/kernel": P("model"), "norm": P()}
+    for layer in (0, 2):
+        for name, spec in want.items():
+            assert specs[f"layers/{layer}/linear_attn/{name}"] == spec, (layer, name)
+    assert specs["layers/1/self_attn/qkv_proj/kernel"] == P(None, "model")
+    assert specs["layers/1/self_attn/o_proj/kernel"] == P("model")
+    assert runtime.whole == [] or all(w.by_design for w in runtime.whole)
+
+
+def test_the_planner_charges_a_context_axis_the_passed_state_not_a_ring():
+    """A config's facts count the linear layers apart from the attention layers: over a
+    context axis the attention layers' keys and values go round the ring, the linear
+    layers' chunk state maps are gathered (each chunk: value heads x dk x (dk + dv) and
+    its last convolution inputs, float32), nothing of their sequence."""
+    from redray.planning.cost import context_traffic
+    from redray.planning.from_config import ConfigFacts
+    from redray.planning.memory import context_states
+
+    config = transformers.AutoConfig.for_model("qwen3_next", **FAMILIES["qwen3_next"].tiny)
+    facts = ConfigFacts(config, 64, scan=True)
+    key_heads, values, dk, dv = 2, 4, 8, 8  # TINY_HYBRID's
+    state = values * dk * (dk + dv) + 3 * key_heads * (2 * dk + 2 * dv)
+    assert (facts.linear_layers, facts.attention_layers, facts.linear_state) == (2, 2, state)
+    # a Trainer's facts read the built model the same way, its layers listed or stacked
+    for scan in (False, True):
+        assert context_states(rm.build(config, scan=scan)) == (2, state)
+    assert facts.splits_sequences
+    traffic = context_traffic({"context": 4}, 2, 64, facts.kv_width, 16,
+                              facts.attention_layers, 4, 1, None, facts.linear_layers,
+                              facts.linear_state)
+    gathers = [t for t in traffic if t.kind == "all-gather"]
+    assert [(t.bytes, t.times) for t in gathers] == [(2 * 8 * state * 4, 2)]
+    ring = [t for t in traffic if "round the ring" in t.what]
+    assert ring[0].times == 2 * 3 * 2  # the two attention layers' passes only
+
+
+def test_the_sampler_holds_each_slots_state_and_resets_it_on_refill(pair):
+    """The continuous-batching Sampler on the paged cache (its default for these models):
+    more requests than slots, so slots are refilled mid-call and their linear layers'
+    state and convolution window replaced; every greedy completion equals transformers'
+    own for its prompt alone (a state left from a slot's last request changes the
+    tokens: measured, 4 of 7 requests)."""
+    from redray.post_training import Sampler, SamplingParams
+
+    import jax
+    from flax import nnx
+
+    _, hf, _, model = pair
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, jax.device_get(state))  # one replica, as a paged Sampler's
+    rs = np.random.default_rng(0)
+    prompts = [list(rs.integers(3, 128, n)) for n in (5, 11, 3, 8, 14, 6)]
+    news = [4, 9, 6, 10, 3, 7]
+    sampler = Sampler(model, slots=2, max_length=32, eos_token_id=[], pad_token_id=0)
+    assert sampler.kv_cache == "paged"
+    got = sampler.sample(prompts, [SamplingParams(temperature=0.0, max_new_tokens=m)
+                                   for m in news])
+    for prompt, new, completion in zip(prompts, news, got):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                               min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+        assert list(completion.tokens) == want[0, len(prompt):].tolist(), prompt
+
+
+def test_what_is_not_available_is_refused_with_the_way_around():
     from redray.post_training import Sampler
 
     config = transformers.AutoConfig.for_model("qwen3_5_text", **FAMILIES["qwen3_5_text"].tiny)
     model = rm.build(config)
-    with pytest.raises(ValueError, match="linear-attention layers.*redray.models.generate"):
-        Sampler(model, slots=2, max_length=16)
-    with pytest.raises(ValueError, match="paged KV cache.*redray.models.generate"):
+    with pytest.raises(ValueError, match="linear-attention layers.*kv_cache='paged'"):
+        Sampler(model, slots=2, max_length=16, kv_cache="window")
+    with pytest.raises(ValueError, match="a state per row.*rows="):
         model.init_pages(4)
-    assert not type(model).SPLITS_SEQUENCES  # the planner does not pick a context axis

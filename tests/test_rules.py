@@ -319,6 +319,33 @@ def test_llama():
     assert_specs(got, llama_expected())
 
 
+# ------------------------------------------------------------- linear attention
+
+@pytest.mark.parametrize("form", ["scan", "parallel"])
+def test_a_linear_attention_splits_by_heads_with_its_decays_norms_and_convolutions(form):
+    """A linear attention has no softmax(q.k): its heads are found by where its values
+    run. q, k, v, the decay's and the gate's projections are column layers; the output
+    projection row; each per-head or per-channel parameter (the decay's rate ``s1``
+    through ``-exp``, the norm's (heads, head dim) scale, each (width, dim) convolution
+    kernel) splits with the heads it meets, however deep in the layer."""
+    from tiny import LinearLM
+
+    got, _, _ = nnx_specs(LinearLM(nnx.Rngs(0), V, D, H, layers=1, mlp=F, form=form),
+                          tokens())
+    expected = {"e/embedding": ROW, "n1/0/scale": REP, "n2/0/scale": REP, "n/scale": REP,
+                "f1/0/kernel": COL, "f1/0/bias": ROW, "f2/0/kernel": ROW, "f2/0/bias": REP,
+                "h/kernel": COL, "m/0/p4/bias": ROW, "m/0/p6/kernel": ROW,
+                "m/0/s1": ROW, "m/0/s2": ROW}
+    expected.update({f"m/0/p{i}/kernel": COL for i in (1, 2, 3, 4, 5)})
+    expected.update({f"m/0/w{i}": COL for i in (1, 2, 3)})
+    assert_specs(got, expected)
+    # two heads on a model axis of 4: the heads' parameters cannot follow (2 % 4), the
+    # projections (64 wide) still split
+    got, _, _ = nnx_specs(LinearLM(nnx.Rngs(0), V, D, 2, layers=1, mlp=F, form=form),
+                          tokens())
+    assert got["m/0/s1"] == REP and got["m/0/s2"] == REP and got["m/0/w1"] == COL
+
+
 # --------------------------------------------------------------------------- 3. OPT
 
 class OPTAttention(nnx.Module):

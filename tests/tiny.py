@@ -125,3 +125,82 @@ def memory_case(layers: int, rows: int):
         return next_token_loss(model, batch["ids"], train=train)
 
     return config, data, lm_collate, loss
+
+
+def _short_conv(x, w):
+    """A causal depthwise convolution as users write it: x (b, t, c), w (width, c)."""
+    padded = jnp.pad(x, ((0, 0), (w.shape[0] - 1, 0), (0, 0)))
+    return sum(padded[:, i:i + x.shape[1]] * w[i] for i in range(w.shape[0]))
+
+
+class LinearMixer(nnx.Module):
+    """A gated linear attention written as a researcher writes one, every name
+    meaningless to redray: separate q (``p1``), k (``p2``), v (``p3``) projections, each
+    through its own short causal convolution (``w1``-``w3``, (width, dim)) and SiLU; a
+    decay per head and token, ``-exp(s1) * softplus(p4(x))``; the state ``S = exp(g) S +
+    k v^T`` per head read by q, either by a ``lax.scan`` over tokens (``form="scan"``)
+    or as masked decayed q.k scores times v (``"parallel"``); a per-head RMS norm scaled
+    by ``s2`` (heads, head dim), gated by SiLU of ``p5(x)``; the output projection
+    ``p6``."""
+
+    def __init__(self, rngs, dim=64, heads=4, width=4, form="scan"):
+        linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, rngs=rngs)  # noqa: E731
+        self.p1, self.p2, self.p3 = linear(dim, dim), linear(dim, dim), linear(dim, dim)
+        self.p4 = linear(dim, heads, True)
+        self.p5, self.p6 = linear(dim, dim), linear(dim, dim)
+        conv = lambda: nnx.Param(jax.random.uniform(  # noqa: E731
+            rngs.params(), (width, dim), minval=-width ** -0.5, maxval=width ** -0.5))
+        self.w1, self.w2, self.w3 = conv(), conv(), conv()
+        self.s1 = nnx.Param(jnp.zeros((heads,)))
+        self.s2 = nnx.Param(jnp.ones((heads, dim // heads)))
+        self.heads, self.form = heads, form
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        split = lambda a: a.reshape(b, t, self.heads, -1)  # noqa: E731
+        q, k, v = (split(jax.nn.silu(_short_conv(p(x), w[...])))
+                   for p, w in ((self.p1, self.w1), (self.p2, self.w2), (self.p3, self.w3)))
+        q = q / jnp.sqrt(q.shape[-1])
+        g = -jnp.exp(self.s1[...]) * jax.nn.softplus(self.p4(x))  # (b, t, heads)
+        if self.form == "scan":
+            def step(state, inputs):
+                qt, kt, vt, gt = inputs
+                state = jnp.exp(gt)[..., None, None] * state + \
+                    jnp.einsum("bhd,bhe->bhde", kt, vt)
+                return state, jnp.einsum("bhd,bhde->bhe", qt, state)
+
+            by_token = lambda a: jnp.moveaxis(a, 1, 0)  # noqa: E731
+            start = jnp.zeros((b, self.heads, d // self.heads, d // self.heads), x.dtype)
+            _, o = jax.lax.scan(step, start, tuple(map(by_token, (q, k, v, g))))
+            o = jnp.moveaxis(o, 0, 1)
+        else:
+            c = jnp.cumsum(g, 1)
+            causal = jnp.tril(jnp.ones((t, t), bool))[None, :, :, None]
+            decay = jnp.where(causal, jnp.exp(jnp.where(
+                causal, c[:, :, None, :] - c[:, None, :, :], 0.0)), 0.0)
+            o = jnp.einsum("btsh,bshd->bthd",
+                           jnp.einsum("bthd,bshd->btsh", q, k) * decay, v)
+        o = o * jax.lax.rsqrt(jnp.mean(o * o, -1, keepdims=True) + 1e-6) * self.s2[...]
+        return self.p6((o * jax.nn.silu(split(self.p5(x)))).reshape(b, t, d))
+
+
+class LinearLM(nnx.Module):
+    """Embedding, ``layers`` pre-norm blocks (``LinearMixer``, then a GELU MLP), a final
+    norm and an untied LM head, auto-named lists."""
+
+    def __init__(self, rngs, vocab=128, dim=64, heads=4, layers=2, mlp=256, form="scan"):
+        self.e = nnx.Embed(vocab, dim, rngs=rngs)
+        self.n1 = nnx.List([nnx.RMSNorm(dim, rngs=rngs) for _ in range(layers)])
+        self.m = nnx.List([LinearMixer(rngs, dim, heads, form=form) for _ in range(layers)])
+        self.n2 = nnx.List([nnx.RMSNorm(dim, rngs=rngs) for _ in range(layers)])
+        self.f1 = nnx.List([nnx.Linear(dim, mlp, rngs=rngs) for _ in range(layers)])
+        self.f2 = nnx.List([nnx.Linear(mlp, dim, rngs=rngs) for _ in range(layers)])
+        self.n = nnx.RMSNorm(dim, rngs=rngs)
+        self.h = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.e(ids)
+        for n1, m, n2, f1, f2 in zip(self.n1, self.m, self.n2, self.f1, self.f2):
+            x = x + m(n1(x))
+            x = x + f2(jax.nn.gelu(f1(n2(x))))
+        return self.h(self.n(x))

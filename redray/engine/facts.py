@@ -84,6 +84,7 @@ class RuntimeFacts(ModelFacts):
         self.timing = None
         self.experts = _expert_layers(runtime)
         self.splits_sequences = _splits_sequences(runtime)
+        self.linear_layers, self.linear_state = _linear_facts(runtime)
         self.one_f_one_b = trainable is None \
             and cuts_at_one_stack(runtime, loss, params, extra, self.batch)
 
@@ -172,6 +173,19 @@ def _expert_layers(runtime: ModelRuntime) -> list:
     if graphdef is None:
         return []
     return expert_layers(nnx.merge(graphdef, *runtime.abstract))
+
+
+def _linear_facts(runtime: ModelRuntime) -> tuple[int, int]:
+    """The model's linear-attention layers and one chunk's state elements
+    (``redray.planning.memory.context_states``); none for a Linen model."""
+    from flax import nnx
+
+    from redray.planning.memory import context_states
+
+    graphdef = getattr(runtime.adapter, "graphdef", None)
+    if graphdef is None:
+        return 0, 0
+    return context_states(nnx.merge(graphdef, *runtime.abstract))
 
 
 def _splits_sequences(runtime: ModelRuntime) -> bool:

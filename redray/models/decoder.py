@@ -280,10 +280,12 @@ class CausalLM(nnx.Module):
         return layers.empty_cache(self.config.num_hidden_layers, batch, length, kv_heads,
                                   head_dim, dtype or self.dtype)
 
-    def init_pages(self, pages: int, page_size: int = paged.PAGE_SIZE, dtype=None):
+    def init_pages(self, pages: int, page_size: int = paged.PAGE_SIZE, dtype=None,
+                   rows: int | None = None):
         """An empty paged KV cache: a pool of ``pages`` pages of ``page_size`` tokens per
         layer (``redray/models/paged.py``), for calls with ``cache_index=Pages(table,
-        lengths)``."""
+        lengths)``. ``rows``: the rows the calls decode, for models whose layers keep a
+        state per row beside the pages (Qwen3-Next's); unused here."""
         kv_heads, head_dim = self.key_value_heads()
         return paged.empty_pool(self.config.num_hidden_layers, pages, kv_heads, head_dim,
                                 dtype or self.dtype, page_size)

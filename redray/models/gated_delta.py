@@ -28,6 +28,9 @@ permuted into it on load, ``redray/models/qwen3_next.py``).
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -84,6 +87,8 @@ def delta_rule(q, k, v, g, beta, state, groups, chunk: int = CHUNK):
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
+    if t == 1:  # a decoding step: the rule itself, no chunk to solve
+        return _one_token(q, k, v, g, beta, state, groups)
     size = min(chunk, t)
     pad = (-t) % size
     wide = jnp.promote_types(jnp.asarray(q).dtype, jnp.float32)
@@ -133,6 +138,19 @@ def delta_rule(q, k, v, g, beta, state, groups, chunk: int = CHUNK):
     return out[:, :t], state
 
 
+def _one_token(q, k, v, g, beta, state, groups):
+    """``delta_rule`` of one token per row: the state decayed (or reset where the token's
+    group is not the state's), what it predicts for the key corrected toward the value
+    at the write rate, then read by the query."""
+    wide = jnp.promote_types(jnp.asarray(q).dtype, jnp.float32)
+    q, k, v, g, beta = (jnp.asarray(a, wide)[:, 0] for a in (q, k, v, g, beta))
+    keep = jnp.where((groups[:, 0] == 0)[:, None], jnp.exp(g), 0.0)  # (b, h)
+    s = jnp.asarray(state, wide) * keep[..., None, None]
+    error = (v - jnp.einsum("bhkv,bhk->bhv", s, k)) * beta[..., None]
+    s = s + k[..., :, None] * error[..., None, :]
+    return jnp.einsum("bhkv,bhk->bhv", s, q)[:, None], s
+
+
 def empty_state(batch: int, dims: tuple, width: int, dtype) -> dict:
     """A layer's state for ``batch`` rows before any token, zeros: {"conv": the
     convolution's last ``width`` - 1 inputs (batch, width - 1, channels), "state": S
@@ -141,6 +159,15 @@ def empty_state(batch: int, dims: tuple, width: int, dtype) -> dict:
     key_heads, r, dk, dv = dims
     return {"conv": jnp.zeros((batch, width - 1, key_heads * (2 * dk + r * dv)), dtype),
             "state": jnp.zeros((batch, key_heads * r, dk, dv), jnp.float32)}
+
+
+def chunk_state_elements(dims: tuple, width: int) -> int:
+    """The float32 elements one chunk of one sequence passes on over a context axis
+    (``across_context``): its state map (value heads x dk x (dv + dk)) and its last
+    ``width - 1`` convolution inputs; ``dims``: (key heads, value heads per key head,
+    dk, dv)."""
+    key_heads, r, dk, dv = dims
+    return key_heads * r * dk * (dk + dv) + (width - 1) * key_heads * (2 * dk + r * dv)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -196,10 +223,19 @@ class GatedDeltaNet(nnx.Module):
         self.eps = eps
         self.dtype = dtype
 
+    def context_state(self) -> tuple[int, int]:
+        """(the layers this module holds, stacked ones each counted, and the float32
+        elements one chunk of one sequence passes on over a context axis,
+        ``chunk_state_elements``): what the planner charges a context axis for them
+        (``redray.planning.memory.context_states``)."""
+        shape = self.conv.shape
+        return math.prod(shape[:-3]), chunk_state_elements(self.dims, shape[-3])
+
     def __call__(self, x, mask, cache: dict | None, cache_index):
         """(output, new cache or None) of ``x`` (batch, tokens, hidden); ``mask``: the
-        decoder's ``AttentionMask`` (padding and packed documents), ``cache``: the
-        layer's {"conv", "state"} when decoding."""
+        decoder's ``AttentionMask`` (padding and packed documents; its key slots where
+        the sequence is split over the context axis), ``cache``: the layer's {"conv",
+        "state"} when decoding."""
         key_heads, r, dk, dv = self.dims
         b, t = x.shape[:2]
         valid, groups = _tokens(mask, cache, cache_index, t)
@@ -210,19 +246,18 @@ class GatedDeltaNet(nnx.Module):
         kernel = self.conv[...].astype(x.dtype).reshape(self.conv.shape[0], -1)
         state = empty_state(b, self.dims, self.conv.shape[0], x.dtype) if cache is None \
             else cache
-        conv_out, tail = causal_conv(conv_in.reshape(b, t, -1), kernel, state["conv"], groups)
-        conv_out = jax.nn.silu(conv_out).reshape(b, t, key_heads, -1)
-        q = l2_normalize(conv_out[..., :dk].astype(wide))
-        k = l2_normalize(conv_out[..., dk:2 * dk].astype(wide))
-        v = conv_out[..., 2 * dk:].reshape(b, t, key_heads * r, dv)
-        q = jnp.repeat(q, r, axis=2) * dk ** -0.5  # key head j serves value heads j*r...
-        k = jnp.repeat(k, r, axis=2)
         ba = self.ba_proj(x).astype(wide)
         beta = jax.nn.sigmoid(ba[..., :r]).reshape(b, t, -1)
         g = (-jnp.exp(self.A_log[...]) * jax.nn.softplus(ba[..., r:] + self.dt_bias[...])
              ).reshape(b, t, -1)
         beta, g = (jnp.where(valid[..., None], a, 0.0) for a in (beta, g))
-        out, last = delta_rule(q, k, v, g, beta, state["state"], groups)
+        mix = functools.partial(_mix, self.dims, kernel)
+        if mask.kv_slots is not None:  # a sequence split over the context axis
+            segments = None if mask.q_segments is None else jnp.where(valid, mask.q_segments, 0)
+            out, last, tail = across_context(mix, conv_in.reshape(b, t, -1), beta, g,
+                                             segments, state)
+        else:
+            out, last, tail = mix(conv_in.reshape(b, t, -1), beta, g, groups, state)
         out = out * jax.lax.rsqrt(jnp.mean(out * out, -1, keepdims=True) + self.eps)
         out = (self.norm[...] * out.astype(self.dtype)).astype(wide)
         gate = z.reshape(b, t, key_heads * r, dv).astype(wide)
@@ -232,13 +267,124 @@ class GatedDeltaNet(nnx.Module):
         return self.out_proj(out), new_cache
 
 
+def _mix(dims, kernel, conv_in, beta, g, groups, state, augmented: bool = False):
+    """The convolution, SiLU and the delta rule of a run of tokens: (the rule's output
+    (b, t, value heads, dv), the state after the last token, the convolution's new
+    tail). ``augmented``: the rule runs from the state [0 | I] with [v | 0] as values,
+    so its state and outputs carry, beside those from a zero state, the linear map from
+    the state before the run (``across_context``)."""
+    key_heads, r, dk, dv = dims
+    b, t = conv_in.shape[:2]
+    wide = jnp.promote_types(conv_in.dtype, jnp.float32)
+    conv_out, tail = causal_conv(conv_in, kernel, state["conv"], groups)
+    conv_out = jax.nn.silu(conv_out).reshape(b, t, key_heads, -1)
+    q = l2_normalize(conv_out[..., :dk].astype(wide))
+    k = l2_normalize(conv_out[..., dk:2 * dk].astype(wide))
+    v = conv_out[..., 2 * dk:].reshape(b, t, key_heads * r, dv)
+    q = jnp.repeat(q, r, axis=2) * dk ** -0.5  # key head j serves value heads j*r...
+    k = jnp.repeat(k, r, axis=2)
+    start = state["state"]
+    if augmented:
+        v = jnp.concatenate([v.astype(wide), jnp.zeros((*v.shape[:3], dk), wide)], -1)
+        eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, key_heads * r, dk, dk))
+        start = jnp.concatenate([jnp.zeros((b, key_heads * r, dk, dv), jnp.float32), eye], -1)
+    out, last = delta_rule(q, k, v, g, beta, start, groups)
+    return out, last, tail
+
+
+def across_context(mix, conv_in, beta, g, segments, state):
+    """``_mix`` of a sequence split over the context axis (the zigzag layout of
+    ``redray/models/context.py``: device ``i`` holds chunks ``i`` and ``2C - 1 - i``).
+
+    The state is passed, not the sequence gathered. Each device runs its two chunks at
+    once from the augmented state (``_mix``): each chunk's state after it is an affine
+    map of the state before, ``M S + D``, and each token's output ``o_D + o_M S``. The
+    devices all-gather the maps (per chunk: value heads x dk x (dv + dk) floats) and the
+    last ``width - 1`` convolution inputs of each chunk with their documents; every
+    device composes the maps in the sequence's order (a scan over the axis's ``2C``
+    chunks, a few small matmuls), so it knows the state before each of its chunks and
+    the state after the last. A chunk whose first token starts a document sees no
+    state and no convolution inputs from before it; nor does a convolution see the
+    inputs of an earlier document in the chunk before. ``segments``: (b, t) packed
+    documents (0 at padding), or None. Returns (output, the state after the sequence,
+    the convolution's tail after it), the last two whole on every device.
+    """
+    from redray.models import context
+
+    mesh, ways = context.context_split()
+    width = state["conv"].shape[1] + 1
+    length = conv_in.shape[1] // (2 * ways)
+    if length < width - 1:
+        raise ValueError(
+            f"the sequence ({conv_in.shape[1]} tokens with its padding) is cut into "
+            f"{2 * ways} chunks of {length} tokens over the context axis, fewer than the "
+            f"linear attention's convolution reaches back ({width - 1}): use sequences of "
+            f"at least {2 * ways * (width - 1)} tokens or a smaller context axis")
+    packed = segments is not None
+    if segments is None:
+        segments = jnp.zeros(conv_in.shape[:2], jnp.int32)
+
+    def local(conv_in, beta, g, segments, state):
+        b = conv_in.shape[0]
+        me = jax.lax.axis_index(context.AXIS)
+        # the two chunks side by side on the rows: (2b, length, ...)
+        pair = lambda a: jnp.concatenate([a[:, :length], a[:, length:]], 0)  # noqa: E731
+        conv_in, beta, g, segments = map(pair, (conv_in, beta, g, segments))
+        mine = jnp.stack([me, 2 * ways - 1 - me])  # this device's chunks' indices
+        # every chunk's last convolution inputs and documents, in the sequence's order
+        lasts = _in_order(jax.lax.all_gather(conv_in[:, length - width + 1:], context.AXIS),
+                          ways, b)
+        last_docs = _in_order(jax.lax.all_gather(segments[:, length - width + 1:],
+                                                 context.AXIS), ways, b)
+        before = jnp.maximum(mine - 1, 0)
+        first_doc = segments[:, 0]
+        tails = jnp.concatenate([lasts[before[0]], lasts[before[1]]], 0)
+        docs = jnp.concatenate([last_docs[before[0]], last_docs[before[1]]], 0)
+        head = jnp.repeat(mine == 0, b)  # rows whose chunk starts the sequence
+        tails = jnp.where(head[:, None, None], jnp.concatenate([state["conv"]] * 2, 0),
+                          jnp.where((docs == first_doc[:, None])[..., None], tails, 0))
+        if packed:
+            prev = jnp.where(head, -1, docs[:, -1])
+            starts = jnp.concatenate([(segments[:, :1] != prev[:, None]),
+                                      segments[:, 1:] != segments[:, :-1]], 1)
+            groups = reset_groups(starts)
+        else:
+            groups = jnp.zeros(segments.shape, jnp.int32)
+        out, maps, _ = mix(conv_in, beta, g, groups, {"conv": tails, "state": None},
+                           augmented=True)
+        dv = out.shape[-1] - maps.shape[2]
+        # every chunk's (D | M), in order, composed from the state before the sequence
+        maps = _in_order(jax.lax.all_gather(maps, context.AXIS), ways, b)
+
+        def compose(s, m):
+            return jnp.einsum("bhkj,bhjv->bhkv", m[..., dv:], s) + m[..., :dv], s
+
+        last, befores = jax.lax.scan(compose, state["state"].astype(jnp.float32), maps)
+        start = jnp.concatenate([befores[mine[0]], befores[mine[1]]], 0)
+        out = out[..., :dv] + jnp.einsum("bthk,bhkv->bthv", out[..., dv:], start)
+        out = jnp.concatenate([out[:b], out[b:]], 1)
+        tail = lasts[-1]
+        return out, last, tail
+
+    seq, whole = jax.sharding.PartitionSpec(None, context.AXIS), jax.sharding.PartitionSpec()
+    return jax.shard_map(local, mesh=context._within(mesh),
+                         in_specs=(seq, seq, seq, seq, whole),
+                         out_specs=(seq, whole, whole), axis_names=context._manual(mesh),
+                         check_vma=False)(conv_in, beta, g, segments, state)
+
+
+def _in_order(gathered: jax.Array, ways: int, rows: int) -> jax.Array:
+    """Per-device pairs of chunks, gathered over the context axis ((ways, 2 rows,
+    ...): each device's two chunks on its rows), as the ``2 * ways`` chunks in the
+    sequence's order ((2 ways, rows, ...))."""
+    first, second = gathered[:, :rows], gathered[:, rows:]
+    return jnp.concatenate([first, second[::-1]], 0)
+
+
 def _tokens(mask, cache, cache_index, tokens: int) -> tuple[jax.Array, jax.Array]:
     """(which of a call's tokens are real (batch, tokens), ``reset_groups``) from the
     decoder's mask: packed documents reset where each starts; a call without a cache
-    starts from an empty state."""
-    if mask.kv_slots is not None:
-        raise ValueError("a context axis with linear-attention layers (Gated DeltaNet) is "
-                         "not available yet: train with context_axis=1")
+    starts from an empty state. Over a context axis the groups are ``across_context``'s."""
     valid = mask.kv_valid
     if cache is not None and not paged.is_paged(cache_index):  # the whole cache's slots
         valid = jax.lax.dynamic_slice_in_dim(valid, cache_index, tokens, 1)

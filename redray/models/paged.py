@@ -66,6 +66,23 @@ def empty_pool(layers: int, pages: int, kv_heads: int, head_dim: int, dtype=jnp.
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(layers)]
 
 
+def put_rows(layer: dict, where: jax.Array, new: dict) -> dict:
+    """A layer's per-row state (a linear attention's {"conv", "state"}, one row per slot)
+    with rows ``where`` replaced by ``new``'s (rows past the state: dropped)."""
+    return {k: layer[k].at[where].set(new[k].astype(layer[k].dtype), mode="drop")
+            for k in layer}
+
+
+def written(layer: dict, pages: "Pages", where: jax.Array, new: dict, valid) -> dict:
+    """A layer of a pool after a prefill: an attention layer's pages with ``new``'s keys
+    and values (dense, (rows, kv heads, tokens, head dim)) written through ``pages``, or
+    a per-row state layer's rows ``where`` set to ``new``'s (which resets them)."""
+    if "k" in layer:
+        return write(layer, pages, jnp.swapaxes(new["k"], 1, 2), jnp.swapaxes(new["v"], 1, 2),
+                     valid)
+    return put_rows(layer, where, new)
+
+
 def is_paged(cache_index) -> bool:
     return isinstance(cache_index, Pages)
 

@@ -148,10 +148,8 @@ class Model(mixtral.Model):
     outputs where layers have experts). Its cache holds, per layer, a full attention's
     keys and values or a linear attention's state (``init_cache``)."""
 
-    # layers with a state in place of a KV cache (the Sampler's slots do not hold it yet)
+    # layers with a state in place of a KV cache: a paged cache holds it per row (slot)
     RECURRENT_LAYERS = True
-    # a context axis would split the linear layers' recurrence (not available yet)
-    SPLITS_SEQUENCES = False
 
     @classmethod
     def layer_kinds(cls, c) -> tuple[str, ...]:
@@ -169,16 +167,30 @@ class Model(mixtral.Model):
         """An empty cache for ``batch`` rows of up to ``length`` tokens: a full attention
         layer's {"k", "v"} (``layers.empty_cache``), a linear one's {"conv", "state"}
         (its convolution's last inputs and its delta-rule state, float32)."""
-        c, dtype = self.config.hf, dtype or self.dtype
         kv_heads, head_dim = self.key_value_heads()
-        return [gated_delta.empty_state(batch, _linear_dims(c), c.linear_conv_kernel_dim, dtype)
-                if kind.startswith("linear") else
-                layers.empty_cache(1, batch, length, kv_heads, head_dim, dtype)[0]
-                for kind in _kinds(c)]
+        return self._per_layer(batch, dtype, lambda dtype: layers.empty_cache(
+            1, batch, length, kv_heads, head_dim, dtype)[0])
 
-    def init_pages(self, pages: int, page_size: int = paged.PAGE_SIZE, dtype=None):
-        raise ValueError(f"{self.config.model_type}: a paged KV cache for linear-attention "
-                         "layers is not available yet: generate with redray.models.generate")
+    def init_pages(self, pages: int, page_size: int = paged.PAGE_SIZE, dtype=None,
+                   rows: int | None = None):
+        """An empty paged cache: a full attention layer's pool of ``pages`` pages
+        (``paged.empty_pool``), a linear one's {"conv", "state"} for each of ``rows``
+        rows (a Sampler's slots: the row of a call is its slot; a prefill writes a
+        slot's state whole, which resets it)."""
+        if rows is None:
+            raise ValueError(f"{self.config.model_type}: its linear-attention layers keep a "
+                             "state per row beside the pages: give init_pages(..., rows=) "
+                             "the rows (slots) the calls decode")
+        kv_heads, head_dim = self.key_value_heads()
+        return self._per_layer(rows, dtype, lambda dtype: paged.empty_pool(
+            1, pages, kv_heads, head_dim, dtype, page_size)[0])
+
+    def _per_layer(self, rows: int, dtype, attention) -> list[dict]:
+        """A cache per layer: a linear one's empty state for ``rows`` rows, a full
+        attention one's ``attention(dtype)``."""
+        c, dtype = self.config.hf, dtype or self.dtype
+        return [gated_delta.empty_state(rows, _linear_dims(c), c.linear_conv_kernel_dim, dtype)
+                if kind.startswith("linear") else attention(dtype) for kind in _kinds(c)]
 
 
 trace_inputs = layers.causal_lm_inputs

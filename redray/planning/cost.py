@@ -385,7 +385,8 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
 
 def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int,
                     hidden: int, layers: float, act_itemsize: int,
-                    micro_batches: int, passes: int | None = None) -> list[Traffic]:
+                    micro_batches: int, passes: int | None = None,
+                    linear_layers: float = 0, linear_state: int = 0) -> list[Traffic]:
     """The context axis's ring (``redray/models/context.py``), per step: in each
     attention layer's forward ``C - 1`` passes of the device's keys and values (``rows x
     tokens / C x kv_width`` elements each), in its backward ``C - 1`` passes again and
@@ -403,6 +404,11 @@ def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int
       stage's chunk of them); micro_batches: per step; passes: the passes through
       ``layers`` per step (with stages the pipeline's ticks, bubble included: GPipe
       runs every stage at every tick), None: ``micro_batches``.
+      linear_layers, linear_state: linear-attention layers a device runs in a pass, and
+        the float32 elements one chunk of one sequence passes on in each (its state map
+        and last convolution inputs, ``redray.models.gated_delta.across_context``):
+        gathered from the ``2C`` chunks in the forward, their gradients reduce-scattered
+        in the backward; nothing of the sequence moves.
     """
     ways = shape.get(CONTEXT.name, 1)
     if ways <= 1:
@@ -411,7 +417,16 @@ def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int
     block = local * 2 * kv_width * act_itemsize
     grads = local * 2 * kv_width * 4
     runs = layers * (micro_batches if passes is None else passes)
-    return [Traffic("collective-permute", block, (CONTEXT.name,),
+    linear = []
+    if linear_layers and linear_state:
+        state = rows * 2 * ways * linear_state * 4
+        times = linear_layers * (micro_batches if passes is None else passes)
+        linear = [Traffic("all-gather", state, (CONTEXT.name,), times,
+                          "context: each chunk's linear-attention state map", False,
+                          "forward", True),
+                  Traffic("reduce-scatter", state, (CONTEXT.name,), times,
+                          "context: the state maps' gradients", False, "backward", True)]
+    return linear + [Traffic("collective-permute", block, (CONTEXT.name,),
                     2 * (ways - 1) * runs,
                     "context: keys and values round the ring (forward, backward)", False,
                     "both", True),

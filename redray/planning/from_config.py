@@ -415,7 +415,7 @@ class ConfigFacts(ModelFacts):
                  fused_attention: bool = False):
         from flax import nnx
 
-        from redray.planning.memory import expert_layers
+        from redray.planning.memory import context_states, expert_layers
         from redray.sharding.specs import flatten, trace_tree
 
         self.config = resolve_config(config)
@@ -443,6 +443,10 @@ class ConfigFacts(ModelFacts):
             dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // heads
             self.kv_width = (getattr(self.config, "num_key_value_heads", None) or heads) * dim
             self.attention_layers = getattr(self.config, "num_hidden_layers", None)
+            self.linear_layers, self.linear_state = context_states(
+                nnx.merge(graphdef, params, extra))
+            if self.attention_layers:
+                self.attention_layers -= self.linear_layers
         # redray's decoders split a sequence over a context axis (T5 does not)
         self.splits_sequences = not getattr(self.config, "is_encoder_decoder", False)
         self.compute_itemsize = jnp.dtype(compute_dtype or jnp.float32).itemsize

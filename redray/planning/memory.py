@@ -358,6 +358,18 @@ def expert_layers(model) -> list[ExpertLayers]:
             if callable(getattr(type(node), "expert_layers", None))]
 
 
+def context_states(model) -> tuple[int, int]:
+    """(the layers of an NNX ``model`` that pass a state over a context axis in place of
+    a ring, stacked ones each counted, and the float32 elements one sequence chunk
+    passes in each): the modules of its graph with a ``context_state()`` method
+    (redray's Gated DeltaNet); (0, 0) for a model without."""
+    from flax import nnx
+
+    found = [node.context_state() for _, node in nnx.iter_graph(model)
+             if callable(getattr(type(node), "context_state", None))]
+    return sum(n for n, _ in found), max((e for _, e in found), default=0)
+
+
 def expert_exchange_bytes(layers: Sequence[ExpertLayers], shape: dict[str, int], tokens: int,
                           itemsize: int, every_layer: bool = True) -> int:
     """What expert parallelism's exchange keeps per device for the backward pass beyond

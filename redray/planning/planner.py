@@ -58,6 +58,9 @@ class ModelFacts:
       one_f_one_b: whether its plans with stages may run the 1F1B schedule.
       kv_width, attention_layers: a token's key or value elements and the attention
         layers, for a context axis's ring (None: the hidden width and the stacked layers).
+      linear_layers, linear_state: the linear-attention layers (Gated DeltaNet), which
+        pass a state over a context axis in place of a ring, and the float32 elements
+        of one sequence chunk's state map (``cost.context_traffic``); 0: none.
       splits_sequences: whether its model splits a sequence over a context axis
         (redray's decoders), which the planner then tries beside the other axes where
         the batch has fewer sequences than devices, and wherever no plan fits whole
@@ -78,6 +81,8 @@ class ModelFacts:
     one_f_one_b: bool = False
     kv_width: int | None = None
     attention_layers: int | None = None
+    linear_layers: int = 0
+    linear_state: int = 0
     splits_sequences: bool = False
 
     def flops(self, remat: str) -> float:
@@ -445,7 +450,8 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                            facts.kv_width or hidden, hidden,
                            -(-(facts.attention_layers or layers or 1) // (stages * repeats)),
                            facts.compute_itemsize, micro_batches,
-                           ticks * (1.5 if one_f_one_b else 1))
+                           ticks * (1.5 if one_f_one_b else 1),
+                           -(-facts.linear_layers // (stages * repeats)), facts.linear_state)
     update_bytes = UPDATE_ACCESSES * sum(n * p.itemsize for p, n in held)
     cost = step_cost(flops, tensor, state, ticks, shape, hosts, hardware,
                      facts.timing, elements, experts,

@@ -55,7 +55,7 @@ def paged_step(inner, shapes: tuple[int, int, int, int, int, int, int, int], gre
         def model():
             return nnx.merge(inner, jax.tree.map(lambda x: x, weights))
         c = dict(
-            next=jnp.int32(0), pool=model().init_pages(pool_pages, size),
+            next=jnp.int32(0), pool=model().init_pages(pool_pages, size, rows=slots),
             free=jnp.ones(pool_pages, bool), table=jnp.zeros((slots, per_slot), jnp.int32),
             held=jnp.zeros(slots, jnp.int32), lengths=jnp.zeros(slots, jnp.int32),
             token=jnp.zeros(slots, jnp.int32), active=jnp.zeros(slots, bool),
@@ -87,15 +87,16 @@ def paged_step(inner, shapes: tuple[int, int, int, int, int, int, int, int], gre
             table = jnp.where(use, free_ids[jnp.minimum((cum - need)[:, None] + columns,
                                                         pool_pages - 1)], 0)
             free = c["free"].at[jnp.where(use, table, pool_pages)].set(False, mode="drop")
-            where = jnp.where(fits, jnp.argsort(c["active"], stable=True)[:chunk],
-                              slots).astype(jnp.int32)  # slots: nowhere
             ids, mask = q["ids"][req], q["mask"][req]
             m = model()
             logits, small = prompt_prefill(m, ids, mask, m.init_cache(chunk, width))
             at = paged.Pages(table, jnp.zeros(chunk, jnp.int32))
             written = mask.astype(bool) & fits[:, None]
-            pool = [paged.write(layer, at, jnp.swapaxes(new["k"], 1, 2),
-                                jnp.swapaxes(new["v"], 1, 2), written)
+            where = jnp.where(fits, jnp.argsort(c["active"], stable=True)[:chunk],
+                              slots).astype(jnp.int32)  # slots: nowhere
+            # attention layers' keys and values into their pages; a linear layer's state
+            # into its slot's row, replacing (resetting) the last request's
+            pool = [paged.written(layer, at, where, new, written)
                     for layer, new in zip(c["pool"], small)]
             c, live = admitted(c, logits, where, req, fits, keys_q, sampling_q, q["max_new"],
                                greedy_only, eos)

@@ -116,7 +116,10 @@ class Sampler:
         the decoding loop, the host reading the results once every prompt has taken a
         slot), then the rest as ``narrow`` says. False: the host refills the slots
         between calls (a round, a prefill and a wait for the device per refill).
-      kv_cache: "window" (the default): the live window above. "paged": a pool of
+      kv_cache: "window" (the default): the live window above. "paged" (the default for
+        models with linear-attention layers, Qwen3-Next's and Qwen3.5's, which only it
+        serves: each slot holds their state and convolution window, which a refill
+        resets): a pool of
         pages shared by the slots (``redray/models/paged.py``); a request holds the
         pages its own prompt and ``max_new_tokens`` need while it decodes, and every
         request is decoded in one compiled call that refills the slots itself
@@ -136,16 +139,19 @@ class Sampler:
                  pad_token_id: int | None = None, seed: int = 0,
                  parallelism: Parallelism | None = None, steps_per_call: int = 32,
                  check_every: int | None = None, narrow: bool | None = None,
-                 refill_on_device: bool = True, kv_cache: str = "window",
+                 refill_on_device: bool = True, kv_cache: str | None = None,
                  kv_pages: int | None = None, page_size: int = paged.PAGE_SIZE):
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("Sampler serves decoder-only models; an encoder-decoder model "
                              "(T5) generates with redray.models.generate")
-        if getattr(model, "RECURRENT_LAYERS", False):
+        recurrent = getattr(model, "RECURRENT_LAYERS", False)
+        if kv_cache is None:
+            kv_cache = "paged" if recurrent else "window"
+        if recurrent and kv_cache != "paged":
             raise ValueError(f"Sampler: {config.model_type} has linear-attention layers, whose "
-                             "state the Sampler's slots do not hold yet; generate with "
-                             "redray.models.generate")
+                             "state each slot holds in a paged cache only: give "
+                             "kv_cache='paged' (the default for it)")
         eos, self.pad = special_tokens(config, eos_token_id, pad_token_id)
         self.eos = np.asarray([] if eos is None else np.atleast_1d(eos), np.int32)
         self.slots, self.max_length, self.seed = slots, max_length, seed
@@ -597,14 +603,22 @@ def pool_pages(model, state, devices: int, slots: int, max_length: int, page_siz
     tokens need, at most what ``KV_MEMORY_SHARE`` of a device's ``memory`` (None: the
     live device's, ``on_mesh.device_memory``, which the planner's probe reads too) holds
     beside the weights twice. A page holds ``page_size`` tokens' keys and values in
-    every layer; the weights (``state``) and the pages are counted as split evenly over
+    every attention layer (a linear-attention layer's per-slot state is counted beside
+    them, once); the weights (``state``) and the pages are counted as split evenly over
     the model's ``devices`` (its model axis: a paged Sampler has no data-parallel
     replicas)."""
-    kv_heads, head_dim = model.key_value_heads()
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)
                   if hasattr(x, "dtype")) / devices
-    page = (2 * model.config.num_hidden_layers * kv_heads * page_size * head_dim
-            * jnp.dtype(model.dtype).itemsize) / devices
+
+    def pool_bytes(pages: int) -> int:  # the pool's arrays, abstract
+        pool = jax.eval_shape(lambda: model.init_pages(pages, page_size, rows=slots))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
+
+    # a page in every attention layer; the per-slot states of linear layers beside them
+    page = (pool_bytes(2) - pool_bytes(1)) / devices
+    fixed = (pool_bytes(1) / devices) - page
+    if page <= 0:  # no attention layer holds pages: only the per-slot states
+        return slots * pages_needed(max_length, page_size)
     memory = device_memory(jax.devices()[0]) if memory is None else memory
-    fits = int((KV_MEMORY_SHARE * memory - 2 * weights) // page)
+    fits = int((KV_MEMORY_SHARE * memory - 2 * weights - fixed) // page)
     return max(0, min(slots * pages_needed(max_length, page_size), fits))

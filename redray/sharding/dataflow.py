@@ -10,15 +10,27 @@ The model (or the user's loss) is traced once on abstract inputs with
   without passing through another parameter's matmul;
 * ``out``: the value is a parameter's layer output (the matmul's result, through
   layout-only operations and elementwise ones with a bias or a scale), with the
-  parameter dimensions each of its dimensions comes from.
+  parameter dimensions each of its dimensions comes from;
+* ``origin``: for each of the value's dimensions, the layers' output dimensions it
+  runs along, through anything that keeps dimensions apart: elementwise operations,
+  layout, reductions over other dimensions, matmuls between activations (their batch
+  dimensions), scans over another dimension. A per-head value deep inside a linear
+  attention (a state, a normed readout) still knows its heads came from the q, k and v
+  projections' head dimension. Where a reshape merges or splits dimensions, the merged
+  dimension follows its major part (heads, not head_dim): a split of that part splits
+  it in whole blocks.
 
 A matmul between an activation and a parameter view records a *use*: which parameter
 dimensions it contracts (the layer's input) and which it keeps (its output), and the
 ``src`` of the activation (the layers that feed it). A layer output sliced along a
 dimension (a fused QKV kernel's output cut into Q, K and V) records that the parameter
 dimension behind it is *cut*: splitting it would put Q, K and V on different devices.
-The rules in ``rules.py`` turn these uses into tensor-parallel splits; nothing here
-depends on parameter names.
+A parameter (or a function of it alone: ``-exp(A_log)``) combined elementwise with an
+activation records which of its dimensions run along which layer output dimensions
+(``Trace.aligned``): a per-head decay, bias, norm scale or convolution kernel then
+splits with the heads it meets, wherever in the layer it meets them. The rules in
+``rules.py`` turn these uses into tensor-parallel splits; nothing here depends on
+parameter names.
 """
 
 from __future__ import annotations
@@ -87,6 +99,9 @@ class _Info:
     # silu(x W_gate) * x W_up), through layout operations: which of their dimensions a
     # later layer contracts
     feeds: tuple = ()
+    # per value dimension, the frozenset of (param index, param dimension) layer output
+    # dimensions it runs along (the module docstring); () where unknown
+    origin: tuple = ()
 
 
 class Trace:
@@ -112,6 +127,10 @@ class Trace:
         # parameters whose layer's output a choice reads (top-k, argmax, sort: a mixture
         # of experts' router picking experts)
         self.routers: set[int] = set()
+        # parameter -> {(its dimension, layer parameter, that layer's output dimension)}:
+        # the parameter (or a function of it alone) met that layer's output elementwise
+        # along those dimensions (a per-head decay multiplying a head-split activation)
+        self.aligned: dict[int, set[tuple[int, int, int]]] = {}
         self._counter = itertools.count()
         self._times = 1  # the product of the enclosing scans' lengths
         self._again = 0  # inside a loop body's second reading
@@ -180,6 +199,10 @@ def _walk(jaxpr, in_infos: Sequence[_Info], out: Trace) -> list[_Info]:
             feeds = _feeds(eqn, ins)
             if feeds:
                 outs = [dataclasses.replace(outs[0], feeds=feeds)]
+        if not any(o.origin for o in outs) and any(i.origin or i.view for i in ins):
+            origins = _origins(eqn, ins)
+            if origins is not None:
+                outs = [dataclasses.replace(o, origin=g) for o, g in zip(outs, origins)]
         for var, info in zip(eqn.outvars, outs):
             env[var] = info
     return [read(v) for v in jaxpr.outvars]
@@ -251,14 +274,127 @@ def _eqn(eqn, ins: list[_Info], out: Trace) -> list[_Info]:
         mapped = map_view(eqn, view[1])
         if mapped is not None:
             return [_Info(view=(view[0], mapped), src=_union_src(ins))]
+    alone = _of_parameter_alone(eqn, ins)
+    if alone is not None:  # exp(A_log), -w, 1 + scale: still the parameter's layout
+        return [_Info(view=alone, src=_union_src(ins))]
     if name in _ELEMENTWISE and len(ins) == 2:
-        for a, b in ((ins[0], ins[1]), (ins[1], ins[0])):
+        for a, b, var in ((ins[0], ins[1], eqn.invars[1]), (ins[1], ins[0], eqn.invars[0])):
             if a.view is not None and b.view is None:
                 pidx, dims = a.view
                 all_dims = frozenset().union(*dims) if dims else _EMPTY
                 out.add(pidx, "elementwise", _EMPTY, all_dims, b.src)
+                if b.origin and len(b.origin) == len(dims):
+                    _align(out, pidx, dims, b.origin, _shape(var))
     layer_out = _layer_output(eqn, ins, out)
     return layer_out if layer_out is not None else _generic(eqn, ins)
+
+
+def _of_parameter_alone(eqn, ins: list[_Info]):
+    """The view of an elementwise function of one parameter view alone (its other
+    operands scalars no layer computed: ``exp(A_log)``, ``-w``, ``1 + scale``), or None."""
+    name = eqn.primitive.name
+    if name not in _UNARY and name not in _ELEMENTWISE or len(eqn.outvars) != 1:
+        return None
+    views = [(v, i) for v, i in zip(eqn.invars, ins) if i.view is not None]
+    if len(views) != 1 or _shape(views[0][0]) != _shape(eqn.outvars[0]):
+        return None
+    others = [(v, i) for v, i in zip(eqn.invars, ins) if i.view is None]
+    if any(i.src or i.origin or _shape(v) for v, i in others):
+        return None
+    return views[0][1].view
+
+
+def _align(out: Trace, pidx: int, dims, origin, other_shape) -> None:
+    """Records the dimensions along which parameter ``pidx`` (``dims``: its view's)
+    meets an activation of ``origin`` elementwise: each parameter dimension at the
+    major place of its group (the module docstring), each value dimension's origins."""
+    for d, (group, found) in enumerate(zip(dims, origin)):
+        if not group or not found or other_shape[d] == 1:
+            continue
+        for q, qd in found:
+            if q != pidx:
+                out.aligned.setdefault(pidx, set()).add((min(group), q, qd))
+
+
+# Operations that keep each dimension of their first operand where it is (sizes may
+# change): what ``_origins`` maps one to one.
+_KEEPS_DIMS = {"pad", "concatenate", "cumsum", "cumprod", "cummax", "cummin",
+               "cumlogsumexp", "sort", "rev", "dynamic_update_slice", "clamp"}
+
+
+def _origins(eqn, ins: list[_Info]) -> list[tuple] | None:
+    """The ``origin`` of each of ``eqn``'s outputs, or None where it cannot say."""
+    name = eqn.primitive.name
+    p = eqn.params
+    origin = [_own_origin(v, i) for v, i in zip(eqn.invars, ins)]
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = p["dimension_numbers"]
+        lo, ro = origin
+        if not lo and not ro:
+            return None
+        lo = lo or (_EMPTY,) * len(_shape(eqn.invars[0]))
+        ro = ro or (_EMPTY,) * len(_shape(eqn.invars[1]))
+        batch = [lo[a] | ro[b] for a, b in zip(lb, rb)]
+        free_l = [lo[d] for d in range(len(lo)) if d not in lc and d not in lb]
+        free_r = [ro[d] for d in range(len(ro)) if d not in rc and d not in rb]
+        return [tuple(batch + free_l + free_r)]
+    out_shapes = [_shape(v) for v in eqn.outvars]
+    if name in _CALLS or name in ("scan", "while", "cond", "ragged_dot_general", "gather",
+                                  "scatter", "scatter-add", "conv_general_dilated"):
+        return None
+    first = origin[0] if origin else ()
+    if name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                "argmin", "reduce_and", "reduce_or"):
+        axes = set(p.get("axes", ()))
+        return [tuple(o for d, o in enumerate(first) if d not in axes)] if first else None
+    if name in _IDENTITY_VIEW or name in ("transpose", "squeeze", "broadcast_in_dim",
+                                          "reshape", "expand_dims"):
+        if not first:
+            return None
+        if name == "reshape":
+            return [_reshape_origin(_shape(eqn.invars[0]), out_shapes[0], first)]
+        mapped = map_view(eqn, first)
+        return [mapped] if mapped is not None else None
+    if name == "concatenate" or name in _KEEPS_DIMS:
+        rank = len(out_shapes[0])
+        found = [_EMPTY] * rank
+        parts = origin if name == "concatenate" else origin[:1]
+        for o in parts:
+            if len(o) == rank:
+                found = [f | g for f, g in zip(found, o)]
+        return [tuple(found)] * len(out_shapes) if any(found) else None
+    # elementwise: every output the shape of the operands of its rank
+    shape = out_shapes[0]
+    if any(s != shape for s in out_shapes):
+        return None
+    found = [_EMPTY] * len(shape)
+    for var, o in zip(eqn.invars, origin):
+        vs = _shape(var)
+        if not vs:
+            continue
+        if len(vs) != len(shape) or any(a not in (b, 1) for a, b in zip(vs, shape)):
+            return None
+        for d, g in enumerate(o):
+            if vs[d] == shape[d]:
+                found[d] |= g
+    return [tuple(found)] * len(out_shapes) if any(found) else None
+
+
+def _own_origin(var, info: _Info) -> tuple:
+    """A value's ``origin``; none for a parameter view (a parameter is not a layer's
+    output)."""
+    return info.origin if info.view is None else ()
+
+
+def _reshape_origin(in_shape, out_shape, origin) -> tuple:
+    """``origin`` through a reshape: each group of merged or split dimensions (as
+    ``_reshape_dims`` groups them) gives its major input dimension's origin to its
+    major output dimension; the minor parts run along nothing a split would keep whole."""
+    mapped = [_EMPTY] * len(out_shape)
+    for group_in, group_out in _reshape_groups(in_shape, out_shape):
+        # the major output dimension follows the major input dimension
+        mapped[group_out[0]] = origin[group_in[0]]
+    return tuple(mapped)
 
 
 def _layer_output(eqn, ins, out: Trace) -> list[_Info] | None:
@@ -334,8 +470,15 @@ def _dot(eqn, ins, out: Trace, numbers) -> _Info:
         out_dims = [_EMPTY] * len(lb) + free + [_EMPTY] * (rank - len(lb) - len(free))
     else:
         out_dims = [_EMPTY] * (rank - len(free)) + free
+    act_origin = act.origin or (_EMPTY,) * len(_shape(eqn.invars[1 if param_is_lhs else 0]))
+    act_free = [act_origin[d] for d in range(len(act_origin))
+                if d not in act_contract and d not in act_batch]
+    mine = [frozenset({(pidx, min(g))}) if g else _EMPTY for g in free]
+    batch_origin = [frozenset({(pidx, min(dims[d]))}) | act_origin[a] if dims[d]
+                    else act_origin[a] for d, a in zip(batch, act_batch)]
+    origin = tuple(batch_origin + (mine + act_free if param_is_lhs else act_free + mine))
     return _Info(src=frozenset({pidx}), out=(pidx, tuple(out_dims)),
-                 feeds=((pidx, tuple(out_dims)),))
+                 feeds=((pidx, tuple(out_dims)),), origin=origin)
 
 
 def _record_dot(out: Trace, info: _Info, contract, batch, preds, rows: int = 0) -> None:
@@ -380,9 +523,9 @@ def map_view(eqn, dims: tuple[frozenset, ...]) -> tuple[frozenset, ...] | None:
     return None
 
 
-def _reshape_dims(in_shape, out_shape, dims) -> tuple[frozenset, ...]:
-    """Maps dimensions through a reshape by grouping runs whose sizes multiply equal."""
-    mapped = [_EMPTY] * len(out_shape)
+def _reshape_groups(in_shape, out_shape):
+    """The runs of a reshape's input and output dimensions whose sizes multiply equal
+    (size-1 dimensions left out): (input dimensions, output dimensions) pairs."""
     ins = [i for i, s in enumerate(in_shape) if s != 1]
     outs = [o for o, s in enumerate(out_shape) if s != 1]
     i = o = 0
@@ -399,6 +542,13 @@ def _reshape_dims(in_shape, out_shape, dims) -> tuple[frozenset, ...]:
                 b *= out_shape[outs[o]]
                 group_out.append(outs[o])
                 o += 1
+        yield group_in, group_out
+
+
+def _reshape_dims(in_shape, out_shape, dims) -> tuple[frozenset, ...]:
+    """Maps dimensions through a reshape by grouping runs whose sizes multiply equal."""
+    mapped = [_EMPTY] * len(out_shape)
+    for group_in, group_out in _reshape_groups(in_shape, out_shape):
         union = frozenset().union(*(dims[k] for k in group_in))
         for k in group_out:
             mapped[k] = union
@@ -414,12 +564,14 @@ def _scan(eqn, ins, out: Trace) -> list[_Info]:
     for x in xs:
         if x.view is not None and x.view[1]:
             out.scanned.setdefault(x.view[0], set()).update(x.view[1][0])
-    xs_inner = [_Info(view=(x.view[0], x.view[1][1:]), src=x.src) if x.view else x for x in xs]
+    xs_inner = [_Info(view=(x.view[0], x.view[1][1:]), src=x.src) if x.view else
+                _Info(src=x.src, origin=x.origin[1:]) for x in xs]
     out._times *= p["length"]
     try:
         results = _walk(body, [*consts, *carry, *xs_inner], out)
         # Second pass: what the carry holds after one iteration feeds the next.
-        carry2 = [_Info(src=c.src | r.src) for c, r in zip(carry, results[:ncarry])]
+        carry2 = [_Info(src=c.src | r.src, origin=_union_origin(c.origin, r.origin))
+                  for c, r in zip(carry, results[:ncarry])]
         out._again += 1
         try:
             results = _walk(body, [*consts, *carry2, *xs_inner], out)
@@ -427,7 +579,15 @@ def _scan(eqn, ins, out: Trace) -> list[_Info]:
             out._again -= 1
     finally:
         out._times //= p["length"]
-    return [_Info(src=r.src) for r in results]
+    return [_Info(src=r.src, origin=r.origin) for r in results[:ncarry]] + \
+        [_Info(src=r.src, origin=(_EMPTY, *r.origin) if r.origin else ())
+         for r in results[ncarry:]]
+
+
+def _union_origin(a: tuple, b: tuple) -> tuple:
+    if not a or not b or len(a) != len(b):
+        return a or b
+    return tuple(x | y for x, y in zip(a, b))
 
 
 def _while(eqn, ins, out: Trace) -> list[_Info]:
@@ -435,10 +595,12 @@ def _while(eqn, ins, out: Trace) -> list[_Info]:
     nb, ncond = p["body_nconsts"], p["cond_nconsts"]
     body_consts, carry = ins[ncond:ncond + nb], ins[ncond + nb:]
     results = _walk(p["body_jaxpr"].jaxpr, [*body_consts, *carry], out)
-    carry2 = [_Info(src=c.src | r.src) for c, r in zip(carry, results)]
+    carry2 = [_Info(src=c.src | r.src, origin=_union_origin(c.origin, r.origin))
+              for c, r in zip(carry, results)]
     out._again += 1
     try:
         results = _walk(p["body_jaxpr"].jaxpr, [*body_consts, *carry2], out)
     finally:
         out._again -= 1
-    return [_Info(src=r.src | c.src) for r, c in zip(results, carry2)]
+    return [_Info(src=r.src | c.src, origin=_union_origin(r.origin, c.origin))
+            for r, c in zip(results, carry2)]

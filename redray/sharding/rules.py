@@ -198,6 +198,9 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
             continue
         split[p] = _follow_column_output(shapes, p, pu, role, split, uses,
                                          trace.scanned.get(p, set()) if trace else set())
+        if split[p] is None and trace is not None:
+            split[p] = _follow_heads(shapes, p, trace.aligned.get(p, ()), role, split,
+                                     model_size)
         role[p] = "follows"
     for p, path in enumerate(paths):
         if p not in role and len(shapes[p]) == 2 and _EMBED_NAME.search(path):
@@ -209,6 +212,9 @@ def _indivisible(side: str, dims, shape, model_size: int) -> tuple[str, str, boo
     if not dims:
         return f"it has no {side} dimension to split", "", True
     big = max(dims, key=lambda d: shape[d])
+    if math.prod(shape[d] for d in dims) < model_size:  # a gate of one unit per token
+        return (f"its {side} ({_sizes(dims, shape)}) is smaller than the model axis "
+                f"{model_size}: nothing to split", "", True)
     return (f"no {side} dimension ({_sizes(dims, shape)}) divides by the model axis "
             f"{model_size}",
             f"make a size divisible by {model_size} (e.g. "
@@ -301,6 +307,18 @@ def _follow_column_output(shapes, p, pu, role, split, uses, stacked=frozenset())
         kernel_out = tuple(shapes[k][d] for d in out_dims)
         if tuple(shapes[p][d] for d in real) == kernel_out and split[k] in out_dims:
             return real[out_dims.index(split[k])]
+    return None
+
+
+def _follow_heads(shapes, p, aligned, role, split, model_size: int) -> int | None:
+    """A parameter met elementwise along a column layer's split output dimension (a
+    per-head decay, norm scale or convolution kernel meeting head-split values:
+    ``Trace.aligned``) splits its own dimension there, where that divides: each device
+    then holds its heads' entries."""
+    for d, k, kd in sorted(aligned):
+        if role.get(k) == "column" and split[k] == kd and shapes[p][d] % model_size == 0 \
+                and shapes[p][d] >= model_size:
+            return d
     return None
 
 
