@@ -326,7 +326,7 @@ def _origins(eqn, ins: list[_Info]) -> list[tuple] | None:
     """The ``origin`` of each of ``eqn``'s outputs, or None where it cannot say."""
     name = eqn.primitive.name
     p = eqn.params
-    origin = [_own_origin(v, i) for v, i in zip(eqn.invars, ins)]
+    origin = [_own_origin(i) for i in ins]
     if name == "dot_general":
         (lc, rc), (lb, rb) = p["dimension_numbers"]
         lo, ro = origin
@@ -355,7 +355,7 @@ def _origins(eqn, ins: list[_Info]) -> list[tuple] | None:
             return [_reshape_origin(_shape(eqn.invars[0]), out_shapes[0], first)]
         mapped = map_view(eqn, first)
         return [mapped] if mapped is not None else None
-    if name == "concatenate" or name in _KEEPS_DIMS:
+    if name in _KEEPS_DIMS:
         rank = len(out_shapes[0])
         found = [_EMPTY] * rank
         parts = origin if name == "concatenate" else origin[:1]
@@ -380,7 +380,7 @@ def _origins(eqn, ins: list[_Info]) -> list[tuple] | None:
     return [tuple(found)] * len(out_shapes) if any(found) else None
 
 
-def _own_origin(var, info: _Info) -> tuple:
+def _own_origin(info: _Info) -> tuple:
     """A value's ``origin``; none for a parameter view (a parameter is not a layer's
     output)."""
     return info.origin if info.view is None else ()
