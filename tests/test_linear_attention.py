@@ -76,6 +76,24 @@ def test_the_chunked_rule_is_the_token_by_token_rule(chunk):
     np.testing.assert_allclose(got_state, want_state, atol=1e-4, rtol=0)
 
 
+def test_the_chunk_solve_inverts_hard_systems_as_substitution_does():
+    """``unit_lower_inverse`` against numpy's inverse on two (64 x 64) systems: random
+    (the rule's own magnitudes), and identical keys at full write rate (the strictly
+    lower part all ones), where the terms of a power series reach C(63, 31) ~ 1e18 but
+    the inverse is I minus the subdiagonal: a series in float32 would be all noise."""
+    rs = np.random.default_rng(3)
+    k = rs.normal(size=(64, 16))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    systems = np.stack([np.tril(rs.uniform(0, 1, (64, 1)) * (k @ k.T), -1),
+                        np.tril(np.ones((64, 64)), -1)]).astype(np.float32)
+    got = np.asarray(gated_delta.unit_lower_inverse(jnp.asarray(systems)))
+    want = np.linalg.inv(np.eye(64) + systems.astype(np.float64))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(got[1], np.eye(64) - np.eye(64, k=-1))
+    with pytest.raises(ValueError, match="power-of-two"):
+        gated_delta.unit_lower_inverse(jnp.zeros((3, 3)))
+
+
 def test_one_token_at_a_time_is_the_token_by_token_rule():
     """A decoding step's rule (one token per call, ``delta_rule``'s own path for it),
     carried over the 37 tokens: the reference's outputs and final state."""

@@ -14,8 +14,9 @@ inputs are the other half of the layer's state) and SiLU; after it, each value h
 output is RMS-normalized and gated by SiLU of its own projection z.
 
 ``delta_rule`` computes the rule in chunks of ``CHUNK`` tokens (the WY form of the
-DeltaNet and Gated DeltaNet papers): inside a chunk a (chunk x chunk) triangular solve
-and matmuls, across chunks a scan carrying S; nothing is (T x T). Rows packed with
+DeltaNet and Gated DeltaNet papers): inside a chunk the inverse of a (chunk x chunk)
+unit lower triangular system (``unit_lower_inverse``, matmuls only) and matmuls, across
+chunks a scan carrying S; nothing is (T x T). Rows packed with
 several documents reset the state and the convolution's window where a document
 starts (``groups``), so a packed row equals its documents run alone; padding tokens
 leave both untouched.
@@ -56,8 +57,9 @@ def reset_groups(starts: jax.Array) -> jax.Array:
     return jnp.cumsum(starts.astype(jnp.int32), axis=1)
 
 
+@jax.checkpoint  # its backward recomputes the shifted, masked inputs (elementwise) in
 def causal_conv(x: jax.Array, kernel: jax.Array, tail: jax.Array, groups: jax.Array
-                ) -> tuple[jax.Array, jax.Array]:
+                ) -> tuple[jax.Array, jax.Array]:  # place of keeping one per tap
     """A causal depthwise convolution over tokens, each channel its own kernel.
 
     x: (batch, tokens, channels); kernel: (width, channels), its last entry on the token
@@ -68,12 +70,46 @@ def causal_conv(x: jax.Array, kernel: jax.Array, tail: jax.Array, groups: jax.Ar
     width, t = kernel.shape[0], x.shape[1]
     ext = jnp.concatenate([tail.astype(x.dtype), x], 1)
     gext = jnp.concatenate([jnp.zeros((x.shape[0], width - 1), groups.dtype), groups], 1)
-    out = jnp.zeros_like(x)
+    out = jnp.zeros((x.shape[0] * t, x.shape[-1]), x.dtype)
     for back in range(width):  # the input ``back`` tokens before each token
         start = width - 1 - back
         same = gext[:, start:start + t] == groups
-        out = out + jnp.where(same[..., None], ext[:, start:start + t], 0) * kernel[start]
-    return out, ext[:, t:]
+        seen = jnp.where(same[..., None], ext[:, start:start + t], 0)
+        # (batch x tokens, channels) times the kernel: its gradient is then a reduction
+        # over the major dimension; over the middle one of (1, tokens, channels), XLA:CPU's
+        # fused multiply-reduce runs about 50x slower
+        out = out + seen.reshape(out.shape) * kernel[start]
+    return out.reshape(x.shape), ext[:, t:]
+
+
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(I + a)^-1 for ``a`` strictly lower triangular (..., n, n), n a power of two.
+
+    Recursive doubling: the inverses of the diagonal blocks of size s give those of
+    size 2s, [[T1, 0], [-T2 a21 T1, T2]], in log2(n) rounds of batched matmuls (the
+    block form of forward substitution: no power series, whose terms can be huge where
+    the inverse is not). Not ``lax.linalg.triangular_solve``: on XLA:CPU its batched
+    LAPACK kernel waits on the same thread pool that runs it, and two solves at once
+    (a layer's backward pass) deadlock a 2-core machine; on GPU it is many small
+    kernels.
+    """
+    n = a.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"unit_lower_inverse needs a power-of-two size, got {n}")
+    lead = a.shape[:-2]
+    inv = jnp.ones((*lead, n, 1, 1), a.dtype)  # (..., blocks, s, s): s = 1
+    s = 1
+    while s < n:
+        m = n // (2 * s)
+        # a's blocks below the diagonal of each 2s block: rows 2j+1, columns 2j (s grid)
+        grid = a.reshape(*lead, m, 2, s, m, 2, s)[..., :, 1, :, :, 0, :]
+        a21 = jnp.moveaxis(jnp.diagonal(grid, axis1=-4, axis2=-2), -1, -3)  # (..., m, s, s)
+        t1, t2 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        low = -(t2 @ (a21 @ t1))
+        top = jnp.concatenate([t1, jnp.zeros_like(t1)], -1)
+        inv = jnp.concatenate([top, jnp.concatenate([low, t2], -1)], -2)
+        s *= 2
+    return inv[..., 0, :, :]
 
 
 def delta_rule(q, k, v, g, beta, state, groups, chunk: int = CHUNK):
@@ -89,7 +125,7 @@ def delta_rule(q, k, v, g, beta, state, groups, chunk: int = CHUNK):
     dv = v.shape[-1]
     if t == 1:  # a decoding step: the rule itself, no chunk to solve
         return _one_token(q, k, v, g, beta, state, groups)
-    size = min(chunk, t)
+    size = min(chunk, 1 << (t - 1).bit_length())  # a power of two (unit_lower_inverse)
     pad = (-t) % size
     wide = jnp.promote_types(jnp.asarray(q).dtype, jnp.float32)
     f32 = lambda a: jnp.asarray(a, wide)  # noqa: E731
@@ -119,12 +155,10 @@ def delta_rule(q, k, v, g, beta, state, groups, chunk: int = CHUNK):
         from_start = (grp == prev[:, None])[:, None]  # (b, 1, size): sees the carried state
         to_end = (grp == grp[:, -1:])[:, None]  # reaches the state passed on
         kb, vb = kc * bc[..., None], vc * bc[..., None]
-        system = jnp.eye(size, dtype=wide) + jnp.where(
-            strict, (kb @ jnp.swapaxes(kc, -1, -2)) * decay, 0.0)
+        inverse = unit_lower_inverse(jnp.where(
+            strict, (kb @ jnp.swapaxes(kc, -1, -2)) * decay, 0.0))
         read = jnp.where(from_start, jnp.exp(cum), 0.0)
-        solved = jax.lax.linalg.triangular_solve(
-            system, jnp.concatenate([vb, kb * read[..., None]], -1), left_side=True,
-            lower=True, unit_diagonal=True)
+        solved = inverse @ jnp.concatenate([vb, kb * read[..., None]], -1)
         u, w = solved[..., :dv], solved[..., dv:]
         new_v = u - w @ s
         out = (qc * read[..., None]) @ s + ((qc @ jnp.swapaxes(kc, -1, -2)) * decay) @ new_v
@@ -133,7 +167,7 @@ def delta_rule(q, k, v, g, beta, state, groups, chunk: int = CHUNK):
         written = jnp.where(to_end, jnp.exp(last - cum), 0.0)[..., None] * kc
         return s * keep + jnp.swapaxes(written, -1, -2) @ new_v, out
 
-    state, out = jax.lax.scan(step, f32(state), xs)
+    state, out = jax.lax.scan(jax.checkpoint(step), f32(state), xs)
     out = jnp.moveaxis(out, (0, 2), (1, 3)).reshape(b, n * size, h, dv)
     return out[:, :t], state
 
