@@ -321,10 +321,18 @@ def attention(q, k, v, mask: AttentionMask, scale: float, softcap: float | None 
     facts = (mask.q_slots, mask.key_slots(), mask.kv_valid, segments, positions, limits)
     seq, rows = P(None, AXIS), P(AXIS)
     body = _ring_attention if how == "ring" else _gathered_attention
-    return jax.shard_map(functools.partial(body, ring), mesh=_within(mesh),
-                         in_specs=(seq, seq, seq, P(), rows, rows, seq, seq, seq, P()),
-                         out_specs=seq, axis_names=_manual(mesh), check_vma=False)(
-                             q, k, v, sinks, *facts)
+    return over_context(functools.partial(body, ring), mesh,
+                        (seq, seq, seq, P(), rows, rows, seq, seq, seq, P()), seq)(
+                            q, k, v, sinks, *facts)
+
+
+def over_context(fn, mesh, in_specs, out_specs):
+    """``fn`` as a ``shard_map`` manual over the context axis (and the stage axis where
+    ``_manual`` says), on the mesh it must name where it runs (``_within``): how a
+    layer runs its own code per context shard (the ring; Gated DeltaNet's state
+    passing, ``gated_delta.across_context``)."""
+    return jax.shard_map(fn, mesh=_within(mesh), in_specs=in_specs, out_specs=out_specs,
+                         axis_names=_manual(mesh), check_vma=False)
 
 
 def _within(mesh):

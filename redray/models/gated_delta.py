@@ -401,10 +401,8 @@ def across_context(mix, conv_in, beta, g, segments, state):
         return out, last, tail
 
     seq, whole = jax.sharding.PartitionSpec(None, context.AXIS), jax.sharding.PartitionSpec()
-    return jax.shard_map(local, mesh=context._within(mesh),
-                         in_specs=(seq, seq, seq, seq, whole),
-                         out_specs=(seq, whole, whole), axis_names=context._manual(mesh),
-                         check_vma=False)(conv_in, beta, g, segments, state)
+    return context.over_context(local, mesh, (seq, seq, seq, seq, whole), (seq, whole, whole))(
+        conv_in, beta, g, segments, state)
 
 
 def _in_order(gathered: jax.Array, ways: int, rows: int) -> jax.Array:
