@@ -57,9 +57,11 @@ def reset_groups(starts: jax.Array) -> jax.Array:
     return jnp.cumsum(starts.astype(jnp.int32), axis=1)
 
 
-@jax.checkpoint  # its backward recomputes the shifted, masked inputs (elementwise) in
+# rematerialized: its backward pass recomputes the shifted, masked inputs (elementwise)
+# in place of keeping one copy of the input per tap
+@jax.checkpoint
 def causal_conv(x: jax.Array, kernel: jax.Array, tail: jax.Array, groups: jax.Array
-                ) -> tuple[jax.Array, jax.Array]:  # place of keeping one per tap
+                ) -> tuple[jax.Array, jax.Array]:
     """A causal depthwise convolution over tokens, each channel its own kernel.
 
     x: (batch, tokens, channels); kernel: (width, channels), its last entry on the token
