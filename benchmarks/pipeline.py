@@ -225,7 +225,7 @@ def memory_figures(s: dict, stages: int, micros) -> list[dict]:
                 lambda e: {"ids": np.stack([x["ids"] for x in e])},
                 lambda model, batch, rng, train: loss(model, batch["ids"], train),
                 optax.adamw(1e-3), batch_size=micro, micro_batch_size=1, progress=False,
-                parallelism=plan, pipeline_schedule=schedule)
+                plan=plan, pipeline_schedule=schedule)
             trainer.init(data)
             temp[name, micro] = trainer.memory()["compiled"]["temporaries"]
     out = []

@@ -6,7 +6,7 @@ Measured (``planner/pick_over_best``, ``planner/rank_correlation``,
 devices, one ``jax.distributed`` runtime over gloo), inside ``redray.run``, for three
 models: a small LLaMA, a wider LLaMA whose state does not fit the device-memory budget
 set here (``BUDGET_MIB``) without sharding, and T5. On each, a Trainer with
-``parallelism="auto"`` plans on the probed hardware with the device memory set to the
+``plan="auto"`` plans on the probed hardware with the device memory set to the
 budget; then every plan of the grid the planner found to fit (axis sizes with the model
 axis inside a host, and the micro-batch) is built as a Trainer and run: one warm-up
 step, then ``--rounds`` rounds that each time ``--steps`` steps of every plan in turn
@@ -98,7 +98,7 @@ def measure_model(name: str, family: str, s: Sizes, rounds: int, steps: int,
     hardware = dataclasses.replace(probe(), device_memory=BUDGET_MIB * (1 << 20))
     options = dict(batch_size=s.batch, progress=False, checkpoint=False, seed=0)
     auto = redray.Trainer(model, collate, step_loss, optax.adamw(1e-3),
-                          parallelism="auto", hardware=hardware, **options)
+                          plan="auto", hardware=hardware, **options)
     auto.init(data)
     ranking = auto.plan_ranking
     pick = ranking.best.plan.brief()

@@ -10,7 +10,7 @@ and redray does the rest. Public API:
 
 * ``Trainer(model, collate, loss, optimizer, predict=None, batch_size=..., model_axis=...,
   fsdp_axis=..., micro_batch_size=..., compute_dtype=..., rules=..., trainable=...,
-  grad_fn=..., hooks=..., on_nonfinite=..., parallelism=...)``: ``init``, ``fit``,
+  grad_fn=..., hooks=..., on_nonfinite=..., plan=...)``: ``init``, ``fit``,
   ``evaluate``, ``train_step``, ``log``, ``plan``, ``predictor``, ``model``, ``step``,
   ``add_hook``.
 * ``Schedule(peak, warmup=..., decay=...)``: a learning rate over the run's budget, which
@@ -35,8 +35,11 @@ and redray does the rest. Public API:
   prediction data, nothing materialized, resumable at any step.
 * ``Parallelism.of(data_axis=..., fsdp_axis=..., model_axis=..., rules=...)``: how a job
   is split over devices (the mesh axes, the batch geometry, the spec passes) in one
-  value, given to Trainer, Predictor or ``from_pretrained`` as ``parallelism=``.
-* ``make_mesh(data_axis, fsdp_axis, model_axis)``: the device mesh.
+  value, given to Predictor or ``from_pretrained`` as ``parallelism=``.
+* ``Plan``: the whole plan a Trainer runs (axes, rules, batch cut, pipeline, remat), one
+  frozen value that writes itself out (``to_json``) and is given back as ``plan=``
+  (``Plan.from_json``, or ``redray plan --json``'s output).
+* ``make_mesh(model_axis=..., devices=...)``: the device mesh (an axis keyword each).
 * ``derive_specs``, ``placement``, ``format_placement``: automatic sharding of any
   parameter tree, and what each device then holds (no allocation).
 * ``UserFunctions``: the three functions, checked; ``UserFunctionError``: what a user
@@ -66,6 +69,6 @@ __all__, __getattr__, __dir__ = exports(__name__, {
     "redray.engine": ["Hook", "LinenModel", "NonFiniteError", "Predictor", "Schedule", "Trainer",
                       "load_model", "load_params"],
     "redray.functions": ["UserFunctions", "UserFunctionError"],
-    "redray.sharding": ["Parallelism", "derive_specs", "format_placement", "make_mesh",
+    "redray.sharding": ["Parallelism", "Plan", "derive_specs", "format_placement", "make_mesh",
                         "placement"],
 }, extra=["__version__"])

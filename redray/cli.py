@@ -72,10 +72,26 @@ def _plan(args) -> int:
     result = plan_model(fields, args.devices, step=step, device_gib=args.device_memory,
                         scan=args.scan, **sizes)
     if args.json:
-        print(json.dumps({"config": name, **result}, indent=2))
+        print(json.dumps({"config": name, **result, "plan": _given_plan(args, sizes)},
+                         indent=2))
     else:
         print(format_model_plan(result, name))
     return 0
+
+
+def _given_plan(args, sizes: dict) -> dict:
+    """The plan of ``redray plan``'s axis sizes (and its batch, where given) written out:
+    what ``plan=`` takes."""
+    from redray.sharding import Parallelism, Plan
+
+    par = Parallelism.of(**sizes).abstract(args.devices)
+    if args.batch_size is None:
+        return Plan(par, remat=args.remat).to_dict()
+    try:
+        return Plan.of(par, par.step_geometry(args.batch_size, args.micro_batch_size),
+                       remat=args.remat).to_dict()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _choose(args, name: str, fields: dict, pinned: dict) -> int:
@@ -102,7 +118,7 @@ def _choose(args, name: str, fields: dict, pinned: dict) -> int:
                           **pinned)
     if args.json:
         print(json.dumps({"config": name, "hardware": hardware.describe(), "hosts": hosts,
-                          "plans": [_scored_json(s) for s in ranking.ranked],
+                          "plans": [_scored_json(s, hardware) for s in ranking.ranked],
                           "over_budget": len(ranking.over)}, indent=2))
         return 0
     print(f"{name}: {args.devices} devices in {hosts} host(s), {hardware.name} "
@@ -114,9 +130,15 @@ def _choose(args, name: str, fields: dict, pinned: dict) -> int:
     return 0
 
 
-def _scored_json(s) -> dict:
+def _scored_json(s, hardware) -> dict:
+    """A ranked plan: ``plan`` written out (what ``plan=`` takes), its axes, its
+    predicted step by part."""
+    import dataclasses
+
     c = s.cost
-    return {"plan": s.plan.shape, "micro_batch_size": s.plan.geometry.micro_batch_size,
+    plan = dataclasses.replace(s.plan, hardware=hardware.to_dict())
+    return {"plan": plan.to_dict(), "axes": s.plan.shape,
+            "micro_batch_size": s.plan.geometry.micro_batch_size,
             "remat": s.plan.remat, "accumulation": s.accumulation,
             "pipeline_schedule": s.plan.pipeline_schedule,
             "stage_repeats": s.plan.stage_repeats,

@@ -155,7 +155,7 @@ def test_planning_is_one_package_its_insides_private_and_models_plan_nothing():
 
 # The plan's parts: read from the one Plan value, never written one by one.
 PLAN_PARTS = {"parallelism", "geometry", "micro_rows", "stage_repeats", "pipeline_schedule",
-              "context_method", "mesh"}
+              "context_attention", "hardware", "mesh"}
 # What runs a plan: each reads the parts from the plan it holds.
 PLAN_HOLDERS = {"redray/engine/trainer.py", "redray/engine/runtime.py",
                 "redray/engine/program.py"}

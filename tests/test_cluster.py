@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import redray
+from redray.checkpoint import latest_meta
 from redray.engine.batches import epoch_order
 from tiny import TinyLM, lm_collate, lm_loss, lm_predict, token_data
 
@@ -43,11 +44,15 @@ def test_two_hosts_train_like_one_process(tmp_path):
         return {"next_ok": float(np.mean([np.mean(p[:-1] == e["ids"][1:])
                                           for e, p in zip(examples, predictions)]))}
 
-    result = cluster_fit(tmp_path, train_data=DATA, eval_data=DATA[:21], predict=lm_predict,
-                         eval_metric=metric, predict_data=DATA[:13], epochs=2, max_steps=16)
     local = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                            predict=lm_predict, progress=False, **OPTIONS)
     expected = local.fit(DATA, epochs=2, max_steps=16, eval_data=DATA[:21], eval_metric=metric)
+    # the cluster runs the local run's plan, given as the file of its JSON
+    (tmp_path / "plan.json").write_text(local.plan.to_json())
+    result = cluster_fit(tmp_path, train_data=DATA, eval_data=DATA[:21], predict=lm_predict,
+                         eval_metric=metric, predict_data=DATA[:13], epochs=2, max_steps=16,
+                         model_axis=None, plan=str(tmp_path / "plan.json"))
+    assert latest_meta(os.path.dirname(result.checkpoint))["plan"] == local.plan.to_dict()
     train = [r["loss"] for r in result.history if "loss" in r]
     assert len(train) == 16
     np.testing.assert_allclose(train, [r["loss"] for r in expected if "loss" in r], rtol=1e-5)

@@ -4,6 +4,7 @@ the spec passes; Trainer, Predictor and the planner built from it."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,10 @@ def test_a_plan_builds_the_mesh_make_mesh_builds():
     # a given mesh is adopted as it is
     mesh = make_mesh(fsdp_axis=2, model_axis=2)
     assert Parallelism.of(mesh=mesh).build().mesh is mesh
+    # every axis of the table is a keyword of make_mesh (the context axis too)
+    assert dict(make_mesh(context_axis=2).shape)["context"] == 2
+    with pytest.raises(TypeError, match=r"make_mesh got unknown keyword\(s\) \['tensor_axis'\]"):
+        make_mesh(tensor_axis=2)
 
 
 def test_an_abstract_plan_needs_no_devices():
@@ -94,6 +99,42 @@ def test_the_plan_value_describes_itself_in_one_line():
     assert Plan().describe() == "one device (no plan)"
     with pytest.raises(TypeError, match=r"trainer\.placement\(\)"):
         plan()  # what Trainer.plan() was: the placement table has its own name now
+
+
+def test_a_plan_round_trips_through_json_equal_to_itself():
+    """``Plan.to_json`` / ``from_json``: every part of a plan (its axes, rules, batch cut,
+    pipeline, remat, context attention and hardware numbers) comes back equal; a plan
+    over an abstract mesh (the planner's picks) as it was, a built one once rebuilt on
+    the same devices; ``load`` reads ``redray plan --json``'s forms."""
+    from redray.sharding.plan import Plan, load
+
+    staged = Parallelism.of(stage_axis=2, model_axis=2, rules=[
+        (r"wte", P(None, ("fsdp", "model"))), (r"lm_head", P())]).abstract(8)
+    hardware = {"name": "H100 SXM", "intra": {"bandwidth": 4.5e11, "latency": 5e-6}}
+    plans = [Plan.of(staged, staged.step_geometry(16, 4), pipeline_schedule="1f1b",
+                     stage_repeats=2, remat="dots", context_attention="ring",
+                     hardware=hardware),
+             Plan(Parallelism.of(model_axis=2, data_axis="auto")),  # axes only, unbuilt
+             Plan()]
+    for plan in plans:
+        back = Plan.from_json(plan.to_json())
+        assert back == plan and back.to_dict() == plan.to_dict(), plan.describe()
+    assert back.parallelism is None
+    built = Plan.of(Parallelism.of(model_axis=2).build(),
+                    Parallelism.of(model_axis=2).build().geometry(8, 1))
+    assert Plan.from_json(built.to_json()) != built  # an abstract mesh, until built
+    assert Plan.from_json(built.to_json()).build() == built
+    # redray plan --json: a ranking (its best plan first), or one placement's plan
+    ranked = {"plans": [{"plan": plans[0].to_dict(), "step_seconds": 1.0},
+                        {"plan": built.to_dict()}]}
+    assert load(ranked) == load(json.dumps(ranked)) == plans[0]
+    assert load({"mesh": {}, "plan": built.to_dict()}).build() == built
+    with pytest.raises(ValueError, match="axes \\['tensor'\\] that redray does not have"):
+        Plan.from_dict({**built.to_dict(), "axes": {"tensor": 2}})
+    with pytest.raises(ValueError, match="ranks no plan that fits"):
+        load({"plans": []})
+    with pytest.raises(ValueError, match="context_attention='ringg'"):
+        Plan(context_attention="ringg")
 
 
 def test_bad_plans_name_the_fix():
@@ -163,6 +204,8 @@ def test_a_new_parallelism_adds_a_pass_of_its_own():
 
 
 def test_a_trainer_given_a_plan_is_the_trainer_given_its_keywords():
+    from redray.sharding.plan import Plan
+
     def make(**options):
         t = redray.Trainer(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1), batch_size=8,
                            progress=False, **options)
@@ -171,14 +214,34 @@ def test_a_trainer_given_a_plan_is_the_trainer_given_its_keywords():
 
     by_keywords, a = make(model_axis=2, micro_batch_size=2)
     plan = Parallelism.of(model_axis=2)
-    by_plan, b = make(parallelism=plan, micro_batch_size=2)
+    by_plan, b = make(plan=plan, micro_batch_size=2)
     assert a == b
     assert by_plan.parallelism.shape == by_keywords.parallelism.shape
     assert by_plan.runtime.specs == by_keywords.runtime.specs
     assert by_plan.geometry == by_keywords.geometry
-    with pytest.raises(ValueError, match="either parallelism= or model_axis"):
-        redray.Trainer(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1), batch_size=8,
-                       parallelism=plan, model_axis=4)
+    # the whole plan written out and given back: the same plan, the same steps
+    written, c = make(plan=by_keywords.plan.to_json())
+    assert written.plan == by_keywords.plan and c == a
+
+    def trainer(**options):
+        return redray.Trainer(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1),
+                              **{"batch_size": 8, **options})
+
+    with pytest.raises(ValueError, match="either plan= or model_axis"):
+        trainer(plan=plan, model_axis=4)
+    text = by_keywords.plan.to_json()
+    with pytest.raises(ValueError, match="either plan= or micro_batch_size, model_axis"):
+        trainer(plan=text, micro_batch_size=2, model_axis=2)
+    with pytest.raises(ValueError, match="plan for batch_size=8, but batch_size=16"):
+        trainer(plan=text, batch_size=16)
+    with pytest.raises(ValueError, match="plan for 8 devices, but this run has 4"):
+        trainer(plan=Plan(Parallelism.of(model_axis=2).abstract(8)).to_json())
+    with pytest.raises(ValueError, match="neither 'auto', JSON, nor a file"):
+        trainer(plan="plan.jsn")
+    with pytest.raises(ValueError, match="not a written redray plan"):
+        trainer(plan={"axes": {"model": 2}})
+    with pytest.raises(TypeError, match="takes the plan as plan="):
+        trainer(parallelism=plan)
     with pytest.raises(TypeError, match=r"Trainer got unknown keyword\(s\) \['lerning_rate'\]"):
         redray.Trainer(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1), batch_size=8,
                        lerning_rate=0.1)

@@ -591,14 +591,14 @@ def test_1f1b_with_dropout_gives_the_gradient_of_its_own_loss():
 
 
 def test_an_automatic_plan_takes_the_schedule_it_chose():
-    """``parallelism="auto"`` with the stages and the schedule pinned: the planner's pick
+    """``plan="auto"`` with the stages and the schedule pinned: the planner's pick
     carries the schedule and the Trainer runs it."""
     config = CONFIGS["llama"]()
     data = [{"ids": row} for row in IDS]
     trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
                              lambda ex: {"ids": np.stack([e["ids"] for e in ex])},
                              lambda m, b, r, t: lm_loss(m, b["ids"]), optax.sgd(0.1),
-                             batch_size=8, progress=False, parallelism="auto", stage_axis=2,
+                             batch_size=8, progress=False, plan="auto", stage_axis=2,
                              pipeline_schedule="1f1b", hardware="cpu")
     history = trainer.fit(data, epochs=1, max_steps=1)
     assert trainer.plan_ranking.best.plan.pipeline_schedule == "1f1b"
@@ -619,7 +619,7 @@ def test_an_automatic_plan_takes_the_circular_repeats_it_chose():
                               lambda m, b, r, t: lm_loss(m, b["ids"]), optax.sgd(0.1),
                               batch_size=8, progress=False, hardware="cpu", seed=0, **plan)
 
-    circular = trainer(parallelism="auto", stage_axis=2, stage_repeats=2)
+    circular = trainer(plan="auto", stage_axis=2, stage_repeats=2)
     history = circular.fit(data, epochs=1, max_steps=1)
     best = circular.plan_ranking.best.plan
     assert best.stage_repeats == 2 and circular.runtime.stage_repeats == 2

@@ -15,8 +15,10 @@ import sys
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import redray
 from redray.models.families import FAMILIES, lookup
 from redray.planning.memory import StepShape
+from redray.sharding.plan import load as load_plan
 from redray.planning.from_config import (PlanError, format_model_plan, plan_model, plan_parallelism,
                                 preset_fields, presets)
 
@@ -162,6 +164,7 @@ def test_cli_json():
     assert result["devices"] == 32
     assert result["mesh"] == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1,
                               "context": 1, "model": 8}
+    assert load_plan(result).shape == result["mesh"]  # the plan of these axes, for plan=
     assert isinstance(result["replicated"], list)
     assert isinstance(result["ideal_bytes_per_device"], int)
     assert result["param_bytes_per_device"] <= MAX_RATIO * result["ideal_param_bytes_per_device"]
@@ -352,9 +355,14 @@ def test_the_planner_ranks_plans_when_no_axis_is_given(capsys):
     # pinned parts are kept: a model axis of 4, and the JSON lists every fitting plan
     assert main(["plan", *step, "--model-axis", "4", "--hosts", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["plans"] and all(p["plan"]["model"] == 4 for p in result["plans"])
+    assert result["plans"] and all(p["axes"]["model"] == 4 for p in result["plans"])
     times = [p["step_seconds"] for p in result["plans"]]
     assert times == sorted(times)
+    # what plan= takes: the best plan, whole, with the hardware it was costed on
+    best = redray.Plan.from_dict(result["plans"][0]["plan"])
+    assert load_plan(result) == best and best.shape == result["plans"][0]["axes"]
+    assert best.geometry.batch_size == 32 and best.hardware["name"] == "H100 SXM"
+    assert best.geometry.micro_batch_size == result["plans"][0]["micro_batch_size"]
     # the compute's parts by kind (redray.planning.work): attention at its kernel's
     # rate and the memory-bound kernels are part of it, beside the matmuls
     assert all(0 < p["attention_seconds"] and 0 < p["memory_bound_seconds"]

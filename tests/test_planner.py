@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from transformers import LlamaConfig, Qwen3Config
 
 import redray
+from redray.checkpoint import latest_meta
 from redray.models import build, next_token_loss
 from redray.planning.from_config import ConfigFacts, PlanError, choose_plan
 from redray.sharding import collectives, flatten
@@ -363,12 +364,13 @@ def test_an_ethernet_cluster_gets_another_plan_than_an_infiniband_one():
 def test_presets_name_their_sources():
     for name, hw in PRESETS.items():
         assert hw.source and hw.peak_flops >= hw.matmul_flops, name
+        assert Hardware.from_dict(hw.to_dict()) == hw, name  # as a plan keeps it
     assert preset("a100+ethernet").name == "A100 80GB SXM over 100 Gb/s Ethernet"
     with pytest.raises(ValueError, match="unknown hardware 'v100'.*h100"):
         preset("v100")
 
 
-def test_a_trainer_with_parallelism_auto_runs_the_planners_pick():
+def test_a_trainer_with_plan_auto_runs_the_planners_pick():
     config = LlamaConfig(**TINY)
     options = dict(batch_size=8, progress=False, log_every=1)
 
@@ -376,21 +378,22 @@ def test_a_trainer_with_parallelism_auto_runs_the_planners_pick():
         return redray.Trainer(lambda rngs: build(config, rngs=rngs), collate, loss,
                               optax.adam(1e-3), **options, **kw)
 
-    auto = make(parallelism="auto", hardware="cpu", model_axis=2)
+    auto = make(plan="auto", hardware="cpu", model_axis=2)
     auto.init(DATA)
     best = auto.plan_ranking.best.plan
     assert auto.parallelism.shape == best.shape and best.shape["model"] == 2  # pinned: kept
     assert auto.geometry.micro_batch_size == best.geometry.micro_batch_size
-    assert auto.describe()["plan"]["chosen"] == best.brief()
-    assert auto.describe()["plan"]["hardware"] == "CPU (simulated devices)"
+    assert auto.describe()["planner"]["chosen"] == best.brief()
+    assert auto.describe()["planner"]["hardware"] == "CPU (simulated devices)"
+    assert auto.plan.hardware == PRESETS["cpu"].to_dict()  # what its own choices weigh on
     # the plan it chose is the plan given by hand: the same steps
     shape = best.shape
     by_hand = make(data_axis=shape["data"], fsdp_axis=shape["fsdp"], model_axis=shape["model"],
                    micro_batch_size=best.geometry.micro_batch_size)
     assert [r["loss"] for r in auto.fit(DATA, epochs=1)] == \
         [r["loss"] for r in by_hand.fit(DATA, epochs=1)]
-    with pytest.raises(ValueError, match="parallelism='auto' or a mesh"):
-        make(parallelism="auto", mesh=redray.make_mesh())
+    with pytest.raises(ValueError, match="plan='auto' or a mesh"):
+        make(plan="auto", mesh=redray.make_mesh())
 
 
 def test_a_resumed_run_keeps_its_plan_on_the_same_devices_and_replans_on_others(tmp_path):
@@ -409,14 +412,24 @@ def test_a_resumed_run_keeps_its_plan_on_the_same_devices_and_replans_on_others(
     again = make(hardware="cpu")
     again.init(DATA)
     assert again.resumed_from["step"] == first.step and again.plan_ranking is None
+    assert again.plan == first.plan  # every part, the hardware numbers it weighs on too
     assert again.parallelism.shape == chosen.shape
     assert again.geometry.micro_batch_size == chosen.geometry.micro_batch_size
+    # the plan the checkpoint wrote, given back: that plan, nothing planned
+    pinned = make(plan=latest_meta(str(tmp_path))["plan"])
+    assert pinned.plan == first.plan and pinned.plan_ranking is None
     shape = chosen.shape  # the uninterrupted run, on that plan given by hand
     whole = make(checkpoint=None, data_axis=shape["data"], fsdp_axis=shape["fsdp"],
                  model_axis=shape["model"], micro_batch_size=chosen.geometry.micro_batch_size)
-    resumed = [r["loss"] for r in again.fit(DATA, epochs=2) if "loss" in r]
+    resumed = [r["loss"] for r in pinned.fit(DATA, epochs=2) if "loss" in r]
     assert resumed and resumed == [r["loss"] for r in whole.fit(DATA, epochs=2)
                                    if "loss" in r and r["epoch"] == 1]
+    # a given plan's checkpoint holds it too, and a run given it back resumes on it
+    meta = latest_meta(str(tmp_path))
+    assert meta["plan"] == pinned.plan.to_dict() and meta["plan_choice"] is None
+    given = make(plan=meta["plan"])
+    given.init(DATA)
+    assert given.resumed_from["step"] == pinned.step and given.plan == pinned.plan
     # another batch (or other devices, other pins, other hardware): planned again
     other = make(hardware="cpu", batch_size=4)
     other.init(DATA)
@@ -509,9 +522,9 @@ def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():
             assert scored.cost.update == pytest.approx(held * timing.update_per_element)
             assert scored.cost.overhead == pytest.approx(scored.accumulation * timing.fixed)
         assert scored.cost.update <= elements * timing.update_per_element * (1 + 1e-9)
-    assert live.describe()["plan"]["timed_example_ms"] == pytest.approx(
+    assert live.describe()["planner"]["timed_example_ms"] == pytest.approx(
         timing.per_example * 1e3)
-    on_paper = make(parallelism="auto", hardware="cpu")  # a preset: nothing is timed
+    on_paper = make(plan="auto", hardware="cpu")  # a preset: nothing is timed
     on_paper.init(DATA)
     assert on_paper.plan_ranking.timing is None
 

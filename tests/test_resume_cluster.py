@@ -157,7 +157,7 @@ def test_killing_a_host_while_a_save_is_in_flight_keeps_the_previous_checkpoint(
 def test_a_run_choosing_its_plan_replans_when_resumed_on_fewer_hosts(tmp_path, monkeypatch):
     monkeypatch.delenv("REDRAY_CACHE_DIR", raising=False)  # the storage's own probe
     common = dict(train_data=DATA, name="auto", storage_path=str(tmp_path), batch_size=8,
-                  parallelism="auto", log_every=1, seed=0, progress=False, devices_per_host=2,
+                  plan="auto", log_every=1, seed=0, progress=False, devices_per_host=2,
                   checkpoint=CheckpointConfig(save_every=4),
                   plan_timing=True)  # timed, though short: the timings are kept
     first = redray.fit(model, lm_collate, lm_loss, optax.adam(1e-2), epochs=1, hosts=2,

@@ -99,8 +99,13 @@ def test_a_resumed_run_logs_once_per_step_into_the_same_sqlite_run(tmp_path, mon
     assert tags["redray.last_checkpoint"] == f"{tmp_path}/lm/checkpoints/24"
     assert found.info.status == "FINISHED"
     assert found.info.artifact_uri.startswith(f"{tmp_path}/mlartifacts/")  # beside the db
-    plan = client.download_artifacts(found.info.run_id, "sharding_plan.txt", str(tmp_path))
-    assert "mesh data=2 x fsdp=1 x model=2" in open(plan).read()
+    placed = client.download_artifacts(found.info.run_id, "placement.txt", str(tmp_path))
+    assert "mesh data=2 x fsdp=1 x model=2" in open(placed).read()
+    # the plan as params and as the file plan= takes back
+    assert found.data.params["plan.axes.model"] == "2"
+    written = client.download_artifacts(found.info.run_id, "plan.json", str(tmp_path))
+    assert redray.Plan.from_json(open(written).read()).shape == {
+        "stage": 1, "data": 2, "fsdp": 1, "expert": 1, "context": 1, "model": 2}
     # TensorBoard and W&B hold every metric MLflow holds, at the same steps, once each
     for key, values in found.data.metrics.items():
         logged = sorted((m.step, m.value) for m in client.get_metric_history(found.info.run_id,
@@ -113,7 +118,7 @@ def test_a_resumed_run_logs_once_per_step_into_the_same_sqlite_run(tmp_path, mon
             assert wandb_summary(tmp_path / "lm", key) == logged[-1][1], key
         else:
             assert wandb_history(tmp_path / "lm", key) == logged, key
-    assert "sharding_plan.txt" in os.listdir(glob.glob(f"{tmp_path}/lm/wandb/*run-*{wandb_id}/"
+    assert "placement.txt" in os.listdir(glob.glob(f"{tmp_path}/lm/wandb/*run-*{wandb_id}/"
                                                        "files")[0])
     traces = client.download_artifacts(found.info.run_id, "profile", str(tmp_path / "got"))
     assert glob.glob(f"{traces}/**/*.xplane.pb", recursive=True)  # host 0's, as an artifact
@@ -161,7 +166,7 @@ def test_a_real_mlflow_server_receives_every_metric_once(tmp_path):
         found = client.get_run(result.mlflow_run_id)
         assert found.data.tags["redray.mesh"] == "data=2 x fsdp=1 x model=2"
         assert [a.path for a in client.list_artifacts(result.mlflow_run_id)] == \
-            ["sharding_plan.txt"]
+            ["placement.txt", "plan.json"]
     finally:
         os.killpg(server.pid, 9)
         server.wait()

@@ -271,7 +271,9 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
         same name runs again, tracked in ``<storage_path>/mlflow.db``.
       **options: the cluster keywords above, and ``Trainer`` keywords (model_axis,
         fsdp_axis, micro_batch_size, compute_dtype, rules, seed, log_every,
-        learning_rate, trainable, grad_fn, hooks, ...).
+        learning_rate, trainable, grad_fn, hooks, ...). ``plan=``: a whole plan to run
+        as it is, as the Trainer takes it (a ``redray.Plan``, its JSON, the path of
+        ``redray plan --json``'s output, a checkpoint's ``plan``).
 
     Returns:
       A ``FitResult`` with the history and the predictions, if asked.
@@ -285,6 +287,15 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
     UserFunctions(collate, loss, predict)  # cheap checks on the driver, before any worker
     config, trainer_options = ClusterConfig.split(options, cluster)
     _check_trainer_options(trainer_options)
+    from redray.sharding import Parallelism
+    from redray.sharding.plan import load as load_plan
+
+    plan = trainer_options.get("plan")
+    if plan is not None and not (isinstance(plan, str) and plan == "auto") \
+            and not isinstance(plan, Parallelism):
+        # a whole plan, read here (a bad one fails before any host starts); the hosts get
+        # its JSON-ready form
+        trainer_options["plan"] = load_plan(plan).to_dict()
 
     def task() -> FitTask:
         # once the run is locked: in-memory data goes into Ray's object store; a stream
@@ -300,8 +311,10 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
     code = FitCode(model=model, collate=collate, loss=loss, optimizer=optimizer,
                    predict=predict, eval_metric=eval_metric,
                    trainer_options=dict(batch_size=batch_size, **trainer_options))
+    # the plan reaches MLflow as the hosts run it (``plan.*``, ``plan.json``)
+    settings = {k: v for k, v in trainer_options.items() if k != "plan"}
     out = _launch(config, task, dict(epochs=epochs, max_steps=max_steps, batch_size=batch_size,
-                                     **trainer_options), code)
+                                     **settings), code)
     value = out.pop("value")
     return FitResult(history=value["history"], predictions=value["predictions"], **out)
 

@@ -11,6 +11,7 @@ its next run (``redray/cluster/kept.py``), MLflow imported.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import warnings
@@ -69,10 +70,14 @@ class Tracker:
         for logger in self.loggers.values():
             logger.log_metrics(row, row.get("step", 0))
 
-    def describe(self, tags: dict, plan: str) -> None:
+    def describe(self, tags: dict, placement: str, plan: dict) -> None:
+        """The run's shape as tags, what each device holds (``placement.txt``) and the
+        plan (params ``plan.*``; ``plan.json``, what ``plan=`` takes back)."""
         for logger in self.loggers.values():
             logger.set_tags(tags)
-            logger.log_text(plan, "sharding_plan.txt")
+            logger.log_params({"plan": plan})
+            logger.log_text(placement, "placement.txt")
+            logger.log_text(json.dumps(plan, indent=2), "plan.json")
 
     def artifacts(self, folder: str, artifact_path: str) -> None:
         for logger in self.loggers.values():

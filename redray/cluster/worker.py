@@ -237,8 +237,8 @@ class TrackerHook(Hook):
         if "attention" in d:
             tags["redray.attention"] = d["attention"]
         # a chosen plan: what it is, why, its predicted step and the hardware numbers
-        tags.update({f"redray.plan.{k}": v for k, v in d.get("plan", {}).items()})
-        self.tracker.describe.remote(tags, run.placement())
+        tags.update({f"redray.plan.{k}": v for k, v in d.get("planner", {}).items()})
+        self.tracker.describe.remote(tags, run.placement(), d["plan"])
 
     def on_checkpoint(self, run, step: int, path: str, meta: dict) -> None:
         if self.tracker is not None:

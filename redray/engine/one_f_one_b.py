@@ -36,8 +36,6 @@ from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, MODEL, STAGE, in_h
                                          layer_order, stacked_count)
 from redray.sharding.pipeline_schedules import merge_micro, one_f_one_b, rows_flags, split_micro
 
-SCHEDULES = ("gpipe", "1f1b")
-
 
 def _path_of(model, target) -> tuple:
     for path, node in nnx.iter_graph(model):

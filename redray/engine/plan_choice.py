@@ -1,4 +1,4 @@
-"""A Trainer's plan under ``parallelism="auto"``: chosen by the planner at ``init`` on
+"""A Trainer's plan under ``plan="auto"``: chosen by the planner at ``init`` on
 the model, the loss and the first batch, or kept from the checkpoint a run resumes on
 the same devices; and what it was chosen on, for the console, MLflow and checkpoints.
 
@@ -15,9 +15,9 @@ import jax
 from redray import startup
 from redray.checkpoint import latest_meta
 from redray.engine.loop import tokens_per_example
-from redray.planning.planner import Ranking, grid_plan, pins
+from redray.planning.planner import Ranking, pins
 from redray.sharding import Parallelism
-from redray.sharding.plan import Plan
+from redray.sharding.plan import Plan, load
 
 
 class PlanChoice:
@@ -47,7 +47,7 @@ class PlanChoice:
         the hardware they named."""
         return {"devices": jax.device_count(), "processes": jax.process_count(),
                 "batch_size": batch_size, "pinned": repr(self.pinned),
-                "hardware": repr(self.hardware)}
+                "rules": repr(self.rules), "hardware": repr(self.hardware)}
 
     def kept(self, checkpoint_config, batch_size: int) -> Plan | None:
         """The plan of the checkpoint a run resumes, when it resumes on the devices that
@@ -58,18 +58,18 @@ class PlanChoice:
         config = checkpoint_config
         if config is None or not config.resume or config.directory is None:
             return None
-        saved = (latest_meta(config.directory) or {}).get("plan")
-        if not saved or saved["key"] != self.key(batch_size):
-            return None
-        return grid_plan(dict(saved["sizes"]), saved["micro_batch_size"], saved["remat"],
-                         batch_size, saved["schedule"], self.rules, saved.get("repeats", 1))
+        meta = latest_meta(config.directory) or {}
+        choice = meta.get("plan_choice")
+        if not choice or choice["key"] != self.key(batch_size):
+            return None  # another run's devices or pins (or a checkpoint older than its key)
+        return Plan.from_dict(meta["plan"])
 
     def choose(self, runtime, functions, optimizer, sample: dict, trainable, grad_fn,
-               batch_size: int) -> tuple[Plan, object]:
-        """Runs the planner on this model, loss and batch: (its pick, how one layer's
-        attention crosses a context axis on the hardware it planned on)."""
+               batch_size: int) -> tuple[Plan, dict]:
+        """Runs the planner on this model, loss and batch: (its pick, the numbers of the
+        hardware it planned on, which the model's own choices weigh too)."""
         from redray.engine.facts import RuntimeFacts
-        from redray.planning import context_chooser, resolve_hardware
+        from redray.planning import resolve_hardware
         from redray.planning.live import choose
 
         if self.hardware is None:
@@ -78,8 +78,8 @@ class PlanChoice:
         else:
             hardware = resolve_hardware(self.hardware)
         # the model's own choices (the context axis's attention) on the same hardware
-        context = context_chooser(hardware)
-        traced = runtime.on(dataclasses.replace(runtime.plan, context_method=context))
+        numbers = hardware.to_dict()
+        traced = runtime.on(dataclasses.replace(runtime.plan, hardware=numbers))
         with startup.phase("planner"):
             facts = RuntimeFacts(traced, functions.loss, optimizer, sample, trainable,
                                  tokens_per_example(sample))
@@ -87,7 +87,7 @@ class PlanChoice:
             self.ranking = choose(facts, batch_size, hardware, self.pinned, self.rules,
                                   cache=self.probe_cache, steps=self.planned_steps,
                                   timed=self.timing)
-        return self.ranking.best.plan, context
+        return self.ranking.best.plan, numbers
 
     def pick(self, runtime, functions, optimizer, sample: dict, trainable, grad_fn,
              batch_size: int, checkpoint_config) -> tuple[Plan, str]:
@@ -99,24 +99,20 @@ class PlanChoice:
             plan = self.plan(kept, batch_size, runtime.plan)
             return plan, (f"plan: {self.meta['chosen']}, kept from the checkpoint this run "
                           "resumes (the same devices)")
-        best, context = self.choose(runtime, functions, optimizer, sample, trainable, grad_fn,
-                                    batch_size)
-        return self.plan(best, batch_size, runtime.plan, context), self.ranking.why()
+        best, hardware = self.choose(runtime, functions, optimizer, sample, trainable,
+                                     grad_fn, batch_size)
+        plan = self.plan(best, batch_size, runtime.plan, hardware)
+        return plan, (f"{self.ranking.why()}\nplan= to run this plan again: "
+                      f"{plan.to_json()}")
 
-    def plan(self, best: Plan, batch_size: int, asked: Plan, context=None) -> Plan:
+    def plan(self, best: Plan, batch_size: int, asked: Plan, hardware=None) -> Plan:
         """The plan a Trainer runs of a pick (or a kept plan), a plan over an abstract
-        mesh: its axes built on the devices (this process's rows of the batch), its
-        circular repeats (the user's, where given) and the model's choices kept."""
-        built = best.parallelism.build()
-        micro = best.geometry.micro_batch_size
-        self.meta = {"key": self.key(batch_size), "sizes": list(built.sizes.items()),
-                     "micro_batch_size": micro, "remat": best.remat,
-                     "schedule": best.pipeline_schedule, "repeats": best.stage_repeats,
-                     "chosen": best.brief()}
-        return Plan.of(built, built.geometry(batch_size, micro),
-                       pipeline_schedule=best.pipeline_schedule,
-                       stage_repeats=best.stage_repeats, remat=best.remat,
-                       context_method=context or asked.context_method)
+        mesh: built on the devices (this process's rows of the batch), the model's
+        choices weighed on the hardware it was chosen on."""
+        self.meta = {"key": self.key(batch_size), "chosen": best.brief()}
+        return dataclasses.replace(
+            best, context_attention=asked.context_attention,
+            hardware=hardware if hardware is not None else best.hardware).build()
 
     def facts(self) -> dict:
         """What the planner chose and on what: the predicted step, the hardware (MLflow's
@@ -132,13 +128,18 @@ class PlanChoice:
                 **({} if ranking.timing is None else ranking.timing.describe())}
 
 
-def asked_plan(parallelism, mesh, rules, axes: dict, batch_size: int,
+def asked_plan(plan, mesh, rules, axes: dict, batch_size: int,
                micro_batch_size: int | None, pipeline_schedule: str | None,
                stage_repeats: int, hardware, plan_timing, grad_fn, trainable
                ) -> tuple[Plan, PlanChoice | None]:
     """The Trainer's arguments of the plan as (the plan asked for, the planner's choice
-    to make at ``init`` under "auto", else None: the plan is given whole). Nothing of the
-    plan given (no parallelism, mesh or axis size) means "auto"."""
+    to make at ``init`` under "auto", else None: the plan is given whole). ``plan``:
+    "auto", a ``Plan`` or what ``redray.sharding.plan.load`` reads (its JSON, a file of
+    it, ``redray plan --json``'s output), a ``Parallelism``, or None: "auto" where no
+    mesh and no axis size is given either."""
+    if "parallelism" in axes:
+        raise TypeError("Trainer takes the plan as plan= (a redray.Plan, its JSON, a "
+                        "redray.Parallelism or 'auto'), not parallelism=")
     if plan_timing not in (None, True, False):
         raise ValueError(f"plan_timing={plan_timing!r}: use None (timed unless the run is "
                          "short), True or False")
@@ -147,16 +148,21 @@ def asked_plan(parallelism, mesh, rules, axes: dict, batch_size: int,
         raise ValueError(f"pipeline_schedule='1f1b' does not take {given} yet: use "
                          "pipeline_schedule='gpipe' (the default)")
     axes = {k: v for k, v in axes.items() if v is not None}  # None: not given
-    if parallelism is None and mesh is None and not axes:
-        parallelism = "auto"  # nothing of the plan given: the planner chooses it
+    if plan is None and mesh is None and not axes:
+        plan = "auto"  # nothing of the plan given: the planner chooses it
     schedule = pipeline_schedule or "gpipe"
-    if parallelism != "auto":
-        built = Parallelism.resolve(parallelism, mesh, rules, axes, "Trainer")
+    if plan is None or isinstance(plan, Parallelism):
+        built = Parallelism.resolve(plan, mesh, rules, axes, "Trainer", keyword="plan")
         return Plan.of(built, built.geometry(batch_size, micro_batch_size),
                        pipeline_schedule=schedule, stage_repeats=stage_repeats), None
+    if not (isinstance(plan, str) and plan == "auto"):
+        beside = {"mesh": mesh is not None, "rules": bool(rules), "micro_batch_size":
+                  micro_batch_size is not None, "pipeline_schedule": pipeline_schedule
+                  is not None, "stage_repeats": stage_repeats != 1, **axes}
+        return given_plan(load(plan), batch_size, [k for k, v in beside.items() if v]), None
     if mesh is not None:
-        raise ValueError("give either parallelism='auto' or a mesh, not both: the "
-                         "planner builds the mesh")
+        raise ValueError("give either plan='auto' or a mesh, not both: the planner builds "
+                         "the mesh")
     Parallelism.of(caller="Trainer", **axes)  # an unknown keyword fails as such
     choice = PlanChoice(pins(micro_batch_size=micro_batch_size,
                              pipeline_schedule=pipeline_schedule,
@@ -164,3 +170,32 @@ def asked_plan(parallelism, mesh, rules, axes: dict, batch_size: int,
                         tuple(rules or ()), hardware, timing=plan_timing, probe_cache=None)
     # what the user fixed of the plan; the rest is chosen at init
     return Plan(pipeline_schedule=schedule, stage_repeats=stage_repeats), choice
+
+
+def given_plan(plan: Plan, batch_size: int, beside: list[str]) -> Plan:
+    """A whole plan given as ``plan=`` (written out, or a ``Plan``), built on the
+    devices; ``beside``: the plan's other arguments also given (an error: the plan holds
+    them)."""
+    if beside:
+        raise ValueError(f"give either plan= or {', '.join(beside)}, not both: the plan "
+                         "holds its axes, rules, micro-batch and pipeline")
+    if plan.parallelism is None:
+        raise ValueError("plan= names no axes (a plan of one device): give the plan a run "
+                         "wrote, or leave plan='auto'")
+    if plan.parallelism.mesh is not None and plan.parallelism.devices != jax.device_count():
+        raise ValueError(f"plan= is a plan for {plan.parallelism.devices} devices, but this run "
+                         f"has {jax.device_count()}: plan for them (`redray plan ... --devices "
+                         f"{jax.device_count()}`), or leave plan='auto'")
+    g = plan.geometry
+    if g is not None and g.batch_size != batch_size:
+        raise ValueError(f"plan= is a plan for batch_size={g.batch_size}, but batch_size="
+                         f"{batch_size}: give batch_size={g.batch_size}, or plan the new batch "
+                         "(`redray plan ... --batch-size`)")
+    if g is None:  # a plan of the axes alone: no accumulation (stages: their default)
+        built = plan.parallelism.build()
+        return dataclasses.replace(Plan.of(built, built.geometry(batch_size)),
+                                   pipeline_schedule=plan.pipeline_schedule,
+                                   stage_repeats=plan.stage_repeats, remat=plan.remat,
+                                   context_attention=plan.context_attention,
+                                   hardware=plan.hardware)
+    return plan.build()

@@ -15,7 +15,8 @@ from redray.sharding import placement
 
 
 def describe(trainer, plan_facts: dict | None) -> dict:
-    """``Trainer.describe``'s value; ``plan_facts``: the planner's, under "auto"."""
+    """``Trainer.describe``'s value: ``plan`` the plan written out (``Plan.to_dict``);
+    ``plan_facts``: the planner's, under "auto" (``planner``)."""
     runtime, state, parallelism = trainer.runtime, trainer.state, trainer.parallelism
     rows = placement(runtime.held[0], runtime.specs[0], trainer.mesh)
     opt = sum(x.nbytes for x in jax.tree.leaves(state.opt_state)
@@ -35,7 +36,8 @@ def describe(trainer, plan_facts: dict | None) -> dict:
             **({"stage_repeats": runtime.stage_repeats} if runtime.stage_repeats > 1 else {}),
             **({"attention": attention.describe()}
                if attention is not None and attention.why else {}),
-            **({} if plan_facts is None else {"plan": plan_facts})}
+            "plan": trainer.plan.to_dict(),
+            **({} if plan_facts is None else {"planner": plan_facts})}
 
 
 def summary(d: dict) -> str:

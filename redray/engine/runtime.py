@@ -35,7 +35,7 @@ class ModelRuntime:
       seed: initialization seed.
 
     The plan is one frozen value: ``parallelism``, ``mesh``, ``micro_rows``,
-    ``stage_repeats``, ``pipeline_schedule`` and ``context_method`` read it; ``use``
+    ``stage_repeats``, ``pipeline_schedule`` and the context attention read it; ``use``
     replaces it whole.
     """
 
@@ -130,11 +130,14 @@ class ModelRuntime:
         return other
 
     def _context_method(self):
-        if self.plan.context_method is not None:
-            return self.plan.context_method
+        """The plan's choice of how attention crosses a context axis, as the model's
+        layers ask for it (``activations.context_choice``)."""
+        fixed = self.plan.context_attention
+        if fixed != "auto":
+            return lambda *shape: fixed
         from redray.planning import context_chooser
 
-        return context_chooser()
+        return context_chooser(self.plan.hardware)
 
     def train_apply(self, fn: Callable, params, extra, rng, *args):
         """``apply`` for a function that is differentiated: column layers reading one

@@ -214,7 +214,9 @@ class RunBudget:
         resumed = resumed or {}
         before = self.steps if self.steps is not None else resumed.get("budget")
         self.steps = steps
-        saved = self.segments if self.segments is not None else resumed.get("schedule")
+        # "schedule": what checkpoints before 2026-12-06 named the segments
+        saved = self.segments if self.segments is not None else \
+            resumed.get("lr_segments", resumed.get("schedule"))
         changed, segments = follow_budget(self.learning_rate, steps, step, before, saved)
         if segments is not None:
             self.segments = segments

@@ -36,7 +36,6 @@ from redray.engine.schedule import RunBudget
 from redray.engine.state import TrainState
 from redray.engine.steps import check_step_arguments
 from redray.functions import UserFunctions
-from redray.sharding import Parallelism
 from redray.sharding.activations import AttentionKernels, attention_kernels
 from redray.sharding.plan import Plan
 
@@ -70,15 +69,15 @@ class Trainer:
         stage alternates forwards and backwards and keeps at most ``2 stage_axis - 1``
         micro-batches' inputs, more with repeats; no ``trainable=`` or ``grad_fn=``).
       eval_batch_size: examples per evaluation step (default: ``batch_size``).
-      parallelism: ``"auto"`` (the default when no mesh and no axis size is given):
-        the planner chooses the axis sizes and the micro-batch at ``init``, keeping
-        those given beside it (``plan_ranking`` holds every plan it weighed). Or a
-        ``redray.Parallelism``, a mesh or the axis sizes: that plan as it is.
+      plan: ``"auto"`` (the default when no mesh and no axis size is given): the
+        planner chooses the axes and the micro-batch at ``init``, keeping those given
+        beside it (``plan_ranking``: every plan it weighed). A ``redray.Plan``, its
+        JSON (a checkpoint's, ``redray plan --json``'s) or a file of it: that plan as
+        it is. A ``redray.Parallelism``, a mesh or the axis sizes: those axes.
       hardware: what ``"auto"`` plans on: a ``redray.planning.hardware.Hardware``, a
         preset name (``"h100"``, ``"h100+ethernet"``...), or None: the devices probed.
-      plan_timing: whether ``"auto"`` times the model's pass on the live devices and
-        costs the plans on those timings. None (default): unless ``fit``'s run is
-        predicted to take under 30 s; True: always; False: never.
+      plan_timing: whether ``"auto"`` times the model's pass on the live devices to
+        cost the plans. None (default): unless ``fit`` is predicted under 30 s.
       mesh: a mesh from ``redray.make_mesh``; or give the axis sizes.
       compute_dtype: dtype of the forward/backward (e.g. ``jnp.bfloat16``); parameters
         and optimizer state stay float32.
@@ -103,9 +102,8 @@ class Trainer:
       hooks: ``redray.Hook`` objects run beside training (inside ``redray.run`` the
         cluster adds its own, MLflow's and Ray Train's).
       on_nonfinite: what a NaN or infinite loss or gradient norm does (no such update
-        reaches the state or a checkpoint): ``"stop"`` (default,
-        ``redray.NonFiniteError``), ``"skip"`` the update, or ``"rollback"`` to the
-        newest checkpoint, going on after the failing batch.
+        is kept): ``"stop"`` (default, ``redray.NonFiniteError``), ``"skip"`` the
+        update, or ``"rollback"`` to the newest checkpoint, after the failing batch.
       profile, profile_dir: ``(first, last)``: a JAX profiler trace of those optimizer
         steps on every host, into ``profile_dir`` (default: the run's ``profile`` folder,
         else ``./redray_profile``); default ``REDRAY_PROFILE``. docs/profiling.md.
@@ -117,7 +115,7 @@ class Trainer:
     def __init__(self, model: Any, collate: Callable, loss: Callable,
                  optimizer: optax.GradientTransformation, predict: Callable | None = None, *,
                  batch_size: int, micro_batch_size: int | None = None,
-                 eval_batch_size: int | None = None, parallelism: Parallelism | None = None,
+                 eval_batch_size: int | None = None, plan=None,
                  mesh: Mesh | None = None, compute_dtype=None, rules=(),
                  learning_rate=None, seed: int = 0, log_every: int = 10, progress: bool = True,
                  prefetch: int = 2, checkpoint=None, config: dict | None = None,
@@ -132,7 +130,7 @@ class Trainer:
         self.optimizer = optimizer
         self._batch_size = batch_size  # the global batch asked for (a plan's geometry's)
         # the plan asked for, and the planner's choice under "auto" (None: the plan given)
-        plan, self._choice = asked_plan(parallelism, mesh, rules, axes, batch_size,
+        plan, self._choice = asked_plan(plan, mesh, rules, axes, batch_size,
                                         micro_batch_size, pipeline_schedule, stage_repeats,
                                         hardware, plan_timing, grad_fn, trainable)
         self.eval_batch_size = eval_batch_size or batch_size
@@ -169,8 +167,8 @@ class Trainer:
 
     @property
     def plan(self) -> Plan:
-        """The plan this Trainer runs, one frozen value (``redray.sharding.plan.Plan``;
-        ``.describe()`` in one line); under "auto", its axes are chosen at ``init``."""
+        """The plan this Trainer runs, one frozen value (a ``redray.Plan``); under
+        "auto", chosen at ``init``."""
         return self.runtime.plan
 
     # the plan's parts, read-only
@@ -284,8 +282,9 @@ class Trainer:
 
     def describe(self) -> dict:
         """The run's shape (after ``init``): hosts, devices, mesh, the plan in one line
-        (``layout``), parameters, bytes per device, batch sizes, accumulation steps (or
-        pipeline micro-batches), circular repeats where there are any."""
+        (``layout``) and written out (``plan``, for ``plan=``), parameters, bytes per
+        device, batch sizes, accumulation steps (or pipeline micro-batches), circular
+        repeats; under "auto" the planner's choice and its grounds (``planner``)."""
         self._require_init("describe")
         return report.describe(self, None if self.plan_ranking is None else self._choice.facts())
 
@@ -414,8 +413,8 @@ class Trainer:
             self.program.checkpoint_items(self.state), self.step, position or self.position,
             {**data_settings, "metrics": metrics or {}, "config": self.config,
              "run": self._hooks.run_meta(self._checkpoints.kept_run()),
-             "budget": self._budget.steps, "schedule": self._budget.segments,
-             "plan": self._choice and self._choice.meta},
+             "budget": self._budget.steps, "lr_segments": self._budget.segments,
+             "plan": self.plan.to_dict(), "plan_choice": self._choice and self._choice.meta},
             lambda *done: self._hooks.send("checkpoint", *done))
 
     def log(self, metrics: dict) -> dict:

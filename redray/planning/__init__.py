@@ -32,10 +32,14 @@ def resolve_hardware(hardware=None, cache: str | None = None):
 
 def context_chooser(hardware=None):
     """How a layer's attention crosses the context axis, for a plan on ``hardware`` (a
-    ``Hardware``, or None: the preset of this process's kind of device):
-    ``fn(batch, tokens, ways, heads, kv_heads, head_dim, itemsize)`` -> "ring" or
-    "all_gather" (``redray.planning.cost.context_method``). A runtime passes it to the
-    model's layers with its plan (``redray.sharding.activations.context_choice``)."""
+    ``Hardware``, its ``to_dict``, as a plan keeps it, or None: the preset of this
+    process's kind of device): ``fn(batch, tokens, ways, heads, kv_heads, head_dim,
+    itemsize)`` -> "ring" or "all_gather" (``redray.planning.cost.context_method``). A
+    runtime passes it to the model's layers with its plan
+    (``redray.sharding.activations.context_choice``)."""
     from redray.planning.cost import context_method
+    from redray.planning.hardware import Hardware
 
+    if hardware is not None and not isinstance(hardware, Hardware):
+        hardware = Hardware.from_dict(hardware)
     return functools.partial(context_method, hardware=hardware)

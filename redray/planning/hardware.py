@@ -111,6 +111,16 @@ class Hardware:
                                    inter=Link(bandwidth, latency),
                                    source=f"{self.source}; between hosts: {what}")
 
+    def to_dict(self) -> dict:
+        """Every field as JSON-ready values (a plan keeps the hardware it was chosen on
+        so: ``redray.sharding.plan.Plan.hardware``); ``from_dict`` reads it back."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d) -> "Hardware":
+        """The hardware ``to_dict`` wrote."""
+        return cls(**{**d, "intra": Link(**d["intra"]), "inter": Link(**d["inter"])})
+
     def describe(self) -> dict:
         """The numbers, for the run's log and MLflow."""
         return {"hardware": self.name, "matmul_tflops": self.matmul_flops / 1e12,

@@ -442,11 +442,12 @@ class Parallelism:
 
     @classmethod
     def resolve(cls, parallelism: "Parallelism | None", mesh: Mesh | None, rules,
-                sizes: Mapping[str, int | str], caller: str = "Parallelism.resolve"
-                ) -> "Parallelism":
+                sizes: Mapping[str, int | str], caller: str = "Parallelism.resolve",
+                keyword: str = "parallelism") -> "Parallelism":
         """The built plan of a Trainer, Predictor or ``from_pretrained``: ``parallelism``
         as given (built on every device if not yet), else one from ``mesh`` or the axis
-        keywords. Giving ``parallelism`` beside a mesh, rules or axis sizes is an error."""
+        keywords. Giving ``parallelism`` beside a mesh, rules or axis sizes is an error
+        (``keyword``: what the caller names it)."""
         if parallelism is None:
             return cls.of(mesh, rules, caller=caller, **sizes).build()
         if not isinstance(parallelism, Parallelism):
@@ -457,7 +458,7 @@ class Parallelism:
         if mesh is not None or rules or changed:
             extra = changed + (["mesh"] if mesh is not None else []) + (["rules"] if rules
                                                                        else [])
-            raise ValueError(f"give either parallelism= or {', '.join(extra)}, not both: "
+            raise ValueError(f"give either {keyword}= or {', '.join(extra)}, not both: "
                              "the plan holds its axis sizes, mesh and rules")
         return parallelism.build()
 
@@ -592,27 +593,17 @@ class Parallelism:
                 LargeOver(MODEL.name, with_axis=FSDP.name))
 
 
-def make_mesh(data_axis=DATA.default, fsdp_axis=FSDP.default, model_axis=MODEL.default,
-              devices: Sequence[jax.Device] | None = None,
-              expert_axis=EXPERT.default, stage_axis=STAGE.default) -> Mesh:
-    """Builds the mesh (stage, data, fsdp, expert, model) over ``devices`` (default: all).
+def make_mesh(*, devices: Sequence[jax.Device] | None = None, **axes) -> Mesh:
+    """Builds the device mesh of every axis of ``AXES`` over ``devices``.
 
     Args:
-      data_axis: data-parallel size, or "auto" for what the other axes leave.
-      fsdp_axis: size of the axis that shards parameters and optimizer state
-        (ZeRO-3) while also splitting the batch; "auto" for what is left.
-      model_axis: tensor-parallel size; "auto" for what is left.
       devices: the devices to span; ``jax.devices()`` (every host's) by default.
-      expert_axis: expert-parallel size (splits a mixture of experts' experts, and the
-        batch for every other layer); "auto" for what is left.
-      stage_axis: pipeline stages (the scanned layers split into consecutive stages).
-
-    At most one axis may be "auto"; it takes the devices the others leave.
+      **axes: each axis's size by its keyword (``data_axis``, ``fsdp_axis``,
+        ``model_axis``, ...: one per entry of ``AXES``, each with its default there);
+        "auto" for the one that takes the devices the others leave (by default
+        ``data_axis``).
 
     Returns:
-      A ``jax.sharding.Mesh`` with axis names
-      ``("stage", "data", "fsdp", "expert", "model")``.
+      A ``jax.sharding.Mesh`` whose axis names are the ``AXES``' names, in their order.
     """
-    plan = Parallelism.of(data_axis=data_axis, fsdp_axis=fsdp_axis, model_axis=model_axis,
-                          expert_axis=expert_axis, stage_axis=stage_axis)
-    return plan.build(devices).mesh
+    return Parallelism.of(caller="make_mesh", **axes).build(devices).mesh
