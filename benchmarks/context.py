@@ -112,7 +112,7 @@ def compiled(s: dict, seq: int, ways: int, method: str = "ring", unrolled: bool 
     from redray.engine.runtime import ModelRuntime
     from redray.models import build
     from redray.sharding import Parallelism
-    from redray.sharding.activations import unrolled_loops
+    from redray.sharding.tracing import unrolled_loops
 
     os.environ["REDRAY_CONTEXT_ATTENTION"] = method
     plan = Parallelism.of(data_axis=1, context_axis=ways).build(jax.devices()[:ways])

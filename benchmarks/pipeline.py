@@ -4,7 +4,7 @@ FSDP's (``pipeline/cross_host_bytes_over_fsdp``), and 1F1B's memory against GPip
 
 Both compile a LLaMA-shaped model's training step (loss and gradients, float32,
 ``redray.models.build(..., scan=True)``) through redray's model runtime, the way a
-Trainer does, with the scans unrolled (``activations.unrolled_loops``: XLA's cost
+Trainer does, with the scans unrolled (``tracing.unrolled_loops``: XLA's cost
 analysis and its collectives list count a loop's body once, whatever its trip count).
 
 FLOPs: the pipelined step on 4 stages (4 simulated devices) over M micro-batches of one
@@ -75,7 +75,7 @@ def compiled_step(cfg, plan, rows: int, seq: int, micro_rows=None, repeats: int 
     (its scans unrolled, or, with ``unrolled=False``, loops as a Trainer compiles them)."""
     from redray.engine.runtime import ModelRuntime
     from redray.models import build
-    from redray.sharding.activations import unrolled_loops
+    from redray.sharding.tracing import unrolled_loops
     from redray.sharding.plan import Plan
 
     runtime = ModelRuntime(lambda rngs: build(cfg, rngs=rngs, scan=True, remat=remat), plan)

@@ -273,3 +273,24 @@ def test_the_trainer_coordinates_in_at_most_400_lines_and_nobody_reads_its_priva
                for line, read, _ in trainer_reads(p)
                if read.startswith("trainer._")]
     assert not private
+
+
+def test_a_step_is_traced_under_one_frozen_value():
+    """The layers read one ``Tracing`` value (``redray/sharding/tracing.py``), derived
+    from the plan, through one context variable: nested uses refine it, and leave the
+    value outside as it was."""
+    import dataclasses
+
+    from redray.sharding.tracing import Tracing, attention_kernels, traced, tracing
+
+    found = [os.path.relpath(p, ROOT) for p, _ in modules() if "ContextVar(" in open(p).read()]
+    assert found == ["redray/sharding/tracing.py"], found
+    assert tracing() == Tracing()
+    with attention_kernels() as kernels, traced(ways=4, unroll=True) as inner:
+        assert tracing() is inner and inner.kernels is kernels and inner.ways == 4
+        with traced(ways=1):
+            assert tracing().unroll and tracing().kernels is kernels
+        assert tracing() is inner
+    assert tracing() == Tracing()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Tracing().ways = 2

@@ -266,7 +266,7 @@ def test_a_sequence_split_over_the_context_axis_equals_one_device(monkeypatch, m
     sinks in the diagonal block's statistics, their gradient its step's, summed over the
     devices) and the all-gather give the reference's output and gradients."""
     from redray.sharding import Parallelism
-    from redray.sharding.activations import rows_split
+    from redray.sharding.tracing import traced
 
     case = RING_CASES[method, kind]
     t, ways = 32, 4
@@ -290,7 +290,7 @@ def test_a_sequence_split_over_the_context_axis_equals_one_device(monkeypatch, m
     def split(q, k, v, s):
         _, zigzag, _ = context.zigzag_inputs(ways, jnp.zeros((B, t), jnp.int32), mask,
                                              positions)
-        with rows_split(plan.mesh, 1):
+        with traced(mesh=plan.mesh):
             out = context.attention(*(jnp.take(x, order, axis=1) for x in (q, k, v)), zigzag,
                                     SCALE, sinks=s)
         return jnp.take(out, back, axis=1)

@@ -16,7 +16,7 @@ import pytest
 from redray.models import attention, fused_attention
 from redray.models.attention import AttentionMask, Target, choose, dense_attention
 from redray.models.fused_attention import packed_layout
-from redray.sharding.activations import attention_kernels
+from redray.sharding.tracing import attention_kernels
 
 
 def implied(offsets, lengths, window, keys):

@@ -51,6 +51,17 @@ def test_the_axes_are_named_once_and_say_what_they_do():
     assert EXPERT.hosts == "inside" and STAGE.hosts == "outer" and CONTEXT.hosts == "prefer inside"
 
 
+def test_the_layers_read_the_mesh_by_role():
+    """Each axis names the roles it plays (``Axis.roles``): the rows are the batch axes'."""
+    from redray.sharding.parallelism import ROLES, role_axes
+
+    assert role_axes("rows") == BATCH_AXES
+    assert role_axes("sequence") == (CONTEXT.name,) and role_axes("layers") == (STAGE.name,)
+    assert all(set(a.roles) <= set(ROLES) for a in AXES)
+    with pytest.raises(ValueError, match="'tokens' is not a role.*rows, sequence"):
+        role_axes("tokens")
+
+
 def test_a_plan_builds_the_mesh_make_mesh_builds():
     plan = Parallelism.of(model_axis=2).build()
     assert plan.shape == {"stage": 1, "data": 2, "fsdp": 1, "expert": 1, "context": 1, "model": 2}

@@ -65,7 +65,7 @@ def test_the_collectives_counted_are_those_xla_compiles(axes, micro, scan):
     """The cost model's collectives of a step (kinds, and bytes times how often each
     runs) against the compiled step's, each weighed by how often its computation runs
     (a loop's body by its trip count: the micro-batches' loop)."""
-    from redray.sharding.activations import unrolled_loops
+    from redray.sharding.tracing import unrolled_loops
 
     config = LlamaConfig(**TINY)
     t = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=scan), collate, loss,
@@ -138,7 +138,7 @@ def test_gpipe_stages_gather_their_fsdp_layers_once_a_step():
     micro-batches; the cost model's count (``gathered_once``, one pass) is its bytes.
     Counted per tick, as 1F1B gathers (each tick's chunk twice, the head at each), it
     would be 8.6x."""
-    from redray.sharding.activations import unrolled_loops
+    from redray.sharding.tracing import unrolled_loops
     from redray.sharding.parallelism import pipeline_ticks
 
     config = LlamaConfig(**{**TINY, "tie_word_embeddings": True})

@@ -25,7 +25,7 @@ from redray.planning.memory import (hidden_width, nbytes, saved_residuals,
                                     split_residual_bytes, split_sizes, step_parts, totals)
 from redray.planning.planner import ModelFacts, stacked_layers
 from redray.sharding import CONTEXT, MODEL, Parallelism, flatten
-from redray.sharding.activations import (BlocksCut, blockwise_attention, cut_at_blocks,
+from redray.sharding.tracing import (BlocksCut, blockwise_attention, cut_at_blocks,
                                          unrolled_loops)
 from redray.sharding.specs import trace_tree
 

@@ -3,7 +3,7 @@
 
 GPipe runs inside the model's forward, so the user's loss is one function of the whole
 batch. 1F1B needs each micro-batch's loss as soon as that micro-batch leaves the last
-stage, so the loss is cut at the model's stacked layers (``activations.BlocksCut``,
+stage, so the loss is cut at the model's stacked layers (``tracing.BlocksCut``,
 which ``layers.run_blocks`` obeys) into three pieces:
 
 - the head: the loss traced on the whole batch up to the layers, whose input (the
@@ -31,7 +31,7 @@ from flax import nnx
 
 from redray.engine.steps import combine, weighed
 from redray.functions import split_loss_output
-from redray.sharding.activations import BlocksCut, cut_at_blocks
+from redray.sharding.tracing import BlocksCut, cut_at_blocks
 from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, MODEL, STAGE, in_held_order,
                                          layer_order, stacked_count)
 from redray.sharding.pipeline_schedules import merge_micro, one_f_one_b, rows_flags, split_micro

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from redray.engine.model import abstract_state, adapter, cast_floating
 from redray.rngs import KeyStream, stream_key
-from redray.sharding.activations import parameter_specs, rows_split
+from redray.sharding.tracing import traced
 from redray.sharding.parallelism import held_layers, is_staged, reorder, stacked_count, unstaged
 from redray.sharding.plan import Plan
 from redray.sharding import (MODEL, STAGE, Parallelism, derive_specs, format_placement,
@@ -85,7 +85,7 @@ class ModelRuntime:
     def apply(self, fn: Callable, params, extra, rng, *args, planned: bool = True):
         """Runs ``fn(model, *args)`` on the bound model; returns (output, new extra).
         ``planned``: the model's layers place their activations on the plan's mesh
-        (``redray.sharding.activations``); False runs them as on one device (the
+        (``redray.sharding.tracing``); False runs them as on one device (the
         model's own dataflow, what the spec rules read)."""
         cast = cast_floating(params, self.compute_dtype)
         model = self.adapter.bind(cast, extra, rng)
@@ -98,25 +98,26 @@ class ModelRuntime:
                 specs = {id(x): s for x, s in zip(leaves, treedef.flatten_up_to(self.specs[0]))}
             except ValueError:  # not the model's parameters (a part of them)
                 specs = None
-        with self.tracing(planned), parameter_specs(specs):
+        with self.tracing(planned, specs=specs):
             out = fn(model, *args)
         return out, self.adapter.extra_of(model, extra)
 
-    def tracing(self, planned: bool = True):
-        """Within: a model's layers traced as on this runtime's plan (``planned``; else as
-        on one device): its rows and sequences split, its stacks' layout
-        (``activations.rows_split``). ``apply`` traces in it; so do the pieces of a
-        step that run a model's layers outside ``apply`` (1F1B's stages: inside its
-        ``shard_map`` the constraints name the abstract mesh traced in, its ``stage``
-        manual)."""
+    def tracing(self, planned: bool = True, **changes):
+        """Within: a model's layers traced under the ``Tracing`` value of this runtime's
+        plan (``planned``; else as on one device): its rows and sequences split, its
+        stacks' layout, its context attention (``redray.sharding.tracing``); ``changes``
+        to it beside. ``apply`` traces in it; so do the pieces of a step that run a
+        model's layers outside ``apply`` (1F1B's stages: inside its ``shard_map`` the
+        constraints name the abstract mesh traced in, its ``stage`` manual)."""
         plan = self.parallelism if planned else None
         mesh = None if plan is None else plan.mesh
         current = jax.sharding.get_abstract_mesh()
         if mesh is not None and current.manual_axes:
             mesh = current
-        return rows_split(mesh,
-                          1 if plan is None else plan.data_parallel, self.micro_rows,
-                          self.stage_repeats, self._context_method(), self.stacked_layers)
+        return traced(mesh=mesh, ways=1 if plan is None else plan.data_parallel,
+                      micro_rows=self.micro_rows, repeats=self.stage_repeats,
+                      context_choice=self._context_method(), layers=self.stacked_layers,
+                      **changes)
 
     def unplanned(self) -> "ModelRuntime":
         """This model without its plan: its layers run as on one device (what the
@@ -131,7 +132,7 @@ class ModelRuntime:
 
     def _context_method(self):
         """The plan's choice of how attention crosses a context axis, as the model's
-        layers ask for it (``activations.context_choice``)."""
+        layers ask for it (``tracing.context_choice``)."""
         fixed = self.plan.context_attention
         if fixed != "auto":
             return lambda *shape: fixed

@@ -36,7 +36,7 @@ from redray.engine.schedule import RunBudget
 from redray.engine.state import TrainState
 from redray.engine.steps import check_step_arguments
 from redray.functions import UserFunctions
-from redray.sharding.activations import AttentionKernels, attention_kernels
+from redray.sharding.tracing import AttentionKernels, attention_kernels
 from redray.sharding.plan import Plan
 
 

@@ -49,7 +49,7 @@ not apply, and for other attention (a KV cache's decoding, cross-attention, a se
 split over the context axis, which ``context.py`` computes), the last column's rule
 holds. A batch cuDNN's layout cannot describe exactly (padding inside a document) runs
 the blockwise kernel at run time. The kernels a Trainer's step uses are shown once in
-its console and in MLflow (``redray.attention`` tag; ``activations.note_attention``).
+its console and in MLflow (``redray.attention`` tag; ``tracing.note_attention``).
 
 **Attention sinks** (gpt-oss): a learned logit per query head joins each query's softmax
 as one more column, then dropped: ``softmax([scores, sink])[..., :-1] @ v``. The
@@ -79,7 +79,7 @@ import jax
 import jax.numpy as jnp
 
 from redray.models import fused_attention
-from redray.sharding.activations import attention_counts, attention_forced, note_attention
+from redray.sharding.tracing import attention_counts, attention_forced, note_attention
 
 # Keys from which "auto" attention is computed in chunks where no fused kernel exists.
 CHUNKED_FROM = 2048
@@ -208,7 +208,7 @@ class AttentionMask:
 
 def implementation() -> str:
     """The attention implementation asked for: the trace's
-    (``redray.sharding.activations.attention_forced``), else ``REDRAY_ATTENTION``
+    (``redray.sharding.tracing.attention_forced``), else ``REDRAY_ATTENTION``
     (default "auto")."""
     name = attention_forced() or os.environ.get("REDRAY_ATTENTION", "auto")
     if name not in IMPLEMENTATIONS:

@@ -65,7 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from redray.models.attention import (AttentionMask, Target, flash_attention, flash_backward,
                                      flash_forward)
-from redray.sharding.activations import context_choice, context_split
+from redray.sharding.tracing import context_choice, context_split
 from redray.sharding.parallelism import CONTEXT, STAGE
 
 METHODS = ("auto", "ring", "all_gather")
@@ -74,7 +74,7 @@ AXIS = CONTEXT.name
 
 def method() -> str:
     """How attention crosses the context axis: ``REDRAY_CONTEXT_ATTENTION`` (default
-    "auto": the plan's chooser, ``activations.context_choice``)."""
+    "auto": the plan's chooser, ``tracing.context_choice``)."""
     name = os.environ.get("REDRAY_CONTEXT_ATTENTION", "auto")
     if name not in METHODS:
         raise ValueError(f"REDRAY_CONTEXT_ATTENTION={name!r}: use one of {', '.join(METHODS)}")

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redray.models import paged
-from redray.sharding.activations import constrain_rows
+from redray.sharding.tracing import constrain_rows
 
 # Tokens per chunk of the chunked delta rule: the (chunk x chunk) solve and matmuls per
 # head; transformers' and flash-linear-attention's default.

@@ -14,7 +14,7 @@ from flax import nnx
 
 from redray.models import context, paged, staged_layers
 from redray.models.attention import AttentionMask, attend, dense_attention
-from redray.sharding.activations import (blocks_cut, constrain_rows, gathered_features,
+from redray.sharding.tracing import (blocks_cut, constrain_rows, gathered_features,
                                          loop_unroll, pipeline_stages, stage_layout)
 from redray.sharding.parallelism import layer_positions, stacked_count
 

@@ -20,7 +20,7 @@ from flax import nnx
 from redray.models import layers, moe
 from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, gated, linear, plain, qkv
-from redray.sharding.activations import constrain_rows
+from redray.sharding.tracing import constrain_rows
 
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
 BASE_PREFIX = "model."

@@ -80,7 +80,7 @@ from jax.sharding import PartitionSpec as P
 
 from redray.models import layers
 from redray.models.hub import Tensor, linear
-from redray.sharding.activations import context_split, traced_mesh
+from redray.sharding.tracing import context_split, traced_mesh
 from redray.sharding.parallelism import BATCH_AXES, CONTEXT, EXPERT, MODEL
 from redray.sharding.rules import axes_of
 

@@ -16,7 +16,7 @@ from flax import nnx
 from redray.models import layers
 from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, linear, plain, qkv
-from redray.sharding.activations import constrain_rows
+from redray.sharding.tracing import constrain_rows
 
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
 BASE_PREFIX = "model."

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from redray.sharding.activations import loop_unroll, parameter_spec, stage_layout
+from redray.sharding.tracing import loop_unroll, parameter_spec, stage_layout
 from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, FSDP, MODEL, STAGE,
                                          held_layers, in_held_order, layer_order,
                                          layer_positions, pipeline_ticks, stacked_count)

@@ -25,7 +25,7 @@ from flax import nnx
 from redray.models import layers
 from redray.models.generate import special_tokens, decode_loop
 from redray.models.hub import HFConfig, fused, gated, linear, plain, qkv
-from redray.sharding.activations import constrain_rows
+from redray.sharding.tracing import constrain_rows
 
 # v4 checkpoints may hold the stacks' aliases of the shared embedding, and old ones a
 # cross-attention bias table that T5 never uses.

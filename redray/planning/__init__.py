@@ -36,7 +36,7 @@ def context_chooser(hardware=None):
     process's kind of device): ``fn(batch, tokens, ways, heads, kv_heads, head_dim,
     itemsize)`` -> "ring" or "all_gather" (``redray.planning.cost.context_method``). A
     runtime passes it to the model's layers with its plan
-    (``redray.sharding.activations.context_choice``)."""
+    (``redray.sharding.tracing.context_choice``)."""
     from redray.planning.cost import context_method
     from redray.planning.hardware import Hardware
 

@@ -33,7 +33,7 @@ Read against XLA's compiled steps on 4 CPU devices (tests/test_planner.py, each
 collective weighed by how often its loop runs): the bytes of a tensor-parallel, FSDP,
 data-parallel step, one split over both ``fsdp`` and ``model``, and data-parallel steps
 with accumulation, agree to within 1%, for models whose activations stay on the batch split
-(``redray.sharding.activations``: redray's models mark them; without the marks XLA
+(``redray.sharding.tracing``: redray's models mark them; without the marks XLA
 reshards a fsdp x model step's activations by replicating them). Layers the model
 axis leaves whole run whole on every device of its group (``whole_flops``). A
 collective over a group inside one host costs ring steps on the host's link; a group

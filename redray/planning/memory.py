@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from redray.models.layers import remat_policy
 from redray.models.moe import ExpertLayers
 from redray.sharding import CONTEXT, EXPERT, FSDP, MODEL, STAGE, Parallelism
-from redray.sharding.activations import blockwise_attention
+from redray.sharding.tracing import blockwise_attention
 from redray.sharding.parallelism import held_layers, is_staged, pipeline_ticks
 from redray.sharding.pipeline_schedules import one_f_one_b_table
 from redray.sharding.rules import axes_of

@@ -5,7 +5,7 @@ kernels read and write, at the memory bandwidth).
 
 Counted on XLA's compiled step, not guessed: the model's loss gradient on one example is
 compiled for this machine's CPU with attention replaced by a stand-in
-(``redray.sharding.activations.counted_attention``) that records each call's geometry.
+(``redray.sharding.tracing.counted_attention``) that records each call's geometry.
 In the optimized program, every dot (inside a fusion or not) gives its FLOPs, and every
 other top-level kernel (a fusion, a copy, a reduction) the bytes of its operands and
 outputs; a fusion holding a dot is the matmul's (its bytes move under the matmul's
@@ -184,7 +184,7 @@ def traced_work(fn, *args, backward: bool = True) -> Work:
     """The work of ``fn(*args)`` (abstract arguments are enough), compiled for this
     process's default backend with attention counted apart; ``backward``: ``fn`` runs a
     backward pass (attention's work is then its forward's and its backward's)."""
-    from redray.sharding.activations import counted_attention
+    from redray.sharding.tracing import counted_attention
 
     with counted_attention() as calls:
         lowered = jax.jit(fn).lower(*args)

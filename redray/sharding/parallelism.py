@@ -52,6 +52,8 @@ class Axis:
       doc: what it does, in a line.
       shown_at_one: named in a plan's description when its size is 1 (an axis only some
         models use, as experts, is named only where it splits something).
+      roles: what of a model's activations it splits (``ROLES``): the layers read
+        roles while they trace (``redray.sharding.tracing``), never axis names.
     """
     name: str
     keyword: str
@@ -61,30 +63,48 @@ class Axis:
     hosts: str
     doc: str
     shown_at_one: bool = True
+    roles: tuple[str, ...] = ()
 
+
+# What of a model's activations a mesh axis may split (``Axis.roles``): a batch's rows,
+# a sequence's tokens, the stacked layers, a layer's heads and inner features, the
+# experts of a mixture.
+ROLES = ("rows", "sequence", "layers", "heads", "experts")
 
 STAGE = Axis("stage", "stage_axis", 1, False, True, OUTER,
              "pipeline parallelism: the scanned layers split into stages, micro-batches "
              "passed from stage to stage (only activations cross it)",
-             shown_at_one=False)
+             shown_at_one=False, roles=("layers",))
 DATA = Axis("data", "data_axis", "auto", True, False, ACROSS,
-            "data parallelism: each device a replica of the model, a part of the batch")
+            "data parallelism: each device a replica of the model, a part of the batch",
+            roles=("rows",))
 FSDP = Axis("fsdp", "fsdp_axis", 1, True, True, PREFER_INSIDE,
-            "data parallelism whose parameters and optimizer state are sharded too (ZeRO-3)")
+            "data parallelism whose parameters and optimizer state are sharded too (ZeRO-3)",
+            roles=("rows",))
 EXPERT = Axis("expert", "expert_axis", 1, True, True, INSIDE,
               "expert parallelism: a mixture of experts' experts split, tokens sent to "
               "theirs by all-to-all; data parallelism for the other layers",
-              shown_at_one=False)
+              shown_at_one=False, roles=("rows", "experts"))
 CONTEXT = Axis("context", "context_axis", 1, False, False, PREFER_INSIDE,
                "context parallelism: each sequence split over it, attention passing keys "
                "and values around (long sequences whose activations one device cannot hold)",
-               shown_at_one=False)
+               shown_at_one=False, roles=("sequence",))
 MODEL = Axis("model", "model_axis", 1, False, True, INSIDE,
-             "tensor parallelism: layers split, one all-reduce per column/row pair")
+             "tensor parallelism: layers split, one all-reduce per column/row pair",
+             roles=("heads",))
 
 # In mesh order: the last is innermost, its peers neighbours in the device order.
 AXES: tuple[Axis, ...] = (STAGE, DATA, FSDP, EXPERT, CONTEXT, MODEL)
 BATCH_AXES: tuple[str, ...] = tuple(a.name for a in AXES if a.splits_batch)
+
+
+def role_axes(role: str) -> tuple[str, ...]:
+    """The names of the axes that play ``role`` (``ROLES``), in mesh order."""
+    if role not in ROLES:
+        raise ValueError(f"{role!r} is not a role of the mesh: use one of {', '.join(ROLES)}")
+    return tuple(a.name for a in AXES if role in a.roles)
+
+
 KEYWORDS: tuple[str, ...] = tuple(a.keyword for a in AXES)
 # The axes that split parameters, innermost first.
 PARAMETER_AXES: tuple[Axis, ...] = tuple(a for a in reversed(AXES) if a.splits_parameters)

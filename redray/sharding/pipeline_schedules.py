@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from redray.sharding.activations import loop_unroll
+from redray.sharding.tracing import loop_unroll
 from redray.sharding.parallelism import STAGE
 
 
