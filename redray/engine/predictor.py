@@ -36,8 +36,8 @@ class Predictor:
                  extra=None, batch_size: int, parallelism: Parallelism | None = None,
                  mesh: Mesh | None = None, compute_dtype=None, rules=(), seed: int = 0,
                  **axes):
-        plan = Parallelism.resolve(parallelism, mesh, rules, axes, "Predictor")
-        self._setup(ModelRuntime(model, plan, compute_dtype, seed), collate, predict,
+        parallelism = Parallelism.resolve(parallelism, mesh, rules, axes, "Predictor")
+        self._setup(ModelRuntime(model, parallelism, compute_dtype, seed), collate, predict,
                     batch_size, seed)
         self._given = (params, extra)
 

@@ -167,7 +167,7 @@ class TrainProgram:
         """The jitted training step, built once: ``steps.train_step`` bound to this
         model, loss and optimizer, with the state's shardings and the state donated."""
         if "train" not in self.jitted:
-            rt, g, plan = self.runtime, self.geometry, self.runtime.parallelism
+            rt, g, parallelism = self.runtime, self.geometry, self.runtime.parallelism
             # with pipeline stages the micro-batches are the pipeline's, in one pass
             accumulation = 1 if rt.micro_rows else g.accumulation
             if rt.micro_rows and rt.pipeline_schedule == "1f1b":
@@ -176,13 +176,13 @@ class TrainProgram:
                 gradients = microbatched(
                     model_gradients(model_loss(rt.train_apply, self.functions.loss),
                                     self.grad_fn),
-                    accumulation, g.micro_rows, plan.micro_batches_sharding(),
+                    accumulation, g.micro_rows, parallelism.micro_batches_sharding(),
                     self.metric_names)
             self.jitted["train"] = jax.jit(
                 functools.partial(train_step, gradients=gradients, optimizer=self.optimizer,
                                   on_nonfinite=self.on_nonfinite),
-                in_shardings=(self.layout.shardings, plan.batch_sharding()),
-                out_shardings=(self.layout.shardings, plan.replicated()),
+                in_shardings=(self.layout.shardings, parallelism.batch_sharding()),
+                out_shardings=(self.layout.shardings, parallelism.replicated()),
                 donate_argnums=0)
         return self.jitted["train"]
 
@@ -223,7 +223,7 @@ class TrainProgram:
         """What one training step holds per device, by part (``Trainer.memory``): the
         planner's count (``facts.memory``, ``facts`` the model's ``RuntimeFacts``) on
         this plan and geometry, with the state's parts as its arrays hold them."""
-        cd, plan = self.runtime.compute_dtype, self.runtime.parallelism
+        cd, parallelism = self.runtime.compute_dtype, self.runtime.parallelism
 
         def per_device(tree):
             return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
@@ -236,16 +236,16 @@ class TrainProgram:
                          * jnp.dtype(cd).itemsize
                          for x in jax.tree.leaves((state.params, state.frozen))
                          if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(cd))
-        rows = placement(self.runtime.held[0], self.runtime.specs[0], plan.mesh)
+        rows = placement(self.runtime.held[0], self.runtime.specs[0], parallelism.mesh)
         geometry = self.geometry
-        counted = facts.memory(plan, rows, geometry.micro_batch_size, "none",
+        counted = facts.memory(parallelism, rows, geometry.micro_batch_size, "none",
                                geometry.accumulation, self.runtime.pipeline_schedule,
                                self.runtime.stage_repeats)["parts"]
         held = {"parameters": params + frozen, "optimizer": per_device(state.opt_state),
                 "gradients": params, "compute_copies": copies}
         out = totals({**counted, **held}, device_gib)
         compiled = compiled_memory(self.compiled(state).memory_analysis())
-        out["compiled"] = {**compiled, "platform": plan.mesh.devices.flat[0].platform}
+        out["compiled"] = {**compiled, "platform": parallelism.mesh.devices.flat[0].platform}
         out["per_device_batch"] = geometry.micro_batch_size
         if device_gib is not None:
             out["fits"] = max(out["total"], compiled["peak"]) <= out["device_bytes"]

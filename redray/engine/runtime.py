@@ -89,9 +89,10 @@ class ModelRuntime:
         model's own dataflow, what the spec rules read)."""
         cast = cast_floating(params, self.compute_dtype)
         model = self.adapter.bind(cast, extra, rng)
-        plan = self.parallelism if planned else None
+        parallelism = self.parallelism if planned else None
         specs = None
-        if plan is not None and self.specs is not None and plan.size(STAGE) > 1:
+        if parallelism is not None and self.specs is not None and \
+                parallelism.size(STAGE) > 1:
             # what run_stages keeps split (read only on a plan with stages)
             leaves, treedef = jax.tree.flatten(cast)
             try:
@@ -109,12 +110,12 @@ class ModelRuntime:
         to it beside. ``apply`` traces in it; so do the pieces of a step that run a
         model's layers outside ``apply`` (1F1B's stages: inside its ``shard_map`` the
         constraints name the abstract mesh traced in, its ``stage`` manual)."""
-        plan = self.parallelism if planned else None
-        mesh = None if plan is None else plan.mesh
+        parallelism = self.parallelism if planned else None
+        mesh = None if parallelism is None else parallelism.mesh
         current = jax.sharding.get_abstract_mesh()
         if mesh is not None and current.manual_axes:
             mesh = current
-        return traced(mesh=mesh, ways=1 if plan is None else plan.data_parallel,
+        return traced(mesh=mesh, ways=1 if parallelism is None else parallelism.data_parallel,
                       micro_rows=self.micro_rows, repeats=self.stage_repeats,
                       context_choice=self._context_method(), layers=self.stacked_layers,
                       **changes)

@@ -327,12 +327,13 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
         if key not in axes:
             setattr(config, key, value)
     fam = family(config.model_type)
-    plan = Parallelism.resolve(parallelism, mesh, rules, axes, "from_pretrained")
-    mesh = plan.mesh
+    parallelism = Parallelism.resolve(parallelism, mesh, rules, axes, "from_pretrained")
+    mesh = parallelism.mesh
     make = lambda: fam.Model(config, rngs=fast_rngs(seed), dtype=dtype, remat=remat,  # noqa: E731
                              scan=scan)
     graphdef, params_abs, extra_abs = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
-    specs = model_specs(graphdef, (params_abs, extra_abs), plan, fam.trace_inputs(config))
+    specs = model_specs(graphdef, (params_abs, extra_abs), parallelism,
+                        fam.trace_inputs(config))
     param_specs, extra_specs = specs
     paths, leaves, treedef = flatten(params_abs)
     spec_leaves = jax.tree.leaves(param_specs,

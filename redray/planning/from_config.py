@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from redray.planning.memory import StepShape, _fresh_state, memory_plan
+from redray.planning.memory import StepShape, _fresh_state, step_memory
 from redray.planning.memory import part_lines, size_text
 from redray.planning.planner import ModelFacts, stacked_layers
 from redray.sharding import (AXES, EXPERT, FSDP, MODEL, PARAMETER_AXES, STAGE, Parallelism,
@@ -199,7 +199,7 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
         counts as one parameter per layer, each of its layer's size).
       step: a ``redray.planning.memory.StepShape`` (batch, sequence, remat policy,
         compute dtype): the result gets ``memory``, what one training step holds per
-        device (``redray.planning.memory.memory_plan``).
+        device (``redray.planning.memory.step_memory``).
       device_gib: with ``step``, the device memory to check the step against.
       scan: the model's layers stacked and scanned (None: as ``build`` builds them by
         default; always with a stage axis).
@@ -283,7 +283,7 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
     memory = None
     if step is not None:
         try:
-            memory = memory_plan(fam, config, param_rows, int(actual["opt"]), parallelism, step,
+            memory = step_memory(fam, config, param_rows, int(actual["opt"]), parallelism, step,
                                  device_gib, experts=experts)
         except ValueError as e:
             raise PlanError(str(e)) from None
@@ -396,7 +396,7 @@ class ConfigFacts(ModelFacts):
     """What the planner needs of a ``redray.models`` family built from ``config``
     (``redray.planning.planner.ModelFacts``): its parameters, its dataflow, one
     example's FLOPs (XLA's cost analysis, layers at depth 1 and 2 extrapolated) and a
-    step's memory (``memory_plan``, its traces kept between candidates).
+    step's memory (``step_memory``, its traces kept between candidates).
 
     Args:
       config: a ``transformers`` config (or a preset name, a path, config fields).
@@ -480,7 +480,7 @@ class ConfigFacts(ModelFacts):
                                    micro_batch_size=rows_per_pass, remat=remat,
                                    pipeline_schedule=schedule, stage_repeats=repeats)
         params = sum(r.bytes_per_device for r in rows)
-        return memory_plan(self.fam, self.config, rows, 2 * params, parallelism, step,
+        return step_memory(self.fam, self.config, rows, 2 * params, parallelism, step,
                            traces=self._traces, experts=self.experts,
                            blockwise=self.fused_attention, layers=stacked_layers(self))
 

@@ -1,5 +1,5 @@
 """What a training step holds per device, by part: the one memory model, shared by
-``redray plan`` (from a config, no devices: ``memory_plan``), the planner, and
+``redray plan`` (from a config, no devices: ``step_memory``), the planner, and
 ``Trainer.memory()`` (the user's own model and loss: ``redray/engine/facts.py``).
 
 The state (parameters, optimizer moments) comes from the sharding plan. Beside it a
@@ -202,7 +202,7 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
                repeats: int = 1, layers: int = 0) -> dict:
     """What one training step holds per device, by part: the one count behind
     ``Trainer.memory()``, the planner (``facts.memory``) and ``redray plan``
-    (``memory_plan``), each giving it what it knows of the state and the activations.
+    (``step_memory``), each giving it what it knows of the state and the activations.
 
     Args:
       state: bytes per device of the state's parts: ``parameters`` (trained and
@@ -631,7 +631,7 @@ def config_activation_bytes(fam, config, step: StepShape, per_device_batch: int,
             "per_layer": int(max(deltas)), "host": int(max(host, 0))}
 
 
-def memory_plan(fam, config, param_rows, opt_bytes: int, parallelism: Parallelism,
+def step_memory(fam, config, param_rows, opt_bytes: int, parallelism: Parallelism,
                 step: StepShape, device_gib: float | None = None,
                 traces: dict | None = None, experts=(), blockwise: bool = False,
                 layers: int | None = None) -> dict:

@@ -365,14 +365,14 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
           hardware: Hardware, budget: float, specs_cache: dict | None = None) -> Scored:
     """A candidate plan's memory per device and predicted step (``batch_size``: its
     geometry's global batch)."""
-    plan, geometry = candidate.parallelism, candidate.geometry
-    shape = plan.shape
+    parallelism, geometry = candidate.parallelism, candidate.geometry
+    shape = parallelism.shape
     devices = math.prod(shape.values())
     micro_batch_size, remat = geometry.micro_batch_size, candidate.remat
     key = tuple(sorted(shape.items()))
     cache = {} if specs_cache is None else specs_cache
     if key not in cache:
-        specs = partition_specs(plan.spec_passes(), facts.paths, facts.shapes, facts.dtypes,
+        specs = partition_specs(parallelism.spec_passes(), facts.paths, facts.shapes, facts.dtypes,
                                 shape, facts.trace if shape[MODEL.name] > 1
                                 or shape[EXPERT.name] > 1 or shape[STAGE.name] > 1 else None)
         cache[key] = specs
@@ -380,7 +380,7 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     stages, micro_batches = shape[STAGE.name], geometry.accumulation
     repeats = candidate.stage_repeats
     shapes = _held_shapes(facts, specs, stages, repeats)
-    rows = _placement(facts, specs, plan, shapes)
+    rows = _placement(facts, specs, parallelism, shapes)
     # with stages the micro-batches are the pipeline's: M + S - 1 ticks (P R + S - 1
     # with circular repeats), each running a chunk of a stage's layers; 1F1B's own
     # table gives its length (M R + S - 1 where S divides M)
@@ -392,7 +392,7 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     layers = stacked_layers(facts)
     bubble = ticks / (micro_batches * repeats) * (
         chunk_share(stages, repeats, layers) * stages * repeats if stages > 1 else 1.0)
-    memory = facts.memory(plan, rows, micro_batch_size, remat,
+    memory = facts.memory(parallelism, rows, micro_batch_size, remat,
                           micro_batches, candidate.pipeline_schedule, repeats)
     scanned = facts.trace.scanned if facts.trace is not None else {}
     hidden = hidden_width(facts.shapes, scanned)
@@ -629,9 +629,10 @@ def _held_shapes(facts: ModelFacts, specs, stages: int, repeats: int) -> list[tu
             for s, spec in zip(facts.shapes, specs)]
 
 
-def _placement(facts: ModelFacts, specs, plan: Parallelism, shapes) -> list[Placement]:
+def _placement(facts: ModelFacts, specs, parallelism: Parallelism,
+               shapes) -> list[Placement]:
     import jax
 
     leaves = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, facts.dtypes)]
-    rows = placement(leaves, specs, plan.mesh)
+    rows = placement(leaves, specs, parallelism.mesh)
     return [dataclasses.replace(r, path=p) for r, p in zip(rows, facts.paths)]

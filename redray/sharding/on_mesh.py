@@ -73,10 +73,10 @@ def model_specs(graphdef, state, parallelism, inputs: dict, whole: list | None =
 def placed_state(model, parallelism, inputs: dict):
     """``model``'s state placed on ``parallelism``'s mesh (built if it is not) by its
     automatic specs, traced on ``model(**inputs)``."""
-    plan = parallelism.build() if parallelism.mesh is None else parallelism
+    parallelism = parallelism.build() if parallelism.mesh is None else parallelism
     graphdef, params, extra = nnx.split(model, nnx.Param, ...)
-    specs = model_specs(graphdef, (params, extra), plan, inputs)
-    placed = jax.tree.map(lambda x, s: put(x, NamedSharding(plan.mesh, s)), (params, extra),
+    specs = model_specs(graphdef, (params, extra), parallelism, inputs)
+    placed = jax.tree.map(lambda x, s: put(x, NamedSharding(parallelism.mesh, s)), (params, extra),
                           specs, is_leaf=lambda x: isinstance(x, P))
     return nnx.state(nnx.merge(graphdef, *placed))
 
