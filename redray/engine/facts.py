@@ -1,4 +1,4 @@
-"""The planner's facts of a Trainer's own model and loss (``parallelism="auto"``), read
+"""The planner's facts of a Trainer's own model and loss (``plan="auto"``), read
 from this runtime: what ``redray.planning.live.choose`` ranks plans of.
 
 The facts come from abstract traces of the loss on the first batch's shapes: its

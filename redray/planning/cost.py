@@ -54,7 +54,7 @@ model), its matmuls at ``Hardware.matmul_flops``, attention at the fused kernel'
 optimizer's update at ``Hardware.memory_bandwidth``, plus ``micro_batch_overhead`` per
 micro-batch; else the step's FLOPs at the matmul rate; or, where the model's own pass
 was timed on the live devices
-(``ModelTiming``, what ``Trainer(parallelism="auto")`` measures), the FLOPs at the rate
+(``ModelTiming``, what ``Trainer(plan="auto")`` measures), the FLOPs at the rate
 that pass ran, its measured cost per micro-batch, and the update (optimizer, gradient
 norm) at its measured cost per parameter element a device holds: a data-parallel
 plan updates every parameter on every device, FSDP and tensor parallelism a share.

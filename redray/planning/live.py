@@ -1,4 +1,4 @@
-"""The plan of a Trainer's own model on this runtime's devices (``parallelism="auto"``):
+"""The plan of a Trainer's own model on this runtime's devices (``plan="auto"``):
 the planner's ranking of its facts (``redray.engine.facts.RuntimeFacts``) on the live,
 probed hardware, with the model's pass timed there.
 
