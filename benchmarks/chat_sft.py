@@ -132,7 +132,7 @@ def redray_side(folder: str, out: str):
     rows = [{k: np.asarray(r[k], np.int32) for k in ("ids", "segment_ids", "loss_mask")}
             for r in table]
     model = from_pretrained(folder)
-    trainer = redray.Trainer(model, ex.collate, ex.loss, optax.adamw(LR, weight_decay=0.0),
+    trainer = redray.Trainer.of(model, ex.collate, ex.loss, optax.adamw(LR, weight_decay=0.0),
                              batch_size=BATCH, log_every=10**6, progress=False, seed=0)
     trainer.fit(rows, epochs=10**6, max_steps=1, shuffle=False)  # warm-up: compiles
 

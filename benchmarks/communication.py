@@ -330,7 +330,7 @@ def setup(case: str, s: Sizes, m: MlpSizes = MLP_FULL, rules=(),
 
 
 def _trainer(model, loss_fn, batch: int, rules) -> redray.Trainer:
-    return redray.Trainer(model, collate, loss_fn, optax.adam(1e-3), batch_size=batch,
+    return redray.Trainer.of(model, collate, loss_fn, optax.adam(1e-3), batch_size=batch,
                           model_axis=MODEL_AXIS, rules=rules, progress=False)
 
 
@@ -453,7 +453,7 @@ def measure_moe_ep(s: Sizes) -> list[dict]:
                           max_position_embeddings=s.seq, num_local_experts=EXPERTS,
                           num_experts_per_tok=TOP_K, tie_word_embeddings=False)
         c.capacity_factor = capacity
-        trainer = redray.Trainer(lambda rngs, c=c: build(c, rngs=rngs, scan=False), collate,
+        trainer = redray.Trainer.of(lambda rngs, c=c: build(c, rngs=rngs, scan=False), collate,
                                  loss, optax.adam(1e-3), batch_size=s.batch,
                                  expert_axis=MODEL_AXIS,
                                  progress=False)

@@ -73,7 +73,7 @@ def first_step(folder: str, tiny: bool) -> None:
     c = config("llama", s)
     rows = np.random.default_rng(0).integers(1, s.vocab, (s.batch, s.seq + 1), np.int32)
     start = time.perf_counter()
-    trainer = redray.Trainer(lambda rngs: build(c, rngs=rngs), collate, loss, optax.adam(1e-3),
+    trainer = redray.Trainer.of(lambda rngs: build(c, rngs=rngs), collate, loss, optax.adam(1e-3),
                              batch_size=s.batch, model_axis=2, progress=False)
     trainer.fit([{"ids": r} for r in rows], epochs=1, max_steps=1)
     print(json.dumps({"seconds": time.perf_counter() - start}))
@@ -98,7 +98,7 @@ def depth_figures(tiny: bool, rounds: int) -> list[dict]:
         for scan in (True, False):
             for layers in (2, deep):
                 c = config("llama", Sizes(**{**base.__dict__, "layers": layers}))
-                trainer = redray.Trainer(
+                trainer = redray.Trainer.of(
                     lambda rngs, c=c: build(c, rngs=rngs, scan=scan, remat="full"), collate,
                     loss, optax.adam(1e-3), batch_size=base.batch, model_axis=2, progress=False)
                 trainer.init(data)
@@ -156,7 +156,7 @@ def llama4_depth_figure(tiny: bool, rounds: int) -> dict:
     for _ in range(rounds):
         for layers in (shallow, deep):
             c = config("llama4", Sizes(**{**base.__dict__, "layers": layers}))
-            trainer = redray.Trainer(
+            trainer = redray.Trainer.of(
                 lambda rngs, c=c: build(c, rngs=rngs, scan=True, remat="full"), collate,
                 loss, optax.adam(1e-3), batch_size=base.batch, model_axis=2, progress=False)
             trainer.init(data)

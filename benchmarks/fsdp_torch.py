@@ -165,7 +165,7 @@ def single_redray(job_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     per_process = job["batch"] // job["world"]
-    trainer = redray.Trainer(from_pretrained(job["init"]), collate, loss, optax.adamw(
+    trainer = redray.Trainer.of(from_pretrained(job["init"]), collate, loss, optax.adamw(
         job["lr"], eps=job["eps"], weight_decay=job["weight_decay"]), batch_size=per_process,
         mesh=redray.make_mesh(devices=jax.devices()[:1]), progress=False)
     batch = collate([{"ids": w} for w in np.load(job["train"])[:per_process]])

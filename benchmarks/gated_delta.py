@@ -76,7 +76,7 @@ def run_side(side: str, folder: str, s: dict, steps: int) -> dict:
         def loss(model, batch, rng, train):
             return next_token_loss(model, batch["ids"], train=train)
 
-        trainer = redray.Trainer(
+        trainer = redray.Trainer.of(
             from_pretrained(folder), lambda rows: {"ids": np.stack([r["ids"] for r in rows])},
             loss, optax.adamw(lr, eps=eps, weight_decay=decay), batch_size=1,
             mesh=redray.make_mesh(devices=jax.devices()[:1]), progress=False)

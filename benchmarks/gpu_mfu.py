@@ -12,7 +12,7 @@ loss over 2048-token chunks of the LM head (``redray.models.next_token_loss``: t
 same device, alternating rounds of ``--windows`` timed windows of ``--window`` steps
 (the first window of each round excluded):
 
-* redray: ``redray.Trainer(..., compute_dtype=jnp.bfloat16).fit`` on the examples in
+* redray: ``redray.Trainer.of(..., compute_dtype=jnp.bfloat16).fit`` on the examples in
   memory; tokens/s from the windows ``fit`` logs;
 * hand-written: ``jax.jit`` of value_and_grad of the same loss on the same model
   (parameters cast to bfloat16 inside), ``optax`` update, donated state, each batch
@@ -248,14 +248,14 @@ def main(argv=None) -> None:
                                              (args.batch * args.window, args.seq + 1), np.int32)
     examples = [{"ids": r} for r in rows]
 
-    trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs, dtype=jnp.bfloat16,
+    trainer = redray.Trainer.of(lambda rngs: build(config, rngs=rngs, dtype=jnp.bfloat16,
                                                 remat=remat),
                              collate, loss, optax.adamw(LR), batch_size=args.batch,
                              compute_dtype=jnp.bfloat16, log_every=args.window, progress=False,
                              mesh=redray.make_mesh(devices=[device]))
     segments = documents(len(rows), args.seq + 1)
     packed_examples = [{"ids": r, "segment_ids": seg} for r, seg in zip(rows, segments)]
-    packed = redray.Trainer(lambda rngs: build(config, rngs=rngs, dtype=jnp.bfloat16,
+    packed = redray.Trainer.of(lambda rngs: build(config, rngs=rngs, dtype=jnp.bfloat16,
                                                remat=remat),
                             collate, packed_loss, optax.adamw(LR), batch_size=args.batch,
                             compute_dtype=jnp.bfloat16, log_every=args.window,

@@ -44,7 +44,7 @@ class StepTimer:
 
 
 def run(feed, steps, seed):
-    trainer = redray.Trainer(lambda rngs: TinyLM(rngs, vocab=256, dim=128), lm_collate, lm_loss,
+    trainer = redray.Trainer.of(lambda rngs: TinyLM(rngs, vocab=256, dim=128), lm_collate, lm_loss,
                              optax.adam(1e-3), batch_size=32, model_axis=2, progress=False,
                              log_every=steps, seed=seed)
     trainer.fit(feed, epochs=1, max_steps=3)  # compile outside the measurement

@@ -103,7 +103,7 @@ def compiled_step(s: Sizes, model_axis: int, fsdp_axis: int, remat: str, scan: b
     """A Trainer on the 4 devices, initialized, for a model of ``family`` (LLaMA) of
     sizes ``s``."""
     config_ = config(family, s)
-    trainer = redray.Trainer(lambda rngs: build(config_, rngs=rngs, remat=remat, scan=scan),
+    trainer = redray.Trainer.of(lambda rngs: build(config_, rngs=rngs, remat=remat, scan=scan),
                              collate,
                              plan_loss, optax.adamw(1e-3), batch_size=s.batch,
                              model_axis=model_axis, fsdp_axis=fsdp_axis, progress=False)

@@ -75,7 +75,7 @@ def trainers(s: dict) -> dict:
                                                                  dense_loss)):
         # layers as a list: XLA's cost analysis (the FLOPs beside the figure) counts a
         # scanned loop's body once
-        out[name] = redray.Trainer(lambda rngs, c=config: build(c, rngs=rngs, scan=False),
+        out[name] = redray.Trainer.of(lambda rngs, c=config: build(c, rngs=rngs, scan=False),
                                    collate, loss,
                                    optax.adamw(1e-3), batch_size=s["batch"], data_axis=4,
                                    progress=False, checkpoint=False, seed=0)

@@ -144,7 +144,7 @@ def main(argv=None):
     vocab = 256
     data = token_data(args.batch * args.steps, seq=args.seq, vocab=vocab)
     build = lambda rngs=None: TinyLM(rngs or nnx.Rngs(0), vocab=vocab, dim=args.dim)  # noqa: E731
-    make = lambda **kw: redray.Trainer(build, lm_collate, lm_loss, optax.adam(1e-3),  # noqa: E731
+    make = lambda **kw: redray.Trainer.of(build, lm_collate, lm_loss, optax.adam(1e-3),  # noqa: E731
                                        batch_size=args.batch, model_axis=2, progress=False,
                                        log_every=LOG_EVERY, **kw)
     fit_trainer, step_trainer = make(), make()

@@ -220,7 +220,7 @@ def memory_figures(s: dict, stages: int, micros) -> list[dict]:
                                                  dtype=np.int32)]
         for name, remat, schedule in (("1f1b", False, "1f1b"), ("gpipe", False, "gpipe"),
                                       ("gpipe_remat_full", "full", "gpipe")):
-            trainer = redray.Trainer(
+            trainer = redray.Trainer.of(
                 lambda rngs, remat=remat: build(config(s), rngs=rngs, scan=True, remat=remat),
                 lambda e: {"ids": np.stack([x["ids"] for x in e])},
                 lambda model, batch, rng, train: loss(model, batch["ids"], train),

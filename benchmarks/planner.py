@@ -97,13 +97,13 @@ def measure_model(name: str, family: str, s: Sizes, rounds: int, steps: int,
     data = data_for(family, s, s.batch * (steps + 1))
     hardware = dataclasses.replace(probe(), device_memory=BUDGET_MIB * (1 << 20))
     options = dict(batch_size=s.batch, progress=False, checkpoint=False, seed=0)
-    auto = redray.Trainer(model, collate, step_loss, optax.adamw(1e-3),
+    auto = redray.Trainer.of(model, collate, step_loss, optax.adamw(1e-3),
                           plan="auto", hardware=hardware, **options)
     auto.init(data)
     ranking = auto.plan_ranking
     pick = ranking.best.plan.brief()
     def built(plan):  # a Trainer pinned to ``plan``, initialized
-        trainer = redray.Trainer(model, collate, step_loss, optax.adamw(1e-3),
+        trainer = redray.Trainer.of(model, collate, step_loss, optax.adamw(1e-3),
                                  **{a.keyword: plan.shape[a.name] for a in AXES},
                                  micro_batch_size=plan.geometry.micro_batch_size, **options)
         trainer.init(data)

@@ -62,7 +62,7 @@ def redray_side(config: dict) -> dict:
     module, examples, example_input = task(config)
     start = time.perf_counter()
     dp = DEVICES // config["model_axis"]
-    trainer = redray.Trainer(redray.LinenModel(module, example_input), collate,
+    trainer = redray.Trainer.of(redray.LinenModel(module, example_input), collate,
                              lambda model, batch, rng, train: loss_of(model, batch),
                              optax.adam(config["learning_rate"]),
                              batch_size=config["per_device_batch"] * dp,

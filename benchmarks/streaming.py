@@ -195,7 +195,7 @@ class StepClock(redray.Hook):
 
 def timed_fit(feed, steps: int, seed: int) -> dict:
     clock = StepClock()
-    trainer = redray.Trainer(lambda rngs: TinyLM(rngs, vocab=256, dim=128), ids_collate,
+    trainer = redray.Trainer.of(lambda rngs: TinyLM(rngs, vocab=256, dim=128), ids_collate,
                              lm_loss, optax.adam(1e-3), batch_size=32, model_axis=2,
                              progress=False, log_every=steps, seed=seed, hooks=[clock])
     start = time.perf_counter()
@@ -236,7 +236,7 @@ def resume_probe(corpus: str, checkpoints: str) -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     clock = StepClock()
     start = time.perf_counter()
-    trainer = redray.Trainer(lambda rngs: TinyLM(rngs), ids_collate, lm_loss, optax.adam(1e-3),
+    trainer = redray.Trainer.of(lambda rngs: TinyLM(rngs), ids_collate, lm_loss, optax.adam(1e-3),
                              batch_size=32, model_axis=2, progress=False, hooks=[clock],
                              checkpoint=redray.CheckpointConfig(checkpoints, save_every=10**9))
     stream = redray.Stream(corpus, shuffle_buffer=1024, streams=2)
@@ -260,7 +260,7 @@ def resume_figure(args, work: str) -> dict:
     try:
         for name, at in (("start", 2), ("end", per_epoch - 2)):
             folders[name] = os.path.join(work, f"ckpt-{name}")
-            trainer = redray.Trainer(lambda rngs: TinyLM(rngs), ids_collate, lm_loss,
+            trainer = redray.Trainer.of(lambda rngs: TinyLM(rngs), ids_collate, lm_loss,
                                      optax.adam(1e-3), batch_size=32, model_axis=2,
                                      progress=False, checkpoint=redray.CheckpointConfig(
                                          folders[name], save_every=10**9))

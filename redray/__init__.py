@@ -8,9 +8,11 @@ The user writes::
 
 and redray does the rest. Public API:
 
-* ``Trainer(model, collate, loss, optimizer, predict=None, batch_size=..., model_axis=...,
-  fsdp_axis=..., micro_batch_size=..., compute_dtype=..., rules=..., trainable=...,
-  grad_fn=..., hooks=..., on_nonfinite=..., plan=...)``: ``init``, ``fit``,
+* ``Trainer(model, collate, loss, optimizer, predict=None, batch_size=..., plan=...,
+  step=..., data=..., report=..., checkpoint=..., hooks=..., config=..., seed=...)``, its
+  settings ``PlanSettings``, ``StepSettings``, ``DataSettings``, ``ReportSettings``; or
+  ``Trainer.of(..., model_axis=..., micro_batch_size=..., log_every=...)`` from the
+  same as flat keywords, as ``fit`` takes them: ``init``, ``fit``,
   ``evaluate``, ``train_step``, ``log``, ``plan``, ``predictor``, ``model``, ``step``,
   ``add_hook``.
 * ``Schedule(peak, warmup=..., decay=...)``: a learning rate over the run's budget, which
@@ -66,7 +68,8 @@ __all__, __getattr__, __dir__ = exports(__name__, {
                        "cluster_options", "fit", "run"],
     "redray.data": ["Stream"],
     "redray.evaluation": ["evaluate_tasks"],
-    "redray.engine": ["Hook", "LinenModel", "NonFiniteError", "Predictor", "Schedule", "Trainer",
+    "redray.engine": ["DataSettings", "Hook", "LinenModel", "NonFiniteError", "PlanSettings",
+                      "Predictor", "ReportSettings", "Schedule", "StepSettings", "Trainer",
                       "load_model", "load_params"],
     "redray.functions": ["UserFunctions", "UserFunctionError"],
     "redray.sharding": ["Parallelism", "Plan", "derive_specs", "format_placement", "make_mesh",

@@ -105,7 +105,10 @@ def test_every_path_the_doc_names_exists():
 # checkpoint item holding the weights, a property's name in an error, a package folder.
 NOT_AXES = {("redray/engine/state.py", "MODEL_ITEM, TRAIN_ITEM"),
             ("redray/engine/trainer.py", '_require_init("model")'),
-            ("redray/models/tokenizer.py", '"data")')}
+            ("redray/models/tokenizer.py", '"data")'),
+            # the Trainer's data settings (its keyword data=)
+            ("redray/engine/settings.py", '"data": DataSettings'),
+            ("redray/engine/settings.py", '": ("data", "')}
 
 
 def axis_name_strings(names: set[str]):
@@ -294,3 +297,33 @@ def test_a_step_is_traced_under_one_frozen_value():
     assert tracing() == Tracing()
     with pytest.raises(dataclasses.FrozenInstanceError):
         Tracing().ways = 2
+
+
+def test_the_trainer_takes_its_settings_composed():
+    """``Trainer.__init__`` takes at most 15 parameters (self included) and no
+    ``**kwargs``: its settings are dataclasses, one per concern; the flat keywords
+    (``Trainer.of``, ``redray.fit``) each name one field of one of them."""
+    import dataclasses
+    import inspect
+
+    from redray.engine import Trainer
+    from redray.engine.settings import AS_THEY_ARE, FLAT, GROUPS, from_flat
+
+    parameters = inspect.signature(Trainer.__init__).parameters
+    assert len(parameters) <= 15, list(parameters)
+    assert all(p.kind != p.VAR_KEYWORD for p in parameters.values())
+    assert set(GROUPS) | set(AS_THEY_ARE) <= set(parameters)
+    for key, (group, field) in FLAT.items():  # every flat keyword names a real field
+        assert field in {f.name for f in dataclasses.fields(GROUPS[group])}, key
+    built = from_flat({"model_axis": 2, "log_every": 1, "grad_fn": None, "seed": 3})
+    assert built["plan"].axes == {"model_axis": 2} and built["report"].log_every == 1
+    assert built["seed"] == 3 and "data" not in built
+    with pytest.raises(TypeError, match=r"Trainer got unknown keyword\(s\) \['lerning_rate'\]"):
+        from_flat({"lerning_rate": 0.1})
+
+
+def test_the_command_line_is_a_parser_and_a_dispatch():
+    """``redray/cli.py`` parses and dispatches in at most 300 lines; each command's
+    parser and handler are in ``redray/commands/``."""
+    with open(os.path.join(ROOT, "redray", "cli.py")) as f:
+        assert len(f.read().splitlines()) <= 300

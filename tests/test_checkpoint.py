@@ -28,7 +28,7 @@ def dropout_model(rngs):
 def trainer(directory=None, model=dropout_model, **kw):
     options = dict(batch_size=8, model_axis=2, log_every=1, progress=False, seed=3)
     options.update(kw)
-    return redray.Trainer(model, lm_collate, lm_loss, optax.adam(1e-2), lm_predict,
+    return redray.Trainer.of(model, lm_collate, lm_loss, optax.adam(1e-2), lm_predict,
                           checkpoint=directory, **options)
 
 
@@ -249,7 +249,7 @@ def test_a_checkpoint_of_listed_layers_resumes_in_a_scanned_model_and_back(tmp_p
     data = token_data(16, seq=12)
 
     def trainer(scan, folder):
-        return redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=scan), lm_collate,
+        return redray.Trainer.of(lambda rngs: build(config, rngs=rngs, scan=scan), lm_collate,
                               lm_loss, optax.adam(1e-2), batch_size=4, progress=False,
                               log_every=1, checkpoint=str(tmp_path / folder))
 

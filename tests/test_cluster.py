@@ -44,7 +44,7 @@ def test_two_hosts_train_like_one_process(tmp_path):
         return {"next_ok": float(np.mean([np.mean(p[:-1] == e["ids"][1:])
                                           for e, p in zip(examples, predictions)]))}
 
-    local = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+    local = redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                            predict=lm_predict, progress=False, **OPTIONS)
     expected = local.fit(DATA, epochs=2, max_steps=16, eval_data=DATA[:21], eval_metric=metric)
     # the cluster runs the local run's plan, given as the file of its JSON

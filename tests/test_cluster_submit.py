@@ -119,7 +119,7 @@ def wait_until_ready(dashboard: str, client_port: int, seconds: float = 120) -> 
 
 
 def expected_losses(steps):
-    t = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+    t = redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                        progress=False, **OPTIONS)
     return [r["loss"] for r in t.fit(token_data(96), epochs=1, max_steps=steps)]
 

@@ -149,7 +149,7 @@ def test_verbose_reads_its_flag_then_the_environment(monkeypatch):
 
 
 def test_the_local_bar_runs_to_the_runs_budget_not_the_epochs_end(capsys):
-    trainer = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+    trainer = redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                              batch_size=8, log_every=2)
     trainer.fit(token_data(96), epochs=1, max_steps=5)  # 12 batches per epoch
     err = capsys.readouterr().err

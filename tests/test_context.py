@@ -390,7 +390,7 @@ def test_the_memory_plan_of_a_context_step_is_checked_against_the_compiled_step(
     ratios = {}
     for axes in (dict(data_axis=4), dict(context_axis=4), dict(context_axis=2, model_axis=2),
                  dict(stage_axis=2, data_axis=2), dict(stage_axis=2, context_axis=2)):
-        trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs), collate, loss,
+        trainer = redray.Trainer.of(lambda rngs: build(config, rngs=rngs), collate, loss,
                                  optax.adamw(1e-3), batch_size=8, progress=False, **axes)
         trainer.init(data)
         measured = trainer.memory(device_gib=1)
@@ -408,7 +408,7 @@ def test_the_memory_plan_of_a_context_step_is_checked_against_the_compiled_step(
 
 
 def test_a_trainer_with_a_context_axis_trains_as_one_device():
-    """``Trainer(context_axis=2, data_axis=2)``: the losses of 3 steps and the parameters
+    """``Trainer.of(context_axis=2, data_axis=2)``: the losses of 3 steps and the parameters
     after them those of one device."""
     def loss(model, batch, rng, train):
         return next_token_loss(model, batch["ids"], train=train)

@@ -16,7 +16,7 @@ OPTIONS = dict(batch_size=8, model_axis=2, progress=False, log_every=1)
 
 
 def trainer(**kw):
-    return redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+    return redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                           **{**OPTIONS, **kw})
 
 

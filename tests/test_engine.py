@@ -21,7 +21,7 @@ STEPS = 20
 
 def make_trainer(optimizer=None, **kw):
     kw.setdefault("batch_size", 8)
-    return redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss,
+    return redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss,
                           optimizer or optax.adam(1e-2), progress=False, log_every=1, **kw)
 
 
@@ -102,7 +102,7 @@ def test_mixed_precision_keeps_float32_parameters(one_device):
 
 
 def test_metrics_are_logged_every_n_steps():
-    t = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+    t = redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                        batch_size=8, model_axis=2, log_every=4, progress=False)
     history = t.fit(DATA, epochs=1, max_steps=10)
     assert [row["step"] for row in history] == [4, 8, 10]
@@ -141,7 +141,7 @@ def test_evaluate_weighs_batches_by_the_weight_the_loss_gives():
     # mean of batch means
     data = [{**e, "length": 2 + 14 * (i // 8 % 2) if i < 16 else 16}
             for i, e in enumerate(DATA[:21])]
-    t = redray.Trainer(lambda rngs: TinyLM(rngs), masked_collate, masked_loss, optax.adam(1e-2),
+    t = redray.Trainer.of(lambda rngs: TinyLM(rngs), masked_collate, masked_loss, optax.adam(1e-2),
                        batch_size=8, model_axis=2, progress=False, log_every=2)
     history = t.fit(data[:16], epochs=1)
     result = t.evaluate(data)
@@ -186,7 +186,7 @@ def test_model_state_besides_parameters_is_updated():
     def loss(model, batch, rng, train):
         return ((model(batch["x"], train) - batch["y"]) ** 2).mean()
 
-    t = redray.Trainer(lambda rngs: BNNet(rngs), collate, loss, optax.adam(1e-2), batch_size=16,
+    t = redray.Trainer.of(lambda rngs: BNNet(rngs), collate, loss, optax.adam(1e-2), batch_size=16,
                        model_axis=2, progress=False)
     t.fit(data, epochs=1)
     mean = np.asarray(t.state.extra["bn"]["mean"][...])
@@ -195,7 +195,7 @@ def test_model_state_besides_parameters_is_updated():
 
 
 def test_dropout_runs_in_train_only():
-    t = redray.Trainer(lambda rngs: TinyLM(rngs, dropout=0.5), lm_collate, lm_loss,
+    t = redray.Trainer.of(lambda rngs: TinyLM(rngs, dropout=0.5), lm_collate, lm_loss,
                        optax.adam(1e-3), batch_size=8, model_axis=2, progress=False)
     t.init(DATA)
     batch = lm_collate(DATA[:8])
@@ -213,7 +213,7 @@ def test_fit_runs_eval_loss_and_predict_metric_each_epoch():
         hits = [np.mean(p[:-1] == e["ids"][1:]) for e, p in zip(examples, predictions)]
         return {"next_token_accuracy": float(np.mean(hits))}
 
-    t = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+    t = redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                        predict=lm_predict, batch_size=8, model_axis=2, progress=False)
     history = t.fit(DATA[:64], epochs=2, eval_data=DATA[64:83], eval_metric=metric,
                     eval_at_start=True)
@@ -243,7 +243,7 @@ def test_many_steps_between_metric_fetches_do_not_deadlock_cpu_collectives(tmp_p
     script.write_text(
         "import optax, redray\n"
         "from tiny import TinyLM, lm_collate, lm_loss, token_data\n"
-        "t = redray.Trainer(lambda rngs: TinyLM(rngs, dim=16), lm_collate, lm_loss,\n"
+        "t = redray.Trainer.of(lambda rngs: TinyLM(rngs, dim=16), lm_collate, lm_loss,\n"
         "                   optax.adam(1e-3), batch_size=8, model_axis=2, log_every=200,\n"
         "                   progress=False, prefetch=0)\n"
         "print(len(t.fit(token_data(8 * 200, seq=8), epochs=1)))\n")

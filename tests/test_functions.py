@@ -74,7 +74,7 @@ def predict(model, batch, rng):
 
 def trainer(collate_fn=collate, loss_fn=mse, predict_fn=predict, **kw):
     kw = {"batch_size": 8, "model_axis": 2, "progress": False, "log_every": 1, **kw}
-    return redray.Trainer(lambda rngs: Linear(rngs), collate_fn, loss_fn, optax.adam(1e-2),
+    return redray.Trainer.of(lambda rngs: Linear(rngs), collate_fn, loss_fn, optax.adam(1e-2),
                           predict=predict_fn, **kw)
 
 
@@ -450,7 +450,7 @@ def test_model_axis_must_divide_devices():
 def test_built_nnx_module_is_the_starting_point():
     built = Linear(nnx.Rngs(7))
     start = np.asarray(built.dense.kernel[...]).copy()
-    t = redray.Trainer(built, collate, mse, optax.adam(1e-2), batch_size=8, model_axis=2,
+    t = redray.Trainer.of(built, collate, mse, optax.adam(1e-2), batch_size=8, model_axis=2,
                        progress=False)
     t.init(EXAMPLES)
     np.testing.assert_array_equal(np.asarray(t.state.params["dense"]["kernel"][...]), start)
@@ -463,7 +463,7 @@ def test_built_nnx_module_is_the_starting_point():
 
 def test_bare_linen_module():
     with pytest.raises(TypeError, match=m("bare Linen module", "redray.LinenModel(module")):
-        redray.Trainer(LinenLinear(), collate, mse, optax.adam(1e-3), batch_size=8,
+        redray.Trainer.of(LinenLinear(), collate, mse, optax.adam(1e-3), batch_size=8,
                        progress=False)
     with pytest.raises(TypeError, match="LinenModel"):
         redray.Predictor(LinenLinear(), collate, predict, batch_size=8)
@@ -472,7 +472,7 @@ def test_bare_linen_module():
 def test_factory_returning_non_module():
     with pytest.raises(TypeError, match=m("factory returned", "flax.nnx.Module",
                                           "redray.LinenModel")):
-        redray.Trainer(lambda rngs: LinenLinear(), collate, mse, optax.adam(1e-3), batch_size=8,
+        redray.Trainer.of(lambda rngs: LinenLinear(), collate, mse, optax.adam(1e-3), batch_size=8,
                        progress=False)
 
 
@@ -485,7 +485,7 @@ def test_optimizer_must_be_optax():
     # A common slip: the optimizer's constructor instead of an optimizer.
     with pytest.raises(TypeError, match=m("optax.GradientTransformation", "optax.adamw(1e-3)",
                                           "got function")):
-        redray.Trainer(lambda rngs: Linear(rngs), collate, mse, optax.adam, batch_size=8,
+        redray.Trainer.of(lambda rngs: Linear(rngs), collate, mse, optax.adam, batch_size=8,
                        progress=False)
 
 
@@ -516,7 +516,7 @@ def test_loss_with_metrics_trains_and_logs_metrics():
 
 
 def _regression_losses(model, examples, model_kw=None):
-    t = redray.Trainer(model, collate, mse, optax.adam(5e-2), batch_size=8, model_axis=2,
+    t = redray.Trainer.of(model, collate, mse, optax.adam(5e-2), batch_size=8, model_axis=2,
                        progress=False, log_every=1, seed=0)
     first = t.evaluate(examples)["loss"]
     history = t.fit(examples, epochs=8)

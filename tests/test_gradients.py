@@ -185,7 +185,7 @@ def test_gemma2_trains_on_pad_tokens_with_torchs_gradient_norm(tmp_path):
         return rm.next_token_loss(m, b["ids"], train=train)
 
     collate = lambda examples: {"ids": np.stack([e["ids"] for e in examples])}  # noqa: E731
-    trainer = redray.Trainer(rm.from_pretrained(str(tmp_path)), collate, loss,
+    trainer = redray.Trainer.of(rm.from_pretrained(str(tmp_path)), collate, loss,
                              optax.adamw(1e-3), batch_size=8, progress=False,
                              compute_dtype=jnp.float32, mesh=redray.make_mesh(
                                  devices=jax.devices()[:1]))
@@ -213,7 +213,7 @@ def test_an_untied_pad_row_is_exported_as_it_was_loaded(tmp_path):
     hf_checkpoint("llama", str(tmp_path / "in"))
     loaded = load_file(str(tmp_path / "in" / hub.SINGLE_FILE))
     data = [{"ids": row} for row in np.tile(batch(), (2, 1))]
-    trainer = redray.Trainer(rm.from_pretrained(str(tmp_path / "in")),
+    trainer = redray.Trainer.of(rm.from_pretrained(str(tmp_path / "in")),
                              lambda ex: {"ids": np.stack([e["ids"] for e in ex])},
                              lambda m, b, rng, train: rm.next_token_loss(m, b["ids"], train=train),
                              optax.adamw(1e-2, weight_decay=0.1), batch_size=4, progress=False)

@@ -39,7 +39,7 @@ class Events(Hook):
 
 
 def trainer(**kw):
-    return redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+    return redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                           batch_size=8, progress=False, **kw)
 
 

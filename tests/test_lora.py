@@ -52,7 +52,7 @@ def test_only_adapters_train_and_merging_keeps_the_outputs(tmp_path):
     base = build(LLAMA, rngs=nnx.Rngs(0))
     frozen_before = {p: np.asarray(x) for p, x in zip(*flatten(nnx.state(base, nnx.Param))[:2])}
     model = add_lora(base, rank=4)
-    trainer = redray.Trainer(model, collate, loss, optax.adam(1e-2), batch_size=8,
+    trainer = redray.Trainer.of(model, collate, loss, optax.adam(1e-2), batch_size=8,
                              model_axis=2, trainable=r"lora_", progress=False, log_every=1,
                              checkpoint=str(tmp_path))
     data = token_data(64, seq=12)
@@ -78,7 +78,7 @@ def test_adapters_on_scanned_layers_train_and_merge(tmp_path):
     model = add_lora(build(LLAMA, scan=True, seed=0), rank=4)
     adapters = model.layers.self_attn.qkv_proj
     assert adapters.lora_a[...].shape == (2, 32, 4)  # one adapter per stacked layer
-    trainer = redray.Trainer(model, collate, loss, optax.adam(3e-2), batch_size=4,
+    trainer = redray.Trainer.of(model, collate, loss, optax.adam(3e-2), batch_size=4,
                              model_axis=2, trainable=r"lora_", progress=False)
     data = token_data(32, seq=12)
     before = trainer.evaluate(data)["loss"]

@@ -325,7 +325,7 @@ def test_fine_tuning_a_loaded_model_with_the_trainer(tmp_path):
         logits = m(batch["ids"][:, :-1], train=train)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
 
-    trainer = redray.Trainer(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
+    trainer = redray.Trainer.of(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
                              optax.adam(3e-3), batch_size=8, model_axis=2, progress=False,
                              compute_dtype=jnp.float32)
     before = trainer.evaluate(data)["loss"]

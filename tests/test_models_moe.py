@@ -252,7 +252,7 @@ def test_training_with_the_auxiliary_loss_and_expert_metrics():
             logits.astype(jnp.float32), batch["ids"][:, 1:]).mean()
         return tokens + moe.auxiliary_loss(aux, m.config), moe.metrics(aux, per_expert=True)
 
-    trainer = redray.Trainer(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
+    trainer = redray.Trainer.of(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
                              optax.adam(3e-3), batch_size=8, model_axis=2, progress=False,
                              compute_dtype=jnp.float32)
     before = trainer.evaluate(data)
@@ -283,7 +283,7 @@ def test_a_split_step_equals_one_device_and_data_parallel_tokens_stay_home(axes)
         return tokens + moe.auxiliary_loss(aux, m.config)
 
     def trainer(**kw):
-        return redray.Trainer(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])},
+        return redray.Trainer.of(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])},
                               loss, optax.sgd(0.5), batch_size=8, progress=False,
                               checkpoint=False, log_every=1, **kw)
 
@@ -322,7 +322,7 @@ def test_the_expert_all_to_alls_are_those_the_cost_model_counts(capacity_factor)
         return optax.softmax_cross_entropy_with_integer_labels(
             logits.astype(jnp.float32), batch["ids"][:, 1:]).mean()
 
-    t = redray.Trainer(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
+    t = redray.Trainer.of(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
                        optax.sgd(0.1), batch_size=8, progress=False, checkpoint=False,
                        expert_axis=4, compute_dtype=jnp.float32)
     t.init(data)
@@ -362,7 +362,7 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
     def loss(m, batch, rng, train):
         return m(batch["ids"][:, :-1], train=train).mean()
 
-    t = redray.Trainer(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
+    t = redray.Trainer.of(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
                        optax.sgd(0.1), batch_size=8, progress=False, checkpoint=False,
                        expert_axis=4)
     with pytest.raises(ValueError, match="expert_axis=4 does not divide the 6 experts"):

@@ -1,4 +1,4 @@
-"""A NaN loss in the middle of training, under each policy of ``Trainer(on_nonfinite=...)``:
+"""A NaN loss in the middle of training, under each policy of ``Trainer.of(on_nonfinite=...)``:
 one process, 4 simulated devices, real Orbax checkpoints.
 
 One example of the data is poisoned: any batch holding it has a NaN loss. Its step is
@@ -42,7 +42,7 @@ def loss(model, batch, rng, train):
 def trainer(directory=None, **kw):
     options = dict(batch_size=8, model_axis=2, log_every=1, progress=False, seed=SEED)
     options.update(kw)
-    return redray.Trainer(lambda rngs: TinyLM(rngs), collate, loss, optax.adam(1e-2),
+    return redray.Trainer.of(lambda rngs: TinyLM(rngs), collate, loss, optax.adam(1e-2),
                           checkpoint=directory, **options)
 
 

@@ -218,7 +218,7 @@ def test_a_trainer_given_a_plan_is_the_trainer_given_its_keywords():
     from redray.sharding.plan import Plan
 
     def make(**options):
-        t = redray.Trainer(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1), batch_size=8,
+        t = redray.Trainer.of(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1), batch_size=8,
                            progress=False, **options)
         history = t.fit(DATA, epochs=1)
         return t, [row["loss"] for row in history]
@@ -230,12 +230,18 @@ def test_a_trainer_given_a_plan_is_the_trainer_given_its_keywords():
     assert by_plan.parallelism.shape == by_keywords.parallelism.shape
     assert by_plan.runtime.specs == by_keywords.runtime.specs
     assert by_plan.geometry == by_keywords.geometry
+    # the settings themselves: the same Trainer as its flat keywords
+    settings = redray.Trainer(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1),
+                              batch_size=8, plan=redray.PlanSettings(
+                                  axes={"model_axis": 2}, micro_batch_size=2),
+                              report=redray.ReportSettings(progress=False))
+    assert settings.plan == by_keywords.plan and not settings.progress
     # the whole plan written out and given back: the same plan, the same steps
     written, c = make(plan=by_keywords.plan.to_json())
     assert written.plan == by_keywords.plan and c == a
 
     def trainer(**options):
-        return redray.Trainer(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1),
+        return redray.Trainer.of(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1),
                               **{"batch_size": 8, **options})
 
     with pytest.raises(ValueError, match="either plan= or model_axis"):
@@ -254,5 +260,5 @@ def test_a_trainer_given_a_plan_is_the_trainer_given_its_keywords():
     with pytest.raises(TypeError, match="takes the plan as plan="):
         trainer(parallelism=plan)
     with pytest.raises(TypeError, match=r"Trainer got unknown keyword\(s\) \['lerning_rate'\]"):
-        redray.Trainer(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1), batch_size=8,
+        redray.Trainer.of(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1), batch_size=8,
                        lerning_rate=0.1)

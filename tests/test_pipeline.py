@@ -228,7 +228,7 @@ def test_stages_need_scanned_layers_and_one_a_chunk():
                                          "than the model's 3 layers"):
         loss_and_grads(config, False, 4, repeats=2, stage_axis=2)
     with pytest.raises(ValueError, match="stage_repeats=2 needs pipeline stages"):
-        redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
+        redray.Trainer.of(lambda rngs: build(config, rngs=rngs, scan=True),
                        lambda ex: {"ids": np.stack(ex)}, lambda m, b, r, t: lm_loss(m, b["ids"]),
                        optax.sgd(0.1), batch_size=4, data_axis="auto", stage_repeats=2,
                        progress=False).init(list(IDS[:4]))
@@ -250,7 +250,7 @@ def test_a_trainer_on_stages_trains_as_one_device_and_its_checkpoint_loads_witho
 
     def trainer(name, **kw):
         # momentum: optimizer state that follows the stacked parameters' order too
-        return redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
+        return redray.Trainer.of(lambda rngs: build(config, rngs=rngs, scan=True),
                               lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
                               optax.sgd(0.5, momentum=0.5), batch_size=8, progress=False,
                               log_every=1, checkpoint=redray.CheckpointConfig(
@@ -406,7 +406,7 @@ def test_the_memory_plan_of_a_pipelined_step_is_checked_against_the_compiled_ste
     from tiny import memory_case
 
     config, data, collate, loss = memory_case(layers, 16)
-    trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True), collate, loss,
+    trainer = redray.Trainer.of(lambda rngs: build(config, rngs=rngs, scan=True), collate, loss,
                              optax.adamw(1e-3), batch_size=16, micro_batch_size=1,
                              progress=False, stage_axis=2, stage_repeats=repeats,
                              pipeline_schedule=schedule, **axes)
@@ -544,9 +544,9 @@ def test_1f1b_refuses_what_it_does_not_run_yet():
                   batch_size=4, progress=False, stage_axis=2, data_axis=2)
     ids_loss = lambda m, b, r, t: lm_loss(m, b["ids"])  # noqa: E731
     with pytest.raises(ValueError, match="pipeline_schedule='zigzag': use one of 'gpipe', '1f1b'"):
-        redray.Trainer(make, loss=ids_loss, pipeline_schedule="zigzag", **common)
+        redray.Trainer.of(make, loss=ids_loss, pipeline_schedule="zigzag", **common)
     # an encoder-decoder runs two stacks of layers: refused when the step is traced
-    t5 = redray.Trainer(lambda rngs: build(FAMILIES["t5"](), rngs=rngs, scan=True),
+    t5 = redray.Trainer.of(lambda rngs: build(FAMILIES["t5"](), rngs=rngs, scan=True),
                         loss=lambda m, b, r, t: t5_loss(m, b["ids"]), pipeline_schedule="1f1b",
                         micro_batch_size=1, **common)
     with pytest.raises(ValueError, match="one stack of layers; this one runs several"):
@@ -595,7 +595,7 @@ def test_an_automatic_plan_takes_the_schedule_it_chose():
     carries the schedule and the Trainer runs it."""
     config = CONFIGS["llama"]()
     data = [{"ids": row} for row in IDS]
-    trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
+    trainer = redray.Trainer.of(lambda rngs: build(config, rngs=rngs, scan=True),
                              lambda ex: {"ids": np.stack([e["ids"] for e in ex])},
                              lambda m, b, r, t: lm_loss(m, b["ids"]), optax.sgd(0.1),
                              batch_size=8, progress=False, plan="auto", stage_axis=2,
@@ -614,7 +614,7 @@ def test_an_automatic_plan_takes_the_circular_repeats_it_chose():
     data = [{"ids": row} for row in IDS]
 
     def trainer(**plan):
-        return redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
+        return redray.Trainer.of(lambda rngs: build(config, rngs=rngs, scan=True),
                               lambda ex: {"ids": np.stack([e["ids"] for e in ex])},
                               lambda m, b, r, t: lm_loss(m, b["ids"]), optax.sgd(0.1),
                               batch_size=8, progress=False, hardware="cpu", seed=0, **plan)

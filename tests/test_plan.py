@@ -261,7 +261,7 @@ def test_the_memory_plan_is_checked_against_the_compiled_step():
         return next_token_loss(model, batch["ids"], train=train)
 
     for model_axis, fsdp_axis in ((4, 1), (1, 4), (2, 2)):
-        trainer = redray.Trainer(lambda rngs: build(config, rngs=rngs), lambda e: {
+        trainer = redray.Trainer.of(lambda rngs: build(config, rngs=rngs), lambda e: {
             "ids": np.stack([x["ids"] for x in e])}, loss, optax.adamw(1e-3), batch_size=8,
             model_axis=model_axis, fsdp_axis=fsdp_axis, progress=False)
         trainer.init(data)
@@ -321,7 +321,7 @@ def test_one_memory_count_for_the_trainer_the_planner_and_redray_plan():
         def make(rngs, config=config):
             return build(config, rngs=rngs)
 
-        trainer = redray.Trainer(make, collate, loss, optax.adamw(1e-3), batch_size=8,
+        trainer = redray.Trainer.of(make, collate, loss, optax.adamw(1e-3), batch_size=8,
                                  micro_batch_size=1, pipeline_schedule=schedule,
                                  progress=False, **axes)
         trainer.init(data)

@@ -68,7 +68,7 @@ def test_the_collectives_counted_are_those_xla_compiles(axes, micro, scan):
     from redray.sharding.tracing import unrolled_loops
 
     config = LlamaConfig(**TINY)
-    t = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=scan), collate, loss,
+    t = redray.Trainer.of(lambda rngs: build(config, rngs=rngs, scan=scan), collate, loss,
                        optax.adam(1e-3), batch_size=8, micro_batch_size=micro, progress=False,
                        **axes)
     t.init(DATA)
@@ -115,7 +115,7 @@ def test_fsdp_gathers_a_parameter_outside_the_layers_scan_once_before_the_micro_
     token embedding may be the exception: XLA looks up its rows on the table's shards
     here, gathering the micro-batch's ids in the loop instead (small)."""
     config = LlamaConfig(**TINY)
-    t = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=False), collate, loss,
+    t = redray.Trainer.of(lambda rngs: build(config, rngs=rngs, scan=False), collate, loss,
                        optax.adam(1e-3), batch_size=8, micro_batch_size=1, progress=False,
                        fsdp_axis=2, data_axis=2)
     t.init(DATA)
@@ -142,7 +142,7 @@ def test_gpipe_stages_gather_their_fsdp_layers_once_a_step():
     from redray.sharding.parallelism import pipeline_ticks
 
     config = LlamaConfig(**{**TINY, "tie_word_embeddings": True})
-    t = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True), collate, loss,
+    t = redray.Trainer.of(lambda rngs: build(config, rngs=rngs, scan=True), collate, loss,
                        optax.adam(1e-3), batch_size=8, micro_batch_size=1, progress=False,
                        stage_axis=2, fsdp_axis=2, data_axis=1)
     t.init(DATA)
@@ -180,7 +180,7 @@ def test_gpipe_passes_and_reductions_counted_are_those_xla_compiles(stages, micr
     from redray.sharding.parallelism import pipeline_ticks
 
     config = LlamaConfig(**{**TINY, "num_hidden_layers": 4})
-    t = redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True), collate, loss,
+    t = redray.Trainer.of(lambda rngs: build(config, rngs=rngs, scan=True), collate, loss,
                        optax.adam(1e-3), batch_size=8, micro_batch_size=micro,
                        progress=False, stage_axis=stages, data_axis=4 // stages)
     t.init(DATA)
@@ -375,7 +375,7 @@ def test_a_trainer_with_plan_auto_runs_the_planners_pick():
     options = dict(batch_size=8, progress=False, log_every=1)
 
     def make(**kw):
-        return redray.Trainer(lambda rngs: build(config, rngs=rngs), collate, loss,
+        return redray.Trainer.of(lambda rngs: build(config, rngs=rngs), collate, loss,
                               optax.adam(1e-3), **options, **kw)
 
     auto = make(plan="auto", hardware="cpu", model_axis=2)
@@ -400,7 +400,7 @@ def test_a_resumed_run_keeps_its_plan_on_the_same_devices_and_replans_on_others(
     config = LlamaConfig(**TINY)
 
     def make(**kw):
-        return redray.Trainer(lambda rngs: build(config, rngs=rngs), collate, loss,
+        return redray.Trainer.of(lambda rngs: build(config, rngs=rngs), collate, loss,
                               optax.adam(1e-3), progress=False, log_every=1,
                               **{"batch_size": 8, "checkpoint": str(tmp_path), **kw})
 
@@ -494,7 +494,7 @@ def test_on_the_live_devices_the_model_is_timed_and_its_time_is_the_compute():
     from redray.planning.cost import ModelTiming
 
     config = LlamaConfig(**TINY)
-    make = lambda **kw: redray.Trainer(lambda rngs: build(config, rngs=rngs), collate,  # noqa: E731
+    make = lambda **kw: redray.Trainer.of(lambda rngs: build(config, rngs=rngs), collate,  # noqa: E731
                                        loss, optax.adam(1e-3), batch_size=8, progress=False,
                                        checkpoint=False, **kw)
     live = make()  # no axis size: planned, on the probed devices
@@ -533,7 +533,7 @@ def test_a_run_too_short_to_pay_for_timing_is_planned_on_the_probed_rates(monkey
     from redray.planning import live
 
     config = LlamaConfig(**TINY)
-    make = lambda **kw: redray.Trainer(lambda rngs: build(config, rngs=rngs), collate,  # noqa: E731
+    make = lambda **kw: redray.Trainer.of(lambda rngs: build(config, rngs=rngs), collate,  # noqa: E731
                                        loss, optax.adam(1e-3), batch_size=8, progress=False,
                                        checkpoint=False, **kw)
     short = make()

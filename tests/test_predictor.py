@@ -125,7 +125,7 @@ EXAMPLES = make_examples(21)
 @pytest.fixture(scope="module")
 def trained():
     """A trainer on model_axis=2 after a few steps (params differ from init)."""
-    t = redray.Trainer(nnx_factory, collate, loss, optax.adam(5e-2), predict=predict,
+    t = redray.Trainer.of(nnx_factory, collate, loss, optax.adam(5e-2), predict=predict,
                        batch_size=8, model_axis=2, progress=False, log_every=1, seed=0)
     t.init(EXAMPLES)
     init_params = pure(t.state.params)
@@ -270,7 +270,7 @@ def test_predictor_survives_further_training():
     would predict from deleted buffers (a segfault on CPU). It must instead use the
     trainer's latest parameters.
     """
-    t = redray.Trainer(nnx_factory, collate, loss, optax.adam(5e-2), predict=predict,
+    t = redray.Trainer.of(nnx_factory, collate, loss, optax.adam(5e-2), predict=predict,
                        batch_size=8, model_axis=2, progress=False, log_every=1)
     train = make_examples(16, seed=2)
     t.fit(train, max_steps=1)
@@ -295,7 +295,7 @@ def test_linen_fresh_predictor_in_order():
 
 
 def test_linen_trained_params_across_meshes():
-    t = redray.Trainer(linen_model(), collate, loss, optax.adam(5e-2), predict=predict,
+    t = redray.Trainer.of(linen_model(), collate, loss, optax.adam(5e-2), predict=predict,
                        batch_size=8, model_axis=2, progress=False, log_every=1)
     t.init(EXAMPLES)
     init_params = pure(t.state.params)
@@ -371,7 +371,7 @@ def test_sampling_predict_gets_a_new_rng_each_call_unless_given():
     def sample(model, batch, rng):
         return jax.random.uniform(rng, (batch["ids"].shape[0],))
 
-    t = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+    t = redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                        predict=sample, batch_size=8, progress=False)
     t.init(data)
     assert t.predictor() is t.predictor()  # one compiled predictor per batch size

@@ -16,7 +16,7 @@ DATA = token_data(40)  # 5 steps per epoch at batch 8
 
 
 def trainer(**kw):
-    return redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+    return redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                           batch_size=8, progress=False, checkpoint=False, **kw)
 
 

@@ -127,7 +127,7 @@ def test_a_resubmitted_run_trains_only_what_is_left(tmp_path, uninterrupted, mon
 def test_a_checkpoint_from_two_hosts_reshards_onto_one_host_with_fsdp(tmp_path, uninterrupted):
     reference, reference_params = uninterrupted
     storage = os.path.dirname(os.path.dirname(reference.checkpoint))
-    trainer = redray.Trainer(model, lm_collate, lm_loss, optax.adam(1e-2), batch_size=8,
+    trainer = redray.Trainer.of(model, lm_collate, lm_loss, optax.adam(1e-2), batch_size=8,
                              fsdp_axis=4, progress=False, checkpoint=f"{storage}/checkpoints")
     trainer.init(DATA)
     assert trainer.resumed_from["step"] == 24

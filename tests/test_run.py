@@ -26,7 +26,7 @@ def local_ray():
 
 def loop(iterations, **trainer_options):
     """Each iteration: 16 fresh examples, one epoch (2 steps), a prediction, a log row."""
-    t = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
+    t = redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(1e-2),
                        predict=lm_predict, batch_size=8, model_axis=2, log_every=1,
                        progress=False, **trainer_options)
     t.init(token_data(16))
@@ -64,7 +64,7 @@ def test_own_loop_on_two_hosts_trains_like_one_process_logs_and_resumes(tmp_path
 
 
 def two_trainers():
-    make = lambda: redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss,  # noqa: E731
+    make = lambda: redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss,  # noqa: E731
                                   optax.adam(1e-2), batch_size=8, progress=False)
     make()
     make()

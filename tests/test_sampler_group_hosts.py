@@ -48,7 +48,7 @@ def loop():
         return (model(batch["ids"], train=train) ** 2).mean()
 
     data = [{"ids": np.arange(8, dtype=np.int32) + i} for i in range(8)]
-    trainer = redray.Trainer(model_fn, lambda rows: {"ids": np.stack([r["ids"] for r in rows])},
+    trainer = redray.Trainer.of(model_fn, lambda rows: {"ids": np.stack([r["ids"] for r in rows])},
                              loss, optax.sgd(0.0), batch_size=8, fsdp_axis=4, seed=3,
                              progress=False, checkpoint=False)
     trainer.init(data)

@@ -53,7 +53,7 @@ def test_no_budget_is_a_clear_error():
 
 
 def trainer(directory, schedule, **kw):
-    return redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(schedule),
+    return redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss, optax.adam(schedule),
                           batch_size=8, model_axis=2, log_every=1, progress=False, seed=1,
                           learning_rate=schedule, checkpoint=directory, **kw)
 

@@ -142,7 +142,7 @@ def test_transform_runs_through_ray_data_and_must_keep_rows(tmp_path, local_ray)
 
 
 def fit(stream, steps, storage, max_steps=None):
-    trainer = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss,
+    trainer = redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss,
                              optax.adam(1e-2), batch_size=8, model_axis=2, progress=False,
                              log_every=1, checkpoint=redray.CheckpointConfig(
                                  str(storage), save_every=3))
@@ -171,7 +171,7 @@ def test_training_resumes_bitwise_from_a_checkpoint_mid_epoch(tmp_path, local_ra
 def test_evaluate_and_predict_read_the_stream_in_order(tmp_path, local_ray):
     data = write_parquet(tmp_path, files=2, rows=21, row_group=8)
     stream = Stream(str(tmp_path / "*.parquet"))
-    trainer = redray.Trainer(lambda rngs: TinyLM(rngs), lm_collate, lm_loss,
+    trainer = redray.Trainer.of(lambda rngs: TinyLM(rngs), lm_collate, lm_loss,
                              optax.adam(1e-2), predict=lambda m, b, r: m(b["ids"]).argmax(-1),
                              batch_size=8, model_axis=2, progress=False)
     as_list = [{"ids": e["ids"].astype(np.int64)} for e in data]  # parquet gives int64

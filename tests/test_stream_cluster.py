@@ -49,7 +49,7 @@ def test_two_hosts_stream_like_one_process_and_resume_on_one(tmp_path):
     assert sorted(expected) == list(range(1, 25))  # (96 rows / 2 streams) / 4 = 12 an epoch
 
     # one process reads both streams (streams=2: what the 2 hosts chose by default)
-    local = redray.Trainer(model, lm_collate, lm_loss, optax.adam(1e-2), **OPTIONS)
+    local = redray.Trainer.of(model, lm_collate, lm_loss, optax.adam(1e-2), **OPTIONS)
     alone = local.fit(redray.Stream(str(tmp_path / "data" / "*.parquet"), shuffle_buffer=20,
                                     streams=2), epochs=2)
     np.testing.assert_allclose([losses(alone)[s] for s in sorted(expected)],

@@ -44,7 +44,7 @@ DATA = [{"x": np.full(32, i, np.float32), "label": i % 2} for i in range(8)]
 
 
 def trainer(width: int, model_axis: int = 2, **options) -> redray.Trainer:
-    return redray.Trainer(lambda rngs: GatedMLP(32, width, rngs), collate, loss,
+    return redray.Trainer.of(lambda rngs: GatedMLP(32, width, rngs), collate, loss,
                           optax.sgd(0.1), batch_size=8, model_axis=model_axis, progress=False,
                           **options)
 

@@ -91,7 +91,7 @@ def assert_trains_as_one_device(config, loss, seq: int, **split):
     data = [{"ids": row} for row in np.random.default_rng(1).integers(0, 64, (24, seq))]
 
     def trainer(**kw):
-        return redray.Trainer(lambda rngs: build(config, rngs=rngs, scan=True),
+        return redray.Trainer.of(lambda rngs: build(config, rngs=rngs, scan=True),
                               lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
                               optax.sgd(0.5, momentum=0.5), batch_size=8, progress=False,
                               log_every=1, **kw)

@@ -110,7 +110,7 @@ def dpo(args):
     train = np.random.default_rng(args.seed).choice(train, args.prompts, replace=False)
     updates = args.prompts // 128  # one Trainer epoch per epoch (pairs repeated to fill it)
     lr = optax.piecewise_constant_schedule(3e-3, {args.warmup * updates: args.lr / 3e-3})
-    trainer = redray.Trainer(model, collate, lambda *a: loss(*a, nll=args.nll), optax.adam(lr),
+    trainer = redray.Trainer.of(model, collate, lambda *a: loss(*a, nll=args.nll), optax.adam(lr),
                              predict, batch_size=128, seed=args.seed, log_every=updates)
     trainer.init([row(0, answer(0), answer(0))])  # the model (restored when the run resumes)
     saved = os.path.join(os.path.dirname(trainer.checkpoint_config.directory), "pairs.npy")

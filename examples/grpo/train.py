@@ -172,7 +172,7 @@ def grpo(args):
     updates = rows // batch_size  # one Trainer epoch per warm-up epoch or iteration
     lr = optax.piecewise_constant_schedule(args.lr, {args.warmup * updates: args.rl_lr / args.lr})
     ahead = Ahead()
-    trainer = redray.Trainer(model, collate, loss, optax.adam(lr), batch_size=batch_size,
+    trainer = redray.Trainer.of(model, collate, loss, optax.adam(lr), batch_size=batch_size,
                              seed=args.seed, log_every=updates, progress=False,
                              hooks=[ahead] if args.overlap else [])
     trainer.init([row(0, answer(0))])  # the model (restored when the run resumes)

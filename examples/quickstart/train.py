@@ -90,7 +90,7 @@ def main():
     chunks = [text[i * args.seq:(i + 1) * args.seq] for i in range(n)]
     train, evals = chunks[: int(n * 0.95)], chunks[int(n * 0.95):][:256]
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 10, args.steps)
-    trainer = redray.Trainer(
+    trainer = redray.Trainer.of(
         lambda rngs: ByteLM(rngs, seq=args.seq), collate, loss, optax.adamw(schedule),
         batch_size=args.batch_size, model_axis=args.model_axis, fsdp_axis=args.fsdp_axis,
         learning_rate=schedule, log_every=10)

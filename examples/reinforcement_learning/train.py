@@ -110,7 +110,7 @@ def ppo(args):
                         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
     size = args.envs * args.rollout
     updates = args.ppo_epochs * size // args.batch_size  # per iteration: one Trainer epoch
-    trainer = redray.Trainer(ActorCritic, collate, loss, optax.adam(args.lr, eps=1e-5),
+    trainer = redray.Trainer.of(ActorCritic, collate, loss, optax.adam(args.lr, eps=1e-5),
                              predict, batch_size=args.batch_size, eval_batch_size=args.envs,
                              seed=args.seed, log_every=updates, progress=False)
     example = {"obs": np.zeros(envs.single_observation_space.shape, np.float32),

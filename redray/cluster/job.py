@@ -57,8 +57,9 @@ class FitTask:
         from redray.engine import Trainer
 
         with startup.phase("user_code"):
-            trainer = Trainer(code.model, code.collate, code.loss, code.optimizer, code.predict,
-                              progress=self.progress and rank == 0, **code.trainer_options)
+            trainer = Trainer.of(code.model, code.collate, code.loss, code.optimizer,
+                                 code.predict, **{**code.trainer_options,
+                                                  "progress": self.progress and rank == 0})
         history = trainer.fit(self.train, epochs=self.epochs, eval_data=self.eval,
                               eval_metric=code.eval_metric, max_steps=self.max_steps,
                               eval_at_start=self.eval_at_start)

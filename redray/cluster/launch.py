@@ -214,7 +214,7 @@ def run(fn: Callable, *args, cluster: ClusterConfig | None = None, **kwargs) -> 
     collects rollouts with the Predictor and trains on them::
 
         def main(iterations):
-            trainer = redray.Trainer(policy, collate, loss, optax.adam(3e-4), ...)
+            trainer = redray.Trainer.of(policy, collate, loss, optax.adam(3e-4), ...)
             ...
             return returns
 
@@ -348,18 +348,14 @@ def _no_data_cpu(total: float, hosts: int, reserved: float) -> str:
 
 def _check_trainer_options(options: dict) -> None:
     """Unknown keywords fail on the driver, before any host starts."""
-    import inspect
+    from redray.engine.settings import flat_keywords
 
-    from redray.engine import Trainer
-    from redray.sharding.parallelism import KEYWORDS
-
-    known = [n for n, p in inspect.signature(Trainer).parameters.items()
-             if p.kind is inspect.Parameter.KEYWORD_ONLY] + list(KEYWORDS)
+    known = flat_keywords()
     unknown = sorted(set(options) - set(known))
     if unknown:
         cluster = [f.name for f in dataclasses.fields(ClusterConfig)]
         raise TypeError(f"redray.fit got unknown keyword(s) {unknown}: use Trainer keywords "
-                        f"({', '.join(k for k in known if k != 'batch_size')}) or cluster "
+                        f"({', '.join(known)}) or cluster "
                         f"keywords ({', '.join(cluster)})")
 
 

@@ -176,7 +176,7 @@ class HostRun:
                 raise ValueError(
                     "a second Trainer in this run would share the run's checkpoint folder "
                     f"({self.job.checkpoint.directory}) with the first: give it its own, "
-                    "Trainer(..., checkpoint='/abs/other/folder'), or checkpoint=False")
+                    "Trainer.of(..., checkpoint='/abs/other/folder'), or checkpoint=False")
             checkpoint = self.job.checkpoint
         tracker = TrackerHook(self.job.tracker, self.rank)
         self.trackers.append(tracker)

@@ -6,7 +6,7 @@ Reading that flag is a host sync, so the guard reads it only where ``fit`` syncs
 anyway: on the log cadence, at an epoch's end and before every checkpoint is saved.
 A checkpoint is therefore never written from a state past a non-finite step.
 
-Policies (``Trainer(on_nonfinite=...)``):
+Policies (``Trainer.of(on_nonfinite=...)``, ``StepSettings.on_nonfinite``):
 
 - ``"stop"`` (default): ``NonFiniteError`` names the step and its batch's position in
   the epoch; the newest checkpoint is the last finite state.

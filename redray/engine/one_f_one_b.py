@@ -1,5 +1,5 @@
 """The gradient of a user's loss by the 1F1B pipeline schedule
-(``Trainer(pipeline_schedule="1f1b")``).
+(``Trainer.of(pipeline_schedule="1f1b")``).
 
 GPipe runs inside the model's forward, so the user's loss is one function of the whole
 batch. 1F1B needs each micro-batch's loss as soon as that micro-batch leaves the last

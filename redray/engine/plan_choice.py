@@ -128,18 +128,16 @@ class PlanChoice:
                 **({} if ranking.timing is None else ranking.timing.describe())}
 
 
-def asked_plan(plan, mesh, rules, axes: dict, batch_size: int,
-               micro_batch_size: int | None, pipeline_schedule: str | None,
-               stage_repeats: int, hardware, plan_timing, grad_fn, trainable
+def asked_plan(settings, batch_size: int, grad_fn, trainable
                ) -> tuple[Plan, PlanChoice | None]:
-    """The Trainer's arguments of the plan as (the plan asked for, the planner's choice
-    to make at ``init`` under "auto", else None: the plan is given whole). ``plan``:
-    "auto", a ``Plan`` or what ``redray.sharding.plan.load`` reads (its JSON, a file of
-    it, ``redray plan --json``'s output), a ``Parallelism``, or None: "auto" where no
-    mesh and no axis size is given either."""
-    if "parallelism" in axes:
-        raise TypeError("Trainer takes the plan as plan= (a redray.Plan, its JSON, a "
-                        "redray.Parallelism or 'auto'), not parallelism=")
+    """A Trainer's ``PlanSettings`` (``redray.engine.settings``) as (the plan asked for,
+    the planner's choice to make at ``init`` under "auto", else None: the plan is given
+    whole). Its ``plan``: "auto", a ``Plan`` or what ``redray.sharding.plan.load`` reads
+    (its JSON, a file of it, ``redray plan --json``'s output), a ``Parallelism``, or
+    None: "auto" where no mesh and no axis size is given either."""
+    plan, mesh, rules = settings.plan, settings.mesh, settings.rules
+    micro_batch_size, pipeline_schedule = settings.micro_batch_size, settings.pipeline_schedule
+    stage_repeats, plan_timing = settings.stage_repeats, settings.timing
     if plan_timing not in (None, True, False):
         raise ValueError(f"plan_timing={plan_timing!r}: use None (timed unless the run is "
                          "short), True or False")
@@ -147,7 +145,7 @@ def asked_plan(plan, mesh, rules, axes: dict, batch_size: int,
         given = "grad_fn" if grad_fn else "trainable"
         raise ValueError(f"pipeline_schedule='1f1b' does not take {given} yet: use "
                          "pipeline_schedule='gpipe' (the default)")
-    axes = {k: v for k, v in axes.items() if v is not None}  # None: not given
+    axes = {k: v for k, v in settings.axes.items() if v is not None}  # None: not given
     if plan is None and mesh is None and not axes:
         plan = "auto"  # nothing of the plan given: the planner chooses it
     schedule = pipeline_schedule or "gpipe"
@@ -167,7 +165,8 @@ def asked_plan(plan, mesh, rules, axes: dict, batch_size: int,
     choice = PlanChoice(pins(micro_batch_size=micro_batch_size,
                              pipeline_schedule=pipeline_schedule,
                              stage_repeats=stage_repeats, **axes),
-                        tuple(rules or ()), hardware, timing=plan_timing, probe_cache=None)
+                        tuple(rules or ()), settings.hardware, timing=plan_timing,
+                        probe_cache=None)
     # what the user fixed of the plan; the rest is chosen at init
     return Plan(pipeline_schedule=schedule, stage_repeats=stage_repeats), choice
 

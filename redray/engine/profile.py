@@ -1,6 +1,6 @@
 """A profile of chosen training steps: JAX's profiler trace of those steps on every host.
 
-``Trainer(profile=(first, last))`` (``redray.fit(..., profile=...)``, or the variable
+``Trainer.of(profile=(first, last))`` (``redray.fit(..., profile=...)``, or the variable
 ``REDRAY_PROFILE=first:last``, which ``redray run --profile first:last`` sets) traces
 the optimizer steps ``first`` to ``last`` (counted as the logged ``step``: 1 is the first
 update). The trace starts once the step before ``first`` has finished on the devices and

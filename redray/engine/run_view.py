@@ -71,7 +71,7 @@ class RunView:
     profile_trace = property(
         lambda self: None if self._trainer._profile is None else self._trainer._profile.trace,
         doc="The folder of this process's profiler trace once it is complete "
-            "(``Trainer(profile=...)``), else None.")
+            "(``Trainer.of(profile=...)``), else None.")
 
     def wait_for_checkpoints(self) -> None:
         """Returns once every checkpoint started has been written."""

@@ -35,7 +35,7 @@ class TrainState:
       params: the trained parameters.
       extra: the model's other state (batch statistics, NNX RNG counters).
       opt_state: the optimizer's state for ``params``.
-      frozen: the parameters left out of training (``Trainer(trainable=...)``), or None.
+      frozen: the parameters left out of training (``Trainer.of(trainable=...)``), or None.
         They are never updated and never saved: they come from the model as built.
       nonfinite_step: the first step whose loss or gradient norm was not finite (int32
         scalar; 0: none yet). Set inside the step, so finding a NaN needs no host sync

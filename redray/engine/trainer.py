@@ -14,7 +14,6 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh
 
 from redray import startup
 from redray.checkpoint import CheckpointConfig
@@ -33,6 +32,8 @@ from redray.engine.run_checkpoints import RunCheckpoints
 from redray.engine.run_view import RunView
 from redray.engine.runtime import ModelRuntime
 from redray.engine.schedule import RunBudget
+from redray.engine.settings import (DataSettings, PlanSettings, ReportSettings, StepSettings,
+                                    from_flat)
 from redray.engine.state import TrainState
 from redray.engine.steps import check_step_arguments
 from redray.functions import UserFunctions
@@ -57,104 +58,66 @@ class Trainer:
       optimizer: an ``optax.GradientTransformation``.
       predict: optional (model, batch, rng) -> batch-major pytree.
       batch_size: examples per optimizer update (the global batch).
-      micro_batch_size: examples per device in one micro-batch: the global batch runs
-        in micro-batches one after the other (gradient accumulation) or, with pipeline
-        stages, through the pipeline in one pass. Default: no accumulation; with
-        stages, at least 4 micro-batches per stage.
-      stage_repeats: circular pipeline repeats (with ``stage_axis`` > 1): each
-        micro-batch goes round the stages that many times, the bubble shrinking by as
-        much (GPipe's circular form, or with ``"1f1b"`` interleaved 1F1B). 1 (default):
-        one chunk of layers per stage.
-      pipeline_schedule: with stages, ``"gpipe"`` (the default) or ``"1f1b"`` (each
-        stage alternates forwards and backwards and keeps at most ``2 stage_axis - 1``
-        micro-batches' inputs, more with repeats; no ``trainable=`` or ``grad_fn=``).
-      eval_batch_size: examples per evaluation step (default: ``batch_size``).
-      plan: ``"auto"`` (the default when no mesh and no axis size is given): the
-        planner chooses the axes and the micro-batch at ``init``, keeping those given
-        beside it (``plan_ranking``: every plan it weighed). A ``redray.Plan``, its
-        JSON (a checkpoint's, ``redray plan --json``'s) or a file of it: that plan as
-        it is. A ``redray.Parallelism``, a mesh or the axis sizes: those axes.
-      hardware: what ``"auto"`` plans on: a ``redray.planning.hardware.Hardware``, a
-        preset name (``"h100"``, ``"h100+ethernet"``...), or None: the devices probed.
-      plan_timing: whether ``"auto"`` times the model's pass on the live devices to
-        cost the plans. None (default): unless ``fit`` is predicted under 30 s.
-      mesh: a mesh from ``redray.make_mesh``; or give the axis sizes.
-      compute_dtype: dtype of the forward/backward (e.g. ``jnp.bfloat16``); parameters
-        and optimizer state stay float32.
-      rules: ordered (regex on parameter path, PartitionSpec) overriding automatic specs.
-      learning_rate: the schedule (or float) given to the optimizer, to log it.
-      seed: seeds initialization, data order and the ``rng`` given to ``loss``.
-      log_every: steps between metric fetches from the devices (no sync in between).
-      progress: show the run's summary, progress and evaluations (on process 0).
-      prefetch: batches collated and placed ahead, in a background thread (0: none).
+      plan: a ``redray.PlanSettings``: how the plan is chosen or given; or what its
+        ``plan`` takes alone ("auto", the default; a ``redray.Plan``, its JSON or a file
+        of it; a ``redray.Parallelism``). ``plan_ranking`` holds what "auto" weighed.
+      step: a ``redray.StepSettings``: compute dtype, what is trained, a custom
+        gradient, what a NaN does, the learning rate (logged).
+      data: a ``redray.DataSettings``: the evaluation batch, batches prefetched.
+      report: a ``redray.ReportSettings``: the log window, the progress, a profile.
       checkpoint: a folder (or URI), or a ``redray.CheckpointConfig``: save the full
         state there and, by default, resume from the last complete checkpoint there.
         False: none. None (default): none, except inside ``redray.run``, where the
         first Trainer made uses the run's checkpoint folder.
-      config: the run's settings (JSON-able) stored in every checkpoint.
-      trainable: a regex on parameter paths (as ``placement()`` shows them): only those
-        are trained, hold optimizer state and are saved (e.g. LoRA adapters,
-        ``r"lora_"``). None: every parameter.
-      grad_fn: a custom gradient step (DP-SGD's clipping and noise, ...):
-        ``grad_fn(loss_fn, params, batch, rng) -> (loss, metrics, grads)`` with
-        ``loss_fn(params, batch, rng) -> (loss, metrics)``; once per micro-batch,
-        inside the jitted step. Default: ``jax.value_and_grad`` of the loss.
       hooks: ``redray.Hook`` objects run beside training (inside ``redray.run`` the
         cluster adds its own, MLflow's and Ray Train's).
-      on_nonfinite: what a NaN or infinite loss or gradient norm does (no such update
-        is kept): ``"stop"`` (default, ``redray.NonFiniteError``), ``"skip"`` the
-        update, or ``"rollback"`` to the newest checkpoint, after the failing batch.
-      profile, profile_dir: ``(first, last)``: a JAX profiler trace of those optimizer
-        steps on every host, into ``profile_dir`` (default: the run's ``profile`` folder,
-        else ``./redray_profile``); default ``REDRAY_PROFILE``. docs/profiling.md.
-      **axes: the mesh's axis sizes by keyword (ints, or "auto" for what the others
-        leave; None: not given): ``data_axis``, ``fsdp_axis``, ``model_axis``, ... one
-        per axis of ``redray.sharding.AXES``. Giving any fixes the plan.
+      config: the run's settings (JSON-able) stored in every checkpoint.
+      seed: seeds initialization, data order and the ``rng`` given to ``loss``.
+
+    ``Trainer.of`` takes the same as flat keywords (``model_axis=2, log_every=1``), as
+    ``redray.fit`` does (``redray.engine.settings.FLAT``).
     """
 
     def __init__(self, model: Any, collate: Callable, loss: Callable,
                  optimizer: optax.GradientTransformation, predict: Callable | None = None, *,
-                 batch_size: int, micro_batch_size: int | None = None,
-                 eval_batch_size: int | None = None, plan=None,
-                 mesh: Mesh | None = None, compute_dtype=None, rules=(),
-                 learning_rate=None, seed: int = 0, log_every: int = 10, progress: bool = True,
-                 prefetch: int = 2, checkpoint=None, config: dict | None = None,
-                 trainable: str | None = None, grad_fn: Callable | None = None,
-                 hooks: Sequence[Hook] = (), on_nonfinite: str = "stop", hardware=None,
-                 plan_timing: bool | None = None,
-                 stage_repeats: int = 1, pipeline_schedule: str | None = None,
-                 profile=None, profile_dir: str | None = None, **axes):
+                 batch_size: int, plan=None, step: StepSettings | None = None,
+                 data: DataSettings | None = None, report: ReportSettings | None = None,
+                 checkpoint=None, hooks: Sequence[Hook] = (), config: dict | None = None,
+                 seed: int = 0):
         self.functions = UserFunctions(collate, loss, predict)
-        check_step_arguments(optimizer, grad_fn, on_nonfinite)
-        self.on_nonfinite, self.grad_fn, self.trainable = on_nonfinite, grad_fn, trainable
+        plan, step = PlanSettings.of(plan), step or StepSettings()
+        data, report = data or DataSettings(), report or ReportSettings()
+        check_step_arguments(optimizer, step.grad_fn, step.on_nonfinite)
+        self.on_nonfinite, self.grad_fn, self.trainable = (step.on_nonfinite, step.grad_fn,
+                                                           step.trainable)
         self.optimizer = optimizer
         self._batch_size = batch_size  # the global batch asked for (a plan's geometry's)
         # the plan asked for, and the planner's choice under "auto" (None: the plan given)
-        plan, self._choice = asked_plan(plan, mesh, rules, axes, batch_size,
-                                        micro_batch_size, pipeline_schedule, stage_repeats,
-                                        hardware, plan_timing, grad_fn, trainable)
-        self.eval_batch_size = eval_batch_size or batch_size
+        asked, self._choice = asked_plan(plan, batch_size, step.grad_fn, step.trainable)
+        self.eval_batch_size = data.eval_batch_size or batch_size
         # the plan, one value: the runtime holds it (``runtime.plan``)
-        self.runtime = ModelRuntime(model, plan, compute_dtype, seed)
+        self.runtime = ModelRuntime(model, asked, step.compute_dtype, seed)
         asked_checkpoint = CheckpointConfig.of(checkpoint)
         # inside redray.run/redray.fit: the run's checkpoints, settings, hooks and console
         scope = current_scope()
         adopted = Adoption() if scope is None else scope.adopt(self, checkpoint is None)
         if self._choice is not None:
             self._choice.probe_cache = adopted.probe_cache
-        self._budget = RunBudget(learning_rate)
-        self.seed, self.log_every = seed, max(1, int(log_every))
-        self.progress, self.prefetch = progress, prefetch
+        self._budget = RunBudget(step.learning_rate)
+        self.seed, self.log_every = seed, max(1, int(report.log_every))
+        self.progress, self.prefetch = report.progress, data.prefetch
         self.state: TrainState | None = None
         self.program: TrainProgram | None = None
         # the attention kernels the step's model computes with (after init)
         self.attention: AttentionKernels | None = None
         self._checkpoints = RunCheckpoints(
-            asked_checkpoint if adopted.checkpoint is None else adopted.checkpoint, trainable)
+            asked_checkpoint if adopted.checkpoint is None else adopted.checkpoint,
+            step.trainable)
         self.config = {**adopted.config, **(config or {})}
         self._progress = Progress()
         self._hooks = Hooks(RunView(self))  # each event gets the run, read-only
-        self._profile = Profile.of(profile, profile_dir, adopted, lambda t: self._console.say(t))
+        self._profile = Profile.of(report.profile, report.profile_dir, adopted,
+                                   lambda t: self._console.say(t))
         for hook in (*filter(None, [self._profile]), *hooks, *adopted.hooks):
             self.add_hook(hook)
         self._fit: Fit | None = None  # the fit call under way
@@ -164,6 +127,16 @@ class Trainer:
             self.eval_batch_size, seed)
         # process 0's messages and progress: this terminal, or the run's driver
         self._console = Console() if adopted.console is None else adopted.console
+
+    @classmethod
+    def of(cls, model: Any, collate: Callable, loss: Callable,
+           optimizer: optax.GradientTransformation, predict: Callable | None = None, *,
+           batch_size: int, **flat) -> "Trainer":
+        """A Trainer from flat keywords (``model_axis=2, micro_batch_size=4,
+        log_every=1``, as ``redray.fit`` takes them): each names a field of the settings
+        (``redray.engine.settings.FLAT``) or an axis size."""
+        return cls(model, collate, loss, optimizer, predict, batch_size=batch_size,
+                   **from_flat(flat, "Trainer"))
 
     @property
     def plan(self) -> Plan:

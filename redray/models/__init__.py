@@ -14,7 +14,7 @@ Mixtral, Qwen2-MoE and Qwen3-MoE, OPT, GPT-J, T5) with Hugging Face I/O.
 * ``next_token_loss(model, ids, segment_ids=None, chunk=...)``: the causal-LM loss,
   inside packed documents, with the LM head run a chunk of tokens at a time.
 * ``add_lora(model, rank, targets=...)`` / ``merge_lora(model)``: LoRA adapters (train
-  them alone with ``Trainer(..., trainable=r"lora_")``) and folding them back.
+  them alone with ``Trainer.of(..., trainable=r"lora_")``) and folding them back.
 * ``model(ids, aux=True)`` of a mixture of experts: (logits, the router's load-balancing
   and z-losses and expert token counts); ``moe.auxiliary_loss(aux, model.config)`` adds
   them to a loss, ``moe.metrics(aux)`` logs them (``redray/models/moe.py``).

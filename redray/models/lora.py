@@ -3,7 +3,7 @@
 ``add_lora`` wraps chosen ``nnx.Linear``/``nnx.LinearGeneral`` layers so they compute
 ``base(x) + (x A) B * alpha / rank`` with ``A`` (in, rank) random and ``B`` (rank, out)
 zero: the adapted model starts out computing exactly what the base model computes.
-Train only the adapters with ``Trainer(..., trainable=r"lora_")``: optimizer state and
+Train only the adapters with ``Trainer.of(..., trainable=r"lora_")``: optimizer state and
 checkpoints then hold ``A`` and ``B`` alone. ``merge_lora`` folds them into the base
 kernels (e.g. before ``save_pretrained``).
 """

@@ -442,8 +442,8 @@ class StepShape:
       scan: the model's layers stacked and scanned (None: as ``build`` builds them by
         default); what the backward pass keeps of a scanned stack is not a list's.
       stage_repeats: the pipeline's circular repeats on a stage axis
-        (``Trainer(stage_repeats=)``).
-      pipeline_schedule: "gpipe" or "1f1b" (``Trainer(pipeline_schedule=)``).
+        (``Trainer.of(stage_repeats=)``).
+      pipeline_schedule: "gpipe" or "1f1b" (``Trainer.of(pipeline_schedule=)``).
     """
 
     batch_size: int

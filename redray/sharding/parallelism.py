@@ -42,7 +42,7 @@ class Axis:
 
     Attributes:
       name: the mesh axis name (what PartitionSpecs and user rules name).
-      keyword: the friendly keyword that sizes it (``Trainer(model_axis=2)``).
+      keyword: the friendly keyword that sizes it (``Trainer.of(model_axis=2)``).
       default: that keyword's default: a size, or "auto" (what the other axes leave).
       splits_batch: the batch's leading dimension is split over it.
       splits_parameters: parameters are split over it (else each device of the axis
