@@ -78,199 +78,200 @@ def _score(model, batch, rng):
             "greedy": jnp.all(greedy, axis=-1)}
 
 
-def lm_class():
-    """``RedrayLM``: defined once lm-eval is imported (its base class)."""
-    LM = _harness()
+class RedrayLM:
+    """The harness's model over a redray causal LM on a plan.
 
-    class RedrayLM(LM):
-        """The harness's model over a redray causal LM on a plan.
+    Args:
+      model: a function building the ``flax.nnx`` model (e.g. ``lambda rngs:
+        redray.models.build(config, rngs=rngs)``).
+      params, extra: its weights (``redray.load_params``; None: fresh).
+      tokenizer: a ``transformers`` tokenizer.
+      batch_size: rows per program call (a multiple of the data-parallel size).
+      max_length: the longest sequence scored (default the config's
+        ``max_position_embeddings``, else 2048); longer inputs keep their end.
+      max_gen_toks: new tokens a generation request may take, unless it says.
+      **axes: the plan's axis sizes (``model_axis=2``...), as for ``Trainer``.
+    """
 
-        Args:
-          model: a function building the ``flax.nnx`` model (e.g. ``lambda rngs:
-            redray.models.build(config, rngs=rngs)``).
-          params, extra: its weights (``redray.load_params``; None: fresh).
-          tokenizer: a ``transformers`` tokenizer.
-          batch_size: rows per program call (a multiple of the data-parallel size).
-          max_length: the longest sequence scored (default the config's
-            ``max_position_embeddings``, else 2048); longer inputs keep their end.
-          max_gen_toks: new tokens a generation request may take, unless it says.
-          **axes: the plan's axis sizes (``model_axis=2``...), as for ``Trainer``.
-        """
+    def __init__(self, model, tokenizer, *, params=None, extra=None, batch_size: int = 8,
+                 max_length: int | None = None, max_gen_toks: int = 256, **axes):
+        super().__init__()
+        from redray.engine.predictor import Predictor
 
-        def __init__(self, model, tokenizer, *, params=None, extra=None, batch_size: int = 8,
-                     max_length: int | None = None, max_gen_toks: int = 256, **axes):
-            super().__init__()
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.max_gen_toks = max_gen_toks
+        self._model, self._axes = model, axes
+        self._weights = (params, extra)
+        self._scorer = Predictor(model, _score_collate, _score, params=params, extra=extra,
+                                 batch_size=batch_size, **axes)
+        self.max_length = max_length or 2048
+        self._generators: dict = {}
+        eos = tokenizer.eos_token_id
+        self.eot_token_id = eos
+        self.prefix_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id \
+            is not None else eos
+
+    # ------------------------------------------------------------ chat templates
+    @property
+    def tokenizer_name(self) -> str:
+        """The tokenizer's name, as the harness keys its caches and results by it."""
+        return str(getattr(self.tokenizer, "name_or_path", "") or "").replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The template ``apply_chat_template`` renders with: the tokenizer's (a
+        named one of a tokenizer's dict of templates, or its ``default``); None
+        where none is asked for; a ``ValueError`` where the tokenizer has none."""
+        if chat_template is False or chat_template is None:
+            return None
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            name = chat_template if isinstance(chat_template, str) else "default"
+            if name not in template:
+                raise ValueError(f"the tokenizer has no chat template {name!r}; it has "
+                                 f"{sorted(template)}")
+            template = template[name]
+        if not template:
+            raise ValueError("--apply-chat-template: the tokenizer has no chat template "
+                             "(tokenizer_config.json's \"chat_template\" or "
+                             "chat_template.jinja in its folder); give --tokenizer a "
+                             "folder that has one")
+        return template
+
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        """A conversation (a task's few-shot turns and its question) as the chat
+        template renders it: ending with the assistant's turn opened (or, without
+        the generation prompt, its last message left open to continue), as the
+        harness's Hugging Face model renders it, a template that refuses system
+        messages given the conversation without them."""
+        import jinja2
+
+        kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt,
+                  continue_final_message=not add_generation_prompt)
+        try:
+            return self.tokenizer.apply_chat_template(chat_history, **kw)
+        except jinja2.exceptions.TemplateError:
+            return self.tokenizer.apply_chat_template(
+                [m for m in chat_history if m["role"] != "system"], **kw)
+
+    # ------------------------------------------------------------ the harness's calls
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        pairs = [self._encode_pair(*r.args) for r in requests]
+        return self._score_pairs(pairs)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        from lm_eval import utils
+
+        pairs, owner = [], []
+        for i, request in enumerate(requests):
+            tokens = self.tokenizer.encode(request.args[0], add_special_tokens=False)
+            for window in utils.get_rolling_token_windows(
+                    tokens, self.prefix_token_id, self.max_length, context_len=1):
+                pairs.append(utils.make_disjoint_window(window))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (logprob, _) in zip(owner, self._score_pairs(pairs)):
+            totals[i] += logprob
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        out = [""] * len(requests)
+        by_new: dict = {}  # one generating program per number of new tokens
+        for i, request in enumerate(requests):
+            context, kwargs = request.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            if self.tokenizer.eos_token and self.tokenizer.eos_token not in until:
+                until.append(self.tokenizer.eos_token)
+            new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            ids = self.tokenizer.encode(context, add_special_tokens=False) \
+                or [self.prefix_token_id]
+            ids = ids[-(self.max_length - new):]
+            by_new.setdefault(new, []).append((i, ids, until))
+        for new, members in by_new.items():
+            for chunk in _length_batches([len(ids) for _, ids, _ in members],
+                                         self.batch_size):
+                width = _padded(max(len(members[j][1]) for j in chunk))
+                rows = []
+                for j in chunk:  # left-padded prompts
+                    ids = members[j][1]
+                    pad = width - len(ids)
+                    rows.append({"ids": np.array([0] * pad + ids, np.int32),
+                                 "mask": np.array([0] * pad + [1] * len(ids), np.int32)})
+                for j, row in zip(chunk, self._generator(new).predict(rows)):
+                    i, _, until = members[j]
+                    text = self.tokenizer.decode(np.asarray(row).tolist(),
+                                                 skip_special_tokens=False)
+                    for stop in until:
+                        text = text.split(stop)[0]
+                    out[i] = text
+        return out
+
+    # ------------------------------------------------------------ the work
+    def _encode_pair(self, context: str, continuation: str):
+        """(context tokens, continuation tokens) as the harness's HF model cuts them:
+        the context's trailing spaces go with the continuation, and the continuation's
+        tokens are those of the whole text after the context's."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        whole, head = encode(context + continuation), encode(context)
+        tail = whole[len(head):]
+        return (head or [self.prefix_token_id]), tail
+
+    def _score_pairs(self, pairs: list) -> list[tuple[float, bool]]:
+        """(log-likelihood, greedy) of each (context, continuation) token pair:
+        longest first, in batches of ``batch_size`` padded to the batch's longest
+        (``_padded``), so only the last batch has padding rows."""
+        out: list = [None] * len(pairs)
+        rows = []
+        for context, continuation in pairs:
+            whole = (list(context) + list(continuation))[-(self.max_length + 1):]
+            rows.append((whole, min(len(continuation), len(whole) - 1)))
+        for chunk in _length_batches([len(whole) for whole, _ in rows], self.batch_size):
+            width = _padded(max(len(rows[i][0]) for i in chunk))
+            scored = min(_padded(max(rows[i][1] for i in chunk)), width - 1)
+            batch = []
+            for i in chunk:
+                whole, count = rows[i]
+                ids = np.zeros(width, np.int32)
+                ids[:len(whole)] = whole
+                positions = np.zeros(scored, np.int32)
+                positions[:count] = np.arange(len(whole) - 1 - count, len(whole) - 1)
+                tokens = np.zeros(scored, np.int32)
+                tokens[:count] = whole[len(whole) - count:]
+                valid = np.zeros(scored, np.int32)
+                valid[:count] = 1
+                batch.append({"ids": ids, "positions": positions, "tokens": tokens,
+                              "valid": valid})
+            for i, result in zip(chunk, self._scorer.predict(batch)):
+                out[i] = (float(result["logprob"]), bool(result["greedy"]))
+        return out
+
+    def _generator(self, new: int):
+        """The Predictor generating ``new`` tokens greedily (one per length)."""
+        if new not in self._generators:
             from redray.engine.predictor import Predictor
+            from redray.models import generate
 
-            self.tokenizer = tokenizer
-            self.batch_size = batch_size
-            self.max_gen_toks = max_gen_toks
-            self._model, self._axes = model, axes
-            self._weights = (params, extra)
-            self._scorer = Predictor(model, _score_collate, _score, params=params, extra=extra,
-                                     batch_size=batch_size, **axes)
-            self.max_length = max_length or 2048
-            self._generators: dict = {}
-            eos = tokenizer.eos_token_id
-            self.eot_token_id = eos
-            self.prefix_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id \
-                is not None else eos
+            def predict(model, batch, rng):
+                return generate(model, batch["ids"], batch["mask"], max_new_tokens=new,
+                                eos_token_id=self.eot_token_id)
 
-        # ------------------------------------------------------------ chat templates
-        @property
-        def tokenizer_name(self) -> str:
-            """The tokenizer's name, as the harness keys its caches and results by it."""
-            return str(getattr(self.tokenizer, "name_or_path", "") or "").replace("/", "__")
+            params, extra = self._weights
+            self._generators[new] = Predictor(
+                self._model, _score_collate, predict, params=params, extra=extra,
+                batch_size=self.batch_size, **self._axes)
+        return self._generators[new]
 
-        def chat_template(self, chat_template: bool | str = False) -> str | None:
-            """The template ``apply_chat_template`` renders with: the tokenizer's (a
-            named one of a tokenizer's dict of templates, or its ``default``); None
-            where none is asked for; a ``ValueError`` where the tokenizer has none."""
-            if chat_template is False or chat_template is None:
-                return None
-            template = getattr(self.tokenizer, "chat_template", None)
-            if isinstance(template, dict):
-                name = chat_template if isinstance(chat_template, str) else "default"
-                if name not in template:
-                    raise ValueError(f"the tokenizer has no chat template {name!r}; it has "
-                                     f"{sorted(template)}")
-                template = template[name]
-            if not template:
-                raise ValueError("--apply-chat-template: the tokenizer has no chat template "
-                                 "(tokenizer_config.json's \"chat_template\" or "
-                                 "chat_template.jinja in its folder); give --tokenizer a "
-                                 "folder that has one")
-            return template
 
-        def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
-            """A conversation (a task's few-shot turns and its question) as the chat
-            template renders it: ending with the assistant's turn opened (or, without
-            the generation prompt, its last message left open to continue), as the
-            harness's Hugging Face model renders it, a template that refuses system
-            messages given the conversation without them."""
-            import jinja2
-
-            kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt,
-                      continue_final_message=not add_generation_prompt)
-            try:
-                return self.tokenizer.apply_chat_template(chat_history, **kw)
-            except jinja2.exceptions.TemplateError:
-                return self.tokenizer.apply_chat_template(
-                    [m for m in chat_history if m["role"] != "system"], **kw)
-
-        # ------------------------------------------------------------ the harness's calls
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
-            pairs = [self._encode_pair(*r.args) for r in requests]
-            return self._score_pairs(pairs)
-
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            from lm_eval import utils
-
-            pairs, owner = [], []
-            for i, request in enumerate(requests):
-                tokens = self.tokenizer.encode(request.args[0], add_special_tokens=False)
-                for window in utils.get_rolling_token_windows(
-                        tokens, self.prefix_token_id, self.max_length, context_len=1):
-                    pairs.append(utils.make_disjoint_window(window))
-                    owner.append(i)
-            totals = [0.0] * len(requests)
-            for i, (logprob, _) in zip(owner, self._score_pairs(pairs)):
-                totals[i] += logprob
-            return totals
-
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            out = [""] * len(requests)
-            by_new: dict = {}  # one generating program per number of new tokens
-            for i, request in enumerate(requests):
-                context, kwargs = request.args
-                kwargs = dict(kwargs or {})
-                until = kwargs.get("until") or []
-                until = [until] if isinstance(until, str) else list(until)
-                if self.tokenizer.eos_token and self.tokenizer.eos_token not in until:
-                    until.append(self.tokenizer.eos_token)
-                new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
-                ids = self.tokenizer.encode(context, add_special_tokens=False) \
-                    or [self.prefix_token_id]
-                ids = ids[-(self.max_length - new):]
-                by_new.setdefault(new, []).append((i, ids, until))
-            for new, members in by_new.items():
-                for chunk in _length_batches([len(ids) for _, ids, _ in members],
-                                             self.batch_size):
-                    width = _padded(max(len(members[j][1]) for j in chunk))
-                    rows = []
-                    for j in chunk:  # left-padded prompts
-                        ids = members[j][1]
-                        pad = width - len(ids)
-                        rows.append({"ids": np.array([0] * pad + ids, np.int32),
-                                     "mask": np.array([0] * pad + [1] * len(ids), np.int32)})
-                    for j, row in zip(chunk, self._generator(new).predict(rows)):
-                        i, _, until = members[j]
-                        text = self.tokenizer.decode(np.asarray(row).tolist(),
-                                                     skip_special_tokens=False)
-                        for stop in until:
-                            text = text.split(stop)[0]
-                        out[i] = text
-            return out
-
-        # ------------------------------------------------------------ the work
-        def _encode_pair(self, context: str, continuation: str):
-            """(context tokens, continuation tokens) as the harness's HF model cuts them:
-            the context's trailing spaces go with the continuation, and the continuation's
-            tokens are those of the whole text after the context's."""
-            spaces = len(context) - len(context.rstrip())
-            if spaces:
-                context, continuation = context[:-spaces], context[-spaces:] + continuation
-            encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-            whole, head = encode(context + continuation), encode(context)
-            tail = whole[len(head):]
-            return (head or [self.prefix_token_id]), tail
-
-        def _score_pairs(self, pairs: list) -> list[tuple[float, bool]]:
-            """(log-likelihood, greedy) of each (context, continuation) token pair:
-            longest first, in batches of ``batch_size`` padded to the batch's longest
-            (``_padded``), so only the last batch has padding rows."""
-            out: list = [None] * len(pairs)
-            rows = []
-            for context, continuation in pairs:
-                whole = (list(context) + list(continuation))[-(self.max_length + 1):]
-                rows.append((whole, min(len(continuation), len(whole) - 1)))
-            for chunk in _length_batches([len(whole) for whole, _ in rows], self.batch_size):
-                width = _padded(max(len(rows[i][0]) for i in chunk))
-                scored = min(_padded(max(rows[i][1] for i in chunk)), width - 1)
-                batch = []
-                for i in chunk:
-                    whole, count = rows[i]
-                    ids = np.zeros(width, np.int32)
-                    ids[:len(whole)] = whole
-                    positions = np.zeros(scored, np.int32)
-                    positions[:count] = np.arange(len(whole) - 1 - count, len(whole) - 1)
-                    tokens = np.zeros(scored, np.int32)
-                    tokens[:count] = whole[len(whole) - count:]
-                    valid = np.zeros(scored, np.int32)
-                    valid[:count] = 1
-                    batch.append({"ids": ids, "positions": positions, "tokens": tokens,
-                                  "valid": valid})
-                for i, result in zip(chunk, self._scorer.predict(batch)):
-                    out[i] = (float(result["logprob"]), bool(result["greedy"]))
-            return out
-
-        def _generator(self, new: int):
-            """The Predictor generating ``new`` tokens greedily (one per length)."""
-            if new not in self._generators:
-                from redray.engine.predictor import Predictor
-                from redray.models import generate
-
-                def predict(model, batch, rng):
-                    return generate(model, batch["ids"], batch["mask"], max_new_tokens=new,
-                                    eos_token_id=self.eot_token_id)
-
-                params, extra = self._weights
-                self._generators[new] = Predictor(
-                    self._model, _score_collate, predict, params=params, extra=extra,
-                    batch_size=self.batch_size, **self._axes)
-            return self._generators[new]
-
-    return RedrayLM
+def lm_class():
+    """``RedrayLM`` on lm-eval's base class (imported here, on first use)."""
+    LM = _harness()
+    return type("RedrayLM", (RedrayLM, LM), {"__doc__": RedrayLM.__doc__,
+                                             "__module__": __name__})
 
 
 def evaluate_tasks(tasks, *, run: str | None = None, model: str | None = None,
