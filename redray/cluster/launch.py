@@ -376,7 +376,7 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
     with spans.phase("imports"):
         import ray
 
-        from redray.cluster import hosts, results as results_kept
+        from redray.cluster import hosts, results as results_kept  # noqa: F401 - in this phase
         from redray.cluster.tracker import start_tracker
 
     connected_here = not ray.is_initialized()
@@ -414,54 +414,11 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
                   profile=profile_window(os.environ.get(PROFILE_ENV), PROFILE_ENV),
                   profile_dir=os.path.join(folders.run, "profile"))
     try:
-        # A group runs the job to its end; an elastic run's group may end itself at a
-        # checkpoint when the cluster has room for more hosts (worker.Regrow), and a
-        # failed group (a host's error, or a host lost while the group started or ran)
-        # is followed by a new one while restarts are left: either new group resumes
-        # from the last checkpoint.
-        restarts, ended = config.max_failures, None
-        while True:
-            try:
-                group = _group(config, room, quiet, spans, view, ended is not None)
-                outcome = _run_on(group, job, results, view, _streams(task), ended)
-                ended = None
-            except HostFailure as failure:
-                ended = failure.group
-                if restarts == 0:
-                    raise
-                restarts -= 1
-                view.write(f"redray: {failure}; restarting the run from its last checkpoint "
-                           f"({config.max_failures - restarts} of max_failures="
-                           f"{config.max_failures})")
-                continue
-            if outcome == REGROUP:
-                group.close()
-                _await_room(ray.get(results.take_regroup.remote()), room)
-                continue
-            if config.keep_hosts and not config.elastic:
-                hosts.keep(group)
-            else:
-                group.close()
-            break
+        _run_groups(config, room, quiet, spans, view, job, results, _streams(task))
     except Exception as error:
         _finish_startup(spans, None, start, tracker, quiet, "FAILED")
-        _, failures = ray.get(results.get.remote())
-        results_kept.keep(results)
-        # a host gone without a word (its peers' errors, if any, followed from its loss)
-        if isinstance(error, HostFailure) and (error.lost or not failures):
-            raise HostError(str(error), error.host, None, error.__cause__) from None
-        if not failures:
-            raise
-        host, text, full = failures[-1]
-        if connected_here:
-            # Ray prints the hosts' streamed output from a thread, and the lines it held
-            # back to deduplicate at its shutdown: all of it must come before the error.
-            hosts.release_hosts()
-            ray.shutdown()
-        sys.stdout.flush()  # a redirected stdout holds lines until exit, after the error
-        sys.stderr.flush()
-        # Ray's own error (the hosts' deaths) would only bury the user's traceback.
-        raise HostError(f"host {host} failed:\n{text}", host, full, error) from None
+        _raise_failure(error, results, connected_here)
+        raise  # no host said why: the error itself
     out, _ = ray.get(results.get.remote())
     results_kept.keep(results)
     host_spans = out.pop("startup")
@@ -473,6 +430,69 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
             "tracking_uri": report and report["uri"],
             "mlflow_run_id": report and report["run_id"],
             "trackers": (report or {}).get("trackers", {})}
+
+
+def _run_groups(config: ClusterConfig, room, quiet: bool, spans, view, job, results,
+                streams: bool) -> None:
+    """Runs ``job`` on groups of hosts until it ends. A group runs the job to its end; an
+    elastic run's group may end itself at a checkpoint when the cluster has room for more
+    hosts (``worker.Regrow``), and a failed group (a host's error, or a host lost while
+    the group started or ran) is followed by a new one while restarts are left: either
+    new group resumes from the last checkpoint."""
+    import ray
+
+    from redray.cluster import hosts
+
+    restarts, ended = config.max_failures, None
+    while True:
+        try:
+            group = _group(config, room, quiet, spans, view, ended is not None)
+            outcome = _run_on(group, job, results, view, streams, ended)
+            ended = None
+        except HostFailure as failure:
+            ended = failure.group
+            if restarts == 0:
+                raise
+            restarts -= 1
+            view.write(f"redray: {failure}; restarting the run from its last checkpoint "
+                       f"({config.max_failures - restarts} of max_failures="
+                       f"{config.max_failures})")
+            continue
+        if outcome == REGROUP:
+            group.close()
+            _await_room(ray.get(results.take_regroup.remote()), room)
+            continue
+        if config.keep_hosts and not config.elastic:
+            hosts.keep(group)
+        else:
+            group.close()
+        return
+
+
+def _raise_failure(error: Exception, results, connected_here: bool) -> None:
+    """Raises what a run that failed with ``error`` says to its caller, the failing
+    host's traceback (a ``HostError``); returns where no host said one."""
+    import ray
+
+    from redray.cluster import hosts, results as results_kept
+
+    _, failures = ray.get(results.get.remote())
+    results_kept.keep(results)
+    # a host gone without a word (its peers' errors, if any, followed from its loss)
+    if isinstance(error, HostFailure) and (error.lost or not failures):
+        raise HostError(str(error), error.host, None, error.__cause__) from None
+    if not failures:
+        return
+    host, text, full = failures[-1]
+    if connected_here:
+        # Ray prints the hosts' streamed output from a thread, and the lines it held
+        # back to deduplicate at its shutdown: all of it must come before the error.
+        hosts.release_hosts()
+        ray.shutdown()
+    sys.stdout.flush()  # a redirected stdout holds lines until exit, after the error
+    sys.stderr.flush()
+    # Ray's own error (the hosts' deaths) would only bury the user's traceback.
+    raise HostError(f"host {host} failed:\n{text}", host, full, error) from None
 
 
 def _data_context(task):
