@@ -61,11 +61,15 @@ def run_loop(module, loop: str, args: list[str], folder, monkeypatch, kill_at=No
     made, logged = [], []
 
     class Checkpointed(TRAINER):
-        def __init__(self, *a, hooks=(), **kw):
-            hooks = [*hooks, *([_Kill(kill_at)] if kill_at else [])]
-            super().__init__(*a, checkpoint=redray.CheckpointConfig(
-                os.path.join(folder, "checkpoints")), data_axis=4, hooks=hooks, **kw)
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
             made.append(self)
+
+        @classmethod
+        def of(cls, *a, hooks=(), **flat):  # what the examples call
+            hooks = [*hooks, *([_Kill(kill_at)] if kill_at else [])]
+            return super().of(*a, checkpoint=redray.CheckpointConfig(
+                os.path.join(folder, "checkpoints")), data_axis=4, hooks=hooks, **flat)
 
         def log(self, row):
             logged.append({k: float(v) for k, v in row.items()})
