@@ -101,9 +101,7 @@ class PlanChoice:
                           "resumes (the same devices)")
         best, hardware = self.choose(runtime, functions, optimizer, sample, trainable,
                                      grad_fn, batch_size)
-        plan = self.plan(best, batch_size, runtime.plan, hardware)
-        return plan, (f"{self.ranking.why()}\nplan= to run this plan again: "
-                      f"{plan.to_json()}")
+        return self.plan(best, batch_size, runtime.plan, hardware), self.ranking.why()
 
     def plan(self, best: Plan, batch_size: int, asked: Plan, hardware=None) -> Plan:
         """The plan a Trainer runs of a pick (or a kept plan), a plan over an abstract
