@@ -452,3 +452,19 @@ def test_a_prompt_prefilled_over_the_context_axis_generates_as_one_device(family
     got, hlo = generated(family, **axes)
     np.testing.assert_array_equal(got, want)
     assert "collective-permute" in hlo  # the ring's passes, and the cache's reorder
+
+
+def test_the_plans_context_attention_reaches_the_layers_and_the_variable_overrides_it(
+        monkeypatch):
+    """A plan pinned to a way across the context axis (``Plan.context_attention``) is what
+    the ring's layers take, whatever kernel its blocks would run;
+    ``REDRAY_CONTEXT_ATTENTION`` overrides it."""
+    from redray.models.context import method
+    from redray.sharding.tracing import traced
+
+    monkeypatch.delenv("REDRAY_CONTEXT_ATTENTION", raising=False)
+    assert method() == "auto"
+    with traced(context_attention="all_gather"):
+        assert method() == "all_gather"
+        monkeypatch.setenv("REDRAY_CONTEXT_ATTENTION", "ring")
+        assert method() == "ring"

@@ -117,6 +117,7 @@ class ModelRuntime:
             mesh = current
         return traced(mesh=mesh, ways=1 if parallelism is None else parallelism.data_parallel,
                       micro_rows=self.micro_rows, repeats=self.stage_repeats,
+                      context_attention=self.plan.context_attention,
                       context_choice=self._context_method(), layers=self.stacked_layers,
                       **changes)
 
@@ -132,11 +133,8 @@ class ModelRuntime:
         return other
 
     def _context_method(self):
-        """The plan's choice of how attention crosses a context axis, as the model's
-        layers ask for it (``tracing.context_choice``)."""
-        fixed = self.plan.context_attention
-        if fixed != "auto":
-            return lambda *shape: fixed
+        """How "auto" chooses a layer's attention across a context axis, on the plan's
+        hardware (``Tracing.context_choice``)."""
         from redray.planning import context_chooser
 
         return context_chooser(self.plan.hardware)

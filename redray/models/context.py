@@ -65,17 +65,19 @@ from jax.sharding import PartitionSpec as P
 
 from redray.models.attention import (AttentionMask, Target, flash_attention, flash_backward,
                                      flash_forward)
-from redray.sharding.tracing import context_choice, context_split
+from redray.sharding.plan import CONTEXT_ATTENTION
+from redray.sharding.tracing import context_choice, context_split, tracing
 from redray.sharding.parallelism import CONTEXT, STAGE
 
-METHODS = ("auto", "ring", "all_gather")
+METHODS = CONTEXT_ATTENTION
 AXIS = CONTEXT.name
 
 
 def method() -> str:
-    """How attention crosses the context axis: ``REDRAY_CONTEXT_ATTENTION`` (default
-    "auto": the plan's chooser, ``tracing.context_choice``)."""
-    name = os.environ.get("REDRAY_CONTEXT_ATTENTION", "auto")
+    """How attention crosses the context axis: ``REDRAY_CONTEXT_ATTENTION`` where set,
+    else the plan's (``Plan.context_attention``; "auto": the plan's chooser,
+    ``tracing.context_choice``)."""
+    name = os.environ.get("REDRAY_CONTEXT_ATTENTION") or tracing().context_attention
     if name not in METHODS:
         raise ValueError(f"REDRAY_CONTEXT_ATTENTION={name!r}: use one of {', '.join(METHODS)}")
     return name

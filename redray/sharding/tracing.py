@@ -48,6 +48,8 @@ class Tracing:
         ``parallelism.layer_order``).
       layers: the model's stacked layer counts (a stack the stages do not divide is
         held padded).
+      context_attention: the plan's way across the context axis by name: "ring",
+        "all_gather", or "auto" (``context_choice`` per layer).
       context_choice: ``fn(batch, tokens, ways, heads, kv_heads, head_dim, itemsize)``
         -> "ring" or "all_gather": how one layer's attention crosses the context axis
         (the plan's, on its hardware); None: none given (the ring).
@@ -67,6 +69,7 @@ class Tracing:
     micro_rows: int | None = None
     repeats: int = 1
     layers: tuple = ()
+    context_attention: str = "auto"
     context_choice: Callable | None = None
     specs: dict | None = dataclasses.field(default=None, repr=False)
     attention: str | None = None
