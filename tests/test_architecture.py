@@ -132,6 +132,121 @@ def test_axis_names_are_spelled_once_inside_sharding_and_nowhere_else():
     assert inside == ["redray/sharding/parallelism.py"] * (2 * len(AXES)), inside
 
 
+# The modules that are one axis's own mechanism (its collectives inside a step): each
+# may name its axis and no other. Every other module of planning/ and sharding/ prices,
+# places and splits an axis by its roles and flags (``Axis.roles``, ``Axis.gathers``,
+# ``splits_batch``, ...), never by its name: a new axis is its row of ``AXES``.
+AXIS_MODULES = {"redray/sharding/pipeline_schedules.py": "stage",
+                "redray/sharding/reductions.py": "model"}
+TABLE = "redray/sharding/parallelism.py"
+
+
+def axis_references(source: str, path: str = "<source>") -> list[tuple[int, str]]:
+    """(line, axis name) of every use of an axis by name in ``source``: its constant
+    (``MODEL``, ``MODEL.name``) or a string equal to its name or keyword."""
+    from redray.sharding.parallelism import AXES
+
+    constants = {a.name.upper(): a.name for a in AXES}
+    strings = {a.name: a.name for a in AXES} | {a.keyword: a.name for a in AXES}
+    out = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Name) and node.id in constants:
+            out.append((node.lineno, constants[node.id]))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and node.value in strings:
+            out.append((node.lineno, strings[node.value]))
+    return out
+
+
+def test_planning_and_sharding_never_branch_on_an_axis_name():
+    """The cost model, the memory model, the planner and the sharding rules name no axis
+    outside the axis table and the axes' own modules (docs/architecture.md's new-axis
+    walkthrough: a test below adds an axis by its row alone)."""
+    found = []
+    for package in ("planning", "sharding"):
+        folder = os.path.join(ROOT, "redray", package)
+        for name in sorted(os.listdir(folder)):
+            path = f"redray/{package}/{name}"
+            if not name.endswith(".py") or path == TABLE:
+                continue
+            own = AXIS_MODULES.get(path)
+            found += [(path, line, axis) for line, axis in
+                      axis_references(open(os.path.join(ROOT, path)).read(), path)
+                      if axis != own]
+    assert not found, f"axes named outside the table and their own modules: {found}"
+
+
+def test_the_axis_name_check_catches_a_branch():
+    source = ("from redray.sharding import MODEL\n"
+              "def f(shape):\n    return shape[MODEL.name] > 1 or shape['fsdp'] > 1\n")
+    assert sorted(axis_references(source)) == [(3, "fsdp"), (3, "model")]
+
+
+TOY_ROW = """REPLICA = Axis("replica", "replica_axis", 1, True, False, ACROSS,
+               "a second data-parallel axis (a toy: tests/test_architecture.py)",
+               shown_at_one=False, roles=("rows",))
+"""
+TOY_RUN = r"""
+import json, math, sys
+import redray
+from redray.planning.from_config import choose_plan
+from redray.planning.hardware import preset
+from redray.planning.memory import StepShape
+from redray.planning.from_config import plan_model
+from redray.sharding import make_mesh
+from transformers import LlamaConfig
+
+assert redray.__file__.startswith(sys.argv[1]), redray.__file__
+config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+out = {"mesh": dict(make_mesh(replica_axis=2, model_axis=2).shape)}
+for name, axes in (("toy", dict(replica_axis=2, data_axis=2)), ("data", dict(data_axis=4))):
+    best = choose_plan(config, 8, 2, 16, 32, preset("h100"), model_axis=2, fsdp_axis=1,
+                       stage_axis=1, remat="full", micro_batch_size=2, **axes).best
+    memory = plan_model(config, 8, 2, 1, step=StepShape(batch_size=16, seq_len=32),
+                        **axes)["memory"]
+    out[name] = {"seconds": best.cost.seconds, "memory": memory["total"],
+                 "per_device": memory["per_device_batch"],
+                 "groups": sorted({t.axes for t in best.cost.traffic}),
+                 "plan": best.plan.to_dict()["axes"]}
+print(json.dumps(out))
+"""
+
+
+def test_a_new_data_like_axis_is_its_row_alone(tmp_path):
+    """docs/architecture.md's walkthrough, done: a copy of the package whose axis table
+    has one more row (a second data-parallel axis) and nothing else changed. The mesh
+    takes it by its keyword; the planner prices it, the memory model holds it and the
+    plan writes it out, exactly as the data axis it stands in for."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copytree(os.path.join(ROOT, "redray"), tmp_path / "redray",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    table = tmp_path / TABLE
+    text = table.read_text()
+    axes = "AXES: tuple[Axis, ...] = (STAGE, DATA, FSDP, EXPERT, CONTEXT, MODEL)"
+    assert text.count(axes) == 1, "the axis table's line moved: update this test"
+    table.write_text(text.replace(axes, TOY_ROW + axes.replace("DATA", "REPLICA, DATA")))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    done = subprocess.run([sys.executable, "-c", TOY_RUN, str(tmp_path)], env=env,
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["mesh"] == {"stage": 1, "replica": 2, "data": 2, "fsdp": 1, "expert": 1,
+                           "context": 1, "model": 2}
+    toy, data = out["toy"], out["data"]
+    assert toy["plan"]["replica"] == 2 and toy["plan"]["data"] == 2
+    assert toy["seconds"] == pytest.approx(data["seconds"], rel=1e-9)
+    assert toy["memory"] == data["memory"] and toy["per_device"] == data["per_device"] == 4
+    # the gradients are summed over both data-like axes, the model's over the model axis
+    assert ["replica", "data"] in toy["groups"] and ["data"] in data["groups"]
+    assert ["model"] in toy["groups"]
+
+
 # The planning package's insides: what no module outside it reaches into.
 PLANNING_INSIDES = ("redray.planning.cost", "redray.planning.hardware", "redray.planning.probe")
 

@@ -78,8 +78,8 @@ from typing import Sequence
 from redray.sharding.dataflow import Trace
 from redray.planning.hardware import Hardware, Link, for_backend
 from redray.planning.work import Work
-from redray.sharding.parallelism import (AXES, BATCH_AXES, CONTEXT, EXPERT, FSDP, MODEL,
-                                         STAGE, hybrid_shapes, pipeline_ticks)
+from redray.sharding.parallelism import (AXES, BATCH_AXES, GATHERING, hybrid_shapes,
+                                         pipeline_ticks, role_axes, role_size)
 from redray.sharding.rules import axes_of
 
 
@@ -254,9 +254,9 @@ class Parameter:
     stacked: bool = False
     lookup: bool = False
 
-    def split(self, axis: str) -> int:
-        """Which dimension ``axis`` splits, or None."""
-        return next((d for d, e in enumerate(self.spec) if axis in axes_of(e)), None)
+    def split(self, axes: Sequence[str]) -> int | None:
+        """Which dimension any of ``axes`` splits (the first), or None."""
+        return next((d for d, e in enumerate(self.spec) if set(axes) & set(axes_of(e))), None)
 
     def axes(self) -> set[str]:
         return {a for e in self.spec for a in axes_of(e)}
@@ -276,20 +276,21 @@ def tensor_traffic(trace: Trace, params: Sequence[Parameter], shape: dict[str, i
       recompute: the forward runs again in the backward (remat): its all-reduces too.
       accumulation: micro-batches per step.
     """
-    if shape[MODEL.name] <= 1:
+    heads = role_axes("heads")
+    if role_size(shape, "heads") <= 1:
         return []
     out: list[Traffic] = []
     columns: dict = {}
     for p, use in trace.runs():
         param = params[p]
-        d = param.split(MODEL.name)
+        d = param.split(heads)
         if d is None or not use.rows:
             continue
         rows = use.rows * rows_scale  # one run's, on one device's micro-batch
         in_size = math.prod(param.shape[k] for k in use.in_dims)
         out_size = math.prod(param.shape[k] for k in use.out_dims)
         if d in use.in_dims:  # a row layer, or a lookup split over its entries' index
-            out.append(Traffic("all-reduce", rows * out_size * act_itemsize, (MODEL.name,),
+            out.append(Traffic("all-reduce", rows * out_size * act_itemsize, heads,
                                (2 if recompute else 1) * use.times * accumulation,
                                "tensor parallel: a row layer's (or split lookup's) output",
                                True))
@@ -298,7 +299,7 @@ def tensor_traffic(trace: Trace, params: Sequence[Parameter], shape: dict[str, i
             columns.setdefault((use.preds, use.rows, in_size, use.times), use.times)
     for (_, rows, in_size, times), _ in columns.items():
         out.append(Traffic("all-reduce", rows * rows_scale * in_size * act_itemsize,
-                           (MODEL.name,), times * accumulation,
+                           heads, times * accumulation,
                            "tensor parallel: the gradient of column layers' input", True))
     return out
 
@@ -317,10 +318,10 @@ def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_ite
       act_itemsize: bytes per activation element.
       recompute, accumulation: as for ``tensor_traffic``.
     """
-    if shape[EXPERT.name] <= 1:
+    if role_size(shape, "experts") <= 1:
         return []
     return [Traffic("all-to-all", e.experts * e.slots(tokens) * e.hidden * act_itemsize,
-                    (EXPERT.name,), e.layers * (6 if recompute else 4) * accumulation,
+                    role_axes("experts"), e.layers * (6 if recompute else 4) * accumulation,
                     "expert parallel: tokens sent to their experts and back", True)
             for e in layers]
 
@@ -358,27 +359,27 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
       micro_batches: ``M``; repeats: the circular repeats ``R``; split: the ways the
       slots' features are split over the model axis.
     """
-    stages = shape.get(STAGE.name, 1)
+    stages, staged = role_size(shape, "layers"), role_axes("layers")
     if stages <= 1:
         return []
     whole = rows * tokens * hidden * act_itemsize
     slot = whole / split
     ticks = pipeline_ticks(stages, micro_batches, repeats)[1]
-    out = [Traffic("collective-permute", slot, (STAGE.name,), (3 if gpipe else 2) * ticks,
+    out = [Traffic("collective-permute", slot, staged, (3 if gpipe else 2) * ticks,
                    "pipeline: hidden states to the next stage, gradients back", True),
-           Traffic("all-reduce", slot, (STAGE.name,), ticks,
+           Traffic("all-reduce", slot, staged, ticks,
                    "pipeline: the first stage's input gradient", True)]
     if micro_batches % stages == 0:
         out.append(Traffic("collective-permute", slot * micro_batches * (stages - 1) / stages,
-                           (STAGE.name,), 2 if gpipe else 1, "pipeline: the output to each "
+                           staged, 2 if gpipe else 1, "pipeline: the output to each "
                            "stage's rows of the head, gradients back", True))
         if gpipe:
-            out.append(Traffic("all-reduce", slot * micro_batches, (STAGE.name,), 1,
+            out.append(Traffic("all-reduce", slot * micro_batches, staged, 1,
                                "pipeline: the first stage's outputs' gradient", True))
     if split > 1:
-        out += [Traffic("all-gather", whole, (MODEL.name,), ticks,
+        out += [Traffic("all-gather", whole, role_axes("heads"), ticks,
                         "pipeline: a slot's features gathered for the stage's layers", True),
-                Traffic("reduce-scatter", whole, (MODEL.name,), ticks,
+                Traffic("reduce-scatter", whole, role_axes("heads"), ticks,
                         "pipeline: their gradient scattered back", True)]
     return out
 
@@ -410,7 +411,7 @@ def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int
         gathered from the ``2C`` chunks in the forward, their gradients reduce-scattered
         in the backward; nothing of the sequence moves.
     """
-    ways = shape.get(CONTEXT.name, 1)
+    ways, ring = role_size(shape, "sequence"), role_axes("sequence")
     if ways <= 1:
         return []
     local = rows * -(-tokens // ways)
@@ -421,19 +422,19 @@ def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int
     if linear_layers and linear_state:
         state = rows * 2 * ways * linear_state * 4
         times = linear_layers * (micro_batches if passes is None else passes)
-        linear = [Traffic("all-gather", state, (CONTEXT.name,), times,
+        linear = [Traffic("all-gather", state, ring, times,
                           "context: each chunk's linear-attention state map", False,
                           "forward", True),
-                  Traffic("reduce-scatter", state, (CONTEXT.name,), times,
+                  Traffic("reduce-scatter", state, ring, times,
                           "context: the state maps' gradients", False, "backward", True)]
-    return linear + [Traffic("collective-permute", block, (CONTEXT.name,),
+    return linear + [Traffic("collective-permute", block, ring,
                     2 * (ways - 1) * runs,
                     "context: keys and values round the ring (forward, backward)", False,
                     "both", True),
-            Traffic("collective-permute", grads, (CONTEXT.name,), ways * runs,
+            Traffic("collective-permute", grads, ring, ways * runs,
                     "context: the keys' and values' gradients, with them", False,
                     "backward", True),
-            Traffic("collective-permute", local * hidden * act_itemsize, (CONTEXT.name,),
+            Traffic("collective-permute", local * hidden * act_itemsize, ring,
                     2 * micro_batches, "context: the hidden states out of the zigzag layout, "
                     "gradients back", False, "both")]
 
@@ -445,7 +446,7 @@ def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> f
     total = 0.0
     for p, use in trace.runs():
         param = params[p]
-        if use.kind != "dot" or param.split(MODEL.name) is not None:
+        if use.kind != "dot" or param.split(role_axes("heads")) is not None:
             continue
         size = math.prod(param.shape[k] for k in (*use.in_dims, *use.out_dims))
         total += 3 * 2 * use.rows * size * use.times  # forward, and two in the backward
@@ -478,24 +479,27 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
     moves them out), while a parameter gathered outside a layer scan is gathered once,
     before the loop (loop-invariant: the same gather every micro-batch)."""
     out = []
-    # the gradients are summed over the axes splitting the batch, the context axis
-    # splitting its sequences, and (for what the stages hold whole) the stages
-    head_rows = (CONTEXT.name, STAGE.name)
+    # the gradients are summed over the axes splitting the batch, the axes splitting its
+    # sequences, and (for what the stages hold whole) the stages
+    staged = role_axes("layers")
+    head_rows = (*role_axes("sequence"), *staged)
     for param in params:
         if not param.trained:
             continue
         axes = param.axes()
-        others = math.prod(shape[a] for a in axes if a != FSDP.name)
+        gather = tuple(a for a in GATHERING if a in axes)  # FSDP's
+        ways = math.prod(shape[a] for a in gather)
+        others = math.prod(shape[a] for a in axes if a not in gather)
         elements = math.prod(param.shape) / others
         kind = "reduce-scatter" if hardware.reduce_scatter else "all-reduce"
-        if FSDP.name in axes and shape[FSDP.name] > 1 and param.stacked and gathered_once:
-            out.append(Traffic("all-gather", elements * compute_itemsize, (FSDP.name,), 1,
+        if ways > 1 and param.stacked and gathered_once:
+            out.append(Traffic("all-gather", elements * compute_itemsize, gather, 1,
                                "FSDP: a stage's layers gathered before its ticks", False,
                                "forward"))
-            out.append(Traffic(kind, elements * param.itemsize / repeats, (FSDP.name,),
+            out.append(Traffic(kind, elements * param.itemsize / repeats, gather,
                                accumulation, "FSDP: a tick's chunk's gradients reduced",
                                False, "backward", True))
-        elif FSDP.name in axes and shape[FSDP.name] > 1:
+        elif ways > 1:
             # gathered once, before an accumulation loop, outside a layer scan (hoisted)
             hoisted = looped and not param.stacked
             again = (recompute or param.stacked) and not hoisted
@@ -503,11 +507,11 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
             # GPipe runs what is not stacked once a step, outside its ticks
             passes = 1 if gathered_once and not hoisted else accumulation
             out.append(Traffic("all-gather", elements * compute_itemsize / chunk,
-                               (FSDP.name,), (2 if again else 1) * (1 if hoisted else passes),
+                               gather, (2 if again else 1) * (1 if hoisted else passes),
                                "FSDP: a parameter gathered" + (
                                    " before the micro-batches' loop" if hoisted else ""),
                                False, "both" if again else "forward", param.stacked))
-            out.append(Traffic(kind, elements * param.itemsize / chunk, (FSDP.name,),
+            out.append(Traffic(kind, elements * param.itemsize / chunk, gather,
                                passes,
                                "FSDP: a gradient reduced onto its shards", False,
                                "backward", param.stacked))
@@ -518,18 +522,18 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
         times, phase = (accumulation, "backward") if each else (1, "step")
         # a pass reduces its chunk of a stage's layers (circular repeats)
         share = elements * param.itemsize / (repeats if param.stacked and each else 1)
-        if FSDP.name in axes and shape[FSDP.name] > 1:
-            rest = tuple(a for a in (*BATCH_AXES, *head_rows) if a != FSDP.name
+        if ways > 1:
+            rest = tuple(a for a in (*BATCH_AXES, *head_rows) if a not in gather
                          and a not in axes and shape[a] > 1)
             if rest:
-                out.append(Traffic("all-reduce", share / shape[FSDP.name], rest, times,
+                out.append(Traffic("all-reduce", share / ways, rest, times,
                                    "data parallel: a gradient shard", False, phase,
                                    param.stacked))
             continue
-        # GPipe sums an input embedding's gradient over ``stage`` at every tick, as the
+        # GPipe sums an input embedding's gradient over the stages at every tick, as the
         # first stage's input gradient (``stage_traffic``): every stage then holds it
         rows_of = tuple(a for a in head_rows if not (gathered_once and param.lookup
-                                                     and a == STAGE.name))
+                                                     and a in staged))
         group = tuple(a for a in (*BATCH_AXES, *rows_of) if a not in axes and shape[a] > 1)
         if group:
             out.append(Traffic("all-reduce", share, group, times,

@@ -27,9 +27,8 @@ from jax.sharding import PartitionSpec as P
 from redray.planning.memory import StepShape, _fresh_state, step_memory
 from redray.planning.memory import part_lines, size_text
 from redray.planning.planner import ModelFacts, stacked_layers
-from redray.sharding import (AXES, EXPERT, FSDP, MODEL, PARAMETER_AXES, STAGE, Parallelism,
-                             follow_specs, placement)
-from redray.sharding.parallelism import describe_shape
+from redray.sharding import AXES, PARAMETER_AXES, Parallelism, follow_specs, placement
+from redray.sharding.parallelism import describe_shape, role_keywords, role_size
 from redray.sharding.rules import axes_of
 
 PRESET_DIR = "presets"
@@ -162,7 +161,7 @@ def abstract_model(config, dtype=jnp.float32, scan: bool | None = None):
 
 # Axes that split some parameters by design (a mixture of experts' experts, the stacked
 # layers): the others stay whole over them.
-SOME_PARAMETERS = (EXPERT, STAGE)
+SOME_PARAMETERS = tuple(a for a in AXES if {"experts", "layers"} & set(a.roles))
 
 
 def _spec_leaves(specs) -> list[P]:
@@ -182,8 +181,7 @@ def _replicated_axes(spec: P, mesh_shape: dict) -> list[str]:
             and a not in SOME_PARAMETERS]
 
 
-def plan_model(config, devices: int, model_axis: int = MODEL.default,
-               fsdp_axis: int = FSDP.default, *, rules=(),
+def plan_model(config, devices: int, model_axis: int = 1, fsdp_axis: int = 1, *, rules=(),
                replicated_min_bytes: int = REPLICATED_MIN_BYTES, step: StepShape | None = None,
                device_gib: float | None = None, scan: bool | None = None, **axes) -> dict:
     """What each device holds when ``config``'s model is sharded by the automatic rules.
@@ -231,7 +229,7 @@ def plan_model(config, devices: int, model_axis: int = MODEL.default,
                                    **axes)
     sizes, mesh = parallelism.shape, parallelism.mesh
     config = resolve_config(config)
-    if scan is None and sizes[STAGE.name] > 1:
+    if scan is None and role_size(sizes, "layers") > 1:
         scan = True  # stages split the stacked layers
     if step is not None and step.scan is None:
         step = dataclasses.replace(step, scan=scan)
@@ -339,10 +337,9 @@ def format_model_plan(result: dict, name: str | None = None) -> str:
                       if a.shown_at_one or mesh[a.name] > 1)
     by_design = ", ".join(f"{a.name} axis ({mesh[a.name]})" for a in AXES
                           if not a.splits_parameters)
-    experts = (" (the expert axis divides the experts' share only)"
-               if mesh.get(EXPERT.name, 1) > 1 else "")
-    if mesh.get(STAGE.name, 1) > 1:
-        experts += " (the stage axis divides the stacked layers' share only)"
+    experts = "".join(f" (the {a.name} axis divides the {what} share only)"
+                      for role, what in (("experts", "experts'"), ("layers", "stacked layers'"))
+                      for a in SOME_PARAMETERS if role in a.roles and mesh.get(a.name, 1) > 1)
     lines.append(f"ideal = total / ({over}){experts}; the {by_design} replicates by design.")
     lines.append("")
     threshold = size_text(result["replicated_min_bytes"])
@@ -510,7 +507,7 @@ def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
         raise PlanError(f"{devices} devices do not split over {hosts} hosts: give a device "
                         f"count that is a multiple of {hosts}")
     Parallelism.of(caller="redray plan", **axes)  # an unknown keyword fails as such
-    if scan is None and axes.get(STAGE.keyword, 1) not in (1, "auto"):
+    if scan is None and any(axes.get(k, 1) not in (1, "auto") for k in role_keywords("layers")):
         scan = True  # stages need it
     facts = ConfigFacts(config, seq_len, compute_dtype, loss_chunk, scan,
                         fused_attention=hardware.fused_attention)

@@ -43,9 +43,10 @@ import jax.numpy as jnp
 
 from redray.models.layers import remat_policy
 from redray.models.moe import ExpertLayers
-from redray.sharding import CONTEXT, EXPERT, FSDP, MODEL, STAGE, Parallelism
+from redray.sharding import AXES, Parallelism
 from redray.sharding.tracing import blockwise_attention
-from redray.sharding.parallelism import held_layers, is_staged, pipeline_ticks
+from redray.sharding.parallelism import (GATHERING, held_layers, is_staged, pipeline_ticks,
+                                         role_axes, role_size)
 from redray.sharding.pipeline_schedules import one_f_one_b_table
 from redray.sharding.rules import axes_of
 
@@ -95,12 +96,13 @@ def split_sizes(param_rows, hidden: int | None = None) -> set[int]:
     residual stream's width (Megatron keeps it whole): ``hidden``, and the size of every
     vector parameter left whole over ``model`` (norm scales, output biases)."""
     sizes, whole = set(), set() if hidden is None else {hidden}
+    heads = set(role_axes("heads"))
     for row in param_rows:
-        axes = [a for e in row.spec for a in axes_of(e)]
-        if len(row.shape) == 1 and MODEL.name not in axes:
+        axes = {a for e in row.spec for a in axes_of(e)}
+        if len(row.shape) == 1 and not heads & axes:
             whole.add(row.shape[0])
         for dim, entry in zip(row.shape, row.spec):
-            if MODEL.name in axes_of(entry):
+            if heads & set(axes_of(entry)):
                 sizes.add(dim)
     return sizes - whole
 
@@ -115,7 +117,7 @@ def layer_gather_bytes(param_rows, fsdp: int) -> int:
     unnumbered: dict = {}
     for row in param_rows:
         axes = {a for e in row.spec for a in axes_of(e)}
-        gathered = row.bytes_per_device * (fsdp if FSDP.name in axes else 1)
+        gathered = row.bytes_per_device * (fsdp if set(GATHERING) & axes else 1)
         parts = row.path.split("/")
         index = next((i for i, part in enumerate(parts)
                       if part.isdigit() and (i == 0 or parts[i - 1] != "period")), None)
@@ -149,7 +151,7 @@ def features_split(shape, hidden: int) -> int:
     """The ways pipeline stages split the hidden states they hold and pass over the
     model axis (``staged_layers.run_stages``, ``engine/one_f_one_b.py``: Megatron's
     sequence parallelism between the stages), where it divides their width."""
-    model = shape.get(MODEL.name, 1)
+    model = role_size(shape, "heads")
     return model if model > 1 and hidden and hidden % model == 0 else 1
 
 
@@ -225,22 +227,22 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
       layers: the model's stacked layers (0: a count the stages' chunks divide).
     """
     parts = dict(state)
-    fsdp = parallelism.size(FSDP)
+    fsdp = math.prod(parallelism.shape[a] for a in GATHERING)
     parts["fsdp_gathered"] = GATHERED_LAYERS * layer_gather_bytes(rows, fsdp) \
         * compute_itemsize // 4 if fsdp > 1 else 0
-    if fsdp > 1 and parallelism.size(STAGE) > 1 and schedule == "gpipe":
+    if fsdp > 1 and parallelism.role_size("layers") > 1 and schedule == "gpipe":
         # GPipe's stages gather their stacked layers once, before the ticks, and sum
         # their gradients gathered until after them (staged_layers.run_stages): a
         # stage's whole share, in the compute dtype and as float32 gradients
         staged = sum(r.bytes_per_device * fsdp for r in rows if is_staged(r.spec)
-                     and FSDP.name in {a for e in r.spec for a in axes_of(e)})
+                     and set(GATHERING) & {a for e in r.spec for a in axes_of(e)})
         parts["fsdp_gathered"] = staged * compute_itemsize // 4 + staged
     parts["activations"] = activations
     parts["recompute"] = recompute
-    if parallelism.size(EXPERT) > 1:
+    if parallelism.role_size("experts") > 1:
         parts["expert_exchange"] = expert_exchange_bytes(
             experts, parallelism.shape, per_device * tokens, compute_itemsize, every_layer)
-    return pipelined_parts(parts, parallelism.size(STAGE), accumulation,
+    return pipelined_parts(parts, parallelism.role_size("layers"), accumulation,
                            per_device * tokens * hidden * compute_itemsize, repeats, schedule,
                            layers, features_split(parallelism.shape, hidden))
 
@@ -329,8 +331,9 @@ def advice(plan: dict, mesh: dict) -> list[str]:
     if plan.get("per_device_batch", 1) > 1:
         out.append("a smaller micro_batch_size (gradient accumulation keeps the batch)")
     if parts["parameters"] + parts["optimizer"] + parts["gradients"] > plan["total"] / 3:
-        out.append(f"a larger fsdp axis (now {mesh[FSDP.name]}) or model axis "
-                   f"(now {mesh[MODEL.name]})")
+        out.append("a larger " + " or ".join(
+            f"{a.name} axis (now {mesh[a.name]})" for a in AXES
+            if a.gathers or "heads" in a.roles))
     if not step.get("compute_dtype"):
         out.append("compute_dtype='bfloat16' (activations at half the bytes)")
     return out
@@ -386,12 +389,12 @@ def expert_exchange_bytes(layers: Sequence[ExpertLayers], shape: dict[str, int],
       every_layer: all layers keep theirs (no remat); False: one layer's at a time
         (remat recomputes each layer's in its backward pass).
     """
-    if shape[EXPERT.name] <= 1:
+    if role_size(shape, "experts") <= 1:
         return 0
     extra = 0
     for e in layers:
         rows = max(0, e.experts * e.slots(tokens) - tokens * e.top_k)
-        per_layer = rows * (e.hidden + 3 * e.inner // shape[MODEL.name]) * itemsize
+        per_layer = rows * (e.hidden + 3 * e.inner // role_size(shape, "heads")) * itemsize
         extra += per_layer * (e.layers if every_layer else 1)
     return extra
 
@@ -653,8 +656,9 @@ def step_memory(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
     per_device = geometry.micro_batch_size
     params = sum(r.bytes_per_device for r in param_rows)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model", 0)
-    acts = config_activation_bytes(fam, config, step, per_device, parallelism.size(MODEL),
-                            split_sizes(param_rows, hidden), traces, parallelism.size(CONTEXT),
+    acts = config_activation_bytes(fam, config, step, per_device,
+                            parallelism.role_size("heads"), split_sizes(param_rows, hidden),
+                            traces, parallelism.role_size("sequence"),
                             blockwise)
     copies = 0
     item = jnp.dtype(step.compute_dtype).itemsize if step.compute_dtype else 4
@@ -666,7 +670,7 @@ def step_memory(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
         layers = max((r.shape[0] for r in param_rows if is_staged(r.spec)), default=0)
     parts = step_parts(state, param_rows, parallelism, per_device, geometry.accumulation,
                        item, acts["saved"], acts["recompute"], experts,
-                       -(-step.seq_len // parallelism.size(CONTEXT)),
+                       -(-step.seq_len // parallelism.role_size("sequence")),
                        step.remat in ("none", "dots"), hidden, step.pipeline_schedule,
                        step.stage_repeats, layers)
     return {**totals(parts, device_gib), "per_device_batch": per_device,

@@ -27,9 +27,9 @@ from redray.sharding.dataflow import Trace
 from redray.planning.hardware import Hardware
 from redray.planning.memory import chunk_share, features_split, hidden_width, size_text
 from redray.planning.work import ModelWork, Work
-from redray.sharding.parallelism import (AXES, CONTEXT, EXPERT, INSIDE, MODEL, STAGE, Parallelism,
-                                         axis_defaults, held_layers, hybrid_shapes, is_staged,
-                                         pipeline_ticks)
+from redray.sharding.parallelism import (AXES, INSIDE, Parallelism, axis_defaults, held_layers,
+                                         hybrid_shapes, is_staged, pipeline_ticks,
+                                         role_keywords, role_size)
 from redray.sharding.pipeline_schedules import one_f_one_b_table
 from redray.sharding.placement import Placement, placement
 from redray.sharding.plan import Plan
@@ -293,13 +293,12 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     """
     refused = {} if refused is None else refused
     pinned = dict(pinned or {})
-    if not experts:
-        pinned.setdefault(EXPERT.keyword, 1)
-    # the context axis is the size given (1 unless pinned); ``rank`` asks for the sizes
-    # it tries
-    pinned.setdefault(CONTEXT.keyword, 1)
-    if not layers:
-        pinned.setdefault(STAGE.keyword, 1)
+    # an axis splitting experts or layers takes 1 where the model has none; one
+    # splitting sequences is the size given (1 unless pinned): ``rank`` asks for the
+    # sizes it tries
+    for role, has in (("experts", experts), ("sequence", False), ("layers", layers)):
+        for keyword in role_keywords(role) if not has else ():
+            pinned.setdefault(keyword, 1)
     micro_pin = pinned.pop("micro_batch_size", None)
     rows_pin = pinned.pop("micro_rows", None)
     remat_pin = pinned.pop("remat", None)
@@ -312,10 +311,11 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     splits = axis_sizes(devices, hosts, pinned)
     refused["splits"] = refused.get("splits", 0) + len(splits)
     for sizes in splits:
-        if experts and experts % sizes[EXPERT.keyword]:
+        by_name = {a.name: sizes[a.keyword] for a in AXES}
+        if experts and experts % role_size(by_name, "experts"):
             refused["experts"] = refused.get("experts", 0) + 1
             continue
-        stages = sizes[STAGE.keyword]
+        stages = role_size(by_name, "layers")
         if stages > 1 and stages > layers:  # each stage needs a layer (more: pads)
             refused.setdefault("layers", set()).add(stages)
             continue
@@ -373,11 +373,12 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     cache = {} if specs_cache is None else specs_cache
     if key not in cache:
         specs = partition_specs(parallelism.spec_passes(), facts.paths, facts.shapes, facts.dtypes,
-                                shape, facts.trace if shape[MODEL.name] > 1
-                                or shape[EXPERT.name] > 1 or shape[STAGE.name] > 1 else None)
+                                shape, facts.trace if any(role_size(shape, r) > 1 for r in
+                                                          ("heads", "experts", "layers"))
+                                else None)
         cache[key] = specs
     specs = cache[key]
-    stages, micro_batches = shape[STAGE.name], geometry.accumulation
+    stages, micro_batches = role_size(shape, "layers"), geometry.accumulation
     repeats = candidate.stage_repeats
     shapes = _held_shapes(facts, specs, stages, repeats)
     rows = _placement(facts, specs, parallelism, shapes)
@@ -400,7 +401,7 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                         lookup=i in facts.lookups)
               for i, (s, d, spec) in enumerate(zip(shapes, facts.dtypes, specs))]
     recompute = remat != "none" or one_f_one_b
-    ways = shape[CONTEXT.name]  # a device computes 1/context of each sequence's tokens
+    ways = role_size(shape, "sequence")  # a device computes 1/ways of a sequence's tokens
     tensor = [] if facts.trace is None else tensor_traffic(
         facts.trace, params, shape, micro_batch_size / facts.trace_examples / ways,
         facts.compute_itemsize, recompute, ticks / (stages * repeats))
@@ -416,7 +417,7 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
         again = 1 + facts.flops("none") * ONE_F_ONE_B_RERUN / facts.flops(remat) \
             if one_f_one_b else 1.0
         flops *= share * again * bubble + 1 - share
-    model = shape[MODEL.name]
+    model = role_size(shape, "heads")
     whole = 0.0
     if model > 1 and facts.trace is not None:  # layers left whole run whole on each device
         rerun = facts.flops(remat) / facts.flops("none") \
@@ -482,7 +483,8 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
 
     grid = grid_of(pinned, refused)
     pinned = dict(pinned or {})
-    may_split = facts.splits_sequences and CONTEXT.keyword not in pinned
+    (sequence, *_) = role_keywords("sequence")
+    may_split = facts.splits_sequences and sequence not in pinned
     top = 1  # the context sizes in the grid: every one that divides the devices up to it
     if may_split and (not grid or batch_size < devices):
         # no split of whole sequences takes the batch (every context size), or fewer
@@ -491,7 +493,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
         # parallelism and stages (context sizes up to what the batch leaves)
         top = devices if not grid else devices // batch_size
         for ways in (w for w in _divisors(devices) if 1 < w <= top):
-            grid += grid_of({**pinned, CONTEXT.keyword: ways}, refused)
+            grid += grid_of({**pinned, sequence: ways}, refused)
     if not grid:
         raise ValueError(refusal(devices, hosts, batch_size, pinned, refused,
                                  stacked_layers(facts)))
@@ -503,7 +505,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
         # where the batch takes every device)
         for ways in (w for w in _divisors(devices) if w > top):
             scored += [score(facts, c, batch_size, hosts, hardware, budget, cache)
-                       for c in grid_of({**pinned, CONTEXT.keyword: ways})]
+                       for c in grid_of({**pinned, sequence: ways})]
     # equal times (traffic the compute hides): the less traffic, then the fewer
     # micro-batches (a cost per micro-batch the model did not see), then the less memory
     fitting = sorted((s for s in scored if s.fits),

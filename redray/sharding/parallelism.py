@@ -10,8 +10,10 @@ rows) and the ordered spec passes that give every parameter its ``PartitionSpec`
 (user rules, tensor parallel from the dataflow, FSDP, large arrays over the model
 axis; ``redray/sharding/rules.py``).
 
-Adding an axis (as expert, stage and context were) is an entry in ``AXES`` and, if it splits
-parameters, a pass in ``Parallelism.spec_passes``; docs/architecture.md walks through it.
+An axis is its entry in ``AXES``: the cost model, the memory model, the planner and the
+layers read it by its roles (``ROLES``: what of the activations it splits) and flags,
+never by its name. One that splits parameters has a pass in ``Parallelism.spec_passes``;
+docs/architecture.md walks through adding one.
 """
 
 from __future__ import annotations
@@ -53,7 +55,12 @@ class Axis:
       shown_at_one: named in a plan's description when its size is 1 (an axis only some
         models use, as experts, is named only where it splits something).
       roles: what of a model's activations it splits (``ROLES``): the layers read
-        roles while they trace (``redray.sharding.tracing``), never axis names.
+        roles while they trace (``redray.sharding.tracing``), and the cost model, the
+        memory model and the planner price an axis by its roles and the flags above,
+        never by its name.
+      gathers: a parameter split over it is all-gathered before each use and its
+        gradient reduced onto the shards (ZeRO-3): the cost model prices those
+        collectives, the memory model the gathered layers.
     """
     name: str
     keyword: str
@@ -64,6 +71,7 @@ class Axis:
     doc: str
     shown_at_one: bool = True
     roles: tuple[str, ...] = ()
+    gathers: bool = False
 
 
 # What of a model's activations a mesh axis may split (``Axis.roles``): a batch's rows,
@@ -80,7 +88,7 @@ DATA = Axis("data", "data_axis", "auto", True, False, ACROSS,
             roles=("rows",))
 FSDP = Axis("fsdp", "fsdp_axis", 1, True, True, PREFER_INSIDE,
             "data parallelism whose parameters and optimizer state are sharded too (ZeRO-3)",
-            roles=("rows",))
+            roles=("rows",), gathers=True)
 EXPERT = Axis("expert", "expert_axis", 1, True, True, INSIDE,
               "expert parallelism: a mixture of experts' experts split, tokens sent to "
               "theirs by all-to-all; data parallelism for the other layers",
@@ -105,6 +113,19 @@ def role_axes(role: str) -> tuple[str, ...]:
     return tuple(a.name for a in AXES if role in a.roles)
 
 
+def role_keywords(role: str) -> tuple[str, ...]:
+    """The keywords of the axes that play ``role``, in mesh order."""
+    return tuple(a.keyword for a in AXES if a.name in role_axes(role))
+
+
+def role_size(shape: Mapping[str, int], role: str) -> int:
+    """How many ways the axes that play ``role`` split it on a mesh of ``shape`` (axis
+    name -> size): 1 where no axis does."""
+    return math.prod(shape.get(a, 1) for a in role_axes(role))
+
+
+# The axes whose split parameters are gathered before each use (``Axis.gathers``).
+GATHERING: tuple[str, ...] = tuple(a.name for a in AXES if a.gathers)
 KEYWORDS: tuple[str, ...] = tuple(a.keyword for a in AXES)
 # The axes that split parameters, innermost first.
 PARAMETER_AXES: tuple[Axis, ...] = tuple(a for a in reversed(AXES) if a.splits_parameters)
@@ -520,6 +541,10 @@ class Parallelism:
     def shape(self) -> dict[str, int]:
         """Axis name -> size, in mesh order."""
         return {a.name: self.size(a) for a in AXES}
+
+    def role_size(self, role: str) -> int:
+        """How many ways the axes that play ``role`` (``ROLES``) split it."""
+        return role_size(self.shape, role)
 
     @property
     def devices(self) -> int:

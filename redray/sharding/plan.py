@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
 
-from redray.sharding.parallelism import AXES, STAGE, BatchGeometry, Parallelism, describe_shape
+from redray.sharding.parallelism import AXES, BatchGeometry, Parallelism, describe_shape
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 CONTEXT_ATTENTION = ("auto", "ring", "all_gather")
@@ -69,7 +69,8 @@ class Plan:
         repeats = self.stage_repeats
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"stage_repeats must be a positive int, got {repeats!r}")
-        if repeats > 1 and self.parallelism is not None and self.parallelism.size(STAGE) <= 1:
+        if repeats > 1 and self.parallelism is not None \
+                and self.parallelism.role_size("layers") <= 1:
             raise ValueError(f"stage_repeats={repeats} needs pipeline stages: give "
                              "stage_axis > 1 too (or leave stage_repeats at 1)")
 
@@ -77,7 +78,7 @@ class Plan:
     def of(cls, parallelism: Parallelism, geometry: BatchGeometry, **rest) -> "Plan":
         """A training step's plan: ``parallelism`` and ``geometry``, the pipeline's
         micro-batches (on a stage axis) from the geometry."""
-        staged = parallelism.size(STAGE) > 1
+        staged = parallelism.role_size("layers") > 1
         return cls(parallelism, geometry, geometry.micro_rows if staged else None, **rest)
 
     def __call__(self, *args, **kwargs):
@@ -114,11 +115,11 @@ class Plan:
         parts = [describe_shape(self.parallelism.shape)]
         g = self.geometry
         if g is not None:
-            passes = ("pipelined micro-batches" if self.parallelism.size(STAGE) > 1
+            passes = ("pipelined micro-batches" if self.parallelism.role_size("layers") > 1
                       else "accumulation steps")
             parts.append(f"batch {g.batch_size} = {g.micro_batch_size} per device x "
                          f"{g.accumulation} {passes}")
-        if self.parallelism.size(STAGE) > 1:
+        if self.parallelism.role_size("layers") > 1:
             parts.append(self.pipeline_schedule + (f" x {self.stage_repeats} repeats"
                                                    if self.stage_repeats > 1 else ""))
         if self.remat is not None:
