@@ -55,7 +55,7 @@ import optax  # noqa: E402
 import ray  # noqa: E402
 
 import redray  # noqa: E402
-from redray.engine.batches import epoch_order  # noqa: E402
+from redray.engine.loop import epoch_order  # noqa: E402
 from redray.models import from_pretrained  # noqa: E402
 
 COMMAND = "python benchmarks/fsdp_torch.py"

@@ -334,6 +334,23 @@ def evaluate_tasks(tasks, *, run: str | None = None, model: str | None = None,
             _track(_run_folders(run, storage), scores)
         return scores
     import jax
+
+    scores, folders = _scores_here(tasks, run, model, storage, tokenizer, include_path,
+                                   batch_size, limit, num_fewshot, max_length, samples,
+                                   apply_chat_template, fewshot_as_multiturn, axes)
+    if show and jax.process_index() == 0:
+        print(table(scores), flush=True)
+    if track and folders is not None:
+        _track(folders, scores)
+    return scores
+
+
+def _scores_here(tasks, run, model, storage, tokenizer, include_path, batch_size, limit,
+                 num_fewshot, max_length, samples, apply_chat_template, fewshot_as_multiturn,
+                 axes) -> tuple[dict, list | None]:
+    """``evaluate_tasks`` on this process's devices (its arguments): (the scores, the
+    run's folders to track them in, or None for a Hugging Face folder)."""
+    import jax
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -356,11 +373,7 @@ def evaluate_tasks(tasks, *, run: str | None = None, model: str | None = None,
                      if isinstance(v, (int, float)) and not isinstance(v, bool)
                      and "_stderr" not in k and k not in NOT_SCORES}
               for task, values in found["results"].items()}
-    if show and jax.process_index() == 0:
-        print(table(scores), flush=True)
-    if track and folders is not None:
-        _track(folders, scores)
-    return scores
+    return scores, folders
 
 
 def _absolute(path):

@@ -247,6 +247,33 @@ def test_a_new_data_like_axis_is_its_row_alone(tmp_path):
     assert ["model"] in toy["groups"]
 
 
+LONG = 80  # lines of a function, its docstring and nested functions included
+
+
+def long_functions() -> list[str]:
+    """``path:name (lines)`` of every function in redray/ longer than ``LONG``."""
+    out = []
+    for path, _ in modules():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONG:
+                    out.append(f"{os.path.relpath(path, ROOT)}:{node.name} ({lines})")
+    return out
+
+
+def test_functions_stay_short_and_the_doc_names_any_that_are_not():
+    """At most three functions in redray/ run over 80 lines, and docs/architecture.md's
+    "Long functions" section names each with why."""
+    with open(DOC) as f:
+        text = f.read()
+    section = text.split("## Long functions", 1)[1].split("\n## ", 1)[0]
+    long = long_functions()
+    assert len(long) <= 3, f"over {LONG} lines: {long}"
+    unnamed = [f for f in long if f"`{f.split(' ')[0]}`" not in section]
+    assert not unnamed, f"over {LONG} lines, not named in docs/architecture.md: {unnamed}"
+
+
 # The planning package's insides: what no module outside it reaches into.
 PLANNING_INSIDES = ("redray.planning.cost", "redray.planning.hardware", "redray.planning.probe")
 

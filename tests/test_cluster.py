@@ -15,7 +15,7 @@ import pytest
 
 import redray
 from redray.checkpoint import latest_meta
-from redray.engine.batches import epoch_order
+from redray.engine.loop import epoch_order
 from tiny import TinyLM, lm_collate, lm_loss, lm_predict, token_data
 
 pytestmark = pytest.mark.ray  # a local Ray cluster (or a Ray head)

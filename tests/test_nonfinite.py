@@ -16,7 +16,7 @@ import pytest
 
 import redray
 from redray import CheckpointConfig, NonFiniteError, load_params
-from redray.engine.batches import epoch_order
+from redray.engine.loop import epoch_order
 from tiny import TinyLM, assert_same, lm_collate, lm_loss, token_data
 
 DATA = token_data(96)  # 12 steps per epoch at batch 8

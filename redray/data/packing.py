@@ -50,18 +50,8 @@ def pack(documents: Iterable[Sequence[int] | Mapping[str, Sequence]], length: in
     columns: tuple[str, ...] | None = None
     rows: list[list] = []  # [row, used, segments] of each open row, oldest first
 
-    def put(entry, ids, others):  # a piece into a row, as a segment of its own
-        row, used, _ = entry
-        row["ids"][used:used + len(ids)] = ids
-        row["segment_ids"][used:used + len(ids)] = entry[2] + 1
-        for c in columns:
-            row[c][used:used + len(ids)] = others[c]
-        entry[1], entry[2] = used + len(ids), entry[2] + 1
-
     def opened():
-        row = {"ids": np.full(length, pad_id, np.int32), "segment_ids": np.zeros(length, np.int32)}
-        row.update((c, np.zeros(length, np.int32)) for c in columns)
-        return [row, 0, 0]
+        return _opened(length, pad_id, columns)
 
     for n, doc in enumerate(documents):
         ids, others = _document(doc, n, key)
@@ -71,11 +61,7 @@ def pack(documents: Iterable[Sequence[int] | Mapping[str, Sequence]], length: in
                 raise ValueError(f"document {n}: a per-token column named {columns} would "
                                  "take the place of the rows' own ids or segment_ids")
             split = not columns if split is None else split
-        if tuple(others) != columns or any(len(v) != len(ids) for v in others.values()):
-            raise ValueError(f"document {n}: its per-token columns "
-                             f"{ {c: len(v) for c, v in others.items()} } are not "
-                             f"{list(columns)} of its {len(ids)} tokens each, as the first "
-                             "document's are")
+        _check_columns(n, ids, others, columns)
         at = 0
         while at < len(ids):
             left = len(ids) - at
@@ -93,7 +79,8 @@ def pack(documents: Iterable[Sequence[int] | Mapping[str, Sequence]], length: in
                     entry = opened()
                     rows.append(entry)
             take = min(length - entry[1], left)
-            put(entry, ids[at:at + take], {c: v[at:at + take] for c, v in others.items()})
+            _put(entry, ids[at:at + take], {c: v[at:at + take] for c, v in others.items()},
+                 columns)
             at += take
             if entry[1] == length:
                 rows[:] = [e for e in rows if e is not entry]
@@ -101,6 +88,34 @@ def pack(documents: Iterable[Sequence[int] | Mapping[str, Sequence]], length: in
     for entry in rows:
         if entry[1]:
             yield entry[0]
+
+
+def _opened(length: int, pad_id: int, columns: tuple[str, ...]) -> list:
+    """A new open row of ``pack``: [its columns, tokens used, segments]."""
+    row = {"ids": np.full(length, pad_id, np.int32), "segment_ids": np.zeros(length, np.int32)}
+    row.update((c, np.zeros(length, np.int32)) for c in columns)
+    return [row, 0, 0]
+
+
+def _put(entry: list, ids, others: dict, columns: tuple[str, ...]) -> None:
+    """A piece of a document (its ``ids`` and per-token ``others``) into an open row
+    ``entry``, as a segment of its own."""
+    row, used, _ = entry
+    row["ids"][used:used + len(ids)] = ids
+    row["segment_ids"][used:used + len(ids)] = entry[2] + 1
+    for c in columns:
+        row[c][used:used + len(ids)] = others[c]
+    entry[1], entry[2] = used + len(ids), entry[2] + 1
+
+
+def _check_columns(n: int, ids, others: dict, columns: tuple[str, ...]) -> None:
+    """Document ``n``'s per-token columns are the first document's, each as long as its
+    ids."""
+    if tuple(others) != columns or any(len(v) != len(ids) for v in others.values()):
+        raise ValueError(f"document {n}: its per-token columns "
+                         f"{ {c: len(v) for c, v in others.items()} } are not "
+                         f"{list(columns)} of its {len(ids)} tokens each, as the first "
+                         "document's are")
 
 
 def _document(doc, n: int, key: str) -> tuple[np.ndarray, dict]:

@@ -65,26 +65,11 @@ def prepare(source: Any, output: str, *, transform: Callable | None = None,
     Returns:
       A ``Prepared``: read it with ``redray.Stream(output)``.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     os.makedirs(output, exist_ok=True)
     if any(name.endswith(".parquet") for name in os.listdir(output)):
         raise FileExistsError(f"{output} already holds parquet files: give an empty folder "
                               "(a Stream of it would read the old files too)")
-    listed = _is_row_list(source)
-    if parallel is False and not listed:
-        raise ValueError("prepare(parallel=False) transforms a list of dicts in this "
-                         f"process; {type(source).__name__} sources are read through Ray "
-                         "Data: leave parallel unset")
-    if parallel is False or (parallel is None and listed and len(source) <= LOCAL_ROWS):
-        source_rows = _here(source, transform)
-    else:
-        dataset = _dataset(source)
-        if transform is not None:
-            dataset = dataset.flat_map(lambda row: _as_rows(transform(row)))
-        source_rows = dataset.iter_rows()
-
+    source_rows = _source_rows(source, transform, parallel)
     documents = 0
 
     def rows():
@@ -93,22 +78,56 @@ def prepare(source: Any, output: str, *, transform: Callable | None = None,
             documents += 1
             yield dict(row.items()) if hasattr(row, "items") else dict(row)
 
-    produced = rows()
-    if pack is not None:
-        columns = None
+    produced = rows() if pack is None else _packed(rows(), pack, split, key)
+    files, total, real = _write_parts(produced, output, rows_per_file, row_group_rows,
+                                      pack is not None)
+    if not total:
+        raise ValueError("prepare wrote no rows: the source is empty or the transform "
+                         "dropped every row")
+    return Prepared(files, total, documents, real / (total * pack) if pack else None)
 
-        def tokens(source=produced):
-            nonlocal columns
-            for row in source:
-                if key not in row:
-                    raise KeyError(f"packing reads the token ids under {key!r}, but the "
-                                   f"rows hold {sorted(row)}: give key=... or return it "
-                                   "from the transform")
-                if columns is None:  # the per-token columns, as the first row has them
-                    columns = [c for c, v in row.items() if c != key and _per_token(v, row[key])]
-                yield {key: row[key], **{c: row.get(c, ()) for c in columns}}
-        produced = ({key: r["ids"], **{c: v for c, v in r.items() if c != "ids"}}
-                    for r in pack_rows(tokens(), pack, split=split, key=key))
+
+def _source_rows(source: Any, transform: Callable | None, parallel: bool | None):
+    """The transformed rows of ``source``: in this process, or through Ray Data
+    (``prepare``'s ``parallel``)."""
+    listed = _is_row_list(source)
+    if parallel is False and not listed:
+        raise ValueError("prepare(parallel=False) transforms a list of dicts in this "
+                         f"process; {type(source).__name__} sources are read through Ray "
+                         "Data: leave parallel unset")
+    if parallel is False or (parallel is None and listed and len(source) <= LOCAL_ROWS):
+        return _here(source, transform)
+    dataset = _dataset(source)
+    if transform is not None:
+        dataset = dataset.flat_map(lambda row: _as_rows(transform(row)))
+    return dataset.iter_rows()
+
+
+def _packed(rows, pack: int, split: bool | None, key: str):
+    """``rows``' ``key`` sequences packed into rows of ``pack`` tokens, with every
+    per-token column of the first row beside them (``prepare``'s ``pack``)."""
+    columns = None
+
+    def tokens():
+        nonlocal columns
+        for row in rows:
+            if key not in row:
+                raise KeyError(f"packing reads the token ids under {key!r}, but the "
+                               f"rows hold {sorted(row)}: give key=... or return it "
+                               "from the transform")
+            if columns is None:  # the per-token columns, as the first row has them
+                columns = [c for c, v in row.items() if c != key and _per_token(v, row[key])]
+            yield {key: row[key], **{c: row.get(c, ()) for c in columns}}
+    return ({key: r["ids"], **{c: v for c, v in r.items() if c != "ids"}}
+            for r in pack_rows(tokens(), pack, split=split, key=key))
+
+
+def _write_parts(rows, output: str, rows_per_file: int, row_group_rows: int,
+                 packed: bool) -> tuple[list[str], int, int]:
+    """Writes ``rows`` as ``part-00000.parquet``... in ``output``: (the files, the rows
+    written, and of a ``packed`` run's tokens those that are not padding)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     files, total, real, writer, in_file, group = [], 0, 0, None, 0, []
 
@@ -127,20 +146,17 @@ def prepare(source: Any, output: str, *, transform: Callable | None = None,
             writer.close()
             writer, in_file = None, 0
 
-    for row in produced:
+    for row in rows:
         group.append({k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in row.items()})
         total += 1
-        if pack is not None:
+        if packed:
             real += int(sum(1 for s in row["segment_ids"] if s))
         if len(group) == row_group_rows or in_file + len(group) >= rows_per_file:
             flush()
     flush()
     if writer is not None:
         writer.close()
-    if not total:
-        raise ValueError("prepare wrote no rows: the source is empty or the transform "
-                         "dropped every row")
-    return Prepared(files, total, documents, real / (total * pack) if pack else None)
+    return files, total, real
 
 
 def _is_row_list(source) -> bool:

@@ -1,13 +1,13 @@
-"""From examples to global batches: order, collate, placement, prefetch, one pass.
+"""From examples to global batches: reading, collate, placement, prefetch, one pass.
 
 Every process runs the same program. Examples come from a list or a row source
-(``len`` + ``take_rows(indices)``): global batch ``i`` of an epoch is the rows
-``order[i*B:(i+1)*B]`` of ``epoch_order``. Or they come from a stream (an object with
+(``len`` + ``take_rows(indices)``), or from a stream (an object with
 ``epoch_batches``, ``in_order`` and ``steps_per_epoch``, e.g. ``redray.data.stream``),
-which decides the batches of an epoch itself, as a pure function of (seed, epoch)
-too. Either way each process collates only the rows its devices hold (read from the
-batch sharding), so one host or many see the same batches. Evaluation and prediction
-go through ``each_batch``: every example once, in order.
+which decides the batches of an epoch itself, as a pure function of (seed, epoch).
+Each process collates only the rows its devices hold (read from the batch sharding),
+so one host or many see the same batches. Training's order and loop are
+``redray/engine/loop.py``'s; evaluation and prediction go through ``each_batch``:
+every example once, in order.
 """
 
 from __future__ import annotations
@@ -24,13 +24,6 @@ from jax.sharding import NamedSharding
 from redray.engine import watchdog
 from redray.functions import UserFunctionError, check_batch
 from redray.sharding import Parallelism
-
-
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-    """The example order of an epoch: a pure function of (seed, epoch)."""
-    if not shuffle:
-        return np.arange(n)
-    return np.random.default_rng([seed, epoch]).permutation(n)
 
 
 def collate_checked(collate, examples: Sequence) -> dict[str, np.ndarray]:
@@ -52,27 +45,6 @@ def is_stream(source) -> bool:
     """Whether ``source`` streams its examples (decides its own batches) rather than
     being read by index."""
     return hasattr(source, "epoch_batches")
-
-
-def steps_per_epoch(source, batch_size: int, streams: int | None = None) -> int:
-    """Full batches in one epoch of ``source`` (the last partial one is dropped)."""
-    if is_stream(source):
-        return source.steps_per_epoch(batch_size, streams)
-    return len(source) // batch_size
-
-
-def epoch_batches(source, epoch: int, seed: int, shuffle: bool, batch_size: int,
-                  mine: slice, start: int, stop: int,
-                  streams: int | None = None) -> Iterator[list]:
-    """This process's examples (rows ``mine`` of each global batch) of batches
-    ``start..stop-1`` of ``epoch``."""
-    if is_stream(source):
-        yield from source.epoch_batches(epoch, seed, shuffle, batch_size, mine, start, stop,
-                                        streams)
-        return
-    order = epoch_order(len(source), seed, epoch, shuffle)
-    for i in range(start, stop):
-        yield read_rows(source, order[i * batch_size:(i + 1) * batch_size][mine])
 
 
 def in_order(source, size: int) -> Iterator[list]:

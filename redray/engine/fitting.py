@@ -45,15 +45,6 @@ def check_arguments(trainer, train: Sequence, eval_data, eval_metric) -> None:
                          "checkpoint is chosen by the evaluation after each epoch")
 
 
-def steps_per_epoch(data: TrainingData, train: Sequence, batch_size: int) -> int:
-    """Full batches in one epoch of ``data``; refuses data without one."""
-    per_epoch = data.steps_per_epoch()
-    if not per_epoch:
-        raise ValueError(f"{train!r} gives no full batch of {batch_size} examples per "
-                         "epoch: lower batch_size or add data")
-    return per_epoch
-
-
 class Fit:
     """The hooks and the loop of one ``fit`` call on ``trainer`` (initialized, its
     budget set) over ``data``: the Trainer hands it its hooks (``hooks.Hooks``), where

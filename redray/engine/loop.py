@@ -1,7 +1,14 @@
-"""The training loop as a step iterator, from explicit inputs: a run's training data
-(``TrainingData``: what decides its batches, which a resume must match) and
-``training_steps``, which runs one step per batch from a position in the data to the
-run's budget and yields the events ``Trainer.fit`` sends to its hooks.
+"""The training loop, the one place a training batch passes through, in order:
+
+1. which examples (``TrainingData.batches``: an epoch's order, a pure function of
+   (seed, epoch), or a stream's own batches; this process's rows of each);
+2. collated by the user's function, its output checked (``collate_checked``);
+3. placed as global arrays on the batch sharding (``to_global``), a few batches ahead
+   in a background thread (``prefetch``);
+4. the optimizer step on it;
+5. the events ``Trainer.fit`` sends to its hooks (``training_steps`` yields them).
+
+``TrainingData`` is what decides a run's batches, which a resume must match.
 """
 
 from __future__ import annotations
@@ -13,8 +20,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from redray.checkpoint import CheckpointMismatch
-from redray.engine.batches import (InFlight, collate_checked, epoch_batches, is_stream, prefetch,
-                                   steps_per_epoch, to_global)
+from redray.engine.batches import (InFlight, collate_checked, is_stream, prefetch, read_rows,
+                                   to_global)
 from redray.engine.hooks import EpochEnd, Position, StepInfo
 from redray.sharding import BatchGeometry
 
@@ -70,12 +77,37 @@ class TrainingData:
                 "name or directory, or resume=False)")
 
     def steps_per_epoch(self) -> int:
-        return steps_per_epoch(self.source, self.batch_size, self.streams)
+        """Full batches in one epoch (the last partial one is dropped); refuses a source
+        without one."""
+        if is_stream(self.source):
+            per_epoch = self.source.steps_per_epoch(self.batch_size, self.streams)
+        else:
+            per_epoch = len(self.source) // self.batch_size
+        if not per_epoch:
+            raise ValueError(f"{self.source!r} gives no full batch of {self.batch_size} "
+                             "examples per epoch: lower batch_size or add data")
+        return per_epoch
 
     def batches(self, epoch: int, mine: slice, start: int, stop: int) -> Iterator[list]:
-        """This process's examples (rows ``mine``) of batches ``start..stop-1``."""
-        return epoch_batches(self.source, epoch, self.seed, self.shuffle, self.batch_size, mine,
-                             start, stop, self.streams)
+        """This process's examples (rows ``mine`` of each global batch) of batches
+        ``start..stop-1`` of ``epoch``: a stream's own, or the rows
+        ``order[i*B:(i+1)*B]`` of ``epoch_order`` read from a list or row source."""
+        if is_stream(self.source):
+            yield from self.source.epoch_batches(epoch, self.seed, self.shuffle,
+                                                 self.batch_size, mine, start, stop,
+                                                 self.streams)
+            return
+        order = epoch_order(len(self.source), self.seed, epoch, self.shuffle)
+        size = self.batch_size
+        for i in range(start, stop):
+            yield read_rows(self.source, order[i * size:(i + 1) * size][mine])
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The example order of an epoch: a pure function of (seed, epoch)."""
+    if not shuffle:
+        return np.arange(n)
+    return np.random.default_rng([seed, epoch]).permutation(n)
 
 
 def training_steps(data: TrainingData, epochs: int, max_steps: int | None, *,

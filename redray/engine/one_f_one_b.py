@@ -74,6 +74,92 @@ def salted(tree, salt, m):
     return jax.tree.map(fold, tree)
 
 
+def _head(runtime, loss, params, extra, batch, rng):
+    """The loss traced on the whole batch up to the stacked layers, with its vjp: (their
+    input, the vjp, (the layers' other inputs, per-layer inputs, the model's new other
+    state)), and the cut that found the layers (``found``, their ``path`` in the model)."""
+    head_cut = BlocksCut()
+
+    def head(p):
+        def fn(model, b):
+            with cut_at_blocks(head_cut):
+                loss(model, b, rng, True)
+            if head_cut.found is None:
+                raise ValueError("pipeline_schedule='1f1b' needs a model with stacked "
+                                 "layers (scan=True) that the loss runs")
+            head_cut.path = _path_of(model, head_cut.found["blocks"])
+            return head_cut.found["x"], (head_cut.found["args"], head_cut.found["per_layer"])
+
+        (x, found), new_extra = runtime.apply(fn, p, extra, rng, batch)
+        return x, (*found, new_extra)
+
+    x, head_vjp, aux = jax.vjp(head, params, has_aux=True)
+    return x, head_vjp, aux, head_cut
+
+
+def _stage_fn(runtime, run, graphdef, param_tree, rest_tree, args_tree, flags, salt):
+    """``one_f_one_b``'s ``stage_fn``: a chunk's layers (``run``: their own scan) on
+    micro-batch ``m``'s activations, their other state salted for the micro-batch."""
+    def stage_fn(chunk, own, h, m, consts):
+        rest, per_layer, real = own
+        blocks = nnx.merge(graphdef, param_tree.unflatten(chunk),
+                           rest_tree.unflatten(salted(rest, salt, m)))
+        a = args_tree.unflatten([z[m] if f else z for z, f in zip(consts["args"], flags)])
+        # traced as on the plan: the rows' split, and a sequence split over the
+        # context axis runs its ring inside the stage (manual over context alone:
+        # ``stage`` is manual here already)
+        with runtime.tracing():
+            return run(blocks, h, a, per_layer, real)
+
+    return stage_fn
+
+
+def _tail_fn(runtime, loss, treedef, leaves, under, salt, rng):
+    """``one_f_one_b``'s ``tail_fn``: the user's loss on micro-batch ``m``, the layers'
+    output ``h`` given, weighed as gradient accumulation weighs it."""
+    def tail_fn(tail_params, h, m, consts):
+        it = iter(tail_params)
+        # the stacked layers' place filled with empty arrays: the tail never reads them
+        whole = treedef.unflatten([jnp.zeros((0,), a.dtype) if u else next(it)
+                                   for a, u in zip(leaves, under)])
+        micro_batch = jax.tree.map(lambda a: a[m], consts["batch"])
+        tail_cut = BlocksCut(output=h)
+
+        def fn(model, b):
+            with cut_at_blocks(tail_cut):
+                return loss(model, b, jax.random.fold_in(rng, m), True)
+
+        out, _ = runtime.apply(fn, whole, salted(consts["extra"], salt, m), rng,
+                               micro_batch)
+        # weighed by its WEIGHT, as gradient accumulation weighs it (steps.combine)
+        return weighed(*split_loss_output(out))
+
+    return tail_fn
+
+
+def _slot(x, mesh):
+    """How the schedule holds and passes a micro-batch's hidden states (``one_f_one_b``'s
+    ``slot``), for ``x`` (rows, tokens, features); None (XLA's choice) otherwise."""
+    if x.ndim != 3:
+        return None
+    # (rows, tokens, features): the rows over the batch axes, the tokens over the
+    # context axis, the features over the model axis where it divides them (as
+    # GPipe's slots: Megatron's sequence parallelism between the stages)
+    model = mesh.shape.get(MODEL.name, 1)
+    return P(BATCH_AXES, CONTEXT.name if mesh.shape.get(CONTEXT.name, 1) > 1 else None,
+             MODEL.name if model > 1 and x.shape[-1] % model == 0 else None)
+
+
+def _add_pipelined(grads, d_stages, d_tail, under: list[bool], held: int):
+    """The head's gradients ``grads`` with the schedule's added: the stages' (back in the
+    stacked layers' shape of ``held`` rows) where ``under``, the tail's elsewhere."""
+    g_leaves = jax.tree.leaves(grads)
+    d_stages, d_tail = iter(d_stages), iter(d_tail)
+    summed = [g + (next(d_stages).reshape(held, *g.shape[1:]) if u else next(d_tail))
+              for g, u in zip(g_leaves, under)]
+    return jax.tree.structure(grads).unflatten(summed)
+
+
 def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
     """A gradient function ``(params, frozen, extra, batch, rng) -> (loss, metrics, new
     extra, grads)`` (``steps.model_gradients``' signature) of the user's ``loss`` by the
@@ -91,22 +177,8 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
                              "trainable= or use pipeline_schedule='gpipe'")
         rows = jax.tree.leaves(batch)[0].shape[0]
         micro = rows // runtime.micro_rows
-        head_cut = BlocksCut()
-
-        def head(p):
-            def fn(model, b):
-                with cut_at_blocks(head_cut):
-                    loss(model, b, rng, True)
-                if head_cut.found is None:
-                    raise ValueError("pipeline_schedule='1f1b' needs a model with stacked "
-                                     "layers (scan=True) that the loss runs")
-                head_cut.path = _path_of(model, head_cut.found["blocks"])
-                return head_cut.found["x"], (head_cut.found["args"], head_cut.found["per_layer"])
-
-            (x, found), new_extra = runtime.apply(fn, p, extra, rng, batch)
-            return x, (*found, new_extra)
-
-        x, head_vjp, (args, per_layer, new_extra) = jax.vjp(head, params, has_aux=True)
+        x, head_vjp, (args, per_layer, new_extra), head_cut = _head(
+            runtime, loss, params, extra, batch, rng)
         salt = jax.random.bits(jax.random.fold_in(rng, 1), dtype=jnp.uint32)
         found, path = head_cut.found, head_cut.path
         graphdef, block_params, block_rest = nnx.split(found["blocks"], nnx.Param, ...)
@@ -139,55 +211,20 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
                            for a, f in zip(args_leaves, flags)],
                   "batch": jax.tree.map(lambda a: split_micro(a, micro, ways), batch),
                   "extra": extra}
-
-        def stage_fn(chunk, own, h, m, consts):
-            rest, per_layer, real = own
-            blocks = nnx.merge(graphdef, param_tree.unflatten(chunk),
-                               rest_tree.unflatten(salted(rest, salt, m)))
-            a = args_tree.unflatten([z[m] if f else z for z, f in zip(consts["args"], flags)])
-            # traced as on the plan: the rows' split, and a sequence split over the
-            # context axis runs its ring inside the stage (manual over context alone:
-            # ``stage`` is manual here already)
-            with runtime.tracing():
-                return found["run"](blocks, h, a, per_layer, real)
-
-        def tail_fn(tail_params, h, m, consts):
-            it = iter(tail_params)
-            # the stacked layers' place filled with empty arrays: the tail never reads them
-            whole = treedef.unflatten([jnp.zeros((0,), a.dtype) if u else next(it)
-                                       for a, u in zip(leaves, under)])
-            micro_batch = jax.tree.map(lambda a: a[m], consts["batch"])
-            tail_cut = BlocksCut(output=h)
-
-            def fn(model, b):
-                with cut_at_blocks(tail_cut):
-                    return loss(model, b, jax.random.fold_in(rng, m), True)
-
-            out, _ = runtime.apply(fn, whole, salted(consts["extra"], salt, m), rng,
-                                   micro_batch)
-            # weighed by its WEIGHT, as gradient accumulation weighs it (steps.combine)
-            return weighed(*split_loss_output(out))
-
-        # a sequence split over a context axis: the ring's exchanges span the stages
-        # (rows, tokens, features): the rows over the batch axes, the tokens over the
-        # context axis, the features over the model axis where it divides them (as
-        # GPipe's slots: Megatron's sequence parallelism between the stages)
-        model = mesh.shape.get(MODEL.name, 1)
-        slot = None
-        if x.ndim == 3:
-            slot = P(BATCH_AXES, CONTEXT.name if mesh.shape.get(CONTEXT.name, 1) > 1 else None,
-                     MODEL.name if model > 1 and x.shape[-1] % model == 0 else None)
+        stage_fn = _stage_fn(runtime, found["run"], graphdef, param_tree, rest_tree, args_tree,
+                             flags, salt)
+        tail_fn = _tail_fn(runtime, loss, treedef, leaves, under, salt, rng)
+        slot = _slot(x, mesh)
+        if slot is not None:
             x_m = jax.lax.with_sharding_constraint(x_m, NamedSharding(mesh, P(None, *slot)))
+        # a sequence split over a context axis: the ring's exchanges span the stages
         total, metrics, d_stages, d_tail, d_x = one_f_one_b(
             stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh, own, repeats,
             in_step=mesh.shape.get(CONTEXT.name, 1) > 1, slot=slot)
         (grads,) = head_vjp(merge_micro(d_x, ways))
-        g_leaves = jax.tree.leaves(grads)
-        d_stages, d_tail = iter(d_stages), iter(d_tail)
-        summed = [g + (next(d_stages).reshape(held, *g.shape[1:]) if u else next(d_tail))
-                  for g, u in zip(g_leaves, under)]
         value, metrics, grads = combine(total, metrics,
-                                        jax.tree.structure(grads).unflatten(summed), micro)
+                                        _add_pipelined(grads, d_stages, d_tail, under, held),
+                                        micro)
         return value, metrics, new_extra, grads
 
     return gradients

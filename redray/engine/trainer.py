@@ -20,7 +20,7 @@ from redray.checkpoint import CheckpointConfig
 from redray.engine import fitting, report, watchdog
 from redray.engine.batches import collate_checked, first_examples, this_process_rows
 from redray.engine.console import Console
-from redray.engine.fitting import Fit, check_arguments, run_steps, shown, steps_per_epoch
+from redray.engine.fitting import Fit, check_arguments, run_steps, shown
 from redray.engine.hooks import Adoption, Hook, Hooks, Position, Progress, current_scope
 from redray.engine.loop import TrainingData
 from redray.engine.nonfinite import NonFiniteError, message as nonfinite_message
@@ -346,7 +346,7 @@ class Trainer:
         data = TrainingData.of(train, self.seed, shuffle, self.geometry,
                                self._checkpoints.resumed_from)
         data.check_resume(self._checkpoints.resumed_from, self._checkpoints.directory)
-        per_epoch = steps_per_epoch(data, train, self.batch_size)
+        per_epoch = data.steps_per_epoch()
         if self._budget.set(run_steps(per_epoch, epochs, max_steps), self.step,
                             self._checkpoints.resumed_from):
             self.program.retrace()  # the learning rate's schedule is traced into the step

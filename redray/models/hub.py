@@ -290,6 +290,80 @@ def _open_safetensors(file: str):
                          "download or save it again") from None
 
 
+def _read_table(fam, config, weights: "_Weights", by_path: dict, mesh) -> tuple[dict, tuple]:
+    """Every row of the family's weight table read from ``weights`` and placed on its
+    sharding (``by_path``: model path -> (abstract leaf, spec)), a stacked array's
+    layers gathered first: (model path -> array, what did not match: the missing
+    tensors, the misshaped ones, the unexpected ones and the parameters none fills)."""
+    table = fam.weight_table(config)
+    available = weights.names()
+    missing, misshaped, loaded = [], [], {}
+    stacked: dict[str, dict[int, np.ndarray]] = {}  # stacked path -> layer -> value
+    prefix = getattr(fam, "BASE_PREFIX", None)
+    for row in table:
+        where = _model_path(row.path, by_path, fam, config)
+        if where is None:
+            raise AssertionError(f"{fam.__name__}: table path {row.path!r} is not a parameter")
+        names = [_stored_name(part, available, prefix) for part in row.parts]
+        if None in names:
+            missing += [part.hf for part, name in zip(row.parts, names) if name is None]
+            continue
+        model_path, layer = where
+        leaf, spec = by_path[model_path]
+        shape = tuple(leaf.shape) if layer is None else tuple(leaf.shape[1:])
+        pieces = []
+        for part, name, shape in zip(row.parts, names, row.part_shapes(shape)):
+            raw = weights.get(name)
+            try:
+                piece = part.load(raw, shape)
+                if tuple(piece.shape) != shape:
+                    raise ValueError
+                pieces.append(piece)
+            except ValueError:
+                misshaped.append(f"{part.hf}: checkpoint {tuple(raw.shape)}, model {row.path} "
+                                 f"expects {shape}")
+        if len(pieces) < len(row.parts):
+            continue
+        value = np.asarray(row.combine(pieces), dtype=leaf.dtype)
+        if layer is not None:
+            stacked.setdefault(model_path, {})[layer] = value
+            continue
+        loaded[model_path] = put(value, NamedSharding(mesh, spec))
+    for model_path, layers_ in stacked.items():
+        leaf, spec = by_path[model_path]
+        if len(layers_) == leaf.shape[0]:  # else a layer's tensor is missing, reported
+            value = np.stack([layers_[i] for i in range(leaf.shape[0])])
+            loaded[model_path] = put(value, NamedSharding(mesh, spec))
+    ignore = re.compile("|".join(getattr(fam, "IGNORED", ())) or r"(?!)")
+    used = {_stored_name(part, available, prefix) for row in table for part in row.parts}
+    unexpected = sorted(n for n in available - used if not ignore.search(n))
+    in_table = {w[0] for w in (_model_path(r.path, by_path, fam, config) for r in table)
+                if w is not None}
+    not_loaded = sorted(set(by_path) - set(loaded) - in_table)
+    return loaded, (missing, misshaped, unexpected, not_loaded)
+
+
+def _refuse_incomplete(path: str, model_type: str, missing, misshaped, unexpected,
+                       not_loaded) -> None:
+    """Raises one ValueError listing every tensor a load could not match, if any."""
+    if not (missing or misshaped or unexpected or not_loaded):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint ({len(missing)}): {', '.join(missing)}")
+    if misshaped:
+        parts.append(f"wrong shape ({len(misshaped)}): " + "; ".join(misshaped))
+    if unexpected:
+        parts.append(f"unexpected in the checkpoint ({len(unexpected)}): "
+                     f"{', '.join(unexpected)}")
+    if not_loaded:
+        parts.append(f"model parameters no tensor fills: {', '.join(not_loaded)}")
+    raise ValueError(f"cannot load {path!r} into a {model_type} model:\n  "
+                     + "\n  ".join(parts)
+                     + "\nCheck that config.json matches the weights (layers, sizes, "
+                       "tie_word_embeddings).")
+
+
 def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
                     mesh: Mesh | None = None, dtype=jnp.float32, remat=False, rules=(),
                     seed: int = 0, scan: bool | None = None, **overrides):
@@ -343,66 +417,8 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
     weights = _Weights(path if not path.endswith(".json") else os.path.dirname(path),
                        record.weight_prefixes, record.left_out)
     _tell_reading(path, record, weights)
-    table = fam.weight_table(config)
-    available = weights.names()
-    missing, misshaped, loaded = [], [], {}
-    stacked: dict[str, dict[int, np.ndarray]] = {}  # stacked path -> layer -> value
-    prefix = getattr(fam, "BASE_PREFIX", None)
-    for row in table:
-        where = _model_path(row.path, by_path, fam, config)
-        if where is None:
-            raise AssertionError(f"{fam.__name__}: table path {row.path!r} is not a parameter")
-        names = [_stored_name(part, available, prefix) for part in row.parts]
-        if None in names:
-            missing += [part.hf for part, name in zip(row.parts, names) if name is None]
-            continue
-        model_path, layer = where
-        leaf, spec = by_path[model_path]
-        shape = tuple(leaf.shape) if layer is None else tuple(leaf.shape[1:])
-        pieces = []
-        for part, name, shape in zip(row.parts, names, row.part_shapes(shape)):
-            raw = weights.get(name)
-            try:
-                piece = part.load(raw, shape)
-                if tuple(piece.shape) != shape:
-                    raise ValueError
-                pieces.append(piece)
-            except ValueError:
-                misshaped.append(f"{part.hf}: checkpoint {tuple(raw.shape)}, model {row.path} "
-                                 f"expects {shape}")
-        if len(pieces) < len(row.parts):
-            continue
-        value = np.asarray(row.combine(pieces), dtype=leaf.dtype)
-        if layer is not None:
-            stacked.setdefault(model_path, {})[layer] = value
-            continue
-        loaded[model_path] = put(value, NamedSharding(mesh, spec))
-    for model_path, layers_ in stacked.items():
-        leaf, spec = by_path[model_path]
-        if len(layers_) == leaf.shape[0]:  # else a layer's tensor is missing, reported
-            value = np.stack([layers_[i] for i in range(leaf.shape[0])])
-            loaded[model_path] = put(value, NamedSharding(mesh, spec))
-    ignore = re.compile("|".join(getattr(fam, "IGNORED", ())) or r"(?!)")
-    used = {_stored_name(part, available, prefix) for row in table for part in row.parts}
-    unexpected = sorted(n for n in available - used if not ignore.search(n))
-    in_table = {w[0] for w in (_model_path(r.path, by_path, fam, config) for r in table)
-                if w is not None}
-    not_loaded = sorted(set(by_path) - set(loaded) - in_table)
-    if missing or misshaped or unexpected or not_loaded:
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint ({len(missing)}): {', '.join(missing)}")
-        if misshaped:
-            parts.append(f"wrong shape ({len(misshaped)}): " + "; ".join(misshaped))
-        if unexpected:
-            parts.append(f"unexpected in the checkpoint ({len(unexpected)}): "
-                         f"{', '.join(unexpected)}")
-        if not_loaded:
-            parts.append(f"model parameters no tensor fills: {', '.join(not_loaded)}")
-        raise ValueError(f"cannot load {path!r} into a {config.model_type} model:\n  "
-                         + "\n  ".join(parts)
-                         + "\nCheck that config.json matches the weights (layers, sizes, "
-                           "tie_word_embeddings).")
+    loaded, problems = _read_table(fam, config, weights, by_path, mesh)
+    _refuse_incomplete(path, config.model_type, *problems)
     params = jax.tree.unflatten(treedef, [loaded[p] for p in paths])
     # What the checkpoint does not hold (RNG state) is created directly on its shards;
     # the parameters' random init is dead code that XLA drops.

@@ -120,6 +120,27 @@ def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
     return min(tokens, math.ceil(capacity_factor * tokens * top_k / experts))
 
 
+def _routed_specs(mesh, rows: P, by_expert, by_model, bias_by_model, shared_by_model,
+                  shared: int) -> tuple[list[P], P]:
+    """The ``shard_map`` specs of ``MoE.routed``'s tokens, choices, weights, kernels
+    and ``shared`` expert kernels, and of its results."""
+    # The kernels name the mesh's axes of one device on a dimension of theirs: a
+    # split over them is no split, and their gradients need no sum over them, which
+    # the shard_map's transpose would write as all-reduces over one device each
+    # (XLA:CPU keeps those; they move nothing)
+    one = tuple(a for a in mesh.axis_names if mesh.shape[a] == 1) or None
+    # the tokens, their choices and the outputs name those not among their rows' on
+    # their last dimension
+    rest = tuple(a for a in one or () if a not in {n for e in rows for n in axes_of(e)})
+    result = P(*rows, rest or None)
+    specs = [result, result, result, P(by_expert, one, None, by_model),
+             P(by_expert, one, bias_by_model), P(by_expert, by_model, one)]
+    if shared:  # the shared expert's gate and up, down, and its gate's kernel
+        specs += [P(one, None, shared_by_model), P(shared_by_model, one),
+                  P(one, None)][:shared]
+    return specs, result
+
+
 class MoE(nnx.Module):
     """Top-k routed experts, each a gated MLP (see the module docstring).
 
@@ -277,20 +298,8 @@ class MoE(nnx.Module):
                 out = jax.lax.psum(out, summed)
             return out.reshape(*shape, -1), kept.reshape(*shape, -1)
 
-        # The kernels name the mesh's axes of one device on a dimension of theirs: a
-        # split over them is no split, and their gradients need no sum over them, which
-        # the shard_map's transpose would write as all-reduces over one device each
-        # (XLA:CPU keeps those; they move nothing)
-        one = tuple(a for a in mesh.axis_names if mesh.shape[a] == 1) or None
-        # the tokens, their choices and the outputs name those not among their rows' on
-        # their last dimension
-        rest = tuple(a for a in one or () if a not in {n for e in rows for n in axes_of(e)})
-        result = P(*rows, rest or None)
-        specs = [result, result, result, P(by_expert, one, None, by_model),
-                 P(by_expert, one, bias_by_model), P(by_expert, by_model, one)]
-        if shared:  # the shared expert's gate and up, down, and its gate's kernel
-            specs += [P(one, None, shared_by_model), P(shared_by_model, one),
-                      P(one, None)][:len(shared)]
+        specs, result = _routed_specs(mesh, rows, by_expert, by_model, bias_by_model,
+                                      shared_by_model, len(shared))
         out, kept = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
                                   out_specs=(result, result))(x, chosen, weights, gate_up,
                                                               bias, down, *shared)

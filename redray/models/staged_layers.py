@@ -98,6 +98,70 @@ def _item(j, stages: int, repeats: int):
     return within // stages, (j // (stages * repeats)) * stages + within % stages
 
 
+def _by_stage(a, mesh, lead: tuple[int, int, int], spec=None):
+    """``a`` (layers, ...) as (S, R, k, ...) (``lead``), split over ``stage``: a
+    parameter's other dimensions as its ``spec`` splits them but over fsdp; without a
+    spec, whole."""
+    # a parameter's other dimensions keep the plan's split over the model and expert
+    # axes (the layers compute on those shards inside the stages) and are gathered over
+    # fsdp once, before the loop (inside it FSDP's gathers would repeat at every tick)
+    rest = [None] * (a.ndim - 1)
+    if spec is not None:
+        rest = [without_axis(e, FSDP.name) for e in tuple(spec)[1:]] + rest[len(spec) - 1:]
+    return _constrain(a.reshape(*lead, *a.shape[1:]), mesh, P(STAGE.name, None, None, *rest))
+
+
+def _slot_axes(x, mesh) -> tuple[str | None, str | None, tuple]:
+    """How a micro-batch's hidden states (rows, sequence, ...) of ``x`` are split after
+    their rows: (the sequence's axis, the features' axis, the axes of the dimensions
+    after the sequence)."""
+    # the rows split over the batch axes, a sequence over the context axis where the
+    # plan splits it (else kept whole at every tick, gathered and split again around
+    # each stage's attention)
+    seq = CONTEXT.name if mesh.shape.get(CONTEXT.name, 1) > 1 and x.ndim > 2 else None
+    # and its features split over the model axis (Megatron's sequence parallelism
+    # between the stages: a slot, the outputs and the passes 1/model of the hidden
+    # states; each stage's layers gather them whole, inside the tensor-parallel group)
+    model = mesh.shape.get(MODEL.name, 1)
+    features = MODEL.name if model > 1 and x.ndim > 2 and x.shape[-1] % model == 0 else None
+    inner = (None,) * (x.ndim - 3) + (features,) if x.ndim > 2 else ()
+    return seq, features, inner
+
+
+def _stage_step(graphdef, run_layers, repeats: int, pads: bool, row_axes):
+    """Every stage's work at one tick, ``vmap``ped over ``stage``: ``(params, rest, own,
+    real, h, args, rep) -> (h, rest)``, each stage's chunk ``rep`` run on its slot ``h``,
+    its other state ``rest`` advanced."""
+    def one_stage(p, r, own, real, h, a, rep):
+        def pick(z):  # this tick's chunk
+            if repeats == 1:  # the same at every tick: the scan's backward reads the parameters
+                return z[0]
+            return jax.lax.dynamic_index_in_dim(z, rep, 0, keepdims=False)
+
+        block = nnx.merge(graphdef, *jax.tree.map(pick, (p, r)))
+        h = run_layers(block, h, a, jax.tree.map(pick, own),
+                       *(() if real is None else (pick(real),)))
+        new = nnx.split(block, nnx.Param, ...)[2]
+        return h, jax.tree.map(lambda z, n: z.at[rep].set(n), r, new)
+
+    if repeats > 1:  # a tick's chunk is sliced again in the backward pass, not kept per tick
+        one_stage = jax.checkpoint(one_stage, policy=_not_chunks)
+    return jax.vmap(one_stage, in_axes=(0, 0, 0, 0 if pads else None, 0, row_axes, 0),
+                    spmd_axis_name=STAGE.name)
+
+
+def _file_output(outs, buffer, t, stages: int, micro: int, repeats: int, mesh, keep):
+    """``outs`` (S, M + 1, ...) with the ``buffer`` of tick ``t`` filed: where it holds a
+    micro-batch's output, in that micro-batch's place, else in the sink (place ``M``)."""
+    # the rotation brought what the last stage finished (item ``t - S``) to slot 0:
+    # where that was a micro-batch's last repeat, each stage files its slot in its
+    # own block of ``outs`` (stage 0's is the output; no traffic), else in the sink
+    done = t - stages
+    rep, m = _item(jnp.maximum(done, 0), stages, repeats)
+    last = (done >= 0) & (rep == repeats - 1) & (m < micro)
+    return _constrain(outs.at[:, jnp.where(last, m, micro)].set(buffer), mesh, keep)
+
+
 def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers, mesh,
                stages: int, micro: int, repeats: int = 1):
     """The stacked ``blocks`` on ``x`` (rows, ...) as a pipeline of ``stages`` stages
@@ -114,7 +178,7 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
     held = jax.tree.leaves(params)[0].shape[0]  # the layers' rows, pads included
     layers = stacked_count(held, stage_layout()[2], stages, repeats)
     rows = x.shape[0]
-    S, M, R, k = stages, micro, repeats, held // (stages * repeats)
+    S, M, R = stages, micro, repeats
     padded, ticks = pipeline_ticks(S, M, R)
     order = layer_order(layers, S, R)
     if held_layers(layers, S, R) != held:  # the model's own arrays (an abstract check
@@ -122,74 +186,29 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
         params = jax.tree.map(lambda a: jnp.take(a, order, axis=0, mode="fill", fill_value=0),
                               params)
         held = len(order)
-        k = held // (S * R)
     pads = held > layers
-
-    def by_stage(a, spec=None):
-        # split over ``stage``; a parameter's other dimensions keep the plan's split
-        # over the model and expert axes (the layers compute on those shards inside
-        # the stages) and are gathered over fsdp once, before the loop (inside it
-        # FSDP's gathers would repeat at every tick); without its spec, whole
-        rest = [None] * (a.ndim - 1)
-        if spec is not None:
-            rest = [without_axis(e, FSDP.name) for e in tuple(spec)[1:]] + rest[len(spec) - 1:]
-        return _constrain(a.reshape(S, R, k, *a.shape[1:]), mesh,
-                          P(STAGE.name, None, None, *rest))
-
-    params_s = jax.tree.map(lambda a: by_stage(a, parameter_spec(a)), params)
+    lead = (S, R, held // (S * R))  # a stage's R chunks of k layers
+    params_s = jax.tree.map(lambda a: _by_stage(a, mesh, lead, parameter_spec(a)), params)
     # the other state and the per-layer inputs come in the layers' own order
-    rest_s, own_s = jax.tree.map(lambda a: by_stage(in_held_order(a, layers, S, R)),
-                                 (rest, per_layer))
+    rest_s, own_s = jax.tree.map(
+        lambda a: _by_stage(in_held_order(a, layers, S, R), mesh, lead), (rest, per_layer))
     # which of a chunk's layers are real (None: all are)
-    real_s = by_stage(jnp.asarray(order < layers)) if pads else None
+    real_s = _by_stage(jnp.asarray(order < layers), mesh, lead) if pads else None
     ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
     x_m = split_micro(x, M, ways)
     flags = rows_flags(args, rows)
     args_m = _map_rows(args, flags, lambda a: split_micro(a, M, ways))
-    # a micro-batch's hidden states (rows, sequence, ...): the rows split over the batch
-    # axes, a sequence over the context axis where the plan splits it (else kept whole
-    # at every tick, gathered and split again around each stage's attention)
-    seq = CONTEXT.name if mesh.shape.get(CONTEXT.name, 1) > 1 and x.ndim > 2 else None
-    # and its features split over the model axis (Megatron's sequence parallelism
-    # between the stages: a slot, the outputs and the passes 1/model of the hidden
-    # states; each stage's layers gather them whole, inside the tensor-parallel group)
-    model = mesh.shape.get(MODEL.name, 1)
-    features = MODEL.name if model > 1 and x.ndim > 2 and x.shape[-1] % model == 0 else None
-    inner = (None,) * (x.ndim - 3) + (features,) if x.ndim > 2 else ()
+    seq, features, inner = _slot_axes(x, mesh)
     slot = P(STAGE.name, BATCH_AXES, seq, *inner)
     x_m = _constrain(x_m, mesh, P(None, BATCH_AXES, seq, *inner))
 
-    def one_stage(p, r, own, real, h, a, rep):
-        def pick(z):  # this tick's chunk
-            if R == 1:  # the same at every tick: the scan's backward reads the parameters
-                return z[0]
-            return jax.lax.dynamic_index_in_dim(z, rep, 0, keepdims=False)
-
-        block = nnx.merge(graphdef, *jax.tree.map(pick, (p, r)))
-        h = run_layers(block, h, a, jax.tree.map(pick, own),
-                       *(() if real is None else (pick(real),)))
-        new = nnx.split(block, nnx.Param, ...)[2]
-        return h, jax.tree.map(lambda z, n: z.at[rep].set(n), r, new)
-
-    if R > 1:  # a tick's chunk is sliced again in the backward pass, not kept per tick
-        one_stage = jax.checkpoint(one_stage, policy=_not_chunks)
     row_axes = jax.tree.structure(args).unflatten([0 if f else None for f in flags])
-    stage_step = jax.vmap(one_stage, in_axes=(0, 0, 0, 0 if pads else None, 0, row_axes, 0),
-                          spmd_axis_name=STAGE.name)
+    stage_step = _stage_step(graphdef, run_layers, R, pads, row_axes)
     first = (jnp.arange(S) == 0).reshape(S, *(1,) * (x.ndim))
-
-    def file_output(outs, buffer, t):
-        # the rotation brought what the last stage finished (item ``t - S``) to slot 0:
-        # where that was a micro-batch's last repeat, each stage files its slot in its
-        # own block of ``outs`` (stage 0's is the output; no traffic), else in the sink
-        done = t - S
-        rep, m = _item(jnp.maximum(done, 0), S, R)
-        last = (done >= 0) & (rep == R - 1) & (m < M)
-        return _constrain(outs.at[:, jnp.where(last, m, M)].set(buffer), mesh, keep)
 
     def tick(carry, t):
         buffer, outs, r = carry
-        outs = file_output(outs, buffer, t)
+        outs = _file_output(outs, buffer, t, S, M, R, mesh, keep)
         # stage 0 takes the next micro-batch where its item starts a micro-batch's first
         # round; a later round's input is what the rotation brought
         rep0, m0 = _item(t, S, R)
@@ -208,7 +227,7 @@ def run_stages(blocks, x, args: tuple, per_layer: tuple, train: bool, run_layers
     outs = _constrain(jnp.zeros((S, M + 1, *x_m.shape[1:]), x.dtype), mesh, keep)
     (buffer, outs, rest_s), _ = jax.lax.scan(tick, (buffer, outs, rest_s),
                                              jnp.arange(ticks), unroll=loop_unroll())
-    outs = file_output(outs, buffer, ticks)[:, :M]
+    outs = _file_output(outs, buffer, ticks, S, M, R, mesh, keep)[:, :M]
     positions = layer_positions(layers, S, R)
     nnx.update(blocks, jax.tree.map(
         lambda a: a.reshape(held, *a.shape[3:])[positions if R > 1 or pads else slice(None)],

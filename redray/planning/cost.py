@@ -492,29 +492,9 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
         others = math.prod(shape[a] for a in axes if a not in gather)
         elements = math.prod(param.shape) / others
         kind = "reduce-scatter" if hardware.reduce_scatter else "all-reduce"
-        if ways > 1 and param.stacked and gathered_once:
-            out.append(Traffic("all-gather", elements * compute_itemsize, gather, 1,
-                               "FSDP: a stage's layers gathered before its ticks", False,
-                               "forward"))
-            out.append(Traffic(kind, elements * param.itemsize / repeats, gather,
-                               accumulation, "FSDP: a tick's chunk's gradients reduced",
-                               False, "backward", True))
-        elif ways > 1:
-            # gathered once, before an accumulation loop, outside a layer scan (hoisted)
-            hoisted = looped and not param.stacked
-            again = (recompute or param.stacked) and not hoisted
-            chunk = repeats if param.stacked else 1
-            # GPipe runs what is not stacked once a step, outside its ticks
-            passes = 1 if gathered_once and not hoisted else accumulation
-            out.append(Traffic("all-gather", elements * compute_itemsize / chunk,
-                               gather, (2 if again else 1) * (1 if hoisted else passes),
-                               "FSDP: a parameter gathered" + (
-                                   " before the micro-batches' loop" if hoisted else ""),
-                               False, "both" if again else "forward", param.stacked))
-            out.append(Traffic(kind, elements * param.itemsize / chunk, gather,
-                               passes,
-                               "FSDP: a gradient reduced onto its shards", False,
-                               "backward", param.stacked))
+        if ways > 1:
+            out += _gathers(param, gather, elements, compute_itemsize, kind, recompute,
+                            accumulation, repeats, gathered_once, looped)
         # the data-parallel reduction: in every micro-batch of an accumulation loop
         # (beside that micro-batch's backward), at every tick of GPipe's for a stage's
         # stacked layers (its embeddings and head run once, outside the ticks)
@@ -539,6 +519,34 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
             out.append(Traffic("all-reduce", share, group, times,
                                "data parallel: a gradient", False, phase, param.stacked))
     return out
+
+
+def _gathers(param: Parameter, gather: tuple[str, ...], elements: float,
+             compute_itemsize: int, kind: str, recompute: bool, accumulation: int,
+             repeats: int, gathered_once: bool, looped: bool) -> list[Traffic]:
+    """FSDP's collectives of one parameter split over the ``gather`` axes
+    (``state_traffic``, whose arguments these are): its gathers, and its gradient's
+    reduction onto the shards (``kind``: a reduce-scatter, or an all-reduce where the
+    hardware has none); ``elements``: the gathered parameter's on one device."""
+    if param.stacked and gathered_once:
+        return [Traffic("all-gather", elements * compute_itemsize, gather, 1,
+                        "FSDP: a stage's layers gathered before its ticks", False, "forward"),
+                Traffic(kind, elements * param.itemsize / repeats, gather, accumulation,
+                        "FSDP: a tick's chunk's gradients reduced", False, "backward", True)]
+    # gathered once, before an accumulation loop, outside a layer scan (hoisted)
+    hoisted = looped and not param.stacked
+    again = (recompute or param.stacked) and not hoisted
+    chunk = repeats if param.stacked else 1
+    # GPipe runs what is not stacked once a step, outside its ticks
+    passes = 1 if gathered_once and not hoisted else accumulation
+    return [Traffic("all-gather", elements * compute_itemsize / chunk, gather,
+                    (2 if again else 1) * (1 if hoisted else passes),
+                    "FSDP: a parameter gathered" + (
+                        " before the micro-batches' loop" if hoisted else ""),
+                    False, "both" if again else "forward", param.stacked),
+            Traffic(kind, elements * param.itemsize / chunk, gather, passes,
+                    "FSDP: a gradient reduced onto its shards", False, "backward",
+                    param.stacked)]
 
 
 @dataclasses.dataclass(frozen=True)

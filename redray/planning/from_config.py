@@ -181,6 +181,58 @@ def _replicated_axes(spec: P, mesh_shape: dict) -> list[str]:
             and a not in SOME_PARAMETERS]
 
 
+def _placed(fam, config, graphdef, params, extra, parallelism: Parallelism, whole: list,
+            stacked: dict) -> tuple[list, list]:
+    """The ``Placement`` rows of the parameters and of Adam's state on the plan (the
+    rules' ``whole`` layers and ``stacked`` arrays filed as ``model_specs`` files
+    them)."""
+    import optax
+
+    from redray.sharding.on_mesh import model_specs
+
+    param_specs, _ = model_specs(graphdef, (params, extra), parallelism,
+                                 fam.trace_inputs(config), whole, stacked)
+    opt_abs = jax.eval_shape(optax.adam(1e-3).init, params)
+    opt_specs = follow_specs(opt_abs, params, param_specs)
+    return (placement(params, param_specs, parallelism.mesh),
+            placement(opt_abs, opt_specs, parallelism.mesh))
+
+
+def _ideal_bytes(rows, sizes: dict) -> float:
+    """Bytes per device of ``rows`` were each split over every parameter axis (the
+    expert and stage axes split some parameters by design: those only)."""
+    return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize
+               / math.prod(sizes[a.name] for a in PARAMETER_AXES
+                           if a not in SOME_PARAMETERS or a.name in _axes(r.spec))
+               for r in rows)
+
+
+def _replicated(param_rows, shape: dict, stacked: dict, why: dict,
+                min_bytes: int) -> tuple[list[dict], int]:
+    """(the parameters of ``min_bytes`` or more left whole over a parameter axis, the
+    largest first, with why and the fix where known; how many smaller ones were left
+    out of that list), ``plan_model``'s ``replicated`` and ``replicated_omitted``."""
+    replicated, omitted = [], 0
+    for row in param_rows:
+        axes = _replicated_axes(row.spec, shape)
+        if not axes:
+            continue
+        # a scanned layers' array is one per layer: each layer's is what the size is of
+        layers = stacked.get(row.path, 1)
+        full = math.prod(row.shape) * jnp.dtype(row.dtype).itemsize
+        if full / layers < min_bytes:
+            omitted += layers
+            continue
+        w = why.get(row.path)
+        replicated.append({"path": row.path, "shape": list(row.shape),
+                           "spec": [e if not isinstance(e, tuple) else list(e) for e in row.spec],
+                           "bytes_per_device": row.bytes_per_device,
+                           "replicated_over": axes,
+                           "why": w.reason if w else None, "fix": w.fix if w else None})
+    replicated.sort(key=lambda r: -r["bytes_per_device"])
+    return replicated, omitted
+
+
 def plan_model(config, devices: int, model_axis: int = 1, fsdp_axis: int = 1, *, rules=(),
                replicated_min_bytes: int = REPLICATED_MIN_BYTES, step: StepShape | None = None,
                device_gib: float | None = None, scan: bool | None = None, **axes) -> dict:
@@ -219,10 +271,8 @@ def plan_model(config, devices: int, model_axis: int = 1, fsdp_axis: int = 1, *,
     Raises:
       PlanError: axis sizes that do not divide the devices, an unsupported model type.
     """
-    import optax
     from flax import nnx
 
-    from redray.sharding.on_mesh import model_specs
     from redray.planning.memory import expert_layers
 
     parallelism = plan_parallelism(devices, rules, model_axis=model_axis, fsdp_axis=fsdp_axis,
@@ -233,63 +283,40 @@ def plan_model(config, devices: int, model_axis: int = 1, fsdp_axis: int = 1, *,
         scan = True  # stages split the stacked layers
     if step is not None and step.scan is None:
         step = dataclasses.replace(step, scan=scan)
+    if step is None and device_gib is not None:
+        raise PlanError("device_gib needs the step's shape: give the batch size and sequence "
+                        "length (redray plan --batch-size B --seq-len T)")
     fam, graphdef, params, extra = abstract_model(config, scan=scan)
     whole: list = []
     stacked: dict = {}  # "/"-joined path of a scanned layers' array -> its layers
-    param_specs, _ = model_specs(graphdef, (params, extra), parallelism,
-                                 fam.trace_inputs(config), whole, stacked)
-    why = {w.path: w for w in whole}
-    opt_abs = jax.eval_shape(optax.adam(1e-3).init, params)
-    opt_specs = follow_specs(opt_abs, params, param_specs)
-
-    shape = dict(mesh.shape)
-    param_rows = placement(params, param_specs, mesh)
-    opt_rows = placement(opt_abs, opt_specs, mesh)
-
-    def ideal_of(rows):  # the expert and stage axes split some parameters by design
-        return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize
-                   / math.prod(sizes[a.name] for a in PARAMETER_AXES
-                               if a not in SOME_PARAMETERS or a.name in _axes(r.spec))
-                   for r in rows)
-
-    actual = {"params": sum(r.bytes_per_device for r in param_rows),
-              "opt": sum(r.bytes_per_device for r in opt_rows)}
-    ideal = {"params": ideal_of(param_rows), "opt": ideal_of(opt_rows)}
-    n_params = sum(math.prod(r.shape) for r in param_rows)
+    param_rows, opt_rows = _placed(fam, config, graphdef, params, extra, parallelism, whole,
+                                   stacked)
     experts = expert_layers(nnx.merge(graphdef, params, extra))
-    # a token runs top_k of each layer's experts: the rest of their parameters idle
-    idle = sum(e.layers * (e.experts - e.top_k) * 3 * e.hidden * e.inner for e in experts)
-
-    replicated, omitted = [], 0
-    for row in param_rows:
-        axes = _replicated_axes(row.spec, shape)
-        if not axes:
-            continue
-        # a scanned layers' array is one per layer: each layer's is what the size is of
-        layers = stacked.get(row.path, 1)
-        full = math.prod(row.shape) * jnp.dtype(row.dtype).itemsize
-        if full / layers < replicated_min_bytes:
-            omitted += layers
-            continue
-        w = why.get(row.path)
-        replicated.append({"path": row.path, "shape": list(row.shape),
-                           "spec": [e if not isinstance(e, tuple) else list(e) for e in row.spec],
-                           "bytes_per_device": row.bytes_per_device,
-                           "replicated_over": axes,
-                           "why": w.reason if w else None, "fix": w.fix if w else None})
-    replicated.sort(key=lambda r: -r["bytes_per_device"])
+    replicated = _replicated(param_rows, dict(mesh.shape), stacked, {w.path: w for w in whole},
+                             replicated_min_bytes)
     memory = None
     if step is not None:
         try:
-            memory = step_memory(fam, config, param_rows, int(actual["opt"]), parallelism, step,
-                                 device_gib, experts=experts)
+            memory = step_memory(fam, config, param_rows,
+                                 int(sum(r.bytes_per_device for r in opt_rows)), parallelism,
+                                 step, device_gib, experts=experts)
         except ValueError as e:
             raise PlanError(str(e)) from None
-    elif device_gib is not None:
-        raise PlanError("device_gib needs the step's shape: give the batch size and sequence "
-                        "length (redray plan --batch-size B --seq-len T)")
+    return _result(config.model_type, devices, sizes, param_rows, opt_rows, experts,
+                   replicated, replicated_min_bytes, memory)
+
+
+def _result(model_type: str, devices: int, sizes: dict, param_rows, opt_rows, experts,
+            replicated: tuple[list[dict], int], min_bytes: int, memory: dict | None) -> dict:
+    """``plan_model``'s JSON-ready result (see there) from what it found."""
+    actual = {"params": sum(r.bytes_per_device for r in param_rows),
+              "opt": sum(r.bytes_per_device for r in opt_rows)}
+    ideal = {"params": _ideal_bytes(param_rows, sizes), "opt": _ideal_bytes(opt_rows, sizes)}
+    n_params = sum(math.prod(r.shape) for r in param_rows)
+    # a token runs top_k of each layer's experts: the rest of their parameters idle
+    idle = sum(e.layers * (e.experts - e.top_k) * 3 * e.hidden * e.inner for e in experts)
     return {
-        "model_type": config.model_type,
+        "model_type": model_type,
         "n_params": int(n_params),
         "active_params": int(n_params - idle),
         "devices": devices,
@@ -300,9 +327,9 @@ def plan_model(config, devices: int, model_axis: int = 1, fsdp_axis: int = 1, *,
         "ideal_param_bytes_per_device": int(math.ceil(ideal["params"])),
         "ideal_opt_bytes_per_device": int(math.ceil(ideal["opt"])),
         "ratio": {k: (actual[k] / ideal[k] if ideal[k] else 1.0) for k in actual},
-        "replicated": replicated,
-        "replicated_omitted": omitted,
-        "replicated_min_bytes": replicated_min_bytes,
+        "replicated": replicated[0],
+        "replicated_omitted": replicated[1],
+        "replicated_min_bytes": min_bytes,
         **({"memory": memory} if memory is not None else {}),
     }
 

@@ -88,7 +88,7 @@ def model_timing(facts, hardware: Hardware,
     times them once), so a new run of the same model and loss there plans without
     compiling and timing them again (7 s of a tiny run's start on 2 cores). Process 0
     reads and writes it; every host gets its numbers."""
-    from redray.planning.probe import _grid, _timed, cluster_key, ones
+    from redray.planning.probe import _grid, cluster_key
     from redray.processes.jax_runtime import from_process_zero
 
     params_abs, extra_abs = facts.abstract
@@ -108,14 +108,7 @@ def model_timing(facts, hardware: Hardware,
         return jnp.reshape(total, (1,))
 
     def batch_of(count: int, abstract: bool = False) -> dict:
-        out = {}
-        for key, value in facts.sample.items():
-            value = np.asarray(value)
-            whole_rows = np.concatenate([np.resize(value, (count, *value.shape[1:]))] * devices)
-            out[key] = jax.ShapeDtypeStruct(whole_rows.shape, value.dtype, sharding=rows) \
-                if abstract else jax.make_array_from_callback(
-                    whole_rows.shape, rows, lambda idx, w=whole_rows: w[idx])
-        return out
+        return _timed_batch(facts.sample, count, devices, rows, abstract)
 
     run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), rows_spec),
                                 out_specs=rows_spec, check_vma=False))
@@ -139,15 +132,7 @@ def model_timing(facts, hardware: Hardware,
     elif lowered is None:
         seconds = [0.0, 0.0, 0.0]
     else:
-        try:
-            *passes, step = [program.compile() for program in lowered]
-            params, extra = jax.jit(lambda: jax.tree.map(_filled, (params_abs, extra_abs)),
-                                    out_shardings=whole)()
-            seconds = [_timed(p, params, extra, batch_of(r)) for p, r in zip(passes, TIMED_ROWS)]
-            vector = ones((devices * UPDATE_ELEMENTS,), jnp.float32, rows)
-            seconds.append(_timed(step, vector, vector) / UPDATE_ELEMENTS)
-        except Exception:  # noqa: BLE001 - the planner then uses the hardware's matmul rate
-            seconds = [0.0, 0.0, 0.0]
+        seconds = _time_programs(lowered, (params_abs, extra_abs), whole, rows, batch_of)
     t_few, t_many, update_s = from_process_zero(np.array(seconds, np.float64)).tolist()
     if not hit and t_few > 0 and path is not None and jax.process_index() == 0:
         _keep_seconds(path, [t_few, t_many, update_s])
@@ -156,6 +141,39 @@ def model_timing(facts, hardware: Hardware,
     flops = facts.flops("none")
     fixed, per_example = timed_line(t_few, t_many, flops / hardware.matmul_flops)
     return ModelTiming(fixed, per_example, flops, update_s)
+
+
+def _timed_batch(sample: dict, count: int, devices: int, rows: NamedSharding,
+                 abstract: bool = False) -> dict:
+    """``count`` rows of ``sample`` (the first batch's) on every device, split over
+    ``rows``: placed, or their shapes only (``abstract``)."""
+    out = {}
+    for key, value in sample.items():
+        value = np.asarray(value)
+        whole_rows = np.concatenate([np.resize(value, (count, *value.shape[1:]))] * devices)
+        out[key] = jax.ShapeDtypeStruct(whole_rows.shape, value.dtype, sharding=rows) \
+            if abstract else jax.make_array_from_callback(
+                whole_rows.shape, rows, lambda idx, w=whole_rows: w[idx])
+    return out
+
+
+def _time_programs(lowered: list, abstract, whole: NamedSharding, rows: NamedSharding,
+                   batch_of) -> list[float]:
+    """``model_timing``'s programs compiled and timed: [the pass at each of
+    ``TIMED_ROWS``, the update per element]; zeros where one fails (the planner then
+    uses the hardware's matmul rate)."""
+    from redray.planning.probe import _timed, ones
+
+    devices = rows.mesh.devices.size
+    try:
+        *passes, step = [program.compile() for program in lowered]
+        params, extra = jax.jit(lambda: jax.tree.map(_filled, abstract), out_shardings=whole)()
+        seconds = [_timed(p, params, extra, batch_of(r)) for p, r in zip(passes, TIMED_ROWS)]
+        vector = ones((devices * UPDATE_ELEMENTS,), jnp.float32, rows)
+        seconds.append(_timed(step, vector, vector) / UPDATE_ELEMENTS)
+    except Exception:  # noqa: BLE001 - the planner then uses the hardware's matmul rate
+        seconds = [0.0, 0.0, 0.0]
+    return seconds
 
 
 # A constant in a lowered program (``dense<1.000000e-03>``: a learning rate, a norm's

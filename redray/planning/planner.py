@@ -369,26 +369,13 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     shape = parallelism.shape
     devices = math.prod(shape.values())
     micro_batch_size, remat = geometry.micro_batch_size, candidate.remat
-    key = tuple(sorted(shape.items()))
-    cache = {} if specs_cache is None else specs_cache
-    if key not in cache:
-        specs = partition_specs(parallelism.spec_passes(), facts.paths, facts.shapes, facts.dtypes,
-                                shape, facts.trace if any(role_size(shape, r) > 1 for r in
-                                                          ("heads", "experts", "layers"))
-                                else None)
-        cache[key] = specs
-    specs = cache[key]
+    specs = _specs(facts, parallelism, {} if specs_cache is None else specs_cache)
     stages, micro_batches = role_size(shape, "layers"), geometry.accumulation
     repeats = candidate.stage_repeats
     shapes = _held_shapes(facts, specs, stages, repeats)
     rows = _placement(facts, specs, parallelism, shapes)
-    # with stages the micro-batches are the pipeline's: M + S - 1 ticks (P R + S - 1
-    # with circular repeats), each running a chunk of a stage's layers; 1F1B's own
-    # table gives its length (M R + S - 1 where S divides M)
     one_f_one_b = stages > 1 and candidate.pipeline_schedule == "1f1b"
-    ticks = (one_f_one_b_table(stages, micro_batches, repeats).passes if one_f_one_b
-             else pipeline_ticks(stages, micro_batches, repeats)[1] if stages > 1
-             else micro_batches)
+    ticks = _ticks(stages, micro_batches, repeats, one_f_one_b)
     # a tick runs a chunk's layer slots, pads included (``chunk_share``)
     layers = stacked_layers(facts)
     bubble = ticks / (micro_batches * repeats) * (
@@ -410,21 +397,9 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     gpipe = stages > 1 and not one_f_one_b
     state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute,
                           ticks, repeats, gathered_once=gpipe, looped=stages == 1)
-    flops = facts.flops(remat) * batch_size / devices
-    if stages > 1:  # the bubble: the layers run on M + S - 1 slots, M of them real
-        share = layer_share(facts)
-        # 1F1B's backward recomputes a stage's forward: a forward more of the layers'
-        again = 1 + facts.flops("none") * ONE_F_ONE_B_RERUN / facts.flops(remat) \
-            if one_f_one_b else 1.0
-        flops *= share * again * bubble + 1 - share
     model = role_size(shape, "heads")
-    whole = 0.0
-    if model > 1 and facts.trace is not None:  # layers left whole run whole on each device
-        rerun = facts.flops(remat) / facts.flops("none") \
-            + (ONE_F_ONE_B_RERUN if one_f_one_b else 0.0)
-        whole = (rerun * whole_flops(facts.trace, params, facts.trace_examples)
-                 * batch_size * model / devices * (1 - 1 / model))
-        flops += whole
+    flops, whole = _flops(facts, params, remat, batch_size, devices,
+                          bubble if stages > 1 else 0.0, one_f_one_b, model)
     device_work = None
     counted = facts.work() if facts.timing is None else None
     if counted is not None:
@@ -462,6 +437,50 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
     return Scored(candidate, memory, cost, memory["total"] <= budget, tokens,
                   useful / cost.seconds / hardware.peak_flops)
+
+
+def _specs(facts: ModelFacts, parallelism: Parallelism, cache: dict) -> list:
+    """Every parameter's spec on ``parallelism`` (kept in ``cache`` by the mesh's shape:
+    the micro-batch, remat and schedule do not change them)."""
+    shape = parallelism.shape
+    key = tuple(sorted(shape.items()))
+    if key not in cache:
+        # the passes that read the dataflow: tensor, expert and stage splits
+        traced = any(role_size(shape, r) > 1 for r in ("heads", "experts", "layers"))
+        cache[key] = partition_specs(parallelism.spec_passes(), facts.paths, facts.shapes,
+                                     facts.dtypes, shape, facts.trace if traced else None)
+    return cache[key]
+
+
+def _ticks(stages: int, micro_batches: int, repeats: int, one_f_one_b: bool) -> int:
+    """The passes of a step: with stages the pipeline's ticks, ``M + S - 1`` (``P R + S
+    - 1`` with circular repeats), each running a chunk of a stage's layers, or 1F1B's
+    own table's length (``M R + S - 1`` where S divides M); else the micro-batches."""
+    if one_f_one_b:
+        return one_f_one_b_table(stages, micro_batches, repeats).passes
+    return pipeline_ticks(stages, micro_batches, repeats)[1] if stages > 1 else micro_batches
+
+
+def _flops(facts: ModelFacts, params: Sequence[Parameter], remat: str, batch_size: int,
+           devices: int, bubble: float, one_f_one_b: bool, model: int) -> tuple[float, float]:
+    """(one device's matmul FLOPs in a step, the part of them in matmuls the model axis
+    leaves whole), the batch spread over the devices: with stages
+    (``bubble``: 0 without) the layers run on ``M + S - 1`` slots, ``M`` of them real,
+    and 1F1B's backward recomputes a stage's forward; on a model axis of ``model``
+    devices the layers it leaves whole run whole on each of them."""
+    flops = facts.flops(remat) * batch_size / devices
+    if bubble:
+        share = layer_share(facts)
+        again = 1 + facts.flops("none") * ONE_F_ONE_B_RERUN / facts.flops(remat) \
+            if one_f_one_b else 1.0
+        flops *= share * again * bubble + 1 - share
+    whole = 0.0
+    if model > 1 and facts.trace is not None:
+        rerun = facts.flops(remat) / facts.flops("none") \
+            + (ONE_F_ONE_B_RERUN if one_f_one_b else 0.0)
+        whole = (rerun * whole_flops(facts.trace, params, facts.trace_examples)
+                 * batch_size * model / devices * (1 - 1 / model))
+    return flops + whole, whole
 
 
 def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware: Hardware,

@@ -106,6 +106,25 @@ def recorded(c: dict, new, lp, ended, finished, remaining) -> dict:
             jnp.where(ended, 1, 2), mode="drop"))
 
 
+def _empty_state(slots: int, n: int, longest: int, pad: int, sampling_q) -> dict:
+    """A call that refills its own slots, at its start: ``slots`` free slots (their
+    sampling columns of ``sampling_q``'s dtypes) and ``n`` requests' rows of outputs,
+    ``longest`` tokens of ``pad``, nothing written."""
+    return dict(
+        token=jnp.zeros(slots, jnp.int32), active=jnp.zeros(slots, bool),
+        counts=jnp.zeros(slots, jnp.int32), remaining=jnp.zeros(slots, jnp.int32),
+        keys=jnp.zeros((slots, 2), jnp.uint32), owner=jnp.full(slots, -1, jnp.int32),
+        sampling=tuple(jnp.zeros(slots, x.dtype) for x in sampling_q),
+        out=jnp.full((n, longest), pad, jnp.int32), lps=jnp.zeros((n, longest), jnp.float32),
+        length=jnp.zeros(n, jnp.int32), reason=jnp.zeros(n, jnp.int32))
+
+
+def _request_outputs(c: dict, longest: int):
+    """The requests' outputs in ``c`` packed for the host (``REQUEST_OUTPUTS``)."""
+    return packed(REQUEST_OUTPUTS, dict(out=c["out"], lps=c["lps"], length=c["length"],
+                                        reason=c["reason"]), longest)
+
+
 def prefill_step(graphdef, rows: tuple[int, bool, int | None], widths: tuple[int, int],
                  greedy_only: bool):
     """The prefill of ``rows`` = (prompts padded to a power of two, whether they fill
@@ -193,6 +212,53 @@ def decode_step(inner, steps: int, rows_and_width: tuple[int, int], greedy_only:
     return decode
 
 
+def _shifted(c: dict, width: int, length: int) -> dict:
+    """The window's columns from the oldest live sequence's start (a new prompt keeps its
+    room behind ``t``): a copy, once per many steps (``refill_step``)."""
+    s = jnp.minimum(jnp.min(jnp.where(c["active"], c["start"], c["t"])), c["t"] - width)
+    cols = jnp.arange(length) < length - s
+
+    def roll(x, axis):
+        return jnp.roll(x, -s, axis)
+    return dict(c, t=c["t"] - s, start=c["start"] - s,
+                cache=jax.tree.map(lambda x: roll(x, x.ndim - 2), c["cache"]),
+                kv_valid=roll(c["kv_valid"], 1) * cols[None, :])
+
+
+def _prefilled_into_window(c: dict, m, q: dict, count, keys_q, sampling_q, shapes: tuple,
+                           keep, greedy_only: bool, eos) -> dict:
+    """``refill_step``'s refill: the next ``chunk`` waiting prompts of the queue ``q``
+    (``count`` requests) run through the model ``m`` together into the first free slots,
+    right-aligned behind ``t`` (``keep``: the prompts' columns), and admitted there."""
+    slots, length, n, width, _, chunk = shapes
+    taken = jnp.minimum(jnp.minimum(slots - c["active"].sum(), count - c["next"]), chunk)
+    valid = jnp.arange(chunk) < taken
+    free_first = jnp.argsort(c["active"], stable=True)[:chunk]
+    where = jnp.where(valid, free_first, slots).astype(jnp.int32)  # slots: nowhere
+    req = jnp.minimum(c["next"] + jnp.arange(chunk), n - 1)
+    ids, mask = q["ids"][req], q["mask"][req]
+    logits, small = prompt_prefill(m, ids, mask, m.init_cache(chunk, width))
+    cols = c["t"] - width + keep
+    cache = jax.tree.map(lambda big, new: write(big, new, where, cols), c["cache"], small)
+    row = jnp.zeros((chunk, length), jnp.int32).at[:, cols].set(mask)
+    kv_valid = c["kv_valid"].at[where].set(row, mode="drop")
+    c, _ = admitted(c, logits, where, req, valid, keys_q, sampling_q, q["max_new"],
+                    greedy_only, eos)
+    return dict(c, next=c["next"] + taken, cache=cache, kv_valid=kv_valid,
+                start=c["start"].at[where].set(c["t"] - width, mode="drop"))
+
+
+def _slot_state(c: dict, slots: int):
+    """The slots' state in ``c`` packed for the host (``SLOT_STATE``); a free slot's
+    owner is -1."""
+    owner = jnp.where(c["active"], c["owner"], -1)
+    return packed(SLOT_STATE, dict(
+        token=c["token"], active=c["active"], counts=c["counts"],
+        remaining=c["remaining"], keys=c["keys"], owner=owner, start=c["start"],
+        t=jnp.broadcast_to(c["t"], (slots,)),
+        **{name: x for (name, _, _), x in zip(SAMPLING, c["sampling"])}))
+
+
 def refill_step(inner, shapes: tuple[int, int, int, int, int, int], greedy_only: bool, pad: int,
                 eos, check_every: int):
     """A call that decodes a queue of requests through ``slots`` slots and refills each
@@ -228,26 +294,7 @@ def refill_step(inner, shapes: tuple[int, int, int, int, int, int], greedy_only:
         c = dict(
             t=jnp.int32(width), next=jnp.int32(0),
             cache=model().init_cache(slots, length), kv_valid=jnp.zeros((slots, length), jnp.int32),
-            token=jnp.zeros(slots, jnp.int32), active=jnp.zeros(slots, bool),
-            counts=jnp.zeros(slots, jnp.int32), remaining=jnp.zeros(slots, jnp.int32),
-            keys=jnp.zeros((slots, 2), jnp.uint32), owner=jnp.full(slots, -1, jnp.int32),
-            start=jnp.zeros(slots, jnp.int32),
-            sampling=tuple(jnp.zeros(slots, x.dtype) for x in sampling_q),
-            out=jnp.full((n, longest), pad, jnp.int32), lps=jnp.zeros((n, longest), jnp.float32),
-            length=jnp.zeros(n, jnp.int32), reason=jnp.zeros(n, jnp.int32))
-
-        def shifted(c):
-            """The window's columns from the oldest live sequence's start (a new
-            prompt keeps its room behind ``t``): a copy, once per many steps."""
-            s = jnp.minimum(jnp.min(jnp.where(c["active"], c["start"], c["t"])),
-                            c["t"] - width)
-            cols = jnp.arange(length) < length - s
-
-            def roll(x, axis):
-                return jnp.roll(x, -s, axis)
-            return dict(c, t=c["t"] - s, start=c["start"] - s,
-                        cache=jax.tree.map(lambda x: roll(x, x.ndim - 2), c["cache"]),
-                        kv_valid=roll(c["kv_valid"], 1) * cols[None, :])
+            start=jnp.zeros(slots, jnp.int32), **_empty_state(slots, n, longest, pad, sampling_q))
 
         def can_refill(c):
             free = slots - c["active"].sum()
@@ -256,23 +303,8 @@ def refill_step(inner, shapes: tuple[int, int, int, int, int, int], greedy_only:
 
         def prefill(c):
             """The next ``chunk`` waiting prompts into the first free slots."""
-            taken = jnp.minimum(jnp.minimum(slots - c["active"].sum(), count - c["next"]),
-                                chunk)
-            valid = jnp.arange(chunk) < taken
-            free_first = jnp.argsort(c["active"], stable=True)[:chunk]
-            where = jnp.where(valid, free_first, slots).astype(jnp.int32)  # slots: nowhere
-            req = jnp.minimum(c["next"] + jnp.arange(chunk), n - 1)
-            ids, mask = q["ids"][req], q["mask"][req]
-            m = model()
-            logits, small = prompt_prefill(m, ids, mask, m.init_cache(chunk, width))
-            cols = c["t"] - width + keep
-            cache = jax.tree.map(lambda big, new: write(big, new, where, cols), c["cache"], small)
-            row = jnp.zeros((chunk, length), jnp.int32).at[:, cols].set(mask)
-            kv_valid = c["kv_valid"].at[where].set(row, mode="drop")
-            c, _ = admitted(c, logits, where, req, valid, keys_q, sampling_q, q["max_new"],
-                            greedy_only, eos)
-            return dict(c, next=c["next"] + taken, cache=cache, kv_valid=kv_valid,
-                        start=c["start"].at[where].set(c["t"] - width, mode="drop"))
+            return _prefilled_into_window(c, model(), q, count, keys_q, sampling_q, shapes,
+                                          keep, greedy_only, eos)
 
         def step(_, c):
             """One decoding step of every slot."""
@@ -284,19 +316,12 @@ def refill_step(inner, shapes: tuple[int, int, int, int, int, int], greedy_only:
                         kv_valid=kv_valid)
 
         def block(c):
-            c = jax.lax.cond(c["t"] + every > length, shifted, lambda c: c, c)
+            c = jax.lax.cond(c["t"] + every > length, lambda c: _shifted(c, width, length),
+                             lambda c: c, c)
             c = jax.lax.while_loop(can_refill, prefill, c)
             return jax.lax.cond(c["next"] < count,
                                 lambda c: jax.lax.fori_loop(0, every, step, c), lambda c: c, c)
 
         c = jax.lax.while_loop(lambda c: c["next"] < count, block, c)
-        owner = jnp.where(c["active"], c["owner"], -1)
-        state = packed(SLOT_STATE, dict(
-            token=c["token"], active=c["active"], counts=c["counts"],
-            remaining=c["remaining"], keys=c["keys"], owner=owner, start=c["start"],
-            t=jnp.broadcast_to(c["t"], (slots,)),
-            **{name: x for (name, _, _), x in zip(SAMPLING, c["sampling"])}))
-        outputs = packed(REQUEST_OUTPUTS, dict(out=c["out"], lps=c["lps"], length=c["length"],
-                                               reason=c["reason"]), longest)
-        return c["cache"], c["kv_valid"], state, outputs
+        return c["cache"], c["kv_valid"], _slot_state(c, slots), _request_outputs(c, longest)
     return refill

@@ -23,14 +23,62 @@ from flax import nnx
 
 from redray.models import paged
 from redray.models.generate import prompt_prefill
-from redray.post_training.decode_steps import admitted, recorded, request_keys, sampled
-from redray.post_training.slots import (QUEUE_INPUTS, REQUEST_OUTPUTS, packed,
-                                        sampling_columns, unpacked)
+from redray.post_training.decode_steps import (_empty_state, _request_outputs, admitted,
+                                               recorded, request_keys, sampled)
+from redray.post_training.slots import QUEUE_INPUTS, sampling_columns, unpacked
 
 
 def pages_needed(tokens, page_size: int):
     """The pages ``tokens`` tokens fill."""
     return -(-tokens // page_size)
+
+
+def _released(c: dict, ended, where, slots: int, pool_pages: int, columns) -> dict:
+    """The pages of the slots ``where`` whose request ``ended`` back in the pool
+    (``where`` = ``slots``: nowhere; ``columns``: a page table's)."""
+    rows = jnp.minimum(where, slots - 1)
+    back = ended[:, None] & (where < slots)[:, None] \
+        & (columns[None, :] < c["held"][rows][:, None])
+    pages = jnp.where(back, c["table"][rows], pool_pages)
+    return dict(c, free=c["free"].at[pages].set(True, mode="drop"))
+
+
+def _prefilled_into_pages(c: dict, m, q: dict, count, keys_q, sampling_q, need_q, prompt_q,
+                          shapes: tuple, columns, greedy_only: bool, eos) -> dict:
+    """``paged_step``'s refill: the next waiting prompts of the queue ``q`` (``count``
+    requests; at most ``chunk``, as many as free slots and free pages hold, in order) run
+    through the model ``m`` into the first free slots and their pages, and admitted."""
+    slots, pool_pages, _, _, n, width, _, chunk = shapes
+    req = jnp.minimum(c["next"] + jnp.arange(chunk), n - 1)
+    need = need_q[req]
+    cum = jnp.cumsum(need)
+    fits = ((jnp.arange(chunk) < jnp.minimum(slots - c["active"].sum(), count - c["next"]))
+            & (cum <= c["free"].sum()))
+    fits = jnp.cumprod(fits).astype(bool)  # a prefix: the queue's order
+    taken = fits.sum()
+    free_ids = jnp.nonzero(c["free"], size=pool_pages, fill_value=0)[0]
+    use = fits[:, None] & (columns[None, :] < need[:, None])
+    table = jnp.where(use, free_ids[jnp.minimum((cum - need)[:, None] + columns,
+                                                pool_pages - 1)], 0)
+    free = c["free"].at[jnp.where(use, table, pool_pages)].set(False, mode="drop")
+    ids, mask = q["ids"][req], q["mask"][req]
+    logits, small = prompt_prefill(m, ids, mask, m.init_cache(chunk, width))
+    at = paged.Pages(table, jnp.zeros(chunk, jnp.int32))
+    written = mask.astype(bool) & fits[:, None]
+    where = jnp.where(fits, jnp.argsort(c["active"], stable=True)[:chunk],
+                      slots).astype(jnp.int32)  # slots: nowhere
+    # attention layers' keys and values into their pages; a linear layer's state into its
+    # slot's row, replacing (resetting) the last request's
+    pool = [paged.written(layer, at, where, new, written) for layer, new in zip(c["pool"], small)]
+    c, live = admitted(c, logits, where, req, fits, keys_q, sampling_q, q["max_new"],
+                       greedy_only, eos)
+
+    def put(x, v):
+        return x.at[where].set(v, mode="drop")
+    c = dict(c, next=c["next"] + taken, pool=pool, free=free, table=put(c["table"], table),
+             held=put(c["held"], need), lengths=put(c["lengths"], prompt_q[req]))
+    # a request that ended on its first token gives its pages back at once
+    return _released(c, fits & ~live, where, slots, pool_pages, columns)
 
 
 def paged_step(inner, shapes: tuple[int, int, int, int, int, int, int, int], greedy_only: bool,
@@ -58,12 +106,7 @@ def paged_step(inner, shapes: tuple[int, int, int, int, int, int, int, int], gre
             next=jnp.int32(0), pool=model().init_pages(pool_pages, size, rows=slots),
             free=jnp.ones(pool_pages, bool), table=jnp.zeros((slots, per_slot), jnp.int32),
             held=jnp.zeros(slots, jnp.int32), lengths=jnp.zeros(slots, jnp.int32),
-            token=jnp.zeros(slots, jnp.int32), active=jnp.zeros(slots, bool),
-            counts=jnp.zeros(slots, jnp.int32), remaining=jnp.zeros(slots, jnp.int32),
-            keys=jnp.zeros((slots, 2), jnp.uint32), owner=jnp.full(slots, -1, jnp.int32),
-            sampling=tuple(jnp.zeros(slots, x.dtype) for x in sampling_q),
-            out=jnp.full((n, longest), pad, jnp.int32), lps=jnp.zeros((n, longest), jnp.float32),
-            length=jnp.zeros(n, jnp.int32), reason=jnp.zeros(n, jnp.int32))
+            **_empty_state(slots, n, longest, pad, sampling_q))
 
         def can_refill(c):
             free = slots - c["active"].sum()
@@ -74,48 +117,8 @@ def paged_step(inner, shapes: tuple[int, int, int, int, int, int, int, int], gre
         def prefill(c):
             """The next waiting prompts (at most ``chunk``, as many as free slots and
             free pages hold, in order) into the first free slots and their pages."""
-            req = jnp.minimum(c["next"] + jnp.arange(chunk), n - 1)
-            need = need_q[req]
-            cum = jnp.cumsum(need)
-            fits = ((jnp.arange(chunk) < jnp.minimum(slots - c["active"].sum(),
-                                                     count - c["next"]))
-                    & (cum <= c["free"].sum()))
-            fits = jnp.cumprod(fits).astype(bool)  # a prefix: the queue's order
-            taken = fits.sum()
-            free_ids = jnp.nonzero(c["free"], size=pool_pages, fill_value=0)[0]
-            use = fits[:, None] & (columns[None, :] < need[:, None])
-            table = jnp.where(use, free_ids[jnp.minimum((cum - need)[:, None] + columns,
-                                                        pool_pages - 1)], 0)
-            free = c["free"].at[jnp.where(use, table, pool_pages)].set(False, mode="drop")
-            ids, mask = q["ids"][req], q["mask"][req]
-            m = model()
-            logits, small = prompt_prefill(m, ids, mask, m.init_cache(chunk, width))
-            at = paged.Pages(table, jnp.zeros(chunk, jnp.int32))
-            written = mask.astype(bool) & fits[:, None]
-            where = jnp.where(fits, jnp.argsort(c["active"], stable=True)[:chunk],
-                              slots).astype(jnp.int32)  # slots: nowhere
-            # attention layers' keys and values into their pages; a linear layer's state
-            # into its slot's row, replacing (resetting) the last request's
-            pool = [paged.written(layer, at, where, new, written)
-                    for layer, new in zip(c["pool"], small)]
-            c, live = admitted(c, logits, where, req, fits, keys_q, sampling_q, q["max_new"],
-                               greedy_only, eos)
-
-            def put(x, v):
-                return x.at[where].set(v, mode="drop")
-            c = dict(c, next=c["next"] + taken, pool=pool, free=free,
-                     table=put(c["table"], table), held=put(c["held"], need),
-                     lengths=put(c["lengths"], prompt_q[req]))
-            # a request that ended on its first token gives its pages back at once
-            return released(c, fits & ~live, where)
-
-        def released(c, ended, where):
-            """The pages of the slots ``where`` whose request ``ended`` back in the pool."""
-            rows = jnp.minimum(where, slots - 1)
-            back = ended[:, None] & (where < slots)[:, None] \
-                & (columns[None, :] < c["held"][rows][:, None])
-            pages = jnp.where(back, c["table"][rows], pool_pages)
-            return dict(c, free=c["free"].at[pages].set(True, mode="drop"))
+            return _prefilled_into_pages(c, model(), q, count, keys_q, sampling_q, need_q,
+                                         prompt_q, shapes, columns, greedy_only, eos)
 
         def step(_, c):
             """One decoding step of every slot; a request that ends gives its pages back."""
@@ -128,14 +131,13 @@ def paged_step(inner, shapes: tuple[int, int, int, int, int, int, int, int], gre
                 eos)
             c = dict(recorded(c, new, lp, ended, finished, remaining), pool=pool,
                      lengths=c["lengths"] + active)
-            return released(c, finished, jnp.arange(slots))
+            return _released(c, finished, jnp.arange(slots), slots, pool_pages, columns)
 
         def block(c):
             c = jax.lax.while_loop(can_refill, prefill, c)
             return jax.lax.fori_loop(0, every, step, c)
 
         c = jax.lax.while_loop(lambda c: (c["next"] < count) | c["active"].any(), block, c)
-        return packed(REQUEST_OUTPUTS, dict(out=c["out"], lps=c["lps"], length=c["length"],
-                                            reason=c["reason"]), longest)
+        return _request_outputs(c, longest)
     return run
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +61,10 @@ class Axis:
       gathers: a parameter split over it is all-gathered before each use and its
         gradient reduced onto the shards (ZeRO-3): the cost model prices those
         collectives, the memory model the gathered layers.
+      passes: the spec passes that split parameters over it, each ``(precedence,
+        make)``: ``make(name)`` builds the ``SpecPass`` (``redray/sharding/rules.py``),
+        and ``Parallelism.spec_passes`` runs every axis's passes by precedence, after
+        the user's rules (a lower one first: it claims its dimensions before the next).
     """
     name: str
     keyword: str
@@ -72,6 +76,7 @@ class Axis:
     shown_at_one: bool = True
     roles: tuple[str, ...] = ()
     gathers: bool = False
+    passes: tuple[tuple[int, Callable[[str], SpecPass]], ...] = ()
 
 
 # What of a model's activations a mesh axis may split (``Axis.roles``): a batch's rows,
@@ -82,24 +87,27 @@ ROLES = ("rows", "sequence", "layers", "heads", "experts")
 STAGE = Axis("stage", "stage_axis", 1, False, True, OUTER,
              "pipeline parallelism: the scanned layers split into stages, micro-batches "
              "passed from stage to stage (only activations cross it)",
-             shown_at_one=False, roles=("layers",))
+             shown_at_one=False, roles=("layers",), passes=((0, StageParallel),))
 DATA = Axis("data", "data_axis", "auto", True, False, ACROSS,
             "data parallelism: each device a replica of the model, a part of the batch",
             roles=("rows",))
 FSDP = Axis("fsdp", "fsdp_axis", 1, True, True, PREFER_INSIDE,
             "data parallelism whose parameters and optimizer state are sharded too (ZeRO-3)",
-            roles=("rows",), gathers=True)
+            roles=("rows",), gathers=True, passes=((3, Fsdp),))
 EXPERT = Axis("expert", "expert_axis", 1, True, True, INSIDE,
               "expert parallelism: a mixture of experts' experts split, tokens sent to "
               "theirs by all-to-all; data parallelism for the other layers",
-              shown_at_one=False, roles=("rows", "experts"))
+              shown_at_one=False, roles=("rows", "experts"), passes=((2, ExpertParallel),))
 CONTEXT = Axis("context", "context_axis", 1, False, False, PREFER_INSIDE,
                "context parallelism: each sequence split over it, attention passing keys "
                "and values around (long sequences whose activations one device cannot hold)",
                shown_at_one=False, roles=("sequence",))
 MODEL = Axis("model", "model_axis", 1, False, True, INSIDE,
              "tensor parallelism: layers split, one all-reduce per column/row pair",
-             roles=("heads",))
+             roles=("heads",),
+             # last, what no pass split and is large: over it too, beside FSDP's split
+             passes=((1, TensorParallel),
+                     (4, lambda name: LargeOver(name, with_axis=GATHERING[0]))))
 
 # In mesh order: the last is innermost, its peers neighbours in the device order.
 AXES: tuple[Axis, ...] = (STAGE, DATA, FSDP, EXPERT, CONTEXT, MODEL)
@@ -629,13 +637,14 @@ class Parallelism:
         return self.geometry(batch_size, micro_rows // dp)
 
     def spec_passes(self) -> tuple[SpecPass, ...]:
-        """The spec passes, in order: the user's rules (they win), the stacked layers
-        of a scanned model over ``stage``, tensor parallelism over ``model`` from the
-        dataflow, the experts of a mixture of experts over ``expert``, ZeRO-3 over
-        ``fsdp``, and large arrays no rule split over ``model`` sharded over it as well."""
-        return (UserRules(self.rules), StageParallel(STAGE.name), TensorParallel(MODEL.name),
-                ExpertParallel(EXPERT.name), Fsdp(FSDP.name),
-                LargeOver(MODEL.name, with_axis=FSDP.name))
+        """The spec passes, in order: the user's rules (they win), then every axis's
+        ``Axis.passes`` by precedence: the stacked layers of a scanned model over
+        ``stage``, tensor parallelism over ``model`` from the dataflow, the experts of a
+        mixture of experts over ``expert``, ZeRO-3 over ``fsdp``, and large arrays no
+        rule split over ``model`` sharded over it as well."""
+        ordered = sorted((order, k, make, a.name) for k, a in enumerate(AXES)
+                         for order, make in a.passes)
+        return (UserRules(self.rules), *(make(name) for _, _, make, name in ordered))
 
 
 def make_mesh(*, devices: Sequence[jax.Device] | None = None, **axes) -> Mesh:

@@ -202,6 +202,140 @@ def one_f_one_b_schedule(stages: int, micro: int, repeats: int = 1) -> tuple[int
     return schedule.ticks, schedule.slots
 
 
+def _pick(tree, r, repeats: int):
+    """Chunk ``r`` of a stage's chunks in ``tree`` (their leading axis); without repeats
+    the tree itself."""
+    if repeats == 1:
+        return tree
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), tree)
+
+
+def _as_held(h, slot, lead: int = 0):
+    """Hidden states ``h`` as the 1F1B schedule holds them: laid out as ``slot`` after
+    their first ``lead`` dimensions (``slot`` None: as XLA chooses)."""
+    if slot is None:
+        return h
+    return jax.lax.with_sharding_constraint(h, jax.sharding.NamedSharding(
+        jax.sharding.get_abstract_mesh(), P(*(None,) * lead, *slot)))
+
+
+def _when(in_step: bool, mine, anyone, fn, otherwise):
+    """``fn()`` where this stage runs it, else ``otherwise()``; in step, every stage runs
+    it where any does and keeps its own result."""
+    if not in_step:
+        return jax.lax.cond(mine, fn, otherwise)
+    return jax.lax.cond(anyone, lambda: jax.tree.map(
+        lambda a, b: jnp.where(mine, a, b), fn(), otherwise()), otherwise)
+
+
+def _neighbours(stages: int, repeats: int) -> tuple[list, list]:
+    """The ``ppermute`` pairs of the 1F1B schedule: (each stage's output to the next
+    stage, each stage's input gradient to the previous one)."""
+    # without repeats nothing goes round: the last stage sends nothing to the first
+    S = stages
+    ahead = [(i, (i + 1) % S) for i in range(S if repeats > 1 else S - 1)]
+    behind = [((i + 1) % S, i) for i in range(S if repeats > 1 else S - 1)]
+    return ahead, behind
+
+
+def _zero_metrics(tail_fn, tail_params, x_m, consts):
+    """Zeros (float32) shaped as ``tail_fn``'s metrics: where their sums over the
+    micro-batches start."""
+    metrics_shape = jax.eval_shape(lambda *a: tail_fn(*a)[1], tail_params, x_m[0], 0, consts)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), metrics_shape)
+
+
+def _tail_pass(tail_fn, tail_params, consts, out, m, at, kept):
+    """The tail on micro-batch ``m``'s output ``out`` of the last chunk: ``kept`` (the
+    loss, metrics, tail gradients and gradient ring) with its loss, metrics and gradients
+    added, and its output's gradient put in the ring's ``tail_slot``."""
+    loss, metrics, tail_grads, grad_ring = kept
+    # the gradients added where they are kept: no zeros made
+    (value, found), (d_tail, d_out) = jax.value_and_grad(
+        tail_fn, (0, 1), has_aux=True)(tail_params, out, m, consts)
+    return (loss + value.astype(jnp.float32),
+            jax.tree.map(lambda a, b: a + jnp.asarray(b, jnp.float32), metrics, found),
+            jax.tree.map(jnp.add, tail_grads, d_tail),
+            grad_ring.at[at("tail_slot")].set(d_out))
+
+
+def _chunk_backward(run, chunks, ring, grad_ring, at, grads, rb, b, repeats: int):
+    """Chunk ``rb``'s backward on micro-batch ``b``: its forward recomputed from the input
+    kept in ``ring``, its output's gradient from ``grad_ring``; (``grads`` with the
+    chunk's gradients added, the gradient of its input)."""
+    _, vjp = jax.vjp(lambda p, x: run(p, rb, x, b), _pick(chunks, rb, repeats),
+                     ring[at("b_slot")])
+    d_chunk, d_in = vjp(grad_ring[at("b_grad")])
+    if repeats == 1:
+        return jax.tree.map(jnp.add, grads, d_chunk), d_in
+    return jax.tree.map(lambda g, d: g.at[rb].add(d), grads, d_chunk), d_in
+
+
+def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, repeats: int,
+                   in_step: bool, slot, chunks, own, tail_params, x_m, consts):
+    """One stage's part of ``one_f_one_b`` (manual over ``stage``): the schedule's ticks
+    as one scan; returns (the loss and metrics summed, the gradients of its chunks (with
+    the stage axis), of the tail's parameters, of ``x_m`` (with the stage axis))."""
+    chunks, own = jax.tree.map(lambda a: a[0], (chunks, own))
+    s = jax.lax.axis_index(STAGE.name)
+    ahead, behind = _neighbours(schedule.table.shape[1], repeats)
+    zero_h = _as_held(jnp.zeros_like(x_m[0]), slot)
+
+    def run(p, r, h, m):
+        return stage_fn(p, _pick(own, r, repeats), h, m, consts)
+
+    def tick(carry, t):
+        got, got_grad, ring, grad_ring, grads, tail_grads, x_grads, loss, metrics = carry
+        row = table[t, s]
+        at = lambda name: row[_COLUMNS.index(name)]  # noqa: E731
+        # whether any stage does it at this tick (the same on every device)
+        anyone = lambda name, low: (table[t, :, _COLUMNS.index(name)] >= low).any()  # noqa: E731
+        # what the neighbours passed at the end of the last tick, kept for its turn
+        ring = jax.lax.cond(at("store") >= 0, lambda: ring.at[at("store")].set(got),
+                            lambda: ring)
+        grad_ring = jax.lax.cond(at("store_grad") >= 0,
+                                 lambda: grad_ring.at[at("store_grad")].set(got_grad),
+                                 lambda: grad_ring)
+        # a chunk's forward on its input (chunk 0's: the micro-batch), kept in the
+        # ring for its backward
+        forward, r, m = at("forward") == 1, at("f_repeat"), at("f_micro")
+        h = jnp.where((s == 0) & (r == 0), x_m[m], ring[at("f_slot")])
+        out = _as_held(_when(in_step, forward, anyone("forward", 1),
+                             lambda: run(_pick(chunks, r, repeats), r, h, m),
+                             lambda: zero_h), slot)
+        ring = jax.lax.cond(forward, lambda: ring.at[at("f_slot")].set(h), lambda: ring)
+        kept = (loss, metrics, tail_grads, grad_ring)
+        loss, metrics, tail_grads, grad_ring = _when(
+            in_step, at("tail_slot") >= 0, anyone("tail_slot", 0),
+            lambda: _tail_pass(tail_fn, tail_params, consts, out, m, at, kept), lambda: kept)
+        # a chunk's backward: its output's gradient (from the next chunk, or the
+        # tail's) through the forward recomputed from the input kept
+        backward, rb, b = at("backward") == 1, at("b_repeat"), at("b_micro")
+        grads, d_in = _when(
+            in_step, backward, anyone("backward", 1),
+            lambda: _chunk_backward(run, chunks, ring, grad_ring, at, grads, rb, b, repeats),
+            lambda: (grads, zero_h))
+        d_in = _as_held(d_in, slot)
+        x_grads = jax.lax.cond(backward & (s == 0) & (rb == 0),
+                               lambda: x_grads.at[b].set(d_in), lambda: x_grads)
+        carry = (jax.lax.ppermute(out, STAGE.name, ahead),
+                 jax.lax.ppermute(d_in, STAGE.name, behind),
+                 ring, grad_ring, grads, tail_grads, x_grads, loss, metrics)
+        return carry, None
+
+    carry = (zero_h, zero_h,
+             _as_held(jnp.zeros((schedule.slots, *zero_h.shape), zero_h.dtype), slot, 1),
+             _as_held(jnp.zeros((schedule.grad_slots, *zero_h.shape), zero_h.dtype), slot, 1),
+             jax.tree.map(jnp.zeros_like, chunks), jax.tree.map(jnp.zeros_like, tail_params),
+             _as_held(jnp.zeros_like(x_m), slot, 1), jnp.zeros((), jnp.float32), no_metrics)
+    (_, _, _, _, grads, tail_grads, x_grads, loss, metrics), _ = jax.lax.scan(
+        tick, carry, jnp.arange(schedule.ticks), unroll=loop_unroll())
+    # the loss and the tail's gradients live on the last stage, x_m's on the first
+    return (jax.lax.psum((loss, metrics), STAGE.name),
+            jax.tree.map(lambda a: a[None], grads), jax.lax.psum(tail_grads, STAGE.name),
+            x_grads[None])
+
+
 def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
                 stage_consts=(), repeats: int = 1, in_step: bool = False, slot=None):
     """One pipelined gradient step in the 1F1B order: each stage alternates one
@@ -263,110 +397,11 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
     if jax.tree.leaves(stage_params)[0].shape[0] != stages:
         raise ValueError(f"stage_params lead with {jax.tree.leaves(stage_params)[0].shape[0]} "
                          f"entries; the mesh has {stages} stages")
-    S, R = stages, repeats
-    schedule = one_f_one_b_table(S, micro, R)
+    schedule = one_f_one_b_table(stages, micro, repeats)
     table = jnp.asarray(schedule.table)
-    # without repeats nothing goes round: the last stage sends nothing to the first
-    ahead = [(i, (i + 1) % S) for i in range(S if R > 1 else S - 1)]
-    behind = [((i + 1) % S, i) for i in range(S if R > 1 else S - 1)]
-
-    metrics_shape = jax.eval_shape(lambda *a: tail_fn(*a)[1], tail_params, x_m[0], 0, consts)
-    no_metrics = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), metrics_shape)
-
-    def pick(tree, r):  # chunk r of this stage's chunks (the tree itself without repeats)
-        if R == 1:
-            return tree
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False),
-                            tree)
-
-    def local(chunks, own, tail_params, x_m, consts):
-        chunks, own = jax.tree.map(lambda a: a[0], (chunks, own))
-        s = jax.lax.axis_index(STAGE.name)
-
-        def held(h, lead=0):  # hidden states as the schedule holds them (``slot``)
-            if slot is None:
-                return h
-            return jax.lax.with_sharding_constraint(h, jax.sharding.NamedSharding(
-                jax.sharding.get_abstract_mesh(), P(*(None,) * lead, *slot)))
-
-        zero_h = held(jnp.zeros_like(x_m[0]))
-
-        def when(mine, anyone, fn, otherwise):
-            # ``fn()`` where this stage runs it, else ``otherwise()``; in step, every
-            # stage runs it where any does and keeps its own result
-            if not in_step:
-                return jax.lax.cond(mine, fn, otherwise)
-            return jax.lax.cond(anyone, lambda: jax.tree.map(
-                lambda a, b: jnp.where(mine, a, b), fn(), otherwise()), otherwise)
-
-        def run(p, r, h, m):
-            return stage_fn(p, pick(own, r), h, m, consts)
-
-        def tick(carry, t):
-            got, got_grad, ring, grad_ring, grads, tail_grads, x_grads, loss, metrics = carry
-            row = table[t, s]
-            at = lambda name: row[_COLUMNS.index(name)]  # noqa: E731
-            # whether any stage does it at this tick (the same on every device)
-            anyone = lambda name, low: (table[t, :, _COLUMNS.index(name)] >= low).any()  # noqa: E731
-            # what the neighbours passed at the end of the last tick, kept for its turn
-            ring = jax.lax.cond(at("store") >= 0, lambda: ring.at[at("store")].set(got),
-                                lambda: ring)
-            grad_ring = jax.lax.cond(at("store_grad") >= 0,
-                                     lambda: grad_ring.at[at("store_grad")].set(got_grad),
-                                     lambda: grad_ring)
-            # a chunk's forward on its input (chunk 0's: the micro-batch), kept in the
-            # ring for its backward
-            forward, r, m = at("forward") == 1, at("f_repeat"), at("f_micro")
-            h = jnp.where((s == 0) & (r == 0), x_m[m], ring[at("f_slot")])
-            out = held(when(forward, anyone("forward", 1),
-                            lambda: run(pick(chunks, r), r, h, m), lambda: zero_h))
-            ring = jax.lax.cond(forward, lambda: ring.at[at("f_slot")].set(h), lambda: ring)
-
-            def tail():  # the gradients added where they are kept: no zeros made
-                (value, found), (d_tail, d_out) = jax.value_and_grad(
-                    tail_fn, (0, 1), has_aux=True)(tail_params, out, m, consts)
-                return (loss + value.astype(jnp.float32),
-                        jax.tree.map(lambda a, b: a + jnp.asarray(b, jnp.float32), metrics,
-                                     found),
-                        jax.tree.map(jnp.add, tail_grads, d_tail),
-                        grad_ring.at[at("tail_slot")].set(d_out))
-
-            loss, metrics, tail_grads, grad_ring = when(
-                at("tail_slot") >= 0, anyone("tail_slot", 0), tail,
-                lambda: (loss, metrics, tail_grads, grad_ring))
-            # a chunk's backward: its output's gradient (from the next chunk, or the
-            # tail's) through the forward recomputed from the input kept
-            backward, rb, b = at("backward") == 1, at("b_repeat"), at("b_micro")
-
-            def back():
-                _, vjp = jax.vjp(lambda p, x: run(p, rb, x, b), pick(chunks, rb),
-                                 ring[at("b_slot")])
-                d_chunk, d_in = vjp(grad_ring[at("b_grad")])
-                if R == 1:
-                    return jax.tree.map(jnp.add, grads, d_chunk), d_in
-                return jax.tree.map(lambda g, d: g.at[rb].add(d), grads, d_chunk), d_in
-
-            grads, d_in = when(backward, anyone("backward", 1), back, lambda: (grads, zero_h))
-            d_in = held(d_in)
-            x_grads = jax.lax.cond(backward & (s == 0) & (rb == 0),
-                                   lambda: x_grads.at[b].set(d_in), lambda: x_grads)
-            carry = (jax.lax.ppermute(out, STAGE.name, ahead),
-                     jax.lax.ppermute(d_in, STAGE.name, behind),
-                     ring, grad_ring, grads, tail_grads, x_grads, loss, metrics)
-            return carry, None
-
-        carry = (zero_h, zero_h,
-                 held(jnp.zeros((schedule.slots, *zero_h.shape), zero_h.dtype), 1),
-                 held(jnp.zeros((schedule.grad_slots, *zero_h.shape), zero_h.dtype), 1),
-                 jax.tree.map(jnp.zeros_like, chunks), jax.tree.map(jnp.zeros_like, tail_params),
-                 held(jnp.zeros_like(x_m), 1), jnp.zeros((), jnp.float32), no_metrics)
-        (_, _, _, _, grads, tail_grads, x_grads, loss, metrics), _ = jax.lax.scan(
-            tick, carry, jnp.arange(schedule.ticks), unroll=loop_unroll())
-        # the loss and the tail's gradients live on the last stage, x_m's on the first
-        return (jax.lax.psum((loss, metrics), STAGE.name),
-                jax.tree.map(lambda a: a[None], grads), jax.lax.psum(tail_grads, STAGE.name),
-                x_grads[None])
-
+    no_metrics = _zero_metrics(tail_fn, tail_params, x_m, consts)
+    local = functools.partial(_stage_program, stage_fn, tail_fn, schedule, table, no_metrics,
+                              repeats, in_step, slot)
     staged, whole = P(STAGE.name), P()
     (loss, metrics), grads, tail_grads, x_grads = jax.shard_map(
         local, mesh=mesh, in_specs=(staged, staged, whole, whole, whole),

@@ -121,16 +121,8 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
         gathers = [u for u in uses[p] if u.kind == "gather"]
         dots = [u for u in uses[p] if u.kind == "dot"]
         if gathers:  # an embedding table: split the vocabulary, or replicate
-            split[p] = None if p in added else _first_divisible(gathers[0].in_dims, shape,
-                                                                model_size)
+            split[p] = _lookup_split(p, gathers[0], shape, p in added, model_size, why)
             role[p] = "lookup"
-            if p in added:
-                why[p] = ("a lookup added to a larger one (positions beside tokens): kept "
-                          "whole, as in Megatron-LM", "", True)
-            elif split[p] is None:
-                rows = _sizes(gathers[0].in_dims, shape)
-                why[p] = (f"its rows ({rows}) do not divide by the model axis {model_size}",
-                          f"pad the table to a multiple of {model_size} rows", False)
             continue
         if trace is not None and p in trace.routers:
             role[p] = "replicated"
@@ -166,27 +158,61 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
                           "around it, that layer's successors): split, it would flip every "
                           "later layer", "", True)
             continue
-        outs = set(dots[0].out_dims) - whole
-        # of several output dimensions, one the next layer contracts (an expert's inner
-        # width, not the expert index a stacked down projection takes as a batch)
-        fed = outs & (trace.fed.get(p, set()) if trace is not None else set())
-        split[p] = _first_divisible(fed, shape, model_size)
-        if split[p] is None:
-            split[p] = _first_divisible(outs, shape, model_size)
+        fed = trace.fed.get(p, set()) if trace is not None else set()
+        split[p] = _column_split(p, dots[0], shape, whole, fed, model_size, why)
         role[p] = "column" if split[p] is not None else "replicated"
-        if split[p] is None:
-            sliced = _first_divisible(set(dots[0].out_dims) & whole, shape, model_size)
-            if sliced is not None:
-                why[p] = (f"its output is sliced along dimension {sliced} (size "
-                          f"{shape[sliced]}) into parts, as one kernel holding q|k|v side by "
-                          "side: a split there would put one head's q, k and v on different "
-                          "devices",
-                          "lay the kernel out per head, e.g. (hidden, 3, heads, head_dim) "
-                          "sliced on the 3-axis, or use separate q, k and v projections",
-                          False)
-            else:
-                why[p] = _indivisible("output", set(dots[0].out_dims) - whole, shape,
-                                      model_size)
+    _split_the_rest(shapes, trace, model_size, paths, uses, role, split)
+    return split
+
+
+def _lookup_split(p: int, gather, shape: tuple[int, ...], added: bool, model_size: int,
+                  why: dict) -> int | None:
+    """The dimension an embedding table ``p`` (read by ``gather``) splits over the model
+    axis: its vocabulary's, or None (a lookup ``added`` to a larger one, or rows that
+    do not divide), the reason filed in ``why``."""
+    if added:
+        why[p] = ("a lookup added to a larger one (positions beside tokens): kept "
+                  "whole, as in Megatron-LM", "", True)
+        return None
+    split = _first_divisible(gather.in_dims, shape, model_size)
+    if split is None:
+        rows = _sizes(gather.in_dims, shape)
+        why[p] = (f"its rows ({rows}) do not divide by the model axis {model_size}",
+                  f"pad the table to a multiple of {model_size} rows", False)
+    return split
+
+
+def _column_split(p: int, dot, shape: tuple[int, ...], whole: set, fed: set,
+                  model_size: int, why: dict) -> int | None:
+    """The output dimension a column layer ``p`` (its matmul ``dot``) splits over the
+    model axis, or None with the reason filed in ``why``: ``whole`` its dimensions the
+    output is sliced along, ``fed`` those the next layer contracts."""
+    outs = set(dot.out_dims) - whole
+    # of several output dimensions, one the next layer contracts (an expert's inner
+    # width, not the expert index a stacked down projection takes as a batch)
+    split = _first_divisible(outs & fed, shape, model_size)
+    if split is None:
+        split = _first_divisible(outs, shape, model_size)
+    if split is not None:
+        return split
+    sliced = _first_divisible(set(dot.out_dims) & whole, shape, model_size)
+    if sliced is not None:
+        why[p] = (f"its output is sliced along dimension {sliced} (size "
+                  f"{shape[sliced]}) into parts, as one kernel holding q|k|v side by "
+                  "side: a split there would put one head's q, k and v on different "
+                  "devices",
+                  "lay the kernel out per head, e.g. (hidden, 3, heads, head_dim) "
+                  "sliced on the 3-axis, or use separate q, k and v projections",
+                  False)
+    else:
+        why[p] = _indivisible("output", outs, shape, model_size)
+    return None
+
+
+def _split_the_rest(shapes, trace, model_size: int, paths, uses: dict, role: dict,
+                    split: list) -> None:
+    """After the layers: the tables of biases for split values, the parameters that
+    follow a split layer's output or heads, and (no trace) embeddings by name."""
     for p in _lookups_beside_columns(uses, role):
         # A table of biases for split values (T5's relative position bias per head, added
         # to head-split attention scores) splits its entries, not its rows: a row split
@@ -205,7 +231,6 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
     for p, path in enumerate(paths):
         if p not in role and len(shapes[p]) == 2 and _EMBED_NAME.search(path):
             split[p] = _first_divisible([0], shapes[p], model_size)
-    return split
 
 
 def _indivisible(side: str, dims, shape, model_size: int) -> tuple[str, str, bool]:
