@@ -23,6 +23,13 @@ def test_run_passes_the_script_its_arguments_and_the_address(tmp_path):
     script.write_text("import os\nprint(os.environ.get('REDRAY_PROFILE'))\n")
     done = cli("run", "--profile", "10:12", str(script))
     assert (done.returncode, done.stdout.strip()) == (0, "10:12")
+    # --plan reaches them as REDRAY_PLAN (the file's absolute path), read first
+    from redray import Parallelism, Plan
+
+    (tmp_path / "plan.json").write_text(Plan(Parallelism.of(model_axis=2).abstract(4)).to_json())
+    script.write_text("import os\nprint(os.environ.get('REDRAY_PLAN'))\n")
+    done = cli("run", "--plan", "plan.json", str(script), cwd=tmp_path)
+    assert (done.returncode, done.stdout.strip()) == (0, str(tmp_path / "plan.json"))
 
 
 def test_errors_are_one_line_with_the_fix(tmp_path):
@@ -32,7 +39,9 @@ def test_errors_are_one_line_with_the_fix(tmp_path):
                         (["export", "nope", "--storage", str(tmp_path), "--to", "x"], "no run"),
                         (["plot", "nope", "--storage", str(tmp_path)], "no MLflow store"),
                         (["run", "--profile", "12:10", str(tmp_path / "x.py")],
-                         "--profile '12:10': give the optimizer steps to trace")]:
+                         "--profile '12:10': give the optimizer steps to trace"),
+                        (["run", "--plan", str(tmp_path / "plan.jsn"), str(tmp_path / "x.py")],
+                         "neither 'auto', JSON, nor a file")]:
         if args[0] == "export":  # a run folder with a config, and a tokenizer that is not
             (tmp_path / "run" / "checkpoints").mkdir(parents=True, exist_ok=True)
             (tmp_path / "run" / "config.json").write_text("{}")

@@ -214,7 +214,7 @@ def test_a_new_parallelism_adds_a_pass_of_its_own():
     assert specs((*ruled.spec_passes(), PinBiases()))["down/bias"] == P()
 
 
-def test_a_trainer_given_a_plan_is_the_trainer_given_its_keywords():
+def test_a_trainer_given_a_plan_is_the_trainer_given_its_keywords(tmp_path, monkeypatch):
     from redray.sharding.plan import Plan
 
     def make(**options):
@@ -259,6 +259,15 @@ def test_a_trainer_given_a_plan_is_the_trainer_given_its_keywords():
         trainer(plan={"axes": {"model": 2}})
     with pytest.raises(TypeError, match="takes the plan as plan="):
         trainer(parallelism=plan)
+    # redray run --plan FILE: the script's Trainers run on it where they would choose one
+    (tmp_path / "plan.json").write_text(text)
+    monkeypatch.setenv("REDRAY_PLAN", str(tmp_path / "plan.json"))
+    assert trainer().plan == by_keywords.plan == trainer(plan="auto").plan
+    assert trainer(plan=text).plan == by_keywords.plan  # the same plan given twice
+    with pytest.raises(ValueError, match="REDRAY_PLAN .* also gives model_axis: drop them"):
+        trainer(model_axis=4)
+    with pytest.raises(ValueError, match="REDRAY_PLAN .* gives another as plan="):
+        trainer(plan=plan)
     with pytest.raises(TypeError, match=r"Trainer got unknown keyword\(s\) \['lerning_rate'\]"):
         redray.Trainer.of(lambda rngs: MLP(rngs), collate, loss, optax.sgd(0.1), batch_size=8,
                        lerning_rate=0.1)

@@ -19,12 +19,17 @@ def add(sub) -> None:
                  "(or RAY_ADDRESS), else starts a local Ray cluster.",
                  "examples:\n  redray run examples/language_modeling/train.py --steps 50\n"
                  "  redray run --address ray://head:10001 train.py\n"
-                 "  redray run --profile 10:12 train.py   # a profiler trace of steps 10-12")
+                 "  redray run --profile 10:12 train.py   # a profiler trace of steps 10-12\n"
+                 "  redray plan llama-7b --devices 16 --batch-size 64 --json > plan.json\n"
+                 "  redray run --plan plan.json train.py  # the planner's pick, pinned")
     p.add_argument("--address", help="a Ray cluster address (ray://HOST:10001 or HOST:6379)")
     p.add_argument("--profile", metavar="FIRST:LAST",
                    help="trace optimizer steps FIRST to LAST with JAX's profiler on every "
                         "host, into the run's profile folder (sets REDRAY_PROFILE for the "
                         "script's Trainers; docs/profiling.md)")
+    p.add_argument("--plan", metavar="FILE",
+                   help="run the script's Trainers on this plan (redray plan --json's output, "
+                        "or a plan a run wrote) where they would choose one: sets REDRAY_PLAN")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument("script", metavar="SCRIPT", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -81,6 +86,16 @@ def _run(args) -> int:
         except ValueError as error:
             raise UsageError(str(error).replace("--profile=", "--profile ")) from None
         env[PROFILE_ENV] = args.profile
+    if args.plan is not None:
+        from redray.engine.plan_choice import PLAN_ENV
+        from redray.sharding.plan import load
+
+        try:
+            load(args.plan)  # read here: a bad file fails before the script starts
+        except ValueError as error:
+            raise UsageError(f"--plan {args.plan}: {error}".replace("plan=", "the plan ")) \
+                from None
+        env[PLAN_ENV] = os.path.abspath(args.plan) if os.path.isfile(args.plan) else args.plan
     return subprocess.call([sys.executable, script(args.script), *args.args], env=env)
 
 

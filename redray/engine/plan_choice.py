@@ -9,6 +9,7 @@ they gave it) and asks it for a ``Plan`` value once; nothing here writes to the 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 
@@ -126,6 +127,41 @@ class PlanChoice:
                 **({} if ranking.timing is None else ranking.timing.describe())}
 
 
+# ``redray run --plan FILE``: the plan every Trainer of the script runs on where its own
+# plan would be chosen ("auto", given or by default), without editing the script.
+PLAN_ENV = "REDRAY_PLAN"
+
+
+def env_plan(plan, beside: list[str]):
+    """``plan``, or where it is "auto" (or None) and ``REDRAY_PLAN`` is set, the plan
+    that names (a file of it, or its JSON); ``beside``: the plan's other settings given
+    with it, refused then (the pinned plan holds them)."""
+    pinned = os.environ.get(PLAN_ENV)
+    if not pinned:
+        return plan
+    if not (plan is None or (isinstance(plan, str) and plan == "auto")):
+        # the same plan (redray.fit hands its hosts the pinned plan as plan=) or a refusal
+        if isinstance(plan, Parallelism) or load(plan) != load(pinned):
+            raise ValueError(f"{PLAN_ENV} (redray run --plan) gives the whole plan, but the "
+                             "script gives another as plan=: drop one of them")
+        return plan
+    if beside:
+        raise ValueError(f"{PLAN_ENV} (redray run --plan) gives the whole plan, but the script "
+                         f"also gives {', '.join(beside)}: drop them from the script, or run "
+                         "it without --plan")
+    return pinned
+
+
+def flat_beside(flat: dict) -> list[str]:
+    """The parts of a plan given among ``flat`` keywords (``redray.fit``'s): axis sizes,
+    a mesh, rules, a micro-batch, a pipeline's schedule or repeats."""
+    from redray.sharding.parallelism import KEYWORDS
+
+    return [k for k, v in flat.items()
+            if (k in KEYWORDS or k in ("mesh", "micro_batch_size", "pipeline_schedule"))
+            and v is not None or k == "rules" and v or k == "stage_repeats" and v != 1]
+
+
 def asked_plan(settings, batch_size: int, grad_fn, trainable
                ) -> tuple[Plan, PlanChoice | None]:
     """A Trainer's ``PlanSettings`` (``redray.engine.settings``) as (the plan asked for,
@@ -144,6 +180,13 @@ def asked_plan(settings, batch_size: int, grad_fn, trainable
         raise ValueError(f"pipeline_schedule='1f1b' does not take {given} yet: use "
                          "pipeline_schedule='gpipe' (the default)")
     axes = {k: v for k, v in settings.axes.items() if v is not None}  # None: not given
+    beside = {"mesh": mesh is not None, "rules": bool(rules), "micro_batch_size":
+              micro_batch_size is not None, "pipeline_schedule": pipeline_schedule
+              is not None, "stage_repeats": stage_repeats != 1, **axes}
+    beside = [k for k, v in beside.items() if v]
+    if plan is None and mesh is None and not axes and os.environ.get(PLAN_ENV):
+        plan = "auto"
+    plan = env_plan(plan, beside)
     if plan is None and mesh is None and not axes:
         plan = "auto"  # nothing of the plan given: the planner chooses it
     schedule = pipeline_schedule or "gpipe"
@@ -152,10 +195,7 @@ def asked_plan(settings, batch_size: int, grad_fn, trainable
         return Plan.of(built, built.geometry(batch_size, micro_batch_size),
                        pipeline_schedule=schedule, stage_repeats=stage_repeats), None
     if not (isinstance(plan, str) and plan == "auto"):
-        beside = {"mesh": mesh is not None, "rules": bool(rules), "micro_batch_size":
-                  micro_batch_size is not None, "pipeline_schedule": pipeline_schedule
-                  is not None, "stage_repeats": stage_repeats != 1, **axes}
-        return given_plan(load(plan), batch_size, [k for k, v in beside.items() if v]), None
+        return given_plan(load(plan), batch_size, beside), None
     if mesh is not None:
         raise ValueError("give either plan='auto' or a mesh, not both: the planner builds "
                          "the mesh")
