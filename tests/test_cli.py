@@ -23,13 +23,14 @@ def test_run_passes_the_script_its_arguments_and_the_address(tmp_path):
     script.write_text("import os\nprint(os.environ.get('REDRAY_PROFILE'))\n")
     done = cli("run", "--profile", "10:12", str(script))
     assert (done.returncode, done.stdout.strip()) == (0, "10:12")
-    # --plan reaches them as REDRAY_PLAN (the file's absolute path), read first
+    # --plan reaches them as REDRAY_PLAN (the plan's JSON: no host reads the file)
     from redray import Parallelism, Plan
 
-    (tmp_path / "plan.json").write_text(Plan(Parallelism.of(model_axis=2).abstract(4)).to_json())
+    plan = Plan(Parallelism.of(model_axis=2).abstract(4))
+    (tmp_path / "plan.json").write_text(plan.to_json())
     script.write_text("import os\nprint(os.environ.get('REDRAY_PLAN'))\n")
     done = cli("run", "--plan", "plan.json", str(script), cwd=tmp_path)
-    assert (done.returncode, done.stdout.strip()) == (0, str(tmp_path / "plan.json"))
+    assert done.returncode == 0 and Plan.from_json(done.stdout) == plan
 
 
 def test_errors_are_one_line_with_the_fix(tmp_path):

@@ -287,12 +287,16 @@ def fit(model: Any, collate: Callable, loss: Callable, optimizer, *, train_data,
     UserFunctions(collate, loss, predict)  # cheap checks on the driver, before any worker
     config, trainer_options = ClusterConfig.split(options, cluster)
     _check_trainer_options(trainer_options)
-    from redray.engine.plan_choice import env_plan, flat_beside
+    from redray.engine.plan_choice import env_plan, plan_parts_given
     from redray.sharding import Parallelism
+    from redray.sharding.parallelism import KEYWORDS
     from redray.sharding.plan import load as load_plan
 
     # redray run --plan: the plan the script's run is pinned to, read here too
-    plan = env_plan(trainer_options.get("plan"), flat_beside(trainer_options))
+    parts = {k: v for k, v in trainer_options.items()
+             if k in KEYWORDS or k in ("mesh", "rules", "micro_batch_size",
+                                       "pipeline_schedule", "stage_repeats")}
+    plan = env_plan(trainer_options.get("plan"), plan_parts_given(**parts))
     if plan is not None and not (isinstance(plan, str) and plan == "auto") \
             and not isinstance(plan, Parallelism):
         # a whole plan, read here (a bad one fails before any host starts); the hosts get

@@ -29,7 +29,8 @@ def add(sub) -> None:
                         "script's Trainers; docs/profiling.md)")
     p.add_argument("--plan", metavar="FILE",
                    help="run the script's Trainers on this plan (redray plan --json's output, "
-                        "or a plan a run wrote) where they would choose one: sets REDRAY_PLAN")
+                        "or a plan a run wrote) where they would choose one: sets REDRAY_PLAN "
+                        "to its JSON")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument("script", metavar="SCRIPT", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -90,12 +91,11 @@ def _run(args) -> int:
         from redray.engine.plan_choice import PLAN_ENV
         from redray.sharding.plan import load
 
-        try:
-            load(args.plan)  # read here: a bad file fails before the script starts
+        try:  # read here: a bad file fails before the script starts
+            env[PLAN_ENV] = load(args.plan).to_json()
         except ValueError as error:
             raise UsageError(f"--plan {args.plan}: {error}".replace("plan=", "the plan ")) \
                 from None
-        env[PLAN_ENV] = os.path.abspath(args.plan) if os.path.isfile(args.plan) else args.plan
     return subprocess.call([sys.executable, script(args.script), *args.args], env=env)
 
 

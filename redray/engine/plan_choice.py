@@ -128,14 +128,15 @@ class PlanChoice:
 
 
 # ``redray run --plan FILE``: the plan every Trainer of the script runs on where its own
-# plan would be chosen ("auto", given or by default), without editing the script.
+# plan would be chosen ("auto", given or by default), without editing the script. It
+# holds the plan's JSON (the command read the file), so no host reads a file for it.
 PLAN_ENV = "REDRAY_PLAN"
 
 
 def env_plan(plan, beside: list[str]):
     """``plan``, or where it is "auto" (or None) and ``REDRAY_PLAN`` is set, the plan
-    that names (a file of it, or its JSON); ``beside``: the plan's other settings given
-    with it, refused then (the pinned plan holds them)."""
+    that holds; ``beside``: the plan's other settings given with it
+    (``plan_parts_given``), refused then (the pinned plan holds them)."""
     pinned = os.environ.get(PLAN_ENV)
     if not pinned:
         return plan
@@ -152,14 +153,17 @@ def env_plan(plan, beside: list[str]):
     return pinned
 
 
-def flat_beside(flat: dict) -> list[str]:
-    """The parts of a plan given among ``flat`` keywords (``redray.fit``'s): axis sizes,
-    a mesh, rules, a micro-batch, a pipeline's schedule or repeats."""
-    from redray.sharding.parallelism import KEYWORDS
-
-    return [k for k, v in flat.items()
-            if (k in KEYWORDS or k in ("mesh", "micro_batch_size", "pipeline_schedule"))
-            and v is not None or k == "rules" and v or k == "stage_repeats" and v != 1]
+def plan_parts_given(mesh=None, rules=(), micro_batch_size=None, pipeline_schedule=None,
+                     stage_repeats: int = 1, **axes) -> list[str]:
+    """The names of the parts of a plan given (a mesh, rules, a micro-batch, a pipeline's
+    schedule or repeats, axis sizes: None is not given), as a Trainer's settings or
+    ``redray.fit``'s keywords hold them: what a whole plan given beside them refuses."""
+    given = {"mesh": mesh is not None, "rules": bool(rules),
+             "micro_batch_size": micro_batch_size is not None,
+             "pipeline_schedule": pipeline_schedule is not None,
+             "stage_repeats": stage_repeats != 1,
+             **{k: v is not None for k, v in axes.items()}}
+    return [k for k, v in given.items() if v]
 
 
 def asked_plan(settings, batch_size: int, grad_fn, trainable
@@ -180,12 +184,8 @@ def asked_plan(settings, batch_size: int, grad_fn, trainable
         raise ValueError(f"pipeline_schedule='1f1b' does not take {given} yet: use "
                          "pipeline_schedule='gpipe' (the default)")
     axes = {k: v for k, v in settings.axes.items() if v is not None}  # None: not given
-    beside = {"mesh": mesh is not None, "rules": bool(rules), "micro_batch_size":
-              micro_batch_size is not None, "pipeline_schedule": pipeline_schedule
-              is not None, "stage_repeats": stage_repeats != 1, **axes}
-    beside = [k for k, v in beside.items() if v]
-    if plan is None and mesh is None and not axes and os.environ.get(PLAN_ENV):
-        plan = "auto"
+    beside = plan_parts_given(mesh, rules, micro_batch_size, pipeline_schedule, stage_repeats,
+                              **axes)
     plan = env_plan(plan, beside)
     if plan is None and mesh is None and not axes:
         plan = "auto"  # nothing of the plan given: the planner chooses it

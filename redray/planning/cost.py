@@ -256,7 +256,8 @@ class Parameter:
 
     def split(self, axes: Sequence[str]) -> int | None:
         """Which dimension any of ``axes`` splits (the first), or None."""
-        return next((d for d, e in enumerate(self.spec) if set(axes) & set(axes_of(e))), None)
+        return next((d for d, e in enumerate(self.spec)
+                     if any(a in axes_of(e) for a in axes)), None)
 
     def axes(self) -> set[str]:
         return {a for e in self.spec for a in axes_of(e)}
@@ -443,10 +444,10 @@ def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> f
     """Forward and backward FLOPs per example of the matmuls whose parameter the model
     axis leaves whole: every device of a tensor-parallel group runs them in full (the
     rest of the step's FLOPs divide over the group)."""
-    total = 0.0
+    total, heads = 0.0, role_axes("heads")
     for p, use in trace.runs():
         param = params[p]
-        if use.kind != "dot" or param.split(role_axes("heads")) is not None:
+        if use.kind != "dot" or param.split(heads) is not None:
             continue
         size = math.prod(param.shape[k] for k in (*use.in_dims, *use.out_dims))
         total += 3 * 2 * use.rows * size * use.times  # forward, and two in the backward

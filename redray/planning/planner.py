@@ -297,8 +297,9 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     # splitting sequences is the size given (1 unless pinned): ``rank`` asks for the
     # sizes it tries
     for role, has in (("experts", experts), ("sequence", False), ("layers", layers)):
-        for keyword in role_keywords(role) if not has else ():
-            pinned.setdefault(keyword, 1)
+        if not has:
+            for keyword in role_keywords(role):
+                pinned.setdefault(keyword, 1)
     micro_pin = pinned.pop("micro_batch_size", None)
     rows_pin = pinned.pop("micro_rows", None)
     remat_pin = pinned.pop("remat", None)
