@@ -137,3 +137,59 @@ def assert_language_model_loads(model_type, tiny, folder, capfd, left_out: str, 
     back = transformers.AutoModelForCausalLM.from_pretrained(str(folder / "text")).eval()
     assert type(back).__name__ == text_class
     np.testing.assert_allclose(hf_logits(back, IDS), hf_logits(hf, IDS), atol=1e-5, rtol=0)
+
+
+def hf_model(name, folder=None, **overrides):
+    """transformers' random model of the registry's tiny ``name`` (its biases, norms and
+    sinks drawn away from their initial values, so each one shows), saved to
+    ``folder``."""
+    import torch
+    import transformers
+
+    from redray.models.families import FAMILIES
+
+    config = transformers.AutoConfig.for_model(name, **{**FAMILIES[name].tiny, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for key, value in model.named_parameters():
+            if value.ndim == 1 or key.endswith(("bias", "sinks")):
+                value.add_(0.3 * torch.randn_like(value))
+    if folder is not None:
+        model.save_pretrained(folder)
+    return model
+
+
+def mxfp4_gpt_oss(folder):
+    """A tiny gpt-oss saved into ``folder`` as the released checkpoints are: every expert
+    tensor as MXFP4 blocks and scales, the config's quantization_config. Returns the
+    transformers model whose experts are those values dequantized."""
+    import torch
+    from safetensors.numpy import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = hf_model("gpt_oss")
+    rng = np.random.default_rng(1)
+    tensors = {k: v.numpy() for k, v in hf.state_dict().items()}
+    for key, value in list(tensors.items()):
+        if not key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            continue
+        experts, inner, outer = value.shape  # stored transposed: (experts, out, in / 32, 16)
+        blocks = rng.integers(0, 256, (experts, outer, inner // 32, 16), dtype=np.uint8)
+        scales = rng.integers(118, 124, (experts, outer, inner // 32), dtype=np.uint8)
+        del tensors[key]
+        tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
+        dense = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
+                                           dtype=torch.float32)
+        with torch.no_grad():
+            hf.get_parameter(key).copy_(dense)
+    hf.config.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return hf

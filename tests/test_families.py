@@ -21,6 +21,7 @@ import optax
 import pytest
 from flax import nnx
 from hf_tiny import (IDS, MASK, assert_export_round_trip, assert_greedy_generation_matches,
+                     hf_model, mxfp4_gpt_oss,
                      assert_language_model_loads, assert_logits_match, hf_logits)
 
 import redray.models as rm
@@ -66,23 +67,6 @@ def test_the_docs_family_table_is_the_registry():
 
 
 # ------------------------------------------------------------------ parity
-def hf_model(name, folder=None, **overrides):
-    """transformers' random model of the registry's tiny ``name`` (its biases, norms and
-    sinks drawn away from their initial values, so each one shows), saved to
-    ``folder``."""
-    config = transformers.AutoConfig.for_model(name, **{**FAMILIES[name].tiny, **overrides})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for key, value in model.named_parameters():
-            if value.ndim == 1 or key.endswith(("bias", "sinks")):
-                value.add_(0.3 * torch.randn_like(value))
-    if folder is not None:
-        model.save_pretrained(folder)
-    return model
-
-
 @pytest.fixture(scope="module", params=NEW)
 def pair(request, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp(request.param))
@@ -194,32 +178,10 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads_and_exports_in_bfloat16(t
     config's quantization_config; the model whose experts are those values dequantized
     gives transformers' logits, and the export (bfloat16, no quantization_config) reads
     back in transformers."""
-    from safetensors.numpy import load_file, save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from safetensors.numpy import load_file
 
-    hf = hf_model("gpt_oss")
-    rng = np.random.default_rng(1)
-    tensors = {k: v.numpy() for k, v in hf.state_dict().items()}
-    for key, value in list(tensors.items()):
-        if not key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            continue
-        experts, inner, outer = value.shape  # stored transposed: (experts, out, in / 32, 16)
-        blocks = rng.integers(0, 256, (experts, outer, inner // 32, 16), dtype=np.uint8)
-        scales = rng.integers(118, 124, (experts, outer, inner // 32), dtype=np.uint8)
-        del tensors[key]
-        tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
-        dense = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
-                                           dtype=torch.float32)
-        with torch.no_grad():
-            hf.get_parameter(key).copy_(dense)
     folder = tmp_path / "mxfp4"
-    hf.config.save_pretrained(str(folder))
-    with open(folder / "config.json") as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "mxfp4",
-                                     "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    hf = mxfp4_gpt_oss(str(folder))
     model = rm.from_pretrained(str(folder))
     assert "4 tensors stored in MXFP4, dequantized" in capfd.readouterr().err
     assert_logits_match(model, hf)

@@ -93,6 +93,9 @@ def _add_export(sub) -> None:
     p.add_argument("--best", help="min:<metric> or max:<metric>: the best checkpoint by it")
     p.add_argument("--tokenizer", help="a tokenizer folder to ship with the model (default "
                                        "RUN/tokenizer, when the run saved one)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="the tensors' dtype (default: bfloat16 for a model whose config says "
+                        "bfloat16 or is quantized, float32 otherwise)")
     p.set_defaults(run_command=_export)
 
 
@@ -168,7 +171,8 @@ def _export(args) -> int:
                          "transformers tokenizer was saved to (save_pretrained)")
     config = load_config(config_path)
     model = load_model(folders.run, lambda rngs: build(config, rngs=rngs), best=args.best)
-    save_pretrained(model, args.to, tokenizer=tokenizer if os.path.isdir(tokenizer) else None)
+    save_pretrained(model, args.to, tokenizer=tokenizer if os.path.isdir(tokenizer) else None,
+                    dtype=args.dtype)
     print(args.to)
     return 0
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from redray.models import layers, llama, mixtral, moe
+from redray.models import layers, llama, mixtral, moe, slices
 from redray.models.hub import HFConfig, Tensor, linear, plain
 
 BASE_PREFIX = llama.BASE_PREFIX
@@ -67,7 +67,8 @@ def _interleaved(hf: str, path: str) -> Tensor:
     redray's (..., 2, inner)."""
     return Tensor(hf, path,
                   lambda w, shape: w.reshape(*w.shape[:-1], -1, 2).swapaxes(-1, -2).reshape(shape),
-                  lambda k: k.swapaxes(-1, -2).reshape(*k.shape[:-2], -1))
+                  lambda k: k.swapaxes(-1, -2).reshape(*k.shape[:-2], -1),
+                  view=slices.interleaved_view)
 
 
 def weight_table(config) -> list:

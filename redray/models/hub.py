@@ -4,8 +4,9 @@ Each family describes its weights as one table of ``Tensor`` rows (the HF name, 
 redray parameter path, and how the layout changes), and ``Fused`` rows for arrays that
 hold several HF tensors (a fused QKV kernel). Loading builds the model
 abstractly (``nnx.eval_shape``), derives every parameter's sharding with the automatic
-rules, and places each tensor straight onto its shards: no device ever holds more than
-its share, and the host holds one tensor at a time.
+rules, and builds each parameter on its sharding, every device's shard read from the
+bytes of the checkpoint it is made of (``redray/models/slices.py``): a host reads its
+share of the model, through bounded buffers, and holds nothing else.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from redray.models import mxfp4
+from redray.models import mxfp4, slices, writing
 from redray.models.families import lookup, supported
 from redray.rngs import rngs as fast_rngs
 from redray.sharding import Parallelism, flatten
-from redray.sharding.on_mesh import model_specs, put
+from redray.sharding.on_mesh import model_specs
 from redray.sharding.parallelism import KEYWORDS as AXIS_KEYWORDS
 
 SINGLE_FILE = "model.safetensors"
@@ -41,13 +42,17 @@ class Tensor:
 
     ``load(array, shape)`` turns the HF array into redray's layout of ``shape``;
     ``save(array)`` turns it back. ``fallback`` names a tensor to read when ``hf`` is
-    absent (a head that a checkpoint stored only as the tied embedding).
+    absent (a head that a checkpoint stored only as the tied embedding). ``view(stored
+    shape, shape)``: the same change as a ``slices.View`` (so a shard reads only the
+    bytes it is made of), or None where the stored shape does not fit; a row without
+    one reads its tensor whole and converts it with ``load``.
     """
     hf: str
     path: str
     load: Callable[[np.ndarray, tuple], np.ndarray]
     save: Callable[[np.ndarray], np.ndarray]
     fallback: str | None = None
+    view: Callable[[tuple, tuple], slices.View | None] | None = None
 
     @property
     def parts(self) -> tuple[Tensor, ...]:
@@ -57,6 +62,10 @@ class Tensor:
     def part_shapes(self, shape: tuple) -> list[tuple]:
         """The shape each part takes in redray's layout, for the array's ``shape``."""
         return [shape]
+
+    def offsets(self, shape: tuple) -> list[tuple]:
+        """Where each part starts in redray's array of ``shape``."""
+        return [(0,) * len(shape)]
 
     def combine(self, pieces: list[np.ndarray]) -> np.ndarray:
         """redray's array from its parts, each already in redray's layout."""
@@ -86,6 +95,11 @@ class Fused:
     def part_shapes(self, shape: tuple) -> list[tuple]:
         return [shape[:self.axis] + (size,) + shape[self.axis + 1:] for size in self.sizes]
 
+    def offsets(self, shape: tuple) -> list[tuple]:
+        starts = np.cumsum((0,) + self.sizes[:-1])
+        return [(0,) * self.axis + (int(s),) + (0,) * (len(shape) - self.axis - 1)
+                for s in starts]
+
     def combine(self, pieces: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(pieces, self.axis)
 
@@ -106,19 +120,20 @@ def fused(path: str, axis: int, sizes: tuple[int, ...], *parts: Tensor) -> Fused
 def linear(hf: str, path: str, in_dims: int = 1, fallback: str | None = None) -> Tensor:
     """A torch ``nn.Linear`` weight (out, in) as a kernel (in..., out...)."""
     return Tensor(hf, path, lambda w, shape: w.T.reshape(shape),
-                  lambda k: k.reshape(math.prod(k.shape[:in_dims]), -1).T, fallback)
+                  lambda k: k.reshape(math.prod(k.shape[:in_dims]), -1).T, fallback,
+                  lambda stored, shape: slices.linear_view(stored, shape, in_dims))
 
 
 def conv1d(hf: str, path: str, in_dims: int = 1) -> Tensor:
     """A GPT-2 style ``Conv1D`` weight (in, out) as a kernel (in..., out...)."""
     return Tensor(hf, path, lambda w, shape: w.reshape(shape),
-                  lambda k: k.reshape(math.prod(k.shape[:in_dims]), -1))
+                  lambda k: k.reshape(math.prod(k.shape[:in_dims]), -1), view=slices.reshape_view)
 
 
 def plain(hf: str, path: str, flat: bool = False) -> Tensor:
     """Same values, maybe reshaped (``flat``: HF stores it 1-D, e.g. a per-head bias)."""
     return Tensor(hf, path, lambda w, shape: w.reshape(shape),
-                  lambda k: k.reshape(-1) if flat else k)
+                  lambda k: k.reshape(-1) if flat else k, view=slices.reshape_view)
 
 
 def qkv(modules: tuple[str, str, str], path: str, heads: int, kv_heads: int,
@@ -187,13 +202,14 @@ def build(config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, remat=Fals
 
 
 class _Weights:
-    """Tensors of a checkpoint folder, read lazily (one at a time, memory-mapped).
+    """Tensors of a checkpoint folder, known from their files' headers and read by
+    regions (``slices.Source``): nothing is mapped or held for the load.
 
     ``renames``: (prefix in the checkpoint, prefix it is read under) pairs (a wrapped
     language model's ``language_model.model.`` as ``model.``); ``left_out``: prefixes of
     tensors not read at all (a multimodal checkpoint's vision tower). A tensor stored in
     MXFP4 (``X_blocks`` and ``X_scales``, gpt-oss's experts) reads as ``X``, dequantized
-    to float32 when it is read (``redray/models/mxfp4.py``).
+    to float32 region by region (``redray/models/mxfp4.py``).
 
     Every failure names the file (and the tensor) it comes from: a damaged or
     half-downloaded ``.safetensors`` file, an index that is not JSON or whose
@@ -217,8 +233,8 @@ class _Weights:
         else:
             raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder!r}")
         self.folder = folder
-        self.handles = {f: _open_safetensors(os.path.join(folder, f)) for f in files}
-        self.where = weight_map or {k: SINGLE_FILE for k in self.handles[SINGLE_FILE].keys()}
+        self.headers = {f: _read_header(os.path.join(folder, f)) for f in files}
+        self.where = weight_map or {k: SINGLE_FILE for k in self.headers[SINGLE_FILE]}
         self.left_out = sorted(n for n in self.where if n.startswith(tuple(left_out)))
         self.stored = {}  # name read under -> name in the checkpoint
         for name in self.where:
@@ -229,25 +245,45 @@ class _Weights:
             self.stored[ours] = name
         self.quantized = mxfp4.quantized_names(self.stored)
 
+    @property
+    def files(self) -> int:
+        return len(self.headers)
+
     def names(self) -> set[str]:
         parts = {n for pair in self.quantized.values() for n in pair}
         return (set(self.stored) - parts) | set(self.quantized)
 
-    def get(self, name: str) -> np.ndarray:
+    def source(self, name: str):
+        """The tensor read under ``name``, unread: a ``slices.Source`` (or, for MXFP4,
+        a ``slices.Mxfp4Source``)."""
         if name in self.quantized:
-            blocks, scales = (self.get(n) for n in self.quantized[name])
-            return mxfp4.dequantize(blocks, scales)
+            return slices.Mxfp4Source(*(self._stored(n) for n in self.quantized[name]))
+        return slices.Source(self._stored(name))
+
+    def get(self, name: str) -> np.ndarray:
+        """The whole tensor read under ``name``, as float32."""
+        source = self.source(name)
+        return source.read(tuple((0, n) for n in source.shape))
+
+    def _stored(self, name: str) -> slices.Stored:
         stored = self.stored[name]
-        file = os.path.join(self.folder, self.where[stored])
-        try:
-            return self.handles[self.where[stored]].get_tensor(stored)
-        except Exception as error:  # noqa: BLE001 - safetensors' errors name neither
+        entry = self.headers[self.where[stored]].get(stored)
+        if entry is None:
+            file = os.path.join(self.folder, self.where[stored])
             raise ValueError(
-                f"tensor {stored!r} cannot be read from {file} ({_first_line(error)}): "
-                + ("the index maps it to this file, which does not hold it; fix the "
-                   "index's weight_map or re-save the checkpoint"
-                   if stored not in self.handles[self.where[stored]].keys() else
-                   "the file is damaged or incomplete; download or save it again")) from None
+                f"tensor {stored!r} cannot be read from {file} (KeyError: the file's header "
+                "does not list it): the index maps it to this file, which does not hold it; "
+                "fix the index's weight_map or re-save the checkpoint")
+        return entry
+
+
+def _read_header(file: str) -> dict:
+    try:
+        return slices.read_header(file)
+    except (slices.Unreadable, OSError) as error:
+        raise ValueError(f"{file} cannot be read as safetensors ({_first_line(error)}): the "
+                         "file is damaged or incomplete (a download or copy cut short); "
+                         "download or save it again") from None
 
 
 def _first_line(error: BaseException) -> str:
@@ -279,26 +315,56 @@ def _weight_map(index: str) -> dict:
     return weight_map
 
 
-def _open_safetensors(file: str):
-    from safetensors import safe_open
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One checkpoint tensor's place in a parameter: the table's part, where it starts
+    and its shape in redray's array (a layer's, for a stacked one), the tensor, and the
+    view that reads a box of it (None: read whole and converted by ``part.load``)."""
+    part: Tensor
+    offset: tuple
+    shape: tuple
+    source: object
+    view: slices.View | None
 
+    def fill(self, box: tuple, out: np.ndarray) -> None:
+        """Writes the part's values inside ``box`` (of the array the part is in) into
+        ``out`` (that box's values)."""
+        local = slices.intersect(box, self.offset, self.shape)
+        if local is None:
+            return
+        target = out[tuple(slice(a + o - s, b + o - s)
+                           for (a, b), o, (s, _) in zip(local, self.offset, box))]
+        if self.view is None:
+            whole = self.source.read(tuple((0, n) for n in self.source.shape))
+            target[...] = self.part.load(whole, self.shape)[slices.slices(local)]
+            return
+        origin = tuple(a for a, _ in local)
+        for grouped, split, sub in self.view.pieces(local):
+            block = self.source.read(grouped, self.view.grouped)
+            target[slices.slices(sub, origin)] = block.reshape(split).transpose(self.view.perm)
+
+
+def _view(part: Tensor, stored: tuple, shape: tuple):
+    """How ``part``'s tensor (``stored``: its shape) reads into ``shape``: a View, None
+    (read whole through ``part.load``, which gives ``shape``), or False (misshaped)."""
+    view = part.view(stored, shape) if part.view is not None else None
+    if view is not None:
+        return view
+    probe = np.broadcast_to(np.zeros((), np.float32), stored)  # no memory, any shape
     try:
-        return safe_open(file, framework="np")
-    except Exception as error:  # noqa: BLE001 - safetensors' errors do not name the file
-        raise ValueError(f"{file} cannot be read as safetensors ({_first_line(error)}): the "
-                         "file is damaged or incomplete (a download or copy cut short); "
-                         "download or save it again") from None
+        return None if tuple(part.load(probe, shape).shape) == tuple(shape) else False
+    except (ValueError, IndexError, TypeError):
+        return False
 
 
-def _read_table(fam, config, weights: "_Weights", by_path: dict, mesh) -> tuple[dict, tuple]:
-    """Every row of the family's weight table read from ``weights`` and placed on its
-    sharding (``by_path``: model path -> (abstract leaf, spec)), a stacked array's
-    layers gathered first: (model path -> array, what did not match: the missing
-    tensors, the misshaped ones, the unexpected ones and the parameters none fills)."""
+def _plan_table(fam, config, weights: "_Weights", by_path: dict) -> tuple[dict, tuple]:
+    """Where every checkpoint tensor of the family's weight table goes, from the files'
+    headers alone (nothing is read): (model path -> layer (None: the whole parameter)
+    -> its ``_Part``s, what did not match: the missing tensors, the misshaped ones, the
+    unexpected ones and the parameters none fills)."""
     table = fam.weight_table(config)
     available = weights.names()
-    missing, misshaped, loaded = [], [], {}
-    stacked: dict[str, dict[int, np.ndarray]] = {}  # stacked path -> layer -> value
+    missing, misshaped, plans = [], [], {}
     prefix = getattr(fam, "BASE_PREFIX", None)
     for row in table:
         where = _model_path(row.path, by_path, fam, config)
@@ -309,38 +375,125 @@ def _read_table(fam, config, weights: "_Weights", by_path: dict, mesh) -> tuple[
             missing += [part.hf for part, name in zip(row.parts, names) if name is None]
             continue
         model_path, layer = where
-        leaf, spec = by_path[model_path]
+        leaf, _ = by_path[model_path]
         shape = tuple(leaf.shape) if layer is None else tuple(leaf.shape[1:])
-        pieces = []
-        for part, name, shape in zip(row.parts, names, row.part_shapes(shape)):
-            raw = weights.get(name)
-            try:
-                piece = part.load(raw, shape)
-                if tuple(piece.shape) != shape:
-                    raise ValueError
-                pieces.append(piece)
-            except ValueError:
-                misshaped.append(f"{part.hf}: checkpoint {tuple(raw.shape)}, model {row.path} "
-                                 f"expects {shape}")
-        if len(pieces) < len(row.parts):
-            continue
-        value = np.asarray(row.combine(pieces), dtype=leaf.dtype)
-        if layer is not None:
-            stacked.setdefault(model_path, {})[layer] = value
-            continue
-        loaded[model_path] = put(value, NamedSharding(mesh, spec))
-    for model_path, layers_ in stacked.items():
-        leaf, spec = by_path[model_path]
-        if len(layers_) == leaf.shape[0]:  # else a layer's tensor is missing, reported
-            value = np.stack([layers_[i] for i in range(leaf.shape[0])])
-            loaded[model_path] = put(value, NamedSharding(mesh, spec))
+        parts = []
+        for part, name, part_shape, offset in zip(row.parts, names, row.part_shapes(shape),
+                                                  row.offsets(shape)):
+            source = weights.source(name)
+            view = _view(part, tuple(source.shape), tuple(part_shape))
+            if view is False:
+                misshaped.append(f"{part.hf}: checkpoint {tuple(source.shape)}, model "
+                                 f"{row.path} expects {tuple(part_shape)}")
+                continue
+            parts.append(_Part(part, tuple(offset), tuple(part_shape), source, view))
+        covered = sum(math.prod(p.shape) for p in parts)
+        if len(parts) == len(row.parts) and covered != math.prod(shape):
+            misshaped.append(f"{row.path}: its parts fill {covered} of the model's "
+                             f"{math.prod(shape)} values {shape}")
+        elif len(parts) == len(row.parts):
+            plans.setdefault(model_path, {})[layer] = parts
     ignore = re.compile("|".join(getattr(fam, "IGNORED", ())) or r"(?!)")
     used = {_stored_name(part, available, prefix) for row in table for part in row.parts}
     unexpected = sorted(n for n in available - used if not ignore.search(n))
     in_table = {w[0] for w in (_model_path(r.path, by_path, fam, config) for r in table)
                 if w is not None}
-    not_loaded = sorted(set(by_path) - set(loaded) - in_table)
-    return loaded, (missing, misshaped, unexpected, not_loaded)
+    not_loaded = sorted(set(by_path) - in_table)
+    return plans, (missing, misshaped, unexpected, not_loaded)
+
+
+def _place(plans: dict, by_path: dict, mesh, path: str, weights: "_Weights") -> dict:
+    """Every parameter built on its sharding, each device's shard read from the bytes it
+    is made of (a stacked parameter's shard, layer by layer) and handed to its device
+    before the next is read; model path -> array."""
+    loaded, progress = {}, _Progress(path, len(plans), weights)
+    for model_path, layers_ in plans.items():
+        leaf, spec = by_path[model_path]
+        shape, sharding = tuple(leaf.shape), NamedSharding(mesh, spec)
+        arrays, read = [], {}  # a box read once for the devices that share it
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            box = slices.box_of(index, shape)
+            if box not in read:
+                read = {box: _shard(layers_, box, leaf.dtype)}
+            arrays.append(_on_device(read[box], device))
+        read.clear()
+        slices.release_freed()
+        loaded[model_path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        progress.placed()
+    progress.done()
+    return loaded
+
+
+def _shard(layers_: dict, box: tuple, dtype) -> np.ndarray:
+    """The values of ``box`` of a parameter made of ``layers_``' parts."""
+    out = _aligned_zeros(tuple(b - a for a, b in box), dtype)
+    if None in layers_:
+        for part in layers_[None]:
+            part.fill(box, out)
+        return out
+    for layer in range(*box[0]):
+        for part in layers_[layer]:
+            part.fill(box[1:], out[layer - box[0][0]])
+    return out
+
+
+def _aligned_zeros(shape: tuple, dtype) -> np.ndarray:
+    """Zeros whose data starts on a 64-byte boundary (which a CPU device can take as
+    its own buffer, with no copy)."""
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    raw = np.zeros(size + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + size].view(dtype).reshape(shape)
+
+
+def _on_device(array: np.ndarray, device) -> jax.Array:
+    """``array`` on ``device``: on a CPU device the array itself where it can be (no
+    second copy of the shard on the host), else a copy."""
+    if device.platform == "cpu":
+        try:
+            return jax.dlpack.from_dlpack(array, device=device, copy=None)
+        except (ValueError, TypeError, RuntimeError):
+            pass
+    return jax.device_put(array, device)
+
+
+class _Progress:
+    """A load's or save's progress on process 0's console: a line every ``EVERY``
+    seconds once it runs longer than that (parameters placed or tensors written, bytes
+    read or written, files), and its end."""
+    EVERY = 5.0
+
+    def __init__(self, path: str, total: int, weights: "_Weights | None", doing="loading",
+                 unit="parameters placed"):
+        import time
+
+        self.clock, self.path, self.total = time.monotonic, path, total
+        self.doing, self.unit = doing, unit
+        self.files = weights.files if weights is not None else None
+        self.start = self.last = self.clock()
+        self.count, self.read = 0, slices.METER.bytes
+        self.said = False
+        self.show = jax.process_index() == 0
+
+    def _say(self, count: str, done: int | None) -> None:
+        if done is None:
+            gb = (slices.METER.bytes - self.read) / 1e9
+            moved = f"{gb:.2f} GB read from {self.files} file(s) on this host"
+        else:
+            moved = f"{done / 1e9:.2f} GB written"
+        print(f"redray: {self.doing} {self.path}: {count} {self.unit}, {moved}, "
+              f"{self.clock() - self.start:.0f} s", file=sys.stderr, flush=True)
+
+    def placed(self, done: int | None = None) -> None:
+        self.count += 1
+        if self.show and self.clock() - self.last > self.EVERY:
+            self.last, self.said = self.clock(), True
+            self._say(f"{self.count}/{self.total}", done)
+
+    def done(self, done: int | None = None) -> None:
+        if self.show and self.said:
+            self._say(f"all {self.total}", done)
 
 
 def _refuse_incomplete(path: str, model_type: str, missing, misshaped, unexpected,
@@ -417,8 +570,9 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
     weights = _Weights(path if not path.endswith(".json") else os.path.dirname(path),
                        record.weight_prefixes, record.left_out)
     _tell_reading(path, record, weights)
-    loaded, problems = _read_table(fam, config, weights, by_path, mesh)
+    plans, problems = _plan_table(fam, config, weights, by_path)
     _refuse_incomplete(path, config.model_type, *problems)
+    loaded = _place(plans, by_path, mesh, path, weights)
     params = jax.tree.unflatten(treedef, [loaded[p] for p in paths])
     # What the checkpoint does not hold (RNG state) is created directly on its shards;
     # the parameters' random init is dead code that XLA drops.
@@ -493,7 +647,7 @@ def _tell_reading(path: str, record, weights: _Weights) -> None:
               file=sys.stderr, flush=True)
     if weights.quantized:
         print(f"redray: {path}: {len(weights.quantized)} tensors stored in MXFP4, "
-              "dequantized to float32 one at a time as they load", file=sys.stderr, flush=True)
+              "dequantized to float32 region by region as they load", file=sys.stderr, flush=True)
 
 
 def _part(name: str, prefixes) -> str:
@@ -544,6 +698,11 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
     template among them), and ``generation_config.json`` (``generation_for_export``:
     the end-of-turn tokens decoding stops on).
 
+    The tensors are made and written one at a time (a layer of a stacked parameter at a
+    time, ``redray/models/writing.py``): no process holds the whole model. A model
+    spread over the devices of several processes is saved by calling this on every
+    process (each takes part in gathering each tensor); process 0 writes the files.
+
     Args:
       model: a redray model (from ``from_pretrained`` or ``build``), sharded or not.
       path: output folder (created).
@@ -551,53 +710,54 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
         files of at most this size, with an index; None writes one file.
       tokenizer: a ``transformers`` tokenizer (its ``save_pretrained`` writes into
         ``path``), or the path of a folder holding one (its files are copied).
-      dtype: the tensors' dtype ("float32", "bfloat16"); None: float32, or bfloat16 for
-        a model loaded from a quantized checkpoint (its ``quantization_config``, which
-        the export drops: gpt-oss's MXFP4 experts are written dequantized).
+      dtype: the tensors' dtype ("float32", "bfloat16"); None: bfloat16 for a model
+        loaded from a bfloat16 or quantized checkpoint (its ``quantization_config``,
+        which the export drops: gpt-oss's MXFP4 experts are written dequantized),
+        float32 otherwise.
     """
     import copy
 
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    os.makedirs(path, exist_ok=True)
     config = copy.deepcopy(model.config.hf)
     config.architectures = [lookup(config.model_type).architecture]
     quantized = getattr(config, "quantization_config", None) is not None
     if quantized:
         del config.quantization_config
-    dtype = dtype or ("bfloat16" if quantized else "float32")
-    if dtype not in ("float32", "bfloat16"):
+    dtype = dtype or ("bfloat16" if quantized or _stored_bfloat16(config) else "float32")
+    if dtype not in writing.DTYPES:
         raise ValueError(f"save_pretrained dtype={dtype!r}: use 'float32' or 'bfloat16'")
     config.dtype = dtype
-    config.save_pretrained(path)
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, path)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump(generation_for_export(model, tokenizer), f, indent=2, sort_keys=True)
-        f.write("\n")
-    tensors = hf_tensors(model.config, nnx.state(model, nnx.Param))
-    if dtype == "bfloat16":
-        tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
-    if max_shard_bytes is None:
-        save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
-        return
-    shards, current, size = [], {}, 0
-    for name, value in tensors.items():
-        if current and size + value.nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = value
-        size += value.nbytes
-    shards.append(current)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
-                   "weight_map": weight_map}, f, indent=2)
+    main = jax.process_index() == 0
+    if main:
+        os.makedirs(path, exist_ok=True)
+        config.save_pretrained(path)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, path)
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump(generation_for_export(model, tokenizer), f, indent=2, sort_keys=True)
+            f.write("\n")
+    paths, leaves, _ = flatten(nnx.state(model, nnx.Param))
+    values = dict(zip(paths, leaves))
+    layout = writing.hf_layout(model.config, {p: tuple(v.shape) for p, v in values.items()})
+    entries = [entry for *_, parts in layout for entry in parts]
+    writer = writing.SafetensorsWriter(path, entries, writing.DTYPES[dtype], max_shard_bytes,
+                                       SINGLE_FILE, INDEX_FILE) if main else None
+    progress = _Progress(path, len(entries), None, "saving", "tensors written")
+    for name, array in writing.hf_stream(layout, writing.live_fetch(values, writing.DTYPES[dtype])):
+        writer.write(name, array)
+        progress.placed(writer.total)
+    if writer is not None:
+        writer.close()
+    progress.done(writer.total if writer else 0)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"redray save_pretrained {path}")
+
+
+def _stored_bfloat16(config) -> bool:
+    """Whether a config says its checkpoint holds bfloat16 tensors."""
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return str(stored).endswith("bfloat16")
 
 
 def hf_tensors(config, params) -> dict[str, np.ndarray]:
@@ -608,18 +768,11 @@ def hf_tensors(config, params) -> dict[str, np.ndarray]:
       config: the model's ``config``.
       params: ``nnx.state(model, nnx.Param)``, or a tree of the same structure.
     """
-    fam = family(config.model_type)
     paths, leaves, _ = flatten(params)
     values = dict(zip(paths, leaves))
-    tensors = {}
-    for row in fam.weight_table(config):
-        model_path, layer = _model_path(row.path, values, fam, config)
-        value = np.asarray(jax.device_get(values[model_path]), dtype=np.float32)
-        if layer is not None:
-            value = value[layer]
-        for part, array in zip(row.parts, row.write(value)):
-            tensors[part.hf] = np.ascontiguousarray(array)
-    return tensors
+    layout = writing.hf_layout(config, {p: tuple(np.shape(v)) for p, v in values.items()})
+    return {name: np.ascontiguousarray(array, np.float32) for name, array in
+            writing.hf_stream(layout, writing.live_fetch(values, np.float32))}
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

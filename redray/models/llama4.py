@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redray.models import layers, llama, mixtral, moe, paged
+from redray.models import layers, llama, mixtral, moe, paged, slices
 from redray.models.hub import HFConfig, Tensor, gated, linear, plain
 
 BASE_PREFIX = llama.BASE_PREFIX
@@ -193,7 +193,7 @@ def weight_table(config) -> list:
         rows += [linear(f"{theirs}.router.weight", f"{ours}/router/kernel"),
                  Tensor(f"{theirs}.experts.gate_up_proj", f"{ours}/gate_up_proj",
                         lambda w, shape: w.reshape(shape),  # gate, then up
-                        lambda k: k.reshape(*k.shape[:-2], -1)),
+                        lambda k: k.reshape(*k.shape[:-2], -1), view=slices.reshape_view),
                  plain(f"{theirs}.experts.down_proj", f"{ours}/down_proj"),
                  linear(f"{shared}.down_proj.weight", f"{ours}/shared_expert/down_proj/kernel")]
         rows += gated((f"{shared}.gate_proj", f"{shared}.up_proj"),

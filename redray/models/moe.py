@@ -486,6 +486,14 @@ class Experts:
             one = one[:self.axis] + (1,) + one[self.axis + 1:]
         return [one] * len(self.parts)
 
+    def offsets(self, shape: tuple) -> list[tuple]:
+        def at(j, p):
+            start = [j] + [0] * (len(shape) - 1)
+            if self.per > 1:
+                start[self.axis] = p
+            return tuple(start)
+        return [at(j, p) for j in range(len(self.parts) // self.per) for p in range(self.per)]
+
     def combine(self, pieces: list[np.ndarray]) -> np.ndarray:
         per_expert = [pieces[j:j + self.per] for j in range(0, len(pieces), self.per)]
         return np.concatenate([np.concatenate(p, self.axis) for p in per_expert], 0)
