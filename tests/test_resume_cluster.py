@@ -52,18 +52,39 @@ def losses(history):
     return {row["step"]: row["loss"] for row in history if "loss" in row}
 
 
-def killing_collate(marker, at_call):
-    """Host 1 SIGKILLs itself on its ``at_call``-th training batch, once."""
+def killing_collate(marker, at_call, stall_from=None):
+    """Host 1 SIGKILLs itself on its ``at_call``-th training batch, once. From its
+    ``stall_from``-th batch on, host 1's background checkpoint writes hold before they
+    report done, so a save started then is still in flight at the kill, however fast
+    the disk (else the write could finish first and the test would not test it)."""
     calls = []
 
     def collate(examples):
         if jax.process_index() == 1 and len(examples) == 4:
             calls.append(1)
+            if len(calls) == stall_from and not os.path.exists(marker):
+                _stall_background_saves()
             if len(calls) == at_call and not os.path.exists(marker):
                 open(marker, "w").close()
                 os.kill(os.getpid(), 9)  # no cleanup, no exception: a preempted machine
         return lm_collate(examples)
     return collate
+
+
+def _stall_background_saves():
+    """This process's Orbax background save threads wait a minute before their writes
+    count as done (the process is killed long before)."""
+    import time
+
+    from orbax.checkpoint._src.checkpointers import async_checkpointer as module
+
+    wait = module._background_wait_for_commit_futures
+
+    def stalled(*args, **kwargs):
+        time.sleep(60)
+        return wait(*args, **kwargs)
+
+    module._background_wait_for_commit_futures = stalled
 
 
 def test_a_host_killed_mid_epoch_resumes_bitwise_exactly(tmp_path, uninterrupted, monkeypatch):
@@ -143,8 +164,9 @@ def test_killing_a_host_while_a_save_is_in_flight_keeps_the_previous_checkpoint(
     reference, reference_params = uninterrupted
     marker = str(tmp_path / "killed")
     # Without prefetch, host 1 collates batch 9 right after save(step 8) returned, while
-    # that save is still being written in the background.
-    result = redray.fit(model, killing_collate(marker, 9), lm_loss, optax.adam(1e-2),
+    # that save is still being written in the background (held there from batch 8 on).
+    result = redray.fit(model, killing_collate(marker, 9, stall_from=8), lm_loss,
+                        optax.adam(1e-2),
                         train_data=DATA, epochs=2, name="run", storage_path=str(tmp_path),
                         max_failures=1, prefetch=0, checkpoint=CheckpointConfig(save_every=4),
                         **OPTIONS)
