@@ -67,10 +67,6 @@ class Tensor:
         """Where each part starts in redray's array of ``shape``."""
         return [(0,) * len(shape)]
 
-    def combine(self, pieces: list[np.ndarray]) -> np.ndarray:
-        """redray's array from its parts, each already in redray's layout."""
-        return pieces[0]
-
     def write(self, array: np.ndarray) -> list[np.ndarray]:
         """The HF arrays of ``parts`` from redray's array."""
         return [self.save(array)]
@@ -99,9 +95,6 @@ class Fused:
         starts = np.cumsum((0,) + self.sizes[:-1])
         return [(0,) * self.axis + (int(s),) + (0,) * (len(shape) - self.axis - 1)
                 for s in starts]
-
-    def combine(self, pieces: list[np.ndarray]) -> np.ndarray:
-        return np.concatenate(pieces, self.axis)
 
     def write(self, array: np.ndarray) -> list[np.ndarray]:
         bounds = np.cumsum(self.sizes)[:-1]
@@ -259,11 +252,6 @@ class _Weights:
         if name in self.quantized:
             return slices.Mxfp4Source(*(self._stored(n) for n in self.quantized[name]))
         return slices.Source(self._stored(name))
-
-    def get(self, name: str) -> np.ndarray:
-        """The whole tensor read under ``name``, as float32."""
-        source = self.source(name)
-        return source.read(tuple((0, n) for n in source.shape))
 
     def _stored(self, name: str) -> slices.Stored:
         stored = self.stored[name]
@@ -737,13 +725,14 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
             f.write("\n")
     paths, leaves, _ = flatten(nnx.state(model, nnx.Param))
     values = dict(zip(paths, leaves))
-    layout = writing.hf_layout(model.config, {p: tuple(v.shape) for p, v in values.items()})
+    layout = hf_layout(model.config, {p: tuple(v.shape) for p, v in values.items()})
     entries = [entry for *_, parts in layout for entry in parts]
     writer = writing.SafetensorsWriter(path, entries, writing.DTYPES[dtype], max_shard_bytes,
                                        SINGLE_FILE, INDEX_FILE) if main else None
     progress = _Progress(path, len(entries), None, "saving", "tensors written")
     for name, array in writing.hf_stream(layout, writing.live_fetch(values, writing.DTYPES[dtype])):
         writer.write(name, array)
+        del array  # held no longer than the writing: the next tensor is being gathered
         progress.placed(writer.total)
     if writer is not None:
         writer.close()
@@ -752,6 +741,26 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(f"redray save_pretrained {path}")
+
+
+def hf_layout(config, shapes: dict) -> list:
+    """(row, model path, layer or None, [(HF name, HF shape) of each part]) for every
+    row of the family's weight table, in its order, from the parameters' shapes alone
+    (``shapes``: model path -> shape): what ``writing.hf_stream`` makes and a
+    ``writing.SafetensorsWriter`` announces."""
+    fam = family(config.model_type)
+    out = []
+    for row in fam.weight_table(config):
+        where = _model_path(row.path, shapes, fam, config)
+        if where is None:
+            raise AssertionError(f"{fam.__name__}: table path {row.path!r} is not a parameter")
+        model_path, layer = where
+        shape = tuple(shapes[model_path])
+        shape = shape if layer is None else shape[1:]
+        probe = np.broadcast_to(np.zeros((), np.float32), shape)  # shapes only, no memory
+        parts = [(part.hf, tuple(np.shape(a))) for part, a in zip(row.parts, row.write(probe))]
+        out.append((row, model_path, layer, parts))
+    return out
 
 
 def _stored_bfloat16(config) -> bool:
@@ -770,7 +779,7 @@ def hf_tensors(config, params) -> dict[str, np.ndarray]:
     """
     paths, leaves, _ = flatten(params)
     values = dict(zip(paths, leaves))
-    layout = writing.hf_layout(config, {p: tuple(np.shape(v)) for p, v in values.items()})
+    layout = hf_layout(config, {p: tuple(np.shape(v)) for p, v in values.items()})
     return {name: np.ascontiguousarray(array, np.float32) for name, array in
             writing.hf_stream(layout, writing.live_fetch(values, np.float32))}
 

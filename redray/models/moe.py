@@ -494,10 +494,6 @@ class Experts:
             return tuple(start)
         return [at(j, p) for j in range(len(self.parts) // self.per) for p in range(self.per)]
 
-    def combine(self, pieces: list[np.ndarray]) -> np.ndarray:
-        per_expert = [pieces[j:j + self.per] for j in range(0, len(pieces), self.per)]
-        return np.concatenate([np.concatenate(p, self.axis) for p in per_expert], 0)
-
     def write(self, array: np.ndarray) -> list[np.ndarray]:
         pieces = [piece for expert in np.split(array, array.shape[0], 0)
                   for piece in np.split(expert, self.per, self.axis)]

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints written a tensor at a time: no process holds the whole model.
 
-``hf_layout`` lists the tensors a model's weight table writes (names and shapes, from
-the parameters' shapes alone); ``hf_stream`` makes them one table row at a time from a
+``hub.hf_layout`` lists the tensors a model's weight table writes (names and shapes,
+from the parameters' shapes alone); ``hf_stream`` makes them one table row at a time from a
 ``fetch(model path, layer)`` that brings one parameter (or one layer of a stacked one)
 to the host; ``SafetensorsWriter`` writes each file's header first (every offset is
 known from the shapes) and then streams the tensors into it, in order.
@@ -26,26 +26,6 @@ from redray.models import slices
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
-def hf_layout(config, shapes: dict) -> list:
-    """(row, model path, layer or None, [(HF name, HF shape) of each part]) for every
-    row of the family's weight table, in its order; ``shapes``: model path -> shape."""
-    from redray.models.hub import _model_path, family
-
-    fam = family(config.model_type)
-    out = []
-    for row in fam.weight_table(config):
-        where = _model_path(row.path, shapes, fam, config)
-        if where is None:
-            raise AssertionError(f"{fam.__name__}: table path {row.path!r} is not a parameter")
-        model_path, layer = where
-        shape = tuple(shapes[model_path])
-        shape = shape if layer is None else shape[1:]
-        probe = np.broadcast_to(np.zeros((), np.float32), shape)  # shapes only, no memory
-        parts = [(part.hf, tuple(np.shape(a))) for part, a in zip(row.parts, row.write(probe))]
-        out.append((row, model_path, layer, parts))
-    return out
-
-
 def hf_stream(layout: list, fetch):
     """(HF name, array) of every tensor of ``layout``, a row at a time: ``fetch(model
     path, layer)`` brings the row's values (None on a process that only helps gather,
@@ -54,9 +34,10 @@ def hf_stream(layout: list, fetch):
         value = fetch(model_path, layer)
         if value is None:
             continue
-        for part, array in zip(row.parts, row.write(value)):
-            yield part.hf, array
+        arrays = row.write(value)  # views of ``value``: it lives as long as they do
         del value
+        for part in row.parts:  # each let go once written, before the next fetch
+            yield part.hf, arrays.pop(0)
 
 
 def live_fetch(values: dict, dtype) -> callable:
