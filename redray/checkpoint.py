@@ -23,7 +23,9 @@ pieces its devices hold).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
 import re
 import os
 import time
@@ -111,6 +113,45 @@ def to_storage(tree) -> dict:
             node = node.setdefault(name, {})
         node[names[-1]] = jax.random.key_data(leaf) if _is_key(leaf) else leaf
     return out
+
+
+# A stored array larger than this is written in chunks of at most this many bytes (Orbax's
+# default is one chunk per device's shard, GBs at scale); a stacked parameter's (and its
+# optimizer moments') in chunks of one layer, so that a layer is read without the others
+# (``StoredArrays``, an export).
+CHUNK_BYTES = 16 << 20
+
+
+def save_args(tree: dict, ocp, stacked: dict | None = None) -> dict:
+    """Orbax ``SaveArgs`` for each leaf of a stored tree (``to_storage``'s): a shard of
+    more than ``CHUNK_BYTES`` in chunks of a layer where the leaf stacks layers
+    (``stacked``: "/"-joined parameter path -> layer count; a leaf whose path ends with
+    one, less the group's name and ``value``, with as many rows), else in chunks of at
+    most ``CHUNK_BYTES``; Orbax's default for the others."""
+    stacked = stacked or {}
+
+    def args(path, leaf):
+        shape = tuple(np.shape(leaf))
+        sharding = getattr(leaf, "sharding", None)
+        shard = tuple(sharding.shard_shape(shape)) if sharding is not None else shape
+        itemsize = np.dtype(leaf.dtype).itemsize
+        if len(shard) < 2 or math.prod(shard) * itemsize <= CHUNK_BYTES:
+            return ocp.SaveArgs()
+        names = [_segment(k) for k in path]
+        names = names[:-1] if names[-1:] == ["value"] else names
+        if any(stacked.get("/".join(names[i:])) == shape[0] for i in range(len(names))):
+            row = math.prod(shard[1:]) * itemsize  # a layer a chunk, whatever its size
+            return ocp.SaveArgs(chunk_byte_size=max(row, CHUNK_BYTES), shard_axes=(0,))
+        return ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES)
+
+    return jax.tree_util.tree_map_with_path(args, tree)
+
+
+def storage_paths(tree) -> list[str]:
+    """The "/"-joined path each leaf of ``tree`` is stored under (``to_storage``), in
+    leaf order."""
+    return ["/".join([_segment(k) for k in path] or ["value"])
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _stored(abstract):
@@ -320,18 +361,23 @@ class Checkpointer:
                 preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies)))
 
     # ------------------------------------------------------------ writing
-    def save(self, items: dict[str, Any], meta: dict, on_commit: Callable | None = None) -> None:
+    def save(self, items: dict[str, Any], meta: dict, on_commit: Callable | None = None,
+             stacked: dict | None = None) -> None:
         """Starts writing ``items`` (item name -> pytree of arrays) with ``meta`` (which
         holds the ``step``); returns when the arrays are off the devices.
         ``on_commit(step, path, meta)`` runs on every process once this checkpoint is
-        complete (at a later ``save``, ``wait`` or ``close``)."""
+        complete (at a later ``save``, ``wait`` or ``close``). ``stacked``: the paths of
+        arrays that stack layers -> their layer count, stored a layer a chunk
+        (``save_args``)."""
         ocp = self._ocp
         self.wait()  # the previous one is complete before a new one starts
         step = int(meta["step"])
         metric = meta.get("metrics", {}).get(self.config.best_metric) \
             if self.config.best_metric else None
+        stored = {name: to_storage(tree) for name, tree in items.items()}
         self.manager.save(step, args=ocp.args.Composite(
-            **{name: ocp.args.StandardSave(to_storage(tree)) for name, tree in items.items()},
+            **{name: ocp.args.StandardSave(tree, save_args=save_args(tree, ocp, stacked))
+               for name, tree in stored.items()},
             **{META: ocp.args.JsonSave(_jsonable(meta))}),
             metrics=None if metric is None else {"value": float(metric)})
         self._pending = (step, meta, on_commit)
@@ -381,7 +427,7 @@ class Checkpointer:
         (``layers/0/...``) restore into a model that stacks them (``scan=True``), and
         stacked layers into one that lists them (``layer_moves``)."""
         ocp = self._ocp
-        moves = self._check_structure(step, targets)
+        moves = self.check_structure(step, targets)
         storage = {name: _storage_target(tree) for name, tree in targets.items()}
         asked = {name: _moved_target(storage[name], moves[name]) if name in moves
                  else storage[name] for name in targets}
@@ -393,7 +439,7 @@ class Checkpointer:
         _check_shapes(out, targets, self.step_path(step))
         return out
 
-    def _check_structure(self, step: int, targets: dict[str, Any]) -> dict[str, dict]:
+    def check_structure(self, step: int, targets: dict[str, Any]) -> dict[str, dict]:
         """A checkpoint whose arrays are other paths than the model's is not damaged: it
         belongs to another model. Refuse it, naming the difference (read from the
         checkpoint's metadata; an unreadable metadata is left to the restore to report).
@@ -475,6 +521,69 @@ class Checkpointer:
         _barrier(f"redray_set_aside_{step}")
         self.manager.close()
         self._open()
+
+
+class StoredArrays:
+    """The arrays of one item of one checkpoint, read a piece at a time without
+    restoring the item: ``read(path, index)`` opens the array stored under ``path`` (a
+    "/"-joined path of ``shapes``) with TensorStore and reads ``array[index]`` (a layer
+    of a stacked parameter), cast to the dtype asked while it is read. A checkpoint
+    saved in chunks along the leading axis (``save_args``) gives a layer by reading its
+    chunks alone; an older one reads the chunk (the shard) that holds it.
+
+    Raises:
+      FileNotFoundError: ``folder`` holds no such item.
+    """
+
+    def __init__(self, step_path: str, item: str):
+        import orbax.checkpoint as ocp
+        from etils import epath
+
+        _quiet_orbax()
+        self.folder = epath.Path(step_path) / item
+        if not (self.folder / "_METADATA").exists():
+            raise FileNotFoundError(f"no {item!r} arrays in the checkpoint {step_path}")
+        with (self.folder / "_METADATA").open() as f:
+            stored = json.load(f)
+        self._zarr3, self._ocdbt = stored.get("use_zarr3", False), stored.get("use_ocdbt", True)
+        self.shapes = _leaf_shapes(ocp.StandardCheckpointHandler().metadata(self.folder))
+        self._ocp = ocp
+        self._context = ocp.type_handlers.get_ts_context(use_ocdbt=self._ocdbt)
+        self._arrays: dict = {}
+
+    def read(self, path: str, index: int | None = None, dtype=None) -> np.ndarray:
+        """``array[index]`` (the whole array for None) of the array stored under
+        ``path``, as a host array of ``dtype`` (default: as stored)."""
+        import tensorstore as ts
+
+        if path not in self.shapes:
+            raise KeyError(f"the checkpoint {self.folder} stores no array {path!r}")
+        array = self._arrays.get(path)
+        if array is None:
+            info = self._ocp.type_handlers.ParamInfo(
+                name=path.replace("/", "."), parent_dir=self.folder, use_zarr3=self._zarr3,
+                ts_context=self._context)
+            spec = self._ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self._ocdbt)
+            array = ts.open(spec, context=self._context, open=True, read=True).result()
+            self._arrays[path] = array
+        grid = tuple(array.chunk_layout.read_chunk.shape or array.shape)
+        if dtype is not None and np.dtype(dtype) != np.dtype(array.dtype.numpy_dtype):
+            array = ts.cast(array, ts.dtype(np.dtype(dtype).name))
+        piece, grid = (array, grid) if index is None else (array[index], grid[1:])
+        shape = tuple(piece.shape)
+        counts = [-(-n // max(c, 1)) for n, c in zip(shape, grid)]
+        if math.prod(counts) <= 1:
+            return np.asarray(piece.read().result())
+        # a chunk at a time into the result: the chunks' stored bytes are not all
+        # decoded at once (TensorStore would hold every one in the stored dtype)
+        out = np.empty(shape, np.dtype(dtype) if dtype is not None else
+                       np.dtype(array.dtype.numpy_dtype))
+        origin = piece.domain.origin
+        for at in np.ndindex(*counts):
+            box = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(at, grid, shape))
+            moved = tuple(slice(o + b.start, o + b.stop) for o, b in zip(origin, box))
+            out[box] = piece[moved].read().result()
+        return out
 
 
 def _quiet_orbax() -> None:

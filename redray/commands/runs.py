@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from redray import storage as storage_module
 from redray.commands import UsageError, command
@@ -80,9 +81,11 @@ def _add_plot(sub) -> None:
 
 def _add_export(sub) -> None:
     p = command(sub, "export", "write a run's checkpoint as Hugging Face safetensors",
-                 "Loads the run's newest (or best) checkpoint into its redray.models model "
-                 "and writes config.json + safetensors that transformers' Auto classes load, "
-                 "with the run's tokenizer (RUN/tokenizer) when it has one.",
+                 "Reads the run's newest (or best) checkpoint a tensor (a layer) at a time, "
+                 "without building the model, and writes config.json + safetensors that "
+                 "transformers' Auto classes load, with the run's tokenizer (RUN/tokenizer) "
+                 "when it has one. A run that trained some parameters only (trainable=) is "
+                 "loaded into its model, whose other weights complete it.",
                  "examples:\n  redray export demo --storage runs --to exported/\n"
                  "  redray export /abs/runs/lm --best min:eval_loss --to best/")
     p.add_argument("run", metavar="RUN", help="a run folder, or a run name with --storage")
@@ -157,8 +160,10 @@ def _run_folders(run: str, storage: str | None) -> storage_module.RunFolders:
 
 
 def _export(args) -> int:
-    from redray.engine.load import load_model
+    from redray.engine.load import load_model, stored_params
     from redray.models import build, load_config, save_pretrained
+    from redray.models import slices
+    from redray.models.hub import write_pretrained
 
     folders = _run_folders(args.run, args.storage)
     config_path = args.config or folders.model_config
@@ -170,9 +175,24 @@ def _export(args) -> int:
         raise UsageError(f"no tokenizer folder {args.tokenizer!r}: give a folder a "
                          "transformers tokenizer was saved to (save_pretrained)")
     config = load_config(config_path)
-    model = load_model(folders.run, lambda rngs: build(config, rngs=rngs), best=args.best)
-    save_pretrained(model, args.to, tokenizer=tokenizer if os.path.isdir(tokenizer) else None,
-                    dtype=args.dtype)
+    factory = lambda rngs: build(config, rngs=rngs)  # noqa: E731
+    tokenizer = tokenizer if os.path.isdir(tokenizer) else None
+    slices.unmap_large_buffers()  # a tensor at a time: held once, not kept in arenas
+    stored = stored_params(folders.run, factory, best=args.best)
+    if stored is not None:  # read from the files a tensor at a time: no model is built
+        try:
+            write_pretrained(config, stored.shapes, stored.fetch, args.to,
+                             tokenizer=tokenizer, dtype=args.dtype)
+            print(args.to)
+            return 0
+        except Exception as error:  # noqa: BLE001 - named; the restore below decides
+            print(f"redray export: reading {stored.path} failed ({type(error).__name__}: "
+                  f"{str(error).splitlines()[0][:200] if str(error) else ''}); restoring "
+                  "instead (a damaged checkpoint is skipped, named)", file=sys.stderr)
+    # a run that trained some parameters only (the others are the model's own), or a
+    # checkpoint that did not read: restored into the model, as load_model does
+    model = load_model(folders.run, factory, best=args.best)
+    save_pretrained(model, args.to, tokenizer=tokenizer, dtype=args.dtype)
     print(args.to)
     return 0
 

@@ -1,4 +1,5 @@
-"""A trained run's weights in one call: ``load_params`` and ``load_model``."""
+"""A trained run's weights in one call: ``load_params`` and ``load_model``; and
+``stored_params``, a checkpoint's parameters read a piece at a time (an export)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from typing import Any
 
 import jax
 
-from redray.checkpoint import (CheckpointConfig, Checkpointer, CheckpointMismatch,
-                               check_meta, find_checkpoints, select_step)
+from redray.checkpoint import (CheckpointConfig, Checkpointer, CheckpointMismatch, StoredArrays,
+                               check_meta, find_checkpoints, select_step, storage_paths)
 from redray.engine.model import _NNX, abstract_state, adapter, merge_trainable, split_trainable
+from redray.sharding import flatten
 from redray.engine.state import CHECKPOINT_ITEMS, MODEL_ITEM
 from redray.rngs import KeyStream, stream_key
 
@@ -126,3 +128,82 @@ def _read(checkpointer: Checkpointer, step: int, wrapped):
         frozen = split_trainable(jax.device_get(base[0]), pattern)[1]
         params = merge_trainable(params, frozen)
     return params, values["extra"]
+
+
+class StoredParams:
+    """A checkpoint's parameters, read a piece at a time: ``shapes`` (model path ->
+    shape, the paths ``redray.sharding.flatten`` gives the model's parameters) and
+    ``fetch(dtype)``, a ``fetch(model path, layer)`` for ``redray.models.writing.hf_stream``
+    that reads one parameter, or one layer of a stacked one, from the files. ``path``:
+    the checkpoint read."""
+
+    def __init__(self, path: str, stored: StoredArrays, shapes: dict, where: dict, moves: dict):
+        self.path, self.shapes = path, shapes
+        self._stored, self._where, self._moves = stored, where, moves
+
+    def fetch(self, dtype):
+        def one(model_path: str, layer: int | None):
+            stored = self._where[model_path]
+            move = self._moves.get(stored)
+            if move is None:
+                return self._stored.read(stored, layer, dtype)
+            if move[0] == "slice":  # the model lists its layers, the checkpoint stacks them
+                value = self._stored.read(move[1], move[2], dtype)
+                return value if layer is None else value[layer]
+            if layer is not None:  # the model stacks them, the checkpoint lists them
+                return self._stored.read(move[1][layer], None, dtype)
+            import numpy as np
+
+            return np.stack([self._stored.read(p, None, dtype) for p in move[1]])
+
+        return one
+
+
+def stored_params(path: str, model: Any, *, step: int | None = None,
+                  best: str | None = None) -> StoredParams | None:
+    """The parameters of a run's checkpoint (as ``load_params`` chooses it), to be read a
+    piece at a time without building or restoring the model: only ``model``'s shapes
+    are traced (``model``: what built the run's model, an NNX factory or module).
+
+    Returns None where the checkpoint is not read a piece at a time: a run that
+    trained some parameters only (``trainable=``; the others are not in its
+    checkpoints, ``load_model`` builds them), or a checkpoint whose arrays do not open
+    (damaged: ``load_model`` skips it, naming it, for an older one).
+
+    Raises:
+      CheckpointMismatch: the checkpoint holds another model's arrays (named).
+    """
+    wrapped = adapter(model)
+    if not isinstance(wrapped, _NNX):
+        raise TypeError("stored_params reads NNX models' checkpoints; for a LinenModel use "
+                        "load_params")
+    params, extra = abstract_state(wrapped, jax.random.key(0))
+    directory, found = find_checkpoints(path)
+    checkpointer = Checkpointer(CheckpointConfig(directory=directory), CHECKPOINT_ITEMS)
+    try:
+        chosen = select_step(checkpointer, step if step is not None else found, best)
+        at = checkpointer.step_path(chosen)
+        try:
+            meta = checkpointer.read_meta(chosen)
+            check_meta(meta, chosen)
+            if meta.get("trainable") is not None:
+                return None
+            like = {"params": params, "extra": extra}
+            moves = checkpointer.check_structure(chosen, {MODEL_ITEM: like}).get(MODEL_ITEM, {})
+            stored = StoredArrays(at, MODEL_ITEM)
+        except CheckpointMismatch:
+            raise
+        except Exception as error:  # noqa: BLE001 - damaged: the restore path names it
+            log.warning("checkpoint %s does not open (%s)", at, _reason(error))
+            return None
+    finally:
+        checkpointer.close()
+    model_paths = flatten(params)[0]
+    storage = ["params/" + p for p in storage_paths(params)]
+    shapes = {m: tuple(leaf.shape) for m, leaf in zip(model_paths, jax.tree.leaves(params))}
+    for m, s in zip(model_paths, storage):
+        if s not in moves and stored.shapes.get(s) != shapes[m]:
+            raise CheckpointMismatch(
+                f"checkpoint {at} holds {m} with shape {stored.shapes.get(s)}, this model's "
+                f"is {shapes[m]}: pass the config of the model the run trained")
+    return StoredParams(at, stored, shapes, dict(zip(model_paths, storage)), moves)

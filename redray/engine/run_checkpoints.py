@@ -93,15 +93,16 @@ class RunCheckpoints:
             saved = self.resumed_path()
         return saved
 
-    def save(self, items: dict, step: int, position, fields: dict, on_commit) -> None:
+    def save(self, items: dict, step: int, position, fields: dict, on_commit,
+             stacked: dict | None = None) -> None:
         """Starts saving ``items`` of ``step`` at ``position`` (a ``hooks.Position``), its
         meta ``fields`` beside the step, the position, the trainable parameters' regex
         (which a resume checks) and the time; ``on_commit(step, path, meta)`` once
-        complete."""
+        complete. ``stacked``: the arrays that stack layers, stored a layer a chunk."""
         meta = {"step": step, "epoch": position.epoch, "batch": position.batch,
                 "epoch_done": position.epoch_done, **fields, "trainable": self.trainable,
                 "time": time.time()}
-        self.writer.save(items, meta, on_commit=on_commit)
+        self.writer.save(items, meta, on_commit=on_commit, stacked=stacked)
 
     def kept_run(self) -> dict:
         """What the resumed checkpoint kept of the run (its ``run`` meta), to update."""

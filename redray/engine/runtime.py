@@ -19,6 +19,7 @@ from redray.sharding import (MODEL, STAGE, Parallelism, derive_specs, format_pla
                              format_whole, placement, shardings)
 from redray.sharding.on_mesh import put
 from redray.sharding.reductions import fuse_reductions
+from redray.sharding.specs import stacked_arrays
 
 
 class ModelRuntime:
@@ -49,6 +50,7 @@ class ModelRuntime:
         self.init_key = stream_key(seed, KeyStream.INIT)
         self.abstract = abstract_state(self.adapter, self.init_key)
         self.specs = None
+        self._stacked = None
         self.whole: list = []  # layer parameters the rules left unsplit over model
 
     def use(self, plan: Plan | Parallelism) -> None:
@@ -160,7 +162,7 @@ class ModelRuntime:
             out, _ = self.apply(fn, state[0], state[1], rng, *args, planned=False)
             return out
 
-        self.whole = []
+        self.whole, self._traced_by, self._stacked = [], (run, abstract_args), None
         self.specs = derive_specs(self.abstract, self.mesh, run, abstract_args,
                                   whole=self.whole, passes=self.parallelism.spec_passes())
         if self.stages > 1:  # two stacks held in as many rows could not be read back
@@ -172,6 +174,17 @@ class ModelRuntime:
     @property
     def stages(self) -> int:
         return self.parallelism.size(STAGE) if self.parallelism is not None else 1
+
+    @property
+    def stacked_arrays(self) -> dict:
+        """The model's arrays that stack layers ("/"-joined path -> layer count), from
+        the dataflow of what ``derive`` traced, traced when first asked (a checkpoint's
+        save: stored a layer a chunk); empty before ``derive``."""
+        if self._stacked is None:
+            traced_by = getattr(self, "_traced_by", None)
+            self._stacked = {} if traced_by is None else \
+                stacked_arrays(self.abstract, traced_by[0], traced_by[1])
+        return self._stacked
 
     @property
     def stacked_layers(self) -> tuple:

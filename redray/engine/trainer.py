@@ -388,7 +388,8 @@ class Trainer:
              "run": self._hooks.run_meta(self._checkpoints.kept_run()),
              "budget": self._budget.steps, "lr_segments": self._budget.segments,
              "plan": self.plan.to_dict(), "plan_choice": self._choice and self._choice.meta},
-            lambda *done: self._hooks.send("checkpoint", *done))
+            lambda *done: self._hooks.send("checkpoint", *done),
+            stacked=self.program.runtime.stacked_arrays)
 
     def log(self, metrics: dict) -> dict:
         """Logs your own metrics (e.g. an RL return) at the current step; returns the row.

@@ -589,14 +589,13 @@ def load_generation(path: str) -> dict | None:
     return content
 
 
-def generation_for_export(model, tokenizer=None) -> dict:
+def generation_for_export(config, tokenizer=None) -> dict:
     """What ``save_pretrained`` writes as ``generation_config.json``: the model's own
     (its checkpoint's), else the config's special tokens, with the tokenizer's EOS
     among the EOS ids (a chat template's end-of-turn token, as a chat fine-tune sets
     it), so a server that reads the folder stops where redray's sampler does."""
     from transformers import GenerationConfig
 
-    config = model.config
     own = getattr(config, "generation", None)
     out = dict(own) if own is not None else \
         GenerationConfig.from_model_config(config.hf).to_diff_dict()
@@ -703,34 +702,48 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
         which the export drops: gpt-oss's MXFP4 experts are written dequantized),
         float32 otherwise.
     """
+    paths, leaves, _ = flatten(nnx.state(model, nnx.Param))
+    values = dict(zip(paths, leaves))
+    write_pretrained(model.config, {p: tuple(v.shape) for p, v in values.items()},
+                     lambda dtype: writing.live_fetch(values, dtype), path, max_shard_bytes,
+                     tokenizer, dtype)
+
+
+def write_pretrained(config, shapes: dict, fetch, path: str, max_shard_bytes: int | None = None,
+                     tokenizer=None, dtype=None) -> None:
+    """``save_pretrained`` from the parameters' shapes (model path -> shape) and a
+    ``fetch(dtype)`` giving ``fetch(model path, layer)``, which brings one parameter (or
+    one layer of a stacked one) to process 0 in that dtype: from a live model
+    (``writing.live_fetch``) or from a checkpoint's files (``redray export``, without
+    building the model). ``config``: the model's (``model.config``, or a ``transformers``
+    config such as ``load_config`` reads)."""
     import copy
 
-    config = copy.deepcopy(model.config.hf)
-    config.architectures = [lookup(config.model_type).architecture]
-    quantized = getattr(config, "quantization_config", None) is not None
+    config = config if isinstance(config, HFConfig) else HFConfig(config)
+    hf = copy.deepcopy(config.hf)
+    hf.architectures = [lookup(hf.model_type).architecture]
+    quantized = getattr(hf, "quantization_config", None) is not None
     if quantized:
-        del config.quantization_config
-    dtype = dtype or ("bfloat16" if quantized or _stored_bfloat16(config) else "float32")
+        del hf.quantization_config
+    dtype = dtype or ("bfloat16" if quantized or _stored_bfloat16(hf) else "float32")
     if dtype not in writing.DTYPES:
         raise ValueError(f"save_pretrained dtype={dtype!r}: use 'float32' or 'bfloat16'")
-    config.dtype = dtype
+    hf.dtype = dtype
     main = jax.process_index() == 0
     if main:
         os.makedirs(path, exist_ok=True)
-        config.save_pretrained(path)
+        hf.save_pretrained(path)
         if tokenizer is not None:
             save_tokenizer(tokenizer, path)
         with open(os.path.join(path, "generation_config.json"), "w") as f:
-            json.dump(generation_for_export(model, tokenizer), f, indent=2, sort_keys=True)
+            json.dump(generation_for_export(config, tokenizer), f, indent=2, sort_keys=True)
             f.write("\n")
-    paths, leaves, _ = flatten(nnx.state(model, nnx.Param))
-    values = dict(zip(paths, leaves))
-    layout = hf_layout(model.config, {p: tuple(v.shape) for p, v in values.items()})
+    layout = hf_layout(config, shapes)
     entries = [entry for *_, parts in layout for entry in parts]
     writer = writing.SafetensorsWriter(path, entries, writing.DTYPES[dtype], max_shard_bytes,
                                        SINGLE_FILE, INDEX_FILE) if main else None
     progress = _Progress(path, len(entries), None, "saving", "tensors written")
-    for name, array in writing.hf_stream(layout, writing.live_fetch(values, writing.DTYPES[dtype])):
+    for name, array in writing.hf_stream(layout, fetch(writing.DTYPES[dtype])):
         writer.write(name, array)
         del array  # held no longer than the writing: the next tensor is being gathered
         progress.placed(writer.total)

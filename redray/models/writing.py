@@ -23,6 +23,7 @@ import numpy as np
 
 from redray.models import slices
 
+WRITE_BLOCK = 16 << 20  # bytes made contiguous at a time while a tensor is written
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
@@ -31,6 +32,7 @@ def hf_stream(layout: list, fetch):
     path, layer)`` brings the row's values (None on a process that only helps gather,
     which then yields nothing)."""
     for row, model_path, layer, _ in layout:
+        slices.release_freed()  # the tensors written before: their pages handed back
         value = fetch(model_path, layer)
         if value is None:
             continue
@@ -78,7 +80,6 @@ def live_fetch(values: dict, dtype) -> callable:
         if not isinstance(x, jax.Array):
             x = np.asarray(x)
             return (x if layer is None else x[layer]).astype(dtype)
-        slices.release_freed()
         y = program(x, layer is not None)(x, 0 if layer is None else layer)
         if jax.process_index() != 0:
             return None
@@ -128,9 +129,16 @@ class SafetensorsWriter:
                              f"{expected!r} {shape} next")
         if self.at == 0 or self.order[self.at - 1][0] != file:
             self._open(file)
-        data = np.ascontiguousarray(np.asarray(array, self.dtype))
-        self.handle.write(data.reshape(-1).view(np.uint8).data)
-        self.total += data.nbytes
+        array = np.asarray(array)
+        if array.ndim == 0:
+            array = array.reshape(1)
+        # a block of rows at a time: a transposed view (a kernel written as HF's weight)
+        # is made contiguous a few MB at a time, not as a second copy of the tensor
+        rows = max(1, WRITE_BLOCK // max(1, array[0].size * self.dtype.itemsize))
+        for start in range(0, array.shape[0], rows):
+            block = np.ascontiguousarray(array[start:start + rows], self.dtype)
+            self.handle.write(block.reshape(-1).view(np.uint8).data)
+            self.total += block.nbytes
         self.at += 1
 
     def _open(self, file: int) -> None:

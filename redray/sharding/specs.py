@@ -83,6 +83,14 @@ def derive_specs(tree, mesh: Mesh | AbstractMesh, fn: Callable | None = None, ar
     return jax.tree.unflatten(treedef, specs)
 
 
+def stacked_arrays(tree, fn: Callable, args=()) -> dict:
+    """The arrays of ``tree`` that stack layers a scan steps over ("/"-joined path ->
+    the layers they stack), from the dataflow of ``fn(tree, *args)``."""
+    paths, leaves, _ = flatten(tree)
+    trace = trace_tree(tree, fn, args)
+    return {paths[i]: leaves[i].shape[min(dims)] for i, dims in trace.scanned.items() if dims}
+
+
 def trace_tree(tree, fn: Callable, args=()) -> dataflow.Trace:
     """The dataflow of ``fn(tree, *args)`` over ``tree``'s arrays (in ``flatten``'s
     order), traced once on abstract values."""
