@@ -160,10 +160,7 @@ def _run_folders(run: str, storage: str | None) -> storage_module.RunFolders:
 
 
 def _export(args) -> int:
-    from redray.engine.load import load_model, stored_params
-    from redray.models import build, load_config, save_pretrained
-    from redray.models import slices
-    from redray.models.hub import write_pretrained
+    from redray.models import load_config, slices
 
     folders = _run_folders(args.run, args.storage)
     config_path = args.config or folders.model_config
@@ -174,27 +171,38 @@ def _export(args) -> int:
     if args.tokenizer and not os.path.isdir(args.tokenizer):
         raise UsageError(f"no tokenizer folder {args.tokenizer!r}: give a folder a "
                          "transformers tokenizer was saved to (save_pretrained)")
-    config = load_config(config_path)
+    # this process does the export alone: a decoded chunk's buffer is unmapped when freed
+    slices.unmap_large_buffers()
+    export_run(folders.run, load_config(config_path), args.to,
+               tokenizer=tokenizer if os.path.isdir(tokenizer) else None, dtype=args.dtype,
+               best=args.best)
+    print(args.to)
+    return 0
+
+
+def export_run(run: str, config, to: str, tokenizer=None, dtype=None, best=None) -> None:
+    """What ``redray export`` writes: the run's checkpoint (newest, or ``best``) as a
+    Hugging Face folder, read a tensor (a stacked parameter's layer) at a time without
+    building the model (``config``: its ``transformers`` config). A run that trained some
+    parameters only, or a checkpoint that does not read, is restored into the model
+    instead (``load_model``: a damaged checkpoint skipped, named)."""
+    from redray.engine.load import load_model, stored_params
+    from redray.models import build, save_pretrained
+    from redray.models.hub import write_pretrained
+
     factory = lambda rngs: build(config, rngs=rngs)  # noqa: E731
-    tokenizer = tokenizer if os.path.isdir(tokenizer) else None
-    slices.unmap_large_buffers()  # a tensor at a time: held once, not kept in arenas
-    stored = stored_params(folders.run, factory, best=args.best)
+    stored = stored_params(run, factory, best=best)
     if stored is not None:  # read from the files a tensor at a time: no model is built
         try:
-            write_pretrained(config, stored.shapes, stored.fetch, args.to,
-                             tokenizer=tokenizer, dtype=args.dtype)
-            print(args.to)
-            return 0
+            write_pretrained(config, stored.shapes, stored.fetch, to, tokenizer=tokenizer,
+                             dtype=dtype)
+            return
         except Exception as error:  # noqa: BLE001 - named; the restore below decides
             print(f"redray export: reading {stored.path} failed ({type(error).__name__}: "
                   f"{str(error).splitlines()[0][:200] if str(error) else ''}); restoring "
                   "instead (a damaged checkpoint is skipped, named)", file=sys.stderr)
-    # a run that trained some parameters only (the others are the model's own), or a
-    # checkpoint that did not read: restored into the model, as load_model does
-    model = load_model(folders.run, factory, best=args.best)
-    save_pretrained(model, args.to, tokenizer=tokenizer, dtype=args.dtype)
-    print(args.to)
-    return 0
+    model = load_model(run, factory, best=best)
+    save_pretrained(model, to, tokenizer=tokenizer, dtype=dtype)
 
 
 def list_runs(storage: str) -> list[dict]:
