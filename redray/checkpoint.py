@@ -108,7 +108,7 @@ def to_storage(tree) -> dict:
     out: dict = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         node = out
-        names = [_segment(k) for k in path] or ["value"]
+        names = _names(path)
         for name in names[:-1]:
             node = node.setdefault(name, {})
         node[names[-1]] = jax.random.key_data(leaf) if _is_key(leaf) else leaf
@@ -150,8 +150,12 @@ def save_args(tree: dict, ocp, stacked: dict | None = None) -> dict:
 def storage_paths(tree) -> list[str]:
     """The "/"-joined path each leaf of ``tree`` is stored under (``to_storage``), in
     leaf order."""
-    return ["/".join([_segment(k) for k in path] or ["value"])
-            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return ["/".join(_names(path)) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _names(path) -> list[str]:
+    """A leaf's key path as the names it is stored under (a bare leaf as ``value``)."""
+    return [_segment(k) for k in path] or ["value"]
 
 
 def _stored(abstract):

@@ -50,7 +50,7 @@ class ModelRuntime:
         self.init_key = stream_key(seed, KeyStream.INIT)
         self.abstract = abstract_state(self.adapter, self.init_key)
         self.specs = None
-        self._stacked = None
+        self._traced_by, self._stacked = None, None  # what derive traced; its stacks
         self.whole: list = []  # layer parameters the rules left unsplit over model
 
     def use(self, plan: Plan | Parallelism) -> None:
@@ -181,9 +181,8 @@ class ModelRuntime:
         the dataflow of what ``derive`` traced, traced when first asked (a checkpoint's
         save: stored a layer a chunk); empty before ``derive``."""
         if self._stacked is None:
-            traced_by = getattr(self, "_traced_by", None)
-            self._stacked = {} if traced_by is None else \
-                stacked_arrays(self.abstract, traced_by[0], traced_by[1])
+            self._stacked = {} if self._traced_by is None else \
+                stacked_arrays(self.abstract, *self._traced_by)
         return self._stacked
 
     @property

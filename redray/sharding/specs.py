@@ -75,8 +75,7 @@ def derive_specs(tree, mesh: Mesh | AbstractMesh, fn: Callable | None = None, ar
     if needed or (fn is not None and stacked is not None):
         trace = trace_tree(tree, fn, args)
     if stacked is not None and trace is not None:
-        stacked.update({paths[i]: abstract[i].shape[min(dims)]
-                        for i, dims in trace.scanned.items() if dims})
+        stacked.update(_stacked_in(trace, paths, abstract))
     specs = partition_specs(passes, paths, [a.shape for a in abstract],
                             [a.dtype for a in abstract], dict(mesh.shape),
                             trace if needed else None, whole)
@@ -87,7 +86,11 @@ def stacked_arrays(tree, fn: Callable, args=()) -> dict:
     """The arrays of ``tree`` that stack layers a scan steps over ("/"-joined path ->
     the layers they stack), from the dataflow of ``fn(tree, *args)``."""
     paths, leaves, _ = flatten(tree)
-    trace = trace_tree(tree, fn, args)
+    return _stacked_in(trace_tree(tree, fn, args), paths, leaves)
+
+
+def _stacked_in(trace, paths: list, leaves: list) -> dict:
+    """path -> layers of each array a scan of ``trace`` steps over."""
     return {paths[i]: leaves[i].shape[min(dims)] for i, dims in trace.scanned.items() if dims}
 
 
