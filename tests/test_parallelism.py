@@ -80,6 +80,24 @@ def test_a_plan_builds_the_mesh_make_mesh_builds():
         make_mesh(tensor_axis=2)
 
 
+def test_on_two_slices_the_data_axis_lines_up_the_slices():
+    from redray.sharding.parallelism import _slices_grid
+
+    devices = jax.devices()[:4]
+    by_slice = {0: devices[:2], 1: devices[2:]}  # as two slices' slice_index would
+
+    def grid(**sizes):
+        shape = tuple(sizes.get(a.name, 1) for a in AXES)
+        return np.vectorize(lambda d: d.id)(_slices_grid(by_slice, shape)).reshape(2, 2)
+
+    # data=2 x fsdp=2: each slice holds a whole FSDP group, the data axis's peers across
+    assert grid(data=2, fsdp=2).tolist() == [[0, 1], [2, 3]]
+    # the data axis crosses the slices before stages do
+    assert grid(stage=2, data=2).T.tolist() == [[0, 1], [2, 3]]
+    # slices of unequal size are not laid out as slices
+    assert _slices_grid({0: devices[:1], 1: devices[1:]}, (1, 4, 1, 1, 1, 1)) is None
+
+
 def test_an_abstract_plan_needs_no_devices():
     plan = Parallelism.of(model_axis=8, fsdp_axis=2).abstract(64)
     assert isinstance(plan.mesh, AbstractMesh)

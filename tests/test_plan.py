@@ -33,6 +33,7 @@ SETTINGS = {
     "gpt-j-6b": (8, 8, 1, 6_050_882_784),
     "llama-7b": (16, 8, 2, 6_738_415_616),
     "llama-13b": (32, 8, 4, 13_015_864_320),
+    "llama-3-8b": (16, 8, 2, 8_030_261_248),
     "t5-11b": (16, 8, 2, 11_307_321_344),
     "opt-13b": (16, 8, 2, 12_853_473_280),
     "opt-66b": (64, 8, 8, 65_719_701_504),
@@ -186,6 +187,11 @@ def test_cli_json():
       "v100"], "unknown hardware 'v100'"),
     (["llama-7b", "--devices", "8", "--hosts", "3", "--batch-size", "8", "--seq-len", "64"],
      "8 devices do not split over 3 hosts"),
+    (["llama-7b", "--devices", "12", "--slices", "2", "--hardware", "tpu-v5p", "--batch-size",
+      "8", "--seq-len", "64"], "--slices 2: 12 devices do not make 2 slices of whole TPU v5p "
+     "hosts (4 devices each): give a device count that is a multiple of 2 x 4 = 8"),
+    (["llama-7b", "--devices", "16", "--slices", "2", "--hosts", "3", "--hardware", "tpu-v5p",
+      "--batch-size", "8", "--seq-len", "64"], "--hosts 3 do not make 2 slices"),
 ])
 def test_cli_errors_are_one_line_exit_2(args, expected):
     proc = run_cli("plan", *args)
@@ -368,6 +374,32 @@ def test_the_planner_ranks_plans_when_no_axis_is_given(capsys):
     assert all(0 < p["attention_seconds"] and 0 < p["memory_bound_seconds"]
                and p["attention_seconds"] + p["memory_bound_seconds"] < p["compute_seconds"]
                for p in result["plans"])
+
+
+def test_two_v5p_slices_take_the_data_axis_across_them(capsys):
+    from redray.cli import main
+
+    step = ["llama-3-8b", "--devices", "32", "--slices", "2", "--hardware", "tpu-v5p",
+            "--batch-size", "64", "--seq-len", "4096", "--compute-dtype", "bfloat16"]
+    assert main(["plan", *step, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["hosts"] == 8 and result["slices"] == 2
+    assert result["hardware"]["slice_devices"] == 16
+    best = result["plans"][0]
+    levels = {row["level"]: row for row in best["network"]}
+    assert list(levels) == ["inside a host", "between hosts of a slice", "across slices"]
+    # only the data axis crosses the slices, and the step sends its gradients over them
+    assert levels["across slices"]["axes"] == {"data": best["axes"]["data"]}
+    assert best["axes"]["data"] >= 2 and levels["across slices"]["bytes"] > 0
+    assert levels["across slices"]["link_gb_per_s"] == 50 / 8
+    assert sum(best["memory_parts"].values()) == best["memory_bytes"]
+    # the explanation: memory per device by part, traffic per level
+    assert main(["plan", *step]) == 0
+    out = capsys.readouterr().out
+    assert "32 devices in 8 host(s) in 2 slices, TPU v5p" in out
+    assert "memory per device" in out and "optimizer state" in out
+    crossing = next(line for line in out.splitlines() if line.startswith("  across slices"))
+    assert f"data={best['axes']['data']}" in crossing and "6.25 GB/s" in crossing
 
 
 @pytest.mark.parametrize("axes", [dict(fsdp_axis=2), dict(model_axis=2)])

@@ -19,10 +19,10 @@ from redray.checkpoint import latest_meta
 from redray.models import build, next_token_loss
 from redray.planning.from_config import ConfigFacts, PlanError, choose_plan
 from redray.sharding import collectives, flatten
-from redray.planning.cost import (Parameter, StepCost, collective_seconds, host_spans,
-                                  state_traffic, tensor_traffic)
+from redray.planning.cost import (Parameter, StepCost, collective_levels, collective_seconds,
+                                  host_spans, state_traffic, tensor_traffic)
 from redray.planning.hardware import GB, PRESETS, Hardware, Link, ethernet, preset
-from redray.planning.planner import _loses_on, candidates
+from redray.planning.planner import _loses_on, candidates, rank
 from redray.sharding.specs import trace_tree
 
 SEQ = 32
@@ -230,18 +230,84 @@ def test_an_all_to_all_sends_all_but_a_device_own_share_over_the_link_it_crosses
         1 / 4 * 400 / 100 + 1.0 + 1 / 2 * 400 / 10 + 5.0)
 
 
+def test_a_collective_across_slices_pays_the_data_centre_network_for_its_share():
+    hw = Hardware("test", 1e12, 1e12, 1e9, 4, intra=Link(100.0, 1.0), inter=Link(100.0, 1.0),
+                  dcn=Link(10.0, 5.0), slice_devices=8)
+    # 8 devices: 4 of a host x 2 hosts of one slice, or 4 x 2 slices of one host each
+    inside = 2 * 3 / 4 * 400 / 100 + 2 * 3 * 1.0
+    in_a_slice = collective_seconds("all-reduce", 400, 4, 2, hw)
+    assert in_a_slice == pytest.approx(inside + 2 * 1 / 2 * 100 / 100 + 2 * 1.0)
+    across = collective_seconds("all-reduce", 400, 4, 1, hw, slices=2)
+    assert across == pytest.approx(inside + 2 * 1 / 2 * 100 / 10 + 2 * 5.0)
+    assert across > in_a_slice
+    # what each level carries: the ring across slices on a device's quarter of the buffer
+    levels = collective_levels("all-reduce", 400, 4, 2, 2, hw)
+    assert [sent for sent, _ in levels] == pytest.approx([600, 100, 50])
+    # an all-to-all sends half its buffer to the other slice, a point-to-point pass all of
+    # it over the slowest link it crosses
+    assert collective_levels("all-to-all", 400, 1, 1, 2, hw)[2] == pytest.approx(
+        (200, 200 / 10 + 5.0))
+    assert collective_seconds("collective-permute", 400, 1, 2, hw, slices=2) == 400 / 10 + 5.0
+
+
+def test_one_slice_costs_what_it_cost_before_slices():
+    # the numbers of the two-level cost model (commit 492a7a3), to the last bit
+    hw = preset("h100")
+    expected = {"all-reduce": (0.003958888916111111, 0.007332222272777777,
+                               0.012252222307777777),
+                "all-gather": (0.0019794444580555556, 0.0036661111363888886,
+                               0.006126111153888889),
+                "all-to-all": (0.0019794444580555556, 0.014036481579351853,
+                               0.010570555629444445),
+                "collective-permute": (0.0022272222377777776, 0.02001000014,
+                                       0.02001000014)}
+    for kind, seconds in expected.items():
+        assert tuple(collective_seconds(kind, 1e9 + 7, i, a, hw)
+                     for i, a in ((8, 1), (8, 3), (2, 2))) == seconds, kind
+    # a preset with a data-centre network (TPU v5e's) on one slice: the planner's numbers
+    # as they were
+    facts = ConfigFacts("smollm3-3b", 256, "bfloat16", scan=False)
+    ranking = rank(facts, 8, 2, 8, preset("tpu-v5e"))
+    assert ranking.best.plan.brief() == "data=1 x fsdp=4 x model=2, micro 2, remat none"
+    assert ranking.best.cost.seconds == 0.10677718343747976
+    assert ranking.best.cost.levels[2] == (0.0, 0.0)
+    # a saved hardware of two levels reads back as one slice
+    old = {k: v for k, v in PRESETS["tpu-v5e"].to_dict().items()
+           if k not in ("slice_devices", "dcn")}
+    assert Hardware.from_dict(old).slices(64) == 1
+
+
+def test_slices_hold_whole_hosts_and_fsdp_crosses_them_where_pinned():
+    v5p = preset("tpu-v5p").in_slices(2, 32)
+    assert (v5p.slice_devices, v5p.slices(32)) == (16, 2)
+    with pytest.raises(ValueError, match="multiple of 2 x 4 = 8"):
+        preset("tpu-v5p").in_slices(2, 12)
+    # FSDP may cross slices where nothing else fits, or where pinned
+    pinned = candidates(32, 8, 32, ("none",), {"fsdp_axis": 32, "micro_batch_size": 1},
+                        slices=2)
+    assert pinned and host_spans(pinned[0].shape, 8, 2)["fsdp"] == (4, 4, 2)
+
+
 def test_host_spans_follow_the_hybrid_mesh():
-    one = {"stage": (1, 1), "expert": (1, 1), "context": (1, 1)}
+    # (inside a host, hosts of a slice, slices): one slice unless said
+    one = {"stage": (1, 1, 1), "expert": (1, 1, 1), "context": (1, 1, 1)}
     spans = host_spans({"data": 2, "fsdp": 2, "model": 2}, hosts=2)
-    assert spans == {**one, "data": (1, 2), "fsdp": (2, 1), "model": (2, 1)}
+    assert spans == {**one, "data": (1, 2, 1), "fsdp": (2, 1, 1), "model": (2, 1, 1)}
     spans = host_spans({"data": 1, "fsdp": 8, "model": 4}, hosts=4)  # fsdp 2 inside each host
-    assert spans == {**one, "data": (1, 1), "fsdp": (2, 4), "model": (4, 1)}
+    assert spans == {**one, "data": (1, 1, 1), "fsdp": (2, 4, 1), "model": (4, 1, 1)}
     spans = host_spans({"data": 2, "fsdp": 1, "expert": 4, "model": 2}, hosts=2)
-    assert spans == {**one, "data": (1, 2), "fsdp": (1, 1), "expert": (4, 1), "model": (2, 1)}
+    assert spans == {**one, "data": (1, 2, 1), "fsdp": (1, 1, 1), "expert": (4, 1, 1),
+                     "model": (2, 1, 1)}
     # stages cross the hosts before the data axis does
     spans = host_spans({"stage": 2, "data": 2, "fsdp": 2}, hosts=2)
-    assert spans["stage"] == (1, 2) and spans["data"] == (2, 1)
-    assert host_spans({"data": 4, "fsdp": 1, "model": 1}, hosts=1)["data"] == (4, 1)
+    assert spans["stage"] == (1, 2, 1) and spans["data"] == (2, 1, 1)
+    assert host_spans({"data": 4, "fsdp": 1, "model": 1}, hosts=1)["data"] == (4, 1, 1)
+    # the data axis crosses slices before stages do, FSDP inside a slice as far as it fits
+    spans = host_spans({"stage": 2, "data": 2, "fsdp": 4}, hosts=4, slices=2)
+    assert spans["data"] == (1, 1, 2) and spans["stage"] == (1, 2, 1)
+    assert spans["fsdp"] == (4, 1, 1)
+    spans = host_spans({"data": 1, "fsdp": 16}, hosts=4, slices=2)
+    assert spans["fsdp"] == (4, 2, 2)
 
 
 def test_the_grid_keeps_the_model_axis_inside_a_host_and_what_is_pinned():

@@ -23,7 +23,9 @@ def add(sub) -> None:
                  "--seq-len 2048 --remat full --compute-dtype bfloat16 --device-memory 80\n"
                  "  redray plan path/to/config.json --devices 16 --model-axis 4 --fsdp-axis 4\n"
                  "  redray plan llama-7b --devices 64 --hosts 8 --batch-size 256 --seq-len "
-                 "4096 --compute-dtype bfloat16 --hardware h100+ethernet")
+                 "4096 --compute-dtype bfloat16 --hardware h100+ethernet\n"
+                 "  redray plan llama-3-8b --devices 32 --slices 2 --hardware tpu-v5p "
+                 "--batch-size 256 --seq-len 4096 --compute-dtype bfloat16")
     p.add_argument("config", metavar="PRESET_OR_CONFIG",
                    help=f"a preset ({', '.join(preset_names())}) or the path of a Hugging "
                         "Face config.json")
@@ -43,8 +45,13 @@ def add(sub) -> None:
                         "devices of --hardware)")
     p.add_argument("--hardware", default=None,
                    help="the planner: a preset the plans are costed on: h100, "
-                        "h100-96gb-500w, h200, a100, l4, tpu-v5e or cpu, '+ethernet' for "
-                        "hosts joined by 100 Gb/s Ethernet (default h100)")
+                        "h100-96gb-500w, h200, a100, l4, tpu-v5e, tpu-v5p, tpu-v6e "
+                        "(Trillium) or cpu, '+ethernet' for hosts joined by 100 Gb/s "
+                        "Ethernet (default h100)")
+    p.add_argument("--slices", type=int, default=1,
+                   help="the planner: TPU slices the devices are in, joined by the "
+                        "data-centre network (multislice; default 1): each holds devices / "
+                        "slices of them, whole hosts; the data axis crosses them first")
     memory = p.add_argument_group(
         "one training step's memory per device (gradients, compute-dtype copies, FSDP "
         "gather buffers, activations): give --batch-size and --seq-len")
@@ -82,7 +89,7 @@ def _plan(args) -> int:
 
     name, fields = load_fields(args.config)
     sizes = {a.keyword: getattr(args, a.keyword) for a in AXES if a.default != "auto"}
-    if args.hosts is not None or args.hardware is not None or all(
+    if args.hosts is not None or args.hardware is not None or args.slices != 1 or all(
             v is None for v in sizes.values()):
         return _choose(args, name, fields, {k: v for k, v in sizes.items() if v is not None})
     sizes = {a.keyword: a.default if sizes[a.keyword] is None else sizes[a.keyword]
@@ -142,29 +149,49 @@ def _choose(args, name: str, fields: dict, pinned: dict) -> int:
         raise UsageError(str(e)) from None
     if args.device_memory is not None:
         hardware = dataclasses.replace(hardware, device_memory=args.device_memory * (1 << 30))
-    hosts = args.hosts or max(1, args.devices // hardware.devices_per_host)
+    hardware, hosts = _in_slices(args, hardware)
     ranking = choose_plan(fields, args.devices, hosts, args.batch_size, args.seq_len, hardware,
                           compute_dtype=args.compute_dtype, loss_chunk=args.loss_chunk,
                           micro_rows=args.micro_batch_size, remat=args.remat, scan=args.scan,
                           **pinned)
     if args.json:
         print(json.dumps({"config": name, "hardware": hardware.describe(), "hosts": hosts,
-                          "plans": [_scored_json(s, hardware) for s in ranking.ranked],
+                          "slices": args.slices,
+                          "plans": [_scored_json(s, hardware, hosts) for s in ranking.ranked],
                           "over_budget": len(ranking.over)}, indent=2))
         return 0
-    print(f"{name}: {args.devices} devices in {hosts} host(s), {hardware.name} "
+    slices = f" in {args.slices} slices" if args.slices > 1 else ""
+    print(f"{name}: {args.devices} devices in {hosts} host(s){slices}, {hardware.name} "
           f"({hardware.source})")
     print(f"batch {args.batch_size} x {args.seq_len} tokens")
     print(ranking.why())
+    print(ranking.explain())
     print()
     print(ranking.table())
     return 0
 
 
-def _scored_json(s, hardware) -> dict:
+def _in_slices(args, hardware):
+    """(``hardware`` as ``--slices`` slices of the devices, the hosts they are in):
+    ``--hosts``, or the devices over a host's devices."""
+    try:
+        hardware = hardware.in_slices(args.slices, args.devices)
+    except ValueError as e:
+        raise UsageError(f"--slices {args.slices}: {e}") from None
+    hosts = args.hosts or max(1, args.devices // hardware.devices_per_host)
+    if hosts % args.slices:
+        raise UsageError(f"--hosts {hosts} do not make {args.slices} slices of whole hosts: "
+                         f"give a multiple of {args.slices}")
+    return hardware, hosts
+
+
+def _scored_json(s, hardware, hosts: int) -> dict:
     """A ranked plan: ``plan`` written out (what ``plan=`` takes), its axes, its
-    predicted step by part."""
+    predicted step by part, its memory per device by part, its traffic per level of
+    the network."""
     import dataclasses
+
+    from redray.planning.planner import network_levels
 
     c = s.cost
     plan = dataclasses.replace(s.plan, hardware=hardware.to_dict())
@@ -178,4 +205,6 @@ def _scored_json(s, hardware) -> dict:
             "update_seconds": c.update, "pipeline_seconds": c.pipeline,
             "tensor_seconds": c.tensor, "gradient_seconds": c.gradients,
             "exposed_gradient_seconds": c.exposed, "tokens_per_s": s.tokens_per_s,
-            "mfu": s.mfu, "memory_bytes": s.memory["total"]}
+            "mfu": s.mfu, "memory_bytes": s.memory["total"],
+            "memory_parts": s.memory["parts"],
+            "network": network_levels(s.plan.shape, hosts, hardware, c)}

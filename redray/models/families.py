@@ -103,7 +103,8 @@ class Family:
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LLaMA", "llama", "LlamaForCausalLM", split_widths=GQA_WIDTHS,
-           presets=("llama-7b", "llama-13b"), tiny=dict(TINY, tie_word_embeddings=False)),
+           presets=("llama-7b", "llama-13b", "llama-3-8b"),
+           tiny=dict(TINY, tie_word_embeddings=False)),
     Family("mistral", "Mistral", "llama", "MistralForCausalLM", split_widths=GQA_WIDTHS,
            tiny=dict(TINY, sliding_window=6)),
     Family("qwen2", "Qwen2", "llama", "Qwen2ForCausalLM", split_widths=GQA_WIDTHS,

@@ -38,7 +38,11 @@ reshards a fsdp x model step's activations by replicating them). Layers the mode
 axis leaves whole run whole on every device of its group (``whole_flops``). A
 collective over a group inside one host costs ring steps on the host's link; a group
 that spans hosts runs hierarchically (within each host, then across hosts on the
-``1/k`` of the bytes each of a host's ``k`` devices carries).
+``1/k`` of the bytes each of a host's ``k`` devices carries); on TPU multislice
+(``Hardware.slice_devices``) a group that spans slices then crosses them on the data-centre
+network on its ``1/(k h)`` share, ``h`` the hosts of its slice it spans
+(``collective_levels``; the data axis is the first to cross slices:
+``parallelism.network_shapes``).
 
 Overlap (``exposed_seconds``, as XLA's latency-hiding scheduler can do it): tensor-parallel
 all-reduces, expert all-to-alls and pipeline passes are on the critical path; a stacked
@@ -76,9 +80,9 @@ import math
 from typing import Sequence
 
 from redray.sharding.dataflow import Trace
-from redray.planning.hardware import Hardware, Link, for_backend
+from redray.planning.hardware import Hardware, for_backend
 from redray.planning.work import Work
-from redray.sharding.parallelism import (AXES, BATCH_AXES, GATHERING, hybrid_shapes,
+from redray.sharding.parallelism import (AXES, BATCH_AXES, GATHERING, network_shapes,
                                          pipeline_ticks, role_axes, role_size)
 from redray.sharding.rules import axes_of
 
@@ -128,6 +132,9 @@ class StepCost:
         compute together with ``gradients``: ``exposed`` counts what is not).
       attention: the part of ``compute`` in attention's fused kernels.
       memory: the part of ``compute`` in memory-bound kernels.
+      levels: (bytes one device sends, seconds before overlap) of ``traffic`` on each
+        level of the network (``LEVELS``: inside a host, between the hosts of a slice,
+        across slices).
     """
     compute: float
     tensor: float
@@ -141,6 +148,7 @@ class StepCost:
     context: float = 0.0
     attention: float = 0.0
     memory: float = 0.0
+    levels: tuple[tuple[float, float], ...] = ()
 
     @property
     def seconds(self) -> float:
@@ -185,58 +193,104 @@ class ModelTiming:
                 "timed_update_ns_per_parameter": self.update_per_element * 1e9}
 
 
-def host_spans(shape: dict[str, int], hosts: int) -> dict[str, tuple[int, int]]:
-    """axis name -> (devices inside a host, hosts it spans) of a mesh of ``shape`` on
-    ``hosts`` hosts laid out as ``Parallelism.build`` lays it out."""
+def _in_order(sizes: Sequence[int], room: int) -> tuple[tuple, tuple]:
+    """(outside, inside) shares of ``sizes`` where the device order fills a block of
+    ``room`` devices innermost axis first (a mesh no hybrid layout places)."""
+    inside = []
+    for size in reversed(sizes):
+        k = math.gcd(size, room)
+        inside.append(k)
+        room //= k
+    inside.reverse()
+    return tuple(size // k for size, k in zip(sizes, inside)), tuple(inside)
+
+
+def host_spans(shape: dict[str, int], hosts: int,
+               slices: int = 1) -> dict[str, tuple[int, int, int]]:
+    """axis name -> (devices inside a host, hosts it spans inside a slice, slices it
+    spans) of a mesh of ``shape`` on ``hosts`` hosts in ``slices`` slices, laid out as
+    ``Parallelism.build`` lays it out (``parallelism.network_shapes``)."""
     sizes = [shape.get(a.name, 1) for a in AXES]
     devices = math.prod(sizes)
-    if hosts <= 1:
-        return {a.name: (s, 1) for a, s in zip(AXES, sizes)}
-    split = hybrid_shapes(sizes, hosts, devices // hosts)
-    if split is None:  # the device order, innermost axis first into each host
-        room, inside = devices // hosts, []
-        for s in reversed(sizes):
-            k = math.gcd(s, room)
-            inside.append(k)
-            room //= k
-        inside.reverse()
-        split = (tuple(s // k for s, k in zip(sizes, inside)), tuple(inside))
-    across, inside = split
-    return {a.name: (inside[i], across[i]) for i, a in enumerate(AXES)}
+    hosts, slices = max(hosts, 1), max(slices, 1)
+    split = network_shapes(sizes, slices, hosts, devices // hosts)
+    if split is None:  # the device order, innermost axis first into each slice and host
+        across_slices, in_slice = _in_order(sizes, devices // slices)
+        split = (across_slices, *_in_order(in_slice, devices // hosts))
+    across_slices, across, inside = split
+    return {a.name: (inside[i], across[i], across_slices[i]) for i, a in enumerate(AXES)}
+
+
+# The levels of the network a collective may cross, innermost first (``Hardware``'s
+# ``intra``, ``inter`` and ``across_slices`` links).
+LEVELS = ("inside a host", "between hosts of a slice", "across slices")
+
+
+def collective_levels(kind: str, nbytes: float, inside: int, across: int, slices: int,
+                      hardware: Hardware) -> tuple[tuple[float, float], ...]:
+    """(bytes one device sends, seconds) on each of ``LEVELS`` of one collective of
+    ``nbytes`` over ``inside`` devices of a host times ``across`` hosts of a slice times
+    ``slices`` slices: a ring within each host over the whole buffer, then across the
+    hosts of a slice on this device's ``1/inside`` of it, then across slices on its
+    ``1/(inside across)`` (hierarchical, as XLA reduces over ICI before DCN)."""
+    links = (hardware.intra, hardware.inter, hardware.across_slices)
+    if kind == "collective-permute":  # point to point: each device sends its buffer once
+        level = 2 if slices > 1 else 1 if across > 1 else 0
+        return tuple((nbytes, nbytes / links[k].bandwidth + links[k].latency) if k == level
+                     else (0.0, 0.0) for k in range(3))
+    if kind == "all-to-all":  # each device keeps 1/n of the buffer, sends the rest
+        n = inside * across * slices
+        # what goes to the host's other devices, the slice's other hosts, other slices,
+        # with a step per peer device, host or slice
+        sent = (nbytes * (inside - 1) / n, nbytes * (across - 1) / (across * slices),
+                nbytes * (slices - 1) / slices)
+        peers = (inside - 1, across - 1, slices - 1)
+        return tuple((b, b / link.bandwidth + steps * link.latency) if steps > 0
+                     else (0.0, 0.0) for b, steps, link in zip(sent, peers, links))
+    passes = 2 if kind == "all-reduce" else 1  # reduce-scatter + all-gather
+    out = []
+    for n, size, link in ((inside, nbytes, links[0]), (across, nbytes / inside, links[1]),
+                          (slices, nbytes / (inside * across), links[2])):
+        if n <= 1:
+            out.append((0.0, 0.0))
+            continue
+        sent = passes * (n - 1) / n * size
+        out.append((sent, passes * ((n - 1) / n * size / link.bandwidth
+                                    + (n - 1) * link.latency)))
+    return tuple(out)
 
 
 def collective_seconds(kind: str, nbytes: float, inside: int, across: int,
-                       hardware: Hardware) -> float:
+                       hardware: Hardware, slices: int = 1) -> float:
     """Seconds of one ring collective of ``nbytes`` over ``inside`` devices of a host
-    times ``across`` hosts (hierarchical when it spans hosts)."""
-    def ring(n: int, size: float, link: Link, steps: int) -> float:
-        if n <= 1:
-            return 0.0
-        return steps * ((n - 1) / n * size / link.bandwidth + (n - 1) * link.latency)
+    times ``across`` hosts (of a slice) times ``slices`` slices (hierarchical when it
+    spans hosts or slices: ``collective_levels``)."""
+    return sum(sec for _, sec in collective_levels(kind, nbytes, inside, across, slices,
+                                                   hardware))
 
-    if kind == "collective-permute":  # point to point: each device sends its buffer once
-        link = hardware.inter if across > 1 else hardware.intra
-        return nbytes / link.bandwidth + link.latency
-    if kind == "all-to-all":  # each device keeps 1/n of the buffer, sends the rest
-        n = inside * across
-        own = nbytes * (inside - 1) / n / hardware.intra.bandwidth + \
-            (inside - 1) * hardware.intra.latency
-        if across <= 1:
-            return own
-        return own + (nbytes * (across - 1) / across / hardware.inter.bandwidth
-                      + (across - 1) * hardware.inter.latency)
-    passes = 2 if kind == "all-reduce" else 1  # reduce-scatter + all-gather
-    if across <= 1:
-        return ring(inside, nbytes, hardware.intra, passes)
-    # within each host over the whole buffer, then across hosts on this device's 1/k
-    return (ring(inside, nbytes, hardware.intra, passes)
-            + ring(across, nbytes / inside, hardware.inter, passes))
+
+def _group(t: "Traffic", spans: dict) -> tuple[int, int, int]:
+    """(devices inside a host, hosts of a slice, slices) of ``t``'s group."""
+    return (math.prod(spans[a][0] for a in t.axes), math.prod(spans[a][1] for a in t.axes),
+            math.prod(spans[a][2] for a in t.axes))
 
 
 def traffic_seconds(t: Traffic, spans: dict, hardware: Hardware) -> float:
-    inside = math.prod(spans[a][0] for a in t.axes)
-    across = math.prod(spans[a][1] for a in t.axes)
-    return t.times * collective_seconds(t.kind, t.bytes, inside, across, hardware)
+    inside, across, slices = _group(t, spans)
+    return t.times * collective_seconds(t.kind, t.bytes, inside, across, hardware, slices)
+
+
+def traffic_levels(traffic: Sequence[Traffic], spans: dict,
+                   hardware: Hardware) -> tuple[tuple[float, float], ...]:
+    """(bytes one device sends, seconds) a step's ``traffic`` costs on each of
+    ``LEVELS``, before any overlap with the compute."""
+    totals = [[0.0, 0.0] for _ in LEVELS]
+    for t in traffic:
+        for total, (sent, sec) in zip(totals, collective_levels(
+                t.kind, t.bytes, *_group(t, spans), hardware)):
+            total[0] += t.times * sent
+            total[1] += t.times * sec
+    return tuple((b, sec) for b, sec in totals)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -646,7 +700,8 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
       tensor, state: the step's traffic (``tensor_traffic``, ``state_traffic``).
       accumulation: micro-batches per step (passes: a pipeline's ticks).
       shape: the mesh's axis sizes; hosts: how many hosts it spans.
-      hardware: the devices and links.
+      hardware: the devices and links (and the slices they are in:
+        ``Hardware.slice_devices``).
       timing: the model's pass timed on these devices, if it was (its rate and cost
         per micro-batch replace the hardware's).
       elements: trained parameter elements one device holds (the update's share).
@@ -663,7 +718,7 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
         at the memory bandwidth).
       stacked: the model's layers are stacked and scanned.
     """
-    spans = host_spans(shape, hosts)
+    spans = host_spans(shape, hosts, hardware.slices(math.prod(shape.values())))
     attention = memory = 0.0
     if timing is None:
         per_micro = hardware.micro_batch_overhead
@@ -689,9 +744,10 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
         exposed = max(0.0, state_s + context_s - hardware.overlap * compute)
     experts_s = sum(traffic_seconds(t, spans, hardware) for t in experts)
     stages_s = sum(traffic_seconds(t, spans, hardware) for t in stages)
-    return StepCost(compute, tensor_s, state_s, exposed, accumulation * per_micro,
-                    (*tensor, *state, *experts, *stages, *context), update, experts_s,
-                    stages_s, context_s, attention, memory)
+    traffic = (*tensor, *state, *experts, *stages, *context)
+    return StepCost(compute, tensor_s, state_s, exposed, accumulation * per_micro, traffic,
+                    update, experts_s, stages_s, context_s, attention, memory,
+                    traffic_levels(traffic, spans, hardware))
 
 
 def context_method(batch: int, tokens: int, ways: int, heads: int, kv_heads: int, head_dim: int,

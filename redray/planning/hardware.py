@@ -1,8 +1,10 @@
-"""The hardware a plan is costed on: each device's matmul rate and memory, and the two
-links a collective may cross (inside a host, between hosts).
+"""The hardware a plan is costed on: each device's matmul rate and memory, and the
+links a collective may cross: inside a host, between the hosts of a slice, and across
+slices (a TPU multislice's data-centre network; elsewhere every device is in one slice
+and the third link is never crossed).
 
 A ``Hardware`` comes from a preset (``PRESETS``: H100 SXM, H100 96GB at 500 W, H200,
-A100 80GB, L4, TPU v5e, CPU),
+A100 80GB, L4, TPU v5e, v5p and v6e, CPU),
 from a probe of the live cluster (``redray/planning/probe.py``), or is written by hand.
 Every preset number names its source; where a number is an assumption (how much of a
 datasheet's peak a large matmul sustains, a collective's per-step latency) it says so,
@@ -45,7 +47,8 @@ class Hardware:
       device_memory: bytes one device holds.
       devices_per_host: devices of one host (the unit the intra-host link joins).
       intra: the link between devices of one host (NVLink, ICI, shared memory).
-      inter: the link between hosts (InfiniBand, Ethernet, DCN), per device.
+      inter: the link between hosts of one slice (InfiniBand, Ethernet, a TPU slice's
+        ICI), per device.
       overlap: the fraction of a layer's compute time that the gradient and FSDP
         collectives may hide behind (XLA's latency-hiding scheduler on GPU and TPU
         overlaps them with the layers' kernels; 0 on CPU, where collectives run in
@@ -66,6 +69,12 @@ class Hardware:
         work not costed.
       attention_flops: FLOPs per second a fused attention kernel sustains, forward and
         backward (``redray.planning.work.AttentionCall``'s count); 0: the matmul rate.
+      slice_devices: devices of one slice (TPU multislice: the chips one ICI joins); 0:
+        every device is in one slice. A collective whose group spans slices crosses
+        ``dcn`` for its part across them (``redray.planning.cost``).
+      dcn: the link between slices (the data-centre network), per device: a host's
+        network bandwidth shared by its devices, as for ``inter`` (each of a host's
+        devices sends its share of a hierarchical collective at once); None: ``inter``.
     """
     name: str
     matmul_flops: float
@@ -82,6 +91,39 @@ class Hardware:
     platform: str = "gpu"
     memory_bandwidth: float = 0.0
     attention_flops: float = 0.0
+    slice_devices: int = 0
+    dcn: Link | None = None
+
+    @property
+    def across_slices(self) -> Link:
+        """The link a collective crosses between slices (``dcn``, else ``inter``)."""
+        return self.dcn or self.inter
+
+    def slices(self, devices: int) -> int:
+        """How many slices ``devices`` devices fill (1 where no slice size is set)."""
+        return max(1, devices // self.slice_devices) if self.slice_devices else 1
+
+    def in_slices(self, slices: int, devices: int) -> "Hardware":
+        """These devices as ``slices`` slices of ``devices / slices`` each (1: one
+        slice, as every preset is).
+
+        Raises:
+          ValueError: ``slices`` does not divide ``devices``, or a slice would hold part
+            of a host.
+        """
+        if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
+            raise ValueError(f"slices must be a positive int, got {slices!r}")
+        if slices == 1:
+            return dataclasses.replace(self, slice_devices=0)
+        per = devices // slices
+        if devices % slices or per % self.devices_per_host:
+            step = slices * self.devices_per_host
+            raise ValueError(
+                f"{devices} devices do not make {slices} slices of whole {self.name} hosts "
+                f"({self.devices_per_host} devices each): give a device count that is a "
+                f"multiple of {slices} x {self.devices_per_host} = {step} (--devices "
+                f"{max(step, devices // step * step)}), or another --slices")
+        return dataclasses.replace(self, slice_devices=per)
 
     @property
     def attention_rate(self) -> float:
@@ -104,6 +146,9 @@ class Hardware:
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"Hardware {self.name!r}: overlap is a fraction in [0, 1], got "
                              f"{self.overlap!r}")
+        if not (isinstance(self.slice_devices, int) and self.slice_devices >= 0):
+            raise ValueError(f"Hardware {self.name!r}: slice_devices must be an int >= 0 "
+                             f"(0: one slice), got {self.slice_devices!r}")
 
     def with_inter(self, bandwidth: float, latency: float, what: str) -> "Hardware":
         """The same devices joined across hosts by another link (``what`` names it)."""
@@ -118,8 +163,10 @@ class Hardware:
 
     @classmethod
     def from_dict(cls, d) -> "Hardware":
-        """The hardware ``to_dict`` wrote."""
-        return cls(**{**d, "intra": Link(**d["intra"]), "inter": Link(**d["inter"])})
+        """The hardware ``to_dict`` wrote (one written before slices reads as one slice)."""
+        dcn = d.get("dcn")
+        return cls(**{**d, "intra": Link(**d["intra"]), "inter": Link(**d["inter"]),
+                      "dcn": None if dcn is None else Link(**dcn)})
 
     def describe(self) -> dict:
         """The numbers, for the run's log and MLflow."""
@@ -131,6 +178,9 @@ class Hardware:
                 "intra_latency_us": self.intra.latency * 1e6,
                 "inter_gb_per_s": self.inter.bandwidth / GB,
                 "inter_latency_us": self.inter.latency * 1e6,
+                "slice_devices": self.slice_devices,
+                "dcn_gb_per_s": self.across_slices.bandwidth / GB,
+                "dcn_latency_us": self.across_slices.latency * 1e6,
                 "memory_gb_per_s": self.memory_bandwidth / GB,
                 "attention_tflops": self.attention_rate / 1e12,
                 "overlap": self.overlap, "reduce_scatter": self.reduce_scatter,
@@ -166,6 +216,25 @@ def _gpu(name: str, peak: float, memory: float, bandwidth: float, nvlink: float,
                     micro_batch_overhead=1e-3, source=source,
                     memory_bandwidth=MEMORY_SUSTAINED * bandwidth,
                     attention_flops=ATTENTION_SUSTAINED * clock * peak)
+
+
+# A TPU's per-step latency on ICI (an assumption, as NVLink's); across slices a step
+# goes through the hosts' network stacks: Ethernet's order, an assumption too.
+ICI_LATENCY = 5e-6
+
+
+def _tpu(name: str, peak: float, memory: float, bandwidth: float, ici: float, chips: int,
+         dcn: float, source: str) -> Hardware:
+    """A TPU chip of ``peak`` dense bf16 FLOP/s and ``memory`` bytes of HBM at
+    ``bandwidth`` bytes/s, ``chips`` to a host, ``ici`` bytes/s each way inside its
+    slice (between its hosts too) and ``dcn`` bytes/s per chip across slices, at the
+    shares of each rate measured on the H200 (assumed: probe them)."""
+    return Hardware(name, MATMUL_SUSTAINED * peak, peak, memory, chips,
+                    intra=Link(ici, ICI_LATENCY), inter=Link(ici, ICI_LATENCY),
+                    micro_batch_overhead=5e-4, platform="tpu",
+                    memory_bandwidth=MEMORY_SUSTAINED * bandwidth,
+                    attention_flops=ATTENTION_SUSTAINED * peak, source=source,
+                    dcn=Link(dcn, ETHERNET_LATENCY))
 
 
 # An H100 SXM held to 500 W (Meta's Grand Teton default, where torchtitan measured):
@@ -207,14 +276,30 @@ PRESETS: dict[str, Hardware] = {
                "x16 64 GB/s both ways, no NVLink); Google Cloud g2-standard-96: 8 L4 per "
                "VM, 100 Gb/s of network per VM, shared by its 8 GPUs; sustained shares "
                "assumed as on the H200"),
-    "tpu-v5e": Hardware(
-        "TPU v5e", MATMUL_SUSTAINED * 197e12, 197e12, 16 * GB, 8,
-        intra=Link(200 * GB, 5e-6), inter=Link(200 * GB, 5e-6), micro_batch_overhead=5e-4,
-        platform="tpu", memory_bandwidth=MEMORY_SUSTAINED * 819 * GB,
-        attention_flops=ATTENTION_SUSTAINED * 197e12,
-        source="Google Cloud TPU v5e documentation (197 TFLOPS BF16, 16 GB HBM2 at 819 "
-               "GB/s, ICI 1600 Gb/s per chip); the hosts of one slice are joined by the "
-               "same ICI; sustained shares assumed as on the H200"),
+    # TPUs: Google Cloud's system-architecture pages (cloud.google.com/tpu/docs/v5e, v5p,
+    # v6e, read 2026-12). A chip's ICI bandwidth as the link each device sends over at
+    # once (half the bidirectional figure); the hosts of one slice are joined by the
+    # same ICI, so ``inter`` is ``intra``; across slices the hosts' data-centre network
+    # (DCN), each host's NICs shared by its chips.
+    "tpu-v5e": _tpu(
+        "TPU v5e", 197e12, 16 * GB, 819 * GB, 200 * GB, 8, 2 * 100 / 8 * GB / 8,
+        "Google Cloud TPU v5e documentation (197 TFLOPS BF16, 16 GB HBM2 at 819 GB/s, ICI "
+        "1600 Gb/s per chip, 8 chips and 2 x 100 Gb/s NICs per host); the hosts of one "
+        "slice are joined by the same ICI, slices by the hosts' NICs (DCN); sustained "
+        "shares assumed as on the H200"),
+    "tpu-v5p": _tpu(
+        "TPU v5p", 459e12, 95 * GB, 2765 * GB, 600 * GB, 4, 50 / 8 * GB,
+        "Google Cloud TPU v5p documentation (459 TFLOPS BF16, 95 GB HBM2e at 2,765 GB/s, "
+        "ICI 4,800 Gb/s per chip (1,200 GB/s both ways) in a 3D torus, 4 chips per host "
+        "(ct5p-hightpu-4t), DCN 50 Gb/s per chip); sustained shares assumed as on the "
+        "H200"),
+    "tpu-v6e": _tpu(
+        "TPU v6e (Trillium)", 918e12, 32 * GB, 1640 * GB, 400 * GB, 4, 4 * 200 / 8 * GB / 8,
+        "Google Cloud TPU v6e documentation (918 TFLOPS BF16, 32 GB HBM at 1,640 GB/s, "
+        "ICI 800 GB/s per chip both ways in a 2D torus (3,584 Gb/s in the page's first "
+        "version), 4 x 200 Gb/s NICs per 8-chip host; a multi-host slice's VMs hold 4 "
+        "chips each (ct6e-standard-4t), the DCN per chip the same 100 Gb/s); sustained "
+        "shares assumed as on the H200"),
     "cpu": Hardware(
         "CPU (simulated devices)", 5e9, 5e9, 24 * (1 << 30) / 8, 4,
         intra=Link(2 * GB, 20e-6), inter=Link(0.5 * GB, 100e-6), overlap=0.0,
@@ -233,7 +318,7 @@ def ethernet(hardware: Hardware, gbit_per_host: float = 100.0) -> Hardware:
 
 def preset(name: str) -> Hardware:
     """A preset by name (``h100``, ``h100-96gb-500w``, ``h200``, ``a100``, ``l4``,
-    ``tpu-v5e``, ``cpu``); a name ending
+    ``tpu-v5e``, ``tpu-v5p``, ``tpu-v6e``, ``cpu``); a name ending
     ``+ethernet`` joins its hosts by 100 Gb/s Ethernet instead."""
     base, _, link = name.partition("+")
     if base not in PRESETS or link not in ("", "ethernet"):

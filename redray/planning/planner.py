@@ -19,17 +19,19 @@ import functools
 import math
 from typing import Sequence
 
-from redray.planning.cost import (DeviceWork, ModelTiming, Parameter, StepCost,
-                                  context_traffic, expert_traffic, stage_traffic,
+from redray.planning.cost import (LEVELS, DeviceWork, ModelTiming, Parameter, StepCost,
+                                  context_traffic, expert_traffic, host_spans, stage_traffic,
                                   state_traffic, step_cost, tensor_traffic, whole_flops,
                                   work_seconds)
 from redray.sharding.dataflow import Trace
-from redray.planning.hardware import Hardware
-from redray.planning.memory import chunk_share, features_split, hidden_width, size_text
+from redray.planning.hardware import GB, Hardware
+from redray.planning.memory import (chunk_share, features_split, hidden_width, part_lines,
+                                    size_text)
 from redray.planning.work import ModelWork, Work
-from redray.sharding.parallelism import (AXES, INSIDE, Parallelism, axis_defaults, held_layers,
-                                         hybrid_shapes, is_staged, pipeline_ticks,
-                                         role_keywords, role_size)
+from redray.sharding.parallelism import (ACROSS, AXES, INSIDE, OUTER, Parallelism,
+                                         axis_defaults, held_layers, is_staged,
+                                         network_shapes, pipeline_ticks, role_keywords,
+                                         role_size)
 from redray.sharding.pipeline_schedules import one_f_one_b_table
 from redray.sharding.placement import Placement, placement
 from redray.sharding.plan import Plan
@@ -153,6 +155,7 @@ class Ranking:
       timing: the model's pass as timed on the live devices, if it was.
       untimed: on live devices, why the pass was not timed (the plans then costed on
         the hardware's rates), else None.
+      hosts: the hosts the devices are in (in ``hardware.slices`` slices).
     """
     ranked: list[Scored]
     over: list[Scored]
@@ -160,6 +163,7 @@ class Ranking:
     hardware: Hardware
     timing: ModelTiming | None = None
     untimed: str | None = None
+    hosts: int = 1
 
     @property
     def best(self) -> Scored:
@@ -179,6 +183,21 @@ class Ranking:
         if self.untimed:
             line += f"; costed on the hardware's rates, the model's pass not timed ({self.untimed})"
         return line
+
+    def explain(self) -> str:
+        """The best plan's memory per device by part, and what its step sends on each
+        level of the network (``network_levels``), one per line."""
+        best = self.best
+        lines = [f"memory per device ({best.plan.brief()}):",
+                 *part_lines(best.memory, best.plan.shape),
+                 "traffic per device per step, by level of the network (before the "
+                 "compute hides any):"]
+        for row in network_levels(best.plan.shape, self.hosts, self.hardware, best.cost):
+            axes = " x ".join(f"{a}={n}" for a, n in row["axes"].items()) or "no axis"
+            lines.append(f"  {row['level']:<25} {axes:<20} {size_text(row['bytes']):>11} "
+                         f"{row['seconds'] * 1e3:>9.1f} ms  ({row['link_gb_per_s']:g} GB/s "
+                         "per device)")
+        return "\n".join(lines)
 
     def table(self, rows: int = 10) -> str:
         """The ranked candidates, fastest first (their predicted step; compute, the
@@ -202,6 +221,42 @@ class Ranking:
                        f"device (smallest: {self.over[0].plan.brief()}, "
                        f"{size_text(self.over[0].memory['total'])})")
         return "\n".join(out)
+
+
+def crosses_slices_as_data(shape: dict[str, int], hosts: int, slices: int) -> bool:
+    """Whether only the axes that take what the others leave (the data axis) or come
+    first across hosts (stages) cross the slices of a plan of ``shape``: MaxText's
+    default (``dcn_data_parallelism``, every other DCN axis 1), which ``rank`` keeps
+    wherever such a plan fits. The cost model prices FSDP's per-layer gathers across
+    slices as hidden behind each layer's compute (about as many bytes as the data
+    axis's reduction: each carries a device's shard once), which holds only while every
+    transfer on the shared data-centre network arrives in time; a late one stalls each
+    layer's forward and backward there, the data axis's reduction once a layer's
+    backward."""
+    if slices <= 1:
+        return True
+    sizes = [shape.get(a.name, 1) for a in AXES]
+    split = network_shapes(sizes, slices, hosts, math.prod(sizes) // hosts)
+    return split is not None and all(
+        n == 1 or a.hosts in (ACROSS, OUTER) for a, n in zip(AXES, split[0]))
+
+
+def network_levels(shape: dict[str, int], hosts: int, hardware: Hardware,
+                   cost: StepCost) -> list[dict]:
+    """Each level of the network the cluster has (``cost.LEVELS``: inside a host;
+    between hosts, where there are several in a slice; across slices, where there are
+    several): the axes whose groups cross it (axis name -> the ways it spans there),
+    its link's bandwidth per device, and what a plan's step (``cost``) sends over it
+    per device, in bytes and seconds before any overlap."""
+    slices = hardware.slices(math.prod(shape.values()))
+    spans = host_spans(shape, hosts, slices)
+    links = (hardware.intra, hardware.inter, hardware.across_slices)
+    levels = cost.levels or ((0.0, 0.0),) * len(LEVELS)
+    present = (True, hosts > slices, slices > 1)
+    return [{"level": name, "axes": {a: span[k] for a, span in spans.items() if span[k] > 1},
+             "link_gb_per_s": link.bandwidth / GB, "bytes": sent, "seconds": sec}
+            for k, (name, link, (sent, sec), shown)
+            in enumerate(zip(LEVELS, links, levels, present)) if shown]
 
 
 class NoPlanFits(ValueError):
@@ -235,12 +290,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def axis_sizes(devices: int, hosts: int, pinned: dict) -> list[dict[str, int]]:
+def axis_sizes(devices: int, hosts: int, pinned: dict, slices: int = 1) -> list[dict[str, int]]:
     """Every assignment of sizes (keyword -> size) to the axes whose product is
     ``devices``, an axis that stays inside a host no larger than a host and the mesh
-    placeable on ``hosts`` hosts; pinned sizes kept."""
+    placeable on ``hosts`` hosts in ``slices`` slices; pinned sizes kept."""
     if devices % hosts:
         raise ValueError(f"{devices} devices do not split over {hosts} hosts evenly")
+    if hosts % slices:
+        raise ValueError(f"{hosts} hosts do not split over {slices} slices evenly")
     local = devices // hosts
     out = []
 
@@ -258,17 +315,17 @@ def axis_sizes(devices: int, hosts: int, pinned: dict) -> list[dict[str, int]]:
 
     assign(0, devices, {})
     return [s for s in out
-            if hosts == 1 or hybrid_shapes([s[a.keyword] for a in AXES], hosts, local)]
+            if network_shapes([s[a.keyword] for a in AXES], slices, hosts, local)]
 
 
 def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequence[str],
                pinned: dict | None = None, experts: int = 0,
                layers: int = 0, one_f_one_b: bool = False, rules=(),
-               refused: dict | None = None) -> list[Plan]:
+               refused: dict | None = None, slices: int = 1) -> list[Plan]:
     """Every candidate of the grid (see the module docstring).
 
     Args:
-      devices, hosts: the cluster.
+      devices, hosts, slices: the cluster.
       batch_size: examples per step over all devices.
       remat_policies: the policies to consider.
       pinned: what the user fixed: axis keywords -> size, ``micro_batch_size`` (per
@@ -309,7 +366,7 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
         ["gpipe", "1f1b"] if one_f_one_b else ["gpipe"]
     repeats_pin = pinned.pop("stage_repeats", None)
     out = []
-    splits = axis_sizes(devices, hosts, pinned)
+    splits = axis_sizes(devices, hosts, pinned, slices)
     refused["splits"] = refused.get("splits", 0) + len(splits)
     for sizes in splits:
         by_name = {a.name: sizes[a.keyword] for a in AXES}
@@ -499,7 +556,8 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
     def grid_of(pins, refused=None) -> list[Plan]:
         return candidates(devices, hosts, batch_size, facts.remat_policies, pins,
                           math.gcd(*(e.experts for e in layers)) if layers else 0,
-                          stacked_layers(facts), facts.one_f_one_b, rules, refused)
+                          stacked_layers(facts), facts.one_f_one_b, rules, refused,
+                          hardware.slices(devices))
 
     grid = grid_of(pinned, refused)
     pinned = dict(pinned or {})
@@ -526,13 +584,17 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
         for ways in (w for w in _divisors(devices) if w > top):
             scored += [score(facts, c, batch_size, hosts, hardware, budget, cache)
                        for c in grid_of({**pinned, sequence: ways})]
+    slices = hardware.slices(devices)
+    kept = [s for s in scored if crosses_slices_as_data(s.plan.shape, hosts, slices)]
+    if kept != scored and any(s.fits for s in kept):
+        scored = kept
     # equal times (traffic the compute hides): the less traffic, then the fewer
     # micro-batches (a cost per micro-batch the model did not see), then the less memory
     fitting = sorted((s for s in scored if s.fits),
                      key=lambda s: (round(s.cost.seconds, 9), s.cost.gradients + s.cost.tensor,
                                     s.accumulation, s.memory["total"]))
     over = sorted((s for s in scored if not s.fits), key=lambda s: s.memory["total"])
-    ranking = Ranking(fitting, over, budget, hardware, facts.timing)
+    ranking = Ranking(fitting, over, budget, hardware, facts.timing, hosts=hosts)
     if not fitting:
         smallest = over[0]
         raise NoPlanFits(

@@ -1,8 +1,11 @@
 """The live cluster's numbers for the planner, measured through the real runtime: each
 device's matmul rate and memory bandwidth (an elementwise kernel's bytes), and the
-all-reduce bandwidth and latency inside a host and between hosts. A fused attention
-kernel's rate is not timed: the preset's share of the matmul rate, scaled to the
-measured one.
+all-reduce bandwidth and latency inside a host, between the hosts of a slice and, on
+TPU multislice, across slices (a device's slice: its ``slice_index``, else
+``MEGASCALE_NUM_SLICES``: ``parallelism.device_slices``). A level the cluster does not
+have (one host, one slice) takes the preset's figure, and the hardware's source says
+so. A fused attention kernel's rate is not timed: the preset's share of the matmul
+rate, scaled to the measured one.
 
 Every process runs the probe (its collectives need all of them); the numbers of process
 0 are given to all, so every host plans the same. A folder given as ``cache`` keeps them
@@ -26,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from redray.planning.hardware import PRESETS, Hardware, Link
 from redray.processes.jax_runtime import from_process_zero
 from redray.sharding.on_mesh import device_memory
+from redray.sharding.parallelism import device_slices
 
 # Two all-reduce sizes: the small one's time is mostly latency, the large one's
 # bandwidth, at the size of a model's gradients rather than a cache's (measured on
@@ -56,6 +60,17 @@ def _grid() -> Mesh:
     return Mesh(np.array(devices, dtype=object).reshape(hosts, -1), ("hosts", "local"))
 
 
+def _slice_grid(by_slice: dict[int, list]) -> Mesh | None:
+    """Every device as (slices, hosts of a slice, devices of a host); None where the
+    slices or their hosts differ in size."""
+    slices = [sorted(v, key=lambda d: (d.process_index, d.id)) for v in by_slice.values()]
+    hosts = {len({d.process_index for d in v}) for v in slices}
+    if len({len(v) for v in slices}) != 1 or len(hosts) != 1:
+        return None
+    grid = np.array(slices, dtype=object).reshape(len(slices), hosts.pop(), -1)
+    return Mesh(grid, ("slices", "hosts", "local"))
+
+
 def ones(shape: tuple, dtype, sharding: NamedSharding) -> jax.Array:
     """Ones of ``shape`` on ``sharding``, each device's shard made on the host: a
     measurement's input costs no program of its own (each is a compile, ten of the
@@ -84,7 +99,7 @@ def _link(mesh: Mesh, axis: str, dtype) -> Link | None:
     itemsize = jnp.dtype(dtype).itemsize
 
     def reduce(size: int) -> float:
-        spec = P(("hosts", "local"))
+        spec = P(mesh.axis_names)
         x = ones((mesh.devices.size, size // itemsize), dtype, NamedSharding(mesh, spec))
         summed = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, axis), mesh=mesh,
                                        in_specs=spec, out_specs=spec))
@@ -112,9 +127,11 @@ def _overhead(mesh: Mesh) -> float:
     return _timed(jax.jit(lambda v: v + 1), x)
 
 
-# Device kinds (as JAX names them, lower case) -> the preset that gives their peak.
+# Device kinds (as JAX names them, lower case) -> the preset that gives their peak; the
+# first that matches wins ("tpu v5 lite" is a v5e, a plain "tpu v5" a v5p).
 KINDS = {"h100": "h100", "h200": "h200", "a100": "a100", "l4": "l4", "v5 lite": "tpu-v5e",
-         "v5e": "tpu-v5e"}
+         "v5e": "tpu-v5e", "v5p": "tpu-v5p", "tpu v5": "tpu-v5p", "v6 lite": "tpu-v6e",
+         "v6e": "tpu-v6e"}
 
 
 def _like(device) -> Hardware | None:
@@ -127,8 +144,10 @@ def _like(device) -> Hardware | None:
 
 def cluster_key() -> str:
     d = jax.devices()[0]
+    slices = len(device_slices(jax.devices()))
     return (f"{d.platform}-{d.device_kind}-{jax.device_count()}-devices-"
-            f"{jax.process_count()}-hosts").replace(" ", "_").replace("/", "_")
+            f"{jax.process_count()}-hosts" + (f"-{slices}-slices" if slices > 1 else "")
+            ).replace(" ", "_").replace("/", "_")
 
 
 def probe(cache: str | None = None) -> Hardware:
@@ -144,8 +163,7 @@ def probe(cache: str | None = None) -> Hardware:
         with open(path) as f:
             saved = json.load(f)
         saved.setdefault("platform", jax.devices()[0].platform)  # kept before it was
-        return Hardware(**{**saved, "live": True, "intra": Link(**saved["intra"]),
-                           "inter": Link(**saved["inter"])})
+        return Hardware.from_dict({**saved, "live": True})
     if key not in _MEASURED:
         _MEASURED[key] = _measure()
     hardware = _MEASURED[key]
@@ -168,18 +186,26 @@ def _measure() -> Hardware:
     like = _like(device)
     accelerated = device.platform != "cpu"
     dtype = jnp.bfloat16 if accelerated else jnp.float32
+    by_slice = device_slices(jax.devices())
+    # several slices: the hosts' link is measured inside a slice, the slices' across them
+    sliced = _slice_grid(by_slice) if len(by_slice) > 1 else None
+    hosts_mesh = sliced or mesh
     numbers = np.array([
         _matmul_rate(mesh, dtype, 4096 if accelerated else 512),
-        *_flat(_link(mesh, "local", dtype)), *_flat(_link(mesh, "hosts", dtype)),
+        *_flat(_link(mesh, "local", dtype)), *_flat(_link(hosts_mesh, "hosts", dtype)),
+        *_flat(None if sliced is None else _link(sliced, "slices", dtype)),
         _overhead(mesh), device_memory(device),
         _memory_rate(mesh, dtype, (1 << 27) if accelerated else (1 << 20))], np.float64)
     numbers = from_process_zero(numbers)  # every host plans from process 0's numbers
-    (rate, intra_bw, intra_lat, inter_bw, inter_lat, overhead, memory,
+    (rate, intra_bw, intra_lat, inter_bw, inter_lat, dcn_bw, dcn_lat, overhead, memory,
      bandwidth) = numbers.tolist()
     base = like or dataclasses.replace(PRESETS["h100"], intra=UNMEASURED, inter=UNMEASURED)
     intra = Link(intra_bw, intra_lat) if intra_bw > 0 else base.intra
     inter = Link(inter_bw, inter_lat) if inter_bw > 0 else (intra if jax.process_count() == 1
                                                             else base.inter)
+    dcn = Link(dcn_bw, dcn_lat) if dcn_bw > 0 else base.dcn
+    slices = (f"{len(by_slice)} slices measured across" if dcn_bw > 0
+              else "one slice: across slices the preset's figure, not measured")
     return Hardware(
         f"probed: {jax.process_count()} host(s) x {jax.local_device_count()} "
         f"{device.device_kind}", rate, max(rate, like.peak_flops if like else rate),
@@ -189,8 +215,9 @@ def _measure() -> Hardware:
         memory_bandwidth=bandwidth,
         attention_flops=(like.attention_flops * rate / like.matmul_flops
                          if like and like.attention_flops else 0.0),
-        source=f"measured by redray's probe on {time.strftime('%Y-%m-%d %H:%M')}; peak from "
-               f"{like.name if like else 'the measured rate'}")
+        slice_devices=jax.device_count() // len(by_slice) if dcn_bw > 0 else 0, dcn=dcn,
+        source=f"measured by redray's probe on {time.strftime('%Y-%m-%d %H:%M')} ({slices}); "
+               f"peak from {like.name if like else 'the measured rate'}")
 
 
 def _flat(link: Link | None) -> tuple[float, float]:

@@ -190,20 +190,31 @@ def resolve_sizes(sizes: Mapping[str, int | str], n_devices: int) -> tuple[int, 
     return tuple(given[a.keyword] for a in AXES)
 
 
-def hybrid_shapes(shape: Sequence[int], processes: int,
-                  local: int) -> tuple[tuple, tuple] | None:
+# The order in which axes take the room inside a host: the last is the first to cross
+# hosts (pipeline stages: only activations cross them).
+HOST_FILL = (INSIDE, PREFER_INSIDE, ACROSS, OUTER)
+# Inside a slice: the data axis is the first to cross slices (its one gradient
+# reduction per micro-batch over the data-centre network), as MaxText's
+# ``dcn_data_parallelism`` takes what the other DCN axes leave; stages only where no
+# data axis is left to cross.
+SLICE_FILL = (INSIDE, PREFER_INSIDE, OUTER, ACROSS)
+
+
+def hybrid_shapes(shape: Sequence[int], processes: int, local: int,
+                  fill: Sequence[str] = HOST_FILL) -> tuple[tuple, tuple] | None:
     """(across hosts, inside a host) shapes of a mesh of ``shape`` (``AXES`` order) over
     ``processes`` hosts of ``local`` devices: ``INSIDE`` axes wholly inside a host (their
     collectives on the fast interconnect), ``PREFER_INSIDE`` ones inside as far as
     they fit (the innermost first), ``ACROSS`` ones take the rest, and ``OUTER`` ones
     (pipeline stages) are the first to cross hosts; None when an ``INSIDE`` axis needs
-    more devices than a host has."""
+    more devices than a host has. ``fill``: the order in which the axes take a host's
+    room (``SLICE_FILL`` for slices in place of hosts: ``network_shapes``)."""
     if len(shape) != len(AXES):
         raise ValueError(f"a mesh shape of {len(shape)} sizes: give one per axis of AXES "
                          f"({', '.join(a.name for a in AXES)})")
     inside = [1] * len(AXES)
     room = local
-    for where in (INSIDE, PREFER_INSIDE, ACROSS, OUTER):
+    for where in fill:
         # the innermost first among those that prefer a host: the context ring's step
         # per layer before FSDP's gathers
         order = list(enumerate(AXES))
@@ -222,14 +233,47 @@ def hybrid_shapes(shape: Sequence[int], processes: int,
     return across, tuple(inside)
 
 
+def network_shapes(shape: Sequence[int], slices: int, hosts: int,
+                   local: int) -> tuple[tuple, tuple, tuple] | None:
+    """(across slices, across the hosts of a slice, inside a host) shapes of a mesh of
+    ``shape`` (``AXES`` order) over ``slices`` slices of ``hosts / slices`` hosts of
+    ``local`` devices each, as ``device_grid`` lays it out: the slices first
+    (``SLICE_FILL``: the data axis crosses them first), then each slice's share over its
+    hosts (``hybrid_shapes``); None where it cannot be placed. One slice:
+    ``hybrid_shapes`` with nothing across slices."""
+    ones = (1,) * len(shape)
+    if slices <= 1:
+        split = hybrid_shapes(shape, hosts, local) if hosts > 1 else (ones, tuple(shape))
+        return None if split is None else (ones, *split)
+    if hosts % slices:
+        return None
+    outer = hybrid_shapes(shape, slices, hosts // slices * local, SLICE_FILL)
+    if outer is None:
+        return None
+    inner = network_shapes(outer[1], 1, hosts // slices, local)
+    return None if inner is None else (outer[0], *inner[1:])
+
+
 def device_grid(devices: Sequence[jax.Device], shape: Sequence[int]) -> np.ndarray:
-    """``devices`` arranged as ``shape`` (``AXES`` order): on several hosts each host's
-    devices hold whole groups of the axes that stay inside it, hosts line up along the
-    others (JAX's hybrid mesh); on one host, JAX's device mesh (the physical topology
-    on TPU, the device order elsewhere)."""
+    """``devices`` arranged as ``shape`` (``AXES`` order): on several slices (TPU
+    multislice) the slices line up along the axes that cross them, the data axis first
+    (``network_shapes``: as ``create_hybrid_device_mesh`` with the slice as granule),
+    each slice laid out as follows; on several hosts each host's devices hold whole
+    groups of the axes that stay inside it, hosts line up along the others (JAX's
+    hybrid mesh); on one host, JAX's device mesh (the physical topology on TPU, the
+    device order elsewhere)."""
     from jax.experimental import mesh_utils
 
     shape = tuple(shape)
+    by_slice = device_slices(devices)
+    if len(by_slice) > 1:
+        grid = _slices_grid(by_slice, shape)
+        if grid is not None:
+            return grid
+        warnings.warn(f"the mesh {describe_shape(dict(zip((a.name for a in AXES), shape)))} "
+                      f"does not split over {len(by_slice)} slices of equal size: its "
+                      "collectives cross slices where the device order puts them",
+                      stacklevel=4)
     hosts: dict[int, int] = {}
     for d in devices:
         hosts[d.process_index] = hosts.get(d.process_index, 0) + 1
@@ -251,6 +295,42 @@ def device_grid(devices: Sequence[jax.Device], shape: Sequence[int]) -> np.ndarr
             pass  # a subset of a TPU slice, say: the given order
     # Peers of the innermost axis stay neighbours in the device order.
     return np.array(devices, dtype=object).reshape(shape)
+
+
+def device_slices(devices: Sequence[jax.Device]) -> dict[int, list]:
+    """slice -> its devices, in order: a TPU device's ``slice_index``; elsewhere (CPU
+    devices standing in for chips) the slices ``MEGASCALE_NUM_SLICES`` names, the
+    processes in slice order (host 0 on slice 0's worker 0, as the cluster starts
+    them); one slice where neither is set."""
+    import os
+
+    processes = jax.process_count()
+    count = int(os.environ.get("MEGASCALE_NUM_SLICES", "1") or 1)
+    out: dict[int, list] = {}
+    for d in devices:
+        index = getattr(d, "slice_index", None)
+        if index is None:
+            index = d.process_index * count // processes if processes % count == 0 else 0
+        out.setdefault(index, []).append(d)
+    return dict(sorted(out.items()))
+
+
+def _slices_grid(by_slice: dict[int, list], shape: tuple) -> np.ndarray | None:
+    """The devices of several slices arranged as ``shape``: the axes across slices as
+    ``network_shapes`` splits them (the slice the outer part of each), each slice's
+    devices as ``device_grid`` arranges one slice's (over its hosts); None where the
+    slices differ in size or the mesh does not split over them."""
+    sizes = {len(v) for v in by_slice.values()}
+    if len(sizes) != 1:
+        return None
+    split = hybrid_shapes(shape, len(by_slice), sizes.pop(), SLICE_FILL)
+    if split is None:
+        return None
+    across, inside = split
+    grids = np.stack([device_grid(v, inside) for v in by_slice.values()])
+    n = len(shape)
+    grid = grids.reshape(*across, *inside)
+    return grid.transpose([k for i in range(n) for k in (i, n + i)]).reshape(shape)
 
 
 @dataclasses.dataclass(frozen=True)
