@@ -398,6 +398,8 @@ def test_two_v5p_slices_take_the_data_axis_across_them(capsys):
     out = capsys.readouterr().out
     assert "32 devices in 8 host(s) in 2 slices, TPU v5p" in out
     assert "memory per device" in out and "optimizer state" in out
+    # FSDP over every chip is predicted faster, and said to be left out
+    assert "data=1 x fsdp=32 x model=1, micro 1, remat none is predicted" in out
     crossing = next(line for line in out.splitlines() if line.startswith("  across slices"))
     assert f"data={best['axes']['data']}" in crossing and "6.25 GB/s" in crossing
 

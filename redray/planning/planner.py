@@ -156,6 +156,9 @@ class Ranking:
       untimed: on live devices, why the pass was not timed (the plans then costed on
         the hardware's rates), else None.
       hosts: the hosts the devices are in (in ``hardware.slices`` slices).
+      left_out: the fastest plan that fits with more than the data axis across slices,
+        where it is predicted faster than the pick (``crosses_slices_as_data``), else
+        None.
     """
     ranked: list[Scored]
     over: list[Scored]
@@ -164,6 +167,7 @@ class Ranking:
     timing: ModelTiming | None = None
     untimed: str | None = None
     hosts: int = 1
+    left_out: Scored | None = None
 
     @property
     def best(self) -> Scored:
@@ -182,6 +186,11 @@ class Ranking:
                      f"{second.cost.seconds / best.cost.seconds:.3f}x the time ({loses})")
         if self.untimed:
             line += f"; costed on the hardware's rates, the model's pass not timed ({self.untimed})"
+        if self.left_out is not None:
+            line += (f"; {self.left_out.plan.brief()} is predicted "
+                     f"{best.cost.seconds / self.left_out.cost.seconds:.3f}x faster but "
+                     "crosses the slices with more than the data axis: left out, as "
+                     "MaxText's defaults do (pin its axes to take it)")
         return line
 
     def explain(self) -> str:
@@ -586,7 +595,11 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
                        for c in grid_of({**pinned, sequence: ways})]
     slices = hardware.slices(devices)
     kept = [s for s in scored if crosses_slices_as_data(s.plan.shape, hosts, slices)]
+    left_out = None
     if kept != scored and any(s.fits for s in kept):
+        fastest = min((s for s in scored if s.fits), key=lambda s: s.cost.seconds)
+        if not crosses_slices_as_data(fastest.plan.shape, hosts, slices):
+            left_out = fastest
         scored = kept
     # equal times (traffic the compute hides): the less traffic, then the fewer
     # micro-batches (a cost per micro-batch the model did not see), then the less memory
@@ -594,7 +607,8 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
                      key=lambda s: (round(s.cost.seconds, 9), s.cost.gradients + s.cost.tensor,
                                     s.accumulation, s.memory["total"]))
     over = sorted((s for s in scored if not s.fits), key=lambda s: s.memory["total"])
-    ranking = Ranking(fitting, over, budget, hardware, facts.timing, hosts=hosts)
+    ranking = Ranking(fitting, over, budget, hardware, facts.timing, hosts=hosts,
+                      left_out=left_out)
     if not fitting:
         smallest = over[0]
         raise NoPlanFits(
