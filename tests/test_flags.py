@@ -62,3 +62,13 @@ def test_elastic_hosts_are_a_min_and_a_max_with_restarts_by_default():
         redray.ClusterConfig(hosts=(1, 2), max_failures=0)
     with pytest.raises(SystemExit):
         parser.parse_args(["--hosts", "2:x"])
+
+
+def test_tpu_flags_take_slices_and_leave_the_chips_to_the_slice():
+    parser = redray.add_cluster_args(argparse.ArgumentParser(), name="lm")
+    config = redray.cluster_options(parser.parse_args(["--tpu", "--slices", "2"]))
+    # the hosts follow from the slices; each host takes its node's chips
+    assert (config.use_tpu, config.slices, config.hosts, config.devices_per_host) == \
+        (True, 2, 1, None)
+    given = redray.cluster_options(parser.parse_args(["--tpu", "--hosts", "4"]))
+    assert (given.hosts, given.slices) == (4, None)

@@ -86,7 +86,8 @@ def pods(spec):
 
 
 @pytest.mark.parametrize("path,kind", [("clusters/kuberay-raycluster.yaml", "RayCluster"),
-                                       ("clusters/kuberay-rayjob.yaml", "RayJob")])
+                                       ("clusters/kuberay-rayjob.yaml", "RayJob"),
+                                       ("clusters/kuberay-tpu.yaml", "RayCluster")])
 def test_kuberay_manifest_has_the_required_fields(path, kind):
     manifest = load(path)
     assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == kind
@@ -104,4 +105,28 @@ def test_kuberay_manifest_has_the_required_fields(path, kind):
         mounts = {m["name"] for c in containers for m in c.get("volumeMounts", [])}
         assert mounts <= {v["name"] for v in pod.get("volumes", [])}, name
         if name != "head":
-            assert "nvidia.com/gpu" in containers[0]["resources"]["limits"]
+            device = "google.com/tpu" if "tpu" in path else "nvidia.com/gpu"
+            assert device in containers[0]["resources"]["limits"]
+
+
+def test_the_tpu_files_take_whole_multi_host_slices():
+    """A KubeRay replica is one slice: its hosts (numOfHosts) times the chips each pod
+    asks for are the chips of the topology GKE's selector names; the launcher's slice
+    type has as many chips per host as its workers declare."""
+    from ray._private.accelerators.tpu import (get_num_tpu_visible_chips_per_host,
+                                               get_total_chips_from_accelerator_type)
+
+    from redray.cluster.tpu import topology_chips
+
+    group = load("clusters/kuberay-tpu.yaml")["spec"]["workerGroupSpecs"][0]
+    pod = group["template"]["spec"]
+    chips = int(pod["containers"][0]["resources"]["limits"]["google.com/tpu"])
+    assert pod["containers"][0]["resources"]["requests"]["google.com/tpu"] == str(chips)
+    topology = pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
+    assert group["numOfHosts"] >= 2 and group["numOfHosts"] * chips == topology_chips(topology)
+    slice_type = load("clusters/gcp-tpu.yaml")["available_node_types"]["tpu_slice"]
+    pod_type = slice_type["node_config"]["acceleratorType"]
+    version = pod_type.split("-")[0]
+    per_host = get_num_tpu_visible_chips_per_host(version)
+    assert slice_type["resources"] == {"TPU": per_host}
+    assert get_total_chips_from_accelerator_type(pod_type) // per_host >= 2  # multi-host

@@ -95,6 +95,9 @@ def test_a_resolved_config_names_its_run_storage_and_checkpoints(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(hosts=0), "need at least one host"),
     (dict(use_gpu=True, use_tpu=True), "exclusive"),
+    (dict(slices=2), r"slices=2 takes TPU slices: add use_tpu=True"),
+    (dict(tpu_type="v5p-16"), r"tpu_type='v5p-16' takes TPU slices"),
+    (dict(slices=0, use_tpu=True), r"slices=0: give a whole number of TPU slices"),
     (dict(checkpoint=3), "checkpoint must be a directory"),
 ])
 def test_bad_cluster_settings_fail_on_the_driver(kwargs, message):

@@ -28,7 +28,17 @@ class ClusterConfig:
         comes back is taken at the next checkpoint (the run regroups, losing no step).
       devices_per_host: CPU devices each host simulates (CPU only; default 1), or the
         GPUs/TPU chips each host takes.
-      use_gpu, use_tpu: run on GPUs / TPUs (devices assigned by Ray).
+      use_gpu, use_tpu: run on GPUs / TPUs (devices assigned by Ray). TPU hosts take
+        whole TPU slices (``redray/cluster/tpu.py``): ``hosts`` must be a whole number
+        of slices (or give ``slices``); host 0 runs on slice 0's worker 0, and a run on
+        several slices gets the multislice environment (``MEGASCALE_*``) anew at every
+        start of its group.
+      slices: TPU only: the slices the run takes (multislice over the data-centre
+        network where more than one); its hosts are then ``slices`` times a slice's, and
+        ``hosts`` may be left out. Default: ``hosts`` over a slice's hosts.
+      tpu_type: TPU only: the pod type of the slices to take (e.g. ``"v5p-16"``, Ray's
+        ``ray.io/tpu-pod-type`` label), where the cluster has slices of several types;
+        default: the cluster's one type.
       address: a Ray cluster (``ray://host:10001`` for Ray Client); default
         ``RAY_ADDRESS``, else a local cluster started here.
       name: the run's name; the same name in the same storage resumes it. Default: a
@@ -78,6 +88,8 @@ class ClusterConfig:
     devices_per_host: int | None = None
     use_gpu: bool = False
     use_tpu: bool = False
+    slices: int | None = None
+    tpu_type: str | None = None
     address: str | None = None
     name: str | None = None
     storage_path: str | None = None
@@ -113,6 +125,13 @@ class ClusterConfig:
             object.__setattr__(self, "max_failures", 0)
         if self.use_gpu and self.use_tpu:
             raise ValueError("use_gpu and use_tpu are exclusive")
+        for name in ("slices", "tpu_type"):
+            if getattr(self, name) is not None and not self.use_tpu:
+                raise ValueError(f"{name}={getattr(self, name)!r} takes TPU slices: add "
+                                 "use_tpu=True")
+        if self.slices is not None and not (isinstance(self.slices, int) and self.slices >= 1):
+            raise ValueError(f"slices={self.slices!r}: give a whole number of TPU slices, "
+                             ">= 1")
         if self.hang_timeout is not None and not (
                 isinstance(self.hang_timeout, (int, float)) and self.hang_timeout > 0):
             raise ValueError(f"hang_timeout={self.hang_timeout!r}: give positive seconds "
@@ -187,7 +206,8 @@ class ClusterConfig:
         """The settings a run records (MLflow params, every checkpoint's config)."""
         return dict(name=self.name, storage_path=self.storage_path, hosts=self.hosts,
                     devices_per_host=self.devices_per_host, use_gpu=self.use_gpu,
-                    use_tpu=self.use_tpu, max_failures=self.max_failures,
+                    use_tpu=self.use_tpu, slices=self.slices, tpu_type=self.tpu_type,
+                    max_failures=self.max_failures,
                     hang_timeout=self.hang_timeout,
                     checkpoint=dataclasses.asdict(self.checkpoint)
                     if isinstance(self.checkpoint, CheckpointConfig) else None)

@@ -12,8 +12,8 @@ from redray.verbosity import set_verbose
 def add_cluster_args(parser: argparse.ArgumentParser, *, name: str, hosts: int = 2,
                      devices_per_host: int = 2, storage: str = DEFAULT_STORAGE
                      ) -> argparse.ArgumentParser:
-    """Adds ``--hosts``, ``--devices-per-host``, ``--gpu``, ``--storage``, ``--name``,
-    ``--tracking`` and ``--verbose``.
+    """Adds ``--hosts``, ``--devices-per-host``, ``--gpu``, ``--tpu``, ``--slices``,
+    ``--storage``, ``--name``, ``--tracking`` and ``--verbose``.
 
     On one machine the hosts are simulated (separate processes, each with its own CPU
     devices); on a Ray cluster (``RAY_ADDRESS``, ``redray run --address``, ``ray job
@@ -26,6 +26,7 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, name: str, hosts: int =
       hosts, devices_per_host, storage: defaults of the flags.
     """
     group = parser.add_argument_group("cluster")
+    parser.set_defaults(default_hosts=hosts)
     group.add_argument("--hosts", type=host_count, default=hosts,
                        help=f"hosts, simulated on one machine (default {hosts}); MIN:MAX "
                        "for an elastic run (it goes on when hosts leave, grows when they "
@@ -33,6 +34,12 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, name: str, hosts: int =
     group.add_argument("--devices-per-host", type=int, default=devices_per_host,
                        help=f"devices per host (default {devices_per_host})")
     group.add_argument("--gpu", action="store_true", help="use the hosts' GPUs")
+    group.add_argument("--tpu", action="store_true",
+                       help="use the hosts' TPU chips: whole TPU slices, each host taking "
+                       "its node's chips (--devices-per-host is not used)")
+    group.add_argument("--slices", type=int, default=None,
+                       help="TPU slices to take (multislice where more than one); --hosts "
+                       "may then be left out")
     group.add_argument("--storage", default=storage,
                        help=f"runs folder: checkpoints, mlflow.db (default {storage})")
     group.add_argument("--name", default=name,
@@ -81,7 +88,11 @@ def cluster_options(args: argparse.Namespace) -> ClusterConfig:
     if verbose:
         set_verbose(True)  # this process too (the libraries' advice, Ray's INFO lines)
     tracking = getattr(args, "tracking", None)
-    return ClusterConfig(hosts=args.hosts, devices_per_host=args.devices_per_host,
-                         use_gpu=args.gpu, name=args.name,
+    tpu, slices = getattr(args, "tpu", False), getattr(args, "slices", None)
+    hosts = args.hosts
+    if slices and hosts == getattr(args, "default_hosts", None):
+        hosts = 1  # --hosts left at the script's default: the slices decide
+    return ClusterConfig(hosts=hosts, devices_per_host=None if tpu else args.devices_per_host,
+                         use_gpu=args.gpu, use_tpu=tpu, slices=slices, name=args.name,
                          storage_path=storage_folder(args.storage), verbose=verbose,
                          tracking=True if tracking is None else tracking)

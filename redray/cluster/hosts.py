@@ -48,9 +48,19 @@ class Host:
 
         return served_at(ray.util.get_node_ip_address())
 
-    def join(self, address: str, world: int, rank: int) -> None:
+    def join(self, address: str, world: int, rank: int, env: dict | None = None) -> None:
+        """Joins the group's runtime as host ``rank`` of ``world``, first setting ``env``
+        (a value None: removed) in this process: what the runtime reads as it starts
+        (a TPU host's multislice variables, ``redray.cluster.tpu.host_env``)."""
+        import os
+
         from redray.processes.jax_runtime import join_jax
 
+        for key, value in (env or {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         join_jax(address, world, rank)
         self.rank = rank
 
@@ -100,6 +110,7 @@ class HostGroup:
         self.shape, self.actors, self.placement, self.session = (shape, actors, placement,
                                                                  session)
         self.nodes: list[tuple[str, str]] = []  # each host's node (id, address), by rank
+        self.slices: list[str] = []  # a TPU group's slices, in rank order
         self.closed = False
 
     def run(self, job) -> list:
@@ -189,7 +200,6 @@ def start(shape: Shape, spans=None, timeout: float | None = None,
     placed only where it still fits. ``spans``: a ``redray.startup.Recorder`` that gets
     the phases ``hosts`` (placed, processes started, the engine imported) and
     ``distributed``. A host lost while the group starts ends it: ``HostFailure``."""
-    from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     begun = time.time()
@@ -202,11 +212,9 @@ def start(shape: Shape, spans=None, timeout: float | None = None,
         if not waiting.longer():
             return None
         time.sleep(max(0.0, 1.0 - (time.monotonic() - tried)))  # a try a second at most
-    group = placement_group([dict(shape.room.host)] * shape.hosts, strategy=shape.strategy)
-    while not ray.wait([group.ready()], timeout=waiting.step())[0]:
-        if not waiting.longer():
-            remove_placement_group(group)
-            return None
+    group = _place(shape, waiting)
+    if group is None:
+        return None
     actors = [Host.options(**shape.actor_options(),
                            scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote()
               for i in range(shape.hosts)]
@@ -217,7 +225,8 @@ def start(shape: Shape, spans=None, timeout: float | None = None,
             spans.add("hosts", begun)
         joined = time.time()
         address = ray.get(actors[0].address.remote())
-        _answers([actor.join.remote(address, shape.hosts, rank)
+        envs = _slice_envs(shape, hosts, say)
+        _answers([actor.join.remote(address, shape.hosts, rank, envs[rank])
                   for rank, actor in enumerate(actors)], None,
                  f"join JAX's distributed runtime served by host 0 at {address}", say)
         if spans is not None:
@@ -228,6 +237,59 @@ def start(shape: Shape, spans=None, timeout: float | None = None,
             error.group = hosts
         raise
     return hosts
+
+
+def _place(shape: Shape, waiting: "_Waiting"):
+    """The placement group of a new group of ``shape``, ready; None where ``waiting``'s
+    timeout passed first. TPU hosts are placed on idle whole slices, each host's bundle on
+    its own slice's worker (``tpu.SliceRequest.placement``); slices are chosen anew on
+    each try (one may have been taken, or lost, meanwhile)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    wanted = shape.room.slices
+    if wanted is None:
+        group = placement_group([dict(shape.room.host)] * shape.hosts, strategy=shape.strategy)
+        while not ray.wait([group.ready()], timeout=waiting.step())[0]:
+            if not waiting.longer():
+                remove_placement_group(group)
+                return None
+        return group
+    count = wanted.slices_for(shape.hosts)
+    while True:
+        idle = wanted.idle()
+        if len(idle) >= count:
+            bundles, selectors = wanted.placement(idle[:count])
+            group = placement_group(bundles, strategy="STRICT_SPREAD",
+                                    bundle_label_selector=selectors)
+            if ray.wait([group.ready()], timeout=min(SLICE_TRY_S, waiting.step()))[0]:
+                return group
+            remove_placement_group(group)
+        if waiting.due() and not waiting.longer():
+            return None
+        time.sleep(1.0)
+
+
+# How long a TPU group's placement on the slices chosen may take before they are chosen
+# again (Ray places an idle slice's hosts within the second).
+SLICE_TRY_S = 10.0
+
+
+def _slice_envs(shape: Shape, hosts: HostGroup, say) -> list[dict | None]:
+    """Each host's environment for its runtime, by rank: on TPU slices the multislice
+    variables, computed from this group (its slice 0's worker 0, its slices), never
+    inherited from an earlier group or the node."""
+    wanted = shape.room.slices
+    if wanted is None:
+        return [None] * shape.hosts
+    from redray.cluster.tpu import SLICE_LABEL, host_env
+
+    per, count = wanted.hosts_per_slice, wanted.slices_for(shape.hosts)
+    labels = {node["NodeID"]: node.get("Labels") or {} for node in ray.nodes()}
+    hosts.slices = [labels.get(node, {}).get(SLICE_LABEL, "?") for node, _ in hosts.nodes[::per]]
+    say(f"redray: {shape.hosts} host(s) on {count} whole {wanted.pod_type} slice(s) "
+        f"({', '.join(hosts.slices)}); host 0 on {hosts.slices[0]}'s worker 0 at "
+        f"{hosts.nodes[0][1]}")
+    return [host_env(rank, per, count, hosts.nodes[0][1]) for rank in range(shape.hosts)]
 
 
 def how_it_ended(error: BaseException) -> str:
@@ -285,6 +347,11 @@ class _Waiting:
     def __init__(self, shape: Shape, timeout: float | None, say):
         self.shape, self.timeout, self.say = shape, timeout, say
         self.begun, self.told = time.monotonic(), False
+
+    def due(self) -> bool:
+        """Whether ``longer`` is to be asked now: a timeout given, or the wait has lasted
+        ``PLACEMENT_NOTICE_S`` (a short retry loop says so no sooner)."""
+        return self.timeout is not None or time.monotonic() - self.begun >= PLACEMENT_NOTICE_S
 
     def step(self) -> float:
         if self.timeout is None:

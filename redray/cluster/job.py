@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from redray.cluster.tpu import SliceRequest
+
 # What a host's part of a job ends with (``worker.run_job``, read by the driver): the job
 # ran to its end, or its group ends at a checkpoint to regroup (an elastic run with room
 # for more hosts).
@@ -161,13 +163,21 @@ class Room:
     group (``spare``: one CPU for Ray Data to read a stream while the hosts train, where
     the hosts reserve CPUs; else nothing). A group is started, and an elastic run grows,
     only where the spare fits beside it: a group that took the last CPU would wait
-    forever for its first batch."""
+    forever for its first batch. A TPU run's hosts come in whole slices (``slices``,
+    ``redray.cluster.tpu``): there is room for as many hosts as idle whole slices hold."""
     host: tuple[tuple[str, float], ...]
     spare: tuple[tuple[str, float], ...] = ()
+    slices: SliceRequest | None = None
 
     @classmethod
-    def of(cls, host: dict, spare: dict | None = None) -> "Room":
-        return cls(tuple(sorted(host.items())), tuple(sorted((spare or {}).items())))
+    def of(cls, host: dict, spare: dict | None = None,
+           slices: SliceRequest | None = None) -> "Room":
+        return cls(tuple(sorted(host.items())), tuple(sorted((spare or {}).items())), slices)
+
+    @property
+    def step(self) -> int:
+        """The hosts a group grows or shrinks by: a slice's, else one."""
+        return self.slices.hosts_per_slice if self.slices else 1
 
     def bundles(self, hosts: int) -> list[dict]:
         """The placement bundles of ``hosts`` hosts and the spare."""
@@ -178,6 +188,8 @@ class Room:
         in sum: the nodes may still not hold them; a placement tells)."""
         import ray
 
+        if self.slices:
+            return len(self.slices.idle()) >= self.slices.slices_for(hosts)
         return _covers(ray.available_resources(), self.bundles(hosts))
 
     def fits_in(self, hosts: int) -> bool:
@@ -185,15 +197,26 @@ class Room:
         spare: what a group of that size could hold once the group before ended."""
         import ray
 
+        if self.slices:
+            return len(self.slices.whole()) >= self.slices.slices_for(hosts)
         return _covers(ray.cluster_resources(), self.bundles(hosts))
 
     def placeable(self, hosts: int, timeout: float) -> bool:
         """Whether Ray places ``hosts`` hosts and the spare within ``timeout`` seconds (a
-        trial placement group, removed at once: it waits for what a short task holds)."""
+        trial placement group, removed at once: it waits for what a short task holds);
+        TPU hosts on idle whole slices."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        group = placement_group(self.bundles(hosts), strategy="SPREAD")
+        if self.slices:
+            idle, wanted = self.slices.idle(), self.slices.slices_for(hosts)
+            if len(idle) < wanted:
+                return False
+            bundles, selectors = self.slices.placement(idle[:wanted])
+            group = placement_group(bundles, strategy="STRICT_SPREAD",
+                                    bundle_label_selector=selectors)
+        else:
+            group = placement_group(self.bundles(hosts), strategy="SPREAD")
         try:
             return bool(ray.wait([group.ready()], timeout=timeout)[0])
         finally:
@@ -201,6 +224,9 @@ class Room:
 
     def describe(self, hosts: int) -> str:
         """E.g. "3 host(s) of {'CPU': 1} and 1 CPU free beside them for Ray Data"."""
+        if self.slices:
+            return (f"{hosts} host(s) on {self.slices.slices_for(hosts)} whole "
+                    f"{self.slices.describe()}")
         text = f"{hosts} host(s) of {dict(self.host)}"
         if self.spare:
             spare = ", ".join(f"{v:g} {k}" for k, v in self.spare)

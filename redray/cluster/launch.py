@@ -392,14 +392,17 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
     with spans.phase("ray"):
         connect(config.address,
                 num_cpus=None if config.address else (os.cpu_count() or 1) + config.max_hosts)
+    quiet = not verbose(config.verbose)
+    view = DriverView()
+    quiet_ray_logs(view, quiet)
+    slices = None
+    if config.use_tpu:  # refused here, before the data is read
+        config, slices = _tpu_slices(config, view.write)
     with spans.phase("sources"):
         task = make_task()
         _check_data_cpus(config, task)
         user_code = _user_bytes(code)
     recorded = {**config.settings(), **settings}
-    quiet = not verbose(config.verbose)
-    view = DriverView()
-    quiet_ray_logs(view, quiet)
     folders = config.folders
     tracker = None
     with spans.phase("actors"):
@@ -407,7 +410,7 @@ def _launch_locked(config: ClusterConfig, make_task: Callable, settings: dict, c
         if config.trackers:
             tracker = start_tracker(folders, config.experiment, config.resume,
                                     config.checkpoint, recorded, config.trackers)
-    room = group_room(config, task)
+    room = group_room(config, task, slices)
     from redray.engine.profile import PROFILE_ENV, profile_window
 
     job = HostJob(task=task, code=user_code, results=results, tracker=tracker,
@@ -473,6 +476,22 @@ def _run_groups(config: ClusterConfig, room, quiet: bool, spans, view, job, resu
         else:
             group.close()
         return
+
+
+def _tpu_slices(config: ClusterConfig, view_write) -> tuple[ClusterConfig, object]:
+    """A TPU run's slices (``tpu.SliceRequest``) and its config with the hosts they hold;
+    refused (``ValueError``) where the hosts are not whole slices. A cluster whose TPU
+    nodes carry no slice labels places hosts as any nodes (said once)."""
+    from redray.cluster import tpu
+
+    wanted, hosts = tpu.request(config.hosts, config.slices, config.tpu_type,
+                                config.devices_per_host)
+    if wanted is None:
+        view_write("redray: the cluster's TPU nodes carry no slice labels "
+                   f"({tpu.SLICE_LABEL}): the hosts are placed on any TPU nodes, "
+                   "without slice order or a multislice environment")
+        return config, None
+    return dataclasses.replace(config, hosts=hosts, slices=None), wanted
 
 
 def _raise_failure(error: Exception, results, connected_here: bool) -> None:
@@ -563,7 +582,7 @@ def _group(config: ClusterConfig, room: Room, quiet: bool, spans: startup.Record
     env = _worker_env(config, quiet)
     if not config.elastic:
         nodes = len([n for n in ray.nodes() if n.get("Alive")])
-        strategy = "STRICT_SPREAD" if nodes >= config.hosts > 1 else "SPREAD"
+        strategy = "STRICT_SPREAD" if nodes >= config.hosts > 1 or room.slices else "SPREAD"
         shape = hosts.Shape.of(config.hosts, room, env, strategy)
         group = hosts.take(shape) or hosts.start(shape, spans, say=view.write)
         if restart:
@@ -572,7 +591,7 @@ def _group(config: ClusterConfig, room: Room, quiet: bool, spans: startup.Record
     hosts.release_hosts()  # an elastic group is sized anew for each run
     told, tried, begun = False, [], time.monotonic()
     while True:
-        for size in range(config.max_hosts, config.min_hosts - 1, -1):
+        for size in range(config.max_hosts, config.min_hosts - 1, -room.step):
             if not room.free_for(size):
                 tried.append(f"{size}: not free")
                 continue
@@ -751,11 +770,14 @@ def worker_resources(config: ClusterConfig) -> dict:
     return {"CPU": 1}
 
 
-def group_room(config: ClusterConfig, task=None) -> Room:
+def group_room(config: ClusterConfig, task=None, slices=None) -> Room:
     """What each group of the run takes of the cluster: each host's reservation, and,
     when the hosts reserve CPUs and the task reads a stream, one CPU kept free beside
     them for Ray Data's reads (a group that took the last CPU would wait forever for its
-    first batch; GPU and TPU hosts leave their nodes' CPUs to Ray Data)."""
+    first batch; GPU and TPU hosts leave their nodes' CPUs to Ray Data). ``slices``: a
+    TPU run's (``tpu.SliceRequest``): each host takes its node's chips."""
+    if slices is not None:
+        return Room.of({"TPU": slices.chips_per_host}, None, slices)
     host = worker_resources(config)
     spare = {"CPU": 1} if "CPU" in host and task is not None and _streams(task) else None
     return Room.of(host, spare)

@@ -321,8 +321,9 @@ class Regroup(BaseException):
 
 class Regrow(Hook):
     """An elastic run's growth: at each checkpoint the run's main Trainer saves while its
-    group is below ``grow_to`` hosts, host 0 asks Ray for room for one more host beside
-    what must stay free (``room``: a trial placement group it removes at once); if there
+    group is below ``grow_to`` hosts, host 0 asks Ray for room for one more host (a TPU
+    run: one more whole slice, ``Room.step``) beside what must stay free (``room``: a
+    trial placement group it removes at once); if there
     is, every host waits for that checkpoint to complete and ends the group
     (``Regroup``), losing no step. Each host hears the same checkpoints, so every one
     takes the same decision (host 0's, broadcast)."""
@@ -356,10 +357,11 @@ class Regrow(Hook):
             run.console.say(f"the cluster has room for more hosts: regrouping at step "
                                 f"{step} ({jax.process_count()} host(s) now, up to "
                                 f"{self.grow_to})")
-        raise Regroup(jax.process_count() + 1)
+        raise Regroup(jax.process_count() + self.room.step)
 
     def _room(self, hosts: int) -> bool:
-        """Whether the cluster holds one host more than ``hosts`` beside the spare (its
-        resources), and Ray places one more host and the spare now (waiting up to
+        """Whether the cluster holds ``Room.step`` hosts more than ``hosts`` beside the
+        spare (its resources), and Ray places them and the spare now (waiting up to
         ``WAIT_S`` for what a short task, such as a Ray Data read, holds)."""
-        return self.room.fits_in(hosts + 1) and self.room.placeable(1, self.WAIT_S)
+        step = self.room.step
+        return self.room.fits_in(hosts + step) and self.room.placeable(step, self.WAIT_S)
