@@ -491,7 +491,7 @@ def _tpu_slices(config: ClusterConfig, view_write) -> tuple[ClusterConfig, objec
                    f"({tpu.SLICE_LABEL}): the hosts are placed on any TPU nodes, "
                    "without slice order or a multislice environment")
         return config, None
-    return dataclasses.replace(config, hosts=hosts, slices=None), wanted
+    return dataclasses.replace(config, hosts=hosts), wanted
 
 
 def _raise_failure(error: Exception, results, connected_here: bool) -> None:
