@@ -127,7 +127,7 @@ def _gather(nbytes, phase="both", layer=True, times=2):
     return Traffic("all-gather", nbytes, ("fsdp",), times, "gather", False, phase, layer)
 
 
-SPANS = {"fsdp": (2, 1)}  # two devices in a host: a ring moves half the buffer
+SPANS = {"fsdp": (2, 1, 1)}  # two devices in a host (of one slice): a ring moves half the buffer
 
 
 def test_overlap_hides_a_layers_gather_behind_the_layer_before():
@@ -159,7 +159,7 @@ def test_a_data_parallel_reduction_hides_layer_by_layer_but_after_an_accumulatio
     gradient_in_the_loop): only the last layer's shows; after an accumulation loop the
     whole reduction does."""
     dp = Traffic("all-reduce", 1e9, ("data",), 1, "dp", False, "step", True)
-    spans = {"data": (2, 1)}
+    spans = {"data": (2, 1, 1)}
     seconds = 2 * 0.5  # an all-reduce: reduce-scatter and all-gather of half each
     for stacked in (True, False):
         assert exposed_seconds([dp], spans, HW, 10.0, 1.0, 1 / 3, 4, 1, stacked) == \
