@@ -131,12 +131,12 @@ def test_hosts_that_are_not_whole_slices_are_refused(cluster, tmp_path):
 
 class Record(redray.Hook):
     """Every host appends its group's view (process, node, multislice variables) as its
-    Trainer starts; host 0 appends each logged loss. Host 0 of the first group, at
-    ``pause_at``, says its node (``marker``) and waits there for its end."""
+    Trainer starts; host 0 appends each logged loss. The first group's hosts, at step 6,
+    wait there for their end (host 0 says its node: ``pausing``); a group of 4 hosts, at
+    step 7, waits for the test to add a node back (``added``)."""
 
-    def __init__(self, folder: str, pause_at: int):
-        self.folder, self.pause_at = folder, pause_at
-        self.marker = os.path.join(folder, "pausing")
+    def __init__(self, folder: str):
+        self.folder = folder
 
     def on_init(self, run) -> None:
         import jax
@@ -157,16 +157,32 @@ class Record(redray.Hook):
     def on_step(self, run, info) -> None:
         import jax
 
-        if info.step == self.pause_at and not os.path.exists(self.marker):
+        marker = os.path.join(self.folder, "pausing")
+        if info.step == 6 and not os.path.exists(marker):
             if jax.process_index() == 0:
-                with open(self.marker, "w") as f:
+                with open(marker, "w") as f:
                     f.write(ray.get_runtime_context().get_node_id())
             time.sleep(120)  # the test removes host 0's node meanwhile
+        if info.step == 7 and jax.process_count() == 4:
+            deadline = time.time() + 120
+            while not os.path.exists(os.path.join(self.folder, "added")) \
+                    and time.time() < deadline:
+                time.sleep(0.1)
 
 
 def rows(path) -> list:
+    """The file's complete lines (the last may be being written), as JSON."""
+    if not os.path.exists(path):
+        return []
     with open(path) as f:
-        return [json.loads(line) for line in f.read().splitlines()]
+        return [json.loads(line) for line in f.read().split("\n")[:-1]]
+
+
+def wait_for(condition, what: str, driver, seconds: float = 600) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert driver.is_alive() and time.time() < deadline, f"no {what}"
+        time.sleep(0.2)
 
 
 def test_a_lost_slice_ends_the_group_and_the_run_goes_on_on_the_slices_left(cluster,
@@ -175,7 +191,8 @@ def test_a_lost_slice_ends_the_group_and_the_run_goes_on_on_the_slices_left(clus
     serves the runtime) removed without warning mid-run ends the group; a new one forms
     on the two whole slices left (the one that lost a node is not whole), with a new
     coordinator and its own slice ids, and resumes from the last checkpoint to the same
-    losses (up to the rounding of 4 hosts' reductions instead of 6)."""
+    losses (up to the rounding of 4 hosts' reductions instead of 6). The node comes back:
+    at the next checkpoint the run grows by that whole slice, to 6 hosts again."""
     made, nodes = cluster
     where = addresses(nodes)
     folder = str(tmp_path)
@@ -184,10 +201,10 @@ def test_a_lost_slice_ends_the_group_and_the_run_goes_on_on_the_slices_left(clus
     def fit():
         try:
             out["result"] = redray.fit(
-                TinyLM, lm_collate, lm_loss, optax.adam(1e-2), train_data=token_data(192),
-                hosts=(4, 6), use_tpu=True, batch_size=24, model_axis=4, max_steps=8,
+                TinyLM, lm_collate, lm_loss, optax.adam(1e-2), train_data=token_data(288),
+                hosts=(4, 6), use_tpu=True, batch_size=24, model_axis=4, max_steps=12,
                 seed=0, log_every=1, progress=False, name="lost", storage_path=folder,
-                tracking=False, hooks=[Record(folder, pause_at=6)],
+                tracking=False, hooks=[Record(folder)],
                 checkpoint=CheckpointConfig(save_every=4, every_epoch=False))
         except BaseException as error:  # noqa: BLE001 - the test reports it
             out["error"] = error
@@ -195,41 +212,56 @@ def test_a_lost_slice_ends_the_group_and_the_run_goes_on_on_the_slices_left(clus
     driver = threading.Thread(target=fit)
     driver.start()
     marker = os.path.join(folder, "pausing")
-    deadline = time.time() + 600
-    while not os.path.exists(marker) and driver.is_alive() and time.time() < deadline:
-        time.sleep(0.2)
-    assert os.path.exists(marker), out
+    wait_for(lambda: os.path.exists(marker), "pause at step 6", driver)
     time.sleep(0.5)  # the node id is written
     victim = open(marker).read()
+    lost, _ = where[victim]
     made.remove_node(next(n for n in nodes.values() if n.node_id == victim),
                      allow_graceful=False)
+    hosts = os.path.join(folder, "hosts")
+    wait_for(lambda: len(rows(hosts)) >= 10, "group of 4", driver)
+    saved = dict(os.environ)
+    try:  # the lost host's replacement: the slice's worker 0 again, stale values too
+        os.environ.update(STALE, TPU_NAME=lost, TPU_WORKER_ID="0",
+                          TPU_ACCELERATOR_TYPE="v5p-16", TPU_TOPOLOGY="2x2x2",
+                          JAX_PLATFORMS="cpu",
+                          XLA_FLAGS=f"--xla_force_host_platform_device_count={CHIPS}")
+        back = made.add_node(num_cpus=1, resources={"TPU": CHIPS}, node_ip_address="127.0.0.40")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    made.wait_for_nodes()
+    where[back.node_id] = (lost, 0)
+    open(os.path.join(folder, "added"), "w").close()
     driver.join(600)
     assert "result" in out, out.get("error")
     result = out["result"]
-    assert result.resumed_from_step == 4
+    assert result.resumed_from_step == 8  # the regroup's checkpoint
 
-    seen = rows(os.path.join(folder, "hosts"))
-    first, second = seen[:6], seen[6:]
-    assert len(second) == 4, seen
-    placed = {1: {r[1]: where[r[2]] for r in first}, 2: {r[1]: where[r[2]] for r in second}}
-    assert [placed[1][r][1] for r in range(6)] == [0, 1] * 3
-    assert len({placed[1][r][0] for r in range(6)}) == 3
-    lost = where[victim][0]
-    assert placed[1][0] == (lost, 0)
-    assert all(s != lost for s, _ in placed[2].values()), placed  # not the broken slice
-    assert [placed[2][r][1] for r in range(4)] == [0, 1, 0, 1]
-    coordinator = next(r[3] for r in second if r[1] == 0)
-    assert coordinator != next(r[3] for r in first if r[1] == 0)
-    for pid, rank, node, address, env in second:  # fresh values, none stale
-        assert env == {"MEGASCALE_COORDINATOR_ADDRESS": coordinator,
-                       "MEGASCALE_NUM_SLICES": "2", "MEGASCALE_PORT": "8081",
-                       "MEGASCALE_SLICE_ID": str(rank // 2)}, env
+    seen = rows(hosts)
+    assert [len(seen[:6]), len(seen[6:10]), len(seen[10:])] == [6, 4, 6], seen
+    groups = [seen[:6], seen[6:10], seen[10:]]
+    placed = [{r[1]: where[r[2]] for r in g} for g in groups]
+    assert [placed[0][r][1] for r in range(6)] == [0, 1] * 3
+    assert len({placed[0][r][0] for r in range(6)}) == 3
+    assert placed[0][0] == (lost, 0)
+    assert all(s != lost for s, _ in placed[1].values()), placed  # not the broken slice
+    assert [placed[1][r][1] for r in range(4)] == [0, 1, 0, 1]
+    assert [placed[2][r][1] for r in range(6)] == [0, 1] * 3
+    assert lost in {s for s, _ in placed[2].values()}  # whole again, and taken
+    coordinators = [next(r[3] for r in g if r[1] == 0) for g in groups]
+    assert coordinators[1] != coordinators[0]
+    for group, slices, coordinator in zip(groups[1:], (2, 3), coordinators[1:]):
+        for pid, rank, node, address, env in group:  # fresh values, none stale
+            assert env == {"MEGASCALE_COORDINATOR_ADDRESS": coordinator,
+                           "MEGASCALE_NUM_SLICES": str(slices), "MEGASCALE_PORT": "8081",
+                           "MEGASCALE_SLICE_ID": str(rank // 2)}, env
 
-    groups = {}
+    by_group = {}
     for pid, step, loss in rows(os.path.join(folder, "losses")):
-        groups.setdefault(pid, {})[step] = loss
-    before, after = list(groups.values())
-    assert sorted(after) == [5, 6, 7, 8]
+        by_group.setdefault(pid, {})[step] = loss
+    before, after, grown = list(by_group.values())
+    assert sorted(after) == [5, 6, 7, 8] and sorted(grown) == [9, 10, 11, 12]
     again = [s for s in before if s in after]
     assert again and all(abs(before[s] - after[s]) <= 1e-4 * abs(before[s]) for s in again), \
         (before, after)
