@@ -409,3 +409,53 @@ def test_the_memory_plan_counts_the_exchange_an_expert_axis_adds():
     capped = plan_model(config, 4, expert_axis=4, step=step)["memory"]["parts"]
     assert capped["expert_exchange"] == 0
     assert "expert_exchange" not in plan_model(config, 4, step=step)["memory"]["parts"]
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_group_limited_sigmoid_routing_matches_glm4_moes_block(normalize):
+    """DeepSeek-V3's router as GLM-4.5 runs it (transformers' Glm4MoeMoE: sigmoid scores,
+    a correction bias for the choice only, the best 2 of 4 groups, renormalized or not,
+    scaled) with its shared experts: the same outputs, and only the kept groups chosen."""
+    config = transformers.Glm4MoeConfig(
+        vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+        topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5,
+        norm_topk_prob=normalize)
+    torch.manual_seed(0)
+    theirs = transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeMoE(config).eval()
+    with torch.no_grad():
+        for parameter in theirs.parameters():
+            parameter.normal_(0, 0.3)
+        theirs.gate.e_score_correction_bias.normal_(0, 0.5)  # moves the choice, not weights
+    from redray.models.mixtral import SharedExpertMoE
+
+    ours = SharedExpertMoE(
+        32, 16, 16, 4, shared=32, act="silu", gated=False, renormalize=normalize,
+        scoring="sigmoid", groups=(4, 2), scale=2.5, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    weights = {k: v.detach().numpy() for k, v in theirs.state_dict().items()}
+    ours.router.kernel[...] = weights["gate.weight"].T
+    ours.score_bias[...] = weights["gate.e_score_correction_bias"]
+    ours.gate_up_proj[...] = weights["experts.gate_up_proj"].transpose(0, 2, 1).reshape(
+        16, 32, 2, 16)
+    ours.down_proj[...] = weights["experts.down_proj"].transpose(0, 2, 1)
+    shared = ours.shared_expert
+    shared.gate_up_proj.kernel[...] = np.stack(
+        [weights["shared_experts.gate_proj.weight"].T,
+         weights["shared_experts.up_proj.weight"].T], 1).reshape(
+        shared.gate_up_proj.kernel.shape)
+    shared.down_proj.kernel[...] = weights["shared_experts.down_proj.weight"].T
+    x = np.random.default_rng(0).normal(size=(3, 5, 32)).astype(np.float32)
+    with torch.no_grad():
+        expected = theirs(torch.from_numpy(x)).numpy()
+        _, _, their_chosen = theirs.gate(torch.from_numpy(x))
+    out, report = ours(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
+    # the choice: each token's experts (as sets) those transformers picks, in <= 2 groups
+    logits = np.asarray(ours.router(jnp.asarray(x))).reshape(-1, 16)
+    _, chosen, _ = ours._sigmoid_choice(jnp.asarray(logits))
+    for mine, their in zip(np.asarray(chosen), their_chosen.numpy()):
+        assert set(mine) == set(their) and len({e // 4 for e in mine}) <= 2
+    assert float(report["tokens"]) == 15 and float(report["expert_tokens"].sum()) == 60
+    # the bias is state beside the parameters: no optimizer or gradient touches it
+    assert not nnx.state(ours, moe.RouterBias) == {} and \
+        "score_bias" not in str(nnx.state(ours, nnx.Param))

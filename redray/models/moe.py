@@ -8,7 +8,13 @@ Each token's router logits give its ``top_k`` experts and their weights (in floa
 * Mixtral: softmax over the k chosen logits (the softmax over every expert, renormalized
   over the k chosen: the same values);
 * Qwen2-MoE and Qwen3-MoE: softmax over every expert, the k largest kept, renormalized
-  only with ``norm_topk_prob``, and cast back to the router's dtype.
+  only with ``norm_topk_prob``, and cast back to the router's dtype;
+* DeepSeek-V3 and GLM-4.5 (``scoring="sigmoid"``): each expert's sigmoid score; the
+  choice reads the scores plus a per-expert correction bias (``RouterBias``: a buffer,
+  not a parameter, which only auxiliary-loss-free balancing moves), limited to the
+  ``topk_group`` groups of experts whose two best biased scores sum highest
+  (``groups``); the weights are the chosen experts' unbiased scores, renormalized with
+  ``norm_topk_prob`` and scaled by ``routed_scaling_factor`` (``scale``).
 
 Dispatch is dropless: the (token, expert) assignments are sorted by expert, each
 projection is one grouped matmul over them (``jax.lax.ragged_dot``, the group sizes
@@ -141,6 +147,27 @@ def _routed_specs(mesh, rows: P, by_expert, by_model, bias_by_model, shared_by_m
     return specs, result
 
 
+class RouterBias(nnx.Variable):
+    """A router's per-expert correction bias (DeepSeek's ``e_score_correction_bias``):
+    float32 state beside the parameters, read by the choice of experts only (no gradient
+    reaches it), so no optimizer or weight decay touches it."""
+
+
+def limit_groups(choice: jax.Array, groups: int, keep: int) -> jax.Array:
+    """``choice`` (..., experts) with every expert outside the ``keep`` best of its
+    ``groups`` equal groups at -inf: a group's score is the sum of its two best
+    (DeepSeek-V3's group-limited routing: a token's experts on at most ``keep`` groups,
+    e.g. nodes)."""
+    *lead, experts = choice.shape
+    if experts % groups:
+        raise ValueError(f"n_group {groups} must divide the experts ({experts})")
+    grouped = choice.reshape(*lead, groups, experts // groups)
+    best = jax.lax.top_k(grouped, min(2, experts // groups))[0].sum(-1)
+    _, kept = jax.lax.top_k(best, keep)
+    mask = jax.nn.one_hot(kept, groups, dtype=jnp.int32).sum(-2) > 0
+    return jnp.where(mask[..., None], grouped, -jnp.inf).reshape(choice.shape)
+
+
 class MoE(nnx.Module):
     """Top-k routed experts, each a gated MLP (see the module docstring).
 
@@ -155,13 +182,20 @@ class MoE(nnx.Module):
       capacity_factor: None (dropless) or the factor of an even share each expert
         keeps (see the module docstring).
       dtype: the compute dtype (parameters stay float32).
+      scoring: "softmax" over every expert, or "sigmoid" per expert with a correction
+        bias (``RouterBias``) for the choice (DeepSeek-V3, GLM-4.5).
+      groups: (n_group, topk_group): the choice limited to the ``topk_group`` best of
+        ``n_group`` groups of experts (sigmoid scoring); None: every expert.
+      scale: the chosen weights' factor (``routed_scaling_factor``).
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, *,
                  act: str = "silu", renormalize: bool = True, float32_weights: bool = True,
                  capacity_factor: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs,
                  router_bias: bool = False, expert_bias: bool = False,
-                 clamp: tuple[float, float] | None = None, sigmoid_inputs: bool = False):
+                 clamp: tuple[float, float] | None = None, sigmoid_inputs: bool = False,
+                 scoring: str = "softmax", groups: tuple[int, int] | None = None,
+                 scale: float = 1.0):
         if not 1 <= top_k <= experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number "
                              f"of experts ({experts})")
@@ -171,6 +205,16 @@ class MoE(nnx.Module):
         self.top_k, self.renormalize, self.float32_weights = top_k, renormalize, float32_weights
         self.capacity_factor, self.dtype = capacity_factor, dtype
         self.clamp, self.sigmoid_inputs = clamp, sigmoid_inputs
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring {scoring!r}: give 'softmax' or 'sigmoid'")
+        if groups is not None and (scoring != "sigmoid" or experts % groups[0]
+                                   or not 1 <= groups[1] <= groups[0]):
+            raise ValueError(f"groups (n_group, topk_group) = {groups}: n_group must divide "
+                             f"the {experts} experts, 1 <= topk_group <= n_group, with "
+                             "sigmoid scoring")
+        self.scoring, self.groups, self.scale = scoring, groups, scale
+        if scoring == "sigmoid":
+            self.score_bias = RouterBias(jnp.zeros((experts,), jnp.float32))
         self.act = layers.activation(act)
         self.router = nnx.Linear(hidden, experts, use_bias=router_bias, dtype=dtype, rngs=rngs)
         # fan-in scaled per expert: the expert axis is a batch of independent kernels
@@ -199,12 +243,16 @@ class MoE(nnx.Module):
         """(output like ``x``, report) for ``x`` (..., hidden); ``valid`` (...): which
         tokens are real (None: all), for the report only."""
         logits = self.router(x)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), -1)
-        weights, chosen = jax.lax.top_k(probs, self.top_k)
-        if self.sigmoid_inputs:  # Llama 4: the chosen logits' sigmoid scales the input
-            weights = jax.nn.sigmoid(jnp.take_along_axis(logits.astype(jnp.float32), chosen, -1))
-        elif self.renormalize:
-            weights = weights / weights.sum(-1, keepdims=True)
+        if self.scoring == "sigmoid":
+            weights, chosen, probs = self._sigmoid_choice(logits)
+        else:
+            probs = jax.nn.softmax(logits.astype(jnp.float32), -1)
+            weights, chosen = jax.lax.top_k(probs, self.top_k)
+            if self.sigmoid_inputs:  # Llama 4: the chosen logits' sigmoid scales the input
+                weights = jax.nn.sigmoid(
+                    jnp.take_along_axis(logits.astype(jnp.float32), chosen, -1))
+            elif self.renormalize:
+                weights = weights / weights.sum(-1, keepdims=True)
         if not self.float32_weights:
             weights = weights.astype(logits.dtype)
         experts = probs.shape[-1]
@@ -227,6 +275,19 @@ class MoE(nnx.Module):
             "dropped": (per_choice * (1.0 - kept)).sum(),
         }
         return out.astype(x.dtype), report
+
+    def _sigmoid_choice(self, logits) -> tuple:
+        """(weights, chosen, each expert's share of the token's scores) of sigmoid
+        scoring (see the module docstring)."""
+        scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+        choice = scores + self.score_bias[...]
+        if self.groups is not None:
+            choice = limit_groups(choice, *self.groups)
+        _, chosen = jax.lax.top_k(choice, self.top_k)
+        weights = jnp.take_along_axis(scores, chosen, -1)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return weights * self.scale, chosen, scores / scores.sum(-1, keepdims=True)
 
     def expert_layers(self) -> ExpertLayers:
         """This layer as the planner sees it (``redray.planning.memory.expert_layers``)."""
