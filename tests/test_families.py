@@ -36,7 +36,7 @@ torch = pytest.importorskip("torch", reason="parity tests need torch (pip instal
 transformers = pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NEW = ("gpt_oss", "llama4_text", "olmo3", "smollm3")
+NEW = ("gpt_oss", "llama4_text", "olmo3", "smollm3", "glm4_moe")
 
 
 # ------------------------------------------------------------------ the registry

@@ -80,7 +80,11 @@ def hf_gradients(model, ids, targets, folder):
         for param in model.parameters():
             param.copy_(torch.zeros_like(param) if param.grad is None else param.grad)
     model.save_pretrained(folder)
-    return loss.item(), load_file(os.path.join(folder, hub.SINGLE_FILE))
+    # buffers (a router's correction bias) are written as they are: no gradient
+    buffers = {name for name, _ in model.named_buffers()}
+    return loss.item(), {name: value for name, value in
+                         load_file(os.path.join(folder, hub.SINGLE_FILE)).items()
+                         if name not in buffers}
 
 
 def redray_gradients(model, ids, targets):

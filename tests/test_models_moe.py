@@ -1,4 +1,5 @@
-"""Mixtral, Qwen2-MoE and Qwen3-MoE against transformers PyTorch; the mixture-of-experts layer."""
+"""Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5 against transformers PyTorch; the mixture-of-experts
+layer and its routers."""
 
 import jax
 import jax.numpy as jnp
@@ -459,3 +460,61 @@ def test_group_limited_sigmoid_routing_matches_glm4_moes_block(normalize):
     # the bias is state beside the parameters: no optimizer or gradient touches it
     assert not nnx.state(ours, moe.RouterBias) == {} and \
         "score_bias" not in str(nnx.state(ours, nnx.Param))
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    """A tiny GLM-4.5 (a dense first layer, then 2 MoE layers; the registry's) whose
+    routers' correction biases are drawn away from zero, as trained ones are."""
+    from hf_tiny import hf_model
+
+    hf = hf_model("glm4_moe")
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.5)
+    folder = str(tmp_path_factory.mktemp("glm4_moe"))
+    hf.save_pretrained(folder)
+    return hf, folder, rm.from_pretrained(folder)
+
+
+def test_glm4_moe_matches_transformers_and_exports_its_router_biases(glm, tmp_path):
+    hf, folder, model = glm
+    assert_logits_match(model, hf)
+    assert_greedy_generation_matches(model, hf, 8)
+    pattern = model.pattern(model.config)
+    assert (pattern.first, pattern.repeats) == (1, 2)  # the dense prefix apart
+    biases = np.asarray(model.layers.mlp.score_bias[...])  # stacked: (2 layers, 8 experts)
+    for i in (1, 2):
+        np.testing.assert_array_equal(
+            biases[i - 1], hf.model.layers[i].mlp.gate.e_score_correction_bias.numpy())
+    assert_export_round_trip(model, hf, tmp_path)  # the biases written back, and read
+
+
+def test_a_glm4_moe_runs_checkpoint_exports_its_router_biases_untrained(glm, tmp_path):
+    """A run's checkpoint holds the routers' correction biases beside the parameters
+    (the Trainer's extra state: no optimizer moves them); ``redray export`` writes them
+    (restoring the model: an export a tensor at a time reads parameters only)."""
+    import os
+
+    from redray.commands.runs import export_run
+    from redray.engine.load import stored_params
+    from tiny import lm_collate, lm_loss, token_data
+
+    hf, folder, model = glm
+    run = tmp_path / "run"
+    os.makedirs(run)
+    hf.config.save_pretrained(run)
+    trainer = redray.Trainer.of(model, lm_collate, lm_loss, optax.adam(1e-2), batch_size=4,
+                                progress=False, fsdp_axis=2, checkpoint=redray.CheckpointConfig(
+                                    str(run / "checkpoints"), save_every=1))
+    trainer.fit(token_data(8, seq=12), epochs=1)
+    config = rm.load_config(str(run / "config.json"))
+    assert stored_params(str(run), lambda rngs: rm.build(config, rngs=rngs)) is None
+    export_run(str(run), config, str(tmp_path / "out"), dtype="float32")
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    for i in (1, 2):
+        np.testing.assert_array_equal(back.model.layers[i].mlp.gate.e_score_correction_bias,
+                                      hf.model.layers[i].mlp.gate.e_score_correction_bias)
+    assert not torch.equal(back.model.layers[1].mlp.gate.weight,  # the rest trained
+                           hf.model.layers[1].mlp.gate.weight)

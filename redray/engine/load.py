@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import jax
+from flax import nnx
 
 from redray.checkpoint import (CheckpointConfig, Checkpointer, CheckpointMismatch, StoredArrays,
                                check_meta, find_checkpoints, select_step, storage_paths)
@@ -167,8 +168,10 @@ def stored_params(path: str, model: Any, *, step: int | None = None,
 
     Returns None where the checkpoint is not read a piece at a time: a run that
     trained some parameters only (``trainable=``; the others are not in its
-    checkpoints, ``load_model`` builds them), or a checkpoint whose arrays do not open
-    (damaged: ``load_model`` skips it, naming it, for an older one).
+    checkpoints, ``load_model`` builds them), a model with state beside its parameters
+    that an export writes too (a router's correction bias: ``load_model`` restores it
+    with them), or a checkpoint whose arrays do not open (damaged: ``load_model`` skips
+    it, naming it, for an older one).
 
     Raises:
       CheckpointMismatch: the checkpoint holds another model's arrays (named).
@@ -178,6 +181,9 @@ def stored_params(path: str, model: Any, *, step: int | None = None,
         raise TypeError("stored_params reads NNX models' checkpoints; for a LinenModel use "
                         "load_params")
     params, extra = abstract_state(wrapped, jax.random.key(0))
+    variables = jax.tree.leaves(extra, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if any(not isinstance(v, nnx.RngState) for v in variables):
+        return None
     directory, found = find_checkpoints(path)
     checkpointer = Checkpointer(CheckpointConfig(directory=directory), CHECKPOINT_ITEMS)
     try:

@@ -43,6 +43,13 @@ TINY_HYBRID = dict(TINY, num_hidden_layers=4, head_dim=8, linear_num_key_heads=2
                    layer_types=["linear_attention", "full_attention"] * 2)
 TINY_HYBRID_MOE = dict(TINY_HYBRID, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=16, shared_expert_intermediate_size=24)
+# GLM-4.5: a dense first layer, then DeepSeek-V3's router (sigmoid scores, a correction
+# bias, 1 of 2 groups of 4 experts, scaled) with a shared expert; half the head rotated,
+# q/k/v biases and per-head q/k norms.
+TINY_GLM4_MOE = dict(TINY_MOE, num_hidden_layers=3, head_dim=8, moe_intermediate_size=16,
+                     n_routed_experts=8, n_group=2, topk_group=1, n_shared_experts=1,
+                     first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                     attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5)
 TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
                    out_hidden_size=32)
 
@@ -136,6 +143,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_moe", "Qwen3-MoE", "mixtral", "Qwen3MoeForCausalLM",
            presets=("qwen3-30b-a3b",),
            tiny=dict(TINY_MOE, moe_intermediate_size=16, num_experts=4, norm_topk_prob=True)),
+    Family("glm4_moe", "GLM-4.5", "mixtral", "Glm4MoeForCausalLM", tiny=TINY_GLM4_MOE),
     Family("gpt_oss", "gpt-oss", "gpt_oss", "GptOssForCausalLM", presets=("gpt-oss-20b",),
            tiny=dict(TINY_MOE, num_local_experts=4, head_dim=8, sliding_window=6,
                      max_position_embeddings=64,

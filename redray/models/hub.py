@@ -32,6 +32,12 @@ from redray.sharding import Parallelism, flatten
 from redray.sharding.on_mesh import model_specs
 from redray.sharding.parallelism import KEYWORDS as AXIS_KEYWORDS
 
+class Buffer(nnx.Variable):
+    """A checkpoint's tensor kept beside the parameters (a router's correction bias):
+    loaded and exported as they are, but not an ``nnx.Param``, so no optimizer or
+    weight decay updates it (it is a Trainer's extra state)."""
+
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -53,6 +59,7 @@ class Tensor:
     save: Callable[[np.ndarray], np.ndarray]
     fallback: str | None = None
     view: Callable[[tuple, tuple], slices.View | None] | None = None
+    buffer: bool = False  # a ``Buffer``'s row: the model's state, not a parameter
 
     @property
     def parts(self) -> tuple[Tensor, ...]:
@@ -127,6 +134,12 @@ def plain(hf: str, path: str, flat: bool = False) -> Tensor:
     """Same values, maybe reshaped (``flat``: HF stores it 1-D, e.g. a per-head bias)."""
     return Tensor(hf, path, lambda w, shape: w.reshape(shape),
                   lambda k: k.reshape(-1) if flat else k, view=slices.reshape_view)
+
+
+def buffer(hf: str, path: str) -> Tensor:
+    """A checkpoint's buffer (a ``Buffer`` at ``path``), same values: loaded and
+    exported with the parameters; a tree of gradients has none."""
+    return dataclasses.replace(plain(hf, path), buffer=True)
 
 
 def qkv(modules: tuple[str, str, str], path: str, heads: int, kv_heads: int,
@@ -546,14 +559,20 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
     mesh = parallelism.mesh
     make = lambda: fam.Model(config, rngs=fast_rngs(seed), dtype=dtype, remat=remat,  # noqa: E731
                              scan=scan)
-    graphdef, params_abs, extra_abs = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+    abstract = nnx.eval_shape(make)
+    graphdef, params_abs, extra_abs = nnx.split(abstract, nnx.Param, ...)
     specs = model_specs(graphdef, (params_abs, extra_abs), parallelism,
                         fam.trace_inputs(config))
     param_specs, extra_specs = specs
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     paths, leaves, treedef = flatten(params_abs)
-    spec_leaves = jax.tree.leaves(param_specs,
-                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    by_path = {p: (leaf, s) for p, leaf, s in zip(paths, leaves, spec_leaves)}
+    by_path = {p: (leaf, s) for p, leaf, s in zip(paths, leaves,
+                                                  jax.tree.leaves(param_specs, is_leaf=is_spec))}
+    # the checkpoint's buffers beside the parameters (a router's correction bias)
+    buffers = set(flatten(nnx.state(abstract, Buffer))[0])
+    extra_paths, extra_leaves, _ = flatten(extra_abs)
+    by_path.update({p: (leaf, s) for p, leaf, s in zip(
+        extra_paths, extra_leaves, jax.tree.leaves(extra_specs, is_leaf=is_spec)) if p in buffers})
 
     weights = _Weights(path if not path.endswith(".json") else os.path.dirname(path),
                        record.weight_prefixes, record.left_out)
@@ -567,6 +586,9 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
     extra_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), extra_specs,
                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     extra = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2], out_shardings=extra_sh)()
+    made, extra_treedef = jax.tree.flatten(extra)
+    extra = jax.tree.unflatten(extra_treedef, [loaded[p] if p in buffers else v
+                                               for p, v in zip(extra_paths, made)])
     model = nnx.merge(graphdef, params, extra)
     generation = load_generation(path)
     if generation is not None and isinstance(getattr(model, "config", None), HFConfig):
@@ -702,7 +724,7 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
         which the export drops: gpt-oss's MXFP4 experts are written dequantized),
         float32 otherwise.
     """
-    paths, leaves, _ = flatten(nnx.state(model, nnx.Param))
+    paths, leaves, _ = flatten(nnx.state(model, nnx.Any(nnx.Param, Buffer)))
     values = dict(zip(paths, leaves))
     write_pretrained(model.config, {p: tuple(v.shape) for p, v in values.items()},
                      lambda dtype: writing.live_fetch(values, dtype), path, max_shard_bytes,
@@ -756,15 +778,18 @@ def write_pretrained(config, shapes: dict, fetch, path: str, max_shard_bytes: in
         multihost_utils.sync_global_devices(f"redray save_pretrained {path}")
 
 
-def hf_layout(config, shapes: dict) -> list:
+def hf_layout(config, shapes: dict, gradients: bool = False) -> list:
     """(row, model path, layer or None, [(HF name, HF shape) of each part]) for every
     row of the family's weight table, in its order, from the parameters' shapes alone
     (``shapes``: model path -> shape): what ``writing.hf_stream`` makes and a
-    ``writing.SafetensorsWriter`` announces."""
+    ``writing.SafetensorsWriter`` announces. ``gradients``: ``shapes`` are a tree of
+    gradients, which has no buffers (their rows are left out)."""
     fam = family(config.model_type)
     out = []
     for row in fam.weight_table(config):
         where = _model_path(row.path, shapes, fam, config)
+        if where is None and gradients and getattr(row, "buffer", False):
+            continue
         if where is None:
             raise AssertionError(f"{fam.__name__}: table path {row.path!r} is not a parameter")
         model_path, layer = where
@@ -784,7 +809,8 @@ def _stored_bfloat16(config) -> bool:
 
 def hf_tensors(config, params) -> dict[str, np.ndarray]:
     """The Hugging Face tensors (name -> float32 numpy array, in ``transformers``' layout)
-    of a redray model's parameters, or of a tree shaped as them (their gradients).
+    of a redray model's parameters, or of a tree shaped as them (their gradients): a
+    buffer's tensor only where the tree holds it.
 
     Args:
       config: the model's ``config``.
@@ -792,7 +818,8 @@ def hf_tensors(config, params) -> dict[str, np.ndarray]:
     """
     paths, leaves, _ = flatten(params)
     values = dict(zip(paths, leaves))
-    layout = hf_layout(config, {p: tuple(np.shape(v)) for p, v in values.items()})
+    layout = hf_layout(config, {p: tuple(np.shape(v)) for p, v in values.items()},
+                       gradients=True)
     return {name: np.ascontiguousarray(array, np.float32) for name, array in
             writing.hf_stream(layout, writing.live_fetch(values, np.float32))}
 

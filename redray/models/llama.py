@@ -38,13 +38,18 @@ def _biases(c) -> tuple[bool, bool]:
     reuses this attention, names its q/k/v switch ``qkv_bias``)."""
     if c.model_type in ("qwen2", "qwen2_moe"):
         return bool(getattr(c, "qkv_bias", True)), False
+    if c.model_type == "glm4_moe":  # GLM-4.5: q/k/v only
+        return bool(getattr(c, "attention_bias", False)), False
     bias = bool(getattr(c, "attention_bias", False))
     return bias, bias
 
 
 def _qk_norm(c) -> bool:
     """Whether queries and keys are RMS-normalized over each head's features before
-    RoPE (Qwen3, and Qwen3-MoE, whose family reuses this attention)."""
+    RoPE (Qwen3, and Qwen3-MoE, whose family reuses this attention; GLM-4.5 with
+    ``use_qk_norm``)."""
+    if c.model_type == "glm4_moe":
+        return bool(getattr(c, "use_qk_norm", False))
     return c.model_type in ("qwen3", "qwen3_moe")
 
 

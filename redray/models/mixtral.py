@@ -1,5 +1,5 @@
-"""Mixtral, Qwen2-MoE and Qwen3-MoE: LLaMA's decoder with a mixture of experts for
-every MLP.
+"""Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5: LLaMA's decoder with a mixture of experts
+for every MLP.
 
 Attention is LLaMA's (``llama.Attention``: grouped-query, RoPE, one QKV kernel), with
 Qwen2-MoE's biases on q/k/v (``qkv_bias``), Qwen3-MoE's queries and keys RMS-normalized
@@ -9,6 +9,13 @@ a ``moe.MoE``: Mixtral renormalizes the top-k router probabilities and combines 
 float32; the Qwen families renormalize only with ``norm_topk_prob``. Qwen2-MoE adds a
 shared expert (``SharedExpertMoE``): a dense gated MLP that every token runs through,
 weighed by sigmoid(``shared_expert_gate``(x)), added to the routed experts' output.
+GLM-4.5 (``glm4_moe``) routes as DeepSeek-V3 does (``moe.MoE(scoring="sigmoid")``:
+sigmoid scores, a correction bias for the choice only, kept as a ``hub.Buffer`` beside
+the parameters, the ``topk_group`` best of ``n_group`` groups, ``routed_scaling_factor``)
+with ``n_shared_experts`` shared experts added ungated, its first
+``first_k_dense_replace`` layers dense, q/k/v biases (``attention_bias``), optional
+per-head q/k norms (``use_qk_norm``) and a rotary share of each head
+(``partial_rotary_factor``, which LLaMA's attention reads).
 A Qwen-MoE config may keep dense MLPs in some layers (``mlp_only_layers``, or
 ``decoder_sparse_step`` > 1); their layers are LLaMA's, and the layers stack by their
 pattern (``layers.LayerPattern``: dense layers at the front apart, a repeating period of
@@ -30,19 +37,22 @@ import types
 from flax import nnx
 
 from redray.models import layers, llama, moe
-from redray.models.hub import HFConfig, gated, linear
+from redray.models.hub import HFConfig, buffer, gated, linear
 
 BASE_PREFIX = llama.BASE_PREFIX
 IGNORED = llama.IGNORED
 # Hugging Face's names: the MoE module of a layer, and each expert's gate, up and down.
 QWEN = ("mlp", "gate_proj", "up_proj", "down_proj")
-NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"), "qwen2_moe": QWEN, "qwen3_moe": QWEN}
+NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"), "qwen2_moe": QWEN, "qwen3_moe": QWEN,
+         "glm4_moe": QWEN}
 
 
 def _experts(c) -> tuple[int, int, int]:
     """(experts, experts per token, each expert's intermediate size)."""
     if c.model_type == "mixtral":
         return c.num_local_experts, c.num_experts_per_tok, c.intermediate_size
+    if c.model_type == "glm4_moe":
+        return c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size
     return c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
 
 
@@ -52,6 +62,9 @@ def _kinds(c) -> tuple[str, ...]:
     ``transformers`` builds them."""
     if c.model_type == "mixtral":
         return ("moe",) * c.num_hidden_layers
+    if c.model_type == "glm4_moe":  # a dense prefix, as DeepSeek-V3's
+        return tuple("dense" if i < c.first_k_dense_replace else "moe"
+                     for i in range(c.num_hidden_layers))
     dense = set(c.mlp_only_layers or ())
     return tuple("dense" if i in dense or not c.num_experts or (i + 1) % c.decoder_sparse_step
                  else "moe" for i in range(c.num_hidden_layers))
@@ -96,6 +109,10 @@ def _moe(c, *, rngs, dtype) -> moe.MoE:
     mixtral = c.model_type == "mixtral"
     kind, extra = ((SharedExpertMoE, dict(shared=c.shared_expert_intermediate_size))
                    if c.model_type == "qwen2_moe" else (moe.MoE, {}))
+    if c.model_type == "glm4_moe":  # DeepSeek-V3's router, its shared experts ungated
+        kind, extra = SharedExpertMoE, dict(
+            shared=inner * c.n_shared_experts, gated=False, scoring="sigmoid",
+            groups=(c.n_group, c.topk_group), scale=c.routed_scaling_factor)
     return kind(c.hidden_size, inner, experts, top_k, act=c.hidden_act,
                 renormalize=mixtral or bool(c.norm_topk_prob), float32_weights=mixtral,
                 capacity_factor=getattr(c, "capacity_factor", None), dtype=dtype, rngs=rngs,
@@ -156,4 +173,9 @@ def weight_table(config) -> list:
             rows += gated((f"{theirs}.gate_proj", f"{theirs}.up_proj"), f"{ours}/gate_up_proj")
             rows += [linear(f"{theirs}.down_proj.weight", f"{ours}/down_proj/kernel"),
                      linear(f"{theirs}_gate.weight", f"{ours}_gate/kernel")]
+        if c.model_type == "glm4_moe":
+            theirs, ours = f"{hf}.mlp.shared_experts", f"{me}/mlp/shared_expert"
+            rows += gated((f"{theirs}.gate_proj", f"{theirs}.up_proj"), f"{ours}/gate_up_proj")
+            rows += [linear(f"{theirs}.down_proj.weight", f"{ours}/down_proj/kernel"),
+                     buffer(f"{hf}.mlp.gate.e_score_correction_bias", f"{me}/mlp/score_bias")]
     return rows

@@ -85,7 +85,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from redray.models import layers
-from redray.models.hub import Tensor, linear
+from redray.models.hub import Buffer, Tensor, linear
 from redray.sharding.tracing import context_split, traced_mesh
 from redray.sharding.parallelism import BATCH_AXES, CONTEXT, EXPERT, MODEL
 from redray.sharding.rules import axes_of
@@ -147,10 +147,11 @@ def _routed_specs(mesh, rows: P, by_expert, by_model, bias_by_model, shared_by_m
     return specs, result
 
 
-class RouterBias(nnx.Variable):
+class RouterBias(Buffer):
     """A router's per-expert correction bias (DeepSeek's ``e_score_correction_bias``):
-    float32 state beside the parameters, read by the choice of experts only (no gradient
-    reaches it), so no optimizer or weight decay touches it."""
+    float32 state beside the parameters (``hub.Buffer``: loaded and exported with them),
+    read by the choice of experts only (no gradient reaches it), so no optimizer or
+    weight decay touches it."""
 
 
 def limit_groups(choice: jax.Array, groups: int, keep: int) -> jax.Array:
