@@ -254,13 +254,9 @@ def _place(shape: Shape, waiting: "_Waiting"):
                 remove_placement_group(group)
                 return None
         return group
-    count = wanted.slices_for(shape.hosts)
     while True:
-        idle = wanted.idle()
-        if len(idle) >= count:
-            bundles, selectors = wanted.placement(idle[:count])
-            group = placement_group(bundles, strategy="STRICT_SPREAD",
-                                    bundle_label_selector=selectors)
+        group = wanted.placement_group(shape.hosts)
+        if group is not None:
             if ray.wait([group.ready()], timeout=min(SLICE_TRY_S, waiting.step()))[0]:
                 return group
             remove_placement_group(group)

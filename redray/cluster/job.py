@@ -209,12 +209,9 @@ class Room:
         from ray.util.placement_group import placement_group, remove_placement_group
 
         if self.slices:
-            idle, wanted = self.slices.idle(), self.slices.slices_for(hosts)
-            if len(idle) < wanted:
+            group = self.slices.placement_group(hosts)
+            if group is None:
                 return False
-            bundles, selectors = self.slices.placement(idle[:wanted])
-            group = placement_group(bundles, strategy="STRICT_SPREAD",
-                                    bundle_label_selector=selectors)
         else:
             group = placement_group(self.bundles(hosts), strategy="SPREAD")
         try:

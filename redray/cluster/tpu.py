@@ -101,6 +101,19 @@ class SliceRequest:
         return bundles, selectors
 
 
+    def placement_group(self, hosts: int):
+        """A placement group of ``hosts`` hosts on the first idle whole slices (not yet
+        ready: ``ready()`` tells), in rank order; None where too few are idle."""
+        from ray.util.placement_group import placement_group
+
+        idle, count = self.idle(), self.slices_for(hosts)
+        if len(idle) < count:
+            return None
+        bundles, selectors = self.placement(idle[:count])
+        return placement_group(bundles, strategy="STRICT_SPREAD",
+                               bundle_label_selector=selectors)
+
+
 def cluster_slices(nodes: list | None = None, available: dict | None = None) -> list[Slice]:
     """Every TPU slice with a live node in the cluster, by name (``nodes``: ``ray.nodes()``;
     ``available``: free resources by node id). Nodes without a slice label are left out."""
