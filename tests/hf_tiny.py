@@ -193,3 +193,49 @@ def mxfp4_gpt_oss(folder):
         json.dump(config, f)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     return hf
+
+
+def fp8_checkpoint(folder, name="llama", block=(5, 3), **overrides):
+    """A tiny ``name`` saved into ``folder`` as DeepSeek-V3's and Kimi-K2's releases are:
+    every layer's linear weight as float8 e4m3 with a float32 scale per ``block`` (which
+    need not divide its shape) in ``X.weight_scale_inv``, the config's
+    quantization_config. Returns the transformers model whose weights are those values
+    as transformers dequantizes them (``overrides``: of the registry's tiny config)."""
+    import ml_dtypes
+    import torch
+    from safetensors.numpy import save_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    hf = hf_model(name, **overrides)
+    rng = np.random.default_rng(1)
+    tensors, seen = {}, set()
+    for key, value in hf.state_dict().items():  # a tied tensor once, as transformers saves it
+        if value.data_ptr() not in seen:
+            seen.add(value.data_ptr())
+            tensors[key] = value.numpy().copy()
+    for key, value in list(tensors.items()):
+        if not (key.startswith("model.layers.") and key.endswith(".weight") and value.ndim == 2):
+            continue
+        (rows, cols), (b0, b1) = value.shape, block
+        grid = (-(-rows // b0), -(-cols // b1))
+        padded = np.zeros((grid[0] * b0, grid[1] * b1), np.float32)
+        padded[:rows, :cols] = np.abs(value)
+        largest = padded.reshape(grid[0], b0, grid[1], b1).max(axis=(1, 3))
+        scales = (largest / 448 * rng.uniform(1, 2, grid) + 1e-6).astype(np.float32)
+        each = np.repeat(np.repeat(scales, b0, 0), b1, 1)[:rows, :cols]
+        weight = (value / each).astype(ml_dtypes.float8_e4m3fn)
+        tensors[key], tensors[key.removesuffix(".weight") + ".weight_scale_inv"] = weight, scales
+        stored = torch.tensor(weight.view(np.uint8)).view(torch.float8_e4m3fn)
+        dense = _dequantize_fp8_weight(stored, torch.tensor(scales), list(block), torch.float32)
+        with torch.no_grad():
+            hf.get_parameter(key).copy_(dense)
+    hf.config.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return hf

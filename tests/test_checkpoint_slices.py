@@ -3,8 +3,8 @@ device reading only the bytes of its shards) and saved back from them (each tens
 gathered in turn, process 0 writing) equals the single-process load and save, for every
 kind of weight-table transform: fused (q/k/v, gate/up), transposed (``nn.Linear``),
 GPT-2's ``Conv1D``, stacked layers, tied embeddings, per-expert tensors, MXFP4
-dequantization with gate/up interleaved, and a row read whole through its own function
-(Qwen3.5's channels regrouped by key head)."""
+dequantization with gate/up interleaved, FP8 weights with a scale per block, and a row
+read whole through its own function (Qwen3.5's channels regrouped by key head)."""
 
 import os
 import subprocess
@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 from flax import nnx
-from hf_tiny import hf_model, mxfp4_gpt_oss
+from hf_tiny import fp8_checkpoint, hf_model, mxfp4_gpt_oss
 from safetensors.numpy import load_file
 
 from redray import Parallelism
@@ -39,6 +39,8 @@ def loaded(tmp_path_factory):
         hf_model(name, folders[name], **overrides)
     folders["gpt_oss"] = str(root / "gpt_oss")  # MXFP4 experts, gate/up interleaved
     mxfp4_gpt_oss(folders["gpt_oss"])
+    folders["fp8"] = str(root / "fp8")  # a LLaMA's linear weights in FP8, 5x3 blocks
+    fp8_checkpoint(folders["fp8"], **KINDS["llama"])
     address = served_at("127.0.0.1")
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -52,7 +54,7 @@ def loaded(tmp_path_factory):
     return folders
 
 
-@pytest.mark.parametrize("name", [*KINDS, "gpt_oss"])
+@pytest.mark.parametrize("name", [*KINDS, "gpt_oss", "fp8"])
 def test_two_processes_load_and_save_what_one_does(loaded, name, tmp_path):
     folder = loaded[name]
     model = from_pretrained(folder, parallelism=Parallelism.of(fsdp_axis=2, model_axis=2))

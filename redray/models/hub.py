@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from redray.models import mxfp4, slices, writing
+from redray.models import fp8, mxfp4, slices, writing
 from redray.models.families import lookup, supported
 from redray.rngs import rngs as fast_rngs
 from redray.sharding import Parallelism, flatten
@@ -213,9 +213,12 @@ class _Weights:
 
     ``renames``: (prefix in the checkpoint, prefix it is read under) pairs (a wrapped
     language model's ``language_model.model.`` as ``model.``); ``left_out``: prefixes of
-    tensors not read at all (a multimodal checkpoint's vision tower). A tensor stored in
-    MXFP4 (``X_blocks`` and ``X_scales``, gpt-oss's experts) reads as ``X``, dequantized
-    to float32 region by region (``redray/models/mxfp4.py``).
+    tensors not read at all (a multimodal checkpoint's vision tower); ``quantization``:
+    the config's ``quantization_config``. A tensor stored in MXFP4 (``X_blocks`` and
+    ``X_scales``, gpt-oss's experts) reads as ``X``, and one stored in FP8 with a scale
+    per block (``X.weight`` and ``X.weight_scale_inv``, DeepSeek-V3's and Kimi-K2's
+    releases) as ``X.weight``: dequantized to float32 region by region
+    (``redray/models/mxfp4.py``, ``redray/models/fp8.py``).
 
     Every failure names the file (and the tensor) it comes from: a damaged or
     half-downloaded ``.safetensors`` file, an index that is not JSON or whose
@@ -223,7 +226,7 @@ class _Weights:
     folder lacks, a tensor a file does not hold.
     """
 
-    def __init__(self, folder: str, renames=(), left_out=()):
+    def __init__(self, folder: str, renames=(), left_out=(), quantization=None):
         index = os.path.join(folder, INDEX_FILE)
         if os.path.exists(index):
             weight_map = _weight_map(index)
@@ -250,20 +253,49 @@ class _Weights:
             ours = name if theirs is None else dict(renames)[theirs] + name[len(theirs):]
             self.stored[ours] = name
         self.quantized = mxfp4.quantized_names(self.stored)
+        self.fp8 = fp8.quantized_names(self.stored)
+        self.block = self._fp8_block(quantization)
+
+    def _fp8_block(self, quantization) -> tuple | None:
+        """The FP8 weights' block size, once every one of them agrees with it and with
+        its scales (a ValueError listing those that do not)."""
+        config = os.path.join(self.folder, "config.json")
+        block = fp8.block_size(quantization, config)
+        if self.fp8 and block is None:
+            example = self.stored[min(self.fp8)[:-len(fp8.WEIGHT)] + fp8.SCALE]
+            raise ValueError(
+                f"{self.folder} holds {len(self.fp8)} FP8 weights with a scale per block "
+                f"({example}), but {config} has no quantization_config with quant_method "
+                "\"fp8\": add the release's ({\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", "
+                "\"weight_block_size\": [128, 128]}) to config.json")
+        if block is None:
+            return None
+        weights = {self.stored[w]: (self._stored(w), self._stored(s))
+                   for w, s in self.fp8.values()}
+        bare = {}
+        for name, stored in self.stored.items():
+            entry = self.headers[self.where[stored]].get(stored)
+            if name not in self.fp8 and entry is not None and entry.dtype in fp8.FLOAT8:
+                bare[stored] = entry.dtype
+        fp8.refuse_unreadable(weights, bare, block, self.folder)
+        return block
 
     @property
     def files(self) -> int:
         return len(self.headers)
 
     def names(self) -> set[str]:
-        parts = {n for pair in self.quantized.values() for n in pair}
-        return (set(self.stored) - parts) | set(self.quantized)
+        parts = {n for pairs in (self.quantized, self.fp8) for pair in pairs.values()
+                 for n in pair}
+        return (set(self.stored) - parts) | set(self.quantized) | set(self.fp8)
 
     def source(self, name: str):
         """The tensor read under ``name``, unread: a ``slices.Source`` (or, for MXFP4,
-        a ``slices.Mxfp4Source``)."""
+        a ``slices.Mxfp4Source``; for FP8, a ``slices.Fp8Source``)."""
         if name in self.quantized:
             return slices.Mxfp4Source(*(self._stored(n) for n in self.quantized[name]))
+        if name in self.fp8:
+            return slices.Fp8Source(*(self._stored(n) for n in self.fp8[name]), self.block)
         return slices.Source(self._stored(name))
 
     def _stored(self, name: str) -> slices.Stored:
@@ -548,6 +580,7 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
     """
     axes = {k: v for k, v in overrides.items() if k in AXIS_KEYWORDS}
     config = load_config(path)
+    quantization = getattr(config, "quantization_config", None)
     record = lookup(config.model_type)
     if record.text_config is not None:  # a multimodal checkpoint's language model
         config = getattr(config, record.text_config)
@@ -575,7 +608,7 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
         extra_paths, extra_leaves, jax.tree.leaves(extra_specs, is_leaf=is_spec)) if p in buffers})
 
     weights = _Weights(path if not path.endswith(".json") else os.path.dirname(path),
-                       record.weight_prefixes, record.left_out)
+                       record.weight_prefixes, record.left_out, quantization)
     _tell_reading(path, record, weights)
     plans, problems = _plan_table(fam, config, weights, by_path)
     _refuse_incomplete(path, config.model_type, *problems)
@@ -657,6 +690,11 @@ def _tell_reading(path: str, record, weights: _Weights) -> None:
     if weights.quantized:
         print(f"redray: {path}: {len(weights.quantized)} tensors stored in MXFP4, "
               "dequantized to float32 region by region as they load", file=sys.stderr, flush=True)
+    if weights.fp8:
+        rows, cols = weights.block
+        print(f"redray: {path}: {len(weights.fp8)} weights stored in FP8 with a scale per "
+              f"{rows}x{cols} block, dequantized to float32 region by region as they load",
+              file=sys.stderr, flush=True)
 
 
 def _part(name: str, prefixes) -> str:
@@ -721,7 +759,8 @@ def save_pretrained(model, path: str, max_shard_bytes: int | None = None,
         ``path``), or the path of a folder holding one (its files are copied).
       dtype: the tensors' dtype ("float32", "bfloat16"); None: bfloat16 for a model
         loaded from a bfloat16 or quantized checkpoint (its ``quantization_config``,
-        which the export drops: gpt-oss's MXFP4 experts are written dequantized),
+        which the export drops: gpt-oss's MXFP4 experts and DeepSeek-V3's FP8
+        weights are written dequantized),
         float32 otherwise.
     """
     paths, leaves, _ = flatten(nnx.state(model, nnx.Any(nnx.Param, Buffer)))

@@ -369,3 +369,34 @@ class Mxfp4Source:
         scales = read_box(self.scales, (*lead, rows, (g0, g1)), np.uint8)
         values = mxfp4.dequantize(blocks, scales)
         return np.ascontiguousarray(values[..., c0 - g0 * 32:c1 - g0 * 32, :])
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Source:
+    """A weight stored in FP8 with a scale per ``block`` (``redray/models/fp8.py``): a
+    box of it reads those values and the scales of the blocks they lie in, dequantized
+    to float32."""
+    weight: Stored
+    scales: Stored
+    block: tuple
+
+    @property
+    def shape(self) -> tuple:
+        return self.weight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes
+
+    def read(self, box: Box, grouped: tuple | None = None) -> np.ndarray:
+        from redray.models import fp8
+
+        if grouped is not None and tuple(grouped) != self.shape:
+            whole = self.read(tuple((0, n) for n in self.shape)).reshape(grouped)
+            return np.ascontiguousarray(whole[slices(box)])
+        *lead, (r0, r1), (c0, c1) = box
+        (b0, b1) = self.block
+        values = read_box(self.weight, box, np.float32)
+        scales = read_box(self.scales, (*lead, (r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1))),
+                          np.float32)
+        return fp8.scale(values, scales, self.block, (r0, c0))
