@@ -45,7 +45,7 @@ def add(sub) -> None:
                         "devices of --hardware)")
     p.add_argument("--hardware", default=None,
                    help="the planner: a preset the plans are costed on: h100, "
-                        "h100-96gb-500w, h200, a100, l4, tpu-v5e, tpu-v5p, tpu-v6e "
+                        "h800, h100-96gb-500w, h200, a100, l4, tpu-v5e, tpu-v5p, tpu-v6e "
                         "(Trillium) or cpu, '+ethernet' for hosts joined by 100 Gb/s "
                         "Ethernet (default h100)")
     p.add_argument("--slices", type=int, default=1,

@@ -275,19 +275,35 @@ def _group(t: "Traffic", spans: dict) -> tuple[int, int, int]:
             math.prod(spans[a][2] for a in t.axes))
 
 
-def traffic_seconds(t: Traffic, spans: dict, hardware: Hardware) -> float:
+def priced(traffic: Sequence[Traffic], spans: dict, hardware: Hardware) -> dict:
+    """(kind, bytes, axes) -> ``collective_levels`` of one run, for every distinct
+    collective of ``traffic``: a step's parameters repeat a few shapes, so each is
+    priced once (``step_cost`` prices thousands of candidates' steps)."""
+    out: dict = {}
+    for t in traffic:
+        key = (t.kind, t.bytes, t.axes)
+        if key not in out:
+            out[key] = collective_levels(t.kind, t.bytes, *_group(t, spans), hardware)
+    return out
+
+
+def traffic_seconds(t: Traffic, spans: dict, hardware: Hardware,
+                    prices: dict | None = None) -> float:
+    """Seconds of every run of ``t`` in a step (``prices``: from ``priced``)."""
+    if prices is not None:
+        return t.times * sum(sec for _, sec in prices[t.kind, t.bytes, t.axes])
     inside, across, slices = _group(t, spans)
     return t.times * collective_seconds(t.kind, t.bytes, inside, across, hardware, slices)
 
 
-def traffic_levels(traffic: Sequence[Traffic], spans: dict,
-                   hardware: Hardware) -> tuple[tuple[float, float], ...]:
+def traffic_levels(traffic: Sequence[Traffic], spans: dict, hardware: Hardware,
+                   prices: dict | None = None) -> tuple[tuple[float, float], ...]:
     """(bytes one device sends, seconds) a step's ``traffic`` costs on each of
-    ``LEVELS``, before any overlap with the compute."""
+    ``LEVELS``, before any overlap with the compute (``prices``: from ``priced``)."""
+    prices = priced(traffic, spans, hardware) if prices is None else prices
     totals = [[0.0, 0.0] for _ in LEVELS]
     for t in traffic:
-        for total, (sent, sec) in zip(totals, collective_levels(
-                t.kind, t.bytes, *_group(t, spans), hardware)):
+        for total, (sent, sec) in zip(totals, prices[t.kind, t.bytes, t.axes]):
             total[0] += t.times * sent
             total[1] += t.times * sec
     return tuple((b, sec) for b, sec in totals)
@@ -360,7 +376,7 @@ def tensor_traffic(trace: Trace, params: Sequence[Parameter], shape: dict[str, i
 
 
 def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_itemsize: int,
-                   recompute: bool, accumulation: int = 1) -> list[Traffic]:
+                   recompute: bool, accumulation: int = 1, chunks: int = 1) -> list[Traffic]:
     """Expert parallelism's all-to-alls (``redray.models.moe.exchange``): per
     mixture-of-experts layer and micro-batch, the dispatch and the combine in the
     forward pass and their transposes in the backward (with remat the forward's again),
@@ -371,12 +387,18 @@ def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_ite
       shape: the mesh's axis sizes.
       tokens: tokens per device in a micro-batch.
       act_itemsize: bytes per activation element.
-      recompute, accumulation: as for ``tensor_traffic``.
+      recompute: as for ``tensor_traffic``.
+      accumulation: the passes through a device's layers in a step: micro-batches, or
+        with pipeline stages the schedule's ticks (the bubble's included, as every
+        stage runs at every tick).
+      chunks: the chunks the stacked layers are cut into (stages x circular repeats):
+        a pass runs one chunk's share of the expert layers (``ceil(L / chunks)``).
     """
     if role_size(shape, "experts") <= 1:
         return []
     return [Traffic("all-to-all", e.experts * e.slots(tokens) * e.hidden * act_itemsize,
-                    role_axes("experts"), e.layers * (6 if recompute else 4) * accumulation,
+                    role_axes("experts"),
+                    -(-e.layers // chunks) * (6 if recompute else 4) * accumulation,
                     "expert parallel: tokens sent to their experts and back", True)
             for e in layers]
 
@@ -642,7 +664,7 @@ def work_seconds(work: Work, hardware: Hardware) -> float:
 
 def exposed_seconds(traffic: Sequence[Traffic], spans: dict, hardware: Hardware,
                     layers_s: float, rest_s: float, forward: float, count: int,
-                    ticks: int, stacked: bool) -> float:
+                    ticks: int, stacked: bool, prices: dict | None = None) -> float:
     """What the compute does not hide of the FSDP, data-parallel and context traffic,
     layer by layer, as XLA's latency-hiding scheduler overlaps it:
 
@@ -659,11 +681,11 @@ def exposed_seconds(traffic: Sequence[Traffic], spans: dict, hardware: Hardware,
     - the embedding's and the head's traffic hides behind their own compute.
 
     ``hardware.overlap`` scales the compute a layer's traffic may hide behind (0 on
-    XLA:CPU: every collective runs in line).
+    XLA:CPU: every collective runs in line). ``prices``: from ``priced``.
     """
     fwd = bwd = reduce = after = rest = 0.0
     for t in traffic:
-        sec = traffic_seconds(t, spans, hardware)
+        sec = traffic_seconds(t, spans, hardware, prices)
         if t.phase == "step" and ticks > 1:
             after += sec
         elif not t.layer and stacked:
@@ -731,23 +753,22 @@ def step_cost(flops: float, tensor: list[Traffic], state: list[Traffic], accumul
     else:
         compute, per_micro = flops * timing.seconds_per_flop, timing.fixed * held
         update = elements * timing.update_per_element
-    tensor_s = sum(traffic_seconds(t, spans, hardware) for t in tensor)
-    state_s = sum(traffic_seconds(t, spans, hardware) for t in state)
-    context_s = sum(traffic_seconds(t, spans, hardware) for t in context)
+    traffic = (*tensor, *state, *experts, *stages, *context)
+    prices = priced(traffic, spans, hardware)
+    tensor_s, state_s, context_s, experts_s, stages_s = (
+        sum(traffic_seconds(t, spans, hardware, prices) for t in part)
+        for part in (tensor, state, context, experts, stages))
     if work is not None:
         layers = work_seconds(work.layers, hardware)
         share = layers / (layers + work_seconds(work.rest, hardware) or 1.0)
         exposed = exposed_seconds((*state, *context), spans, hardware, compute * share,
                                   compute * (1 - share), work.forward, work.count,
-                                  accumulation, stacked)
+                                  accumulation, stacked, prices)
     else:
         exposed = max(0.0, state_s + context_s - hardware.overlap * compute)
-    experts_s = sum(traffic_seconds(t, spans, hardware) for t in experts)
-    stages_s = sum(traffic_seconds(t, spans, hardware) for t in stages)
-    traffic = (*tensor, *state, *experts, *stages, *context)
     return StepCost(compute, tensor_s, state_s, exposed, accumulation * per_micro, traffic,
                     update, experts_s, stages_s, context_s, attention, memory,
-                    traffic_levels(traffic, spans, hardware))
+                    traffic_levels(traffic, spans, hardware, prices))
 
 
 def context_method(batch: int, tokens: int, ways: int, heads: int, kv_heads: int, head_dim: int,

@@ -432,11 +432,15 @@ class ConfigFacts(ModelFacts):
       fused_attention: the step runs on devices with fused attention kernels (a GPU
         or a TPU, ``Hardware.fused_attention``): its attention keeps what the blockwise
         kernel keeps, whatever this machine would run.
+      grouped_matmuls: the step runs on devices whose grouped matmuls compute only
+        each row's own expert (a GPU or a TPU, ``Hardware.grouped_matmuls``): a mixture
+        of experts' FLOPs and work are counted so, not as XLA:CPU computes them
+        (``redray.planning.work.grouped_matmuls``).
     """
 
     def __init__(self, config, seq_len: int, compute_dtype: str | None = None,
                  loss_chunk: int | None = None, scan: bool | None = None,
-                 fused_attention: bool = False):
+                 fused_attention: bool = False, grouped_matmuls: bool = False):
         from flax import nnx
 
         from redray.planning.memory import context_states, expert_layers
@@ -445,7 +449,7 @@ class ConfigFacts(ModelFacts):
         self.config = resolve_config(config)
         self.step = StepShape(batch_size=1, seq_len=seq_len, compute_dtype=compute_dtype,
                               loss_chunk=loss_chunk, scan=scan)
-        self.fused_attention = fused_attention
+        self.fused_attention, self.grouped_matmuls = fused_attention, grouped_matmuls
         self.fam, graphdef, params, extra = abstract_model(self.config, scan=scan)
         self.paths, leaves, _ = flatten(params)
         self.shapes = [tuple(x.shape) for x in leaves]
@@ -464,7 +468,11 @@ class ConfigFacts(ModelFacts):
         self.tokens_per_example = seq_len
         heads = getattr(self.config, "num_attention_heads", None)
         if heads:  # a context axis's ring moves keys and values of this width
-            dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // heads
+            # latent attention's keys are qk_head_dim wide and its values padded to them
+            # (redray.models.deepseek); its config's head_dim is the rotary part's
+            dim = (getattr(self.config, "qk_head_dim", None)
+                   or getattr(self.config, "head_dim", None)
+                   or self.config.hidden_size // heads)
             self.kv_width = (getattr(self.config, "num_key_value_heads", None) or heads) * dim
             self.attention_layers = getattr(self.config, "num_hidden_layers", None)
             self.linear_layers, self.linear_state = context_states(
@@ -486,7 +494,8 @@ class ConfigFacts(ModelFacts):
 
         if self._flops is None:
             self._flops = example_flops(self.fam, self.config, self.step.seq_len,
-                                        self.step.compute_dtype, self.step.loss_chunk)
+                                        self.step.compute_dtype, self.step.loss_chunk,
+                                        self.grouped_matmuls)
         return self._flops * REMAT_FLOPS[remat]
 
     def work(self):
@@ -494,7 +503,8 @@ class ConfigFacts(ModelFacts):
 
         if self._work is None:
             self._work = config_work(self.fam, self.config, self.step.seq_len,
-                                     self.step.compute_dtype, self.step.loss_chunk)
+                                     self.step.compute_dtype, self.step.loss_chunk,
+                                     self.experts if self.grouped_matmuls else ())
         return self._work
 
     def memory(self, parallelism: Parallelism, rows, per_device_batch: int, remat: str,
@@ -537,7 +547,8 @@ def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
     if scan is None and any(axes.get(k, 1) not in (1, "auto") for k in role_keywords("layers")):
         scan = True  # stages need it
     facts = ConfigFacts(config, seq_len, compute_dtype, loss_chunk, scan,
-                        fused_attention=hardware.fused_attention)
+                        fused_attention=hardware.fused_attention,
+                        grouped_matmuls=hardware.grouped_matmuls)
     try:
         return rank(facts, devices, hosts, batch_size, hardware,
                     pins(micro_batch_size=micro_batch_size, micro_rows=micro_rows, remat=remat,

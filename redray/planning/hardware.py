@@ -3,7 +3,7 @@ links a collective may cross: inside a host, between the hosts of a slice, and a
 slices (a TPU multislice's data-centre network; elsewhere every device is in one slice
 and the third link is never crossed).
 
-A ``Hardware`` comes from a preset (``PRESETS``: H100 SXM, H100 96GB at 500 W, H200,
+A ``Hardware`` comes from a preset (``PRESETS``: H100 SXM, H800 SXM, H100 96GB at 500 W, H200,
 A100 80GB, L4, TPU v5e, v5p and v6e, CPU),
 from a probe of the live cluster (``redray/planning/probe.py``), or is written by hand.
 Every preset number names its source; where a number is an assumption (how much of a
@@ -136,6 +136,13 @@ class Hardware:
         are the blockwise kernel's (inputs, output, softmax statistics)."""
         return self.platform in ("gpu", "tpu")
 
+    @property
+    def grouped_matmuls(self) -> bool:
+        """Whether a mixture of experts' grouped matmul (``jax.lax.ragged_dot``) computes
+        each row against its own expert's kernel only (GPU, TPU), not against every
+        expert's, masked (XLA:CPU's lowering)."""
+        return self.platform in ("gpu", "tpu")
+
     def __post_init__(self):
         if not (self.matmul_flops > 0 and self.peak_flops > 0 and self.device_memory > 0):
             raise ValueError(f"Hardware {self.name!r}: matmul_flops, peak_flops and "
@@ -249,6 +256,15 @@ PRESETS: dict[str, Hardware] = {
         "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOPS dense BF16, 80 GB HBM3 "
         "at 3.35 TB/s, NVLink 900 GB/s both ways); DGX H100: one 400 Gb/s NDR InfiniBand "
         "port per GPU; sustained shares measured on an H200 (same chip)"),
+    # DeepSeek-V3's cluster: the export-limited H800, an H100 SXM whose NVLink is cut
+    # to 400 GB/s both ways; DeepSeek measured 160 GB/s of it per GPU each way
+    "h800": _gpu(
+        "H800 SXM", 989e12, 80 * GB, 3.35 * TB, 160 * GB, 50 * GB,
+        "the H100 SXM datasheet's compute and memory (989 TFLOPS dense BF16, 80 GB HBM3 "
+        "at 3.35 TB/s: the same GH100 chip), NVLink cut to 400 GB/s both ways; the "
+        "DeepSeek-V3 technical report (arXiv 2412.19437, section 3.1): 8 GPUs per node, "
+        "NVLink at 160 GB/s per GPU as they measured it, 8 x 400 Gb/s InfiniBand NICs "
+        "per node (50 GB/s per GPU); sustained shares measured on an H200 (same chip)"),
     "h100-96gb-500w": _gpu(
         "H100 96GB at 500 W", 989e12, 96 * GB, 2.4 * TB, 450 * GB, 50 * GB,
         "Meta's Grand Teton H100 as torchtitan's benchmarks describe it (96 GB HBM2e at "
@@ -317,7 +333,7 @@ def ethernet(hardware: Hardware, gbit_per_host: float = 100.0) -> Hardware:
 
 
 def preset(name: str) -> Hardware:
-    """A preset by name (``h100``, ``h100-96gb-500w``, ``h200``, ``a100``, ``l4``,
+    """A preset by name (``h100``, ``h800``, ``h100-96gb-500w``, ``h200``, ``a100``, ``l4``,
     ``tpu-v5e``, ``tpu-v5p``, ``tpu-v6e``, ``cpu``); a name ending
     ``+ethernet`` joins its hosts by 100 Gb/s Ethernet instead."""
     base, _, link = name.partition("+")

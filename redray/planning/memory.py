@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from redray.models.layers import remat_policy
 from redray.models.moe import ExpertLayers
+from redray.planning.work import grouped_matmuls
 from redray.sharding import AXES, Parallelism
 from redray.sharding.tracing import blockwise_attention
 from redray.sharding.parallelism import (GATHERING, held_layers, is_staged, pipeline_ticks,
@@ -157,7 +158,7 @@ def features_split(shape, hidden: int) -> int:
 
 def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int,
                     repeats: int = 1, order: str = "gpipe", layers: int = 0,
-                    split: int = 1) -> dict:
+                    split: int = 1, every_layer: bool = False) -> dict:
     """A step's memory ``parts`` (for one micro-batch of one device, as the memory
     models count it) on ``stages`` pipeline stages over ``micro_batches`` micro-batches
     (``redray/models/staged_layers.py``, GPipe or circular): each stage keeps what its
@@ -179,11 +180,19 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
     repeats) beside the first stage's inputs and their gradients (``2 M``) and the two
     passes in flight (``1 / split`` of each, as GPipe's), and
     its gradients are summed in the loop's carry before they meet the embeddings'
-    (``pipeline_gradients``: one more copy of the gradients)."""
+    (``pipeline_gradients``: one more copy of the gradients).
+
+    ``every_layer``: ``parts``' expert exchange is every expert layer's (no remat), and
+    is kept per layer as the activations are (a chunk's layers; GPipe's at every
+    tick); else it is one layer's, as remat recomputes them."""
     if stages <= 1:
         return parts
     out = dict(parts)
     share = chunk_share(stages, repeats, layers)
+    if every_layer and parts.get("expert_exchange"):
+        # kept per layer as the activations are: a chunk's layers, at each tick GPipe's
+        out["expert_exchange"] = parts["expert_exchange"] * share * (
+            1 if order == "1f1b" else pipeline_ticks(stages, micro_batches, repeats)[1])
     if order == "1f1b":
         schedule = one_f_one_b_table(stages, micro_batches, repeats)
         out["activations"] = parts.get("activations", 0) * share
@@ -244,7 +253,7 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
             experts, parallelism.shape, per_device * tokens, compute_itemsize, every_layer)
     return pipelined_parts(parts, parallelism.role_size("layers"), accumulation,
                            per_device * tokens * hidden * compute_itemsize, repeats, schedule,
-                           layers, features_split(parallelism.shape, hidden))
+                           layers, features_split(parallelism.shape, hidden), every_layer)
 
 
 def hidden_width(shapes: Sequence[tuple], scanned: dict | None = None) -> int:
@@ -318,6 +327,7 @@ PART_LABELS = {
     "recompute": "recompute (1 layer)",
     "expert_exchange": "expert exchange slots",
     "pipeline_buffers": "pipeline buffers",
+    "pipeline_gradients": "1F1B gradients' carry",
 }
 
 
@@ -526,10 +536,13 @@ def _trace(fam, config, batch: int, seq: int, policy: str, compute_dtype, chunk,
                                            chunk, scan))
 
 
-def example_flops(fam, config, seq: int, compute_dtype=None, chunk=None) -> float:
+def example_flops(fam, config, seq: int, compute_dtype=None, chunk=None,
+                  grouped: bool = False) -> float:
     """FLOPs of one example's forward and backward pass (no remat), from XLA's cost
     analysis of the lowered gradient, at depth 1 and 2 and extrapolated to the model's
-    depth (every layer is alike)."""
+    depth (every layer is alike); ``grouped``: a mixture of experts' grouped matmuls
+    counted as a GPU or TPU runs them (``redray.planning.work.grouped_matmuls``), not
+    as XLA:CPU's dense fallback does."""
     fields, depth = layer_depth(config)
 
     def at(counts):
@@ -542,7 +555,8 @@ def example_flops(fam, config, seq: int, compute_dtype=None, chunk=None) -> floa
             # state given from outside cannot be mutated inside the gradient's trace)
             return loss(params, jax.tree.map(_fresh_state, extra), inputs)
 
-        lowered = jax.jit(jax.grad(fresh)).lower(params, extra, inputs)
+        with grouped_matmuls() if grouped else contextlib.nullcontext():
+            lowered = jax.jit(jax.grad(fresh)).lower(params, extra, inputs)
         return float(lowered.cost_analysis()["flops"])
 
     base = at([1] * len(fields))
@@ -584,7 +598,12 @@ def config_activation_bytes(fam, config, step: StepShape, per_device_batch: int,
     and a batch beyond 2 rows is extrapolated from 1 and 2 (every residual holds the
     batch, or nothing that grows with it: the count is linear in the rows)."""
     policy = remat_policy(step.remat)
-    fields, depth = layer_depth(config)
+    if traces is None:
+        fields, depth = layer_depth(config)
+    else:  # the same for every candidate: read once
+        if "layer_depth" not in traces:
+            traces["layer_depth"] = layer_depth(config)
+        fields, depth = traces["layer_depth"]
     # offload keeps the matmul outputs in host memory: on the device it holds what
     # "full" holds; the host holds what "dots" adds to that.
     traced = ({"full", "dots"} if policy == "offload" else {policy}) | {"none"}
@@ -604,14 +623,23 @@ def config_activation_bytes(fam, config, step: StepShape, per_device_batch: int,
             traces[key] = found
         return traces[key]
 
+    splits = (frozenset(split_sizes), model_axis, context)
+
     def measure(name):
         def at(counts):
             probe = residuals(counts, 1, name)
 
             def rows(batch: int) -> int:
-                return split_residual_bytes(residuals(counts, batch, name), probe, split_sizes,
-                                            model_axis, frozenset({step.seq_len, step.seq_len + 1}),
-                                            context)
+                # the planner's candidates share a few splits: each counted once
+                key = ("bytes", tuple(counts), batch, name, splits)
+                if traces is not None and key in traces:
+                    return traces[key]
+                found = split_residual_bytes(residuals(counts, batch, name), probe, split_sizes,
+                                             model_axis,
+                                             frozenset({step.seq_len, step.seq_len + 1}), context)
+                if traces is not None:
+                    traces[key] = found
+                return found
 
             if traces is None or per_device_batch <= 2:
                 return rows(per_device_batch)

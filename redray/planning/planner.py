@@ -436,11 +436,9 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     shape = parallelism.shape
     devices = math.prod(shape.values())
     micro_batch_size, remat = geometry.micro_batch_size, candidate.remat
-    specs = _specs(facts, parallelism, {} if specs_cache is None else specs_cache)
     stages, micro_batches = role_size(shape, "layers"), geometry.accumulation
     repeats = candidate.stage_repeats
-    shapes = _held_shapes(facts, specs, stages, repeats)
-    rows = _placement(facts, specs, parallelism, shapes)
+    rows, params = _held(facts, parallelism, repeats, {} if specs_cache is None else specs_cache)
     one_f_one_b = stages > 1 and candidate.pipeline_schedule == "1f1b"
     ticks = _ticks(stages, micro_batches, repeats, one_f_one_b)
     # a tick runs a chunk's layer slots, pads included (``chunk_share``)
@@ -451,9 +449,6 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                           micro_batches, candidate.pipeline_schedule, repeats)
     scanned = facts.trace.scanned if facts.trace is not None else {}
     hidden = hidden_width(facts.shapes, scanned)
-    params = [Parameter(tuple(s), _itemsize(d), tuple(spec), stacked=bool(scanned.get(i)),
-                        lookup=i in facts.lookups)
-              for i, (s, d, spec) in enumerate(zip(shapes, facts.dtypes, specs))]
     recompute = remat != "none" or one_f_one_b
     ways = role_size(shape, "sequence")  # a device computes 1/ways of a sequence's tokens
     tensor = [] if facts.trace is None else tensor_traffic(
@@ -479,8 +474,9 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
             for p, t in zip(params, trained) if t]
     elements = sum(n for _, n in held)
     local_tokens = -(-facts.tokens_per_example // ways)  # a device's share of a sequence
+    # with stages a device's exchanges are its chunk's layers', at every tick
     experts = expert_traffic(facts.experts, shape, micro_batch_size * local_tokens,
-                             facts.compute_itemsize, recompute, geometry.accumulation)
+                             facts.compute_itemsize, recompute, ticks, stages * repeats)
     total = sum(math.prod(p.shape) for p, t in zip(params, trained) if t)
     pipeline = stage_traffic(shape, micro_batch_size, local_tokens, hidden,
                              facts.compute_itemsize, micro_batches, repeats,
@@ -504,6 +500,24 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
     return Scored(candidate, memory, cost, memory["total"] <= budget, tokens,
                   useful / cost.seconds / hardware.peak_flops)
+
+
+def _held(facts: ModelFacts, parallelism: Parallelism, repeats: int,
+          cache: dict) -> tuple[list[Placement], list[Parameter]]:
+    """(every parameter's ``Placement`` row and its ``cost.Parameter``) on
+    ``parallelism`` with ``repeats`` circular repeats of its stages, kept in ``cache``:
+    a mesh's candidates (micro-batches, remat, schedules) share them, and placing
+    thousands of parameters again for each took an eighth of a 2,048-device plan's time."""
+    key = ("held", tuple(sorted(parallelism.shape.items())), repeats)
+    if key not in cache:
+        specs = _specs(facts, parallelism, cache)
+        shapes = _held_shapes(facts, specs, role_size(parallelism.shape, "layers"), repeats)
+        scanned = facts.trace.scanned if facts.trace is not None else {}
+        params = [Parameter(tuple(s), _itemsize(d), tuple(spec), stacked=bool(scanned.get(i)),
+                            lookup=i in facts.lookups)
+                  for i, (s, d, spec) in enumerate(zip(shapes, facts.dtypes, specs))]
+        cache[key] = _placement(facts, specs, parallelism, shapes), params
+    return cache[key]
 
 
 def _specs(facts: ModelFacts, parallelism: Parallelism, cache: dict) -> list:

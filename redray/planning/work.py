@@ -22,9 +22,11 @@ holds beside it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +43,8 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 # What moves no bytes of its own, or is accounted by what it calls.
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call",
          "conditional", "after-all", "partition-id", "replica-id", "iota"}
+# What only moves an array's elements (a layout, a transposition, a dtype).
+_LAYOUT = {"parameter", "copy", "transpose", "bitcast", "reshape", "convert"}
 # The forward and backward FLOPs of a fused attention kernel over its forward's: the
 # backward recomputes the scores and computes the gradients of the probabilities, the
 # values, the queries and the keys (five products of the forward's two sizes).
@@ -140,15 +144,26 @@ def _dot_flops(shape: str, lhs: str, line: str) -> float:
                      for _, ds in _SHAPE.findall(shape)) * k
 
 
-def compiled_work(hlo: str) -> tuple[float, float]:
+def _elements(shape: str) -> int:
+    """Elements of the first array of an HLO shape's text."""
+    found = _SHAPE.search(shape)
+    return math.prod(int(d) for d in found.group(2).split(",") if d) if found else 0
+
+
+def compiled_work(hlo: str, relaid: frozenset = frozenset()) -> tuple[float, float]:
     """(matmul FLOPs, memory-bound bytes) of an optimized HLO module's text, each
-    computation counted as often as it runs (a loop's body by its known trip count)."""
+    computation counted as often as it runs (a loop's body by its known trip count);
+    kernels that only lay out, transpose or convert an array of a size in ``relaid``
+    (elements) are left out of the bytes (``config_work``: a mixture of experts'
+    kernels)."""
     comps = _instructions(hlo)
     entry = next((m.group(1) for m in re.finditer(r"^ENTRY\s+%?([\w.\-]+)", hlo, re.M)), None)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     with_dot = {name for name, rows in comps.items()
                 if any(op in ("dot", "convolution") for _, _, op, _, _ in rows)}
+    layout = {name for name, rows in comps.items()
+              if all(op in _LAYOUT for _, _, op, _, _ in rows)}
     flops = memory = 0.0
     # computations whose instructions are kernels of their own: the entry and bodies of
     # loops and calls; a fusion's computation is one kernel with its caller
@@ -176,19 +191,74 @@ def compiled_work(hlo: str) -> tuple[float, float]:
                 continue
             if op == "fusion" and any(c in with_dot for c in called):
                 continue
+            if relaid and _elements(shape) in relaid and (op in _LAYOUT or op == "fusion" and all(
+                    c in layout for c in called if c in comps)):
+                continue
             memory += times * (_size(shape) + sum(_size(shapes.get(o, "")) for o in operands))
     return flops, memory
 
 
-def traced_work(fn, *args, backward: bool = True) -> Work:
+def _even_groups(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, precision=None,
+                 preferred_element_type=None, **_):
+    """``jax.lax.ragged_dot_general``'s stand-in in ``grouped_matmuls``: the grouped
+    matmul of rows (the lhs's leading dimension) spread evenly over the groups (padded
+    to a multiple of them), one batched matmul whose FLOPs, forward and backward, are
+    the grouped matmul's whatever its group sizes, and whose kernels' gradient is its
+    own output, as the grouped kernel's is."""
+    numbers = ragged_dot_dimension_numbers
+    (lhs_in, rhs_in), (lhs_batch, _) = numbers.dot_dimension_numbers
+    (group,) = numbers.rhs_group_dimensions
+    if list(numbers.lhs_ragged_dimensions) != [0] or 0 in lhs_in or lhs_batch:
+        raise NotImplementedError("grouped_matmuls stands in for a grouped matmul over its "
+                                  "rows (the lhs's leading dimension, not contracted, no "
+                                  "batch dimensions) only")
+    groups, rows = rhs.shape[group], lhs.shape[0]
+    per = -(-rows // groups)
+    lhs = jnp.pad(lhs, [(0, per * groups - rows)] + [(0, 0)] * (lhs.ndim - 1))
+    out = jax.lax.dot_general(lhs.reshape(groups, per, *lhs.shape[1:]), rhs,
+                              ((tuple(d + 1 for d in lhs_in), tuple(rhs_in)), ((0,), (group,))),
+                              precision=precision,
+                              preferred_element_type=preferred_element_type)
+    return out.reshape(groups * per, *out.shape[2:])[:rows]
+
+
+def _even_groups_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
+                     **_):
+    """``jax.lax.ragged_dot``'s stand-in in ``grouped_matmuls``: (m, k) rows against
+    (groups, k, n) kernels, as ``_even_groups``."""
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0])
+    return _even_groups(lhs, rhs, group_sizes, numbers, precision, preferred_element_type)
+
+
+@contextlib.contextmanager
+def grouped_matmuls():
+    """Within: ``jax.lax.ragged_dot`` and ``ragged_dot_general`` (a mixture of experts'
+    grouped matmuls, ``redray.models.moe.dispatch``) trace as the same grouped matmul
+    with its rows spread evenly over the groups (``_even_groups``): the FLOPs a GPU's or
+    a TPU's grouped matmul computes. XLA:CPU lowers them densely (JAX's fallback: every
+    row against every group's kernel, masked), so a count compiled here would be
+    ``groups`` times theirs: 256 x DeepSeek-V3's routed experts' FLOPs. For counting
+    work only: the stand-in's values are not the grouped matmul's."""
+    real = jax.lax.ragged_dot, jax.lax.ragged_dot_general
+    jax.lax.ragged_dot, jax.lax.ragged_dot_general = _even_groups_dot, _even_groups
+    try:
+        yield
+    finally:
+        jax.lax.ragged_dot, jax.lax.ragged_dot_general = real
+
+
+def traced_work(fn, *args, backward: bool = True, relaid: frozenset = frozenset()) -> Work:
     """The work of ``fn(*args)`` (abstract arguments are enough), compiled for this
     process's default backend with attention counted apart; ``backward``: ``fn`` runs a
-    backward pass (attention's work is then its forward's and its backward's)."""
+    backward pass (attention's work is then its forward's and its backward's);
+    ``relaid``: as for ``compiled_work``."""
     from redray.sharding.tracing import counted_attention
 
     with counted_attention() as calls:
         lowered = jax.jit(fn).lower(*args)
-    flops, memory = compiled_work(lowered.compile().as_text())
+    flops, memory = compiled_work(lowered.compile().as_text(), relaid)
     fused = 1 + ATTENTION_BACKWARD if backward else 1.0
     dense = 1 + DENSE_BACKWARD if backward else 1.0
     return Work(flops, fused * sum(c.flops for c in calls),
@@ -218,19 +288,30 @@ class ModelWork:
 _COUNTED: dict = {}
 
 
-def config_work(fam, config, seq: int, compute_dtype=None, chunk=None) -> ModelWork:
+def config_work(fam, config, seq: int, compute_dtype=None, chunk=None,
+                experts: Sequence = ()) -> ModelWork:
     """One example's work in ``config``'s model (a ``redray.models`` family): its layers
     as a list at depth 1 and 2, the difference one layer (for encoder-decoders, each
     stack's layers apart, one layer their depth-weighted mean), and the share of a
     layer's memory-bound bytes a model axis splits (``Family.split_widths``). Kept for the
-    process: five compilations of a few seconds each."""
-    key = (config.to_json_string(), seq, str(compute_dtype), chunk)
+    process: five compilations of a few seconds each.
+
+    ``experts``: its mixture-of-experts layers (``redray.models.moe.ExpertLayers``),
+    counted as a GPU or TPU runs them: their grouped matmuls as such
+    (``grouped_matmuls``), and without the copies XLA:CPU makes of their kernels to
+    transpose or convert them for its matmuls, in each example's pass (a grouped
+    matmul reads the kernels as they are stored; counted per example, DeepSeek-V3's 256
+    experts' copies were 80% of a layer's bytes); () (a dense model, or planned for
+    XLA:CPU): as XLA:CPU computes it."""
+    relaid = frozenset(e.experts * e.hidden * e.inner * n for e in experts for n in (1, 2))
+    key = (config.to_json_string(), seq, str(compute_dtype), chunk, relaid)
     if key not in _COUNTED:
-        _COUNTED[key] = _config_work(fam, config, seq, compute_dtype, chunk)
+        with grouped_matmuls() if experts else contextlib.nullcontext():
+            _COUNTED[key] = _config_work(fam, config, seq, compute_dtype, chunk, relaid)
     return _COUNTED[key]
 
 
-def _config_work(fam, config, seq: int, compute_dtype, chunk) -> ModelWork:
+def _config_work(fam, config, seq: int, compute_dtype, chunk, relaid) -> ModelWork:
     from redray.planning.memory import _abstract_loss, _fresh_state, _with_layers, layer_depth
 
     fields, depth = layer_depth(config)
@@ -250,7 +331,7 @@ def _config_work(fam, config, seq: int, compute_dtype, chunk) -> ModelWork:
             return loss(params, jax.tree.map(_fresh_state, extra), inputs)
 
         work = traced_work(jax.grad(fresh) if backward else fresh, params, extra,
-                           inputs, backward=backward)
+                           inputs, backward=backward, relaid=relaid)
         return dataclasses.replace(work, memory=work.memory * scale)
 
     def stepwork(backward: bool) -> tuple[StepWork, Work]:
