@@ -47,6 +47,7 @@ SETTINGS = {
     "llama-4-maverick": (256, 8, 32, 400_711_848_960),
     "olmo-3-7b": (16, 8, 2, 7_298_011_136),
     "smollm3-3b": (8, 4, 2, 3_075_098_624),
+    "deepseek-v3": (256, 8, 32, 671_026_404_352),
 }
 def run_cli(*args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")

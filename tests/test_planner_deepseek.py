@@ -1,8 +1,9 @@
-"""The planner on DeepSeek-V3's shapes (issue 87, "real size on paper"): the H800
-preset, a mixture of experts' grouped matmuls counted as a GPU runs them (XLA:CPU's
-fallback runs every token through every expert), the expert exchange of a pipeline
-stage's layers only, and the parts a pipelined plan lists. Each in seconds; the
-2,048-device plans themselves are ``benchmarks/planner_deepseek.py``'s."""
+"""The planner on DeepSeek-V3's shapes (issue 87, "real size on paper"): the preset, the
+H800 preset, latent attention's key and value widths, a mixture of experts' grouped
+matmuls counted as a GPU runs them (XLA:CPU's fallback runs every token through every
+expert), the expert exchange of a pipeline stage's layers only, and the parts a
+pipelined plan lists. Each in seconds; the 2,048-device plans themselves are
+``benchmarks/planner_deepseek.py``'s."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 from transformers import MixtralConfig
 
-from redray.planning.from_config import ConfigFacts
+from redray.models.moe import ExpertLayers
+from redray.planning.from_config import ConfigFacts, plan_model, preset_fields
 from redray.planning.hardware import GB, PRESETS, preset
 from redray.planning.memory import part_lines
 from redray.planning.planner import grid_plan, score
@@ -23,6 +25,22 @@ SEQ = 32
 MIXTRAL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def test_the_deepseek_v3_preset_is_the_released_model():
+    """671 B parameters (transformers' own count), 37.6 B a token runs through (8 of 256
+    routed experts and the shared one, in the 58 layers after 3 dense ones), and the
+    keys and values a context axis moves: 128 heads of 192 (the values padded to the
+    keys' width, as redray's latent attention runs them), not the config's head_dim
+    (the rotary part's 64)."""
+    fields = preset_fields("deepseek-v3")
+    assert (fields["hidden_size"], fields["num_hidden_layers"], fields["n_routed_experts"],
+            fields["rope_scaling"]["factor"]) == (7168, 61, 256, 40)
+    result = plan_model("deepseek-v3", 8, fsdp_axis=8)
+    assert (result["n_params"], result["active_params"]) == (671_026_404_352, 37_552_282_624)
+    facts = ConfigFacts("deepseek-v3", 4096, "bfloat16")
+    assert facts.experts == [ExpertLayers(58, 256, 8, 7168, 2048, None)]
+    assert (facts.kv_width, facts.attention_layers) == (128 * 192, 61)
 
 
 def test_the_h800_is_an_h100_with_deepseeks_links():
