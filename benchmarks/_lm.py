@@ -50,6 +50,10 @@ def config(family: str, s: Sizes):
     queries' temperature counted in steps of seq/4.
     ``olmo3``: post-norm blocks, whole-projection q/k norms, a window of seq/2 in its
     even layers. ``smollm3``: every second layer NoPE.
+    ``deepseek_v3``: latent attention (a query rank of hidden/2, a key/value latent of
+    hidden/4, a quarter of each head rotary, values as wide as a head), its first half of
+    the layers dense, then ``EXPERTS`` experts in 2 groups (top-2 of the best group)
+    with a shared expert, each a quarter of ``intermediate`` wide.
     ``qwen3_5`` (Qwen3.5 dense) and ``qwen3_next`` (``EXPERTS`` experts, top-2, a
     sigmoid-gated shared expert, each a quarter of ``intermediate`` wide): three Gated
     DeltaNet layers to one full attention layer (a linear and a full one in turn below 4
@@ -117,8 +121,19 @@ def config(family: str, s: Sizes):
             **sizes, model_type="qwen3_next", num_experts=EXPERTS, num_experts_per_tok=2,
             moe_intermediate_size=s.intermediate // EXPERTS,
             shared_expert_intermediate_size=s.intermediate // EXPERTS, norm_topk_prob=True)
+    if family == "deepseek_v3":
+        d = s.hidden // s.heads
+        return hf.AutoConfig.for_model(
+            "deepseek_v3", **dense, q_lora_rank=s.hidden // 2, kv_lora_rank=s.hidden // 4,
+            qk_rope_head_dim=d // 4, qk_nope_head_dim=d - d // 4, v_head_dim=d,
+            n_routed_experts=EXPERTS, num_experts_per_tok=2, n_group=2, topk_group=1,
+            n_shared_experts=1, moe_intermediate_size=s.intermediate // EXPERTS,
+            first_k_dense_replace=s.layers // 2, routed_scaling_factor=2.5,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                             "original_max_position_embeddings": s.seq // 4,
+                             "mscale": 1.0, "mscale_all_dim": 1.0})
     raise ValueError(f"family {family!r}: choose from "
-                     f"{', '.join(FAMILIES + MOE_FAMILIES + DENSE_2026 + HYBRID)}")
+                     f"{', '.join(FAMILIES + MOE_FAMILIES + DENSE_2026 + HYBRID)}, deepseek_v3")
 
 
 def hybrid_config(vocab: int, hidden: int, layers: int, intermediate: int, heads: int,

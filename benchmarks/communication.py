@@ -45,6 +45,10 @@ intermediate 1024, vocabulary 1024, batch 8 x sequence 128:
   ``s2``): separate q, k, v projections each through a short convolution, a per-head
   decay ``-exp(s1) * softplus(p4(x))``, the state run by a ``lax.scan`` over tokens, a
   per-head norm scale and an output gate; 2 layers with a GELU MLP.
+* ``mla``: redray's own DeepSeek-V3 (``redray/models/deepseek.py``) at 2 layers, a dense
+  one and a MoE one (4 experts in 2 groups, top-2 within the best group, a shared
+  expert): latent attention with a query rank of 128, a key/value latent of 64 and a
+  rotary key part of 16 (the heads 48 + 16 wide, values 64).
 * ``moe_tp``: two NNX mixture-of-experts LMs written as a user writes them
   (``benchmarks/_others.py``): separate Q, K, V and O, a router, and 4 SwiGLU experts run
   densely on every token and mixed by the top-2 router weights, the experts either
@@ -93,6 +97,16 @@ sequence S, hidden H), is the fewest all-reduces tensor parallelism needs:
   sums, a few hundred bytes the ideal leaves out. ``qwen3_next`` counts as a decoder
   with experts (the formula below); its shared expert's sigmoid gate (one unit per
   token) is whole.
+* latent attention (``mla``) as Megatron-LM's multi-latent attention splits it: the
+  heads over ``model`` (``q_b_proj`` and ``kv_b_proj`` column parallel along their
+  heads, ``o_proj`` row), the latent path whole on every device (the down projections
+  ``q_a_proj`` and ``kv_a_proj_with_mqa``, their norms, the rotary key part shared by
+  the heads). Its forward all-reduce is the output projection's (A); its backward
+  all-reduce is of the cotangents of what the whole latent path hands the head-split
+  layers, the query latent, the key/value latent and the rotary key part: B*S*(q_lora +
+  kv_lora + rope)*4 bytes in place of A (narrower than the hidden state in the
+  released shapes, 1536 + 512 + 64 against 7168). So the MoE formula with each layer's
+  attention backward A replaced by that latent term.
 * parallel residual (``gptj``, ``parallel_residual``): ``(2L + 2) * A + 3 * B*S*4 + 4``,
   as GPT-J's own implementation (mesh-transformer-jax) reduces it: one forward
   all-reduce per layer of the attention and MLP outputs added, one backward of the input
@@ -213,13 +227,15 @@ KIND = {"gpt2": "decoder", "llama": "decoder", "opt": "decoder", "gptj": "parall
         "t5": "t5", "separate_qkv": "decoder", "parallel_residual": "parallel",
         "gpt2_layout": "decoder", "gemma": "decoder", "penzai_llama": "decoder",
         "dense12": "mlp", "gpt_oss": "moe", "llama4": "moe", "qwen3_next": "moe",
-        "qwen3_5": "decoder", "linear_attention_user": "decoder"}
+        "qwen3_5": "decoder", "linear_attention_user": "decoder", "mla": "moe"}
+# cases of redray's own families under another name: the family each builds
+FAMILY_OF = {"mla": "deepseek_v3"}
 MOE_TP = "moe_tp"  # the rules against hand-written specs on user-written MoE LMs
 MOE_EP = "moe_ep"  # expert parallelism's all-to-alls against their ideal
 EXPERTS, TOP_K = 4, 2  # redray's Mixtral of the moe_ep case
 CASES = (*KIND, MOE_TP, MOE_EP)
 TINY_CASES = ("llama", "t5", "separate_qkv", "parallel_residual", "dense12", *MOE_FAMILIES,
-              *HYBRID, "linear_attention_user", MOE_TP, MOE_EP)
+              *HYBRID, "mla", "linear_attention_user", MOE_TP, MOE_EP)
 # Cases redco's rules are also measured on, in redray's step (separate_qkv's tree with
 # Hugging Face Flax LLaMA names), and those compiled by redco's own step too.
 REDCO_CASES = (*FAMILIES, "separate_qkv", "dense12")
@@ -254,9 +270,12 @@ def moe_sizes(case: str, s: Sizes) -> Sizes:
 
 
 def moe_layers(c) -> int:
-    """How many of a config's layers have experts (gpt-oss: all)."""
+    """How many of a config's layers have experts (gpt-oss: all; DeepSeek-V3: those after
+    its dense prefix)."""
     moe = getattr(c, "moe_layers", None)
-    return c.num_hidden_layers if moe is None else len(moe)
+    if moe is not None:
+        return len(moe)
+    return c.num_hidden_layers - (getattr(c, "first_k_dense_replace", 0) or 0)
 
 
 def ideal(case: str, s: Sizes, m: MlpSizes = MLP_FULL) -> dict:
@@ -277,11 +296,16 @@ def ideal(case: str, s: Sizes, m: MlpSizes = MLP_FULL) -> dict:
                  "decoder activations (A_d)": 6 * s.layers + 2}
         megatron = s.layers - 1  # one encoder-output reduction per decoder layer
     elif kind == "moe":
-        c = config(case, moe_sizes(case, s))
+        c = config(FAMILY_OF.get(case, case), moe_sizes(case, s))
         top_k = c.num_experts_per_tok
         routing = moe_layers(c) * s.batch * s.seq * top_k * 4
         total = (4 * c.num_hidden_layers + 2) * act + routing + 3 * tokens + 4
-        return {"bytes": total, "activation_bytes": act,
+        latent = {}
+        if case == "mla":  # each attention's backward reduces its latent cotangents, not A
+            width = (c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_rope_head_dim
+            latent = {"latent_bytes": s.batch * s.seq * width * 4, "latent_width": width}
+            total += c.num_hidden_layers * (latent["latent_bytes"] - act)
+        return {"bytes": total, "activation_bytes": act, **latent,
                 "activation_all_reduces": {"activations (A)": 4 * c.num_hidden_layers + 2},
                 "routing_weight_bytes": routing, "megatron_bytes": total,
                 "cross_entropy_bytes": 3 * tokens, "scalar_bytes": 4,
@@ -309,8 +333,8 @@ def setup(case: str, s: Sizes, m: MlpSizes = MLP_FULL, rules=(),
         # scanned step holds one loop body, which the count would see once)
         model, loss_fn = (lambda rngs: build(c, rngs=rngs, scan=False)), \
             (seq2seq_loss if case == "t5" else loss)
-    elif case in MOE_FAMILIES or case in HYBRID:
-        c = config(case, moe_sizes(case, s))
+    elif case in MOE_FAMILIES or case in HYBRID or case in FAMILY_OF:
+        c = config(FAMILY_OF.get(case, case), moe_sizes(case, s))
         model, loss_fn = (lambda rngs: build(c, rngs=rngs, scan=False)), loss
     elif case == "dense12":
         model, loss_fn, make = _others.dense_stack(m.width, m.classes, m.inputs, m.depth)

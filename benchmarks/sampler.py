@@ -52,8 +52,13 @@ layer), which the Sampler serves on its paged cache only (each slot holding its 
 layers' state and convolution window, replaced on refill); transformers' side is not
 run (its Gated DeltaNet is a PyTorch loop over tokens without flash-linear-attention).
 
+With ``--mla`` (figure ``sampler/mla_cache_bytes_over_mha``) the model has DeepSeek-V3's
+attention shapes and the figure is the bytes of the Sampler's KV cache, which holds the
+latent (``mla_figures``), against a cache of every head's keys and values for the same
+tokens; its greedy tokens are checked against ``generate``'s.
+
     python benchmarks/sampler.py [--slots 64] [--base 8] [--rounds 3] [--prompts 256]
-                                 [--group 8] [--hybrid]
+                                 [--group 8] [--hybrid] [--mla]
 """
 
 import os
@@ -104,7 +109,12 @@ def main(argv=None) -> None:
                     "(GRPO's group; above 1: figures ..._groups)")
     ap.add_argument("--hybrid", action="store_true", help="a Qwen3.5-shaped hybrid model "
                     "(figure sampler/hybrid_tokens_per_s_over_generate)")
+    ap.add_argument("--mla", action="store_true", help="DeepSeek-V3's attention shapes: the "
+                    "latent cache's bytes (figure sampler/mla_cache_bytes_over_mha)")
     args = ap.parse_args(argv)
+    if args.mla:
+        save(mla_figures(args.tiny), args.out)
+        return
     s = TINY if args.tiny else FULL
     slots = min(args.slots, s["prompts"])
     s = dict(s, prompts=args.prompts or s["prompts"], group=args.group)
@@ -170,6 +180,63 @@ def hybrid_figure(s: dict, base: int, slots: int, rounds: int) -> dict:
         f"attention), weights and greedy tokens: the {s['prompts']} prompts as left-padded "
         f"batches of {slots}, each decoded to its longest completion", ">= 2.0", command,
         **detail)
+
+
+# DeepSeek-V3's attention (128 heads, a query rank of 1536, a key/value latent of 512, a
+# rotary key part of 64, heads of 128 + 64 against values of 128) in a model of a small
+# width, vocabulary and expert count (the cache does not depend on them); --tiny: a
+# quarter of each
+MLA = dict(vocab=512, hidden=256, heads=128, q_lora=1536, kv_lora=512, rope=64, nope=128,
+           v=128, layers=2, prompts=6, new=12)
+MLA_TINY = dict(MLA, heads=8, q_lora=64, kv_lora=32, rope=16, nope=32, v=32)
+
+
+def mla_figures(tiny: bool) -> list[dict]:
+    """``sampler/mla_cache_bytes_over_mha``: the Sampler's KV cache arrays (paged and
+    windowed) on a model with DeepSeek-V3's attention shapes (``MLA``), over a cache of
+    the same tokens holding every head's key (``qk_nope + rope``) and value (``v``), as
+    ``transformers``' cache would after expanding the latent; the greedy tokens against
+    ``generate``'s."""
+    import transformers
+
+    from redray.models import build, generate
+    from redray.post_training import Sampler, SamplingParams
+
+    m = MLA_TINY if tiny else MLA
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v3", vocab_size=m["vocab"], hidden_size=m["hidden"],
+        intermediate_size=2 * m["hidden"], moe_intermediate_size=m["hidden"] // 2,
+        num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
+        num_key_value_heads=m["heads"], q_lora_rank=m["q_lora"], kv_lora_rank=m["kv_lora"],
+        qk_rope_head_dim=m["rope"], qk_nope_head_dim=m["nope"], v_head_dim=m["v"],
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, max_position_embeddings=256, pad_token_id=0,
+        eos_token_id=None, bos_token_id=None)
+    model = build(config, seed=0)
+    rs = np.random.default_rng(0)
+    prompts = [rs.integers(1, m["vocab"], rs.integers(4, 17)).tolist()
+               for _ in range(m["prompts"])]
+    ids, mask = left_padded(prompts)
+    ref = np.asarray(generate(model, ids, mask, max_new_tokens=m["new"], eos_token_id=-1))
+    per_token_mha = m["layers"] * m["heads"] * (m["nope"] + m["rope"] + m["v"]) * 4  # float32
+    found = {}
+    for kind in ("paged", "window"):
+        sampler = Sampler(model, slots=4, max_length=48, eos_token_id=-1, kv_cache=kind,
+                          **(dict(kv_pages=12, page_size=16) if kind == "paged" else {}))
+        done = sampler.sample(prompts, SamplingParams(max_new_tokens=m["new"]))
+        found[kind] = dict(cache_bytes=sampler.cache_bytes, cache_tokens=sampler.cache_tokens,
+                           tokens_equal_generate=[list(c.tokens) for c in done] == ref.tolist())
+        found[kind]["over_mha"] = found[kind]["cache_bytes"] / (
+            found[kind]["cache_tokens"] * per_token_mha)
+    worst = max(v["over_mha"] for v in found.values())
+    return [figure(
+        "sampler/mla_cache_bytes_over_mha", worst, "x",
+        f"a cache of the same tokens holding each of the {m['heads']} heads' key "
+        f"({m['nope'] + m['rope']}) and value ({m['v']}) in every layer; the Sampler's "
+        f"paged pool and window (the larger ratio) on DeepSeek-V3's attention shapes "
+        f"(latent {m['kv_lora']} + rotary {m['rope']} per token and layer)", "<= 0.1",
+        COMMAND + " --mla", per_cache=found, shapes=m,
+        tokens_equal_generate=all(v["tokens_equal_generate"] for v in found.values()))]
 
 
 def hybrid_config(s: dict):

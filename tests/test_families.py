@@ -36,7 +36,7 @@ torch = pytest.importorskip("torch", reason="parity tests need torch (pip instal
 transformers = pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NEW = ("gpt_oss", "llama4_text", "olmo3", "smollm3", "glm4_moe")
+NEW = ("gpt_oss", "llama4_text", "olmo3", "smollm3", "glm4_moe", "deepseek_v3")
 
 
 # ------------------------------------------------------------------ the registry
@@ -142,12 +142,16 @@ PLANS = {"fsdp_model": dict(fsdp_axis=2, model_axis=2), "stage": dict(stage_axis
          "expert": dict(expert_axis=2, data_axis=2)}
 
 
+# DeepSeek-V3's further plans: the data axis alone, and its 8 experts over 4 devices
+MORE_PLANS = {"deepseek_v3": {"data": dict(data_axis=4), "expert4": dict(expert_axis=4)}}
+
+
 @pytest.mark.parametrize("name", NEW)
 def test_every_plan_takes_the_one_device_step(name):
     config = transformers.AutoConfig.for_model(name, **FAMILIES[name].tiny)
     expected, expected_grads = loss_and_grads(config)
     experts = getattr(config, "num_local_experts", 0)
-    for plan, axes in PLANS.items():
+    for plan, axes in {**PLANS, **MORE_PLANS.get(name, {})}.items():
         if plan == "expert" and not experts:
             continue
         micro = ROWS // 2 if plan == "stage" else None
@@ -224,7 +228,7 @@ def test_first_layers_run_before_the_pipeline_and_the_rest_splits_by_stage():
         assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "llama4_text"])
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4_text", "deepseek_v3"])
 def test_the_sampler_completes_as_generate_does(name):
     """The continuous-batching sampler's greedy completions through pages (sinks,
     windows, chunks and NoPE layers in the paged decode) equal ``generate``'s. Llama 4's

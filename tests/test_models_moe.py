@@ -457,6 +457,17 @@ def test_group_limited_sigmoid_routing_matches_glm4_moes_block(normalize):
     for mine, their in zip(np.asarray(chosen), their_chosen.numpy()):
         assert set(mine) == set(their) and len({e // 4 for e in mine}) <= 2
     assert float(report["tokens"]) == 15 and float(report["expert_tokens"].sum()) == 60
+    # DeepSeek-V3's sequence-wise balance loss from transformers' choices and scores:
+    # per sequence, sum over experts of (16 / (4 x 5)) x its assignments x its mean
+    # normalized score; the mean over the 3 sequences
+    scores = (1 / (1 + np.exp(-logits.astype(np.float64)))).reshape(3, 5, 16)
+    picks = np.zeros((3, 16))
+    for b, row in enumerate(their_chosen.numpy().reshape(3, 5, 4)):
+        np.add.at(picks[b], row.reshape(-1), 1)
+    share = (scores / scores.sum(-1, keepdims=True)).mean(1)
+    expected_balance = (16 / 20 * picks * share).sum(-1).mean()
+    found = moe.summarize(jax.tree.map(lambda r: r[None], report), 16)["sequence_balance"]
+    np.testing.assert_allclose(float(found), expected_balance, rtol=1e-5)
     # the bias is state beside the parameters: no optimizer or gradient touches it
     assert not nnx.state(ours, moe.RouterBias) == {} and \
         "score_bias" not in str(nnx.state(ours, nnx.Param))
@@ -489,12 +500,23 @@ def test_glm4_moe_matches_transformers_and_exports_its_router_biases(glm, tmp_pa
         np.testing.assert_array_equal(
             biases[i - 1], hf.model.layers[i].mlp.gate.e_score_correction_bias.numpy())
     assert_export_round_trip(model, hf, tmp_path)  # the biases written back, and read
+    # in bfloat16 the weights are, the biases (moved by 0.001 a step) stay float32
+    from safetensors.numpy import load_file
+
+    rm.save_pretrained(model, str(tmp_path / "bf16"), dtype="bfloat16")
+    written = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    for i in (1, 2):
+        bias = written[f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
+        assert bias.dtype == np.float32
+        np.testing.assert_array_equal(bias, biases[i - 1])
+    assert written["model.layers.1.mlp.gate.weight"].dtype != np.float32
 
 
-def test_a_glm4_moe_runs_checkpoint_exports_its_router_biases_untrained(glm, tmp_path):
+def test_a_glm4_moe_runs_checkpoint_exports_its_balanced_router_biases(glm, tmp_path):
     """A run's checkpoint holds the routers' correction biases beside the parameters
-    (the Trainer's extra state: no optimizer moves them); ``redray export`` writes them
-    (restoring the model: an export a tensor at a time reads parameters only)."""
+    (the Trainer's extra state: no optimizer moves them, the bias update does, by 0.001
+    a step); ``redray export`` writes them as the run left them (restoring the model: an
+    export a tensor at a time reads parameters only)."""
     import os
 
     from redray.commands.runs import export_run
@@ -513,8 +535,12 @@ def test_a_glm4_moe_runs_checkpoint_exports_its_router_biases_untrained(glm, tmp
     assert stored_params(str(run), lambda rngs: rm.build(config, rngs=rngs)) is None
     export_run(str(run), config, str(tmp_path / "out"), dtype="float32")
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    balanced = np.asarray(trainer.state.extra["layers"]["mlp"]["score_bias"].get_value())
     for i in (1, 2):
-        np.testing.assert_array_equal(back.model.layers[i].mlp.gate.e_score_correction_bias,
-                                      hf.model.layers[i].mlp.gate.e_score_correction_bias)
+        exported = back.model.layers[i].mlp.gate.e_score_correction_bias.numpy()
+        np.testing.assert_array_equal(exported, balanced[i - 1])
+        steps = (exported - hf.model.layers[i].mlp.gate.e_score_correction_bias.numpy()) / 1e-3
+        np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)  # whole steps of 0.001
+        assert np.abs(steps).max() > 0.5 and np.abs(steps).max() < 2.5  # 2 steps at most
     assert not torch.equal(back.model.layers[1].mlp.gate.weight,  # the rest trained
                            hf.model.layers[1].mlp.gate.weight)

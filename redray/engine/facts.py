@@ -104,12 +104,12 @@ class RuntimeFacts(ModelFacts):
             params, extra = self.runtime.abstract
             loss_of = model_loss(self.runtime.apply, self.loss)
 
-            def value(params, batch):
+            def value(params, extra, batch):
                 return loss_of(params, None, extra, batch, jax.random.key(0))[0]
 
             # scanned layers unrolled: XLA's cost analysis counts a loop's body once
             with unrolled_loops():
-                lowered = jax.jit(jax.grad(value)).lower(params, self.batch)
+                lowered = jax.jit(jax.grad(value)).lower(params, extra, self.batch)
             self._flops = float(lowered.cost_analysis()["flops"])
         return self._flops
 

@@ -111,6 +111,7 @@ class PlanChoice:
         self.meta = {"key": self.key(batch_size), "chosen": best.brief()}
         return dataclasses.replace(
             best, context_attention=asked.context_attention,
+            expert_exchange=asked.expert_exchange,
             hardware=hardware if hardware is not None else best.hardware).build()
 
     def facts(self) -> dict:
@@ -234,5 +235,6 @@ def given_plan(plan: Plan, batch_size: int, beside: list[str]) -> Plan:
                                    pipeline_schedule=plan.pipeline_schedule,
                                    stage_repeats=plan.stage_repeats, remat=plan.remat,
                                    context_attention=plan.context_attention,
+                                   expert_exchange=plan.expert_exchange,
                                    hardware=plan.hardware)
     return plan.build()

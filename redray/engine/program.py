@@ -180,7 +180,8 @@ class TrainProgram:
                     self.metric_names)
             self.jitted["train"] = jax.jit(
                 functools.partial(train_step, gradients=gradients, optimizer=self.optimizer,
-                                  on_nonfinite=self.on_nonfinite),
+                                  on_nonfinite=self.on_nonfinite,
+                                  after_update=rt.after_update),
                 in_shardings=(self.layout.shardings, parallelism.batch_sharding()),
                 out_shardings=(self.layout.shardings, parallelism.replicated()),
                 donate_argnums=0)

@@ -8,6 +8,8 @@ import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from redray.engine.model import abstract_state, adapter, cast_floating
@@ -105,6 +107,30 @@ class ModelRuntime:
             out = fn(model, *args)
         return out, self.adapter.extra_of(model, extra)
 
+    def after_update(self, params, extra) -> tuple:
+        """(new extra, metrics) once the optimizer updated ``params``: every module's
+        ``after_update()`` (an NNX module may define one: a mixture of experts' bias
+        update from the loads its training calls counted, ``moe.MoE``) run on the
+        model bound to them, its returned arrays as metrics named by the key, the
+        module's path and, for stacked layers, the row (``expert_load_cv/layers/mlp/2``).
+        A model without such modules gives ``extra`` back as it is, at no cost."""
+        if not hasattr(self.adapter, "graphdef"):  # a Linen model
+            return extra, {}
+        model = self.adapter.bind(params, extra, jax.random.key(0))
+        metrics = {}
+        for path, module in nnx.iter_modules(model):
+            settle = getattr(type(module), "after_update", None)
+            if settle is None:
+                continue
+            where = "/".join(map(str, path))
+            for key, value in settle(module).items():
+                value = jnp.asarray(value, jnp.float32)
+                if value.ndim == 0:
+                    metrics[f"{key}/{where}"] = value
+                for i, row in enumerate(value.reshape(-1) if value.ndim else ()):
+                    metrics[f"{key}/{where}/{i}"] = row
+        return self.adapter.extra_of(model, extra), metrics
+
     def tracing(self, planned: bool = True, **changes):
         """Within: a model's layers traced under the ``Tracing`` value of this runtime's
         plan (``planned``; else as on one device): its rows and sequences split, its
@@ -120,6 +146,7 @@ class ModelRuntime:
         return traced(mesh=mesh, ways=1 if parallelism is None else parallelism.data_parallel,
                       micro_rows=self.micro_rows, repeats=self.stage_repeats,
                       context_attention=self.plan.context_attention,
+                      expert_exchange=self.plan.expert_exchange,
                       context_choice=self._context_method(), layers=self.stacked_layers,
                       **changes)
 

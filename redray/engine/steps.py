@@ -158,7 +158,8 @@ def check_step_arguments(optimizer, grad_fn, on_nonfinite: str) -> None:
 
 def train_step(state: TrainState, batch, *, gradients: Callable,
                optimizer: optax.GradientTransformation,
-               on_nonfinite: str | None = "stop") -> tuple[TrainState, dict]:
+               on_nonfinite: str | None = "stop",
+               after_update: Callable | None = None) -> tuple[TrainState, dict]:
     """One optimizer update on ``batch``; returns the new state and the step's metrics
     (``loss``, ``grad_norm`` and the loss's own, as float32 scalars).
 
@@ -173,6 +174,10 @@ def train_step(state: TrainState, batch, *, gradients: Callable,
     - ``"skip"``: that update is left out and training goes on; the metric ``skipped``
       is 1 for it (0 otherwise).
     - ``None``: no check (the reference the guard's cost is measured against).
+
+    ``after_update(params, extra) -> (extra, metrics)`` runs on the updated parameters
+    (``ModelRuntime.after_update``: a router's bias update), its metrics logged with the
+    step's; a non-finite step keeps the state before it there too.
     """
     rng, step_rng = jax.random.split(state.rng)
     value, metrics, extra, grads = gradients(state.params, state.frozen, state.extra, batch,
@@ -183,6 +188,9 @@ def train_step(state: TrainState, batch, *, gradients: Callable,
     step = state.step + 1
     out = {"loss": value.astype(jnp.float32), "grad_norm": grad_norm}
     out.update({k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()})
+    if after_update is not None:
+        extra, settled = after_update(params, extra)
+        out.update(settled)
     nonfinite_step = state.nonfinite_step
     if on_nonfinite is not None:
         finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)

@@ -50,6 +50,18 @@ TINY_GLM4_MOE = dict(TINY_MOE, num_hidden_layers=3, head_dim=8, moe_intermediate
                      n_routed_experts=8, n_group=2, topk_group=1, n_shared_experts=1,
                      first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                      attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5)
+# DeepSeek-V3: queries through a low-rank path, keys and values from a latent of 8 with a
+# rotary part of 4 shared by the heads (interleaved, YaRN with mscale_all_dim), query and
+# key heads of 12 against values of 6; a dense first layer, then 1 of 2 groups of 4
+# experts as GLM-4.5's.
+TINY_DEEPSEEK_V3 = {k: v for k, v in TINY_GLM4_MOE.items()
+                    if k not in ("head_dim", "attention_bias", "use_qk_norm",
+                                 "partial_rotary_factor")} | dict(
+    num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
+    qk_nope_head_dim=8, v_head_dim=6, max_position_embeddings=64, rope_interleave=True,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                     "original_max_position_embeddings": 16, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0})
 TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
                    out_hidden_size=32)
 
@@ -66,7 +78,9 @@ class Family:
         share one (Mistral and Qwen2 are LLaMA's fields).
       architecture: the ``transformers`` class an export names in ``architectures``.
       aliases: other ``model_type`` values that are this architecture under another
-        name, read as this one and exported under their own name.
+        name (Kimi-K2's ``kimi_k2``, whose folders name remote code), read as this one
+        with their config's fields and exported as this one, which ``transformers``
+        reads without remote code.
       text_config: where a multimodal config keeps this family's language model (its
         sub-config's field, e.g. "text_config"): the language model is loaded, and
         exported as its own family; None: the config is the model's own.
@@ -144,6 +158,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            presets=("qwen3-30b-a3b",),
            tiny=dict(TINY_MOE, moe_intermediate_size=16, num_experts=4, norm_topk_prob=True)),
     Family("glm4_moe", "GLM-4.5", "mixtral", "Glm4MoeForCausalLM", tiny=TINY_GLM4_MOE),
+    Family("deepseek_v3", "DeepSeek-V3", "deepseek", "DeepseekV3ForCausalLM",
+           aliases=("kimi_k2",), presets=("deepseek-v3",), tiny=TINY_DEEPSEEK_V3),
     Family("gpt_oss", "gpt-oss", "gpt_oss", "GptOssForCausalLM", presets=("gpt-oss-20b",),
            tiny=dict(TINY_MOE, num_local_experts=4, head_dim=8, sliding_window=6,
                      max_position_embeddings=64,

@@ -173,7 +173,10 @@ def family(model_type: str):
 
 
 def load_config(path: str):
-    """The ``transformers`` config of a local checkpoint folder (or a config.json path)."""
+    """The ``transformers`` config of a local checkpoint folder (or a config.json path).
+    A ``model_type`` that is an alias of a family (``kimi_k2``: DeepSeek-V3's architecture,
+    whose folder names remote code in ``auto_map``) is read as that family's config, with
+    its fields: no remote code runs."""
     from transformers import AutoConfig
 
     folder = os.path.dirname(path) if path.endswith(".json") else path
@@ -187,6 +190,11 @@ def load_config(path: str):
                          "transformers model config; redray reads "
                          f"{', '.join(supported())}")
     try:
+        record = lookup(content["model_type"])
+        if content["model_type"] != record.model_type:  # an alias (Kimi-K2's kimi_k2)
+            return AutoConfig.for_model(record.model_type, **{
+                k: v for k, v in content.items()
+                if k not in ("model_type", "auto_map", "transformers_version")})
         return AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as error:  # noqa: BLE001 - transformers' errors vary by version
         raise ValueError(f"{file} cannot be read as a transformers config "
@@ -607,9 +615,11 @@ def from_pretrained(path: str, *, parallelism: Parallelism | None = None,
     by_path.update({p: (leaf, s) for p, leaf, s in zip(
         extra_paths, extra_leaves, jax.tree.leaves(extra_specs, is_leaf=is_spec)) if p in buffers})
 
+    # the family's own leavings for this config (DeepSeek-V3's multi-token prediction)
+    what, dropped = getattr(fam, "left_out", lambda c: ("", ()))(config)
     weights = _Weights(path if not path.endswith(".json") else os.path.dirname(path),
-                       record.weight_prefixes, record.left_out, quantization)
-    _tell_reading(path, record, weights)
+                       record.weight_prefixes, record.left_out + dropped, quantization)
+    _tell_reading(path, record, weights, what, dropped)
     plans, problems = _plan_table(fam, config, weights, by_path)
     _refuse_incomplete(path, config.model_type, *problems)
     loaded = _place(plans, by_path, mesh, path, weights)
@@ -680,12 +690,20 @@ def _tokenizer_eos(tokenizer) -> int | None:
     return eos if isinstance(eos, int) else None
 
 
-def _tell_reading(path: str, record, weights: _Weights) -> None:
-    """The console's line on what a load leaves out or converts (nothing otherwise)."""
-    if weights.left_out:
+def _tell_reading(path: str, record, weights: _Weights, what: str = "",
+                  dropped: tuple = ()) -> None:
+    """The console's line on what a load leaves out or converts (nothing otherwise):
+    ``dropped``, the prefixes of the family's own leavings, described by ``what``."""
+    own = [n for n in weights.left_out if dropped and n.startswith(dropped)]
+    wrapped = [n for n in weights.left_out if not (dropped and n.startswith(dropped))]
+    if wrapped:
         print(f"redray: {path}: a {record.name} checkpoint; reading its language model, "
-              f"leaving out {len(weights.left_out)} tensors "
-              f"({', '.join(sorted({_part(n, record.left_out) for n in weights.left_out}))})",
+              f"leaving out {len(wrapped)} tensors "
+              f"({', '.join(sorted({_part(n, record.left_out) for n in wrapped}))})",
+              file=sys.stderr, flush=True)
+    if own:
+        print(f"redray: {path}: leaving out {len(own)} tensors of {what} "
+              f"({', '.join(sorted({_part(n, dropped) for n in own}))})",
               file=sys.stderr, flush=True)
     if weights.quantized:
         print(f"redray: {path}: {len(weights.quantized)} tensors stored in MXFP4, "
@@ -783,6 +801,8 @@ def write_pretrained(config, shapes: dict, fetch, path: str, max_shard_bytes: in
     config = config if isinstance(config, HFConfig) else HFConfig(config)
     hf = copy.deepcopy(config.hf)
     hf.architectures = [lookup(hf.model_type).architecture]
+    if getattr(hf, "num_nextn_predict_layers", 0):  # DeepSeek's: not loaded, not written
+        hf.num_nextn_predict_layers = 0
     quantized = getattr(hf, "quantization_config", None) is not None
     if quantized:
         del hf.quantization_config
@@ -800,11 +820,21 @@ def write_pretrained(config, shapes: dict, fetch, path: str, max_shard_bytes: in
             json.dump(generation_for_export(config, tokenizer), f, indent=2, sort_keys=True)
             f.write("\n")
     layout = hf_layout(config, shapes)
-    entries = [entry for *_, parts in layout for entry in parts]
+    # a checkpoint's buffers (a router's correction bias, which the bias update moves by
+    # 0.001) keep float32 whatever the weights' dtype, as DeepSeek's releases store them
+    kept = {path for row, path, *_ in layout if getattr(row, "buffer", False)}
+    entries = [(name, shape, *((np.float32,) if getattr(row, "buffer", False) else ()))
+               for row, *_, parts in layout for name, shape in parts]
     writer = writing.SafetensorsWriter(path, entries, writing.DTYPES[dtype], max_shard_bytes,
                                        SINGLE_FILE, INDEX_FILE) if main else None
     progress = _Progress(path, len(entries), None, "saving", "tensors written")
-    for name, array in writing.hf_stream(layout, fetch(writing.DTYPES[dtype])):
+    weights, buffers = fetch(writing.DTYPES[dtype]), fetch(np.dtype(np.float32)) if kept \
+        else None
+
+    def fetching(model_path, layer):
+        return (buffers if model_path in kept else weights)(model_path, layer)
+
+    for name, array in writing.hf_stream(layout, fetching):
         writer.write(name, array)
         del array  # held no longer than the writing: the next tensor is being gathered
         progress.placed(writer.total)

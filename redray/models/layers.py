@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 from typing import Callable
 
 import jax
@@ -15,7 +16,7 @@ from flax import nnx
 from redray.models import context, paged, staged_layers
 from redray.models.attention import AttentionMask, attend, dense_attention
 from redray.sharding.tracing import (blocks_cut, constrain_rows, gathered_features,
-                                         loop_unroll, pipeline_stages, stage_layout)
+                                         loop_unroll, pipeline_stages, stage_layout, traced)
 from redray.sharding.parallelism import layer_positions, stacked_count
 
 ACTIVATIONS: dict[str, Callable] = {
@@ -799,14 +800,18 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
                                  "with pipeline_schedule='1f1b' yet: use 'gpipe'")
             if cut.output is not None:
                 return cut.output, None
-            cut.found = dict(blocks=blocks, x=x, args=args, per_layer=per_layer, run=run)
+            _uncounted(blocks, train)
+            cut.found = dict(blocks=blocks, x=x, args=args, per_layer=per_layer,
+                             run=lambda *a, **k: _without_counts(run, *a, **k))
             return x, None
         staged = pipeline_stages(x.shape[0])
         if staged is not None:
             if reports:
                 raise ValueError("aux=True (the experts' router statistics) is not available "
                                  "with pipeline stages yet: train with stage_axis=1")
-            x = staged_layers.run_stages(blocks, x, args, per_layer, train, run, *staged)
+            _uncounted(blocks, train)
+            with traced(uncounted=True):
+                x = staged_layers.run_stages(blocks, x, args, per_layer, train, run, *staged)
             return x, None
         with _in_layer_order(blocks) as ordered:
             x, found = forward(ordered, x, *args, *per_layer)
@@ -819,6 +824,27 @@ def _scan_blocks(blocks, x, args: tuple, per_layer: tuple, cache, cache_index, t
         if isinstance(cache, list):  # decoding with a cache per layer: the layers unrolled
             return _unrolled(ordered, x, args, per_layer, cache, cache_index, train)
         return _scanned_decode(ordered, x, args, per_layer, cache, cache_index, train)
+
+
+_TOLD_UNCOUNTED = False  # the line below, once a process
+
+
+def _without_counts(run, *args, **kwargs):
+    with traced(uncounted=True):
+        return run(*args, **kwargs)
+
+
+def _uncounted(blocks, train: bool) -> None:
+    """The console's line, when a training step is traced, that pipeline stages leave
+    the experts' correction biases as they are."""
+    from redray.models import moe
+
+    global _TOLD_UNCOUNTED
+    if train and not _TOLD_UNCOUNTED and nnx.state(blocks, moe.ExpertLoad):
+        _TOLD_UNCOUNTED = True
+        print("redray: pipeline stages: the experts' correction biases stay as they are "
+              "(auxiliary-loss-free balancing counts expert loads on plans without "
+              "stage_axis only, for now)", file=sys.stderr, flush=True)
 
 
 def _scanned_decode(blocks, x, args, per_layer, cache, cache_index, train):

@@ -20,7 +20,7 @@ from flax import nnx
 from redray.models import layers, moe
 from redray.models.decoder import CausalLM
 from redray.models.hub import HFConfig, gated, linear, plain, qkv
-from redray.sharding.tracing import constrain_rows
+from redray.sharding.tracing import constrain_rows, tracing
 
 # Checkpoints saved from the base model (no LM head class) name tensors without it.
 BASE_PREFIX = "model."
@@ -156,16 +156,18 @@ class Block(nnx.Module):
         attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
                                          cache_index, train)
         x = x + attn
-        out, *report = self.mlp_output(self.post_attention_layernorm(x), mask, cache)
+        out, *report = self.mlp_output(self.post_attention_layernorm(x), mask, cache, train)
         return (x + out, new_cache, *report)
 
-    def mlp_output(self, h, mask, cache) -> tuple:
-        """(the MLP's output,), or a mixture of experts' (output, report)."""
+    def mlp_output(self, h, mask, cache, train: bool = False) -> tuple:
+        """(the MLP's output,), or a mixture of experts' (output, report); a training
+        call's assignments are counted for its balancing (``moe.MoE``'s ``balance``)."""
         mlp = getattr(self, self.MLP_NAME)
         if not isinstance(mlp, moe.MoE):
             return (mlp(h),)
         # without a cache the mask's key slots are the tokens: padding counts nowhere
-        return mlp(h, mask.kv_valid if cache is None else None)
+        return mlp(h, mask.kv_valid if cache is None else None,
+                   count=train and cache is None and not tracing().uncounted)
 
 
 class Model(CausalLM):

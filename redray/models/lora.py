@@ -18,9 +18,10 @@ from flax import nnx
 
 # The layers computing the attention queries and values in every family of
 # redray.models: the fused Q/K/V projections (``qkv_proj``, GPT-2's ``c_attn``, T5's
-# ``qkv``) and T5's cross-attention ``q`` and ``kv``. A fused layer's adapter updates
-# the keys too.
-DEFAULT_TARGETS = r"(^|/)(qkv_proj|c_attn|qkv|q|kv)$"
+# ``qkv``), T5's cross-attention ``q`` and ``kv``, and DeepSeek's latent attention's
+# query (``q_proj``, or ``q_b_proj`` after its low-rank path) and key/value
+# up-projection (``kv_b_proj``). A fused layer's adapter updates the keys too.
+DEFAULT_TARGETS = r"(^|/)(qkv_proj|c_attn|qkv|q|kv|q_proj|q_b_proj|kv_b_proj)$"
 
 
 class LoRA(nnx.Module):
@@ -46,6 +47,15 @@ class LoRA(nnx.Module):
         self.lora_a = nnx.Param(nnx.initializers.he_uniform(in_axis=-2, out_axis=-1)(
             rngs.params(), (*lead, math.prod(ins), rank), kernel.dtype))
         self.lora_b = nnx.Param(jnp.zeros((*lead, rank, math.prod(outs)), kernel.dtype))
+
+    def kernel(self):
+        """The base kernel with the adapters' update folded in (what ``merge_lora``
+        writes): for a model that uses a layer's weights beyond calling it (DeepSeek's
+        latent attention folds its key and value projections into queries and
+        outputs while decoding)."""
+        kernel = self.base.kernel[...]
+        update = (self.lora_a[...] @ self.lora_b[...]) * self.scale
+        return kernel + update.reshape(kernel.shape).astype(kernel.dtype)
 
     def __call__(self, x):
         y = self.base(x)
@@ -133,8 +143,6 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         if not isinstance(module, LoRA):
             continue
         base = module.base
-        kernel = base.kernel[...]
-        update = (module.lora_a[...] @ module.lora_b[...]) * module.scale
-        base.kernel[...] = kernel + update.reshape(kernel.shape).astype(kernel.dtype)
+        base.kernel[...] = module.kernel()
         _replace(_parent(model, path), path[-1], base)
     return model

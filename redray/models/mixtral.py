@@ -44,14 +44,21 @@ IGNORED = llama.IGNORED
 # Hugging Face's names: the MoE module of a layer, and each expert's gate, up and down.
 QWEN = ("mlp", "gate_proj", "up_proj", "down_proj")
 NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"), "qwen2_moe": QWEN, "qwen3_moe": QWEN,
-         "glm4_moe": QWEN}
+         "glm4_moe": QWEN, "deepseek_v3": QWEN}
+# Auxiliary-loss-free balancing's rate (``moe.MoE``'s ``balance``) for the families routed
+# as DeepSeek-V3, unless the config sets ``bias_update_speed`` (0: the biases stay as
+# loaded): DeepSeek-V3's gamma for most of its pre-training (arXiv 2412.19437, 4.2)
+BIAS_UPDATE_SPEED = 0.001
+# The families routed as DeepSeek-V3 (sigmoid scores, a correction bias, groups, shared
+# experts ungated, a dense prefix)
+DEEPSEEK_ROUTED = ("glm4_moe", "deepseek_v3")
 
 
 def _experts(c) -> tuple[int, int, int]:
     """(experts, experts per token, each expert's intermediate size)."""
     if c.model_type == "mixtral":
         return c.num_local_experts, c.num_experts_per_tok, c.intermediate_size
-    if c.model_type == "glm4_moe":
+    if c.model_type in DEEPSEEK_ROUTED:
         return c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size
     return c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
 
@@ -62,7 +69,7 @@ def _kinds(c) -> tuple[str, ...]:
     ``transformers`` builds them."""
     if c.model_type == "mixtral":
         return ("moe",) * c.num_hidden_layers
-    if c.model_type == "glm4_moe":  # a dense prefix, as DeepSeek-V3's
+    if c.model_type in DEEPSEEK_ROUTED:  # a dense prefix
         return tuple("dense" if i < c.first_k_dense_replace else "moe"
                      for i in range(c.num_hidden_layers))
     dense = set(c.mlp_only_layers or ())
@@ -109,10 +116,11 @@ def _moe(c, *, rngs, dtype) -> moe.MoE:
     mixtral = c.model_type == "mixtral"
     kind, extra = ((SharedExpertMoE, dict(shared=c.shared_expert_intermediate_size))
                    if c.model_type == "qwen2_moe" else (moe.MoE, {}))
-    if c.model_type == "glm4_moe":  # DeepSeek-V3's router, its shared experts ungated
+    if c.model_type in DEEPSEEK_ROUTED:  # DeepSeek-V3's router, its shared experts ungated
         kind, extra = SharedExpertMoE, dict(
             shared=inner * c.n_shared_experts, gated=False, scoring="sigmoid",
-            groups=(c.n_group, c.topk_group), scale=c.routed_scaling_factor)
+            groups=(c.n_group, c.topk_group), scale=c.routed_scaling_factor,
+            balance=getattr(c, "bias_update_speed", BIAS_UPDATE_SPEED))
     return kind(c.hidden_size, inner, experts, top_k, act=c.hidden_act,
                 renormalize=mixtral or bool(c.norm_topk_prob), float32_weights=mixtral,
                 capacity_factor=getattr(c, "capacity_factor", None), dtype=dtype, rngs=rngs,
@@ -173,7 +181,7 @@ def weight_table(config) -> list:
             rows += gated((f"{theirs}.gate_proj", f"{theirs}.up_proj"), f"{ours}/gate_up_proj")
             rows += [linear(f"{theirs}.down_proj.weight", f"{ours}/down_proj/kernel"),
                      linear(f"{theirs}_gate.weight", f"{ours}_gate/kernel")]
-        if c.model_type == "glm4_moe":
+        if c.model_type in DEEPSEEK_ROUTED:
             theirs, ours = f"{hf}.mlp.shared_experts", f"{me}/mlp/shared_expert"
             rows += gated((f"{theirs}.gate_proj", f"{theirs}.up_proj"), f"{ours}/gate_up_proj")
             rows += [linear(f"{theirs}.down_proj.weight", f"{ours}/down_proj/kernel"),

@@ -34,14 +34,34 @@ MLP, inside every expert: gate and up on their inner width over ``model``, down 
 input (the router stays whole), so a device computes its share of every expert's width
 and one all-reduce (``psum`` over ``model``) sums the output. With an ``expert`` axis the
 experts are split over it (``ExpertParallel``, on the dimension the grouped matmul picks
-kernels along) and ``exchange`` sends each device's assignments to their experts'
-devices and back by all-to-all; the ``expert`` axis splits the batch for every other
-layer, as data parallelism does. Each (device, expert) pair then has a fixed number of
-slots: the capacity with a ``capacity_factor`` (the all-to-all carries ``factor`` x the
-assignments' bytes), else the device's whole token count (nothing dropped, and experts /
-top_k x those bytes, since any expert may get every token). XLA:CPU has no ragged
-all-to-all (the exact-size exchange GPUs and TPUs can run), so the slots are fixed-size
-here; set a capacity factor with an expert axis.
+kernels along); the ``expert`` axis splits the batch for every other layer, as data
+parallelism does. Two exchanges move the tokens (``Plan.expert_exchange``; "auto": the
+gather for a dropless layer, the all-to-all with a capacity factor):
+
+* ``gathered``: each device all-gathers its expert group's tokens (their choices and
+  routing weights beside them), runs its own experts on the assignments routed to them
+  with one grouped matmul per projection, and the outputs are reduce-scattered back.
+  Nothing is dropped and there are no slots: each token crosses the axis once each way,
+  ``ways`` x the device's tokens x hidden, which is at most ways / (the distinct devices
+  a token's experts are on) of the least any exchange sends (1.19 for 64 experts, top-6,
+  over 4 devices: ``communication/moe_ep/gather``). The gathered tokens' assignments are
+  held on every device (``ways`` x tokens x top_k rows).
+* ``exchange``: each device's assignments sent to their experts' devices and back by
+  all-to-all, each (device, expert) pair with a fixed number of slots: the capacity
+  with a ``capacity_factor`` (``factor`` x the assignments' bytes), else the device's
+  whole token count (experts x tokens x hidden: 18.7 x the least for the model above).
+  XLA:CPU has no ragged all-to-all (the exact-size exchange GPUs and TPUs can run), so
+  the slots are fixed-size here.
+
+Auxiliary-loss-free balancing (DeepSeek-V3, ``balance``): a training call counts its
+assignments per expert (``ExpertLoad``, state beside the parameters, summed over every
+micro-batch of the update and over the whole batch whatever the plan splits it into),
+and once the optimizer has updated the parameters (``after_update``, which the
+Trainer's step runs) each correction bias moves by ``balance`` toward the experts
+that got fewer than the mean; the counts are reset and each layer's loads' coefficient
+of variation is logged (``expert_load_cv/<module>/<row>``). Both are run state: a
+checkpoint holds them, a resumed run goes on from them. Inside pipeline stages nothing
+is counted yet (the bias stays as it is; the console says so once).
 
 Every call also reports what the router did (``report``): assignments per expert, the
 sum of the router probabilities per expert, the sum of the squared log-partition
@@ -50,8 +70,9 @@ count nowhere). A model's blocks stack these per layer and ``summarize`` turns t
 the auxiliary outputs: ``load_balancing`` (Switch Transformer's loss as Mixtral and
 ``transformers``' ``load_balancing_loss_func`` compute it: experts x the sum over experts
 of the fraction of assignments times the mean probability, over every layer's tokens
-together), ``router_z`` (the mean squared logsumexp of the router logits, ST-MoE) and
-``expert_tokens`` (layers, experts) assignments.
+together), ``router_z`` (the mean squared logsumexp of the router logits, ST-MoE),
+``expert_tokens`` (layers, experts) assignments and, for rows of sequences,
+``sequence_balance`` (DeepSeek-V3's sequence-wise balance loss, ``sequence_balance``).
 
 Reaching the loss: a mixture-of-experts model called with ``aux=True`` returns
 ``(logits, aux)`` (``(hidden, aux)`` with ``hidden=True``); plain calls return logits
@@ -86,7 +107,7 @@ from jax.sharding import PartitionSpec as P
 
 from redray.models import layers
 from redray.models.hub import Buffer, Tensor, linear
-from redray.sharding.tracing import context_split, traced_mesh
+from redray.sharding.tracing import context_split, traced_mesh, tracing
 from redray.sharding.parallelism import BATCH_AXES, CONTEXT, EXPERT, MODEL
 from redray.sharding.rules import axes_of
 
@@ -154,6 +175,12 @@ class RouterBias(Buffer):
     weight decay touches it."""
 
 
+class ExpertLoad(nnx.Variable):
+    """The assignments each expert got in the training calls since the last optimizer
+    update (float32, beside the parameters: checkpointed with the run, never exported):
+    what auxiliary-loss-free balancing (``MoE.after_update``) moves the bias by."""
+
+
 def limit_groups(choice: jax.Array, groups: int, keep: int) -> jax.Array:
     """``choice`` (..., experts) with every expert outside the ``keep`` best of its
     ``groups`` equal groups at -inf: a group's score is the sum of its two best
@@ -188,6 +215,13 @@ class MoE(nnx.Module):
       groups: (n_group, topk_group): the choice limited to the ``topk_group`` best of
         ``n_group`` groups of experts (sigmoid scoring); None: every expert.
       scale: the chosen weights' factor (``routed_scaling_factor``).
+      balance: auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 section
+        2.1.2; sigmoid scoring): after each optimizer update every expert's correction
+        bias moves by ``balance`` toward the under-loaded experts (up where an expert got
+        fewer than the mean assignments of the update's training calls, down where
+        more), from those calls' assignments counted over the whole batch (every data,
+        fsdp and expert replica's tokens: the same update everywhere); None or 0: the
+        bias stays as loaded.
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, *,
@@ -196,7 +230,7 @@ class MoE(nnx.Module):
                  router_bias: bool = False, expert_bias: bool = False,
                  clamp: tuple[float, float] | None = None, sigmoid_inputs: bool = False,
                  scoring: str = "softmax", groups: tuple[int, int] | None = None,
-                 scale: float = 1.0):
+                 scale: float = 1.0, balance: float | None = None):
         if not 1 <= top_k <= experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number "
                              f"of experts ({experts})")
@@ -214,8 +248,15 @@ class MoE(nnx.Module):
                              f"the {experts} experts, 1 <= topk_group <= n_group, with "
                              "sigmoid scoring")
         self.scoring, self.groups, self.scale = scoring, groups, scale
+        if balance and scoring != "sigmoid":
+            raise ValueError(f"balance={balance}: auxiliary-loss-free balancing moves a "
+                             "sigmoid router's correction bias; give scoring='sigmoid' or "
+                             "balance=None")
+        self.balance = float(balance) if balance else None
         if scoring == "sigmoid":
             self.score_bias = RouterBias(jnp.zeros((experts,), jnp.float32))
+        if self.balance:
+            self.expert_load = ExpertLoad(jnp.zeros((experts,), jnp.float32))
         self.act = layers.activation(act)
         self.router = nnx.Linear(hidden, experts, use_bias=router_bias, dtype=dtype, rngs=rngs)
         # fan-in scaled per expert: the expert axis is a batch of independent kernels
@@ -240,9 +281,11 @@ class MoE(nnx.Module):
         up = jnp.clip(up, -limit, limit)
         return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
 
-    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> tuple:
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None, *,
+                 count: bool = False) -> tuple:
         """(output like ``x``, report) for ``x`` (..., hidden); ``valid`` (...): which
-        tokens are real (None: all), for the report only."""
+        tokens are real (None: all), for the report only; ``count``: a training call,
+        whose assignments ``balance`` counts (``ExpertLoad``)."""
         logits = self.router(x)
         if self.scoring == "sigmoid":
             weights, chosen, probs = self._sigmoid_choice(logits)
@@ -275,7 +318,34 @@ class MoE(nnx.Module):
             "tokens": real.sum(),
             "dropped": (per_choice * (1.0 - kept)).sum(),
         }
+        if x.ndim == 3:  # rows of sequences: what the sequence-wise balance loss reads
+            row = jnp.broadcast_to(jnp.arange(x.shape[0])[:, None, None], chosen.shape)
+            report["sequence_tokens"] = jnp.zeros((x.shape[0], experts), jnp.float32).at[
+                row, chosen].add(per_choice)
+            report["sequence_probs"] = (probs * real[..., None]).sum(1)
+            report["sequence_length"] = real.sum(1)
+        if count and self.balance:
+            self.expert_load[...] = self.expert_load[...] + \
+                jax.lax.stop_gradient(report["expert_tokens"])
         return out.astype(x.dtype), report
+
+    def after_update(self) -> dict:
+        """Runs once after each optimizer update (``ModelRuntime.after_update``): with
+        ``balance``, each expert's correction bias moves by ``balance`` x sign(the mean
+        load - its load) over the assignments counted since the last update, which are
+        then reset; nothing where none were counted (an update without training calls of
+        this layer). Returns the loads' coefficient of variation (std / mean; 0 is even)
+        per layer, to log (``expert_load_cv``)."""
+        if not self.balance:
+            return {}
+        load = self.expert_load[...]
+        mean = load.mean(-1, keepdims=True)
+        counted = mean > 0
+        move = jnp.where(counted, self.balance * jnp.sign(mean - load), 0.0)
+        self.score_bias[...] = self.score_bias[...] + move
+        self.expert_load[...] = jnp.zeros_like(load)
+        cv = jnp.where(counted, load.std(-1, keepdims=True) / jnp.maximum(mean, 1e-9), 0.0)
+        return {"expert_load_cv": cv[..., 0]}
 
     def _sigmoid_choice(self, logits) -> tuple:
         """(weights, chosen, each expert's share of the token's scores) of sigmoid
@@ -333,6 +403,7 @@ class MoE(nnx.Module):
             raise ValueError(f"expert_axis={ways} does not divide the {experts} experts: use "
                              f"an expert axis that divides {experts}")
         by_expert = EXPERT.name if ways > 1 else None
+        how = self.exchange_kind()
         by_model = MODEL.name if inner > 1 and gate_up.shape[-1] % inner == 0 else None
         bias_by_model = by_model if bias.shape[-1] == gate_up.shape[-1] else None
         # a shared expert's inner width splits over model too: one all-reduce for both
@@ -351,6 +422,9 @@ class MoE(nnx.Module):
             if by_expert is None:
                 out, kept = dispatch(tokens, chosen, weights, gate_up, bias, down, ffn,
                                      capacity(tokens.shape[0]))
+            elif how == "gather":
+                out, kept = gathered(tokens, chosen, weights, gate_up, bias, down, ffn,
+                                     by_expert, ways)
             else:
                 out, kept = exchange(tokens, chosen, weights, gate_up, bias, down, ffn,
                                      capacity(tokens.shape[0]), by_expert, ways)
@@ -366,6 +440,19 @@ class MoE(nnx.Module):
                                   out_specs=(result, result))(x, chosen, weights, gate_up,
                                                               bias, down, *shared)
         return out.reshape(*lead, -1), kept.reshape(*lead, -1)
+
+    def exchange_kind(self) -> str:
+        """How an expert axis exchanges this layer's tokens: the plan's
+        ``expert_exchange``, "auto" being "gather" for a dropless layer and "all_to_all"
+        for one with a capacity factor (``Plan.expert_exchange``)."""
+        asked = tracing().expert_exchange
+        if asked == "auto":
+            return "gather" if self.capacity_factor is None else "all_to_all"
+        if asked == "gather" and self.capacity_factor is not None:
+            raise ValueError(f"expert_exchange='gather' drops nothing, so it cannot apply "
+                             f"capacity_factor={self.capacity_factor}: use "
+                             "expert_exchange='all_to_all' (or 'auto'), or no capacity factor")
+        return asked
 
     def shared_kernels(self) -> tuple:
         """A shared expert's kernels (``mixtral.SharedExpertMoE``): (gate and up (hidden,
@@ -488,6 +575,49 @@ def exchange(tokens, chosen, weights, gate_up, bias, down, ffn: ExpertFn,
     return (out * scale[..., None]).sum(1), kept
 
 
+def gathered(tokens, chosen, weights, gate_up, bias, down, ffn: ExpertFn, axis: str,
+             ways: int):
+    """``dispatch`` with the experts split over the mesh axis ``axis`` (``ways`` devices,
+    each holding ``gate_up.shape[0]`` consecutive experts), inside ``shard_map``, with
+    nothing dropped and no slots: each device gathers the tokens of the axis's devices
+    with their choices and weights (one all-gather each), runs the assignments routed to
+    its own experts through one grouped matmul per projection (the others sorted after
+    them, outside every group), weighs and sums them per token, and the sums (each
+    device its experts' part of every token's output) are reduce-scattered back to the
+    tokens' devices. Each token's hidden state crosses the axis once each way (the
+    backward: the transposes, an all-gather of the output's gradient and a
+    reduce-scatter of the tokens'), whatever its experts: ``ways x tokens x hidden`` per
+    device each way, against ``experts x tokens x hidden`` for ``exchange``'s dropless
+    slots. The gathered tokens' assignments are held on every device (``ways x tokens x
+    top_k`` rows)."""
+    n, k = chosen.shape
+    local, hidden = gate_up.shape[0], tokens.shape[-1]
+    # the choices sent in the narrowest integer that holds every expert's index
+    narrow = jnp.int8 if local * ways <= 127 else jnp.int16 if local * ways <= 32767 \
+        else chosen.dtype
+    every, choices, weighs = (jax.lax.all_gather(a, axis, tiled=True)
+                              for a in (tokens, chosen.astype(narrow), weights))
+    choices = choices.astype(chosen.dtype)
+    mine = choices - jax.lax.axis_index(axis) * local  # this device's experts: 0..local-1
+    owned = (mine >= 0) & (mine < local)
+    flat = jnp.where(owned, mine, local).reshape(-1)  # the others: one group after them
+    order, sizes = _by_expert(flat, local + 1)
+    rows = every[order // k]
+    if ffn.on_inputs:
+        rows = rows * weighs.reshape(-1)[order][:, None].astype(rows.dtype)
+    own = sizes[:local]  # the rows after them are in no group: the matmuls give them 0
+    h = jax.lax.ragged_dot_general(rows, gate_up, own, _GROUPED) + \
+        bias[jnp.minimum(flat[order], local - 1)]
+    y = jax.lax.ragged_dot(ffn.gated(h), down, own)
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    y = y[back].reshape(ways * n, k, hidden)
+    scale = owned.astype(weighs.dtype) if ffn.on_inputs else \
+        weighs * owned.astype(weighs.dtype)
+    out = (y * scale[..., None]).sum(1)
+    out = jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
+    return out, jnp.ones((n, k), jnp.float32)
+
+
 def summarize(reports: dict, experts: int) -> dict:
     """The auxiliary outputs (see the module docstring) of the blocks' reports stacked
     on a leading layer axis."""
@@ -495,19 +625,41 @@ def summarize(reports: dict, experts: int) -> dict:
     share = reports["expert_tokens"].sum(0) / rows
     probability = reports["router_probs"].sum(0) / rows
     assigned = jnp.maximum(reports["expert_tokens"].sum(), 1.0)
-    return {"load_balancing": experts * jnp.sum(share * probability),
-            "router_z": reports["router_z"].sum() / rows,
-            "expert_tokens": reports["expert_tokens"],
-            "dropped": reports["dropped"].sum() / assigned}
+    out = {"load_balancing": experts * jnp.sum(share * probability),
+           "router_z": reports["router_z"].sum() / rows,
+           "expert_tokens": reports["expert_tokens"],
+           "dropped": reports["dropped"].sum() / assigned}
+    if "sequence_tokens" in reports:
+        out["sequence_balance"] = sequence_balance(reports, experts)
+    return out
+
+
+def sequence_balance(reports: dict, experts: int) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss (arXiv 2412.19437, eq. 17-20), without
+    its factor: per layer and sequence, sum over experts of f_i P_i, with f_i = experts x
+    the expert's share of the sequence's assignments and P_i its mean normalized score
+    (the router probability) over the sequence's real tokens; the mean over the
+    sequences that have any, summed over the layers."""
+    counts, length = reports["sequence_tokens"], reports["sequence_length"]  # (L, B, E), (L, B)
+    f = experts * counts / jnp.maximum(counts.sum(-1, keepdims=True), 1.0)
+    p = reports["sequence_probs"] / jnp.maximum(length[..., None], 1.0)
+    real = (length > 0).astype(jnp.float32)
+    per_layer = ((f * p).sum(-1) * real).sum(-1) / jnp.maximum(real.sum(-1), 1.0)
+    return per_layer.sum()
 
 
 def auxiliary_loss(aux: dict, config) -> jax.Array:
     """What to add to the LM loss: ``router_aux_loss_coef`` x load balancing (as
-    ``transformers`` adds it) + ``router_z_loss_coef`` x router z-loss (0 unless the
-    config sets it)."""
+    ``transformers`` adds it) + ``router_z_loss_coef`` x router z-loss + ``aux_loss_alpha``
+    x the sequence-wise balance loss (DeepSeek's: V2's config field; V3 trained with
+    0.0001; 0 unless the config sets them)."""
     balance = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
     z = float(getattr(config, "router_z_loss_coef", 0.0) or 0.0)
-    return balance * aux["load_balancing"] + z * aux["router_z"]
+    loss = balance * aux["load_balancing"] + z * aux["router_z"]
+    alpha = float(getattr(config, "aux_loss_alpha", 0.0) or 0.0)
+    if alpha and "sequence_balance" in aux:
+        loss = loss + alpha * aux["sequence_balance"]
+    return loss
 
 
 def metrics(aux: dict, per_expert: bool = False) -> dict:
@@ -519,6 +671,8 @@ def metrics(aux: dict, per_expert: bool = False) -> dict:
     even = jnp.maximum(counts.sum(-1, keepdims=True), 1.0) / counts.shape[-1]
     out = {"load_balancing": aux["load_balancing"], "router_z": aux["router_z"],
            "expert_load_max": jnp.max(counts / even), "dropped": aux["dropped"]}
+    if "sequence_balance" in aux:
+        out["sequence_balance"] = aux["sequence_balance"]
     if per_expert:
         share = counts.sum(0) / jnp.maximum(counts.sum(), 1.0)
         out.update({f"expert_share/{e}": share[e] for e in range(counts.shape[-1])})

@@ -94,8 +94,8 @@ def live_fetch(values: dict, dtype) -> callable:
 
 
 class SafetensorsWriter:
-    """Writes ``entries`` ((name, shape), in order, all of ``dtype``) into
-    ``model.safetensors``, or with ``max_shard_bytes`` into
+    """Writes ``entries`` ((name, shape), or (name, shape, its own dtype), in order, the
+    others of ``dtype``) into ``model.safetensors``, or with ``max_shard_bytes`` into
     ``model-0000x-of-0000y.safetensors`` files of at most that size (a tensor larger
     than that alone in its file) and the index; ``write(name, array)`` takes them in
     order, each file's header written when it opens."""
@@ -103,10 +103,12 @@ class SafetensorsWriter:
     def __init__(self, folder: str, entries: list, dtype, max_shard_bytes: int | None = None,
                  single: str = "model.safetensors", index: str = "model.safetensors.index.json"):
         self.folder, self.dtype, self.index = folder, np.dtype(dtype), index
+        # a tensor's own dtype where its entry names one (a router's float32 bias)
+        self.dtypes = {e[0]: np.dtype(e[2]) for e in entries if len(e) > 2}
         self.sharded = max_shard_bytes is not None
         groups, current, size = [], [], 0
-        for name, shape in entries:
-            nbytes = math.prod(shape) * self.dtype.itemsize
+        for name, shape, *_ in entries:
+            nbytes = math.prod(shape) * self.dtype_of(name).itemsize
             if current and self.sharded and size + nbytes > max_shard_bytes:
                 groups.append(current)
                 current, size = [], 0
@@ -119,6 +121,9 @@ class SafetensorsWriter:
         self.order = [(i, name, shape) for i, (_, group) in enumerate(self.files)
                       for name, shape in group]
         self.at, self.handle, self.total = 0, None, 0
+
+    def dtype_of(self, name: str) -> np.dtype:
+        return self.dtypes.get(name, self.dtype)
 
     def write(self, name: str, array: np.ndarray) -> None:
         if self.at >= len(self.order):
@@ -134,9 +139,10 @@ class SafetensorsWriter:
             array = array.reshape(1)
         # a block of rows at a time: a transposed view (a kernel written as HF's weight)
         # is made contiguous a few MB at a time, not as a second copy of the tensor
-        rows = max(1, WRITE_BLOCK // max(1, array[0].size * self.dtype.itemsize))
+        dtype = self.dtype_of(name)
+        rows = max(1, WRITE_BLOCK // max(1, array[0].size * dtype.itemsize))
         for start in range(0, array.shape[0], rows):
-            block = np.ascontiguousarray(array[start:start + rows], self.dtype)
+            block = np.ascontiguousarray(array[start:start + rows], dtype)
             self.handle.write(block.reshape(-1).view(np.uint8).data)
             self.total += block.nbytes
         self.at += 1
@@ -147,8 +153,9 @@ class SafetensorsWriter:
         name, group = self.files[file]
         header, offset = {}, 0
         for tensor, shape in group:
-            nbytes = math.prod(shape) * self.dtype.itemsize
-            header[tensor] = {"dtype": slices.NAMES[self.dtype], "shape": list(shape),
+            dtype = self.dtype_of(tensor)
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[tensor] = {"dtype": slices.NAMES[dtype], "shape": list(shape),
                               "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         header["__metadata__"] = {"format": "pt"}

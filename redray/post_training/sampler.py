@@ -225,6 +225,22 @@ class Sampler:
         return self.window.peak
 
     @property
+    def cache_bytes(self) -> int:
+        """The bytes of the KV cache arrays behind ``cache_tokens``: the paged pool's
+        (linear layers' per-slot states included), or the window's at its peak, every
+        layer's keys and values (a latent cache's one head of latent and rotary values,
+        DeepSeek's)."""
+        model = nnx.merge(self.graphdef, self.state)
+
+        def nbytes(make) -> int:
+            return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(make)))
+
+        if self.kv_cache == "paged":
+            return nbytes(lambda: model.init_pages(self.kv_pages, self.page_size,
+                                                   rows=self.slots))
+        return self.cache_tokens * nbytes(lambda: model.init_cache(1, 1))
+
+    @property
     def width(self) -> int:
         """The cache's columns now (its live window; see the module)."""
         return self.window.width
@@ -604,9 +620,10 @@ def pool_pages(model, state, devices: int, slots: int, max_length: int, page_siz
     live device's, ``on_mesh.device_memory``, which the planner's probe reads too) holds
     beside the weights twice. A page holds ``page_size`` tokens' keys and values in
     every attention layer (a linear-attention layer's per-slot state is counted beside
-    them, once); the weights (``state``) and the pages are counted as split evenly over
-    the model's ``devices`` (its model axis: a paged Sampler has no data-parallel
-    replicas)."""
+    them, once); the weights (``state``) are counted as split evenly over the model's
+    ``devices`` (its model axis: a paged Sampler has no data-parallel replicas), and so
+    are the pages where the key/value heads divide by them (a latent cache's single
+    head does not: its pages are whole on every device)."""
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)
                   if hasattr(x, "dtype")) / devices
 
@@ -614,9 +631,13 @@ def pool_pages(model, state, devices: int, slots: int, max_length: int, page_siz
         pool = jax.eval_shape(lambda: model.init_pages(pages, page_size, rows=slots))
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
 
-    # a page in every attention layer; the per-slot states of linear layers beside them
-    page = (pool_bytes(2) - pool_bytes(1)) / devices
-    fixed = (pool_bytes(1) / devices) - page
+    # a page in every attention layer; the per-slot states of linear layers beside them.
+    # Pages split with their key/value heads: a latent cache's one head (DeepSeek's) is
+    # whole on every device.
+    kv_heads = model.key_value_heads()[0] if hasattr(model, "key_value_heads") else devices
+    split = devices if kv_heads % devices == 0 else 1
+    page = (pool_bytes(2) - pool_bytes(1)) / split
+    fixed = (pool_bytes(1) / split) - page
     if page <= 0:  # no attention layer holds pages: only the per-slot states
         return slots * pages_needed(max_length, page_size)
     memory = device_memory(jax.devices()[0]) if memory is None else memory

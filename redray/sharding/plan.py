@@ -24,6 +24,7 @@ from redray.sharding.parallelism import AXES, BatchGeometry, Parallelism, descri
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 CONTEXT_ATTENTION = ("auto", "ring", "all_gather")
+EXPERT_EXCHANGES = ("auto", "all_to_all", "gather")
 # What a written plan says it is (``Plan.to_dict``); a later form gets a new number.
 FORMAT = "redray.plan/1"
 
@@ -45,6 +46,12 @@ class Plan:
       context_attention: how one layer's attention crosses a context axis: "ring",
         "all_gather", or "auto": per layer, whichever the cost model predicts faster on
         ``hardware`` (``redray.planning.cost.context_method``).
+      expert_exchange: how an expert axis sends tokens to their experts' devices
+        (``redray/models/moe.py``): "all_to_all" (a fixed number of slots per device
+        and expert), "gather" (each device gathers its expert group's tokens, runs its
+        own experts on those routed to them and reduce-scatters the outputs back:
+        nothing dropped, no slots), or "auto": "gather" for dropless layers,
+        "all_to_all" for layers with a capacity factor.
       hardware: the numbers of the hardware the plan was chosen on (a
         ``redray.planning.hardware.Hardware`` as a dict: ``Hardware.to_dict``), what
         "auto" weighs on; None: the preset of this process's kind of device.
@@ -57,6 +64,7 @@ class Plan:
     stage_repeats: int = 1
     remat: str | None = None
     context_attention: str = "auto"
+    expert_exchange: str = "auto"
     hardware: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
@@ -66,6 +74,9 @@ class Plan:
         if self.context_attention not in CONTEXT_ATTENTION:
             raise ValueError(f"context_attention={self.context_attention!r}: use one of "
                              f"{', '.join(map(repr, CONTEXT_ATTENTION))}")
+        if self.expert_exchange not in EXPERT_EXCHANGES:
+            raise ValueError(f"expert_exchange={self.expert_exchange!r}: use one of "
+                             f"{', '.join(map(repr, EXPERT_EXCHANGES))}")
         repeats = self.stage_repeats
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"stage_repeats must be a positive int, got {repeats!r}")
@@ -170,6 +181,7 @@ class Plan:
                 "pipeline_schedule": self.pipeline_schedule,
                 "stage_repeats": self.stage_repeats, "remat": self.remat,
                 "context_attention": self.context_attention,
+                "expert_exchange": self.expert_exchange,
                 "hardware": None if self.hardware is None else dict(self.hardware),
                 "describe": self.describe() if par is None or par.mesh is not None else
                 describe_shape(axes)}
@@ -191,6 +203,7 @@ class Plan:
         rest = dict(pipeline_schedule=d.get("pipeline_schedule", "gpipe"),
                     stage_repeats=d.get("stage_repeats", 1), remat=d.get("remat"),
                     context_attention=d.get("context_attention", "auto"),
+                    expert_exchange=d.get("expert_exchange", "auto"),
                     hardware=d.get("hardware"))
         if axes is None:
             return cls(**rest)

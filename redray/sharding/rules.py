@@ -29,7 +29,11 @@ it would only add an all-reduce of its input gradient.
 
 A router (a layer whose output a top-k, argmax or sort reads: a mixture of experts
 picking experts) stays whole, as in Megatron-LM: its output is small and every device
-needs all of it to route its tokens.
+needs all of it to route its tokens. So does a low-rank down-projection (a layer whose
+output is narrower than its input and read only by layers that widen it again:
+DeepSeek's ``q_a_proj``, a LoRA's A): as a column layer it would make its reader a row
+layer whose wide output needs a forward all-reduce; whole, its reader is column
+parallel and the backward reduces the narrow cotangent (Megatron-LM's latent attention).
 
 Biases and norm scales that are added to or multiply a column layer's output split
 with that output. The ``fsdp`` axis then shards the largest remaining divisible
@@ -147,6 +151,10 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
             why[p] = (f"a last layer whose output ({out_size}) is smaller than its input "
                       f"({in_size}): a split would only add an all-reduce", "", True)
             continue
+        low_rank = _bottleneck(p, out_size, in_size, graph, uses, shapes)
+        if low_rank is not None:
+            role[p], why[p] = "replicated", low_rank
+            continue
         if graph.writes_residual(p):
             role[p] = "replicated"
             failed = sorted(q for q in preds if q in why and not why[q][2])
@@ -163,6 +171,31 @@ def tensor_parallel_dims(shapes: Sequence[tuple[int, ...]], trace: Trace | None,
         role[p] = "column" if split[p] is not None else "replicated"
     _split_the_rest(shapes, trace, model_size, paths, uses, role, split)
     return split
+
+
+def _bottleneck(p: int, out_size: int, in_size: int, graph, uses: dict,
+                shapes) -> tuple[str, str, bool] | None:
+    """Why layer ``p`` stays whole if it is a low-rank down-projection (its output
+    narrower than its input, and every layer reading it contracts exactly that output
+    into a wider one: DeepSeek's q_a_proj before q_b_proj, a LoRA's A before its B),
+    else None. As a column/row pair it would cost a forward all-reduce of the wide
+    output; whole, its reader splits that output and the backward reduces the narrow
+    cotangent."""
+    readers = graph.consumers(p)
+    if not readers or out_size >= in_size:
+        return None
+    for q in readers:
+        dots = [u for u in uses[q] if u.kind == "dot"]
+        if len(dots) != 1 or dots[0].preds != {p}:
+            return None
+        reads = math.prod(shapes[q][d] for d in dots[0].in_dims)
+        makes = math.prod(shapes[q][d] for d in dots[0].out_dims)
+        if reads != out_size or makes <= out_size:
+            return None
+    return (f"a low-rank down-projection (output {out_size} < input {in_size}) that the "
+            "layer after it widens again: kept whole, so that layer splits its wide output "
+            "and the pair costs a backward all-reduce of the narrow one (Megatron-LM's "
+            "latent attention keeps its down projections whole)", "", True)
 
 
 def _lookup_split(p: int, gather, shape: tuple[int, ...], added: bool, model_size: int,

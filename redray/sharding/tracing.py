@@ -50,6 +50,8 @@ class Tracing:
         held padded).
       context_attention: the plan's way across the context axis by name: "ring",
         "all_gather", or "auto" (``context_choice`` per layer).
+      expert_exchange: the plan's exchange on an expert axis ("auto", "all_to_all",
+        "gather": ``Plan.expert_exchange``).
       context_choice: ``fn(batch, tokens, ways, heads, kv_heads, head_dim, itemsize)``
         -> "ring" or "all_gather": how one layer's attention crosses the context axis
         (the plan's, on its hardware); None: none given (the ring).
@@ -63,6 +65,9 @@ class Tracing:
       unroll: the layer and tick scans traced unrolled (XLA's cost analysis counts a
         loop's body once).
       cut: the ``BlocksCut`` a 1F1B pass is traced within, or None.
+      uncounted: the layers run inside pipeline stages, whose training calls count
+        nothing into the model's state (a mixture of experts' loads: bubbles would
+        count padding, and the counts are not summed across stages yet).
     """
     mesh: Any = None
     ways: int = 1
@@ -70,6 +75,7 @@ class Tracing:
     repeats: int = 1
     layers: tuple = ()
     context_attention: str = "auto"
+    expert_exchange: str = "auto"
     context_choice: Callable | None = None
     specs: dict | None = dataclasses.field(default=None, repr=False)
     attention: str | None = None
@@ -77,6 +83,7 @@ class Tracing:
     counted: list | None = None
     unroll: bool = False
     cut: "BlocksCut | None" = None
+    uncounted: bool = False
 
     def split(self, role: str) -> tuple[str, ...]:
         """The mesh axes larger than 1 that play ``role`` (``ROLES``) in this trace."""
