@@ -303,17 +303,11 @@ def test_a_split_step_equals_one_device_and_data_parallel_tokens_stay_home(axes)
         assert moved["all-reduce"]["bytes"] <= 1.05 * 4 * params
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 1.0])
-def test_the_expert_all_to_alls_are_those_the_cost_model_counts(capacity_factor):
-    """Expert axis 4: four all-to-alls per layer (dispatch and combine, forward and
-    backward) of experts x slots x hidden, as ``cost.expert_traffic`` counts them; with
-    a capacity factor of 1 that is the ideal tokens x top_k x hidden."""
-    from redray.sharding import collectives
-    from redray.planning.memory import expert_layers
-    from redray.planning.cost import expert_traffic
+def _expert_axis_step(config, exchange: str = "auto"):
+    """(the model, a Trainer on expert axis 4 with ``exchange``, initialized on 8 rows of
+    17 tokens)."""
+    from redray import Parallelism, Plan
 
-    config = CONFIGS["mixtral"](**({} if capacity_factor is None
-                                   else {"capacity_factor": capacity_factor}))
     model = rm.build(config, seed=1)
     rs = np.random.default_rng(1)
     data = [{"ids": rs.integers(0, 128, 17).astype(np.int32)} for _ in range(8)]
@@ -323,10 +317,55 @@ def test_the_expert_all_to_alls_are_those_the_cost_model_counts(capacity_factor)
         return optax.softmax_cross_entropy_with_integer_labels(
             logits.astype(jnp.float32), batch["ids"][:, 1:]).mean()
 
+    plan = Plan(Parallelism.of(expert_axis=4).build(), expert_exchange=exchange)
     t = redray.Trainer.of(model, lambda ex: {"ids": np.stack([e["ids"] for e in ex])}, loss,
-                       optax.sgd(0.1), batch_size=8, progress=False, checkpoint=False,
-                       expert_axis=4, compute_dtype=jnp.float32)
+                          optax.sgd(0.1), batch_size=8, progress=False, checkpoint=False,
+                          plan=plan, compute_dtype=jnp.float32)
     t.init(data)
+    return model, t
+
+
+def test_the_gather_exchange_moves_what_the_cost_model_counts():
+    """A dropless layer on expert axis 4 exchanges by the gather (the plan's "auto"):
+    per layer the group's tokens all-gathered and the outputs reduce-scattered, forward
+    and backward, with the choices (int8) and routing weights beside them and the
+    weights' gradients scattered back: the collectives ``cost.expert_traffic`` counts,
+    byte for byte, and no all-to-all."""
+    import re
+
+    from redray.planning.cost import expert_traffic
+    from redray.planning.memory import expert_layers
+    from redray.sharding import collectives
+
+    config = CONFIGS["mixtral"]()
+    model, t = _expert_axis_step(config)
+    found = [c for c in collectives.collectives(t.compiled_step().as_text())
+             if "shard_map" in (re.search(r'op_name="([^"]*)"', c.line) or [""])[0]]
+    n = config.num_hidden_layers  # scanned: the loop body (one layer) is listed once
+    counted = expert_traffic(expert_layers(model), t.parallelism.shape, 2 * 16, 4,
+                             recompute=False)
+    assert not any(c.kind == "all-to-all" for c in found)
+    for kind in ("all-gather", "reduce-scatter"):
+        mine = [c for c in found if c.kind == kind]
+        # a reduce-scatter's buffer: its result times the group
+        size = sum(c.bytes * (4 if kind == "reduce-scatter" else 1) for c in mine)
+        assert n * size == sum(c.bytes * c.times for c in counted if c.kind == kind), kind
+        assert n * len(mine) == sum(c.times for c in counted if c.kind == kind), kind
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_the_expert_all_to_alls_are_those_the_cost_model_counts(capacity_factor):
+    """Expert axis 4 with the all-to-all exchange (dropless: asked for; with a capacity
+    factor: the plan's "auto"): four all-to-alls per layer (dispatch and combine,
+    forward and backward) of experts x slots x hidden, as ``cost.expert_traffic`` counts
+    them; with a capacity factor of 1 that is the ideal tokens x top_k x hidden."""
+    from redray.sharding import collectives
+    from redray.planning.memory import expert_layers
+    from redray.planning.cost import expert_traffic
+
+    config = CONFIGS["mixtral"](**({} if capacity_factor is None
+                                   else {"capacity_factor": capacity_factor}))
+    model, t = _expert_axis_step(config, "all_to_all")
     specs = {p: s for p, s in zip(*flatten_specs(t))}
     # stacked layers (the default): the layer axis first, whole
     assert specs["layers/mlp/gate_up_proj"] == P(None, "expert")
@@ -334,7 +373,8 @@ def test_the_expert_all_to_alls_are_those_the_cost_model_counts(capacity_factor)
     compiled = collectives.summarize(collectives.collectives(t.compiled_step().as_text()))
     layers = expert_layers(model)
     tokens = 2 * 16  # a device's 2 examples of 16 tokens
-    counted = expert_traffic(layers, t.parallelism.shape, tokens, 4, recompute=False)
+    counted = expert_traffic(layers, t.parallelism.shape, tokens, 4, recompute=False,
+                             exchange="all_to_all")
     # the layers are scanned: XLA's text lists the loop body (one layer) once
     n = config.num_hidden_layers
     assert n * compiled["all-to-all"]["count"] == sum(c.times for c in counted) == n * 4
@@ -388,14 +428,15 @@ def test_the_plan_counts_active_parameters_and_the_planner_tries_expert_axes():
     tried = {s.plan.shape["expert"] for s in ranking.ranked + ranking.over}
     assert tried == {1, 2, 4}  # the sizes dividing the 4 experts
     with_experts = next(s for s in ranking.ranked if s.plan.shape["expert"] == 4)
-    assert with_experts.cost.experts > 0 and any(t.kind == "all-to-all"
-                                                  for t in with_experts.cost.traffic)
+    assert with_experts.cost.experts > 0 and any(  # dropless: the gather's
+        t.kind == "all-gather" and t.what.startswith("expert parallel")
+        for t in with_experts.cost.traffic)
 
 
 def test_the_memory_plan_counts_the_exchange_an_expert_axis_adds():
-    """Dropless, each (device, expert) pair holds a slot per token: experts / top_k times
-    the rows a dispatch of the device's own tokens keeps; with a capacity factor of 1,
-    the same rows, nothing added."""
+    """Dropless (the gather), the expert group's 4 x tokens x top_k assignments and its
+    gathered tokens beside the rows a dispatch of the device's own tokens keeps; with a
+    capacity factor of 1 (the all-to-all's slots), the same rows, nothing added."""
     from redray.planning.memory import StepShape
     from redray.planning.from_config import plan_model
 
@@ -403,9 +444,10 @@ def test_the_memory_plan_counts_the_exchange_an_expert_axis_adds():
     config = CONFIGS["mixtral"]()
     dropless = plan_model(config, 4, expert_axis=4, step=step)["memory"]["parts"]
     tokens = 2 * 16  # a device's
-    rows = (config.num_local_experts - config.num_experts_per_tok) * tokens
+    rows = (4 - 1) * tokens * config.num_experts_per_tok
     per_row = (config.hidden_size + 3 * config.intermediate_size) * 4
-    assert dropless["expert_exchange"] == config.num_hidden_layers * rows * per_row
+    gathered = (4 - 1) * tokens * config.hidden_size * 4
+    assert dropless["expert_exchange"] == config.num_hidden_layers * (rows * per_row + gathered)
     config.capacity_factor = 1.0
     capped = plan_model(config, 4, expert_axis=4, step=step)["memory"]["parts"]
     assert capped["expert_exchange"] == 0

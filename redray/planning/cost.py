@@ -376,11 +376,19 @@ def tensor_traffic(trace: Trace, params: Sequence[Parameter], shape: dict[str, i
 
 
 def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_itemsize: int,
-                   recompute: bool, accumulation: int = 1, chunks: int = 1) -> list[Traffic]:
-    """Expert parallelism's all-to-alls (``redray.models.moe.exchange``): per
-    mixture-of-experts layer and micro-batch, the dispatch and the combine in the
-    forward pass and their transposes in the backward (with remat the forward's again),
-    each of experts x slots x hidden elements on every device of the ``expert`` axis.
+                   recompute: bool, accumulation: int = 1, chunks: int = 1,
+                   exchange: str = "auto") -> list[Traffic]:
+    """Expert parallelism's exchanges per mixture-of-experts layer and micro-batch (with
+    remat the forward's twice), as the plan's ``expert_exchange`` runs them ("auto":
+    the gather for dropless layers, the all-to-all with a capacity factor):
+
+    - dropless layers, the gather (``redray.models.moe.gathered``): the expert group's
+      tokens all-gathered and the outputs reduce-scattered back in the forward pass, the
+      transposes in the backward (ways x tokens x hidden elements each); the choices and
+      routing weights gathered beside the tokens, the weights' gradients scattered back;
+    - layers with a capacity factor, the all-to-alls (``redray.models.moe.exchange``):
+      the dispatch and the combine in the forward pass and their transposes in the
+      backward, each of experts x slots x hidden elements.
 
     Args:
       layers: the model's ``redray.models.moe.ExpertLayers``.
@@ -393,14 +401,36 @@ def expert_traffic(layers: Sequence, shape: dict[str, int], tokens: int, act_ite
         stage runs at every tick).
       chunks: the chunks the stacked layers are cut into (stages x circular repeats):
         a pass runs one chunk's share of the expert layers (``ceil(L / chunks)``).
+      exchange: the plan's ``expert_exchange``.
     """
-    if role_size(shape, "experts") <= 1:
+    ways = role_size(shape, "experts")
+    if ways <= 1:
         return []
-    return [Traffic("all-to-all", e.experts * e.slots(tokens) * e.hidden * act_itemsize,
-                    role_axes("experts"),
-                    -(-e.layers // chunks) * (6 if recompute else 4) * accumulation,
-                    "expert parallel: tokens sent to their experts and back", True)
-            for e in layers]
+    axes, out = role_axes("experts"), []
+    for e in layers:
+        times = -(-e.layers // chunks) * accumulation
+        gather = exchange == "gather" or (exchange == "auto" and e.capacity_factor is None)
+        if not gather:
+            out.append(Traffic("all-to-all", e.experts * e.slots(tokens) * e.hidden *
+                               act_itemsize, axes, times * (6 if recompute else 4),
+                               "expert parallel: tokens sent to their experts and back", True))
+            continue
+        gathered = ways * tokens * e.hidden * act_itemsize
+        passes = 3 if recompute else 2  # the forward's (twice with remat), the backward's
+        choice = 1 if e.experts <= 127 else 2 if e.experts <= 32767 else 4
+        out += [Traffic("all-gather", gathered, axes, times * passes,
+                        "expert parallel: the group's tokens gathered (their outputs' "
+                        "gradients, backward)", True),
+                Traffic("reduce-scatter", gathered, axes, times * passes,
+                        "expert parallel: the outputs scattered back (the tokens' "
+                        "gradients, backward)", True),
+                Traffic("all-gather", ways * tokens * e.top_k * choice, axes,
+                        times * (passes - 1), "expert parallel: the tokens' choices", True),
+                Traffic("all-gather", ways * tokens * e.top_k * 4, axes,
+                        times * (passes - 1), "expert parallel: the routing weights", True),
+                Traffic("reduce-scatter", ways * tokens * e.top_k * 4, axes, times,
+                        "expert parallel: the routing weights' gradients", True)]
+    return out
 
 
 def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,

@@ -386,10 +386,11 @@ def context_states(model) -> tuple[int, int]:
 def expert_exchange_bytes(layers: Sequence[ExpertLayers], shape: dict[str, int], tokens: int,
                           itemsize: int, every_layer: bool = True) -> int:
     """What expert parallelism's exchange keeps per device for the backward pass beyond
-    what a dispatch of the device's own tokens keeps (the memory models trace that one):
-    per layer, experts x slots rows in place of the tokens' tokens x top_k assignments,
-    each row its hidden vector and its gate, up and gated outputs (3 x inner / model).
-    Equal with a capacity factor of 1; experts / top_k times as many rows dropless.
+    what a dispatch of the device's own tokens keeps (the memory models trace that one),
+    per layer, each row its hidden vector and its gate, up and gated outputs (3 x inner /
+    model): with a capacity factor (the all-to-all), experts x slots rows in place of the
+    tokens' tokens x top_k assignments (equal at a factor of 1); dropless (the gather),
+    the expert group's ways x tokens x top_k assignments and its gathered tokens.
 
     Args:
       layers: the model's ``ExpertLayers``.
@@ -399,12 +400,17 @@ def expert_exchange_bytes(layers: Sequence[ExpertLayers], shape: dict[str, int],
       every_layer: all layers keep theirs (no remat); False: one layer's at a time
         (remat recomputes each layer's in its backward pass).
     """
-    if role_size(shape, "experts") <= 1:
+    ways = role_size(shape, "experts")
+    if ways <= 1:
         return 0
     extra = 0
     for e in layers:
-        rows = max(0, e.experts * e.slots(tokens) - tokens * e.top_k)
-        per_layer = rows * (e.hidden + 3 * e.inner // role_size(shape, "heads")) * itemsize
+        if e.capacity_factor is None:  # the gather: the group's rows and its tokens
+            rows, gathered = (ways - 1) * tokens * e.top_k, (ways - 1) * tokens * e.hidden
+        else:
+            rows, gathered = max(0, e.experts * e.slots(tokens) - tokens * e.top_k), 0
+        per_layer = (rows * (e.hidden + 3 * e.inner // role_size(shape, "heads"))
+                     + gathered) * itemsize
         extra += per_layer * (e.layers if every_layer else 1)
     return extra
 
