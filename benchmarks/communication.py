@@ -129,8 +129,9 @@ sequence S, hidden H), is the fewest all-reduces tensor parallelism needs:
   gradients (B*W*4; Dense_0 reads the data, which needs none), plus the scalar.
 
 ``communication/moe_ep``: redray's Mixtral (``redray.models``; 4 experts, top-2, the
-sizes above) with ``expert_axis=4`` (the experts split over the 4 devices, each
-device's tokens sent to their experts by all-to-all and back), against the ideal
+sizes above) with ``expert_axis=4`` and the all-to-all exchange (the experts split over
+the 4 devices, each device's tokens sent to their experts by all-to-all and back; a
+dropless layer's own exchange, the gather, is ``benchmarks/moe_exchange.py``'s), against the ideal
 all-to-all bytes: a device sends each of its tokens' ``top_k`` hidden vectors to their
 experts and gets them back, in the forward pass and again (the transposes) in the
 backward: ``4 x L x (B*S / 4) x top_k x H x 4`` bytes (counting the whole buffer, as
@@ -465,8 +466,8 @@ def measure_moe_tp(s: Sizes) -> list[dict]:
 
 def measure_moe_ep(s: Sizes) -> list[dict]:
     """``communication/moe_ep``: the all-to-all bytes of redray's Mixtral step with
-    ``expert_axis=4`` over the ideal (the module docstring), with a capacity factor of 1
-    (the figure) and dropless (``/dropless``)."""
+    ``expert_axis=4`` and ``expert_exchange="all_to_all"`` over the ideal (the module
+    docstring), with a capacity factor of 1 (the figure) and dropless (``/dropless``)."""
     from transformers import MixtralConfig
 
     figures = []
@@ -477,10 +478,13 @@ def measure_moe_ep(s: Sizes) -> list[dict]:
                           max_position_embeddings=s.seq, num_local_experts=EXPERTS,
                           num_experts_per_tok=TOP_K, tie_word_embeddings=False)
         c.capacity_factor = capacity
+        # the all-to-all, which a dropless layer runs only when asked for ("auto": the
+        # gather, benchmarks/moe_exchange.py)
+        plan = redray.Plan(redray.Parallelism.of(expert_axis=MODEL_AXIS).build(),
+                           expert_exchange="all_to_all")
         trainer = redray.Trainer.of(lambda rngs, c=c: build(c, rngs=rngs, scan=False), collate,
-                                 loss, optax.adam(1e-3), batch_size=s.batch,
-                                 expert_axis=MODEL_AXIS,
-                                 progress=False)
+                                    loss, optax.adam(1e-3), batch_size=s.batch, plan=plan,
+                                    progress=False)
         found = summarize(step_collectives(trainer, examples("llama", s)))
         tokens = s.batch * s.seq // MODEL_AXIS  # a device's
         ideal_bytes = 4 * s.layers * tokens * TOP_K * s.hidden * 4
