@@ -116,11 +116,14 @@ class DieWhileSaving(redray.Hook):
     that checkpoint; ``marker`` names its node for the driver, which then removes the
     node.
 
-    The kill comes before the host hands its shards to the writer: killing it once its
-    write was under way (from ``on_step``, after the save started) raced that write, and
-    a tiny model's shards could all be written and the checkpoint committed first (it
-    happened once in CI). Here the checkpoint cannot complete: one host's shards are
-    never written."""
+    The kill comes before the host hands its shards to the writer, once the save before
+    it is complete (as a save starts by completing it: the checkpoint of step 4 is then
+    committed on every host): killing it once its write was under way (from
+    ``on_step``, after the save started) raced that write, and a tiny model's shards
+    could all be written and the checkpoint committed first (it happened once in CI);
+    killing it before completing the previous save left step 4 uncommitted when the
+    others' commit waited on the dead host (once in CI too). Here the checkpoint of
+    step 8 cannot complete and that of step 4 is complete."""
 
     def __init__(self, rank: int, step: int, marker: str):
         self.rank, self.step, self.marker = rank, step, marker
@@ -138,6 +141,7 @@ class DieWhileSaving(redray.Hook):
         def save_then_die(items, meta, **kw):
             if int(meta["step"]) != self.step:
                 return save(items, meta, **kw)
+            writer.wait()  # as a save first completes the one before (step 4's, here)
             self._die()
 
         writer.save = save_then_die

@@ -203,3 +203,36 @@ def test_the_bias_and_its_counts_resume_exactly(tmp_path):
                                      checkpoint=redray.CheckpointConfig(folder, save_every=2))
     assert [row["step"] for row in rows] == [3, 4]  # resumed at step 2
     assert not np.array_equal(straight, 0) and np.array_equal(np.asarray(resumed), straight)
+
+
+EIGHT_DEVICES = """
+import json, sys
+sys.path.insert(0, "tests")
+import numpy as np, transformers
+from redray.models.families import FAMILIES
+from test_families import loss_and_grads
+config = transformers.AutoConfig.for_model("deepseek_v3", **FAMILIES["deepseek_v3"].tiny)
+value, grads = loss_and_grads(config)
+split, split_grads = loss_and_grads(config, expert_axis=4, model_axis=2)
+print(json.dumps([abs(split - value) / abs(value),
+                  max(float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+                      for a, b in zip(split_grads, grads))]))
+"""
+
+
+def test_expert_4_by_model_2_takes_the_one_device_step():
+    """On 8 devices (a process of its own), the 8 experts over expert 4 (the gather
+    exchange) and each expert's width and the heads over model 2: one step's loss and
+    every gradient as on one device."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    done = subprocess.run([sys.executable, "-c", EIGHT_DEVICES], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loss_gap, grad_gap = json.loads(done.stdout.strip().splitlines()[-1])
+    assert loss_gap <= 1e-5 and grad_gap <= 1e-5, (loss_gap, grad_gap)
