@@ -229,8 +229,14 @@ def test_expert_4_by_model_2_takes_the_one_device_step():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    # 8 devices, the session's other XLA flags kept; no persistent compilation cache:
+    # its programs are of no other process's use, and a cache entry another process
+    # reads while this one writes it is what a crashed test worker was found reading
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(
+        flags + ["--xla_force_host_platform_device_count=8"]))
     done = subprocess.run([sys.executable, "-c", EIGHT_DEVICES], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
