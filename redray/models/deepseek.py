@@ -38,8 +38,6 @@ out with a console line (``left_out``).
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 from flax import nnx
 
@@ -53,17 +51,13 @@ IGNORED = llama.IGNORED
 LATENT_EPS = 1e-6
 
 
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def softmax_scale(c) -> float:
     """``qk_head_dim ** -0.5``, times YaRN's factor of ``mscale_all_dim`` squared where the
     rotary embedding is scaled (``transformers``' ``yarn_apply_mscale``)."""
     scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
     rope = dict(getattr(c, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
-        scale *= _yarn_mscale(layers._yarn_factor(rope, c.max_position_embeddings),
+        scale *= layers.yarn_mscale(layers._yarn_factor(rope, c.max_position_embeddings),
                               rope["mscale_all_dim"]) ** 2
     return scale
 

@@ -124,14 +124,16 @@ def rope_scale(rope: dict | None, max_positions: int | None = None) -> float:
     if rope.get("attention_factor") is not None:
         return float(rope["attention_factor"])
     factor = _yarn_factor(rope, max_positions)
-
-    def of(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     mscale, every = rope.get("mscale"), rope.get("mscale_all_dim")
     if mscale and every:
-        return float(of(factor, mscale) / of(factor, every))
-    return of(factor)
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, every))
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor of a rotary ``factor``: ``0.1 mscale ln(factor) + 1``
+    (1 where nothing is stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_angles(positions: jax.Array, inv_freq: np.ndarray,
