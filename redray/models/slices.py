@@ -340,6 +340,13 @@ class Source:
         return read_box(self.stored, box, np.float32, grouped)
 
 
+def _regrouped(source, box: Box, grouped: tuple) -> np.ndarray:
+    """A box of a quantized ``source`` laid out as ``grouped`` (a layout merging its
+    axes): the tensor dequantized whole, reshaped, the box cut from it."""
+    whole = source.read(tuple((0, n) for n in source.shape)).reshape(grouped)
+    return np.ascontiguousarray(whole[slices(box)])
+
+
 @dataclasses.dataclass(frozen=True)
 class Mxfp4Source:
     """A tensor stored in MXFP4 (``redray/models/mxfp4.py``): (..., groups x 32, rows)
@@ -361,8 +368,7 @@ class Mxfp4Source:
         from redray.models import mxfp4
 
         if grouped is not None and tuple(grouped) != self.shape:
-            whole = self.read(tuple((0, n) for n in self.shape)).reshape(grouped)
-            return np.ascontiguousarray(whole[slices(box)])
+            return _regrouped(self, box, grouped)
         *lead, (c0, c1), rows = box
         g0, g1 = c0 // 32, -(-c1 // 32)
         blocks = read_box(self.blocks, (*lead, rows, (g0, g1), (0, 16)), np.uint8)
@@ -392,8 +398,7 @@ class Fp8Source:
         from redray.models import fp8
 
         if grouped is not None and tuple(grouped) != self.shape:
-            whole = self.read(tuple((0, n) for n in self.shape)).reshape(grouped)
-            return np.ascontiguousarray(whole[slices(box)])
+            return _regrouped(self, box, grouped)
         *lead, (r0, r1), (c0, c1) = box
         (b0, b1) = self.block
         values = read_box(self.weight, box, np.float32)
