@@ -377,6 +377,44 @@ def test_the_planner_ranks_plans_when_no_axis_is_given(capsys):
                for p in result["plans"])
 
 
+def test_every_part_of_a_layout_is_pinned_and_the_pinned_step_taken_apart(capsys):
+    """``--pipeline-schedule``, ``--stage-repeats`` and ``--context-attention`` are kept
+    in every ranked plan, and ``--explain`` takes the pick apart: the compute by kind,
+    the schedule's bubble with its micro-batches and virtual stages, every collective
+    by the link it crosses, and the memory against the budget. The parts add up to the
+    step the plan was ranked by."""
+    from redray.cli import main
+
+    step = ["llama-7b", "--devices", "64", "--hosts", "8", "--batch-size", "64",
+            "--seq-len", "4096", "--compute-dtype", "bfloat16", "--model-axis", "8",
+            "--stage-axis", "4", "--context-axis", "2", "--pipeline-schedule", "1f1b",
+            "--stage-repeats", "2", "--context-attention", "all_gather"]
+    assert main(["plan", *step, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans and all(
+        p["pipeline_schedule"] == "1f1b" and p["stage_repeats"] == 2
+        and p["plan"]["context_attention"] == "all_gather" for p in plans)
+    best = plans[0]
+    assert main(["plan", *step, "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: interleaved 1F1B, 4 stages x 2 chunk(s) each (8 virtual stages" in out
+    assert "recomputes each chunk's forward" in out
+    # the context axis priced as pinned: its keys and values gathered, no ring passes
+    assert "context: keys and values gathered whole" in out and "round the ring" not in out
+    assert "inside a host @ 450 GB/s" in out and "hosts @ 50 GB/s" in out
+    assert "memory per device (budget 67.06 GiB)" in out and "fsdp gather" not in out \
+        or "fsdp" in best["axes"]
+    parts = {line.split()[0]: line for line in out.splitlines()
+             if line.startswith(("step ", "compute "))}
+    step_s = float(parts["step"].split()[1])
+    assert step_s == pytest.approx(best["step_seconds"], rel=1e-3)
+    # unpinned, both schedules and several repeat counts are weighed
+    assert main(["plan", *step[:-6], "--json"]) == 0
+    free = json.loads(capsys.readouterr().out)["plans"]
+    assert {p["pipeline_schedule"] for p in free} == {"gpipe", "1f1b"}
+    assert len({p["stage_repeats"] for p in free}) > 1
+
+
 def test_two_v5p_slices_take_the_data_axis_across_them(capsys):
     from redray.cli import main
 

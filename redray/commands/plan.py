@@ -68,6 +68,24 @@ def add(sub) -> None:
                         help="tokens whose logits exist at once (next_token_loss(chunk=))")
     memory.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                         help="say whether the step fits on a device of this many GiB")
+    pins = p.add_argument_group(
+        "the planner: the rest of a layout, pinned (each kept as given; the planner "
+        "chooses what is not)")
+    pins.add_argument("--pipeline-schedule", choices=("gpipe", "1f1b"), default=None,
+                      help="on a stage axis: GPipe or 1F1B (default: both tried)")
+    pins.add_argument("--stage-repeats", type=int, default=None, metavar="R",
+                      help="on a stage axis: each stage's chunks of layers (circular GPipe, "
+                           "interleaved 1F1B: R virtual stages a device; 1: none; default: "
+                           "every count up to 8 tried)")
+    pins.add_argument("--context-attention", choices=("auto", "ring", "all_gather"),
+                      default=None,
+                      help="on a context axis: how attention crosses it (ring, or the keys "
+                           "and values all-gathered with the queries local; default auto)")
+    p.add_argument("--explain", action="store_true",
+                   help="the planner: take the pick (the pinned plan, where every part is "
+                        "pinned) apart: compute by kind, the pipeline's bubble, every "
+                        "collective by axis and link and what of it is hidden, memory by "
+                        "part")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run_command=_plan)
 
@@ -89,8 +107,10 @@ def _plan(args) -> int:
 
     name, fields = load_fields(args.config)
     sizes = {a.keyword: getattr(args, a.keyword) for a in AXES if a.default != "auto"}
+    chosen = (args.pipeline_schedule, args.stage_repeats, args.context_attention)
     if args.hosts is not None or args.hardware is not None or args.slices != 1 or all(
-            v is None for v in sizes.values()):
+            v is None for v in sizes.values()) or args.explain or \
+            any(v is not None for v in chosen):
         return _choose(args, name, fields, {k: v for k, v in sizes.items() if v is not None})
     sizes = {a.keyword: a.default if sizes[a.keyword] is None else sizes[a.keyword]
              for a in AXES if a.keyword in sizes}
@@ -153,7 +173,9 @@ def _choose(args, name: str, fields: dict, pinned: dict) -> int:
     ranking = choose_plan(fields, args.devices, hosts, args.batch_size, args.seq_len, hardware,
                           compute_dtype=args.compute_dtype, loss_chunk=args.loss_chunk,
                           micro_rows=args.micro_batch_size, remat=args.remat, scan=args.scan,
-                          **pinned)
+                          pipeline_schedule=args.pipeline_schedule,
+                          stage_repeats=args.stage_repeats,
+                          context_attention=args.context_attention, **pinned)
     if args.json:
         print(json.dumps({"config": name, "hardware": hardware.describe(), "hosts": hosts,
                           "slices": args.slices,
@@ -165,7 +187,12 @@ def _choose(args, name: str, fields: dict, pinned: dict) -> int:
           f"({hardware.source})")
     print(f"batch {args.batch_size} x {args.seq_len} tokens")
     print(ranking.why())
-    print(ranking.explain())
+    if args.explain:
+        from redray.planning.explain import breakdown
+
+        print(breakdown(ranking.best, hosts, hardware, ranking.budget,
+                        ranking.layers))
+    print(ranking.explain(memory=not args.explain))
     print()
     print(ranking.table())
     return 0

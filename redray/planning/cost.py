@@ -494,7 +494,8 @@ def stage_traffic(shape: dict[str, int], rows: int, tokens: int, hidden: int,
 def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int,
                     hidden: int, layers: float, act_itemsize: int,
                     micro_batches: int, passes: int | None = None,
-                    linear_layers: float = 0, linear_state: int = 0) -> list[Traffic]:
+                    linear_layers: float = 0, linear_state: int = 0,
+                    method: str = "ring") -> list[Traffic]:
     """The context axis's ring (``redray/models/context.py``), per step: in each
     attention layer's forward ``C - 1`` passes of the device's keys and values (``rows x
     tokens / C x kv_width`` elements each), in its backward ``C - 1`` passes again and
@@ -517,6 +518,12 @@ def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int
         and last convolution inputs, ``redray.models.gated_delta.across_context``):
         gathered from the ``2C`` chunks in the forward, their gradients reduce-scattered
         in the backward; nothing of the sequence moves.
+      method: how attention crosses the axis (``Plan.context_attention``): "ring" (and
+        "auto", which a fused kernel's blocks take as the ring), or "all_gather": in
+        each attention layer's forward the keys and values gathered whole (one
+        all-gather, ``C - 1`` blocks received, queries local: how the Llama 3 paper
+        runs its context parallelism), in its backward their gradients reduce-scattered
+        home; each overlaps the layer before (or after) as FSDP's gathers do.
     """
     ways, ring = role_size(shape, "sequence"), role_axes("sequence")
     if ways <= 1:
@@ -534,16 +541,24 @@ def context_traffic(shape: dict[str, int], rows: int, tokens: int, kv_width: int
                           "forward", True),
                   Traffic("reduce-scatter", state, ring, times,
                           "context: the state maps' gradients", False, "backward", True)]
+    reorder = Traffic("collective-permute", local * hidden * act_itemsize, ring,
+                      2 * micro_batches, "context: the hidden states out of the zigzag "
+                      "layout, gradients back", False, "both")
+    if method == "all_gather":
+        return linear + [
+            Traffic("all-gather", block * ways, ring, runs,
+                    "context: keys and values gathered whole (forward)", False,
+                    "forward", True),
+            Traffic("reduce-scatter", block * ways, ring, runs,
+                    "context: their gradients reduce-scattered home (backward)", False,
+                    "backward", True), reorder]
     return linear + [Traffic("collective-permute", block, ring,
                     2 * (ways - 1) * runs,
                     "context: keys and values round the ring (forward, backward)", False,
                     "both", True),
             Traffic("collective-permute", grads, ring, ways * runs,
                     "context: the keys' and values' gradients, with them", False,
-                    "backward", True),
-            Traffic("collective-permute", local * hidden * act_itemsize, ring,
-                    2 * micro_batches, "context: the hidden states out of the zigzag layout, "
-                    "gradients back", False, "both")]
+                    "backward", True), reorder]
 
 
 def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> float:

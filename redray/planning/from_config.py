@@ -522,7 +522,9 @@ class ConfigFacts(ModelFacts):
 def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
                 hardware, *, compute_dtype: str | None = None, loss_chunk: int | None = None,
                 rules=(), micro_batch_size: int | None = None, micro_rows: int | None = None,
-                remat: str | None = None, scan: bool | None = None, **axes):
+                remat: str | None = None, scan: bool | None = None,
+                pipeline_schedule: str | None = None, stage_repeats: int | None = None,
+                context_attention: str | None = None, **axes):
     """Every plan of ``config``'s model on ``devices`` devices in ``hosts`` hosts, ranked
     by the planner (``redray.planning.planner.rank``) on ``hardware``; what is given
     (axis sizes by keyword, ``micro_batch_size`` per device or ``micro_rows`` over all
@@ -549,9 +551,12 @@ def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
     facts = ConfigFacts(config, seq_len, compute_dtype, loss_chunk, scan,
                         fused_attention=hardware.fused_attention,
                         grouped_matmuls=hardware.grouped_matmuls)
+    pinned = pins(micro_batch_size=micro_batch_size, micro_rows=micro_rows, remat=remat,
+                  pipeline_schedule=pipeline_schedule, context_attention=context_attention,
+                  **axes)
+    if stage_repeats is not None:  # 1 too: no circular repeats
+        pinned["stage_repeats"] = stage_repeats
     try:
-        return rank(facts, devices, hosts, batch_size, hardware,
-                    pins(micro_batch_size=micro_batch_size, micro_rows=micro_rows, remat=remat,
-                         **axes), rules)
+        return rank(facts, devices, hosts, batch_size, hardware, pinned, rules)
     except (NoPlanFits, ValueError) as e:
         raise PlanError(str(e)) from None

@@ -117,14 +117,16 @@ class ModelFacts:
 
 
 def grid_plan(sizes: dict, micro_batch_size: int, remat: str, batch_size: int,
-              pipeline_schedule: str = "gpipe", rules=(), repeats: int = 1) -> Plan:
+              pipeline_schedule: str = "gpipe", rules=(), repeats: int = 1,
+              context_attention: str = "auto") -> Plan:
     """A candidate: the plan of axis ``sizes`` (keyword -> size, every axis) over an
     abstract mesh of their devices, ``micro_batch_size`` examples per device per pass of
     the global ``batch_size``, ``remat``, ``pipeline_schedule`` and its circular
-    ``repeats``."""
+    ``repeats``, ``context_attention`` on a context axis."""
     parallelism = Parallelism.of(rules=rules, **sizes).abstract(math.prod(sizes.values()))
     return Plan.of(parallelism, parallelism.geometry(batch_size, micro_batch_size),
-                   pipeline_schedule=pipeline_schedule, remat=remat, stage_repeats=repeats)
+                   pipeline_schedule=pipeline_schedule, remat=remat, stage_repeats=repeats,
+                   context_attention=context_attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +161,7 @@ class Ranking:
       left_out: the fastest plan that fits with more than the data axis across slices,
         where it is predicted faster than the pick (``crosses_slices_as_data``), else
         None.
+      layers: the model's stacked layers (what stages split; 0: none).
     """
     ranked: list[Scored]
     over: list[Scored]
@@ -168,6 +171,7 @@ class Ranking:
     untimed: str | None = None
     hosts: int = 1
     left_out: Scored | None = None
+    layers: int = 0
 
     @property
     def best(self) -> Scored:
@@ -193,14 +197,14 @@ class Ranking:
                      "MaxText's defaults do (pin its axes to take it)")
         return line
 
-    def explain(self) -> str:
-        """The best plan's memory per device by part, and what its step sends on each
-        level of the network (``network_levels``), one per line."""
+    def explain(self, memory: bool = True) -> str:
+        """The best plan's memory per device by part (with ``memory``), and what its step
+        sends on each level of the network (``network_levels``), one per line."""
         best = self.best
         lines = [f"memory per device ({best.plan.brief()}):",
-                 *part_lines(best.memory, best.plan.shape),
-                 "traffic per device per step, by level of the network (before the "
-                 "compute hides any):"]
+                 *part_lines(best.memory, best.plan.shape)] if memory else []
+        lines.append("traffic per device per step, by level of the network (before the "
+                     "compute hides any):")
         for row in network_levels(best.plan.shape, self.hosts, self.hardware, best.cost):
             axes = " x ".join(f"{a}={n}" for a, n in row["axes"].items()) or "no axis"
             lines.append(f"  {row['level']:<25} {axes:<20} {size_text(row['bytes']):>11} "
@@ -359,9 +363,8 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     """
     refused = {} if refused is None else refused
     pinned = dict(pinned or {})
-    # an axis splitting experts or layers takes 1 where the model has none; one
-    # splitting sequences is the size given (1 unless pinned): ``rank`` asks for the
-    # sizes it tries
+    # an axis splitting experts or layers takes 1 where the model has none; one splitting
+    # sequences is the size given (1 unless pinned): ``rank`` asks for the sizes it tries
     for role, has in (("experts", experts), ("sequence", False), ("layers", layers)):
         if not has:
             for keyword in role_keywords(role):
@@ -374,6 +377,7 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     schedules = [schedule_pin] if schedule_pin is not None else \
         ["gpipe", "1f1b"] if one_f_one_b else ["gpipe"]
     repeats_pin = pinned.pop("stage_repeats", None)
+    context = pinned.pop("context_attention", "auto")
     out = []
     splits = axis_sizes(devices, hosts, pinned, slices)
     refused["splits"] = refused.get("splits", 0) + len(splits)
@@ -405,7 +409,7 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
                 for schedule in schedules if stages > 1 else ["gpipe"]:
                     for repeats in _repeats(layers, stages, repeats_pin):
                         out.append(grid_plan(sizes, micro, remat, batch_size, schedule,
-                                             rules, repeats))
+                                             rules, repeats, context))
     return out
 
 
@@ -490,7 +494,8 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                            -(-(facts.attention_layers or layers or 1) // (stages * repeats)),
                            facts.compute_itemsize, micro_batches,
                            ticks * (1.5 if one_f_one_b else 1),
-                           -(-facts.linear_layers // (stages * repeats)), facts.linear_state)
+                           -(-facts.linear_layers // (stages * repeats)), facts.linear_state,
+                           candidate.context_attention)
     update_bytes = UPDATE_ACCESSES * sum(n * p.itemsize for p, n in held)
     cost = step_cost(flops, tensor, state, ticks, shape, hosts, hardware,
                      facts.timing, elements, experts,
@@ -622,7 +627,7 @@ def rank(facts: ModelFacts, devices: int, hosts: int, batch_size: int, hardware:
                                     s.accumulation, s.memory["total"]))
     over = sorted((s for s in scored if not s.fits), key=lambda s: s.memory["total"])
     ranking = Ranking(fitting, over, budget, hardware, facts.timing, hosts=hosts,
-                      left_out=left_out)
+                      left_out=left_out, layers=stacked_layers(facts))
     if not fitting:
         smallest = over[0]
         raise NoPlanFits(
@@ -718,7 +723,8 @@ def pins(**given) -> dict:
     defaults = axis_defaults()
     out = {k: v for k, v in given.items() if k in defaults and v != defaults[k]
            and v != "auto"}
-    for key in ("micro_batch_size", "micro_rows", "remat", "pipeline_schedule"):
+    for key in ("micro_batch_size", "micro_rows", "remat", "pipeline_schedule",
+                "context_attention"):
         if given.get(key) is not None:
             out[key] = given[key]
     if given.get("stage_repeats", 1) != 1:
