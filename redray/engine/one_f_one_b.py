@@ -32,9 +32,11 @@ from flax import nnx
 from redray.engine.steps import combine, weighed
 from redray.functions import split_loss_output
 from redray.sharding.tracing import BlocksCut, cut_at_blocks
-from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, MODEL, STAGE, in_held_order,
-                                         layer_order, stacked_count)
-from redray.sharding.pipeline_schedules import merge_micro, one_f_one_b, rows_flags, split_micro
+from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, EXPERT, GATHERING, MODEL, STAGE,
+                                         in_held_order, layer_order, stacked_count)
+from redray.sharding.pipeline_schedules import (Local, merge_micro, one_f_one_b, rows_flags,
+                                                split_micro)
+from redray.sharding.rules import without_axis
 
 
 def _path_of(model, target) -> tuple:
@@ -59,7 +61,7 @@ def _split_at(tree, path: tuple) -> tuple[list[bool], list, object]:
     return under, [leaf for _, leaf in flat], treedef
 
 
-def salted(tree, salt, m):
+def salted(tree, salt, m, *more):
     """``tree`` with every RNG key in it folded with ``salt`` and micro-batch ``m``: what
     the stages' and the tail's dropout draw from. A stage's backward recomputes its
     forward; both see the same keys, so they draw the same masks, and other
@@ -68,7 +70,12 @@ def salted(tree, salt, m):
         if not jax.dtypes.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key):
             return a
         flat = a.reshape(-1)
-        folded = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, salt), m))(flat)
+        def fold_all(k):
+            for data in (salt, m, *more):
+                k = jax.random.fold_in(k, data)
+            return k
+
+        folded = jax.vmap(fold_all)(flat)
         return folded.reshape(a.shape)
 
     return jax.tree.map(fold, tree)
@@ -102,13 +109,17 @@ def _stage_fn(runtime, run, graphdef, param_tree, rest_tree, args_tree, flags, s
     micro-batch ``m``'s activations, their other state salted for the micro-batch."""
     def stage_fn(chunk, own, h, m, consts):
         rest, per_layer, real = own
+        # on a device's own rows (the batch axes manual: ``pipeline_schedules.Local``)
+        # no rows are split, and its dropout draws its own masks (salted by its place)
+        own_rows = set(BATCH_AXES) <= set(jax.sharding.get_abstract_mesh().manual_axes)
+        place = (jax.lax.axis_index(BATCH_AXES),) if own_rows else ()
         blocks = nnx.merge(graphdef, param_tree.unflatten(chunk),
-                           rest_tree.unflatten(salted(rest, salt, m)))
+                           rest_tree.unflatten(salted(rest, salt, m, *place)))
         a = args_tree.unflatten([z[m] if f else z for z, f in zip(consts["args"], flags)])
         # traced as on the plan: the rows' split, and a sequence split over the
         # context axis runs its ring inside the stage (manual over context alone:
         # ``stage`` is manual here already)
-        with runtime.tracing():
+        with runtime.tracing(**({"ways": 1} if own_rows else {})):
             return run(blocks, h, a, per_layer, real)
 
     return stage_fn
@@ -148,6 +159,37 @@ def _slot(x, mesh):
     model = mesh.shape.get(MODEL.name, 1)
     return P(BATCH_AXES, CONTEXT.name if mesh.shape.get(CONTEXT.name, 1) > 1 else None,
              MODEL.name if model > 1 and x.shape[-1] % model == 0 else None)
+
+
+def _local(runtime, params, under: list[bool], repeats: int, consts: dict,
+           flags: list[bool]) -> Local | None:
+    """How the stages run their chunks on each device's own rows (``one_f_one_b``'s
+    ``local``, ``pipeline_schedules.Local``) on a plan whose rows are split (data,
+    FSDP): a stage's chunks gathered over FSDP once and their gradients reduced once a
+    step, as Megatron-LM and torchtitan run an FSDP stage (``reshard_after_forward=
+    False``), where XLA would gather and reduce them at every tick. None without split
+    rows, on an expert axis (its exchange spans the rows' devices) or on a context axis
+    (its ring's mask is not cut to a device's rows yet)."""
+    mesh = runtime.parallelism.mesh
+    ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    if ways == 1 or runtime.specs is None or \
+            max(mesh.shape.get(a.name, 1) for a in (EXPERT, CONTEXT)) > 1:
+        return None
+    specs = jax.tree.structure(params).flatten_up_to(runtime.specs[0])
+    lead = (None,) * (1 if repeats == 1 else 2)  # a chunk's layers (and the repeats)
+    gathered = tuple(P(*lead, *(_without(e, GATHERING) for e in tuple(s)[1:]))
+                     for s, u in zip(specs, under) if u)
+    const_rows = {"args": list(flags),
+                  "batch": jax.tree.map(lambda _: True, consts["batch"]),
+                  "extra": jax.tree.map(lambda _: False, consts["extra"])}
+    return Local(BATCH_AXES, ways, gathered, const_rows)
+
+
+def _without(entry, axes):
+    """One entry of a PartitionSpec without any of ``axes``."""
+    for axis in axes:
+        entry = without_axis(entry, axis)
+    return entry
 
 
 def _add_pipelined(grads, d_stages, d_tail, under: list[bool], held: int):
@@ -215,12 +257,13 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
                              flags, salt)
         tail_fn = _tail_fn(runtime, loss, treedef, leaves, under, salt, rng)
         slot = _slot(x, mesh)
+        local = _local(runtime, params, under, repeats, consts, flags)
         if slot is not None:
             x_m = jax.lax.with_sharding_constraint(x_m, NamedSharding(mesh, P(None, *slot)))
         # a sequence split over a context axis: the ring's exchanges span the stages
         total, metrics, d_stages, d_tail, d_x = one_f_one_b(
             stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh, own, repeats,
-            in_step=mesh.shape.get(CONTEXT.name, 1) > 1, slot=slot)
+            in_step=mesh.shape.get(CONTEXT.name, 1) > 1, slot=slot, local=local)
         (grads,) = head_vjp(merge_micro(d_x, ways))
         value, metrics, grads = combine(total, metrics,
                                         _add_pipelined(grads, d_stages, d_tail, under, held),

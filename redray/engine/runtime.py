@@ -143,12 +143,12 @@ class ModelRuntime:
         current = jax.sharding.get_abstract_mesh()
         if mesh is not None and current.manual_axes:
             mesh = current
-        return traced(mesh=mesh, ways=1 if parallelism is None else parallelism.data_parallel,
-                      micro_rows=self.micro_rows, repeats=self.stage_repeats,
-                      context_attention=self.plan.context_attention,
-                      expert_exchange=self.plan.expert_exchange,
-                      context_choice=self._context_method(), layers=self.stacked_layers,
-                      **changes)
+        settings = dict(mesh=mesh, ways=1 if parallelism is None else parallelism.data_parallel,
+                        micro_rows=self.micro_rows, repeats=self.stage_repeats,
+                        context_attention=self.plan.context_attention,
+                        expert_exchange=self.plan.expert_exchange,
+                        context_choice=self._context_method(), layers=self.stacked_layers)
+        return traced(**{**settings, **changes})
 
     def unplanned(self) -> "ModelRuntime":
         """This model without its plan: its layers run as on one device (what the

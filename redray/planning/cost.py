@@ -578,7 +578,8 @@ def whole_flops(trace: Trace, params: Sequence[Parameter], examples: float) -> f
 def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_itemsize: int,
                   hardware: Hardware, recompute: bool = False,
                   accumulation: int = 1, repeats: int = 1,
-                  gathered_once: bool = False, looped: bool = False) -> list[Traffic]:
+                  gathered_once: bool = False, looped: bool = False,
+                  reduced_once: bool = False) -> list[Traffic]:
     """The FSDP gathers and gradient reductions of a step (see the module docstring).
     With pipeline stages the parameters the stages hold whole (embeddings, head) see
     rows split over ``stage`` too: their gradients are summed over it as well. With
@@ -591,6 +592,11 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
     ``fsdp`` and the data-parallel axes) at every tick, inside the ticks' loop, as the
     compiled step runs them; the embeddings and the head, which run once on every row,
     once.
+
+    ``reduced_once`` (with ``gathered_once``): 1F1B on each device's own rows
+    (``pipeline_schedules.Local``): a stage's stacked layers gathered once before the
+    ticks, as GPipe's, and their gradients summed unreduced over the ticks and reduced
+    (over ``fsdp`` and the data-parallel axes) once after them.
 
     ``looped``: the ``accumulation`` passes are the gradient accumulation's loop (no
     stages), as XLA compiles it (read in the compiled steps of
@@ -616,11 +622,11 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
         kind = "reduce-scatter" if hardware.reduce_scatter else "all-reduce"
         if ways > 1:
             out += _gathers(param, gather, elements, compute_itemsize, kind, recompute,
-                            accumulation, repeats, gathered_once, looped)
+                            accumulation, repeats, gathered_once, looped, reduced_once)
         # the data-parallel reduction: in every micro-batch of an accumulation loop
         # (beside that micro-batch's backward), at every tick of GPipe's for a stage's
         # stacked layers (its embeddings and head run once, outside the ticks)
-        each = looped or (gathered_once and param.stacked)
+        each = looped or (gathered_once and param.stacked and not reduced_once)
         times, phase = (accumulation, "backward") if each else (1, "step")
         # a pass reduces its chunk of a stage's layers (circular repeats)
         share = elements * param.itemsize / (repeats if param.stacked and each else 1)
@@ -645,11 +651,17 @@ def state_traffic(params: Sequence[Parameter], shape: dict[str, int], compute_it
 
 def _gathers(param: Parameter, gather: tuple[str, ...], elements: float,
              compute_itemsize: int, kind: str, recompute: bool, accumulation: int,
-             repeats: int, gathered_once: bool, looped: bool) -> list[Traffic]:
+             repeats: int, gathered_once: bool, looped: bool,
+             reduced_once: bool = False) -> list[Traffic]:
     """FSDP's collectives of one parameter split over the ``gather`` axes
     (``state_traffic``, whose arguments these are): its gathers, and its gradient's
     reduction onto the shards (``kind``: a reduce-scatter, or an all-reduce where the
     hardware has none); ``elements``: the gathered parameter's on one device."""
+    if param.stacked and gathered_once and reduced_once:
+        return [Traffic("all-gather", elements * compute_itemsize, gather, 1,
+                        "FSDP: a stage's layers gathered before its ticks", False, "forward"),
+                Traffic(kind, elements * param.itemsize, gather, 1,
+                        "FSDP: a stage's gradients reduced once, after its ticks", False)]
     if param.stacked and gathered_once:
         return [Traffic("all-gather", elements * compute_itemsize, gather, 1,
                         "FSDP: a stage's layers gathered before its ticks", False, "forward"),

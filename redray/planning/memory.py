@@ -239,21 +239,30 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
     fsdp = math.prod(parallelism.shape[a] for a in GATHERING)
     parts["fsdp_gathered"] = GATHERED_LAYERS * layer_gather_bytes(rows, fsdp) \
         * compute_itemsize // 4 if fsdp > 1 else 0
-    if fsdp > 1 and parallelism.role_size("layers") > 1 and schedule == "gpipe":
+    # 1F1B on each device's own rows (pipeline_schedules.Local) holds a stage gathered
+    local = schedule == "1f1b" and parallelism.role_size("experts") == 1 \
+        and parallelism.role_size("sequence") == 1
+    staged = 0
+    if fsdp > 1 and parallelism.role_size("layers") > 1 and (schedule == "gpipe" or local):
         # GPipe's stages gather their stacked layers once, before the ticks, and sum
         # their gradients gathered until after them (staged_layers.run_stages): a
-        # stage's whole share, in the compute dtype and as float32 gradients
+        # stage's whole share, in the compute dtype and as float32 gradients; 1F1B's
+        # local stages the same, their gradients in its carry (``pipeline_gradients``)
         staged = sum(r.bytes_per_device * fsdp for r in rows if is_staged(r.spec)
                      and set(GATHERING) & {a for e in r.spec for a in axes_of(e)})
-        parts["fsdp_gathered"] = staged * compute_itemsize // 4 + staged
+        parts["fsdp_gathered"] = staged * compute_itemsize // 4 + (
+            staged if schedule == "gpipe" else 0)
     parts["activations"] = activations
     parts["recompute"] = recompute
     if parallelism.role_size("experts") > 1:
         parts["expert_exchange"] = expert_exchange_bytes(
             experts, parallelism.shape, per_device * tokens, compute_itemsize, every_layer)
-    return pipelined_parts(parts, parallelism.role_size("layers"), accumulation,
-                           per_device * tokens * hidden * compute_itemsize, repeats, schedule,
-                           layers, features_split(parallelism.shape, hidden), every_layer)
+    out = pipelined_parts(parts, parallelism.role_size("layers"), accumulation,
+                          per_device * tokens * hidden * compute_itemsize, repeats, schedule,
+                          layers, features_split(parallelism.shape, hidden), every_layer)
+    if staged and schedule == "1f1b":  # the carry holds a stage's gradients gathered
+        out["pipeline_gradients"] += staged - staged // fsdp
+    return out
 
 
 def hidden_width(shapes: Sequence[tuple], scanned: dict | None = None) -> int:

@@ -461,8 +461,12 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     # GPipe's stages run the embeddings and the head once a step, on every row, and
     # gather their stacked layers once before the ticks (``state_traffic``)
     gpipe = stages > 1 and not one_f_one_b
+    # 1F1B on each device's own rows gathers a stage once and reduces its gradients
+    # once (``pipeline_schedules.Local``)
+    local = one_f_one_b and own_rows(shape)
     state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute,
-                          ticks, repeats, gathered_once=gpipe, looped=stages == 1)
+                          ticks, repeats, gathered_once=gpipe or local, looped=stages == 1,
+                          reduced_once=local)
     model = role_size(shape, "heads")
     flops, whole = _flops(facts, params, remat, batch_size, devices,
                           bubble if stages > 1 else 0.0, one_f_one_b, model)
@@ -505,6 +509,14 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
     return Scored(candidate, memory, cost, memory["total"] <= budget, tokens,
                   useful / cost.seconds / hardware.peak_flops)
+
+
+def own_rows(shape: dict[str, int]) -> bool:
+    """Whether 1F1B runs a stage's chunks on each device's own rows on a mesh of
+    ``shape`` (``redray.engine.one_f_one_b._local``): its rows split, and no expert or
+    context axis."""
+    return role_size(shape, "rows") > 1 and role_size(shape, "experts") == 1 \
+        and role_size(shape, "sequence") == 1
 
 
 def _held(facts: ModelFacts, parallelism: Parallelism, repeats: int,

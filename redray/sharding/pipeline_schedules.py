@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redray.sharding.tracing import loop_unroll
 from redray.sharding.parallelism import STAGE
@@ -259,30 +259,107 @@ def _tail_pass(tail_fn, tail_params, consts, out, m, at, kept):
             grad_ring.at[at("tail_slot")].set(d_out))
 
 
-def _chunk_backward(run, chunks, ring, grad_ring, at, grads, rb, b, repeats: int):
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """How 1F1B runs a stage's chunks on each device's own rows (``one_f_one_b``'s
+    ``local``): manual over the batch axes ``axes`` (a nested ``shard_map``), the
+    chunks gathered whole over them once before the ticks (``gathered``: each chunk
+    leaf's spec), each device's gradients summed unreduced over the ticks (a leading
+    axis of ``ways``, one entry a device) and reduced once after them.
+
+    Attributes:
+      axes: the batch axes (rows) made manual.
+      ways: the devices of those axes.
+      gathered: one PartitionSpec per chunk leaf (its stage axis removed): the chunk
+        as a stage holds it for the schedule, FSDP's axes left out.
+      const_rows: a pytree of bools shaped as ``consts``: the leaves that hold the
+        micro-batches' rows (micro-batch, rows, ...).
+    """
+    axes: tuple[str, ...]
+    ways: int
+    gathered: tuple
+    const_rows: object
+
+    def rows(self, lead: int = 0) -> P:
+        return P(*(None,) * lead, self.axes)
+
+    def const_specs(self):
+        return jax.tree.map(lambda r: self.rows(1) if r else P(), self.const_rows)
+
+    def run(self, fn, *args, in_specs, out_specs):
+        """``fn(*args)`` on each device's own rows (manual over ``axes``)."""
+        return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
+                             out_specs=out_specs, axis_names=set(self.axes),
+                             check_vma=False)(*args)
+
+
+def _hold(tree, specs, lead=()):
+    """``tree``'s leaves laid out as ``specs`` (one per leaf) after ``lead``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    leaves, structure = jax.tree.flatten(tree)
+    return structure.unflatten([jax.lax.with_sharding_constraint(
+        a, NamedSharding(mesh, P(*lead, *spec))) for a, spec in zip(leaves, specs)])
+
+
+def _chunk_backward(run, chunks, ring, grad_ring, at, grads, rb, b, repeats: int,
+                    consts, own, local: Local | None):
     """Chunk ``rb``'s backward on micro-batch ``b``: its forward recomputed from the input
     kept in ``ring``, its output's gradient from ``grad_ring``; (``grads`` with the
-    chunk's gradients added, the gradient of its input)."""
-    _, vjp = jax.vjp(lambda p, x: run(p, rb, x, b), _pick(chunks, rb, repeats),
-                     ring[at("b_slot")])
-    d_chunk, d_in = vjp(grad_ring[at("b_grad")])
+    chunk's gradients added, the gradient of its input). With ``local``, on each
+    device's own rows: its gradients added unreduced, at its own entry of ``grads``'
+    leading axis."""
+    def backward(p, x, g, r, m, c, o):
+        _, vjp = jax.vjp(lambda p, x: run(p, r, x, m, c, o), p, x)
+        return vjp(g)
+
+    args = (_pick(chunks, rb, repeats), ring[at("b_slot")], grad_ring[at("b_grad")], rb, b,
+            consts, own)
+    if local is None:
+        d_chunk, d_in = backward(*args)
+    else:
+        rows = local.rows()
+        d_chunk, d_in = local.run(
+            lambda *a: (lambda d: (jax.tree.map(lambda t: t[None], d[0]), d[1]))(backward(*a)),
+            *args, in_specs=(P(), rows, rows, P(), P(), local.const_specs(), P()),
+            out_specs=(P(local.axes), rows))
     if repeats == 1:
         return jax.tree.map(jnp.add, grads, d_chunk), d_in
-    return jax.tree.map(lambda g, d: g.at[rb].add(d), grads, d_chunk), d_in
+    at_chunk = rb if local is None else (slice(None), rb)  # past the devices' axis
+    return jax.tree.map(lambda g, d: g.at[at_chunk].add(d), grads, d_chunk), d_in
+
+
+def _zero_grads(chunks, local: Local | None):
+    """Where a stage's chunk gradients are summed over the ticks: like ``chunks``, or
+    with ``local`` one sum a device (a leading axis over its batch axes), unreduced."""
+    if local is None:
+        return jax.tree.map(jnp.zeros_like, chunks)
+    zeros = jax.tree.map(lambda a: jnp.zeros((local.ways, *a.shape), a.dtype), chunks)
+    return _hold(zeros, local.gathered, (local.axes,))
 
 
 def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, repeats: int,
-                   in_step: bool, slot, chunks, own, tail_params, x_m, consts):
+                   in_step: bool, slot, local: Local | None, chunks, own, tail_params, x_m,
+                   consts):
     """One stage's part of ``one_f_one_b`` (manual over ``stage``): the schedule's ticks
     as one scan; returns (the loss and metrics summed, the gradients of its chunks (with
     the stage axis), of the tail's parameters, of ``x_m`` (with the stage axis))."""
     chunks, own = jax.tree.map(lambda a: a[0], (chunks, own))
+    if local is not None:  # gathered once, before the ticks
+        chunks = _hold(chunks, local.gathered)
     s = jax.lax.axis_index(STAGE.name)
     ahead, behind = _neighbours(schedule.table.shape[1], repeats)
     zero_h = _as_held(jnp.zeros_like(x_m[0]), slot)
 
-    def run(p, r, h, m):
-        return stage_fn(p, _pick(own, r, repeats), h, m, consts)
+    def run(p, r, h, m, c, o=own):
+        return stage_fn(p, _pick(o, r, repeats), h, m, c)
+
+    def forward_pass(p, r, h, m):
+        if local is None:
+            return run(p, r, h, m, consts)
+        rows = local.rows()
+        return local.run(run, p, r, h, m, consts, own,
+                         in_specs=(P(), P(), rows, P(), local.const_specs(), P()),
+                         out_specs=rows)
 
     def tick(carry, t):
         got, got_grad, ring, grad_ring, grads, tail_grads, x_grads, loss, metrics = carry
@@ -301,7 +378,7 @@ def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, rep
         forward, r, m = at("forward") == 1, at("f_repeat"), at("f_micro")
         h = jnp.where((s == 0) & (r == 0), x_m[m], ring[at("f_slot")])
         out = _as_held(_when(in_step, forward, anyone("forward", 1),
-                             lambda: run(_pick(chunks, r, repeats), r, h, m),
+                             lambda: forward_pass(_pick(chunks, r, repeats), r, h, m),
                              lambda: zero_h), slot)
         ring = jax.lax.cond(forward, lambda: ring.at[at("f_slot")].set(h), lambda: ring)
         kept = (loss, metrics, tail_grads, grad_ring)
@@ -313,7 +390,8 @@ def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, rep
         backward, rb, b = at("backward") == 1, at("b_repeat"), at("b_micro")
         grads, d_in = _when(
             in_step, backward, anyone("backward", 1),
-            lambda: _chunk_backward(run, chunks, ring, grad_ring, at, grads, rb, b, repeats),
+            lambda: _chunk_backward(run, chunks, ring, grad_ring, at, grads, rb, b, repeats,
+                                    consts, own, local),
             lambda: (grads, zero_h))
         d_in = _as_held(d_in, slot)
         x_grads = jax.lax.cond(backward & (s == 0) & (rb == 0),
@@ -326,10 +404,12 @@ def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, rep
     carry = (zero_h, zero_h,
              _as_held(jnp.zeros((schedule.slots, *zero_h.shape), zero_h.dtype), slot, 1),
              _as_held(jnp.zeros((schedule.grad_slots, *zero_h.shape), zero_h.dtype), slot, 1),
-             jax.tree.map(jnp.zeros_like, chunks), jax.tree.map(jnp.zeros_like, tail_params),
+             _zero_grads(chunks, local), jax.tree.map(jnp.zeros_like, tail_params),
              _as_held(jnp.zeros_like(x_m), slot, 1), jnp.zeros((), jnp.float32), no_metrics)
     (_, _, _, _, grads, tail_grads, x_grads, loss, metrics), _ = jax.lax.scan(
         tick, carry, jnp.arange(schedule.ticks), unroll=loop_unroll())
+    if local is not None:  # each device's sums reduced, once
+        grads = _hold(jax.tree.map(lambda g: g.sum(0), grads), local.gathered)
     # the loss and the tail's gradients live on the last stage, x_m's on the first
     return (jax.lax.psum((loss, metrics), STAGE.name),
             jax.tree.map(lambda a: a[None], grads), jax.lax.psum(tail_grads, STAGE.name),
@@ -337,7 +417,8 @@ def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, rep
 
 
 def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
-                stage_consts=(), repeats: int = 1, in_step: bool = False, slot=None):
+                stage_consts=(), repeats: int = 1, in_step: bool = False, slot=None,
+                local: Local | None = None):
     """One pipelined gradient step in the 1F1B order: each stage alternates one
     micro-batch's forward and an earlier one's backward, so a stage holds a bounded
     number of micro-batches' inputs (``one_f_one_b_table``), where GPipe keeps every
@@ -387,6 +468,12 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
       slot: the PartitionSpec of one micro-batch's hidden states (over the axes other
         than ``stage``) that the schedule holds and passes: the slots its rings keep,
         what goes to the neighbours (None: XLA's choice).
+      local: run the chunks on each device's own rows (``Local``): a stage's chunks
+        gathered once before the ticks and their gradients summed unreduced and reduced
+        once after them, as Megatron-LM's and torchtitan's pipelines keep an FSDP
+        stage's parameters and gradients; None: XLA partitions each tick's chunk,
+        gathering it over FSDP and reducing its gradient over the batch axes at every
+        tick.
 
     Returns:
       (the micro-batches' losses summed, their metrics summed, the gradients of
@@ -400,11 +487,11 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
     schedule = one_f_one_b_table(stages, micro, repeats)
     table = jnp.asarray(schedule.table)
     no_metrics = _zero_metrics(tail_fn, tail_params, x_m, consts)
-    local = functools.partial(_stage_program, stage_fn, tail_fn, schedule, table, no_metrics,
-                              repeats, in_step, slot)
+    program = functools.partial(_stage_program, stage_fn, tail_fn, schedule, table,
+                                no_metrics, repeats, in_step, slot, local)
     staged, whole = P(STAGE.name), P()
     (loss, metrics), grads, tail_grads, x_grads = jax.shard_map(
-        local, mesh=mesh, in_specs=(staged, staged, whole, whole, whole),
+        program, mesh=mesh, in_specs=(staged, staged, whole, whole, whole),
         out_specs=(whole, staged, whole, staged), axis_names={STAGE.name},
         check_vma=False)(stage_params, stage_consts, tail_params, x_m, consts)
     return loss, metrics, grads, tail_grads, x_grads[0]
