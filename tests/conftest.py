@@ -18,9 +18,26 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="redray-tests-cache-")
     os.environ["REDRAY_CACHE_DIR"] = _cache
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_cache, "compile_cache")
+    os.environ["REDRAY_TESTS_COMPILE_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
+# Each pytest-xdist worker (and the processes its tests start) compiles into a folder of
+# its own: two workers compiling the same program wrote and read one cache entry at
+# once, and JAX's cache crashed the process (a segmentation fault in
+# compilation_cache.put_executable_and_time, then in get_executable_and_time, in two
+# clean runs on 2026-12-06 and 2026-12-07).
+_worker = os.environ.get("PYTEST_XDIST_WORKER")
+if _worker and os.environ.get("REDRAY_TESTS_COMPILE_CACHE") == \
+        os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = \
+        os.environ["REDRAY_TESTS_COMPILE_CACHE"] + "-" + _worker
+    import sys
+
+    if "jax" in sys.modules:  # read at import: set it where jax came first
+        sys.modules["jax"].config.update("jax_compilation_cache_dir",
+                                         os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 import pytest  # noqa: E402
