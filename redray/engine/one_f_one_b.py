@@ -32,11 +32,10 @@ from flax import nnx
 from redray.engine.steps import combine, weighed
 from redray.functions import split_loss_output
 from redray.sharding.tracing import BlocksCut, cut_at_blocks
-from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, EXPERT, GATHERING, MODEL, STAGE,
+from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, MODEL, STAGE, held_whole,
                                          in_held_order, layer_order, stacked_count)
 from redray.sharding.pipeline_schedules import (Local, merge_micro, one_f_one_b, rows_flags,
-                                                split_micro)
-from redray.sharding.rules import without_axis
+                                                runs_on_own_rows, split_micro)
 
 
 def _path_of(model, target) -> tuple:
@@ -167,29 +166,19 @@ def _local(runtime, params, under: list[bool], repeats: int, consts: dict,
     ``local``, ``pipeline_schedules.Local``) on a plan whose rows are split (data,
     FSDP): a stage's chunks gathered over FSDP once and their gradients reduced once a
     step, as Megatron-LM and torchtitan run an FSDP stage (``reshard_after_forward=
-    False``), where XLA would gather and reduce them at every tick. None without split
-    rows, on an expert axis (its exchange spans the rows' devices) or on a context axis
-    (its ring's mask is not cut to a device's rows yet)."""
+    False``), where XLA would gather and reduce them at every tick. None where
+    ``pipeline_schedules.runs_on_own_rows`` says no."""
     mesh = runtime.parallelism.mesh
-    ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
-    if ways == 1 or runtime.specs is None or \
-            max(mesh.shape.get(a.name, 1) for a in (EXPERT, CONTEXT)) > 1:
+    if runtime.specs is None or not runs_on_own_rows(mesh.shape):
         return None
+    ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
     specs = jax.tree.structure(params).flatten_up_to(runtime.specs[0])
     lead = (None,) * (1 if repeats == 1 else 2)  # a chunk's layers (and the repeats)
-    gathered = tuple(P(*lead, *(_without(e, GATHERING) for e in tuple(s)[1:]))
-                     for s, u in zip(specs, under) if u)
+    gathered = tuple(P(*lead, *held_whole(s)) for s, u in zip(specs, under) if u)
     const_rows = {"args": list(flags),
                   "batch": jax.tree.map(lambda _: True, consts["batch"]),
                   "extra": jax.tree.map(lambda _: False, consts["extra"])}
     return Local(BATCH_AXES, ways, gathered, const_rows)
-
-
-def _without(entry, axes):
-    """One entry of a PartitionSpec without any of ``axes``."""
-    for axis in axes:
-        entry = without_axis(entry, axis)
-    return entry
 
 
 def _add_pipelined(grads, d_stages, d_tail, under: list[bool], held: int):

@@ -47,11 +47,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redray.sharding.tracing import loop_unroll, parameter_spec, stage_layout
-from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, FSDP, MODEL, STAGE,
-                                         held_layers, in_held_order, layer_order,
+from redray.sharding.parallelism import (BATCH_AXES, CONTEXT, MODEL, STAGE, held_layers,
+                                         held_whole, in_held_order, layer_order,
                                          layer_positions, pipeline_ticks, stacked_count)
 from redray.sharding.pipeline_schedules import merge_micro, rows_flags, split_micro
-from redray.sharding.rules import without_axis
 
 
 # what only moves or slices values: recomputed in a circular tick's backward pass
@@ -103,11 +102,11 @@ def _by_stage(a, mesh, lead: tuple[int, int, int], spec=None):
     parameter's other dimensions as its ``spec`` splits them but over fsdp; without a
     spec, whole."""
     # a parameter's other dimensions keep the plan's split over the model and expert
-    # axes (the layers compute on those shards inside the stages) and are gathered over
-    # fsdp once, before the loop (inside it FSDP's gathers would repeat at every tick)
+    # axes and are gathered over fsdp once, before the loop (inside it FSDP's gathers
+    # would repeat at every tick)
     rest = [None] * (a.ndim - 1)
     if spec is not None:
-        rest = [without_axis(e, FSDP.name) for e in tuple(spec)[1:]] + rest[len(spec) - 1:]
+        rest = [*held_whole(spec), *rest[len(spec) - 1:]]
     return _constrain(a.reshape(*lead, *a.shape[1:]), mesh, P(STAGE.name, None, None, *rest))
 
 

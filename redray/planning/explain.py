@@ -11,7 +11,7 @@ import math
 
 from redray.planning.cost import LEVELS, host_spans, traffic_seconds, _group
 from redray.planning.memory import part_lines, size_text
-from redray.sharding.parallelism import pipeline_ticks, role_size
+from redray.sharding.parallelism import role_size
 
 
 def _ms(seconds: float) -> str:
@@ -33,18 +33,16 @@ def _level(inside: int, across: int, slices: int, hardware) -> str:
 def schedule_lines(plan, facts_layers: int) -> list[str]:
     """The pipeline's schedule, micro-batches, virtual stages, ticks and bubble of
     ``plan`` (nothing without a stage axis)."""
-    from redray.sharding.pipeline_schedules import one_f_one_b_table
+    from redray.planning.planner import _ticks
 
     stages = role_size(plan.parallelism.shape, "layers")
     if stages <= 1:
         return []
     micro, repeats = plan.geometry.accumulation, plan.stage_repeats
-    if plan.pipeline_schedule == "1f1b":
-        passes = one_f_one_b_table(stages, micro, repeats).passes
-        name = "interleaved 1F1B" if repeats > 1 else "1F1B"
-    else:
-        passes = pipeline_ticks(stages, micro, repeats)[1]
-        name = "GPipe, circular" if repeats > 1 else "GPipe"
+    one_f_one_b = plan.pipeline_schedule == "1f1b"
+    passes = _ticks(stages, micro, repeats, one_f_one_b)  # what the cost model charged
+    name = (("interleaved 1F1B" if repeats > 1 else "1F1B") if one_f_one_b
+            else ("GPipe, circular" if repeats > 1 else "GPipe"))
     work = micro * repeats
     lines = [f"pipeline: {name}, {stages} stages x {repeats} chunk(s) each ({stages * repeats} "
              f"virtual stages, {facts_layers} stacked layers), {micro} micro-batches of "

@@ -48,7 +48,7 @@ from redray.sharding import AXES, Parallelism
 from redray.sharding.tracing import blockwise_attention
 from redray.sharding.parallelism import (GATHERING, held_layers, is_staged, pipeline_ticks,
                                          role_axes, role_size)
-from redray.sharding.pipeline_schedules import one_f_one_b_table
+from redray.sharding.pipeline_schedules import one_f_one_b_table, runs_on_own_rows
 from redray.sharding.rules import axes_of
 
 # FSDP: the layers whose parameters are gathered at once (the one computing and the
@@ -240,8 +240,7 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
     parts["fsdp_gathered"] = GATHERED_LAYERS * layer_gather_bytes(rows, fsdp) \
         * compute_itemsize // 4 if fsdp > 1 else 0
     # 1F1B on each device's own rows (pipeline_schedules.Local) holds a stage gathered
-    local = schedule == "1f1b" and parallelism.role_size("experts") == 1 \
-        and parallelism.role_size("sequence") == 1
+    local = schedule == "1f1b" and runs_on_own_rows(parallelism.shape)
     staged = 0
     if fsdp > 1 and parallelism.role_size("layers") > 1 and (schedule == "gpipe" or local):
         # GPipe's stages gather their stacked layers once, before the ticks, and sum

@@ -32,7 +32,7 @@ from redray.sharding.parallelism import (ACROSS, AXES, INSIDE, OUTER, Parallelis
                                          axis_defaults, held_layers, is_staged,
                                          network_shapes, pipeline_ticks, role_keywords,
                                          role_size)
-from redray.sharding.pipeline_schedules import one_f_one_b_table
+from redray.sharding.pipeline_schedules import one_f_one_b_table, runs_on_own_rows
 from redray.sharding.placement import Placement, placement
 from redray.sharding.plan import Plan
 from redray.sharding.rules import partition_specs
@@ -463,7 +463,7 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     gpipe = stages > 1 and not one_f_one_b
     # 1F1B on each device's own rows gathers a stage once and reduces its gradients
     # once (``pipeline_schedules.Local``)
-    local = one_f_one_b and own_rows(shape)
+    local = one_f_one_b and runs_on_own_rows(shape)
     state = state_traffic(params, shape, facts.compute_itemsize, hardware, recompute,
                           ticks, repeats, gathered_once=gpipe or local, looped=stages == 1,
                           reduced_once=local)
@@ -509,14 +509,6 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
     return Scored(candidate, memory, cost, memory["total"] <= budget, tokens,
                   useful / cost.seconds / hardware.peak_flops)
-
-
-def own_rows(shape: dict[str, int]) -> bool:
-    """Whether 1F1B runs a stage's chunks on each device's own rows on a mesh of
-    ``shape`` (``redray.engine.one_f_one_b._local``): its rows split, and no expert or
-    context axis."""
-    return role_size(shape, "rows") > 1 and role_size(shape, "experts") == 1 \
-        and role_size(shape, "sequence") == 1
 
 
 def _held(facts: ModelFacts, parallelism: Parallelism, repeats: int,

@@ -458,6 +458,19 @@ def in_held_order(a, layers: int, stages: int, repeats: int):
     return jnp.take(a, order, axis=0, mode="clip")
 
 
+def held_whole(spec) -> tuple:
+    """The entries of a stacked parameter's ``spec`` after its layers' dimension, as a
+    pipeline stage holds it for the whole step: FSDP's axes left out (gathered once,
+    before the ticks), the model and expert axes' splits kept (the layers compute on
+    those shards inside the stages)."""
+    out = []
+    for entry in tuple(spec)[1:]:
+        for axis in GATHERING:
+            entry = without_axis(entry, axis)
+        out.append(entry)
+    return tuple(out)
+
+
 def is_staged(sharding) -> bool:
     """Whether ``sharding`` (a NamedSharding, or a PartitionSpec) splits an array's
     leading axis over ``stage``: a stacked layer array on a plan with stages."""

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redray.sharding.tracing import loop_unroll
-from redray.sharding.parallelism import STAGE
+from redray.sharding.parallelism import STAGE, role_size
 
 
 def rows_flags(tree, rows: int) -> list[bool]:
@@ -257,6 +257,15 @@ def _tail_pass(tail_fn, tail_params, consts, out, m, at, kept):
             jax.tree.map(lambda a, b: a + jnp.asarray(b, jnp.float32), metrics, found),
             jax.tree.map(jnp.add, tail_grads, d_tail),
             grad_ring.at[at("tail_slot")].set(d_out))
+
+
+def runs_on_own_rows(shape) -> bool:
+    """Whether 1F1B runs a stage's chunks on each device's own rows (``Local``) on a mesh
+    of ``shape`` (axis name -> size): its rows split, and no expert axis (its exchange
+    spans the rows' devices) or context axis (its ring's mask is not cut to a device's
+    rows yet). The runtime, the cost model and the memory plan all ask this."""
+    return role_size(shape, "rows") > 1 and role_size(shape, "experts") == 1 \
+        and role_size(shape, "sequence") == 1
 
 
 @dataclasses.dataclass(frozen=True)
