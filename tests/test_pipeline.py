@@ -519,16 +519,18 @@ def test_the_interleaved_schedule_keeps_every_dependency_and_megatrons_bubble(S,
     ids=["llama-s2-data2", "gpt2-s2-fsdp2", "llama-5-layers-s2-r2-data2", "llama-s2-model2"])
 def test_a_trainer_on_1f1b_trains_as_one_device(family, axes, layers):
     """``pipeline_schedule="1f1b"``: the user's loss cut at the stacked layers, each
-    micro-batch's loss weighed by the tokens it learns (a mask that keeps a different
-    number in each row: the loss gives its count as its weight); the losses of 3 steps
-    and the parameters after them those of one device, whose loss is the mean over
-    every kept token of the batch; interleaved too (``stage_repeats=2``: the parameters held in
-    ``layer_order``, the checkpointed ones in the layers' own), on 5 layers over 4
+    micro-batch's loss weighed by the tokens it learns (a mask that keeps a different number
+    in each row: the loss gives its count as its weight); the losses of 3 steps and the
+    parameters after them those of one device, whose loss is the mean over every kept token
+    of the batch (a chunked loss: where the rows are split, its padding moves by a
+    collective-permute among every device, so every stage runs the tail where the last does,
+    or the others would wait for ever); interleaved too (``stage_repeats=2``: the parameters
+    held in ``layer_order``, the checkpointed ones in the layers' own), on 5 layers over 4
     chunks (one of 2 layers, three of 1 and a pad); with tensor parallelism inside the
     stages, the slots held and passed split over the model axis."""
     def loss(model, batch, rng, train):
         value, counted = next_token_loss(model, batch["ids"], loss_mask=batch["ids"] % 3 != 0,
-                                         metrics=True)
+                                         metrics=True, chunk=16)
         return value, {"twice": 2 * value, **counted}
 
     config = CONFIGS[family]()

@@ -287,13 +287,13 @@ class GatedDeltaNet(nnx.Module):
         g = (-jnp.exp(self.A_log[...]) * jax.nn.softplus(ba[..., r:] + self.dt_bias[...])
              ).reshape(b, t, -1)
         beta, g = (jnp.where(valid[..., None], a, 0.0) for a in (beta, g))
-        mix = functools.partial(_mix, self.dims, kernel)
+        mix = functools.partial(_mix, self.dims)
         if mask.kv_slots is not None:  # a sequence split over the context axis
             segments = None if mask.q_segments is None else jnp.where(valid, mask.q_segments, 0)
-            out, last, tail = across_context(mix, conv_in.reshape(b, t, -1), beta, g,
+            out, last, tail = across_context(mix, kernel, conv_in.reshape(b, t, -1), beta, g,
                                              segments, state)
         else:
-            out, last, tail = mix(conv_in.reshape(b, t, -1), beta, g, groups, state)
+            out, last, tail = mix(kernel, conv_in.reshape(b, t, -1), beta, g, groups, state)
         out = out * jax.lax.rsqrt(jnp.mean(out * out, -1, keepdims=True) + self.eps)
         out = (self.norm[...] * out.astype(self.dtype)).astype(wide)
         gate = z.reshape(b, t, key_heads * r, dv).astype(wide)
@@ -328,9 +328,10 @@ def _mix(dims, kernel, conv_in, beta, g, groups, state, augmented: bool = False)
     return out, last, tail
 
 
-def across_context(mix, conv_in, beta, g, segments, state):
-    """``_mix`` of a sequence split over the context axis (the zigzag layout of
-    ``redray/models/context.py``: device ``i`` holds chunks ``i`` and ``2C - 1 - i``).
+def across_context(mix, kernel, conv_in, beta, g, segments, state):
+    """``_mix`` (with the convolution's ``kernel``) of a sequence split over the context
+    axis (the zigzag layout of ``redray/models/context.py``: device ``i`` holds chunks
+    ``i`` and ``2C - 1 - i``).
 
     The state is passed, not the sequence gathered. Each device runs its two chunks at
     once from the augmented state (``_mix``): each chunk's state after it is an affine
@@ -360,7 +361,9 @@ def across_context(mix, conv_in, beta, g, segments, state):
     if segments is None:
         segments = jnp.zeros(conv_in.shape[:2], jnp.int32)
 
-    def local(conv_in, beta, g, segments, state):
+    # the kernel passed in, not closed over: inside another shard_map (1F1B's stages) a
+    # value closed over keeps the outer one's mesh, which the ring's shard_map refuses
+    def local(kernel, conv_in, beta, g, segments, state):
         b = conv_in.shape[0]
         me = jax.lax.axis_index(context.AXIS)
         # the two chunks side by side on the rows: (2b, length, ...)
@@ -386,7 +389,7 @@ def across_context(mix, conv_in, beta, g, segments, state):
             groups = reset_groups(starts)
         else:
             groups = jnp.zeros(segments.shape, jnp.int32)
-        out, maps, _ = mix(conv_in, beta, g, groups, {"conv": tails, "state": None},
+        out, maps, _ = mix(kernel, conv_in, beta, g, groups, {"conv": tails, "state": None},
                            augmented=True)
         dv = out.shape[-1] - maps.shape[2]
         # every chunk's (D | M), in order, composed from the state before the sequence
@@ -403,8 +406,8 @@ def across_context(mix, conv_in, beta, g, segments, state):
         return out, last, tail
 
     seq, whole = jax.sharding.PartitionSpec(None, context.AXIS), jax.sharding.PartitionSpec()
-    return context.over_context(local, mesh, (seq, seq, seq, seq, whole), (seq, whole, whole))(
-        conv_in, beta, g, segments, state)
+    return context.over_context(local, mesh, (whole, seq, seq, seq, seq, whole),
+                                (seq, whole, whole))(kernel, conv_in, beta, g, segments, state)
 
 
 def _in_order(gathered: jax.Array, ways: int, rows: int) -> jax.Array:

@@ -168,6 +168,27 @@ def _routed_specs(mesh, rows: P, by_expert, by_model, bias_by_model, shared_by_m
     return specs, result
 
 
+def _nested(mesh, specs: list[P]) -> dict:
+    """``shard_map``'s mesh and manual axes for ``MoE.routed`` on ``mesh``, manual over
+    every axis; inside another ``shard_map`` (1F1B's stages, manual over ``stage``, and
+    on each device's own rows over the batch axes too) over the axes not manual yet, on
+    the mesh it traces in, with the axes already manual left out of ``specs`` (in
+    place: the rows there are the device's own)."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if not manual:
+        return {"mesh": mesh}
+    for i, spec in enumerate(specs):
+        specs[i] = P(*(_free(entry, manual) for entry in spec))
+    return {"mesh": jax.sharding.get_abstract_mesh(),
+            "axis_names": set(mesh.axis_names) - manual}
+
+
+def _free(entry, manual: set):
+    """A PartitionSpec entry without the axes in ``manual``."""
+    names = tuple(a for a in axes_of(entry) if a not in manual)
+    return names[0] if len(names) == 1 else (names or None)
+
+
 class RouterBias(Buffer):
     """A router's per-expert correction bias (DeepSeek's ``e_score_correction_bias``):
     float32 state beside the parameters (``hub.Buffer``: loaded and exported with them),
@@ -434,11 +455,12 @@ class MoE(nnx.Module):
                 out = jax.lax.psum(out, summed)
             return out.reshape(*shape, -1), kept.reshape(*shape, -1)
 
-        specs, result = _routed_specs(mesh, rows, by_expert, by_model, bias_by_model,
+        specs, _ = _routed_specs(mesh, rows, by_expert, by_model, bias_by_model,
                                       shared_by_model, len(shared))
-        out, kept = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
-                                  out_specs=(result, result))(x, chosen, weights, gate_up,
-                                                              bias, down, *shared)
+        where = _nested(mesh, specs)
+        result = specs[0]
+        out, kept = jax.shard_map(local, in_specs=tuple(specs), out_specs=(result, result),
+                                  **where)(x, chosen, weights, gate_up, bias, down, *shared)
         return out.reshape(*lead, -1), kept.reshape(*lead, -1)
 
     def exchange_kind(self) -> str:

@@ -262,10 +262,9 @@ def _tail_pass(tail_fn, tail_params, consts, out, m, at, kept):
 def runs_on_own_rows(shape) -> bool:
     """Whether 1F1B runs a stage's chunks on each device's own rows (``Local``) on a mesh
     of ``shape`` (axis name -> size): its rows split, and no expert axis (its exchange
-    spans the rows' devices) or context axis (its ring's mask is not cut to a device's
-    rows yet). The runtime, the cost model and the memory plan all ask this."""
-    return role_size(shape, "rows") > 1 and role_size(shape, "experts") == 1 \
-        and role_size(shape, "sequence") == 1
+    spans the rows' devices). A context axis's ring or gather runs inside, over a
+    device's own rows. The runtime, the cost model and the memory plan all ask this."""
+    return role_size(shape, "rows") > 1 and role_size(shape, "experts") == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,8 +390,10 @@ def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, rep
                              lambda: zero_h), slot)
         ring = jax.lax.cond(forward, lambda: ring.at[at("f_slot")].set(h), lambda: ring)
         kept = (loss, metrics, tail_grads, grad_ring)
+        # every stage runs the tail where the last does, keeping none of it: a loss's
+        # collective-permute (a chunked loss's padding over a data axis) spans them all
         loss, metrics, tail_grads, grad_ring = _when(
-            in_step, at("tail_slot") >= 0, anyone("tail_slot", 0),
+            True, at("tail_slot") >= 0, anyone("tail_slot", 0),
             lambda: _tail_pass(tail_fn, tail_params, consts, out, m, at, kept), lambda: kept)
         # a chunk's backward: its output's gradient (from the next chunk, or the
         # tail's) through the forward recomputed from the input kept
