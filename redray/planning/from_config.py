@@ -525,12 +525,12 @@ def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
                 remat: str | None = None, scan: bool | None = None,
                 pipeline_schedule: str | None = None, stage_repeats: int | None = None,
                 context_attention: str | None = None, **axes):
-    """Every plan of ``config``'s model on ``devices`` devices in ``hosts`` hosts, ranked
-    by the planner (``redray.planning.planner.rank``) on ``hardware``; what is given
-    (axis sizes by keyword, ``micro_batch_size`` per device or ``micro_rows`` over all
-    devices, ``remat``) is kept. ``scan``: the model's layers stacked and scanned, so
-    the planner tries pipeline stages too (None: as ``build`` builds it by default;
-    False: a list of layers, no stages).
+    """Every plan of ``config``'s model on ``devices`` devices in ``hosts`` hosts, ranked by
+    the planner (``redray.planning.planner.rank``) on ``hardware``; what is given (axis
+    sizes by keyword, 1 included, ``micro_batch_size`` per device or ``micro_rows`` over all
+    devices, ``remat``) is kept. ``scan``: the model's layers stacked and scanned, so the
+    planner tries pipeline stages too (None: as ``build`` builds it by default; False: a
+    list of layers, no stages).
 
     Raises:
       PlanError: an unsupported model, pinned sizes no plan takes, or no plan that fits
@@ -556,6 +556,9 @@ def choose_plan(config, devices: int, hosts: int, batch_size: int, seq_len: int,
                   **axes)
     if stage_repeats is not None:  # 1 too: no circular repeats
         pinned["stage_repeats"] = stage_repeats
+    # an axis given is kept, 1 too (context_axis=1: no sequence split), where the
+    # Trainer's defaults (pins) leave the planner free
+    pinned.update({k: v for k, v in axes.items() if v is not None and v != "auto"})
     try:
         return rank(facts, devices, hosts, batch_size, hardware, pinned, rules)
     except (NoPlanFits, ValueError) as e:
