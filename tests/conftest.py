@@ -38,6 +38,16 @@ if _worker and os.environ.get("REDRAY_TESTS_COMPILE_CACHE") == \
     if "jax" in sys.modules:  # read at import: set it where jax came first
         sys.modules["jax"].config.update("jax_compilation_cache_dir",
                                          os.environ["JAX_COMPILATION_CACHE_DIR"])
+if _worker:
+    # The worker itself writes only programs that took a second or more to compile
+    # (the processes its tests start still write every one): serializing an executable
+    # for the cache aborted a worker once more with its own folder
+    # (compilation_cache.put_executable_and_time, executable.serialize(), in
+    # test_post_training's sharded sampler, clean run of 2026-12-07 evening), and a
+    # program that compiles in under a second gains little from the cache.
+    import jax
+
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 import pytest  # noqa: E402
