@@ -204,7 +204,9 @@ def memory_figures(s: dict, stages: int, micros) -> list[dict]:
     and the buffers), ``stages`` stages over M micro-batches of one row, adamw. GPipe
     keeps every tick's activations (``remat=False``) or every tick's layer inputs
     (``remat="full"``, its least memory); 1F1B (``pipeline_schedule="1f1b"``) keeps at
-    most ``2 S - 1`` stage inputs and recomputes a stage's forward in its backward."""
+    most ``2 S - 1`` stage inputs and as many chunks' activations, from a chunk's forward
+    to its backward (until issue 88's work it recomputed a chunk's forward in its
+    backward instead)."""
     import optax
 
     import redray

@@ -92,38 +92,39 @@ RUNS = [
 # Llama-3.1-405B on H100 (80 GB, 700 W), 16M tokens a step, BF16 MFU as published.
 # Pinned to its model, stage and context axes, 1F1B (Meta ran an interleaved 1F1B; the
 # paper gives no virtual-stage count, so the planner picks the repeats), one sequence a
-# micro-batch (bs/DP 32 and 16: one sequence each), remat none (1F1B's backward
-# recomputes each chunk's forward already); its DP, which the paper runs as FSDP, is
-# the planner's split of the rest over data and FSDP.
+# micro-batch (bs/DP 32 and 16: one sequence each); the paper names no activation
+# checkpointing, so the planner picks the remat policy that fits (1F1B keeps what it
+# saves); its DP, which the paper runs as FSDP, is the planner's split of the rest
+# over data and FSDP.
 _META = ("Llama 3 paper (arXiv 2407.21783) table 4: TP 8, PP 16{cp}, DP {dp}, {seq:,} "
          "tokens, bs/DP {bs}, 16M tokens a batch, {mfu:.0%} BF16 MFU on H100")
 LLAMA3_RUNS = [
     Run("Llama 3 405B, 8,192 H100, 8k (TP8 PP16)", LLAMA31_405B, "h100", 8192, 2048, 8192,
-        dict(model_axis=8, stage_axis=16, context_axis=1, micro_batch_size=1, remat="none",
+        dict(model_axis=8, stage_axis=16, context_axis=1, micro_batch_size=1,
              pipeline_schedule="1f1b"), 0.43, "MFU",
         _META.format(cp="", dp=64, seq=8192, bs=32, mfu=0.43), 8192),
     Run("Llama 3 405B, 16,384 H100, 8k (TP8 PP16)", LLAMA31_405B, "h100", 16384, 2048, 8192,
-        dict(model_axis=8, stage_axis=16, context_axis=1, micro_batch_size=1, remat="none",
+        dict(model_axis=8, stage_axis=16, context_axis=1, micro_batch_size=1,
              pipeline_schedule="1f1b"), 0.41, "MFU",
         _META.format(cp="", dp=128, seq=8192, bs=16, mfu=0.41), 8192),
     Run("Llama 3 405B, 16,384 H100, 131k (TP8 CP16 PP16)", LLAMA31_405B, "h100", 16384, 128,
         131072, dict(model_axis=8, stage_axis=16, context_axis=16, micro_batch_size=1,
-                     remat="none", pipeline_schedule="1f1b", context_attention="all_gather"),
+                     pipeline_schedule="1f1b", context_attention="all_gather"),
         0.38, "MFU", _META.format(cp=", CP 16 (keys and values all-gathered)", dp=8,
                                    seq=131072, bs=16, mfu=0.38), 8192),
 ]
 # torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, table 5: Llama-3.1-405B on
 # 512 H100 (96 GB at 500 W), FSDP 8 x TP 8 x PP 8, local batch 32 (global 256) of 8,192
-# tokens, full activation checkpointing (redray's 1F1B recomputes a chunk's forward in
-# its backward: remat none is that), Float8, torch.compile, async TP: 1F1B 100 and
-# interleaved 1F1B 128 tokens/s per GPU. Their memory (82.5 and 72.7 GiB) is Float8's.
+# tokens, full activation checkpointing (remat full), Float8, torch.compile, async TP:
+# 1F1B 100 and interleaved 1F1B 128 tokens/s per GPU. Their memory (82.5 and 72.7 GiB)
+# is Float8's.
 _TITAN = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md table 5: FSDP 8, TP 8, "
           "PP 8, local batch 32, full activation checkpointing, Float8, torch.compile, "
           "async TP; {schedule}")
 TITAN_RUNS = [
     Run(f"torchtitan 405B, 512 H100, {name}", LLAMA31_405B, "h100-96gb-500w", 512, 256, 8192,
         dict(model_axis=8, stage_axis=8, fsdp_axis=8, data_axis=1, micro_batch_size=1,
-             remat="none", pipeline_schedule="1f1b", stage_repeats=repeats),
+             remat="full", pipeline_schedule="1f1b", stage_repeats=repeats),
         published, "tokens/s per GPU", _TITAN.format(schedule=f"{name}: {published} tokens/s "
                                                               "per GPU"), 8192)
     for name, repeats, published in (("1F1B", 1, 100), ("interleaved 1F1B", 2, 128))]

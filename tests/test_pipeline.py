@@ -302,10 +302,11 @@ def test_the_planner_puts_stages_across_a_slow_link_and_not_a_fast_one():
 
 
 def test_the_planner_weighs_1f1b_beside_gpipe_and_takes_it_where_gpipe_does_not_fit():
-    """Every plan with stages is tried with both schedules. 1F1B's layers cost a forward
-    more (its backward recomputes each stage's) and its activations one micro-batch's
-    share of a stage: LLaMA-7B on 2 hosts over 25 Gb/s Ethernet, 16 GB per device, the pick is
-    a 1F1B plan whose GPipe twin does not fit."""
+    """Every plan with stages is tried with both schedules. 1F1B's layers cost what GPipe's
+    do (its chunks keep their activations: no forward again) and its activations are the
+    chunk passes it keeps at once, each one micro-batch's share of a stage; recomputing each
+    chunk, a forward more for one chunk's at a time: LLaMA-7B on 2 hosts over 25 Gb/s
+    Ethernet, 16 GB per device, the pick is a 1F1B plan whose GPipe twin does not fit."""
     import dataclasses
 
     from redray.planning.from_config import ConfigFacts
@@ -319,28 +320,33 @@ def test_the_planner_weighs_1f1b_beside_gpipe_and_takes_it_where_gpipe_does_not_
     ranking = rank(facts, 16, 2, 64, small)
     best = ranking.best
     assert best.plan.pipeline_schedule == "1f1b" and best.plan.shape["stage"] == 2
-    twin = next(s for s in ranking.over
-                if s.plan == dataclasses.replace(best.plan, pipeline_schedule="gpipe"))
+    twin = next(s for s in ranking.over if s.plan == dataclasses.replace(
+        best.plan, pipeline_schedule="gpipe", stage_recompute=False))
     assert twin.memory["total"] > best.memory["total"]
     assert twin.memory["parts"]["activations"] > 4 * best.memory["parts"]["activations"]
-    # the recomputed forward, in the FLOPs the compute is charged for (remat none)
+    # no forward again: the compute GPipe's twin is charged (remat none)
     every = ranking.ranked + ranking.over
     one = next(s for s in every if s.plan.pipeline_schedule == "1f1b"
                and s.plan.remat == "none" and s.plan.shape["model"] == 1
-               and s.plan.stage_repeats == 1)
+               and s.plan.stage_repeats == 1 and not s.plan.stage_recompute)
     gpipe = next(s for s in every if s.plan == dataclasses.replace(
         one.plan, pipeline_schedule="gpipe"))
     counted = facts.work()
     stages, micro = one.plan.shape["stage"], one.accumulation
+    assert one.cost.compute == pytest.approx(gpipe.cost.compute, rel=1e-9)
+    # recomputing each chunk (Plan.stage_recompute): its forward once more, at every
+    # tick, for one chunk's activations at a time
+    again = next(s for s in every if s.plan == dataclasses.replace(one.plan,
+                                                                   stage_recompute=True))
     ticks = (micro + stages - 1) / micro  # M + S - 1 ticks, M of them real
-    again = (work_seconds(counted.forward.layer, small) * counted.step.layers * 64 / 16
-             * ticks)
-    assert one.cost.compute - gpipe.cost.compute == pytest.approx(again, rel=1e-9)
+    assert again.cost.compute - one.cost.compute == pytest.approx(
+        work_seconds(counted.forward.layer, small) * counted.step.layers * 64 / 16 * ticks,
+        rel=1e-9)
+    assert again.memory["parts"]["activations"] < one.memory["parts"]["activations"]
     # interleaved (repeats): the bubble (S - 1) / (M R) of the layers' work, for R times
     # the passes between the stages
     twice = next(s for s in every if s.plan == dataclasses.replace(one.plan, stage_repeats=2))
-    layers = work_seconds(counted.step.layer, small) * counted.step.layers * 64 / 16 \
-        + work_seconds(counted.forward.layer, small) * counted.step.layers * 64 / 16
+    layers = work_seconds(counted.step.layer, small) * counted.step.layers * 64 / 16
     assert one.cost.compute - twice.cost.compute == pytest.approx(
         layers * (stages - 1) / micro * (1 - 1 / 2), rel=1e-9)
     assert twice.cost.pipeline > one.cost.pipeline
@@ -468,48 +474,62 @@ def test_the_one_f_one_b_schedule_holds_2s_minus_1_inputs_whatever_the_micro_bat
         assert held == one_f_one_b_schedule(S, M)[1]
 
 
-@pytest.mark.parametrize("S,M,R", [(2, 4, 2), (4, 8, 2), (4, 16, 4), (3, 7, 2), (8, 16, 4)])
+@pytest.mark.parametrize("S,M,R", [(4, 8, 1), (2, 4, 2), (4, 8, 2), (4, 16, 4), (3, 7, 2),
+                                   (8, 16, 4)])
 def test_the_interleaved_schedule_keeps_every_dependency_and_megatrons_bubble(S, M, R):
     """The table ``one_f_one_b`` runs, read back: every chunk's forward and backward of
     every micro-batch once, each after what it needs (the previous chunk's forward, the
     next chunk's backward; the last chunk's backward from the tick of its forward), the
     slots read where they were filled; the length Megatron-LM's interleaved schedule
     has where S divides M (a bubble of (S - 1) / (M R)), and its inputs held: 2 (S - 1)
-    + (R - 1) S + 1."""
+    + (R - 1) S + 1; the chunk passes whose activations a stage keeps at once, from
+    forward to backward (2 S - 1 on the first stage without repeats: a micro-batch goes
+    one stage a tick both ways, where Megatron-LM's 1F1B, its forward a third of a tick,
+    keeps S)."""
     from redray.sharding.pipeline_schedules import one_f_one_b_table
 
     schedule = one_f_one_b_table(S, M, R)
     col = schedule.column
-    f_at, b_at, f_slot, b_slot = {}, {}, {}, {}
+    f_at, b_at, f_slot, b_slot, f_kept, b_kept = {}, {}, {}, {}, {}, {}
     for t in range(schedule.ticks):
         for s in range(S):
             if col("forward")[t, s]:
                 key = (int(col("f_repeat")[t, s]) * S + s, int(col("f_micro")[t, s]))
                 assert key not in f_at
                 f_at[key], f_slot[key] = t, int(col("f_slot")[t, s])
+                f_kept[key] = int(col("f_kept")[t, s])
             if col("backward")[t, s]:
                 key = (int(col("b_repeat")[t, s]) * S + s, int(col("b_micro")[t, s]))
                 assert key not in b_at
                 b_at[key], b_slot[key] = t, int(col("b_slot")[t, s])
+                b_kept[key] = int(col("b_kept")[t, s])
     every = {(v, m) for v in range(S * R) for m in range(M)}
     assert set(f_at) == set(b_at) == every
     for v, m in every:
         assert v == 0 or f_at[(v - 1, m)] < f_at[(v, m)]
         assert (f_at[(v, m)] <= b_at[(v, m)] if v == S * R - 1
                 else b_at[(v + 1, m)] < b_at[(v, m)])
-        assert b_slot[(v, m)] == f_slot[(v, m)]  # the backward recomputes from its input
+        assert b_slot[(v, m)] == f_slot[(v, m)]  # the input kept to its backward
+        assert b_kept[(v, m)] == f_kept[(v, m)] < schedule.kept_slots
         if v:  # it arrived at the start of the tick after the previous chunk's forward
             assert col("store")[f_at[(v - 1, m)] + 1, v % S] == f_slot[(v, m)]
     # no slot is filled again while its input waits for its backward
     for s in range(S):
         mine = [(f_at[(v - 1, m)] + 1 if v else f_at[(v, m)], b_at[(v, m)], f_slot[(v, m)])
                 for v, m in every if v % S == s]
-        for a in mine:
-            for b in mine:
-                assert a is b or a[2] != b[2] or a[1] < b[0] or b[1] < a[0]
+        kept = [(f_at[(v, m)], b_at[(v, m)], f_kept[(v, m)]) for v, m in every if v % S == s]
+        for held in (mine, kept):
+            for a in held:
+                for b in held:
+                    assert a is b or a[2] != b[2] or a[1] < b[0] or b[1] < a[0]
+    in_flight = max(sum(f_at[k] <= t <= b_at[k] for k in every if k[0] % S == s)
+                    for s in range(S) for t in range(schedule.ticks))
+    assert schedule.kept_slots == in_flight
     if M % S == 0:
         assert schedule.passes == M * R + S - 1
         assert schedule.slots == 2 * (S - 1) + (R - 1) * S + 1
+        if R == 1:
+            assert schedule.kept_slots == 2 * S - 1
 
 
 @pytest.mark.parametrize("family,axes,layers", [
@@ -555,9 +575,11 @@ def test_1f1b_refuses_what_it_does_not_run_yet():
         t5.fit(list(IDS[:8]), epochs=1, max_steps=1)
 
 
-def test_1f1b_with_dropout_gives_the_gradient_of_its_own_loss():
-    """Dropout inside the stages: a stage's backward recomputes its forward, which must
-    draw the same masks (the keys salted by the step and the micro-batch,
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_1f1b_with_dropout_gives_the_gradient_of_its_own_loss(recompute):
+    """Dropout inside the stages, each chunk's activations kept from its forward to its
+    backward, or its forward recomputed there (``Plan(stage_recompute=True)``), which
+    must draw the same masks (the keys salted by the step and the micro-batch,
     ``one_f_one_b.salted``). The gradient then agrees with the loss's central difference
     along it; another step's RNG draws other masks (another loss)."""
     from redray.engine.one_f_one_b import one_f_one_b_gradients
@@ -574,7 +596,7 @@ def test_1f1b_with_dropout_gives_the_gradient_of_its_own_loss():
 
     runtime.derive(lambda m, ids: loss(m, ids, None, True),
                    jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32))
-    runtime.use(Plan(plan, micro_rows=4, pipeline_schedule="1f1b"))
+    runtime.use(Plan(plan, micro_rows=4, pipeline_schedule="1f1b", stage_recompute=recompute))
     params, extra = runtime.init()
     gradients = jax.jit(one_f_one_b_gradients(runtime, loss))
     rng = jax.random.key(3)

@@ -398,7 +398,7 @@ def test_every_part_of_a_layout_is_pinned_and_the_pinned_step_taken_apart(capsys
     assert main(["plan", *step, "--explain"]) == 0
     out = capsys.readouterr().out
     assert "pipeline: interleaved 1F1B, 4 stages x 2 chunk(s) each (8 virtual stages" in out
-    assert "recomputes each chunk's forward" in out
+    assert "keeps each chunk's activations" in out
     # the context axis priced as pinned: its keys and values gathered, no ring passes
     assert "context: keys and values gathered whole" in out and "round the ring" not in out
     assert "inside a host @ 450 GB/s" in out and "hosts @ 50 GB/s" in out

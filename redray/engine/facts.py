@@ -114,7 +114,8 @@ class RuntimeFacts(ModelFacts):
         return self._flops
 
     def memory(self, parallelism: Parallelism, rows, per_device_batch: int, remat: str,
-               accumulation: int = 1, schedule: str = "gpipe", repeats: int = 1) -> dict:
+               accumulation: int = 1, schedule: str = "gpipe", repeats: int = 1,
+               stage_recompute: bool = False) -> dict:
         """What a step holds per device on ``parallelism`` (``rows``: the parameters'
         placement there), by part (``redray.planning.memory.step_parts``)."""
         cd = self.runtime.compute_dtype
@@ -139,7 +140,8 @@ class RuntimeFacts(ModelFacts):
                                  self.compute_itemsize, acts, experts=self.experts,
                                  tokens=-(-self.sequence // ways),
                                  hidden=self.hidden, schedule=schedule, repeats=repeats,
-                                 layers=stacked_layers(self)),
+                                 layers=stacked_layers(self),
+                                 stage_recompute=stage_recompute),
                       None)
 
 

@@ -62,9 +62,10 @@ def _split_at(tree, path: tuple) -> tuple[list[bool], list, object]:
 
 def salted(tree, salt, m, *more):
     """``tree`` with every RNG key in it folded with ``salt`` and micro-batch ``m``: what
-    the stages' and the tail's dropout draw from. A stage's backward recomputes its
-    forward; both see the same keys, so they draw the same masks, and other
-    micro-batches and other steps (``salt``: from the step's RNG) other ones."""
+    the stages' and the tail's dropout draw from. A stage's backward computes again
+    what its forward did not keep (a remat policy's recomputation); both see the same
+    keys, so they draw the same masks, and other micro-batches and other steps
+    (``salt``: from the step's RNG) other ones."""
     def fold(a):
         if not jax.dtypes.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key):
             return a
@@ -252,7 +253,8 @@ def one_f_one_b_gradients(runtime, loss: Callable) -> Callable:
         # a sequence split over a context axis: the ring's exchanges span the stages
         total, metrics, d_stages, d_tail, d_x = one_f_one_b(
             stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh, own, repeats,
-            in_step=mesh.shape.get(CONTEXT.name, 1) > 1, slot=slot, local=local)
+            in_step=mesh.shape.get(CONTEXT.name, 1) > 1, slot=slot, local=local,
+            recompute=runtime.stage_recompute)
         (grads,) = head_vjp(merge_micro(d_x, ways))
         value, metrics, grads = combine(total, metrics,
                                         _add_pipelined(grads, d_stages, d_tail, under, held),

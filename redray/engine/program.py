@@ -241,7 +241,8 @@ class TrainProgram:
         geometry = self.geometry
         counted = facts.memory(parallelism, rows, geometry.micro_batch_size, "none",
                                geometry.accumulation, self.runtime.pipeline_schedule,
-                               self.runtime.stage_repeats)["parts"]
+                               self.runtime.stage_repeats,
+                               self.runtime.stage_recompute)["parts"]
         held = {"parameters": params + frozen, "optimizer": per_device(state.opt_state),
                 "gradients": params, "compute_copies": copies}
         out = totals({**counted, **held}, device_gib)

@@ -86,6 +86,11 @@ class ModelRuntime:
         """With stages: "gpipe" or "1f1b" (``engine/one_f_one_b.py``)."""
         return self.plan.pipeline_schedule
 
+    @property
+    def stage_recompute(self) -> bool:
+        """With 1F1B: each chunk's backward recomputes its forward (``Plan``)."""
+        return self.plan.stage_recompute
+
     def apply(self, fn: Callable, params, extra, rng, *args, planned: bool = True):
         """Runs ``fn(model, *args)`` on the bound model; returns (output, new extra).
         ``planned``: the model's layers place their activations on the plan's mesh

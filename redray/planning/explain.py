@@ -49,10 +49,17 @@ def schedule_lines(plan, facts_layers: int) -> list[str]:
              f"{plan.geometry.micro_batch_size} example(s) a device: {passes:g} chunk passes "
              f"for {work} of work, a bubble of {passes / work - 1:.1%} of the layers' time "
              f"(Megatron-LM's (S - 1) / (M R) = {(stages - 1) / work:.1%})"]
-    if plan.pipeline_schedule == "1f1b":
+    if plan.stage_recompute:
         lines.append("  1F1B's backward recomputes each chunk's forward from the input it kept "
                      "(a third more of the layers' work, as full activation checkpointing "
-                     "costs)")
+                     "costs; one chunk's activations at a time)")
+    elif plan.pipeline_schedule == "1f1b":
+        from redray.sharding.pipeline_schedules import one_f_one_b_table
+
+        kept = one_f_one_b_table(stages, micro, repeats).kept_slots
+        lines.append("  1F1B keeps each chunk's activations (what its remat policy saves) from "
+                     f"its forward to its backward: {kept} chunk passes of them at once "
+                     "on the first stage")
     return lines
 
 

@@ -473,7 +473,8 @@ class ConfigFacts(ModelFacts):
             dim = (getattr(self.config, "qk_head_dim", None)
                    or getattr(self.config, "head_dim", None)
                    or self.config.hidden_size // heads)
-            self.kv_width = (getattr(self.config, "num_key_value_heads", None) or heads) * dim
+            self.kv_heads = getattr(self.config, "num_key_value_heads", None) or heads
+            self.kv_width = self.kv_heads * dim
             self.attention_layers = getattr(self.config, "num_hidden_layers", None)
             self.linear_layers, self.linear_state = context_states(
                 nnx.merge(graphdef, params, extra))
@@ -508,11 +509,13 @@ class ConfigFacts(ModelFacts):
         return self._work
 
     def memory(self, parallelism: Parallelism, rows, per_device_batch: int, remat: str,
-               accumulation: int = 1, schedule: str = "gpipe", repeats: int = 1) -> dict:
+               accumulation: int = 1, schedule: str = "gpipe", repeats: int = 1,
+               stage_recompute: bool = False) -> dict:
         rows_per_pass = per_device_batch * parallelism.data_parallel
         step = dataclasses.replace(self.step, batch_size=rows_per_pass * accumulation,
                                    micro_batch_size=rows_per_pass, remat=remat,
-                                   pipeline_schedule=schedule, stage_repeats=repeats)
+                                   pipeline_schedule=schedule, stage_repeats=repeats,
+                                   stage_recompute=stage_recompute)
         params = sum(r.bytes_per_device for r in rows)
         return step_memory(self.fam, self.config, rows, 2 * params, parallelism, step,
                            traces=self._traces, experts=self.experts,

@@ -158,7 +158,8 @@ def features_split(shape, hidden: int) -> int:
 
 def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int,
                     repeats: int = 1, order: str = "gpipe", layers: int = 0,
-                    split: int = 1, every_layer: bool = False) -> dict:
+                    split: int = 1, every_layer: bool = False,
+                    recompute: bool = False) -> dict:
     """A step's memory ``parts`` (for one micro-batch of one device, as the memory
     models count it) on ``stages`` pipeline stages over ``micro_batches`` micro-batches
     (``redray/models/staged_layers.py``, GPipe or circular): each stage keeps what its
@@ -174,13 +175,20 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
     features are split over the model axis (``features_split``).
 
     ``order="1f1b"`` (the 1F1B schedule, ``redray/sharding/pipeline_schedules.py``): a
-    stage recomputes one micro-batch's share of one chunk's layers at a time (``1/(S R)``
-    of one micro-batch's saved activations), and keeps the schedule's slots of stage
+    stage keeps a chunk's saved activations (``1/(S R)`` of one micro-batch's) from its
+    forward to its backward, ``kept_slots`` of them at once (``2 S - 1`` on the first
+    stage without repeats, where Megatron-LM's 1F1B keeps ``S``: redray's ticks each run a
+    forward and a backward, so a micro-batch goes one stage a tick both ways; the
+    chunk's input not among them: the ring holds it), and the schedule's slots of stage
     inputs and output gradients (``one_f_one_b_table``: ``2 S - 1`` and 1 without
     repeats) beside the first stage's inputs and their gradients (``2 M``) and the two
     passes in flight (``1 / split`` of each, as GPipe's), and
     its gradients are summed in the loop's carry before they meet the embeddings'
     (``pipeline_gradients``: one more copy of the gradients).
+
+    With ``recompute`` (``Plan.stage_recompute``) a 1F1B stage keeps no chunk's
+    activations: its backward recomputes one chunk's forward at a time (one chunk's
+    share of one micro-batch's saved activations).
 
     ``every_layer``: ``parts``' expert exchange is every expert layer's (no remat), and
     is kept per layer as the activations are (a chunk's layers; GPipe's at every
@@ -192,10 +200,14 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
     if every_layer and parts.get("expert_exchange"):
         # kept per layer as the activations are: a chunk's layers, at each tick GPipe's
         out["expert_exchange"] = parts["expert_exchange"] * share * (
-            1 if order == "1f1b" else pipeline_ticks(stages, micro_batches, repeats)[1])
+            (1 if recompute else one_f_one_b_table(stages, micro_batches, repeats).kept_slots)
+            if order == "1f1b" else pipeline_ticks(stages, micro_batches, repeats)[1])
     if order == "1f1b":
         schedule = one_f_one_b_table(stages, micro_batches, repeats)
-        out["activations"] = parts.get("activations", 0) * share
+        one = parts.get("activations", 0) * share
+        # the chunk's input among them is the ring's (``pipeline_buffers``)
+        out["activations"] = one if recompute else \
+            max(one - act_bytes // split, 0) * schedule.kept_slots
         out["pipeline_buffers"] = (2 * micro_batches + schedule.slots + schedule.grad_slots
                                    + 2) * act_bytes // split
         out["pipeline_gradients"] = parts.get("gradients", 0)
@@ -210,7 +222,7 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
                accumulation: int, compute_itemsize: int, activations: int,
                recompute: int = 0, experts: Sequence[ExpertLayers] = (), tokens: int = 1,
                every_layer: bool = True, hidden: int = 0, schedule: str = "gpipe",
-               repeats: int = 1, layers: int = 0) -> dict:
+               repeats: int = 1, layers: int = 0, stage_recompute: bool = False) -> dict:
     """What one training step holds per device, by part: the one count behind
     ``Trainer.memory()``, the planner (``facts.memory``) and ``redray plan``
     (``step_memory``), each giving it what it knows of the state and the activations.
@@ -234,6 +246,7 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
       schedule, repeats: the pipeline's schedule ("gpipe" or "1f1b") and circular
         repeats, on a stage axis (``pipelined_parts``).
       layers: the model's stacked layers (0: a count the stages' chunks divide).
+      stage_recompute: 1F1B's chunks recomputed in their backward (``Plan``).
     """
     parts = dict(state)
     fsdp = math.prod(parallelism.shape[a] for a in GATHERING)
@@ -258,7 +271,8 @@ def step_parts(state: dict, rows, parallelism: Parallelism, per_device: int,
             experts, parallelism.shape, per_device * tokens, compute_itemsize, every_layer)
     out = pipelined_parts(parts, parallelism.role_size("layers"), accumulation,
                           per_device * tokens * hidden * compute_itemsize, repeats, schedule,
-                          layers, features_split(parallelism.shape, hidden), every_layer)
+                          layers, features_split(parallelism.shape, hidden), every_layer,
+                          stage_recompute)
     if staged and schedule == "1f1b":  # the carry holds a stage's gradients gathered
         out["pipeline_gradients"] += staged - staged // fsdp
     return out
@@ -471,6 +485,7 @@ class StepShape:
       stage_repeats: the pipeline's circular repeats on a stage axis
         (``Trainer.of(stage_repeats=)``).
       pipeline_schedule: "gpipe" or "1f1b" (``Trainer.of(pipeline_schedule=)``).
+      stage_recompute: 1F1B's chunks recomputed in their backward (``Plan``).
     """
 
     batch_size: int
@@ -482,6 +497,7 @@ class StepShape:
     scan: bool | None = None
     stage_repeats: int = 1
     pipeline_schedule: str = "gpipe"
+    stage_recompute: bool = False
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "stage_repeats"):
@@ -714,7 +730,7 @@ def step_memory(fam, config, param_rows, opt_bytes: int, parallelism: Parallelis
                        item, acts["saved"], acts["recompute"], experts,
                        -(-step.seq_len // parallelism.role_size("sequence")),
                        step.remat in ("none", "dots"), hidden, step.pipeline_schedule,
-                       step.stage_repeats, layers)
+                       step.stage_repeats, layers, step.stage_recompute)
     return {**totals(parts, device_gib), "per_device_batch": per_device,
             "activations_per_layer": acts["per_layer"], "offloaded_to_host": acts["host"],
             "step": dataclasses.asdict(step)}

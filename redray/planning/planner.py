@@ -60,6 +60,9 @@ class ModelFacts:
       one_f_one_b: whether its plans with stages may run the 1F1B schedule.
       kv_width, attention_layers: a token's key or value elements and the attention
         layers, for a context axis's ring (None: the hidden width and the stacked layers).
+      kv_heads: the key/value heads those elements hold (0: unknown): a model axis that
+        divides them leaves each device its share of the heads, and so of the ring's
+        keys and values (``kv_split``).
       linear_layers, linear_state: the linear-attention layers (Gated DeltaNet), which
         pass a state over a context axis in place of a ring, and the float32 elements
         of one sequence chunk's state map (``cost.context_traffic``); 0: none.
@@ -82,6 +85,7 @@ class ModelFacts:
     experts: Sequence = ()
     one_f_one_b: bool = False
     kv_width: int | None = None
+    kv_heads: int = 0
     attention_layers: int | None = None
     linear_layers: int = 0
     linear_state: int = 0
@@ -108,25 +112,26 @@ class ModelFacts:
 
     def memory(self, parallelism: Parallelism, rows: list[Placement], per_device_batch: int,
                remat: str, accumulation: int = 1, schedule: str = "gpipe",
-               repeats: int = 1) -> dict:
+               repeats: int = 1, stage_recompute: bool = False) -> dict:
         """What a step holds per device (``parts``, ``total``): ``accumulation``
         micro-batches of ``per_device_batch`` examples a device, the pipeline's
-        ``schedule`` and circular ``repeats`` on a stage axis
-        (``redray.planning.memory.step_parts``)."""
+        ``schedule``, circular ``repeats`` and 1F1B's ``stage_recompute`` on a stage
+        axis (``redray.planning.memory.step_parts``)."""
         raise NotImplementedError
 
 
 def grid_plan(sizes: dict, micro_batch_size: int, remat: str, batch_size: int,
               pipeline_schedule: str = "gpipe", rules=(), repeats: int = 1,
-              context_attention: str = "auto") -> Plan:
+              context_attention: str = "auto", stage_recompute: bool = False) -> Plan:
     """A candidate: the plan of axis ``sizes`` (keyword -> size, every axis) over an
     abstract mesh of their devices, ``micro_batch_size`` examples per device per pass of
     the global ``batch_size``, ``remat``, ``pipeline_schedule`` and its circular
-    ``repeats``, ``context_attention`` on a context axis."""
+    ``repeats`` (1F1B's chunks recomputed with ``stage_recompute``),
+    ``context_attention`` on a context axis."""
     parallelism = Parallelism.of(rules=rules, **sizes).abstract(math.prod(sizes.values()))
     return Plan.of(parallelism, parallelism.geometry(batch_size, micro_batch_size),
                    pipeline_schedule=pipeline_schedule, remat=remat, stage_repeats=repeats,
-                   context_attention=context_attention)
+                   context_attention=context_attention, stage_recompute=stage_recompute)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,9 +356,8 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
         them padded, ``parallelism.layer_order``), with at least as many micro-batches
         as stages (a model without stacked layers cannot be pipelined: only 1).
       one_f_one_b: the model can run the 1F1B schedule (one stack of layers, a Trainer
-        that allows it): plans with stages are also tried with it, without remat inside
-        any remat inside the layers (its backward recomputes a stage's forward, and the
-        layers' remat what that forward keeps).
+        that allows it): plans with stages are also tried with it, under every remat
+        policy (a chunk's forward keeps what the policy saves until its backward).
       rules: the user's sharding rules, in every plan.
       refused: where given, why splits of the devices were left out: filled with
         "experts", "layers" (a stage count above the layers), "batch"
@@ -377,6 +381,7 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
     schedules = [schedule_pin] if schedule_pin is not None else \
         ["gpipe", "1f1b"] if one_f_one_b else ["gpipe"]
     repeats_pin = pinned.pop("stage_repeats", None)
+    recompute_pin = pinned.pop("stage_recompute", None)
     context = pinned.pop("context_attention", "auto")
     out = []
     splits = axis_sizes(devices, hosts, pinned, slices)
@@ -406,10 +411,25 @@ def candidates(devices: int, hosts: int, batch_size: int, remat_policies: Sequen
                 refused["micro"] = refused.get("micro", 0) + 1
                 continue
             for remat in remats:
-                for schedule in schedules if stages > 1 else ["gpipe"]:
+                for schedule, again in _schedules(schedules, stages, remat, recompute_pin):
                     for repeats in _repeats(layers, stages, repeats_pin):
                         out.append(grid_plan(sizes, micro, remat, batch_size, schedule,
-                                             rules, repeats, context))
+                                             rules, repeats, context, again))
+    return out
+
+
+def _schedules(schedules: list[str], stages: int, remat: str,
+               pinned: bool | None) -> list[tuple]:
+    """(schedule, ``stage_recompute``) pairs a plan of ``stages`` under ``remat`` may
+    take (without stages only GPipe's, the plain step): 1F1B keeping its chunks'
+    activations, and without remat inside the layers 1F1B recomputing each chunk (a
+    remat policy inside a recomputed chunk would run its forward twice more);
+    ``pinned``: only that choice."""
+    out = []
+    for schedule in schedules if stages > 1 else ["gpipe"]:
+        for again in ((False, True) if schedule == "1f1b" and remat == "none" else (False,)):
+            if pinned is None or again == pinned:
+                out.append((schedule, again))
     return out
 
 
@@ -450,10 +470,13 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     bubble = ticks / (micro_batches * repeats) * (
         chunk_share(stages, repeats, layers) * stages * repeats if stages > 1 else 1.0)
     memory = facts.memory(parallelism, rows, micro_batch_size, remat,
-                          micro_batches, candidate.pipeline_schedule, repeats)
+                          micro_batches, candidate.pipeline_schedule, repeats,
+                          candidate.stage_recompute)
     scanned = facts.trace.scanned if facts.trace is not None else {}
     hidden = hidden_width(facts.shapes, scanned)
-    recompute = remat != "none" or one_f_one_b
+    # 1F1B recomputing each chunk (``Plan.stage_recompute``) runs its forward again
+    again = one_f_one_b and candidate.stage_recompute
+    recompute = remat != "none" or again
     ways = role_size(shape, "sequence")  # a device computes 1/ways of a sequence's tokens
     tensor = [] if facts.trace is None else tensor_traffic(
         facts.trace, params, shape, micro_batch_size / facts.trace_examples / ways,
@@ -469,12 +492,12 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                           reduced_once=local)
     model = role_size(shape, "heads")
     flops, whole = _flops(facts, params, remat, batch_size, devices,
-                          bubble if stages > 1 else 0.0, one_f_one_b, model)
+                          bubble if stages > 1 else 0.0, model, again)
     device_work = None
     counted = facts.work() if facts.timing is None else None
     if counted is not None:
         device_work = _device_work(counted, remat, batch_size / devices, model,
-                                   bubble, one_f_one_b, whole, stages * repeats,
+                                   bubble, whole, stages * repeats, again,
                                    hardware)
     trained = facts.trained or [True] * len(params)
     # each trained parameter's elements on one device
@@ -491,13 +514,11 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
                              features_split(shape, hidden), gpipe)
     # with stages, a device's attention layers are its chunk's, run at every tick (without
     # stages ``ticks`` is the micro-batches)
-    # (1F1B's backward recomputes a chunk's forward, its ring included: half as many
-    # passes again)
     ring = context_traffic(shape, micro_batch_size, facts.tokens_per_example,
-                           facts.kv_width or hidden, hidden,
+                           (facts.kv_width or hidden) // kv_split(facts, shape), hidden,
                            -(-(facts.attention_layers or layers or 1) // (stages * repeats)),
                            facts.compute_itemsize, micro_batches,
-                           ticks * (1.5 if one_f_one_b else 1),
+                           ticks * (1.5 if again else 1),  # a recomputed ring: half again
                            -(-facts.linear_layers // (stages * repeats)), facts.linear_state,
                            candidate.context_attention)
     update_bytes = UPDATE_ACCESSES * sum(n * p.itemsize for p, n in held)
@@ -509,6 +530,14 @@ def score(facts: ModelFacts, candidate: Plan, batch_size: int, hosts: int,
     useful = facts.flops("none") * batch_size / devices  # remat's recompute is not useful
     return Scored(candidate, memory, cost, memory["total"] <= budget, tokens,
                   useful / cost.seconds / hardware.peak_flops)
+
+
+def kv_split(facts: ModelFacts, shape: dict[str, int]) -> int:
+    """The devices a token's keys and values are split over on a mesh of ``shape``: the
+    model axis where it divides the key/value heads (the rules split whole key/value
+    groups over it, each device running the ring on its own), else 1."""
+    model = role_size(shape, "heads")
+    return model if facts.kv_heads and facts.kv_heads % model == 0 else 1
 
 
 def _held(facts: ModelFacts, parallelism: Parallelism, repeats: int,
@@ -552,22 +581,22 @@ def _ticks(stages: int, micro_batches: int, repeats: int, one_f_one_b: bool) -> 
 
 
 def _flops(facts: ModelFacts, params: Sequence[Parameter], remat: str, batch_size: int,
-           devices: int, bubble: float, one_f_one_b: bool, model: int) -> tuple[float, float]:
+           devices: int, bubble: float, model: int, again: bool = False) -> tuple[float, float]:
     """(one device's matmul FLOPs in a step, the part of them in matmuls the model axis
     leaves whole), the batch spread over the devices: with stages
-    (``bubble``: 0 without) the layers run on ``M + S - 1`` slots, ``M`` of them real,
-    and 1F1B's backward recomputes a stage's forward; on a model axis of ``model``
-    devices the layers it leaves whole run whole on each of them."""
+    (``bubble``: 0 without) the layers run on ``M + S - 1`` slots, ``M`` of them real
+    (1F1B's chunks keep their activations, or with ``again`` their backward runs their
+    forward again); on a model axis of ``model`` devices the layers it leaves whole run
+    whole on each of them."""
     flops = facts.flops(remat) * batch_size / devices
+    rerun = ONE_F_ONE_B_RERUN if again else 0.0
     if bubble:
         share = layer_share(facts)
-        again = 1 + facts.flops("none") * ONE_F_ONE_B_RERUN / facts.flops(remat) \
-            if one_f_one_b else 1.0
-        flops *= share * again * bubble + 1 - share
+        flops *= share * (1 + facts.flops("none") * rerun / facts.flops(remat)) * bubble \
+            + 1 - share
     whole = 0.0
     if model > 1 and facts.trace is not None:
-        rerun = facts.flops(remat) / facts.flops("none") \
-            + (ONE_F_ONE_B_RERUN if one_f_one_b else 0.0)
+        rerun += facts.flops(remat) / facts.flops("none")
         whole = (rerun * whole_flops(facts.trace, params, facts.trace_examples)
                  * batch_size * model / devices * (1 - 1 / model))
     return flops + whole, whole
@@ -670,27 +699,28 @@ def refusal(devices: int, hosts: int, batch_size: int, pinned: dict, refused: di
             "sizes that take it")
 
 
-# What 1F1B's backward adds to the layers' work, over a pass without remat: each
-# stage's forward once more (a forward is about a third of forward and backward).
-ONE_F_ONE_B_RERUN = 1 / 3
 # Reads and writes of each trained parameter element in the optimizer's update, at its
 # bytes: AdamW reads the parameter, its gradient twice (the global norm, the update)
 # and both moments, and writes the parameter and both moments.
 UPDATE_ACCESSES = 8
+# What a recomputing 1F1B's backward adds to the layers' work, over a pass without
+# remat: each chunk's forward once more (a forward is a third of forward and backward).
+ONE_F_ONE_B_RERUN = 1 / 3
 
 
 def _device_work(counted: ModelWork, remat: str, examples: float, model: int,
-                 bubble: float, one_f_one_b: bool, whole: float, stages: int,
+                 bubble: float, whole: float, stages: int, again: bool,
                  hardware: Hardware) -> DeviceWork:
     """One device's work in a step: ``examples`` (the batch over the devices) times an
-    example's under ``remat``, the layers' stretched by the pipeline's ``bubble`` (1F1B
-    runs their forward again), the matmuls the model axis leaves whole (``whole``
-    FLOPs) added. Of the memory-bound work only the part over split widths (heads, the
-    MLP's inner width: ``Work.split_memory``) divides over the model axis: the residual
-    stream, the norms and the loss run whole on each device of a tensor-parallel group
-    (there is no sequence parallelism)."""
+    example's under ``remat``, the layers' stretched by the pipeline's ``bubble`` (with
+    ``again`` their forward run once more: a recomputing 1F1B), the matmuls the model axis
+    leaves whole (``whole`` FLOPs) added. Of the memory-bound
+    work only the part over split widths (heads, the MLP's inner width:
+    ``Work.split_memory``) divides over the model axis: the residual stream, the norms
+    and the loss run whole on each device of a tensor-parallel group (there is no
+    sequence parallelism)."""
     example = counted.under(remat)
-    one = example.layer + (counted.forward.layer if one_f_one_b else Work())
+    one = example.layer + (counted.forward.layer if again else Work())
     layer = one * (example.layers * examples * bubble)
     layer = dataclasses.replace(
         layer, memory=layer.split_memory + (layer.memory - layer.split_memory) * model,

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax._src.interpreters import partial_eval as pe
+
 from redray.sharding.tracing import loop_unroll
 from redray.sharding.parallelism import STAGE, role_size
 
@@ -49,7 +51,8 @@ def merge_micro(x, ways: int):
 
 # The columns of ``Schedule.table``: per tick and stage, what the stage does.
 _COLUMNS = ("forward", "f_repeat", "f_micro", "f_slot", "store", "tail_slot",
-            "backward", "b_repeat", "b_micro", "b_slot", "b_grad", "store_grad")
+            "backward", "b_repeat", "b_micro", "b_slot", "b_grad", "store_grad", "f_kept",
+            "b_kept")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,23 +62,29 @@ class Schedule:
 
     Attributes:
       ticks: the schedule's length; each tick a stage runs at most one chunk's forward
-        and one chunk's backward (the forward recomputed).
+        and one chunk's backward.
       slots: the stage inputs a stage holds at once, from their arrival to their
         backward (the ring ``one_f_one_b`` keeps).
       grad_slots: the output gradients a stage holds at once, from their arrival to
         their backward.
+      kept_slots: the chunks' saved activations (their backward's residuals) a stage
+        holds at once, from their forward to their backward (``2 (S - s) - 1`` on
+        stage ``s`` without repeats; Megatron-LM's 1F1B, whose forward takes a third
+        of a tick, keeps ``S - s``).
       table: (ticks, S, len(_COLUMNS)) ints: ``forward``/``backward`` 1 where the stage
         runs one, the repeat (chunk) and micro-batch of each, the slot its input is in
         (``f_slot``, ``b_slot``) and the gradient slot its backward reads
         (``b_grad``); ``store``/``store_grad``: the slot where the input and the
         gradient that arrived from the neighbours at the end of the tick before are
         kept (-1: nothing for this stage); ``tail_slot``: on the last chunk's forward,
-        where the loss's gradient goes (-1 elsewhere).
+        where the loss's gradient goes (-1 elsewhere); ``f_kept``/``b_kept``: the slot
+        a forward's saved activations go to, and the one a backward reads them from.
     """
     ticks: int
     slots: int
     grad_slots: int
     table: np.ndarray
+    kept_slots: int = 1
 
     def column(self, name: str) -> np.ndarray:
         return self.table[..., _COLUMNS.index(name)]
@@ -170,9 +179,14 @@ def one_f_one_b_table(stages: int, micro: int, repeats: int = 1) -> Schedule:
         table[..., cols] = 0  # nothing to run: chunk 0, micro-batch 0 (never read)
         for (v, m), tick in at.items():
             table[tick, v % S, cols] = (1, v // S, m)
-    slots = grad_slots = 1
+    slots = grad_slots = kept_slots = 1
     for s in range(S):
         mine = [(v, m) for v, m in f_at if v % S == s]
+        kept, n = _slots([(f_at[(v, m)], b_at[(v, m)], (v, m)) for v, m in mine])
+        kept_slots = max(kept_slots, n)
+        for (v, m), slot in kept.items():
+            table[f_at[(v, m)], s, col("f_kept")] = slot
+            table[b_at[(v, m)], s, col("b_kept")] = slot
         # an input is kept from its arrival (chunk 0's: its forward) to its backward
         inputs, n = _slots([(f_at[(v - 1, m)] + 1 if v else f_at[(v, m)], b_at[(v, m)], (v, m))
                             for v, m in mine])
@@ -191,7 +205,7 @@ def one_f_one_b_table(stages: int, micro: int, repeats: int = 1) -> Schedule:
                 table[f_at[(v, m)], s, col("tail_slot")] = slot
             else:
                 table[b_at[(v + 1, m)] + 1, s, col("store_grad")] = slot
-    return Schedule(t, slots, grad_slots, table)
+    return Schedule(t, slots, grad_slots, table, kept_slots)
 
 
 def one_f_one_b_schedule(stages: int, micro: int, repeats: int = 1) -> tuple[int, int]:
@@ -309,26 +323,112 @@ def _hold(tree, specs, lead=()):
         a, NamedSharding(mesh, P(*lead, *spec))) for a, spec in zip(leaves, specs)])
 
 
-def _chunk_backward(run, chunks, ring, grad_ring, at, grads, rb, b, repeats: int,
-                    consts, own, local: Local | None):
-    """Chunk ``rb``'s backward on micro-batch ``b``: its forward recomputed from the input
-    kept in ``ring``, its output's gradient from ``grad_ring``; (``grads`` with the
-    chunk's gradients added, the gradient of its input). With ``local``, on each
+def _vjp_leaves(fn, p, x) -> tuple:
+    """(``fn(p, x)``, the leaves of its vjp: what its backward reads, their treedef)."""
+    out, vjp = jax.vjp(fn, p, x)
+    leaves, tree = jax.tree.flatten(vjp)
+    return out, leaves, tree
+
+
+def _on_input(fn, p, x) -> list[bool]:
+    """Which leaves of ``fn``'s vjp at ``(p, x)`` depend on ``x`` (each found by dead-code
+    elimination of the others in its jaxpr: a scan's carry followed to its fixpoint)."""
+    jaxpr = jax.make_jaxpr(lambda p, x: _vjp_leaves(fn, p, x)[1])(p, x).jaxpr
+    first, n = len(jax.tree.leaves(p)), len(jaxpr.outvars)
+    return [any(pe.dce_jaxpr(jaxpr, [j == i for j in range(n)])[1][first:])
+            for i in range(n)]
+
+
+class _Kept:
+    """A chunk's saved activations from its forward to its backward, as Megatron-LM's
+    1F1B keeps them (the backward had recomputed the forward: a third more of the
+    layers' work): the leaves of the chunk's vjp that depend on its input, in the
+    schedule's ``kept_slots`` slots (with ``local``, each device's, on a leading axis
+    over the batch axes), but the input itself, which the schedule's ring holds until
+    the backward. The other leaves (the parameters as read or cast, the micro-batch's
+    masks) the backward computes again; nothing reads the rest of that forward, which
+    XLA leaves out. A remat policy inside the layers keeps what it saves
+    and recomputes the rest in the backward, as without stages. With ``recompute`` the
+    chunk is one remat block: it keeps nothing, and its backward runs its forward again
+    from the ring's input (one chunk's activations at a time)."""
+
+    def __init__(self, run, local: Local | None, consts, own, recompute: bool = False):
+        self.run, self.local, self.consts, self.own = run, local, consts, own
+        self.recompute = recompute
+        self.on_input = None  # set where the chunk's forward is first traced
+
+    def _fn(self, r, m, c, o):
+        fn = lambda p, x: self.run(p, r, x, m, c, o)  # noqa: E731
+        # recomputed: the chunk saves nothing but its inputs (the parameters, the ring's)
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable) \
+            if self.recompute else fn
+
+    def _forward(self, p, r, h, m, c, o):
+        fn = self._fn(r, m, c, o)
+        out, leaves, _ = _vjp_leaves(fn, p, h)
+        if self.on_input is None:  # the input itself is in the schedule's ring already
+            self.on_input = [d and a is not h for a, d in zip(leaves, _on_input(fn, p, h))]
+        return out, [a for a, d in zip(leaves, self.on_input) if d]
+
+    def forward(self, p, r, h, m):
+        """(chunk ``p``'s output on micro-batch ``m``'s input ``h``, what it keeps)."""
+        if self.local is None:
+            return self._forward(p, r, h, m, self.consts, self.own)
+        rows = self.local.rows()
+
+        def on_rows(*a):
+            out, kept = self._forward(*a)
+            return out, [k[None] for k in kept]
+
+        return self.local.run(on_rows, p, r, h, m, self.consts, self.own,
+                              in_specs=(P(), P(), rows, P(), self.local.const_specs(), P()),
+                              out_specs=(rows, P(self.local.axes)))
+
+    def backward(self, p, x, g, r, m, c, o, kept):
+        """The vjp of chunk ``p`` on input ``x`` at output gradient ``g``, from ``kept``."""
+        _, leaves, tree = _vjp_leaves(self._fn(r, m, c, o), p, x)
+        kept = iter(kept)
+        return tree.unflatten([next(kept) if d else a
+                               for a, d in zip(leaves, self.on_input)])(g)
+
+    def empty(self, chunk, x, slots: int) -> tuple[list, list]:
+        """(one forward's kept leaves as zeros, ``slots`` of them: the ring), for inputs
+        like ``x`` and chunks picked by ``chunk(r)``."""
+        shapes = jax.eval_shape(lambda r, h, m: self.forward(chunk(r), r, h, m)[1],
+                                jnp.int32(0), x, jnp.int32(0))
+        mesh = jax.sharding.get_abstract_mesh()
+
+        def zeros(shape, dtype, lead=()):  # with local: each device's on its own
+            z = jnp.zeros(shape, dtype)
+            return z if self.local is None else jax.lax.with_sharding_constraint(
+                z, NamedSharding(mesh, P(*lead, self.local.axes)))
+
+        return ([zeros(a.shape, a.dtype) for a in shapes],
+                [zeros((slots, *a.shape), a.dtype, (None,)) for a in shapes])
+
+
+def _chunk_backward(kept: _Kept, chunks, ring, grad_ring, kept_ring, at, grads, rb, b,
+                    repeats: int):
+    """Chunk ``rb``'s backward on micro-batch ``b``: from what its forward kept in
+    ``kept_ring`` and its output's gradient in ``grad_ring``; (``grads`` with the
+    chunk's gradients added, the gradient of its input). With ``kept.local``, on each
     device's own rows: its gradients added unreduced, at its own entry of ``grads``'
     leading axis."""
-    def backward(p, x, g, r, m, c, o):
-        _, vjp = jax.vjp(lambda p, x: run(p, r, x, m, c, o), p, x)
-        return vjp(g)
-
+    local = kept.local
     args = (_pick(chunks, rb, repeats), ring[at("b_slot")], grad_ring[at("b_grad")], rb, b,
-            consts, own)
+            kept.consts, kept.own, [k[at("b_kept")] for k in kept_ring])
     if local is None:
-        d_chunk, d_in = backward(*args)
+        d_chunk, d_in = kept.backward(*args)
     else:
         rows = local.rows()
+
+        def on_rows(*a):
+            d_chunk, d_in = kept.backward(*a[:-1], [k[0] for k in a[-1]])
+            return jax.tree.map(lambda t: t[None], d_chunk), d_in
+
         d_chunk, d_in = local.run(
-            lambda *a: (lambda d: (jax.tree.map(lambda t: t[None], d[0]), d[1]))(backward(*a)),
-            *args, in_specs=(P(), rows, rows, P(), P(), local.const_specs(), P()),
+            on_rows, *args,
+            in_specs=(P(), rows, rows, P(), P(), local.const_specs(), P(), P(local.axes)),
             out_specs=(P(local.axes), rows))
     if repeats == 1:
         return jax.tree.map(jnp.add, grads, d_chunk), d_in
@@ -346,8 +446,8 @@ def _zero_grads(chunks, local: Local | None):
 
 
 def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, repeats: int,
-                   in_step: bool, slot, local: Local | None, chunks, own, tail_params, x_m,
-                   consts):
+                   in_step: bool, slot, local: Local | None, recompute: bool, chunks, own,
+                   tail_params, x_m, consts):
     """One stage's part of ``one_f_one_b`` (manual over ``stage``): the schedule's ticks
     as one scan; returns (the loss and metrics summed, the gradients of its chunks (with
     the stage axis), of the tail's parameters, of ``x_m`` (with the stage axis))."""
@@ -358,19 +458,14 @@ def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, rep
     ahead, behind = _neighbours(schedule.table.shape[1], repeats)
     zero_h = _as_held(jnp.zeros_like(x_m[0]), slot)
 
-    def run(p, r, h, m, c, o=own):
-        return stage_fn(p, _pick(o, r, repeats), h, m, c)
-
-    def forward_pass(p, r, h, m):
-        if local is None:
-            return run(p, r, h, m, consts)
-        rows = local.rows()
-        return local.run(run, p, r, h, m, consts, own,
-                         in_specs=(P(), P(), rows, P(), local.const_specs(), P()),
-                         out_specs=rows)
+    keeps = _Kept(lambda p, r, h, m, c, o: stage_fn(p, _pick(o, r, repeats), h, m, c), local,
+                  consts, own, recompute)
+    zero_kept, kept_ring = keeps.empty(lambda r: _pick(chunks, r, repeats), x_m[0],
+                                       schedule.kept_slots)
 
     def tick(carry, t):
-        got, got_grad, ring, grad_ring, grads, tail_grads, x_grads, loss, metrics = carry
+        got, got_grad, ring, grad_ring, kept_ring, grads, tail_grads, x_grads, loss, \
+            metrics = carry
         row = table[t, s]
         at = lambda name: row[_COLUMNS.index(name)]  # noqa: E731
         # whether any stage does it at this tick (the same on every device)
@@ -381,14 +476,18 @@ def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, rep
         grad_ring = jax.lax.cond(at("store_grad") >= 0,
                                  lambda: grad_ring.at[at("store_grad")].set(got_grad),
                                  lambda: grad_ring)
-        # a chunk's forward on its input (chunk 0's: the micro-batch), kept in the
-        # ring for its backward
+        # a chunk's forward on its input (chunk 0's: the micro-batch), its input and
+        # what its backward reads kept until then
         forward, r, m = at("forward") == 1, at("f_repeat"), at("f_micro")
         h = jnp.where((s == 0) & (r == 0), x_m[m], ring[at("f_slot")])
-        out = _as_held(_when(in_step, forward, anyone("forward", 1),
-                             lambda: forward_pass(_pick(chunks, r, repeats), r, h, m),
-                             lambda: zero_h), slot)
-        ring = jax.lax.cond(forward, lambda: ring.at[at("f_slot")].set(h), lambda: ring)
+        out, kept = _when(in_step, forward, anyone("forward", 1),
+                          lambda: keeps.forward(_pick(chunks, r, repeats), r, h, m),
+                          lambda: (zero_h, zero_kept))
+        out = _as_held(out, slot)
+        ring, kept_ring = jax.lax.cond(
+            forward, lambda: (ring.at[at("f_slot")].set(h),
+                              [k.at[at("f_kept")].set(v) for k, v in zip(kept_ring, kept)]),
+            lambda: (ring, kept_ring))
         kept = (loss, metrics, tail_grads, grad_ring)
         # every stage runs the tail where the last does, keeping none of it: a loss's
         # collective-permute (a chunked loss's padding over a data axis) spans them all
@@ -396,27 +495,27 @@ def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, rep
             True, at("tail_slot") >= 0, anyone("tail_slot", 0),
             lambda: _tail_pass(tail_fn, tail_params, consts, out, m, at, kept), lambda: kept)
         # a chunk's backward: its output's gradient (from the next chunk, or the
-        # tail's) through the forward recomputed from the input kept
+        # tail's) through what its forward kept
         backward, rb, b = at("backward") == 1, at("b_repeat"), at("b_micro")
         grads, d_in = _when(
             in_step, backward, anyone("backward", 1),
-            lambda: _chunk_backward(run, chunks, ring, grad_ring, at, grads, rb, b, repeats,
-                                    consts, own, local),
+            lambda: _chunk_backward(keeps, chunks, ring, grad_ring, kept_ring, at, grads, rb,
+                                    b, repeats),
             lambda: (grads, zero_h))
         d_in = _as_held(d_in, slot)
         x_grads = jax.lax.cond(backward & (s == 0) & (rb == 0),
                                lambda: x_grads.at[b].set(d_in), lambda: x_grads)
         carry = (jax.lax.ppermute(out, STAGE.name, ahead),
                  jax.lax.ppermute(d_in, STAGE.name, behind),
-                 ring, grad_ring, grads, tail_grads, x_grads, loss, metrics)
+                 ring, grad_ring, kept_ring, grads, tail_grads, x_grads, loss, metrics)
         return carry, None
 
     carry = (zero_h, zero_h,
              _as_held(jnp.zeros((schedule.slots, *zero_h.shape), zero_h.dtype), slot, 1),
              _as_held(jnp.zeros((schedule.grad_slots, *zero_h.shape), zero_h.dtype), slot, 1),
-             _zero_grads(chunks, local), jax.tree.map(jnp.zeros_like, tail_params),
+             kept_ring, _zero_grads(chunks, local), jax.tree.map(jnp.zeros_like, tail_params),
              _as_held(jnp.zeros_like(x_m), slot, 1), jnp.zeros((), jnp.float32), no_metrics)
-    (_, _, _, _, grads, tail_grads, x_grads, loss, metrics), _ = jax.lax.scan(
+    (*_, grads, tail_grads, x_grads, loss, metrics), _ = jax.lax.scan(
         tick, carry, jnp.arange(schedule.ticks), unroll=loop_unroll())
     if local is not None:  # each device's sums reduced, once
         grads = _hold(jax.tree.map(lambda g: g.sum(0), grads), local.gathered)
@@ -428,7 +527,7 @@ def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, rep
 
 def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
                 stage_consts=(), repeats: int = 1, in_step: bool = False, slot=None,
-                local: Local | None = None):
+                local: Local | None = None, recompute: bool = False):
     """One pipelined gradient step in the 1F1B order: each stage alternates one
     micro-batch's forward and an earlier one's backward, so a stage holds a bounded
     number of micro-batches' inputs (``one_f_one_b_table``), where GPipe keeps every
@@ -443,10 +542,10 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
     one (``lax.cond``: a bubble computes nothing), then passes its output to the next
     stage and its input gradient to the previous one (two ``ppermute``; with repeats
     round a ring, the last stage's output going back to the first). What arrives is
-    kept in the slot the schedule's table names until its turn. The backward
-    recomputes the chunk's forward from the input it kept (a chunk's activations exist
-    for one tick at a time; remat inside the layers still applies to that
-    recomputation). The last stage runs the loss's ``tail_fn`` on each micro-batch as it
+    kept in the slot the schedule's table names until its turn. A chunk's forward keeps
+    what its backward reads (``_Kept``: its saved activations, as a remat policy inside
+    the layers leaves them) in the schedule's ``kept_slots`` until that backward. The
+    last stage runs the loss's ``tail_fn`` on each micro-batch as it
     leaves the last chunk and may start that micro-batch's backward in the same tick.
 
     Args:
@@ -484,6 +583,7 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
         stage's parameters and gradients; None: XLA partitions each tick's chunk,
         gathering it over FSDP and reducing its gradient over the batch axes at every
         tick.
+      recompute: each chunk's backward recomputes its forward from its input (``_Kept``).
 
     Returns:
       (the micro-batches' losses summed, their metrics summed, the gradients of
@@ -498,7 +598,7 @@ def one_f_one_b(stage_fn, tail_fn, stage_params, tail_params, x_m, consts, mesh,
     table = jnp.asarray(schedule.table)
     no_metrics = _zero_metrics(tail_fn, tail_params, x_m, consts)
     program = functools.partial(_stage_program, stage_fn, tail_fn, schedule, table,
-                                no_metrics, repeats, in_step, slot, local)
+                                no_metrics, repeats, in_step, slot, local, recompute)
     staged, whole = P(STAGE.name), P()
     (loss, metrics), grads, tail_grads, x_grads = jax.shard_map(
         program, mesh=mesh, in_specs=(staged, staged, whole, whole, whole),

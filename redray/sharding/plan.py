@@ -42,6 +42,10 @@ class Plan:
         stages (``of`` derives it from the geometry); None: a pass's rows are one.
       pipeline_schedule: on a stage axis, "gpipe" or "1f1b".
       stage_repeats: on a stage axis, the circular pipeline's repeats.
+      stage_recompute: with 1F1B, each chunk's backward recomputes its forward from the
+        chunk's input, the least memory (one chunk's activations at a time), where by
+        default a chunk keeps its activations from its forward to its backward (a
+        third less of the layers' work).
       remat: the remat policy the planner chose (None: the model's own).
       context_attention: how one layer's attention crosses a context axis: "ring",
         "all_gather", or "auto": per layer, whichever the cost model predicts faster on
@@ -62,6 +66,7 @@ class Plan:
     micro_rows: int | None = None
     pipeline_schedule: str = "gpipe"
     stage_repeats: int = 1
+    stage_recompute: bool = False
     remat: str | None = None
     context_attention: str = "auto"
     expert_exchange: str = "auto"
@@ -77,6 +82,9 @@ class Plan:
         if self.expert_exchange not in EXPERT_EXCHANGES:
             raise ValueError(f"expert_exchange={self.expert_exchange!r}: use one of "
                              f"{', '.join(map(repr, EXPERT_EXCHANGES))}")
+        if self.stage_recompute and self.pipeline_schedule != "1f1b":
+            raise ValueError("stage_recompute=True is 1F1B's: give pipeline_schedule='1f1b' "
+                             "(GPipe keeps every tick's activations; remat='full' trims them)")
         repeats = self.stage_repeats
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"stage_repeats must be a positive int, got {repeats!r}")
@@ -111,6 +119,8 @@ class Plan:
         dots`` (then ``1f1b`` where it pipelines so, ``circular x 4`` with circular
         repeats): its axes, the examples per device per pass, the remat policy."""
         order = ", 1f1b" if self.pipeline_schedule == "1f1b" else ""
+        if self.stage_recompute:
+            order += " recomputing"
         if self.stage_repeats > 1:
             order += f", circular x {self.stage_repeats}"
         return (f"{describe_shape(self.parallelism.shape)}, micro "
@@ -132,7 +142,8 @@ class Plan:
                          f"{g.accumulation} {passes}")
         if self.parallelism.role_size("layers") > 1:
             parts.append(self.pipeline_schedule + (f" x {self.stage_repeats} repeats"
-                                                   if self.stage_repeats > 1 else ""))
+                                                   if self.stage_repeats > 1 else "")
+                         + (", each chunk recomputed" if self.stage_recompute else ""))
         if self.remat is not None:
             parts.append(f"remat {self.remat}")
         return ", ".join(parts)
@@ -179,7 +190,8 @@ class Plan:
                 "micro_batch_size": None if g is None else g.micro_batch_size,
                 "micro_rows": self.micro_rows,
                 "pipeline_schedule": self.pipeline_schedule,
-                "stage_repeats": self.stage_repeats, "remat": self.remat,
+                "stage_repeats": self.stage_repeats,
+                "stage_recompute": self.stage_recompute, "remat": self.remat,
                 "context_attention": self.context_attention,
                 "expert_exchange": self.expert_exchange,
                 "hardware": None if self.hardware is None else dict(self.hardware),
@@ -201,7 +213,8 @@ class Plan:
                              "wrote")
         axes = d.get("axes")
         rest = dict(pipeline_schedule=d.get("pipeline_schedule", "gpipe"),
-                    stage_repeats=d.get("stage_repeats", 1), remat=d.get("remat"),
+                    stage_repeats=d.get("stage_repeats", 1),
+                    stage_recompute=bool(d.get("stage_recompute", False)), remat=d.get("remat"),
                     context_attention=d.get("context_attention", "auto"),
                     expert_exchange=d.get("expert_exchange", "auto"),
                     hardware=d.get("hardware"))
