@@ -109,7 +109,7 @@ from redray.models import layers
 from redray.models.hub import Buffer, Tensor, linear
 from redray.sharding.tracing import context_split, traced_mesh, tracing
 from redray.sharding.parallelism import BATCH_AXES, CONTEXT, EXPERT, MODEL
-from redray.sharding.rules import axes_of
+from redray.sharding.rules import axes_of, without_axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,25 +168,18 @@ def _routed_specs(mesh, rows: P, by_expert, by_model, bias_by_model, shared_by_m
     return specs, result
 
 
-def _nested(mesh, specs: list[P]) -> dict:
-    """``shard_map``'s mesh and manual axes for ``MoE.routed`` on ``mesh``, manual over
-    every axis; inside another ``shard_map`` (1F1B's stages, manual over ``stage``, and
-    on each device's own rows over the batch axes too) over the axes not manual yet, on
-    the mesh it traces in, with the axes already manual left out of ``specs`` (in
-    place: the rows there are the device's own)."""
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+def _nested(mesh, specs: list[P]) -> tuple[list[P], dict]:
+    """(``specs``, ``shard_map``'s mesh and manual axes) for ``MoE.routed`` on ``mesh``,
+    manual over every axis; inside another ``shard_map`` (1F1B's stages, manual over
+    ``stage``, and on each device's own rows over the batch axes too) over the axes not
+    manual yet, on the mesh it traces in, the axes already manual left out of the specs
+    (the rows there are the device's own)."""
+    current = jax.sharding.get_abstract_mesh()
+    manual = tuple(current.manual_axes)
     if not manual:
-        return {"mesh": mesh}
-    for i, spec in enumerate(specs):
-        specs[i] = P(*(_free(entry, manual) for entry in spec))
-    return {"mesh": jax.sharding.get_abstract_mesh(),
-            "axis_names": set(mesh.axis_names) - manual}
-
-
-def _free(entry, manual: set):
-    """A PartitionSpec entry without the axes in ``manual``."""
-    names = tuple(a for a in axes_of(entry) if a not in manual)
-    return names[0] if len(names) == 1 else (names or None)
+        return specs, {"mesh": mesh}
+    return ([P(*(without_axis(entry, *manual) for entry in spec)) for spec in specs],
+            {"mesh": current, "axis_names": set(mesh.axis_names) - set(manual)})
 
 
 class RouterBias(Buffer):
@@ -456,9 +449,9 @@ class MoE(nnx.Module):
             return out.reshape(*shape, -1), kept.reshape(*shape, -1)
 
         specs, _ = _routed_specs(mesh, rows, by_expert, by_model, bias_by_model,
-                                      shared_by_model, len(shared))
-        where = _nested(mesh, specs)
-        result = specs[0]
+                                 shared_by_model, len(shared))
+        specs, where = _nested(mesh, specs)
+        result = specs[0]  # the tokens' spec, the outputs' too
         out, kept = jax.shard_map(local, in_specs=tuple(specs), out_specs=(result, result),
                                   **where)(x, chosen, weights, gate_up, bias, down, *shared)
         return out.reshape(*lead, -1), kept.reshape(*lead, -1)

@@ -197,13 +197,14 @@ def pipelined_parts(parts: dict, stages: int, micro_batches: int, act_bytes: int
         return parts
     out = dict(parts)
     share = chunk_share(stages, repeats, layers)
+    schedule = one_f_one_b_table(stages, micro_batches, repeats) if order == "1f1b" else None
     if every_layer and parts.get("expert_exchange"):
-        # kept per layer as the activations are: a chunk's layers, at each tick GPipe's
+        # kept per layer as the activations are: a chunk's layers, in each chunk pass
+        # 1F1B keeps at once (one recomputing), at each tick GPipe's
         out["expert_exchange"] = parts["expert_exchange"] * share * (
-            (1 if recompute else one_f_one_b_table(stages, micro_batches, repeats).kept_slots)
-            if order == "1f1b" else pipeline_ticks(stages, micro_batches, repeats)[1])
-    if order == "1f1b":
-        schedule = one_f_one_b_table(stages, micro_batches, repeats)
+            (1 if recompute else schedule.kept_slots) if schedule
+            else pipeline_ticks(stages, micro_batches, repeats)[1])
+    if schedule:
         one = parts.get("activations", 0) * share
         # the chunk's input among them is the ring's (``pipeline_buffers``)
         out["activations"] = one if recompute else \

@@ -699,13 +699,13 @@ def refusal(devices: int, hosts: int, batch_size: int, pinned: dict, refused: di
             "sizes that take it")
 
 
+# What a recomputing 1F1B's backward adds to the layers' work, over a pass without
+# remat: each chunk's forward once more (a forward is a third of forward and backward).
+ONE_F_ONE_B_RERUN = 1 / 3
 # Reads and writes of each trained parameter element in the optimizer's update, at its
 # bytes: AdamW reads the parameter, its gradient twice (the global norm, the update)
 # and both moments, and writes the parameter and both moments.
 UPDATE_ACCESSES = 8
-# What a recomputing 1F1B's backward adds to the layers' work, over a pass without
-# remat: each chunk's forward once more (a forward is a third of forward and backward).
-ONE_F_ONE_B_RERUN = 1 / 3
 
 
 def _device_work(counted: ModelWork, remat: str, examples: float, model: int,
@@ -713,12 +713,11 @@ def _device_work(counted: ModelWork, remat: str, examples: float, model: int,
                  hardware: Hardware) -> DeviceWork:
     """One device's work in a step: ``examples`` (the batch over the devices) times an
     example's under ``remat``, the layers' stretched by the pipeline's ``bubble`` (with
-    ``again`` their forward run once more: a recomputing 1F1B), the matmuls the model axis
-    leaves whole (``whole`` FLOPs) added. Of the memory-bound
-    work only the part over split widths (heads, the MLP's inner width:
-    ``Work.split_memory``) divides over the model axis: the residual stream, the norms
-    and the loss run whole on each device of a tensor-parallel group (there is no
-    sequence parallelism)."""
+    ``again`` their forward run once more: a recomputing 1F1B), the matmuls the model
+    axis leaves whole (``whole`` FLOPs) added. Of the memory-bound work only the part
+    over split widths (heads, the MLP's inner width: ``Work.split_memory``) divides
+    over the model axis: the residual stream, the norms and the loss run whole on each
+    device of a tensor-parallel group (there is no sequence parallelism)."""
     example = counted.under(remat)
     one = example.layer + (counted.forward.layer if again else Work())
     layer = one * (example.layers * examples * bubble)

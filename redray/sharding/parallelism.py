@@ -463,12 +463,7 @@ def held_whole(spec) -> tuple:
     pipeline stage holds it for the whole step: FSDP's axes left out (gathered once,
     before the ticks), the model and expert axes' splits kept (the layers compute on
     those shards inside the stages)."""
-    out = []
-    for entry in tuple(spec)[1:]:
-        for axis in GATHERING:
-            entry = without_axis(entry, axis)
-        out.append(entry)
-    return tuple(out)
+    return tuple(without_axis(entry, *GATHERING) for entry in tuple(spec)[1:])
 
 
 def is_staged(sharding) -> bool:

@@ -480,13 +480,13 @@ def _stage_program(stage_fn, tail_fn, schedule: Schedule, table, no_metrics, rep
         # what its backward reads kept until then
         forward, r, m = at("forward") == 1, at("f_repeat"), at("f_micro")
         h = jnp.where((s == 0) & (r == 0), x_m[m], ring[at("f_slot")])
-        out, kept = _when(in_step, forward, anyone("forward", 1),
-                          lambda: keeps.forward(_pick(chunks, r, repeats), r, h, m),
-                          lambda: (zero_h, zero_kept))
+        out, saved = _when(in_step, forward, anyone("forward", 1),
+                           lambda: keeps.forward(_pick(chunks, r, repeats), r, h, m),
+                           lambda: (zero_h, zero_kept))
         out = _as_held(out, slot)
         ring, kept_ring = jax.lax.cond(
             forward, lambda: (ring.at[at("f_slot")].set(h),
-                              [k.at[at("f_kept")].set(v) for k, v in zip(kept_ring, kept)]),
+                              [k.at[at("f_kept")].set(v) for k, v in zip(kept_ring, saved)]),
             lambda: (ring, kept_ring))
         kept = (loss, metrics, tail_grads, grad_ring)
         # every stage runs the tail where the last does, keeping none of it: a loss's

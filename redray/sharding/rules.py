@@ -446,9 +446,9 @@ def axes_of(entry) -> tuple[str, ...]:
     return entry if isinstance(entry, tuple) else (entry,)
 
 
-def without_axis(entry, axis: str):
-    """One entry of a PartitionSpec without ``axis`` (None where nothing is left)."""
-    names = tuple(n for n in axes_of(entry) if n != axis)
+def without_axis(entry, *axes: str):
+    """One entry of a PartitionSpec without ``axes`` (None where nothing is left)."""
+    names = tuple(n for n in axes_of(entry) if n not in axes)
     return None if not names else names[0] if len(names) == 1 else names
 
 
