@@ -39,15 +39,16 @@ if _worker and os.environ.get("REDRAY_TESTS_COMPILE_CACHE") == \
         sys.modules["jax"].config.update("jax_compilation_cache_dir",
                                          os.environ["JAX_COMPILATION_CACHE_DIR"])
 if _worker:
-    # The worker itself writes only programs that took a second or more to compile
-    # (the processes its tests start still write every one): serializing an executable
-    # for the cache aborted a worker once more with its own folder
-    # (compilation_cache.put_executable_and_time, executable.serialize(), in
-    # test_post_training's sharded sampler, clean run of 2026-12-07 evening), and a
-    # program that compiles in under a second gains little from the cache.
+    # The worker itself writes no program to the cache; it reads those the processes its
+    # tests start wrote there, and they still write every one. Serializing an executable
+    # for the cache crashed a worker (a segmentation fault in
+    # compilation_cache.put_executable_and_time, in executable.serialize(), in
+    # test_post_training's sharded sampler, in a clean run of 2026-12-07 with a folder
+    # per worker; then CI's run of 9393674 lost a worker in that file's tests, writing
+    # only programs of a second's compiling or more).
     import jax
 
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
 
 
 import pytest  # noqa: E402
