@@ -16,6 +16,9 @@ from redray.post_training import (Sampler, SamplingParams, dpo_loss, group_advan
                                   grpo_loss, logprob_mismatch, preference_pairs, sample_rows,
                                   sequence_logprobs, sft_loss, token_logprobs)
 
+# run by `make test` in a process of its own (the Makefile says why)
+pytestmark = pytest.mark.alone
+
 EOS = 5
 CONFIGS = {
     # scanned layers, grouped-query heads
