@@ -340,18 +340,24 @@ def test_make_test_installs_then_runs_the_whole_suite():
     """`make test` (the whole suite, about 43 minutes on 2 cores) cannot run inside the
     suite: its recipe is checked instead: install, lint, build the documentation site
     strictly, then every test but the benchmark scripts' tiny runs (those without Ray in 2
-    processes, then the others: every test is in exactly one of the two selections);
-    `make bench-check` runs the tiny runs, in the same two parts."""
+    processes, then those marked alone in one of their own, then the Ray ones: every test
+    is in exactly one of the three selections); `make bench-check` runs the tiny runs, in
+    two parts."""
     commands = recipe("test")
     install = next(i for i, c in enumerate(commands) if 'pip install -q -e ".[test]"' in c)
     lint = next(i for i, c in enumerate(commands) if c.endswith("-m ruff check ."))
     site = next(i for i, c in enumerate(commands) if "-m mkdocs build --strict" in c)
     fast = next(i for i, c in enumerate(commands)
-                if c.endswith('-m pytest -q -n 2 -m "not ray and not bench" --durations=20')
+                if c.endswith('-m pytest -q -n 2 -m "not ray and not bench and not alone" '
+                              '--durations=20')
                 and f"XLA_FLAGS='{FAST_COMPILE}'" in c)
+    alone = next(i for i, c in enumerate(commands)
+                 if c.endswith('-m pytest -q -m "alone and not ray and not bench" --durations=5')
+                 and f"XLA_FLAGS='{FAST_COMPILE}'" in c
+                 and "JAX_ENABLE_COMPILATION_CACHE=false" in c)
     rest = next(i for i, c in enumerate(commands)
                 if c.endswith('-m pytest -q -m "ray and not bench" --durations=20'))
-    assert install < lint < site < fast < rest
+    assert install < lint < site < fast < alone < rest
     commands = recipe("bench-check")
     lint = next(i for i, c in enumerate(commands) if c.endswith("-m ruff check ."))
     one = next(i for i, c in enumerate(commands) if c.endswith(
