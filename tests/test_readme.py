@@ -337,7 +337,7 @@ FAST_COMPILE = ("--xla_force_host_platform_device_count=4 --xla_backend_optimiza
 
 
 def test_make_test_installs_then_runs_the_whole_suite():
-    """`make test` (the whole suite, about 43 minutes on 2 cores) cannot run inside the
+    """`make test` (the whole suite, about 50 minutes on 2 cores) cannot run inside the
     suite: its recipe is checked instead: install, lint, build the documentation site
     strictly, then every test but the benchmark scripts' tiny runs (those without Ray in 2
     processes, then those marked alone in one of their own, then the Ray ones: every test
